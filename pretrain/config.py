@@ -1,0 +1,384 @@
+"""Training configuration: a tree of frozen dataclasses, named presets, strict loading.
+
+A config is resolved in layers: a preset, then JSON files, then `--max-steps` and
+`--set section.key=value`. Every layer is validated as it is applied, so an error names
+the layer it came from (the file, or the option), the key path and, for a typo, the
+closest valid key. Nothing here imports torch: the launcher resolves configs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from pretrain.data.tokenizer import tokenizer_vocab_size
+from pretrain.runfiles import atomic_write_text
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message is one line."""
+
+
+def _check(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int = 4096
+    """Width of the residual stream (embedding size)."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Query heads per attention layer; dim must be divisible by it."""
+    n_kv_heads: int = 8
+    """Key/value heads (grouped-query attention); n_heads must be divisible by it."""
+    ffn_dim: int = 14336
+    """Hidden width of the SwiGLU feed-forward block."""
+    vocab_size: int = 128256
+    """Rows of the embedding and output projection; at least the tokenizer's vocabulary."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    rope_theta: float = 500000.0
+    """Base of the rotary position embedding frequencies."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
+        _check(self.dim % self.n_heads == 0, "model.dim",
+               f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
+        _check((self.dim // self.n_heads) % 2 == 0, "model.dim",
+               f"head size {self.dim // self.n_heads} (dim / n_heads) must be even for rotary embeddings")
+        _check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
+               f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})")
+        _check(self.norm_eps > 0, "model.norm_eps", f"must be positive (got {self.norm_eps})")
+        _check(self.rope_theta > 0, "model.rope_theta", f"must be positive (got {self.rope_theta})")
+        _check(self.init_std > 0, "model.init_std", f"must be positive (got {self.init_std})")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["builtin"] = "builtin"
+    """Where the text comes from; "builtin" is Python's own documentation (no network)."""
+    tokenizer: Literal["byte"] = "byte"
+    """How text becomes token ids; "byte": one id per UTF-8 byte plus end-of-text (257 ids)."""
+    context_length: int = 8192
+    """Tokens per training sequence."""
+    val_fraction: float = 0.05
+    """Share of the documents held out for validation."""
+    cache_dir: str = "cache/datasets"
+    """Where prepared datasets are cached; a relative path is under the project root."""
+
+    def __post_init__(self) -> None:
+        _check(self.context_length >= 2, "data.context_length", f"must be at least 2 (got {self.context_length})")
+        _check(0 < self.val_fraction < 1, "data.val_fraction",
+               f"must be between 0 and 1, exclusive (got {self.val_fraction})")
+        _check(self.cache_dir != "", "data.cache_dir", "must not be empty")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    batch_size: int = 1
+    """Sequences per forward pass on each rank (the micro-batch)."""
+    grad_accum_nums: int = 8
+    """Micro-batches accumulated into one optimizer step."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank; 0 loads batches in the training process."""
+    learning_rate: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """Learning rate at the last step, as a fraction of the peak (cosine decay)."""
+    warmup_steps: int = 2000
+    """Optimizer steps of linear warmup from zero to the peak learning rate."""
+    max_steps: int = 10000
+    """Optimizer steps to train for."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to weight matrices only."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    use_amp: bool = True
+    """Run the forward pass in bfloat16 autocast (weights and optimizer stay fp32)."""
+    seed: int = 1337
+    """Seed for initialisation and data order; identical on every rank."""
+    eval_interval: int = 0
+    """Compute validation loss every N steps; 0 only after the last step."""
+    eval_batches: int = 4
+    """Micro-batches per rank in one validation pass."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches"):
+            _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
+        for name in ("num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval", "seed"):
+            _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
+        _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
+        _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", f"must be between 0 and 1 (got {self.min_lr_ratio})")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, f"training.{name}", f"must be in [0, 1) (got {getattr(self, name)})")
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: "cuda", "cpu", or "auto" (every free GPU, else CPU workers)."""
+    device_id: int | None = None
+    """Pin the run to this one physical GPU index; null lets the launcher choose."""
+
+    def __post_init__(self) -> None:
+        if self.device_id is not None:
+            _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    """Lowest level of worker log lines printed."""
+    log_interval: int = 10
+    """Print a step line every N optimizer steps (the first and last step always)."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_interval >= 1, "logging.log_interval", f"must be at least 1 (got {self.log_interval})")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    check_finite: bool = True
+    """Stop at the first step whose loss or gradient norm is NaN or Inf."""
+    detect_anomaly: bool = False
+    """Run autograd anomaly detection (names the backward op that made a NaN; slow)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    preset: str = "production"
+    """Preset this config was built on (informational once resolved)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def __post_init__(self) -> None:
+        needed = tokenizer_vocab_size(self.data.tokenizer)
+        _check(self.model.vocab_size >= needed, "model.vocab_size",
+               f"{self.model.vocab_size} is smaller than the {self.data.tokenizer} tokenizer's vocabulary; "
+               f"set it to at least {needed}")
+
+
+SECTIONS: dict[str, type] = {name: hint for name, hint in get_type_hints(Config).items() if name != "preset"}
+
+
+def production() -> Config:
+    """Llama-3-8B shape: 32 layers, dim 4096, 32 heads, 8 KV heads, vocab 128256."""
+    return Config(preset="production")
+
+
+def debug() -> Config:
+    """2 layers, small width, 10 steps, DEBUG logging: runs in seconds on a CPU."""
+    return Config(
+        preset="debug",
+        model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                          vocab_size=tokenizer_vocab_size("byte"), rope_theta=10000.0),
+        data=DataConfig(context_length=128),
+        training=TrainingConfig(batch_size=8, grad_accum_nums=1, learning_rate=3e-3,
+                                warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2),
+        logging=LoggingConfig(level="DEBUG", log_interval=1),
+    )
+
+
+PRESETS: dict[str, Callable[[], Config]] = {"debug": debug, "production": production}
+
+
+# --- strict loading -------------------------------------------------------------------
+
+def _closest(word: str, choices: Sequence[str]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]}?" if match else f"; valid: {', '.join(sorted(choices))}"
+
+
+def _describe(value: Any) -> str:
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{json.dumps(value)} ({kind})"
+
+
+def _coerce(key: str, expected: Any, value: Any) -> Any:
+    """Return value as the declared type, or raise ConfigError naming the key."""
+    origin = get_origin(expected)
+    if origin is Literal:
+        allowed = get_args(expected)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {_describe(value)} is not one of {', '.join(map(json.dumps, allowed))}")
+        return value
+    if origin in (Union, types.UnionType):
+        members = get_args(expected)
+        if value is None and type(None) in members:
+            return None
+        (inner,) = [m for m in members if m is not type(None)]
+        return _coerce(key, inner, value)
+    if expected is bool and isinstance(value, bool):
+        return value
+    if expected is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if expected is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if expected is str and isinstance(value, str):
+        return value
+    wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[expected]
+    raise ConfigError(f"{key}: expected {wanted}, got {_describe(value)}")
+
+
+def apply_overrides(config: Config, overrides: dict[str, Any], source: str) -> Config:
+    """Return config with overrides ({section: {key: value}}, as in a JSON file) applied."""
+    try:
+        sections: dict[str, Any] = {}
+        for name, values in overrides.items():
+            if name == "preset":
+                continue
+            if name not in SECTIONS:
+                raise ConfigError(f"{name}: unknown section{_closest(name, list(SECTIONS))}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{name}: expected an object of keys, got {_describe(values)}")
+            cls = SECTIONS[name]
+            hints = get_type_hints(cls)
+            changes = {}
+            for key, value in values.items():
+                if key not in hints:
+                    valid = [f"{name}.{k}" for k in hints]
+                    raise ConfigError(f"{name}.{key}: unknown key{_closest(f'{name}.{key}', valid)}")
+                changes[key] = _coerce(f"{name}.{key}", hints[key], value)
+            sections[name] = dataclasses.replace(getattr(config, name), **changes)
+        return dataclasses.replace(config, **sections)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a JSON config file into a dict, with one-line errors for the usual mistakes."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot read config file ({error})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of sections, got {_describe(data)}")
+    preset = data.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"{path}: preset: unknown preset {json.dumps(preset)}{_closest(str(preset), list(PRESETS))}")
+    return data
+
+
+def parse_set(assignment: str) -> dict[str, Any]:
+    """Turn `section.key=value` into {section: {key: value}}; value is JSON, else a string."""
+    path, sep, raw = assignment.partition("=")
+    if not sep or path.count(".") != 1 or not all(path.split(".")):
+        raise ConfigError(f"--set {assignment}: expected section.key=value, for example training.batch_size=4")
+    section, key = path.split(".")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return {section: {key: value}}
+
+
+def resolve(preset: str | None = None, config_file: Path | None = None,
+            max_steps: int | None = None, sets: Sequence[str] = ()) -> Config:
+    """Build a config: preset (explicit, else the file's "preset", else production), then
+    the file, then --max-steps, then each --set in order."""
+    file_data = read_config_file(config_file) if config_file is not None else {}
+    name = preset or file_data.get("preset") or "production"
+    if name not in PRESETS:
+        raise ConfigError(f"--preset {name}: unknown preset{_closest(name, list(PRESETS))}")
+    config = PRESETS[name]()
+    if config_file is not None:
+        config = apply_overrides(config, file_data, str(config_file))
+    if max_steps is not None:
+        config = apply_overrides(config, {"training": {"max_steps": max_steps}}, "--max-steps")
+    for assignment in sets:
+        config = apply_overrides(config, parse_set(assignment), "--set")
+    return config
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def save(config: Config, path: Path) -> None:
+    """Write the resolved config as JSON, atomically; loading it back gives the same config."""
+    atomic_write_text(path, json.dumps(to_dict(config), indent=2) + "\n")
+
+
+def load(path: Path) -> Config:
+    """Load a resolved config written by save() (or any complete config file)."""
+    return resolve(config_file=path)
+
+
+# --- command line ---------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config options shared by the launcher and pretrain_main.py."""
+    group = parser.add_argument_group("config")
+    group.add_argument("--preset", choices=sorted(PRESETS), help="base preset (default: production)")
+    group.add_argument("--debug", action="store_true", help="same as --preset debug")
+    group.add_argument("--config", type=Path, metavar="FILE.json", help="JSON file overriding the preset")
+    group.add_argument("--max-steps", type=int, metavar="N", help="override training.max_steps")
+    group.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one key (value as JSON, else a string); repeatable")
+
+
+def from_args(args: argparse.Namespace) -> Config:
+    if args.debug and args.preset not in (None, "debug"):
+        raise ConfigError(f"--debug conflicts with --preset {args.preset}; use one of them")
+    return resolve(preset="debug" if args.debug else args.preset, config_file=args.config,
+                   max_steps=args.max_steps, sets=args.sets)
+
+
+# --- documentation --------------------------------------------------------------------
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def reference_table() -> str:
+    """A Markdown table of every key: default (production), debug value, meaning."""
+    prod, dbg = to_dict(production()), to_dict(debug())
+    rows = ["| key | production | debug | meaning |", "| --- | --- | --- | --- |"]
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            rows.append(f"| `{section}.{f.name}` | `{json.dumps(prod[section][f.name])}` "
+                        f"| `{json.dumps(dbg[section][f.name])}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_table())
