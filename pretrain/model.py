@@ -1,0 +1,171 @@
+"""A Llama-style decoder-only transformer.
+
+tokens -> embedding -> n_layers x [x + attention(norm(x)), x + feed_forward(norm(x))] -> norm -> logits
+
+Llama choices: RMSNorm before each block (pre-norm), rotary position embeddings on queries and
+keys, grouped-query attention (fewer key/value heads than query heads), a SwiGLU feed-forward
+block, no biases, and an output projection that is not tied to the embedding. Parameter names
+follow Meta's Llama layout (`layers.0.attention.wq.weight`, ...), and the rotary embedding uses
+Meta's convention (it rotates adjacent pairs of channels), so such checkpoints map onto this model
+by renaming only `tok_embeddings` to `tok_embed`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pretrain.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight: LayerNorm without the mean subtraction or bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Squares of bf16 activations lose too much precision, so normalise in float32.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotation angle of every (position, channel pair): two (max_seq_len, head_dim // 2)."""
+    # Pair i turns by theta^(-2i / head_dim) radians per position: fast for the first pairs, slow for the last.
+    # Angles are computed in float64 because position * frequency reaches thousands of radians.
+    freqs = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (head_dim // 2,)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)  # (max_seq_len, head_dim // 2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each adjacent channel pair (2i, 2i + 1) of x (B, T, heads, head_dim) by its angle.
+
+    Rotating q at position m and k at position n makes q . k depend only on m - n (and the content).
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, heads, head_dim // 2, 2)
+    x0, x1 = pairs.unbind(-1)  # each (B, T, heads, head_dim // 2)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim // 2): the same for every head
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, heads, head_dim // 2, 2)
+    return rotated.flatten(-2).to(x.dtype)  # (B, T, heads, head_dim)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary embeddings and grouped-query attention."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Attention works per head, so heads go before time: (B, heads, T, head_dim).
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # With enable_gqa, query head h reads key/value head h // (n_heads // n_kv_heads) without
+        # materialising repeated K/V copies (the same grouping as Llama's repeat_kv).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)  # (B, n_heads, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, dim)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w3 x is a learned gate on the activation."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, ffn_dim) inside, (B, T, dim) out
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: the residual stream itself is never normalised."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be at least 1 (got {max_seq_len})")
+        self.cfg, self.max_seq_len = cfg, max_seq_len
+        self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # The rotary tables are a function of the config, not learned state: keep them out of
+        # checkpoints (persistent=False) so that a change of max_seq_len still loads them.
+        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        # wo and w2 write into the residual stream, which sums 2 * n_layers such outputs (an
+        # attention and a feed-forward one per layer). Scaling them by 1 / sqrt(2 * n_layers) keeps
+        # the stream's variance at init independent of depth (GPT-2's residual scaling).
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for layer in self.layers:
+            nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab_size); position t sees only tokens 0..t."""
+        B, T = tokens.shape
+        if T > self.max_seq_len:
+            raise ValueError(f"input sequence length {T} exceeds the model's max_seq_len {self.max_seq_len}; "
+                             f"shorten the input or build the model with max_seq_len >= {T}")
+        cos, sin = self.rope_cos[:T].float(), self.rope_sin[:T].float()  # (T, head_dim // 2)
+        x = self.tok_embed(tokens)  # (B, T, dim)
+        for layer in self.layers:
+            x = layer(x, cos, sin)  # (B, T, dim)
+        return self.output(self.norm(x))  # (B, T, vocab_size)
+
+    def num_params(self) -> int:
+        """Every parameter, the embedding and the (untied) output projection included."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def cross_entropy_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of logits (B, T, V) against targets (B, T), in float32.
+
+    Logits may be bf16 under autocast; log-softmax over a large vocabulary needs float32.
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
