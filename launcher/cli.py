@@ -1,0 +1,170 @@
+"""Command line of the launcher, and the only sys.exit.
+
+    python -m launcher [options]                 train: pretrain_main.py on every device
+    python -m launcher [options] -- CMD [ARGS]   any command, supervised, one per device
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from launcher import devices
+from launcher.printer import Printer, use_colour
+from launcher.supervisor import Supervisor
+from launcher.worker import Worker, worker_env
+from pretrain import config as cfg
+from pretrain.runfiles import PROJECT_ROOT, create_run_dir
+
+DEFAULT_CPU_WORKERS = 2
+EXIT_USAGE = 2
+EXIT_COMMAND_NOT_FOUND = 127
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit 2."""
+    exit_code = EXIT_USAGE
+
+
+class CommandNotFound(UsageError):
+    exit_code = EXIT_COMMAND_NOT_FOUND
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher",
+        description="Run one training process per device, prefix their output, stop them all on "
+                    "the first failure. With `-- COMMAND ...`, supervise any command instead.")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                        help="override system.device (auto: every GPU, else CPU workers)")
+    parser.add_argument("--nproc", type=int, metavar="N",
+                        help=f"worker processes (default: one per GPU; {DEFAULT_CPU_WORKERS} on CPU)")
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
+    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL in teardown (default: 5)")
+    cfg.add_arguments(parser)
+    return parser
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Options before `--`, the command after it."""
+    argv = list(argv)
+    if "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1:]
+    return argv, []
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the workers run: device "cuda" or "cpu", and the physical GPU of each rank."""
+    device: str
+    world_size: int
+    gpus: tuple[int, ...] = ()
+
+    def label(self, rank: int) -> str:
+        return f"GPU{self.gpus[rank]}" if self.device == "cuda" else f"CPU{rank}"
+
+
+def place(device: str, nproc: int | None, device_id: int | None, printer: Printer) -> Placement:
+    """Decide CPU or GPU, and which GPUs."""
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc must be at least 1 (got {nproc})")
+    gpus = devices.nvml_gpu_indices() if device in ("auto", "cuda") else []
+    if device == "cuda" or (device == "auto" and gpus):
+        try:
+            chosen = devices.choose_gpus(gpus, nproc, device_id)
+            return Placement("cuda", len(chosen), tuple(chosen))
+        except devices.DeviceError as error:
+            raise UsageError(str(error)) from None
+    workers = nproc or DEFAULT_CPU_WORKERS
+    if device == "auto":
+        printer.launcher_line(f"no NVIDIA GPU found; running {workers} CPU worker processes (gloo); "
+                              f"--nproc N changes the count")
+    return Placement("cpu", workers)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_workers(placement: Placement, command: list[str]) -> list[Worker]:
+    port, cpus = free_port(), os.cpu_count() or 1
+    compile_cache = str(PROJECT_ROOT / "cache" / "inductor")
+    workers = []
+    for rank in range(placement.world_size):
+        gpu = str(placement.gpus[rank]) if placement.device == "cuda" else None
+        env = worker_env(dict(os.environ), rank=rank, world_size=placement.world_size, master_port=port,
+                         gpu=gpu, cpu_count=cpus, compile_cache=compile_cache)
+        workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))
+    return workers
+
+
+def check_command(command: list[str]) -> None:
+    if shutil.which(command[0]) is None:
+        raise CommandNotFound(f"command not found: {command[0]}")
+
+
+def prepare_training(config: cfg.Config, placement: Placement, run_dir: Path, printer: Printer) -> list[str]:
+    """Write the resolved config, prepare the dataset once; return the worker command."""
+    from pretrain.data import prepare
+
+    config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
+    dataset_dir = prepare.prepare(config.data, log=printer.launcher_line)
+    prepare.check_batch_fits(dataset_dir, config.data.context_length,
+                             config.training.batch_size, placement.world_size)
+    config_path = run_dir / "config.json"
+    cfg.save(config, config_path)
+    printer.launcher_line(f"run directory: {run_dir}")
+    return [sys.executable, str(PROJECT_ROOT / "pretrain_main.py"),
+            "--config", str(config_path), "--run-dir", str(run_dir)]
+
+
+def run(argv: Sequence[str]) -> int:
+    options, command = split_command(argv)
+    args = build_parser().parse_args(options)
+    if args.kill_grace < 0:
+        raise UsageError(f"--kill-grace must not be negative (got {args.kill_grace:g})")
+    config = cfg.from_args(args)
+    device = args.device or config.system.device
+    if command:
+        check_command(command)
+    console_printer = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
+    placement = place(device, args.nproc, config.system.device_id, console_printer)
+    try:
+        run_dir = create_run_dir(args.run_dir)
+    except OSError as error:
+        raise UsageError(f"cannot create run directory {args.run_dir or 'runs/'}: "
+                         f"{error.strerror or error}; choose another with --run-dir") from None
+    printer = Printer(sys.stdout, run_dir / "logs", colour=use_colour(sys.stdout))
+    try:
+        if not command:
+            command = prepare_training(config, placement, run_dir, printer)
+        workers = make_workers(placement, command)
+        return Supervisor(workers, printer, kill_grace=args.kill_grace, run_dir=run_dir).run()
+    finally:
+        printer.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from pretrain.data import DataError
+
+    try:
+        code = run(sys.argv[1:] if argv is None else argv)
+    except UsageError as error:
+        print(f"launcher: error: {error}", file=sys.stderr)
+        code = error.exit_code
+    except (cfg.ConfigError, DataError) as error:
+        print(f"launcher: error: {error}", file=sys.stderr)
+        code = EXIT_USAGE
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,123 @@
+"""One worker: its environment, its process (in a process group of its own), and the two
+threads that turn its output and its exit into events for the supervisor."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
+
+
+@dataclass(frozen=True)
+class Line:
+    """The worker wrote one line (decoded, newline stripped)."""
+    worker: Worker
+    text: str
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The worker's process ended with this returncode (negative: killed by that signal)."""
+    worker: Worker
+    returncode: int
+
+
+@dataclass(frozen=True)
+class OutputClosed:
+    """The worker's output pipe reached end of file (every writer has closed it)."""
+    worker: Worker
+
+
+Event = Line | Exited | OutputClosed
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask Linux to SIGKILL it when the launcher dies,
+    so even a SIGKILLed launcher leaves no worker behind."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: teardown still kills the group
+
+
+@dataclass(eq=False)
+class Worker:
+    rank: int
+    label: str
+    """Console prefix and log name: GPU<physical index> or CPU<rank>."""
+    argv: Sequence[str]
+    env: dict[str, str]
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        """Spawn the process. Raises FileNotFoundError/PermissionError for a bad command."""
+        self.process = subprocess.Popen(
+            list(self.argv), env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,  # one pipe keeps their order
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        self.started_at = time.monotonic()
+
+    def watch(self, emit: Callable[[Event], None]) -> None:
+        """Start the reader and waiter threads; they report through emit."""
+        threading.Thread(target=self._read, args=(emit,), daemon=True, name=f"read-{self.label}").start()
+        threading.Thread(target=self._wait, args=(emit,), daemon=True, name=f"wait-{self.label}").start()
+
+    def _read(self, emit: Callable[[Event], None]) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        stream = self.process.stdout
+        while chunk := stream.readline(MAX_LINE_BYTES):
+            emit(Line(self, chunk.rstrip(b"\n").decode("utf-8", errors="replace")))
+        stream.close()
+        emit(OutputClosed(self))
+
+    def _wait(self, emit: Callable[[Event], None]) -> None:
+        assert self.process is not None
+        emit(Exited(self, self.process.wait()))
+
+    def signal_group(self, signum: int) -> None:
+        """Send signum to the worker's whole process group (it and what it started)."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is already gone
+
+
+def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port: int,
+               gpu: str | None, cpu_count: int, compile_cache: str) -> dict[str, str]:
+    """The worker contract (DESIGN.md): torchrun's variables, one GPU, bounded threads.
+
+    gpu is the physical GPU (index or UUID) or None for a CPU worker. Thread counts the
+    user set explicitly are kept."""
+    threads = str(max(1, cpu_count // world_size))
+    env = dict(base)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.
+        "CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if gpu is not None:
+        env["GPU_RANK"] = gpu
+    else:
+        env.pop("GPU_RANK", None)
+    env.setdefault("OMP_NUM_THREADS", threads)
+    # One compile cache for all ranks: they reuse each other's kernels instead of each
+    # compiling the same ones. N ranks compiling at once would each start a pool as large as the machine.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
+    return env

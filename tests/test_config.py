@@ -1,0 +1,156 @@
+"""Config: presets, strict loading, one-line errors, round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pretrain import config as cfg
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
+
+
+def write(tmp_path: Path, data: object, name: str = "c.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def error_of(**kwargs) -> str:
+    with pytest.raises(cfg.ConfigError) as caught:
+        cfg.resolve(**kwargs)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_every_file_in_configs_loads_on_every_preset():
+    assert {p.name for p in CONFIGS} >= {"debug.json", "production.json", "single_gpu.json", "config_stable.json"}
+    for path in CONFIGS:
+        for preset in cfg.PRESETS:
+            assert isinstance(cfg.resolve(preset=preset, config_file=path), cfg.Config)
+
+
+def test_debug_preset_is_two_small_layers_for_ten_steps_with_debug_logging():
+    c = cfg.debug()
+    assert (c.model.n_layers, c.training.max_steps, c.logging.level) == (2, 10, "DEBUG")
+    assert c.model.dim < 512
+
+
+def test_production_preset_has_llama_3_8b_shape():
+    m = cfg.production().model
+    assert (m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.vocab_size) == (32, 4096, 32, 8, 128256)
+    assert cfg.production().training.max_steps == 10000
+
+
+def test_single_gpu_file_sets_cuda_device_zero_batch_four_accumulation_eight():
+    c = cfg.resolve(config_file=CONFIG_DIR / "single_gpu.json")
+    assert (c.system.device, c.system.device_id, c.training.batch_size, c.training.grad_accum_nums) == ("cuda", 0, 4, 8)
+
+
+def test_stable_config_is_more_conservative_than_every_preset():
+    for preset in cfg.PRESETS:
+        base = cfg.PRESETS[preset]()
+        stable = cfg.resolve(preset=preset, config_file=CONFIG_DIR / "config_stable.json")
+        assert stable.training.learning_rate < base.training.learning_rate
+        assert stable.model.init_std < base.model.init_std
+        assert stable.training.max_grad_norm < base.training.max_grad_norm
+        assert stable.training.use_amp is False
+
+
+def test_config_file_chooses_its_preset_and_the_command_line_preset_wins(tmp_path):
+    path = write(tmp_path, {"preset": "debug", "training": {"batch_size": 3}})
+    assert cfg.resolve(config_file=path).model.n_layers == 2
+    assert cfg.resolve(preset="production", config_file=path).model.n_layers == 32
+    assert cfg.resolve(preset="production", config_file=path).training.batch_size == 3
+
+
+def test_layers_apply_in_order_preset_file_max_steps_set(tmp_path):
+    path = write(tmp_path, {"training": {"max_steps": 50, "batch_size": 2}})
+    c = cfg.resolve(preset="debug", config_file=path, max_steps=7, sets=["training.max_steps=9"])
+    assert (c.training.max_steps, c.training.batch_size) == (9, 2)
+
+
+def test_set_parses_json_values_and_falls_back_to_strings():
+    c = cfg.resolve(preset="debug", sets=["training.use_amp=true", "system.device=cpu",
+                                          "training.learning_rate=1e-4", "system.device_id=null"])
+    assert c.training.use_amp is True and c.system.device == "cpu"
+    assert c.training.learning_rate == 1e-4 and c.system.device_id is None
+
+
+def test_integer_is_accepted_where_a_float_is_expected():
+    c = cfg.resolve(preset="debug", sets=["training.learning_rate=1"])
+    assert c.training.learning_rate == 1.0 and isinstance(c.training.learning_rate, float)
+
+
+def test_unknown_key_names_the_file_the_key_and_the_closest_key(tmp_path):
+    path = write(tmp_path, {"training": {"batchsize": 8}})
+    assert error_of(config_file=path) == \
+        f"{path}: training.batchsize: unknown key; did you mean training.batch_size?"
+
+
+def test_unknown_section_suggests_the_closest_section(tmp_path):
+    path = write(tmp_path, {"trainig": {"batch_size": 8}})
+    assert "trainig: unknown section; did you mean training?" in error_of(config_file=path)
+
+
+def test_wrong_types_are_errors_that_say_what_was_expected():
+    assert error_of(sets=['training.batch_size="8"']) == \
+        '--set: training.batch_size: expected an integer, got "8" (a string)'
+    assert "expected true or false, got 1" in error_of(sets=["training.use_amp=1"])
+    assert "expected an integer, got 2.5" in error_of(sets=["training.batch_size=2.5"])
+    assert 'system.device: "gpu" (a string) is not one of "auto", "cpu", "cuda"' in error_of(sets=["system.device=gpu"])
+
+
+def test_impossible_values_are_errors_naming_the_key():
+    assert "training.batch_size: must be at least 1 (got 0)" in error_of(sets=["training.batch_size=0"])
+    assert "model.n_heads: 4 is not divisible by model.n_kv_heads (3)" in \
+        error_of(preset="debug", sets=["model.n_kv_heads=3"])
+    assert "model.vocab_size" in error_of(preset="debug", sets=["model.vocab_size=100"])
+    assert "training.learning_rate: must be positive" in error_of(sets=["training.learning_rate=0"])
+
+
+def test_file_problems_are_one_line_errors(tmp_path):
+    assert error_of(config_file=tmp_path / "missing.json").endswith("config file not found")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"training": {"batch_size": 4,}}')
+    assert "invalid JSON at line 1" in error_of(config_file=bad)
+    assert "expected a JSON object" in error_of(config_file=write(tmp_path, [1, 2]))
+    assert 'unknown preset "debg"; did you mean debug?' in error_of(config_file=write(tmp_path, {"preset": "debg"}))
+
+
+def test_set_without_a_section_or_value_explains_the_syntax():
+    assert "expected section.key=value" in error_of(sets=["batch_size=4"])
+    assert "expected section.key=value" in error_of(sets=["training.batch_size"])
+
+
+def test_saved_config_loads_back_identical(tmp_path):
+    original = cfg.resolve(preset="debug", sets=["training.batch_size=3", "system.device_id=1"])
+    cfg.save(original, tmp_path / "config.json")
+    assert cfg.load(tmp_path / "config.json") == original
+    assert not [p for p in tmp_path.iterdir() if p.name != "config.json"]  # no temp file left
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.debug().training.batch_size = 3  # type: ignore[misc]
+
+
+def test_every_field_has_a_one_line_docstring():
+    for section, cls in cfg.SECTIONS.items():
+        docs = cfg.field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{section}.{f.name} has no docstring"
+
+
+def test_reference_table_lists_every_key_the_users_know():
+    table = cfg.reference_table()
+    for key in ["training.batch_size", "training.grad_accum_nums", "training.num_workers",
+                "training.learning_rate", "training.max_steps", "training.max_grad_norm", "training.use_amp",
+                "model.init_std", "data.context_length", "system.device", "system.device_id",
+                "logging.log_interval"]:
+        assert f"| `{key}` |" in table

@@ -1,0 +1,161 @@
+"""The supervisor's teardown rules, with small real child processes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import alive, wait_until
+from launcher.printer import Printer
+from launcher.supervisor import Supervisor, exit_code
+from launcher.worker import Worker, worker_env
+
+FAILS_WITH_7 = """
+    import sys, time
+    print("about to fail", flush=True)
+    time.sleep(0.3)
+    sys.exit(7)
+"""
+SLEEPS = """
+    import os, time
+    print(f"sleeper {os.getpid()}", flush=True)
+    time.sleep(60)
+"""
+IGNORES_SIGTERM = """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ignoring SIGTERM", flush=True)
+    time.sleep(60)
+"""
+
+
+def make_worker(rank: int, argv: list[str], label: str | None = None) -> Worker:
+    env = worker_env(dict(os.environ), rank=rank, world_size=2, master_port=29500, gpu=None,
+                     cpu_count=2, compile_cache="/tmp/unused")
+    return Worker(rank=rank, label=label or f"CPU{rank}", argv=argv, env=env)
+
+
+def supervise(workers: list[Worker], tmp_path, kill_grace: float = 2.0) -> tuple[int, str, float]:
+    console = io.StringIO()
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    printer = Printer(console, tmp_path / "logs")
+    started = time.monotonic()
+    code = Supervisor(workers, printer, kill_grace=kill_grace, run_dir=tmp_path).run()
+    printer.close()
+    return code, console.getvalue(), time.monotonic() - started
+
+
+def test_a_worker_that_exits_7_makes_the_supervisor_exit_7_and_stops_its_peer(script, tmp_path):
+    workers = [make_worker(0, script(SLEEPS, "sleep.py")), make_worker(1, script(FAILS_WITH_7, "fail.py"))]
+    code, out, elapsed = supervise(workers, tmp_path)
+    assert code == 7
+    assert elapsed < 3.0  # the sleeper would take 60 s
+    assert not alive(workers[0].process.pid)
+    assert "CPU1 failed (exit code 7)" in out and "FAILED: CPU1 (rank 1) failed first" in out
+    assert "launcher:   about to fail" in out.split("FAILED")[1]  # its last lines are in the summary
+
+
+def test_success_means_every_worker_exited_zero(script, tmp_path):
+    ok = script("print('done')", "ok.py")
+    code, out, _ = supervise([make_worker(0, ok), make_worker(1, ok)], tmp_path)
+    assert code == 0
+    assert "FAILED" not in out and out.count(":done") == 2
+
+
+def test_death_by_signal_becomes_128_plus_the_signal(script, tmp_path):
+    killed = script("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "kill.py")
+    code, out, _ = supervise([make_worker(0, killed), make_worker(1, script(SLEEPS))], tmp_path)
+    assert code == 128 + signal.SIGKILL == exit_code(-signal.SIGKILL)
+    assert "killed by SIGKILL" in out
+
+
+def test_the_first_failure_decides_the_exit_code(script, tmp_path):
+    early = script("import time, sys; time.sleep(0.2); sys.exit(3)", "early.py")
+    late = script("import time, sys\ntry:\n    time.sleep(60)\nexcept BaseException:\n    pass\nsys.exit(9)",
+                  "late.py")
+    code, _, _ = supervise([make_worker(0, late), make_worker(1, early)], tmp_path)
+    assert code == 3
+
+
+def test_a_peer_that_ignores_sigterm_is_killed_after_the_grace_period(script, tmp_path):
+    stubborn = make_worker(0, script(IGNORES_SIGTERM, "stubborn.py"))
+    failing = make_worker(1, script(FAILS_WITH_7, "fail.py"))
+    code, out, elapsed = supervise([stubborn, failing], tmp_path, kill_grace=0.5)
+    assert code == 7
+    assert 0.5 <= elapsed < 3.0
+    assert "CPU0 still running after 0.5 s; sending SIGKILL" in out
+    assert not alive(stubborn.process.pid)
+
+
+def test_a_grandchild_left_in_the_workers_group_does_not_survive_the_run(script, tmp_path):
+    parent = script("""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(f"grandchild {child.pid}", flush=True)
+    """, "parent.py")
+    code, out, _ = supervise([make_worker(0, parent), make_worker(1, script("pass", "ok.py"))], tmp_path)
+    grandchild = int(out.split("grandchild ")[1].split()[0])
+    assert code == 0
+    assert wait_until(lambda: not alive(grandchild), timeout=2.0)
+
+
+def test_every_line_is_prefixed_including_stderr_and_a_last_line_without_newline(script, tmp_path):
+    noisy = script("""
+        import sys
+        print("out line", flush=True)
+        print("err line", file=sys.stderr, flush=True)
+        sys.stdout.buffer.write(b"bad \\xff utf8\\n")
+        sys.stdout.write("no newline at exit")
+    """, "noisy.py")
+    code, out, _ = supervise([make_worker(0, noisy, "GPU3"), make_worker(1, script("pass"), "GPU5")], tmp_path)
+    assert code == 0
+    lines = out.splitlines()
+    assert "GPU3:out line" in lines and "GPU3:err line" in lines
+    assert "GPU3:bad \ufffd utf8" in lines
+    assert "GPU3:no newline at exit" in lines
+    assert all(line.startswith(("GPU3:", "GPU5:", "launcher")) for line in lines)
+
+
+def test_per_worker_logs_are_prefix_free_and_the_combined_log_has_every_line(script, tmp_path):
+    hello = script("import os; print('hello', os.environ['RANK'])")
+    supervise([make_worker(0, hello), make_worker(1, hello)], tmp_path)
+    assert (tmp_path / "logs" / "cpu0.log").read_text() == "hello 0\n"
+    assert (tmp_path / "logs" / "cpu1.log").read_text() == "hello 1\n"
+    combined = (tmp_path / "logs" / "combined.log").read_text().splitlines()
+    assert sorted(combined) == ["CPU0:hello 0", "CPU1:hello 1"]
+
+
+def test_a_very_long_line_is_passed_on_whole_in_bounded_pieces(script, tmp_path):
+    long_line = script("print('x' * 200_000)")
+    code, out, _ = supervise([make_worker(0, long_line), make_worker(1, script("pass", "ok.py"))], tmp_path)
+    pieces = [line for line in out.splitlines() if line.startswith("CPU0:")]
+    assert code == 0 and len(pieces) > 1
+    assert sum(len(p) - len("CPU0:") for p in pieces) == 200_000
+
+
+def test_exit_codes_are_recorded_in_the_run_directory(script, tmp_path):
+    workers = [make_worker(0, script(SLEEPS, "sleep.py")), make_worker(1, script(FAILS_WITH_7, "fail.py"))]
+    supervise(workers, tmp_path)
+    record = json.loads((tmp_path / "workers.json").read_text())
+    assert [(r["label"], r["exit_code"], r["failed_first"]) for r in record] == \
+        [("CPU0", 128 + signal.SIGTERM, False), ("CPU1", 7, True)]
+
+
+@pytest.mark.parametrize("gpu, label", [(None, None), ("3", "3")])
+def test_worker_environment_follows_the_contract(gpu, label):
+    env = worker_env({"GPU_RANK": "stale", "PATH": "/bin"}, rank=1, world_size=4, master_port=1234,
+                     gpu=gpu, cpu_count=8, compile_cache="/c")
+    assert {k: env[k] for k in ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                                "MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_ORDER", "PYTHONUNBUFFERED",
+                                "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS"]} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "TORCHINDUCTOR_CACHE_DIR": "/c",
+        "TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    assert env["CUDA_VISIBLE_DEVICES"] == (gpu or "")
+    assert env.get("GPU_RANK") == label
