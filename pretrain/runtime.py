@@ -1,0 +1,105 @@
+"""Where this process runs: its rank, its device, its log label, its process group.
+
+Reads the worker contract's environment (RANK, WORLD_SIZE, GPU_RANK, MASTER_*), so the
+same code runs under the launcher, under torchrun, or alone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import Config
+
+
+class RuntimeSetupError(RuntimeError):
+    """The requested device cannot be used here; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    label: str
+    """How this process names itself in log lines: "GPU 3" or "CPU 0"."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def choose_device(config: Config) -> torch.device:
+    """cuda:0 under the launcher (it exposes one GPU); cuda:device_id when run alone."""
+    wanted = config.system.device
+    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeSetupError("system.device is cuda but no CUDA GPU is visible; use --set system.device=cpu")
+    launched_on_one_gpu = "GPU_RANK" in os.environ or torch.cuda.device_count() == 1
+    index = 0 if launched_on_one_gpu else (config.system.device_id or 0)
+    if index >= torch.cuda.device_count():
+        raise RuntimeSetupError(f"system.device_id {index} does not exist; "
+                                f"{torch.cuda.device_count()} GPU(s) are visible")
+    return torch.device("cuda", index)
+
+
+def device_label(device: torch.device, rank: int) -> str:
+    """GPU n with n the physical index, else CPU <rank>. The physical index is GPU_RANK
+    (set by the launcher), else a lone index in CUDA_VISIBLE_DEVICES, else the device's."""
+    if device.type != "cuda":
+        return f"CPU {rank}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    lone_index = visible[0] if len(visible) == 1 and visible[0].strip().isdigit() else None
+    return f"GPU {os.environ.get('GPU_RANK') or lone_index or device.index}"
+
+
+def setup_logging(label: str, level: str) -> logging.Logger:
+    """Lines `LEVEL | [GPU n] message` on stdout; the supervisor adds its prefix."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(levelname)s | [{label}] %(message)s"))
+    logger = logging.getLogger("pretrain")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+    return logger
+
+
+def init_runtime(config: Config) -> Runtime:
+    """Pick the device and join the process group when there is more than one rank."""
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    device = choose_device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)
+    return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank))
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mean_across_ranks(value: torch.Tensor, runtime: Runtime) -> float:
+    """The mean of a scalar over all ranks (gloo has no AVG, so sum and divide)."""
+    if runtime.distributed:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= runtime.world_size
+    return float(value)

@@ -1,0 +1,215 @@
+"""The training loop, top-down: setup -> build -> fit.
+
+One process trains on one device. Under the launcher (or torchrun) the processes form a
+DDP group; alone, the same code trains a single process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from pretrain import config as cfg
+from pretrain.config import Config, TrainingConfig
+from pretrain.data import DataError
+from pretrain.data.loader import TrainBatches, validation_batches
+from pretrain.data.prepare import prepare
+from pretrain.model import Transformer, cross_entropy_loss
+from pretrain.runfiles import create_run_dir
+from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm became NaN or Inf."""
+
+
+def lr_at(step: int, training: TrainingConfig) -> float:
+    """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
+    peak = training.learning_rate
+    if step < training.warmup_steps:
+        return peak * (step + 1) / training.warmup_steps
+    decay_steps = max(1, training.max_steps - 1 - training.warmup_steps)
+    progress = min(1.0, (step - training.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak * (training.min_lr_ratio + (1.0 - training.min_lr_ratio) * cosine)
+
+
+def format_eta(seconds: float) -> str:
+    """5:30 under an hour, 2:05:30 above."""
+    minutes, secs = divmod(int(max(0.0, seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+@dataclass
+class Trainer:
+    config: Config
+    runtime: Runtime
+    model: torch.nn.Module
+    """The model as trained: wrapped in DDP when there is more than one rank."""
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    log: logging.Logger
+    losses: list[float] = field(default_factory=list)
+    """Global mean loss of every logged step."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.config.training
+        return t.batch_size * self.config.data.context_length * t.grad_accum_nums * self.runtime.world_size
+
+
+# --- build ----------------------------------------------------------------------------
+
+def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.beta1, training.beta2),
+                             fused=device.type == "cuda")
+
+
+def build(config: Config, runtime: Runtime, dataset_dir: Path, log: logging.Logger) -> Trainer:
+    t = config.training
+    torch.manual_seed(t.seed)  # the same initial weights on every rank
+    model = Transformer(config.model, max_seq_len=config.data.context_length).to(runtime.device)
+    log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
+             f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}")
+    optimizer = build_optimizer(model, t, runtime.device)
+    if runtime.distributed:
+        model = DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None)
+    loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
+                          runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda")
+    val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
+                             runtime.world_size, t.eval_batches)
+    log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
+              f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
+              f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
+    return Trainer(config, runtime, model, optimizer, iter(loader), val, log)
+
+
+# --- fit ------------------------------------------------------------------------------
+
+def autocast(trainer: Trainer):
+    return torch.autocast(trainer.runtime.device.type, dtype=torch.bfloat16,
+                          enabled=trainer.config.training.use_amp)
+
+
+def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over grad_accum_nums micro-batches: (local loss, grad norm, lr)."""
+    t, device = trainer.config.training, trainer.runtime.device
+    lr = lr_at(step, t)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(t.grad_accum_nums):
+        x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
+        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+        last = micro == t.grad_accum_nums - 1
+        sync = nullcontext() if last or not trainer.runtime.distributed else trainer.model.no_sync()
+        with sync:
+            with autocast(trainer):
+                loss = cross_entropy_loss(trainer.model(x), y) / t.grad_accum_nums
+            loss.backward()
+        loss_sum += loss.detach()
+    max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), max_norm)
+    if trainer.config.debug.check_finite and not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)):
+        raise NonFiniteError(f"step {step}: loss {float(loss_sum):.4f}, gradient norm {float(grad_norm):.4f} "
+                             f"is not finite; see configs/config_stable.json for safer settings")
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, lr
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer) -> float:
+    """Mean validation loss over the fixed validation windows of every rank."""
+    trainer.model.eval()
+    total = torch.zeros((), device=trainer.runtime.device)
+    for x, y in trainer.val_batches:
+        with autocast(trainer):
+            logits = trainer.model(x.to(trainer.runtime.device))
+        total += cross_entropy_loss(logits, y.to(trainer.runtime.device))
+    trainer.model.train()
+    return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
+
+
+def fit(trainer: Trainer) -> None:
+    t, log = trainer.config.training, trainer.log
+    interval = trainer.config.logging.log_interval
+    start = time.perf_counter()
+    window_start, window_steps = start, 0
+    first_step_done = None
+    for step in range(t.max_steps):
+        loss, grad_norm, lr = train_step(trainer, step)
+        window_steps += 1
+        last = step == t.max_steps - 1
+        if step == 0 or last or step % interval == 0:
+            mean_loss = mean_across_ranks(loss, trainer.runtime)  # the global mean, the same on every rank
+            trainer.losses.append(mean_loss)
+            now = time.perf_counter()
+            first_step_done = first_step_done or now
+            # The first step includes warm-up costs; the ETA uses the steps after it.
+            per_step = (now - first_step_done) / step if step > 0 else now - start
+            tokens_per_s = trainer.tokens_per_step * window_steps / max(now - window_start, 1e-9)
+            log.info(f"Step [{step}/{t.max_steps}] | Loss: {mean_loss:.4f} | LR: {lr:.2e} | "
+                     f"Grad Norm: {float(grad_norm):.4f} | ETA: {format_eta(per_step * (t.max_steps - 1 - step))} | "
+                     f"Tokens/s: {tokens_per_s:,.0f}")
+            window_start, window_steps = now, 0
+        if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
+            log.info(f"Validation | Step [{step}/{t.max_steps}] | Loss: {evaluate(trainer):.4f}")
+    val_loss = evaluate(trainer)
+    log.info(f"Validation | Step [{t.max_steps - 1}/{t.max_steps}] | Loss: {val_loss:.4f}")
+    log.info(f"Training complete: {t.max_steps} steps in {time.perf_counter() - start:.1f}s, "
+             f"final loss {trainer.losses[-1]:.4f}, validation loss {val_loss:.4f}")
+
+
+# --- entry point ----------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_main.py",
+        description="Run one training process (no supervisor). Under the launcher, or torchrun, "
+                    "RANK/WORLD_SIZE/MASTER_* make the processes one DDP group.")
+    cfg.add_arguments(parser)
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = cfg.from_args(args)
+        runtime = init_runtime(config)
+    except (cfg.ConfigError, RuntimeSetupError) as error:
+        print(f"pretrain: error: {error}", file=sys.stderr)
+        return 2
+    log = setup_logging(runtime.label, config.logging.level)
+    try:
+        run_dir = create_run_dir(args.run_dir)
+        if runtime.is_main and not (run_dir / "config.json").exists():
+            cfg.save(config, run_dir / "config.json")
+        # Under the launcher the dataset is already prepared and this is a cache hit.
+        dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
+        torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
+        trainer = build(config, runtime, dataset_dir, log)
+        log.debug(f"Run directory: {run_dir}")
+        fit(trainer)
+    except (DataError, NonFiniteError) as error:
+        log.error(str(error))
+        return 2 if isinstance(error, DataError) else 1
+    finally:
+        shutdown(runtime)
+    return 0

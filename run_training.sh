@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Train: set up what is missing, prepare the dataset once, run one process per device.
+#   bash run_training.sh --debug          debug preset (CPU workers when there is no GPU)
+#   bash run_training.sh --help           every option
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$ROOT/scripts/setup.sh"
+setup_python "$ROOT" "$ROOT/requirements.txt"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# exec: signals (Ctrl-C, SIGTERM from a scheduler) reach the launcher directly.
+exec "$PYTHON" -m launcher "$@"

@@ -1,0 +1,67 @@
+# Sourced by run_training.sh and run_tests.sh: `setup_python ROOT REQUIREMENTS...` sets
+# PYTHON to an interpreter that has every requirement, installing only what is missing.
+#
+# 1. An interpreter that already has everything (python3, or $PYTHON) is used as it is:
+#    nothing is installed and the network is not touched.
+# 2. Otherwise ROOT/.venv is created with --system-site-packages, so a torch that the
+#    machine already has (GPU machines usually do) is reused, never replaced.
+# 3. torch, when missing, is a CPU build on machines without an NVIDIA GPU: pip's default
+#    torch for Linux pulls several GB of CUDA packages.
+# Later runs find everything in place and start in about a second.
+
+_setup_log() { echo "setup: $*" >&2; }
+
+_has_nvidia_gpu() {
+  [ -e /proc/driver/nvidia/version ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+}
+
+_has_requirements() {  # PY ROOT FILES...
+  local py=$1 root=$2; shift 2
+  "$py" "$root/scripts/check_requirements.py" "$@" >/dev/null 2>&1
+}
+
+setup_python() {
+  local root=$1; shift
+  local base=${PYTHON:-python3}
+  if ! command -v "$base" >/dev/null 2>&1; then
+    _setup_log "error: $base not found; install Python 3.10 or newer, or set PYTHON=/path/to/python3"
+    return 1
+  fi
+  if ! "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    _setup_log "error: Python 3.10 or newer is needed, $base is $("$base" --version 2>&1); set PYTHON=/path/to/python3"
+    return 1
+  fi
+  if _has_requirements "$base" "$root" "$@"; then PYTHON=$base; return 0; fi
+
+  local venv=$root/.venv
+  if [ -x "$venv/bin/python" ] && _has_requirements "$venv/bin/python" "$root" "$@"; then
+    PYTHON=$venv/bin/python; return 0
+  fi
+  _setup_log "installing what is missing into $venv (once; later runs reuse it)"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$base" -m venv --system-site-packages "$venv" || { _setup_log "error: cannot create $venv"; return 1; }
+  fi
+  local py=$venv/bin/python
+  local pip=("$py" -m pip install --quiet --disable-pip-version-check --progress-bar off)
+  if ! "$py" -c 'import torch' >/dev/null 2>&1; then
+    if _has_nvidia_gpu; then
+      _setup_log "installing ${TORCH_SPEC:-torch>=2.5} (NVIDIA GPU found)"
+      "${pip[@]}" "${TORCH_SPEC:-torch>=2.5}" || return 1
+    else
+      # The CPU index holds CPU-only wheels; pip prefers 2.x+cpu over PyPI's 2.x with CUDA.
+      # Capped at a release known to have a CPU wheel on every index this setup meets.
+      _setup_log "installing ${TORCH_SPEC:-torch>=2.5,<2.14} (CPU build: no NVIDIA GPU found)"
+      "${pip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu \
+        "${TORCH_SPEC:-torch>=2.5,<2.14}" || return 1
+    fi
+  fi
+  local missing
+  missing=$("$py" "$root/scripts/check_requirements.py" "$@")
+  if [ -n "$missing" ]; then
+    _setup_log "installing $(echo $missing)"
+    # Only the missing ones, so an installed torch is never upgraded or replaced.
+    echo "$missing" | xargs -d '\n' "${pip[@]}" || return 1
+  fi
+  _has_requirements "$py" "$root" "$@" || { _setup_log "error: requirements still missing after install"; return 1; }
+  PYTHON=$py
+}
