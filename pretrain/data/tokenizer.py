@@ -3,6 +3,8 @@ end-of-text id (256) that separates documents."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 BYTE_EOT = 256
@@ -13,6 +15,25 @@ def tokenizer_vocab_size(name: str) -> int:
     """Number of ids the named tokenizer can produce; the model's vocabulary must cover it."""
     if name == "byte":
         return BYTE_VOCAB_SIZE
+    raise ValueError(f"unknown tokenizer {name!r}")
+
+
+class Tokenizer(Protocol):
+    """What preparing a dataset needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer called name (the value of data.tokenizer)."""
+    if name == "byte":
+        return ByteTokenizer()
     raise ValueError(f"unknown tokenizer {name!r}")
 
 

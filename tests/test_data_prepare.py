@@ -1,0 +1,364 @@
+"""Preparing and caching datasets: pretrain/data/prepare.py, builtin.py and prepare_dataset.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pretrain.config import DataConfig
+from pretrain.data import DataError
+from pretrain.data import prepare as prep
+from pretrain.data.builtin import builtin_documents, builtin_identity
+from pretrain.data.tokenizer import BYTE_EOT, ByteTokenizer
+from pretrain.runfiles import PROJECT_ROOT
+
+# Varied lengths and non-ASCII text, so a byte-level round trip means something.
+CORPUS = [f"Document {i}: " + "héllo wörld ✓ " * (i % 7 + 1) + "\n" * (i % 3) for i in range(40)]
+
+
+def data_config(tmp_path: Path, **changes) -> DataConfig:
+    return DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
+
+
+def prepare_quietly(cfg: DataConfig, documents=CORPUS, **kwargs) -> tuple[Path, list[str]]:
+    lines: list[str] = []
+    return prep.prepare(cfg, log=lines.append, documents=documents, **kwargs), lines
+
+
+def split_documents(path: Path) -> list[str]:
+    """The texts of a token file, one per end-of-text."""
+    tokens = np.fromfile(path, dtype=np.uint16)
+    assert tokens[-1] == BYTE_EOT
+    ends = np.flatnonzero(tokens == BYTE_EOT)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [bytes(tokens[s:e].astype(np.uint8)).decode("utf-8") for s, e in zip(starts, ends)]
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def env_with_project() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+
+
+# --- building ------------------------------------------------------------------------------------
+
+def test_prepare_writes_train_val_and_meta_into_a_readable_keyed_directory(tmp_path):
+    path, lines = prepare_quietly(data_config(tmp_path))
+
+    assert path.parent == tmp_path / "cache"
+    assert path.name.startswith("custom-byte-") and len(path.name) == len("custom-byte-") + 12
+    assert entries(path) == ["meta.json", "train.bin", "val.bin"]
+    assert len(lines) == 1 and lines[0].startswith(f"dataset: prepared {path} (")
+    assert "40 documents) in " in lines[0]
+
+
+def test_meta_records_the_inputs_counts_and_checksums(tmp_path):
+    path, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.1))
+    meta = prep.read_meta(path)
+
+    assert meta["format_version"] == prep.FORMAT_VERSION
+    assert (meta["source"], meta["tokenizer"], meta["vocab_size"], meta["eot_id"]) == ("custom", "byte", 257, 256)
+    assert meta["source_identity"].startswith("sha256:")
+    assert meta["dtype"] == "uint16" and meta["val_fraction"] == 0.1
+    assert meta["documents"] == {"train": 36, "val": 4}
+    total_bytes = sum(len(doc.encode("utf-8")) + 1 for doc in CORPUS)
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == total_bytes
+    for split in ("train", "val"):
+        assert (path / f"{split}.bin").stat().st_size == 2 * meta["tokens"][split]
+        assert len(meta["sha256"][f"{split}.bin"]) == 64
+    assert time.time() - time.mktime(time.strptime(meta["created"], "%Y-%m-%dT%H:%M:%SZ")) < 86400 + 60
+
+
+def test_every_document_lands_in_exactly_one_split_and_round_trips_through_the_byte_tokenizer(tmp_path):
+    path, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.1))
+    train, val = split_documents(path / "train.bin"), split_documents(path / "val.bin")
+
+    assert train and val
+    assert sorted(train + val) == sorted(CORPUS)
+    # Each split keeps the corpus order, so a document's neighbours stay its neighbours.
+    assert train == [doc for doc in CORPUS if doc in train]
+    assert ByteTokenizer().decode(np.fromfile(path / "val.bin", dtype=np.uint16)) == "".join(d + "\n" for d in val)
+
+
+def test_tokens_are_uint16_when_the_vocabulary_fits_and_uint32_when_not():
+    assert prep.storage_dtype(257) == "uint16"
+    assert prep.storage_dtype(65536) == "uint16"
+    assert prep.storage_dtype(128256) == "uint32"
+
+
+def test_validation_split_takes_about_val_fraction_of_the_documents_spread_over_the_corpus():
+    held_out = prep.validation_documents(100, 0.05)
+
+    assert held_out == prep.validation_documents(100, 0.05)
+    assert sorted(held_out) == [10, 30, 50, 70, 90]
+    assert prep.validation_documents(2, 0.01) == {1}
+    assert prep.validation_documents(3, 0.99) == {0, 2}
+
+
+def test_a_source_with_one_document_cannot_be_split_and_says_so(tmp_path):
+    with pytest.raises(DataError, match="at least 2 documents"):
+        prepare_quietly(data_config(tmp_path), documents=["only one"])
+    assert entries(tmp_path / "cache") == [e for e in entries(tmp_path / "cache") if e.endswith(".lock")]
+
+
+def test_each_input_that_changes_the_bytes_changes_the_cache_directory(tmp_path):
+    base, _ = prepare_quietly(data_config(tmp_path))
+    other_fraction, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.2))
+    other_text, _ = prepare_quietly(data_config(tmp_path), documents=CORPUS[:-1] + ["changed"])
+    other_context, _ = prepare_quietly(data_config(tmp_path, context_length=64))
+
+    assert len({base, other_fraction, other_text}) == 3
+    assert other_context == base  # windows are cut at load time; the bytes do not depend on it
+
+
+# --- reuse, damage, failure ----------------------------------------------------------------------
+
+def test_second_prepare_reuses_the_cache_without_tokenizing_again(tmp_path, monkeypatch):
+    calls = []
+    encode = ByteTokenizer.encode
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: calls.append(text) or encode(self, text))
+    cfg = data_config(tmp_path)
+
+    first, _ = prepare_quietly(cfg)
+    built_calls, mtime = len(calls), (first / "train.bin").stat().st_mtime_ns
+    second, lines = prepare_quietly(cfg)
+
+    assert built_calls == len(CORPUS)
+    assert second == first and len(calls) == built_calls
+    assert (second / "train.bin").stat().st_mtime_ns == mtime
+    meta = prep.read_meta(first)
+    assert lines == [f"dataset: reusing {first} ({meta['tokens']['train']} train tokens, "
+                     f"{meta['tokens']['val']} val tokens)"]
+
+
+def test_force_rebuilds_a_valid_cache_in_place(tmp_path):
+    cfg = data_config(tmp_path)
+    first, _ = prepare_quietly(cfg)
+    inode = (first / "train.bin").stat().st_ino
+
+    second, lines = prepare_quietly(cfg, force=True)
+
+    assert second == first and (second / "train.bin").stat().st_ino != inode
+    assert lines[0] == f"dataset: rebuilding {first} (forced)"
+    assert lines[1].startswith("dataset: prepared")
+    assert entries(tmp_path / "cache") == [first.name, first.name + ".lock"]
+
+
+def truncate_train(path: Path) -> None:
+    with open(path / "train.bin", "r+b") as file:
+        file.truncate(10)
+
+
+def garble_meta(path: Path) -> None:
+    (path / "meta.json").write_text("{not json")
+
+
+def remove_val(path: Path) -> None:
+    (path / "val.bin").unlink()
+
+
+def bump_format_version(path: Path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (truncate_train, "train.bin has 10 bytes"),
+    (garble_meta, "meta.json is unreadable"),
+    (remove_val, "val.bin is missing"),
+    (bump_format_version, "format_version 0"),
+])
+def test_a_damaged_cache_is_reported_in_one_line_and_rebuilt(tmp_path, damage, reason):
+    cfg = data_config(tmp_path)
+    path, _ = prepare_quietly(cfg)
+    good_meta = prep.read_meta(path)
+    damage(path)
+
+    again, lines = prepare_quietly(cfg)
+
+    assert again == path
+    assert len(lines) == 2
+    assert lines[0].startswith(f"dataset: rebuilding {path} (damaged: ") and reason in lines[0]
+    assert lines[1].startswith(f"dataset: prepared {path}")
+    assert prep.read_meta(path)["sha256"] == good_meta["sha256"]
+    prep.verify(path)
+
+
+def test_a_failed_build_leaves_no_temporary_directory_and_the_next_one_succeeds(tmp_path, monkeypatch):
+    encode = ByteTokenizer.encode
+
+    def fail_on_the_tenth_document(self, text):
+        if text == CORPUS[9]:
+            raise RuntimeError("tokenizer exploded")
+        return encode(self, text)
+
+    monkeypatch.setattr(ByteTokenizer, "encode", fail_on_the_tenth_document)
+    with pytest.raises(RuntimeError, match="tokenizer exploded"):
+        prepare_quietly(data_config(tmp_path))
+    assert [e for e in entries(tmp_path / "cache") if not e.endswith(".lock")] == []
+
+    monkeypatch.setattr(ByteTokenizer, "encode", encode)
+    path, lines = prepare_quietly(data_config(tmp_path))
+    assert lines[0].startswith("dataset: prepared") and prep.read_meta(path)["documents"]["train"] > 0
+
+
+def test_temporary_directories_of_a_killed_preparer_are_cleaned_up_by_the_next_build(tmp_path):
+    cfg = data_config(tmp_path)
+    path, _ = prepare_quietly(cfg)
+    leftover = path.parent / f".{path.name}.tmp-12345-deadbeef"
+    leftover.mkdir()
+    (leftover / "train.bin").write_bytes(b"half")
+    truncate_train(path)
+
+    prepare_quietly(cfg)
+
+    assert not leftover.exists()
+
+
+def test_verify_catches_a_flipped_byte_that_the_quick_check_cannot_see(tmp_path):
+    cfg = data_config(tmp_path)
+    path, _ = prepare_quietly(cfg)
+    prep.verify(path)
+    with open(path / "val.bin", "r+b") as file:
+        first = file.read(1)
+        file.seek(0)
+        file.write(bytes([first[0] ^ 0x01]))
+
+    _, lines = prepare_quietly(cfg)  # same size: the O(1) check reuses it
+    assert lines[0].startswith("dataset: reusing")
+    with pytest.raises(DataError, match=r"val\.bin does not match its sha256"):
+        prep.verify(path)
+
+
+def test_read_meta_of_a_directory_that_is_not_a_dataset_raises_data_error(tmp_path):
+    with pytest.raises(DataError, match="meta.json is missing"):
+        prep.read_meta(tmp_path)
+
+
+CONCURRENT_PREPARER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from pretrain.config import DataConfig
+    from pretrain.data.prepare import prepare
+    from pretrain.data.tokenizer import ByteTokenizer
+
+    cache, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    encode = ByteTokenizer.encode
+    def slow_encode(self, text):  # a build long enough for the other preparer to arrive during it
+        time.sleep(0.04)
+        return encode(self, text)
+    ByteTokenizer.encode = slow_encode
+    ready.touch()
+    while not go.exists():
+        time.sleep(0.002)
+    documents = [f"document {i} " * 30 for i in range(30)]
+    print("PATH", prepare(DataConfig(cache_dir=cache), documents=documents))
+""")
+
+
+def test_concurrent_preparers_build_once_and_both_get_the_same_path(tmp_path):
+    script = tmp_path / "preparer.py"
+    script.write_text(CONCURRENT_PREPARER)
+    go = tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache"), str(r), str(go)],
+                                  env=env_with_project(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in ready]
+    deadline = time.monotonic() + 20
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()  # both start preparing at the same moment
+    outputs = [p.communicate(timeout=30) for p in processes]
+
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    stdout = "".join(out for out, _ in outputs)
+    assert stdout.count("dataset: prepared") == 1
+    assert stdout.count("dataset: reusing") == 1
+    assert stdout.count("dataset: waiting for another process") == 1
+    paths = {line for line in stdout.splitlines() if line.startswith("PATH")}
+    assert len(paths) == 1
+    path = Path(paths.pop().split(" ", 1)[1])
+    prep.verify(path)
+    assert entries(tmp_path / "cache") == [path.name, path.name + ".lock"]
+
+
+# --- the builtin source and module boundaries ----------------------------------------------------
+
+def test_builtin_documents_are_the_pydoc_topics_sorted_by_name():
+    from pydoc_data.topics import topics
+
+    documents = builtin_documents()
+    assert documents == [topics[name] for name in sorted(topics)]
+    assert len(documents) > 10
+
+
+def test_builtin_identity_is_a_content_hash_that_changes_with_the_corpus():
+    documents = builtin_documents()
+    assert builtin_identity() == builtin_identity(documents)
+    assert builtin_identity(documents[:-1]) != builtin_identity(documents)
+    assert builtin_identity(["ab", "c"]) != builtin_identity(["a", "bc"])
+
+
+def test_importing_prepare_does_not_import_torch():
+    code = "import sys, pretrain.data.prepare; print('torch' in sys.modules, 'tqdm' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], env=env_with_project(),
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "False"]
+
+
+# --- prepare_dataset.py --------------------------------------------------------------------------
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PROJECT_ROOT / "prepare_dataset.py"), *args],
+                          env=env_with_project(), capture_output=True, text=True, timeout=60)
+
+
+def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(tmp_path):
+    cache = tmp_path / "cache"
+    built = run_script("--debug", "--set", f"data.cache_dir={cache}")
+    reused = run_script("--debug", "--set", f"data.cache_dir={cache}", "--verify")
+
+    assert built.returncode == 0, built.stderr
+    (path,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert path.name.startswith("builtin-byte-")
+    assert built.stdout.startswith(f"dataset: prepared {path} (") and " train tokens, " in built.stdout
+    assert reused.returncode == 0, reused.stderr
+    assert reused.stdout.splitlines() == [
+        f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']} train tokens, "
+        f"{prep.read_meta(path)['tokens']['val']} val tokens)",
+        f"dataset: verified {path} (every file matches its sha256 in meta.json)",
+    ]
+
+
+def test_prepare_dataset_script_names_the_closest_key_for_a_typo_in_one_line():
+    result = run_script("--debug", "--set", "data.context_lenght=5")
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "prepare_dataset: error: --set: data.context_lenght: unknown key; did you mean data.context_length?"]
+
+
+def test_prepare_dataset_script_reports_a_failed_verify_in_one_line(tmp_path):
+    cache = tmp_path / "cache"
+    assert run_script("--debug", "--set", f"data.cache_dir={cache}").returncode == 0
+    (path,) = [p for p in cache.iterdir() if p.is_dir()]
+    data = bytearray((path / "train.bin").read_bytes())
+    data[100] ^= 0x01
+    (path / "train.bin").write_bytes(bytes(data))
+
+    result = run_script("--debug", "--set", f"data.cache_dir={cache}", "--verify")
+
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"prepare_dataset: error: {path}: train.bin does not match its sha256")
