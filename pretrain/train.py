@@ -91,8 +91,13 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, log: logging.Logg
         model = DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None)
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                           runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda")
-    val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                             runtime.world_size, t.eval_batches)
+    try:
+        val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
+                                 runtime.world_size, t.eval_batches)
+    except DataError as error:
+        # Every rank sees the same split, so every rank skips alike and collectives stay matched.
+        log.warning(f"Validation skipped: {error}")
+        val = []
     log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
               f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
               f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
@@ -134,8 +139,10 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer) -> float:
-    """Mean validation loss over the fixed validation windows of every rank."""
+def evaluate(trainer: Trainer) -> float | None:
+    """Mean validation loss over the fixed validation windows of every rank (None: no windows)."""
+    if not trainer.val_batches:
+        return None
     trainer.model.eval()
     total = torch.zeros((), device=trainer.runtime.device)
     for x, y in trainer.val_batches:
@@ -169,11 +176,18 @@ def fit(trainer: Trainer) -> None:
                      f"Tokens/s: {tokens_per_s:,.0f}")
             window_start, window_steps = now, 0
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
-            log.info(f"Validation | Step [{step}/{t.max_steps}] | Loss: {evaluate(trainer):.4f}")
-    val_loss = evaluate(trainer)
-    log.info(f"Validation | Step [{t.max_steps - 1}/{t.max_steps}] | Loss: {val_loss:.4f}")
+            log_validation(trainer, step)
+    val_loss = log_validation(trainer, t.max_steps - 1)
     log.info(f"Training complete: {t.max_steps} steps in {time.perf_counter() - start:.1f}s, "
-             f"final loss {trainer.losses[-1]:.4f}, validation loss {val_loss:.4f}")
+             f"final loss {trainer.losses[-1]:.4f}"
+             + (f", validation loss {val_loss:.4f}" if val_loss is not None else ""))
+
+
+def log_validation(trainer: Trainer, step: int) -> float | None:
+    val_loss = evaluate(trainer)
+    if val_loss is not None:
+        trainer.log.info(f"Validation | Step [{step}/{trainer.config.training.max_steps}] | Loss: {val_loss:.4f}")
+    return val_loss
 
 
 # --- entry point ----------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""The real path through every part: run_training.sh -> launcher -> 2 CPU workers (gloo)
+training the debug preset on the built-in corpus; and pretrain_main.py alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, launcher_env
+
+STEP_LINE = re.compile(
+    r"^(?P<prefix>CPU[01]):INFO \| \[CPU (?P<rank>[01])\] Step \[(?P<step>\d+)/(?P<total>\d+)\] \| "
+    r"Loss: (?P<loss>\d+\.\d{4}) \| LR: \d\.\d{2}e[-+]\d{2} \| Grad Norm: \d+\.\d{4} \| ETA: \d+:\d{2}")
+
+
+def run_training(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
+    # PYTHON: run_training.sh uses the interpreter running these tests, which has everything.
+    return subprocess.run(
+        ["bash", str(ROOT / "run_training.sh"), "--debug", "--device", "cpu", "--run-dir", str(tmp_path / name),
+         "--set", f"data.cache_dir={tmp_path / 'cache'}", *args],
+        env=launcher_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("e2e")
+    first = run_training(tmp_path, "run1")
+    cache_after_first = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*")}
+    second = run_training(tmp_path, "run2", "--max-steps", "2")
+    cache_after_second = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*")}
+    return tmp_path, first, second, cache_after_first, cache_after_second
+
+
+def step_lines(output: str) -> list[re.Match]:
+    return [m for m in map(STEP_LINE.match, output.splitlines()) if m]
+
+
+def test_debug_run_exits_zero_with_step_lines_from_both_cpu_workers(two_runs):
+    _, first, *_ = two_runs
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    steps = step_lines(first.stdout)
+    assert {m["prefix"] for m in steps} == {"CPU0", "CPU1"}
+    assert all(m["prefix"] == f"CPU{m['rank']}" for m in steps)  # prefix and label agree
+    for prefix in ("CPU0", "CPU1"):
+        assert [int(m["step"]) for m in steps if m["prefix"] == prefix] == list(range(10))
+    assert all(m["total"] == "10" for m in steps)
+
+
+def test_the_loss_falls_and_is_the_global_mean_on_every_rank(two_runs):
+    _, first, *_ = two_runs
+    losses = {p: [float(m["loss"]) for m in step_lines(first.stdout) if m["prefix"] == p] for p in ("CPU0", "CPU1")}
+    assert losses["CPU0"] == losses["CPU1"]
+    assert losses["CPU0"][-1] < losses["CPU0"][0] - 0.5
+
+
+def test_every_output_line_is_prefixed_by_its_worker_or_the_launcher(two_runs):
+    _, first, *_ = two_runs
+    assert all(line.startswith(("CPU0:", "CPU1:", "launcher: ")) for line in first.stdout.splitlines())
+    assert "CPU0:DEBUG | [CPU 0] Model:" not in first.stdout  # the model line is INFO
+    assert "CPU1:INFO | [CPU 1] Training complete" in first.stdout
+
+
+def test_the_run_directory_holds_the_resolved_config_and_the_logs(two_runs):
+    tmp_path, *_ = two_runs
+    run = tmp_path / "run1"
+    config = json.loads((run / "config.json").read_text())
+    assert (config["preset"], config["system"]["device"], config["model"]["n_layers"]) == ("debug", "cpu", 2)
+    cpu1 = (run / "logs" / "cpu1.log").read_text()
+    assert cpu1.startswith(("INFO", "DEBUG")) and "Step [9/10]" in cpu1 and "CPU1:" not in cpu1
+    assert "CPU0:" in (run / "logs" / "combined.log").read_text()
+    assert [w["exit_code"] for w in json.loads((run / "workers.json").read_text())] == [0, 0]
+
+
+def test_the_dataset_is_prepared_once_and_reused_by_the_next_run(two_runs):
+    tmp_path, first, second, cache_after_first, cache_after_second = two_runs
+    assert first.stdout.count("launcher: dataset: prepared") == 1
+    assert second.returncode == 0 and "launcher: dataset: reusing" in second.stdout
+    assert "dataset: prepared" not in second.stdout
+    assert cache_after_second == cache_after_first
+    datasets = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(datasets) == 1 and datasets[0].name.startswith("builtin-byte-")
+    assert {p.name for p in datasets[0].iterdir()} >= {"train.bin", "val.bin", "meta.json"}
+
+
+def test_max_steps_on_the_command_line_shortens_the_run(two_runs):
+    _, _, second, *_ = two_runs
+    assert {m["step"] + "/" + m["total"] for m in step_lines(second.stdout)} == {"0/2", "1/2"}
+
+
+def test_pretrain_main_trains_one_process_without_the_supervisor(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--max-steps", "3", "--run-dir", str(tmp_path / "r"),
+         "--set", "system.device=cpu", "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+        env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^INFO \| \[CPU 0\] Step \[2/3\] \| Loss: ", result.stdout, re.M)
+    assert (tmp_path / "r" / "config.json").exists()
+
+
+def test_pretrain_main_config_error_is_one_line_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--set", "model.dim=130"],
+                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "pretrain: error: --set: model.dim: 130 is not divisible by model.n_heads (4)"

@@ -1,0 +1,129 @@
+"""The launcher's command line: bad input, the generic mode, signals, device placement."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, alive, launcher_env, wait_until
+from launcher import cli, devices
+from launcher.printer import Printer
+
+
+def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, code: int, text: str) -> None:
+    assert result.returncode == code
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("launcher: error: ") and text in result.stderr
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--nproc", "0"], "--nproc must be at least 1 (got 0)"),
+    (["--kill-grace", "-1"], "--kill-grace must not be negative"),
+    (["--set", "training.batchsize=4"], "training.batchsize: unknown key; did you mean training.batch_size?"),
+    (["--config", "no/such.json"], "no/such.json: config file not found"),
+])
+def test_bad_options_give_one_line_and_exit_2(args, text, tmp_path):
+    assert_one_line_error(launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), *args, "--", "true"), 2, text)
+
+
+def test_a_command_that_does_not_exist_exits_127_with_one_line(tmp_path):
+    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", "no-such-command-xyz")
+    assert_one_line_error(result, 127, "command not found: no-such-command-xyz")
+
+
+def test_an_unwritable_run_directory_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = launch("--device", "cpu", "--run-dir", str(blocker / "run"), "--", "true")
+    assert_one_line_error(result, 2, "cannot create run directory")
+
+
+def test_generic_mode_runs_the_command_once_per_worker_with_the_contract_env(script, tmp_path):
+    argv = script("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                  "repr(os.environ['CUDA_VISIBLE_DEVICES']))")
+    result = launch("--device", "cpu", "--nproc", "3", "--run-dir", str(tmp_path / "r"), "--", *argv)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("CPU")) == \
+        ["CPU0:0 3 ''", "CPU1:1 3 ''", "CPU2:2 3 ''"]
+
+
+def test_a_failing_worker_makes_the_launcher_exit_with_its_code(script, tmp_path):
+    argv = script("import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(7)\ntime.sleep(60)")
+    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", *argv, timeout=20)
+    assert result.returncode == 7
+    assert "CPU1 failed (exit code 7)" in result.stdout
+
+
+def start_launcher_with_sleepers(script, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    argv = script("import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                             "--", *argv], cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        assert line, "launcher ended before its workers started"
+        if ":pid " in line:
+            pids.append(int(line.split()[-1]))
+    return proc, pids
+
+
+def test_sigint_to_the_launcher_stops_every_worker_and_exits_130(script, tmp_path):
+    proc, pids = start_launcher_with_sleepers(script, tmp_path)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 130
+    assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
+
+
+def test_workers_die_with_a_launcher_killed_by_sigkill(script, tmp_path):
+    proc, pids = start_launcher_with_sleepers(script, tmp_path)
+    proc.kill()
+    proc.wait(timeout=5)
+    assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
+
+
+def placement(monkeypatch, gpus: list[int], device: str, nproc=None, device_id=None) -> tuple[cli.Placement, str]:
+    monkeypatch.setattr(devices, "nvml_gpu_indices", lambda: gpus)
+    console = io.StringIO()
+    return cli.place(device, nproc, device_id, Printer(console, None)), console.getvalue()
+
+
+def test_auto_without_gpus_runs_two_cpu_workers_and_says_so_in_one_line(monkeypatch):
+    chosen, said = placement(monkeypatch, [], "auto")
+    assert (chosen.device, chosen.world_size, chosen.label(1)) == ("cpu", 2, "CPU1")
+    assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); "
+                    "--nproc N changes the count\n")
+    assert placement(monkeypatch, [], "auto", nproc=3)[0].world_size == 3
+
+
+def test_auto_with_gpus_runs_one_worker_per_gpu_labelled_by_physical_index(monkeypatch):
+    chosen, said = placement(monkeypatch, [0, 1, 2, 3], "auto")
+    assert (chosen.device, chosen.world_size, said) == ("cuda", 4, "")
+    assert [chosen.label(r) for r in range(4)] == ["GPU0", "GPU1", "GPU2", "GPU3"]
+    assert placement(monkeypatch, [0, 1, 2, 3], "cuda", device_id=2)[0].label(0) == "GPU2"
+
+
+@pytest.mark.parametrize("gpus, kwargs, text", [
+    ([], {}, "no NVIDIA GPU found; use --device cpu"),
+    ([0, 1], {"nproc": 3}, "--nproc 3 asks for more GPUs than there are (2)"),
+    ([0, 1], {"device_id": 5}, "GPU 5 does not exist; GPUs here: 0, 1"),
+    ([0, 1], {"device_id": 1, "nproc": 2}, "pins one GPU but --nproc is 2"),
+])
+def test_impossible_gpu_requests_are_usage_errors(monkeypatch, gpus, kwargs, text):
+    with pytest.raises(cli.UsageError, match=text.replace("(", r"\(").replace(")", r"\)")):
+        placement(monkeypatch, gpus, "cuda", **kwargs)
+
+
+def test_nvml_without_a_driver_reports_no_gpus():
+    if os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("this machine has an NVIDIA driver")
+    assert devices.nvml_gpu_indices() == []
