@@ -113,14 +113,20 @@ def check_command(command: list[str]) -> None:
         raise CommandNotFound(f"command not found: {command[0]}")
 
 
-def prepare_training(config: cfg.Config, placement: Placement, run_dir: Path, printer: Printer) -> list[str]:
-    """Write the resolved config, prepare the dataset once; return the worker command."""
+def prepare_training(config: cfg.Config, placement: Placement, printer: Printer) -> tuple[cfg.Config, Path]:
+    """Prepare the dataset once and check one global batch fits, before anything is spawned
+    or written; return the config as the workers will run it and the dataset directory."""
     from pretrain.data import prepare
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     dataset_dir = prepare.prepare(config.data, log=printer.launcher_line)
     prepare.check_batch_fits(dataset_dir, config.data.context_length,
                              config.training.batch_size, placement.world_size)
+    return config, dataset_dir
+
+
+def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
+    """Write the resolved config into the run directory; return the worker command."""
     config_path = run_dir / "config.json"
     cfg.save(config, config_path)
     printer.launcher_line(f"run directory: {run_dir}")
@@ -134,11 +140,12 @@ def run(argv: Sequence[str]) -> int:
     if args.kill_grace < 0:
         raise UsageError(f"--kill-grace must not be negative (got {args.kill_grace:g})")
     config = cfg.from_args(args)
-    device = args.device or config.system.device
     if command:
         check_command(command)
-    console_printer = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
-    placement = place(device, args.nproc, config.system.device_id, console_printer)
+    console = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
+    placement = place(args.device or config.system.device, args.nproc, config.system.device_id, console)
+    if not command:
+        config, _ = prepare_training(config, placement, console)
     try:
         run_dir = create_run_dir(args.run_dir)
     except OSError as error:
@@ -147,7 +154,7 @@ def run(argv: Sequence[str]) -> int:
     printer = Printer(sys.stdout, run_dir / "logs", colour=use_colour(sys.stdout))
     try:
         if not command:
-            command = prepare_training(config, placement, run_dir, printer)
+            command = training_command(config, run_dir, printer)
         workers = make_workers(placement, command)
         return Supervisor(workers, printer, kill_grace=args.kill_grace, run_dir=run_dir).run()
     finally:

@@ -15,6 +15,15 @@ _has_nvidia_gpu() {
   [ -e /proc/driver/nvidia/version ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 }
 
+_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+_cpu_index_reachable() {  # PY; urllib honours HTTPS_PROXY like pip does
+  "$1" - "$_CPU_INDEX/" <<'PY' >/dev/null 2>&1
+import sys, urllib.request
+urllib.request.urlopen(urllib.request.Request(sys.argv[1], method="HEAD"), timeout=5)
+PY
+}
+
 _has_requirements() {  # PY ROOT FILES...
   local py=$1 root=$2; shift 2
   "$py" "$root/scripts/check_requirements.py" "$@" >/dev/null 2>&1
@@ -48,15 +57,18 @@ setup_python() {
       _setup_log "installing ${TORCH_SPEC:-torch>=2.5} (NVIDIA GPU found)"
       "${pip[@]}" "${TORCH_SPEC:-torch>=2.5}" || return 1
     else
-      # The CPU index holds CPU-only wheels; pip prefers 2.x+cpu over PyPI's 2.x with CUDA.
-      # Capped at a release known to have a CPU wheel on every index this setup meets.
+      # The CPU index holds CPU-only wheels, and pip prefers 2.x+cpu over PyPI's 2.x with
+      # CUDA. Where that index cannot be reached (a mirror-only network), the configured
+      # indexes are used alone; probing first avoids pip's retries on every package.
+      # Capped at a release known to have a CPU wheel on the indexes this setup meets.
+      local extra=()
+      _cpu_index_reachable "$py" && extra=(--extra-index-url "$_CPU_INDEX")
       _setup_log "installing ${TORCH_SPEC:-torch>=2.5,<2.14} (CPU build: no NVIDIA GPU found)"
-      "${pip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu \
-        "${TORCH_SPEC:-torch>=2.5,<2.14}" || return 1
+      "${pip[@]}" "${extra[@]}" "${TORCH_SPEC:-torch>=2.5,<2.14}" || return 1
     fi
   fi
   local missing
-  missing=$("$py" "$root/scripts/check_requirements.py" "$@")
+  missing=$("$py" "$root/scripts/check_requirements.py" "$@") || true  # exits 1 when any is missing
   if [ -n "$missing" ]; then
     _setup_log "installing $(echo $missing)"
     # Only the missing ones, so an installed torch is never upgraded or replaced.

@@ -42,6 +42,7 @@ def step_lines(output: str) -> list[re.Match]:
 def test_debug_run_exits_zero_with_step_lines_from_both_cpu_workers(two_runs):
     _, first, *_ = two_runs
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "setup:" not in first.stderr  # the interpreter had everything: nothing installed
     steps = step_lines(first.stdout)
     assert {m["prefix"] for m in steps} == {"CPU0", "CPU1"}
     assert all(m["prefix"] == f"CPU{m['rank']}" for m in steps)  # prefix and label agree
