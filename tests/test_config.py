@@ -154,3 +154,8 @@ def test_reference_table_lists_every_key_the_users_know():
                 "model.init_std", "data.context_length", "system.device", "system.device_id",
                 "logging.log_interval"]:
         assert f"| `{key}` |" in table
+
+
+def test_the_readme_lists_every_key_as_the_code_declares_it():
+    readme = (CONFIG_DIR.parent / "README.md").read_text()
+    assert cfg.reference_table() in readme, "README is stale: paste the output of python -m pretrain.config"

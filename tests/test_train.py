@@ -1,0 +1,72 @@
+"""Pieces of the training loop: schedule, ETA, labels, the non-finite stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from pretrain import config as cfg
+from pretrain.data.prepare import prepare
+from pretrain.runtime import Runtime, device_label, setup_logging
+from pretrain.train import NonFiniteError, build, format_eta, lr_at, train_step
+
+
+def training(**changes) -> cfg.TrainingConfig:
+    return dataclasses.replace(cfg.debug().training, **changes)
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    t = training(learning_rate=1.0, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(s, t) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, t) == 1.0
+    assert lr_at(13, t) == pytest.approx(0.1)
+    assert lr_at(4 + 9 / 2, t) == pytest.approx(0.55)  # halfway: the mean of peak and floor
+    decay = [lr_at(s, t) for s in range(4, 14)]
+    assert decay == sorted(decay, reverse=True)
+
+
+def test_learning_rate_without_warmup_starts_at_the_peak():
+    assert lr_at(0, training(learning_rate=2e-3, warmup_steps=0)) == 2e-3
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0:00"), (330.7, "5:30"), (7530, "2:05:30"), (-4, "0:00")])
+def test_eta_reads_minutes_and_seconds_and_hours_when_long(seconds, text):
+    assert format_eta(seconds) == text
+
+
+def test_labels_use_the_physical_gpu_index(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("GPU_RANK", "3")
+    assert device_label(torch.device("cuda", 0), rank=0) == "GPU 3"
+    monkeypatch.delenv("GPU_RANK")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert device_label(torch.device("cuda", 0), rank=0) == "GPU 5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,6")
+    assert device_label(torch.device("cuda", 1), rank=0) == "GPU 1"
+    assert device_label(torch.device("cpu"), rank=1) == "CPU 1"
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path}", "training.batch_size=2",
+                                               "data.context_length=32"])
+    runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
+    return build(config, runtime, prepare(config.data, log=lambda _: None), setup_logging("CPU 0", "WARNING"))
+
+
+def test_a_training_step_returns_a_finite_loss_near_ln_vocab_at_init(trainer):
+    loss, grad_norm, lr = train_step(trainer, 0)
+    assert abs(float(loss) - math.log(257)) < 0.3
+    assert math.isfinite(float(grad_norm)) and lr == lr_at(0, trainer.config.training)
+
+
+def test_a_nan_weight_stops_training_at_that_step(trainer):
+    with torch.no_grad():
+        trainer.model.layers[1].feed_forward.w2.weight[0, 0] = float("nan")
+    before = trainer.model.output.weight.detach().clone()
+    with pytest.raises(NonFiniteError, match="step 4: .* is not finite; see configs/config_stable.json"):
+        train_step(trainer, 4)
+    assert torch.equal(trainer.model.output.weight, before)  # the bad update was not applied
