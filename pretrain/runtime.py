@@ -38,8 +38,13 @@ class Runtime:
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip() else default
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeSetupError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def choose_device(config: Config) -> torch.device:
@@ -59,12 +64,15 @@ def choose_device(config: Config) -> torch.device:
 
 def device_label(device: torch.device, rank: int) -> str:
     """GPU n with n the physical index, else CPU <rank>. The physical index is GPU_RANK
-    (set by the launcher), else a lone index in CUDA_VISIBLE_DEVICES, else the device's."""
+    (set by the launcher), else the device's entry in CUDA_VISIBLE_DEVICES, else its index."""
     if device.type != "cuda":
         return f"CPU {rank}"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    lone_index = visible[0] if len(visible) == 1 and visible[0].strip().isdigit() else None
-    return f"GPU {os.environ.get('GPU_RANK') or lone_index or device.index}"
+    if os.environ.get("GPU_RANK"):
+        return f"GPU {os.environ['GPU_RANK']}"
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if all(v.isdigit() for v in visible) and device.index < len(visible):
+        return f"GPU {visible[device.index]}"  # cuda:i is the i-th GPU listed
+    return f"GPU {device.index}"
 
 
 def setup_logging(label: str, level: str) -> logging.Logger:
@@ -91,8 +99,13 @@ def init_runtime(config: Config) -> Runtime:
     return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank))
 
 
-def shutdown(runtime: Runtime) -> None:
+def shutdown(runtime: Runtime, success: bool) -> None:
+    """Leave the process group. After success every rank first waits for the others: gloo
+    ranks that tear down while a peer still talks abort with SIGABRT. After a failure there
+    is no barrier, since the peers may never arrive."""
     if runtime.distributed and dist.is_initialized():
+        if success:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -88,7 +88,10 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, log: logging.Logg
              f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}")
     optimizer = build_optimizer(model, t, runtime.device)
     if runtime.distributed:
-        model = DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None)
+        # The only buffers are the rotary tables: constants, identical on every rank, so
+        # broadcasting them before every forward would be wasted traffic.
+        model = DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+                                        broadcast_buffers=False)
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                           runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda")
     try:
@@ -202,6 +205,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: logging.Logger) -> None:
+    """Set up the run directory and data, build, fit. Everything it built, the DDP wrapper
+    included, is released when it returns: a process group destroyed while DDP still holds
+    it is torn down at interpreter exit instead, where gloo's threads abort the process."""
+    run_dir = create_run_dir(run_dir_arg)
+    if runtime.is_main and not (run_dir / "config.json").exists():
+        cfg.save(config, run_dir / "config.json")
+    # Under the launcher the dataset is already prepared and this is a cache hit.
+    dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
+    torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
+    trainer = build(config, runtime, dataset_dir, log)
+    log.debug(f"Run directory: {run_dir}")
+    fit(trainer)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -211,19 +229,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pretrain: error: {error}", file=sys.stderr)
         return 2
     log = setup_logging(runtime.label, config.logging.level)
+    success = False
     try:
-        run_dir = create_run_dir(args.run_dir)
-        if runtime.is_main and not (run_dir / "config.json").exists():
-            cfg.save(config, run_dir / "config.json")
-        # Under the launcher the dataset is already prepared and this is a cache hit.
-        dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
-        torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
-        trainer = build(config, runtime, dataset_dir, log)
-        log.debug(f"Run directory: {run_dir}")
-        fit(trainer)
+        train(config, runtime, args.run_dir, log)
+        success = True
     except (DataError, NonFiniteError) as error:
         log.error(str(error))
         return 2 if isinstance(error, DataError) else 1
+    except OSError as error:  # an unwritable run or cache directory, a full disk
+        log.error(f"{error.filename or ''}: {error.strerror or error}".lstrip(": "))
+        return 2
     finally:
-        shutdown(runtime)
+        shutdown(runtime, success)
     return 0
