@@ -17,14 +17,17 @@ from pathlib import Path
 
 from launcher import devices
 from launcher.printer import Printer, use_colour
-from launcher.supervisor import Supervisor
+from launcher.supervisor import StartError, Supervisor
 from launcher.worker import Worker, worker_env
 from pretrain import config as cfg
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir
 
 DEFAULT_CPU_WORKERS = 2
+MAX_KILL_GRACE = 3600
 EXIT_USAGE = 2
+EXIT_CANNOT_EXECUTE = 126
 EXIT_COMMAND_NOT_FOUND = 127
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, as a shell pipeline reports it
 
 
 class UsageError(Exception):
@@ -137,8 +140,8 @@ def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> lis
 def run(argv: Sequence[str]) -> int:
     options, command = split_command(argv)
     args = build_parser().parse_args(options)
-    if args.kill_grace < 0:
-        raise UsageError(f"--kill-grace must not be negative (got {args.kill_grace:g})")
+    if not 0 <= args.kill_grace <= MAX_KILL_GRACE:  # also refuses nan and inf
+        raise UsageError(f"--kill-grace must be between 0 and {MAX_KILL_GRACE} seconds (got {args.kill_grace:g})")
     config = cfg.from_args(args)
     if command:
         check_command(command)
@@ -166,11 +169,22 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         code = run(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # The reader of our output went away (`| head`); the workers are already killed.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        code = EXIT_BROKEN_PIPE
+    except StartError as error:
+        print(f"launcher: error: {error}", file=sys.stderr)
+        code = EXIT_CANNOT_EXECUTE
     except UsageError as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = error.exit_code
     except (cfg.ConfigError, DataError) as error:
         print(f"launcher: error: {error}", file=sys.stderr)
+        code = EXIT_USAGE
+    except OSError as error:  # an unwritable cache directory, a full disk
+        print(f"launcher: error: {error.filename or ''}: {error.strerror or error}".replace("error: : ", "error: "),
+              file=sys.stderr)
         code = EXIT_USAGE
     except KeyboardInterrupt:
         code = 130

@@ -42,6 +42,10 @@ def describe(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+class StartError(OSError):
+    """A worker's command exists but cannot be executed (not executable, bad format)."""
+
+
 @dataclass(frozen=True)
 class Interrupted:
     """The supervisor itself received SIGINT or SIGTERM."""
@@ -57,6 +61,8 @@ class _State:
     failed_at: float = 0.0
     interrupted_by: int | None = None
     teardown_started: float | None = None
+    stopped: int = 0
+    """Workers still running at the first failure, which the teardown stopped."""
     kill_at: float | None = None
 
 
@@ -80,7 +86,10 @@ class Supervisor:
             # Every process is spawned before any thread starts: forking while other
             # threads run is what makes preexec_fn unsafe.
             for worker in self.workers:
-                worker.start()
+                try:
+                    worker.start()
+                except OSError as error:
+                    raise StartError(f"cannot run {worker.argv[0]}: {error.strerror or error}") from None
             for worker in self.workers:
                 state.open_outputs.add(worker)
                 state.tails[worker] = deque(maxlen=TAIL_LINES)
@@ -116,13 +125,14 @@ class Supervisor:
                 state.returncodes[worker] = returncode
                 if returncode != 0 and state.first_failure is None and state.interrupted_by is None:
                     state.first_failure, state.failed_at = worker, time.monotonic()
+                    state.stopped = len(self._running())
                     self.printer.launcher_line(
                         f"{worker.label} failed ({describe(returncode)}); stopping the other workers")
                     self._begin_teardown()  # rule 2
             case Interrupted(signum):
                 if state.teardown_started is not None:
                     self.printer.launcher_line("second signal: killing every worker now")
-                    self._kill_all()
+                    self._kill_all(announce=False)
                 else:
                     state.interrupted_by = signum
                     self.printer.launcher_line(
@@ -147,10 +157,10 @@ class Supervisor:
         for worker in self._running():
             worker.signal_group(signal.SIGTERM)
 
-    def _kill_all(self) -> None:
+    def _kill_all(self, announce: bool = True) -> None:
         state = self._state
         running = self._running()
-        if running:
+        if running and announce:
             self.printer.launcher_line(
                 f"{', '.join(w.label for w in running)} still running after "
                 f"{self.kill_grace:g} s; sending SIGKILL")
@@ -190,7 +200,7 @@ class Supervisor:
             "=" * 72,
             f"FAILED: {worker.label} (rank {worker.rank}) failed first, {elapsed:.1f} s after start, "
             f"with {describe(returncode)}.",
-            f"Stopped {len(self.workers) - 1} other worker(s); teardown took {teardown:.2f} s.",
+            f"Stopped {state.stopped} other running worker(s); teardown took {teardown:.2f} s.",
         ]
         if state.tails[worker]:
             lines.append(f"Last {len(state.tails[worker])} lines of {worker.label}:")

@@ -38,14 +38,18 @@ class OutputClosed:
 Event = Line | Exited | OutputClosed
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask Linux to SIGKILL it when the launcher dies,
-    so even a SIGKILLed launcher leaves no worker behind."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: teardown still kills the group
+def _die_with_parent(launcher_pid: int) -> Callable[[], None]:
+    """A preexec_fn: the child asks Linux to SIGKILL it when the launcher dies, so even a
+    SIGKILLed launcher leaves no worker behind."""
+    def arm() -> None:
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            return  # not Linux: teardown still kills the group
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+    return arm
 
 
 @dataclass(eq=False)
@@ -63,7 +67,7 @@ class Worker:
         self.process = subprocess.Popen(
             list(self.argv), env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,  # one pipe keeps their order
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
         )
         self.started_at = time.monotonic()
 

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -124,8 +125,9 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches"):
             _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
-        for name in ("num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval", "seed"):
+        for name in ("num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval"):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
+        _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", f"must be between 0 and 1 (got {self.min_lr_ratio})")
         for name in ("beta1", "beta2"):
@@ -237,6 +239,8 @@ def _coerce(key: str, expected: Any, value: Any) -> Any:
     if expected is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if expected is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):  # JSON's Infinity and NaN, or 1e400
+            raise ConfigError(f"{key}: expected a finite number, got {value}")
         return float(value)
     if expected is str and isinstance(value, str):
         return value
@@ -284,6 +288,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of sections, got {_describe(data)}")
     preset = data.get("preset")
+    if preset is not None and not isinstance(preset, str):
+        raise ConfigError(f"{path}: preset: expected a preset name, got {_describe(preset)}")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"{path}: preset: unknown preset {json.dumps(preset)}{_closest(str(preset), list(PRESETS))}")
     return data
@@ -295,6 +301,8 @@ def parse_set(assignment: str) -> dict[str, Any]:
     if not sep or path.count(".") != 1 or not all(path.split(".")):
         raise ConfigError(f"--set {assignment}: expected section.key=value, for example training.batch_size=4")
     section, key = path.split(".")
+    if section == "preset":
+        raise ConfigError(f"--set {assignment}: the preset is not a section; use --preset NAME")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:

@@ -24,6 +24,28 @@ urllib.request.urlopen(urllib.request.Request(sys.argv[1], method="HEAD"), timeo
 PY
 }
 
+_install_cpu_torch() {  # PY SPEC
+  local py=$1 spec=$2
+  local pip=("$py" -m pip install --quiet --disable-pip-version-check --progress-bar off)
+  # The CPU index holds CPU-only wheels, and pip prefers 2.x+cpu over PyPI's 2.x with CUDA.
+  # Where that index cannot be reached (a mirror-only network), the configured indexes are
+  # used alone; probing first avoids pip's retries on every package. The cap is a release
+  # known to have a CPU wheel on the indexes this setup meets.
+  local extra=()
+  _cpu_index_reachable "$py" && extra=(--extra-index-url "$_CPU_INDEX")
+  _setup_log "installing $spec (CPU build: no NVIDIA GPU found)"
+  # torch alone first: a CUDA build names nvidia-* packages among its requirements, and
+  # those several GB must not be downloaded onto a machine without a GPU.
+  "${pip[@]}" --no-deps "${extra[@]}" "$spec" || return 1
+  if "$py" -c 'import importlib.metadata as m, sys; sys.exit(any(r.startswith("nvidia") for r in m.requires("torch") or []))'; then
+    "${pip[@]}" "${extra[@]}" "$spec" || return 1  # its remaining (CPU) dependencies
+  else
+    "$py" -m pip uninstall --quiet --yes torch >/dev/null 2>&1
+    _setup_log "error: no CPU build of torch is reachable (only a CUDA build, with GB of CUDA packages); install a CPU torch into $(dirname "$(dirname "$py")") yourself, or set TORCH_SPEC"
+    return 1
+  fi
+}
+
 _has_requirements() {  # PY ROOT FILES...
   local py=$1 root=$2; shift 2
   "$py" "$root/scripts/check_requirements.py" "$@" >/dev/null 2>&1
@@ -52,23 +74,20 @@ setup_python() {
   fi
   local py=$venv/bin/python
   local pip=("$py" -m pip install --quiet --disable-pip-version-check --progress-bar off)
-  if ! "$py" -c 'import torch' >/dev/null 2>&1; then
-    if _has_nvidia_gpu; then
-      _setup_log "installing ${TORCH_SPEC:-torch>=2.5} (NVIDIA GPU found)"
-      "${pip[@]}" "${TORCH_SPEC:-torch>=2.5}" || return 1
-    else
-      # The CPU index holds CPU-only wheels, and pip prefers 2.x+cpu over PyPI's 2.x with
-      # CUDA. Where that index cannot be reached (a mirror-only network), the configured
-      # indexes are used alone; probing first avoids pip's retries on every package.
-      # Capped at a release known to have a CPU wheel on the indexes this setup meets.
-      local extra=()
-      _cpu_index_reachable "$py" && extra=(--extra-index-url "$_CPU_INDEX")
-      _setup_log "installing ${TORCH_SPEC:-torch>=2.5,<2.14} (CPU build: no NVIDIA GPU found)"
-      "${pip[@]}" "${extra[@]}" "${TORCH_SPEC:-torch>=2.5,<2.14}" || return 1
-    fi
-  fi
   local missing
   missing=$("$py" "$root/scripts/check_requirements.py" "$@") || true  # exits 1 when any is missing
+  if "$py" -c 'import torch' >/dev/null 2>&1; then
+    if grep -qE '^torch([<>=!~ ]|$)' <<<"$missing"; then  # importable but too old: never replaced
+      _setup_log "error: the installed torch $("$py" -c 'import torch; print(torch.__version__)') is older than $(grep -E '^torch([<>=!~ ]|$)' <<<"$missing"); upgrade it, or set PYTHON=/path/to/another/python3"
+      return 1
+    fi
+  elif _has_nvidia_gpu; then
+    _setup_log "installing ${TORCH_SPEC:-torch>=2.5} (NVIDIA GPU found)"
+    "${pip[@]}" "${TORCH_SPEC:-torch>=2.5}" || return 1
+  else
+    _install_cpu_torch "$py" "${TORCH_SPEC:-torch>=2.5,<2.14}" || return 1
+  fi
+  missing=$("$py" "$root/scripts/check_requirements.py" "$@") || true
   if [ -n "$missing" ]; then
     _setup_log "installing $(echo $missing)"
     # Only the missing ones, so an installed torch is never upgraded or replaced.

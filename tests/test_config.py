@@ -159,3 +159,18 @@ def test_reference_table_lists_every_key_the_users_know():
 def test_the_readme_lists_every_key_as_the_code_declares_it():
     readme = (CONFIG_DIR.parent / "README.md").read_text()
     assert cfg.reference_table() in readme, "README is stale: paste the output of python -m pretrain.config"
+
+
+def test_infinite_or_nan_numbers_are_refused():
+    assert "training.learning_rate: expected a finite number, got inf" in error_of(sets=["training.learning_rate=1e400"])
+    assert "expected a finite number, got nan" in error_of(sets=["model.init_std=NaN"])
+
+
+def test_a_seed_beyond_64_bits_is_refused():
+    assert "training.seed: must be in [0, 2**63)" in error_of(sets=[f"training.seed={2**64}"])
+
+
+def test_preset_must_be_a_name_and_is_not_a_section(tmp_path):
+    assert 'preset: expected a preset name, got ["debug"] (a list)' in \
+        error_of(config_file=write(tmp_path, {"preset": ["debug"]}))
+    assert "the preset is not a section; use --preset NAME" in error_of(sets=["preset.foo=1"])

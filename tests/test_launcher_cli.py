@@ -28,7 +28,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, code: int, text: 
 
 @pytest.mark.parametrize("args, text", [
     (["--nproc", "0"], "--nproc must be at least 1 (got 0)"),
-    (["--kill-grace", "-1"], "--kill-grace must not be negative"),
+    (["--kill-grace", "-1"], "--kill-grace must be between 0 and 3600 seconds (got -1)"),
+    (["--kill-grace", "inf"], "--kill-grace must be between 0 and 3600 seconds (got inf)"),
+    (["--kill-grace", "nan"], "--kill-grace must be between 0 and 3600 seconds (got nan)"),
     (["--set", "training.batchsize=4"], "training.batchsize: unknown key; did you mean training.batch_size?"),
     (["--config", "no/such.json"], "no/such.json: config file not found"),
 ])
@@ -135,3 +137,56 @@ def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run
     assert_one_line_error(result, 2, "fewer than batch_size 100000 x 2 rank(s) = 200000; reduce training.batch_size")
     assert not (tmp_path / "r").exists()
     assert "CPU0:" not in result.stdout  # no worker started
+
+
+def test_a_command_that_cannot_be_executed_exits_126_with_one_line(tmp_path):
+    no_shebang = tmp_path / "train.sh"
+    no_shebang.write_text("echo hi\n")
+    no_shebang.chmod(0o755)
+    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", str(no_shebang))
+    assert_one_line_error(result, 126, f"cannot run {no_shebang}: Exec format error")
+
+
+def test_an_unwritable_cache_directory_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                    "--set", f"data.cache_dir={blocker / 'cache'}")
+    assert_one_line_error(result, 2, str(blocker))
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly_with_141(script, tmp_path):
+    endless = script("import os, time\nwhile True:\n    print('line', flush=True)\n    time.sleep(0.001)")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                             "--", *endless], cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()  # like `| head -1`
+    assert proc.wait(timeout=10) == 141
+    assert "Traceback" not in proc.stderr.read()
+
+
+def test_sigterm_to_the_launcher_exits_143(script, tmp_path):
+    proc, pids = start_launcher_with_sleepers(script, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143
+    assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
+
+
+def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_path):
+    argv = script("""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print('pid', os.getpid(), flush=True)
+        time.sleep(60)
+    """, "stubborn.py")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--kill-grace", "60",
+                             "--run-dir", str(tmp_path / "r"), "--", *argv],
+                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().startswith("launcher: received SIGINT")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 130  # long before the 60 s grace
+    assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
+    assert "still running after" not in proc.stdout.read()

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -51,11 +53,18 @@ def test_a_missing_interpreter_is_refused_with_one_line(tmp_path):
     assert result.returncode != 0 and "setup: error: no-such-python not found" in result.stderr
 
 
-def test_check_requirements_lists_exactly_the_missing_lines(tmp_path):
+def test_check_requirements_lists_exactly_the_missing_and_too_old_lines(tmp_path):
     requirements = tmp_path / "req.txt"
-    requirements.write_text("# comment\npytest>=7  # installed\nno-such-package-xyz>=1.0\n\nnumpy\n")
-    assert check_requirements.missing([requirements]) == ["no-such-package-xyz>=1.0"]
+    requirements.write_text("# comment\npytest>=7  # installed\nno-such-package-xyz>=1.0\n\nnumpy\n"
+                            "numpy>=999.0\n")
+    assert check_requirements.unsatisfied([requirements]) == ["no-such-package-xyz>=1.0", "numpy>=999.0"]
+
+
+@pytest.mark.parametrize("version, release", [("2.13.0+cpu", (2, 13, 0)), ("2.5.0rc1", (2, 5, 0)),
+                                              ("12.535.161", (12, 535, 161)), ("4.60", (4, 60))])
+def test_versions_compare_by_their_numeric_release(version, release):
+    assert check_requirements.release(version) == release
 
 
 def test_every_runtime_requirement_is_installed_here():
-    assert check_requirements.missing([ROOT / "requirements.txt", ROOT / "requirements-dev.txt"]) == []
+    assert check_requirements.unsatisfied([ROOT / "requirements.txt", ROOT / "requirements-dev.txt"]) == []

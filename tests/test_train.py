@@ -45,7 +45,7 @@ def test_labels_use_the_physical_gpu_index(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     assert device_label(torch.device("cuda", 0), rank=0) == "GPU 5"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,6")
-    assert device_label(torch.device("cuda", 1), rank=0) == "GPU 1"
+    assert device_label(torch.device("cuda", 1), rank=0) == "GPU 6"  # cuda:1 is the second listed
     assert device_label(torch.device("cpu"), rank=1) == "CPU 1"
 
 

@@ -326,6 +326,10 @@ def _write_token_files(directory: Path, documents: Sequence[str], held_out: set[
                        tokenizer: Tokenizer, dtype: np.dtype) -> dict[str, _SplitWriter]:
     from tqdm import tqdm  # imported here: only a build draws a progress bar
 
+    # No monitor thread: the launcher prepares data and then forks its workers, and forking
+    # while another thread runs can deadlock the child.
+    tqdm.monitor_interval = 0
+
     with open(token_file(directory, "train"), "wb") as train, open(token_file(directory, "val"), "wb") as val:
         writers = {"train": _SplitWriter(train), "val": _SplitWriter(val)}
         # disable=None: silent when stderr is not a terminal (logs, pipes, tests).
