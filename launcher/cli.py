@@ -79,7 +79,11 @@ def place(device: str, nproc: int | None, device_id: int | None, printer: Printe
     """Decide CPU or GPU, and which GPUs."""
     if nproc is not None and nproc < 1:
         raise UsageError(f"--nproc must be at least 1 (got {nproc})")
-    gpus = devices.nvml_gpu_indices() if device in ("auto", "cuda") else []
+    try:
+        gpus = devices.nvml_gpu_indices() if device in ("auto", "cuda") else []
+        gpus = devices.restrict_to_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except devices.DeviceError as error:
+        raise UsageError(str(error)) from None
     if device == "cuda" or (device == "auto" and gpus):
         try:
             chosen = devices.choose_gpus(gpus, nproc, device_id)

@@ -26,6 +26,19 @@ class DeviceError(ValueError):
     """The requested devices cannot be had; the message is one line."""
 
 
+def restrict_to_visible(available: list[int], cuda_visible_devices: str | None) -> list[int]:
+    """An existing CUDA_VISIBLE_DEVICES (Slurm, a container, a user sharing the machine)
+    limits the choice to the GPUs it lists, in its order. Only indices for now: GPU UUIDs
+    are refused rather than ignored, since ignoring them could land on someone else's GPU."""
+    if cuda_visible_devices is None:
+        return available
+    listed = [entry.strip() for entry in cuda_visible_devices.split(",") if entry.strip()]
+    if not all(entry.isdigit() for entry in listed):
+        raise DeviceError(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} names GPUs by UUID, which the "
+                          f"launcher cannot map yet; list GPU indices instead")
+    return [int(entry) for entry in listed if int(entry) in available]
+
+
 def choose_gpus(available: list[int], nproc: int | None, device_id: int | None) -> list[int]:
     """Which physical GPUs to run on: [device_id] when pinned, else the first nproc
     (default: all) of those available."""

@@ -93,8 +93,13 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(script, tmp_path):
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
 
 
-def placement(monkeypatch, gpus: list[int], device: str, nproc=None, device_id=None) -> tuple[cli.Placement, str]:
+def placement(monkeypatch, gpus: list[int], device: str, nproc=None, device_id=None,
+              visible: str | None = None) -> tuple[cli.Placement, str]:
     monkeypatch.setattr(devices, "nvml_gpu_indices", lambda: gpus)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     console = io.StringIO()
     return cli.place(device, nproc, device_id, Printer(console, None)), console.getvalue()
 
@@ -190,3 +195,11 @@ def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_p
     assert proc.wait(timeout=10) == 130  # long before the 60 s grace
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
     assert "still running after" not in proc.stdout.read()
+
+
+def test_an_existing_cuda_visible_devices_limits_the_gpus_used(monkeypatch):
+    chosen, _ = placement(monkeypatch, [0, 1, 2, 3], "auto", visible="3,1")
+    assert [chosen.label(r) for r in range(chosen.world_size)] == ["GPU3", "GPU1"]
+    assert placement(monkeypatch, [0, 1], "auto", visible="")[0].device == "cpu"  # nothing visible
+    with pytest.raises(cli.UsageError, match="names GPUs by UUID"):
+        placement(monkeypatch, [0, 1], "cuda", visible="GPU-8f2a")
