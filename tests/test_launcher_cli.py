@@ -66,10 +66,15 @@ def test_a_failing_worker_makes_the_launcher_exit_with_its_code(script, tmp_path
     assert "CPU1 failed (exit code 7)" in result.stdout
 
 
-def start_launcher_with_sleepers(script, tmp_path) -> tuple[subprocess.Popen, list[int]]:
-    argv = script("import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                             "--", *argv], cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+
+
+def start_launcher_with_sleepers(script, tmp_path, source: str = SLEEPER,
+                                 *options: str) -> tuple[subprocess.Popen, list[int]]:
+    """A launcher running 2 workers that print their pid and sleep; return it and the pids."""
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", *options,
+                             "--run-dir", str(tmp_path / "r"), "--", *script(source)],
+                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
     pids = []
     while len(pids) < 2:
         line = proc.stdout.readline()
@@ -179,16 +184,8 @@ def test_sigterm_to_the_launcher_exits_143(script, tmp_path):
 
 
 def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_path):
-    argv = script("""
-        import os, signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print('pid', os.getpid(), flush=True)
-        time.sleep(60)
-    """, "stubborn.py")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--kill-grace", "60",
-                             "--run-dir", str(tmp_path / "r"), "--", *argv],
-                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
-    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    ignores_sigterm = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
+    proc, pids = start_launcher_with_sleepers(script, tmp_path, ignores_sigterm, "--kill-grace", "60")
     proc.send_signal(signal.SIGINT)
     assert proc.stdout.readline().startswith("launcher: received SIGINT")
     proc.send_signal(signal.SIGINT)
