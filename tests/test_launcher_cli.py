@@ -84,10 +84,11 @@ def start_launcher_with_sleepers(script, tmp_path, source: str = SLEEPER,
     return proc, pids
 
 
-def test_sigint_to_the_launcher_stops_every_worker_and_exits_130(script, tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_stops_every_worker_and_exits_128_plus_it(script, tmp_path, signum, code):
     proc, pids = start_launcher_with_sleepers(script, tmp_path)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=10) == 130
+    proc.send_signal(signum)
+    assert proc.wait(timeout=10) == code
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
 
 
@@ -174,13 +175,6 @@ def test_a_reader_that_goes_away_ends_the_run_quietly_with_141(script, tmp_path)
     proc.stdout.close()  # like `| head -1`
     assert proc.wait(timeout=10) == 141
     assert "Traceback" not in proc.stderr.read()
-
-
-def test_sigterm_to_the_launcher_exits_143(script, tmp_path):
-    proc, pids = start_launcher_with_sleepers(script, tmp_path)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 143
-    assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
 
 
 def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_path):
