@@ -16,6 +16,7 @@ import sys
 from pretrain import config as configuration
 from pretrain.data import DataError
 from pretrain.data.prepare import prepare, verify
+from pretrain.runfiles import os_error_message
 
 PROG = "prepare_dataset"
 
@@ -36,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.verify:
             verify(dataset_dir)
             print(f"dataset: verified {dataset_dir} (every file matches its sha256 in meta.json)")
-    except (configuration.ConfigError, DataError, OSError) as error:
+    except (configuration.ConfigError, DataError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"{PROG}: error: {os_error_message(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

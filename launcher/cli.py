@@ -20,7 +20,7 @@ from launcher.printer import Printer, use_colour
 from launcher.supervisor import StartError, Supervisor
 from launcher.worker import Worker, worker_env
 from pretrain import config as cfg
-from pretrain.runfiles import PROJECT_ROOT, create_run_dir
+from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
 
 DEFAULT_CPU_WORKERS = 2
 MAX_KILL_GRACE = 3600
@@ -120,16 +120,16 @@ def check_command(command: list[str]) -> None:
         raise CommandNotFound(f"command not found: {command[0]}")
 
 
-def prepare_training(config: cfg.Config, placement: Placement, printer: Printer) -> tuple[cfg.Config, Path]:
+def prepare_training(config: cfg.Config, placement: Placement, printer: Printer) -> cfg.Config:
     """Prepare the dataset once and check one global batch fits, before anything is spawned
-    or written; return the config as the workers will run it and the dataset directory."""
+    or written; return the config as the workers will run it."""
     from pretrain.data import prepare
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     dataset_dir = prepare.prepare(config.data, log=printer.launcher_line)
     prepare.check_batch_fits(dataset_dir, config.data.context_length,
                              config.training.batch_size, placement.world_size)
-    return config, dataset_dir
+    return config
 
 
 def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
@@ -152,7 +152,7 @@ def run(argv: Sequence[str]) -> int:
     console = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
     placement = place(args.device or config.system.device, args.nproc, config.system.device_id, console)
     if not command:
-        config, _ = prepare_training(config, placement, console)
+        config = prepare_training(config, placement, console)
     try:
         run_dir = create_run_dir(args.run_dir)
     except OSError as error:
@@ -187,8 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_USAGE
     except OSError as error:  # an unwritable cache directory, a full disk
-        print(f"launcher: error: {error.filename or ''}: {error.strerror or error}".replace("error: : ", "error: "),
-              file=sys.stderr)
+        print(f"launcher: error: {os_error_message(error)}", file=sys.stderr)
         code = EXIT_USAGE
     except KeyboardInterrupt:
         code = 130

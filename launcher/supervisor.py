@@ -23,6 +23,7 @@ from pathlib import Path
 
 from launcher.printer import Printer
 from launcher.worker import Event, Exited, Line, OutputClosed, Worker
+from pretrain.runfiles import atomic_write_text
 
 OUTPUT_DRAIN_SECONDS = 1.0  # after the last exit, wait this long for pipes held by leftovers
 TAIL_LINES = 20
@@ -213,8 +214,6 @@ class Supervisor:
     def _record_exit_codes(self) -> None:
         if self.run_dir is None:
             return
-        from pretrain.runfiles import atomic_write_text
-
         record = [{"rank": w.rank, "label": w.label, "pid": w.process.pid if w.process else None,
                    "returncode": self._state.returncodes.get(w),
                    "exit_code": exit_code(self._state.returncodes[w]) if w in self._state.returncodes else None,

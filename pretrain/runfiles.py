@@ -17,6 +17,12 @@ def project_path(path: str | Path) -> Path:
     return path if path.is_absolute() else PROJECT_ROOT / path
 
 
+def os_error_message(error: OSError) -> str:
+    """One line for a failed file operation: '/path: Permission denied'."""
+    reason = error.strerror or str(error)
+    return f"{error.filename}: {reason}" if error.filename else reason
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text to path so readers see the old file or the whole new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)

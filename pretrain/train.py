@@ -24,7 +24,7 @@ from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.prepare import prepare
 from pretrain.model import Transformer, cross_entropy_loss
-from pretrain.runfiles import create_run_dir
+from pretrain.runfiles import create_run_dir, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 
 
@@ -237,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error(str(error))
         return 2 if isinstance(error, DataError) else 1
     except OSError as error:  # an unwritable run or cache directory, a full disk
-        log.error(f"{error.filename or ''}: {error.strerror or error}".lstrip(": "))
+        log.error(os_error_message(error))
         return 2
     finally:
         shutdown(runtime, success)

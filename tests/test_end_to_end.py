@@ -133,3 +133,14 @@ def test_a_malformed_rank_variable_is_a_one_line_error():
                             env=launcher_env(RANK="abc"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "pretrain: error: environment variable RANK='abc' is not an integer"
+
+
+def test_prepare_dataset_reports_an_unwritable_cache_as_one_line_naming_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--debug",
+                             "--set", f"data.cache_dir={blocker / 'cache'}"],
+                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"prepare_dataset: error: {blocker}") and result.stderr.count("\n") == 1
+    assert "[Errno" not in result.stderr
