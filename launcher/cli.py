@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
 
 DEFAULT_CPU_WORKERS = 2
 MAX_KILL_GRACE = 3600
+MAX_STOP_TIMEOUT = 86400
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain_main.py dumps every thread's stack on it
 EXIT_USAGE = 2
 EXIT_CANNOT_EXECUTE = 126
 EXIT_COMMAND_NOT_FOUND = 127
@@ -50,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"worker processes (default: one per GPU; {DEFAULT_CPU_WORKERS} on CPU)")
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL in teardown (default: 5)")
+                        help="after a failure, seconds between SIGTERM and SIGKILL for the other workers "
+                             "(default: 5)")
+    parser.add_argument("--stop-timeout", type=float, default=120.0, metavar="S",
+                        help="on Ctrl-C or SIGTERM, seconds the workers get to finish their step and save "
+                             "a checkpoint before they are killed (default: 120)")
+    parser.add_argument("--hang-timeout", type=float, metavar="S",
+                        help="a worker that prints nothing for S seconds has failed (default: off)")
     cfg.add_arguments(parser)
     return parser
 
@@ -141,11 +150,19 @@ def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> lis
             "--config", str(config_path), "--run-dir", str(run_dir)]
 
 
+def check_seconds(option: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:  # also refuses nan and inf
+        raise UsageError(f"{option} must be between {low:g} and {high:g} seconds (got {value:g})")
+
+
 def run(argv: Sequence[str]) -> int:
     options, command = split_command(argv)
+    generic = bool(command)
     args = build_parser().parse_args(options)
-    if not 0 <= args.kill_grace <= MAX_KILL_GRACE:  # also refuses nan and inf
-        raise UsageError(f"--kill-grace must be between 0 and {MAX_KILL_GRACE} seconds (got {args.kill_grace:g})")
+    check_seconds("--kill-grace", args.kill_grace, 0, MAX_KILL_GRACE)
+    check_seconds("--stop-timeout", args.stop_timeout, 0, MAX_STOP_TIMEOUT)
+    if args.hang_timeout is not None:
+        check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
     config = cfg.from_args(args)
     if command:
         check_command(command)
@@ -163,7 +180,9 @@ def run(argv: Sequence[str]) -> int:
         if not command:
             command = training_command(config, run_dir, printer)
         workers = make_workers(placement, command)
-        return Supervisor(workers, printer, kill_grace=args.kill_grace, run_dir=run_dir).run()
+        return Supervisor(workers, printer, kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
+                          hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
+                          stack_dump_signal=None if generic else STACK_DUMP_SIGNAL).run()
     finally:
         printer.close()
 

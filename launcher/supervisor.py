@@ -1,19 +1,29 @@
 """The lifetime of a group of workers: one loop over typed events.
 
-Teardown rules (each has a test in tests/test_supervisor.py):
-1. The first worker to exit non-zero decides the outcome: the supervisor returns its exit
-   code (a death by signal n returns 128 + n). Success means every worker exited 0.
-2. On that first failure every other worker's process group gets SIGTERM, and SIGKILL
-   once `kill_grace` seconds have passed.
-3. SIGINT or SIGTERM to the supervisor starts the same teardown for all workers and
-   returns 130 or 143; a second signal SIGKILLs at once.
-4. When the loop ends, every worker's process group gets SIGKILL, so nothing a worker
-   started in its group outlives the run.
+Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launcher_cli.py):
+1. The first worker to fail decides the outcome: the supervisor returns its exit code (a
+   death by signal n returns 128 + n). A worker that prints nothing for hang_timeout
+   seconds has failed, with exit code 124. Success means every worker exited 0.
+2. On that first failure, workers that can dump their stacks are asked to (the summary
+   shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every running
+   worker's process group gets SIGTERM, and SIGKILL once kill_grace seconds have passed.
+3. SIGINT or SIGTERM to the supervisor asks every worker to stop gracefully: SIGTERM to
+   the worker process alone, so it can finish its step and save while its helpers keep
+   working. After stop_timeout seconds they are killed; a second signal kills at once.
+   Returns 130 or 143.
+4. When the loop ends, every process of the run is SIGKILLed: the workers' groups and
+   the descendants that left them (setsid, double fork), found by the run's token in
+   their environment and, with adopt_orphans, by being re-parented to the supervisor.
+   A SIGKILLed supervisor cannot do this: its workers die with it (parent-death signal)
+   and the guardian process kills the rest: whatever carries the token or is in a
+   worker's group, and every process of the run the supervisor saw (it looks every
+   SNAPSHOT_INTERVAL seconds).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import time
@@ -21,26 +31,27 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import reaper, summary
+from launcher.guardian import Guardian
 from launcher.printer import Printer
 from launcher.worker import Event, Exited, Line, OutputClosed, Worker
-from pretrain.runfiles import atomic_write_text
+from pretrain.runfiles import PROJECT_ROOT, atomic_write_text
 
-OUTPUT_DRAIN_SECONDS = 1.0  # after the last exit, wait this long for pipes held by leftovers
+OUTPUT_DRAIN_SECONDS = 1.0  # after teardown, wait at most this long for the rest of the output
+# SIGTERM right after the stack-dump signal would kill a worker before it dumps (a default
+# SIGTERM is fatal at once), so it waits until every worker has begun its dump and a little
+# longer for the rest of it, or at most the first delay.
+STACK_DUMP_MAX_WAIT = 0.3
+STACK_DUMP_SETTLE = 0.03
+NO_DUMP = "no stack dump: the process was stopped (SIGSTOP) or is stuck in the kernel"
+SNAPSHOT_INTERVAL = 0.5  # how often the guardian learns the run's processes (one /proc pass)
 TAIL_LINES = 20
+EXIT_HANG = 124  # as timeout(1) reports it
 
 
 def exit_code(returncode: int) -> int:
     """A shell-style exit status: a death by signal n becomes 128 + n."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
 
 
 class StartError(OSError):
@@ -54,126 +65,253 @@ class Interrupted:
 
 
 @dataclass
-class _State:
-    returncodes: dict[Worker, int] = field(default_factory=dict)
-    open_outputs: set[Worker] = field(default_factory=set)
-    tails: dict[Worker, deque[str]] = field(default_factory=dict)
-    first_failure: Worker | None = None
-    failed_at: float = 0.0
-    interrupted_by: int | None = None
-    teardown_started: float | None = None
-    stopped: int = 0
-    """Workers still running at the first failure, which the teardown stopped."""
-    kill_at: float | None = None
+class _Watch:
+    """What the supervisor knows about one running worker."""
+    last_output: float
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    returncode: int | None = None
+    output_open: bool = True
+    cuda_oom: bool = False
+    stacks: summary.StackDump = field(default_factory=summary.StackDump)
+
+
+@dataclass
+class _FirstFailure:
+    worker: Worker
+    at: float
+    stopped: int
+    """Other workers still running at that moment, which the teardown stopped."""
+    hung_for: float | None = None
 
 
 class Supervisor:
-    def __init__(self, workers: list[Worker], printer: Printer, kill_grace: float = 5.0,
-                 run_dir: Path | None = None) -> None:
+    def __init__(self, workers: list[Worker], printer: Printer, *, kill_grace: float = 5.0,
+                 stop_timeout: float = 120.0, hang_timeout: float | None = None,
+                 stack_dump_signal: int | None = None, run_dir: Path | None = None,
+                 adopt_orphans: bool = False) -> None:
+        """stack_dump_signal: the signal on which the workers print their Python stacks
+        (only for commands known to handle it; by default it would kill them).
+        adopt_orphans: make this process a child subreaper, so descendants that double
+        fork stay findable; only for a process that runs nothing but this supervisor."""
         self.workers = workers
         self.printer = printer
         self.kill_grace = kill_grace
+        self.stop_timeout = stop_timeout
+        self.hang_timeout = hang_timeout
+        self.stack_dump_signal = stack_dump_signal
         self.run_dir = run_dir
+        self.adopt_orphans = adopt_orphans
+        self._token = reaper.new_token()
         self._events: queue.SimpleQueue[Event | Interrupted] = queue.SimpleQueue()  # put() is signal-safe
-        self._state = _State()
+        self._watch: dict[Worker, _Watch] = {}
+        self._guardian: Guardian | None = None
+        self._failure: _FirstFailure | None = None
+        self._interrupted_by: int | None = None
+        self._interrupted_at = 0.0
+        self._stacks_requested = False
+        self._awaiting_dump: set[Worker] = set()
+        self._no_dump: set[Worker] = set()
+        """Workers asked for their stacks that neither dumped nor exited in time."""
+        self._terminate_at: float | None = None
+        self._kill_at: float | None = None
+        self._kill_reason = ""
+        self._next_snapshot = 0.0
+        self._reported: dict[int, int] = {}
+        self._teardown_done: float | None = None
 
     # --- the loop -----------------------------------------------------------------------
 
     def run(self) -> int:
         """Start every worker, watch them to the end, and return the exit code."""
-        state = self._state
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            # Every process is spawned before any thread starts: forking while other
-            # threads run is what makes preexec_fn unsafe.
-            for worker in self.workers:
-                try:
-                    worker.start()
-                except OSError as error:
-                    raise StartError(f"cannot run {worker.argv[0]}: {error.strerror or error}") from None
-            for worker in self.workers:
-                state.open_outputs.add(worker)
-                state.tails[worker] = deque(maxlen=TAIL_LINES)
-                worker.watch(self._events.put)
-            while len(state.returncodes) < len(self.workers):
+            self._start_all()
+            while any(w.returncode is None for w in self._watch.values()):
                 self._handle(self._next_event())
-            self._drain_output()
+                self._check_deadlines()
         finally:
-            for worker in self.workers:
-                worker.signal_group(signal.SIGKILL)  # rule 4
+            self._kill_everything()  # rule 4
+            if self._guardian is not None:
+                self._guardian.dismiss()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        self._drain_output()
         self._record_exit_codes()
         return self._outcome()
 
+    def _start_all(self) -> None:
+        if self.adopt_orphans:
+            reaper.become_subreaper()
+        # Every process is spawned before any thread starts: forking while other
+        # threads run is what makes preexec_fn unsafe.
+        self._guardian = Guardian(self._token, dict(os.environ), str(PROJECT_ROOT))
+        for worker in self.workers:
+            worker.env[reaper.TOKEN_VAR] = self._token
+            try:
+                worker.start()
+            except OSError as error:
+                raise StartError(f"cannot run {worker.argv[0]}: {error.strerror or error}") from None
+            self._guardian.add_group(worker.process.pid)
+        for worker in self.workers:
+            self._watch[worker] = _Watch(last_output=time.monotonic())
+            worker.watch(self._events.put)
+
     def _next_event(self) -> Event | Interrupted | None:
-        state = self._state
-        timeout = None if state.kill_at is None else max(0.0, state.kill_at - time.monotonic())
+        deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot)
+                     if d is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
-            return None  # the grace period is over
+            return None
 
     def _handle(self, event: Event | Interrupted | None) -> None:
-        state = self._state
         match event:
             case Line(worker, text):
-                state.tails[worker].append(text)
-                self.printer.worker_line(worker.label, text)
+                self._on_line(worker, text)
             case OutputClosed(worker):
-                state.open_outputs.discard(worker)
+                self._watch[worker].output_open = False
             case Exited(worker, returncode):
-                state.returncodes[worker] = returncode
-                if returncode != 0 and state.first_failure is None and state.interrupted_by is None:
-                    state.first_failure, state.failed_at = worker, time.monotonic()
-                    state.stopped = len(self._running())
+                self._watch[worker].returncode = returncode
+                self._dump_done(worker)
+                if returncode != 0 and self._failure is None and self._interrupted_by is None:
                     self.printer.launcher_line(
-                        f"{worker.label} failed ({describe(returncode)}); stopping the other workers")
-                    self._begin_teardown()  # rule 2
+                        f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers")
+                    self._fail(worker)
             case Interrupted(signum):
-                if state.teardown_started is not None:
-                    self.printer.launcher_line("second signal: killing every worker now")
-                    self._kill_all(announce=False)
-                else:
-                    state.interrupted_by = signum
-                    self.printer.launcher_line(
-                        f"received {signal.Signals(signum).name}: stopping workers "
-                        f"(again to kill them at once)")
-                    self._begin_teardown()  # rule 3
-            case None:
-                self._kill_all()
+                self._on_interrupt(signum)
+
+    def _on_line(self, worker: Worker, text: str) -> None:
+        watch = self._watch[worker]
+        watch.last_output = time.monotonic()
+        watch.tail.append(text)
+        watch.cuda_oom = watch.cuda_oom or summary.is_cuda_oom(text)
+        if self._stacks_requested and watch.stacks.feed(text):
+            self._dump_done(worker)
+        self.printer.worker_line(worker.label, text)
+
+    def _on_interrupt(self, signum: int) -> None:
+        if self._tearing_down:
+            self.printer.launcher_line("second signal: killing every worker now")
+            self._kill_running()
+            return
+        self._interrupted_by, self._interrupted_at = signum, time.monotonic()
+        self.printer.launcher_line(
+            f"received {signal.Signals(signum).name}: asking the workers to stop gracefully "
+            f"(at most {self.stop_timeout:g} s, --stop-timeout; again to kill them now)")
+        for worker in self._running():  # rule 3
+            worker.signal(signal.SIGTERM)
+        self._set_kill_deadline(self.stop_timeout, "--stop-timeout")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._events.put(Interrupted(signum))
 
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_snapshot:
+            self._report_processes_to_guardian()
+        if self._terminate_at is not None and now >= self._terminate_at:
+            self._terminate_running()
+        if self._kill_at is not None and now >= self._kill_at:
+            running = self._running()
+            if running:
+                self.printer.launcher_line(
+                    f"{', '.join(w.label for w in running)} still running after {self._kill_reason}; "
+                    f"sending SIGKILL")
+            self._kill_running()
+        deadline = self._hang_deadline()
+        if deadline is not None and now >= deadline:
+            worker = min(self._running(), key=lambda w: self._watch[w].last_output)
+            self.printer.launcher_line(
+                f"{worker.label} printed nothing for {self.hang_timeout:g} s (--hang-timeout); "
+                f"counting it as failed and stopping every worker")
+            self._fail(worker, hung_for=self.hang_timeout)
+
+    @property
+    def _tearing_down(self) -> bool:
+        return self._failure is not None or self._interrupted_by is not None
+
+    def _hang_deadline(self) -> float | None:
+        """When the quietest running worker will have been silent for hang_timeout."""
+        running = self._running()
+        if self.hang_timeout is None or self._tearing_down or not running:
+            return None
+        return min(self._watch[w].last_output for w in running) + self.hang_timeout
+
     # --- teardown -----------------------------------------------------------------------
 
     def _running(self) -> list[Worker]:
-        return [w for w in self.workers if w not in self._state.returncodes]
+        return [w for w, watch in self._watch.items() if watch.returncode is None]
 
-    def _begin_teardown(self) -> None:
-        state = self._state
-        state.teardown_started = time.monotonic()
-        state.kill_at = state.teardown_started + self.kill_grace
+    def _fail(self, worker: Worker, hung_for: float | None = None) -> None:
+        """Rules 1 and 2: remember the first failure, ask for stacks, stop the others."""
+        running = self._running()
+        self._failure = _FirstFailure(worker, time.monotonic(), len([w for w in running if w is not worker]),
+                                      hung_for)
+        if self.stack_dump_signal is None or not running:
+            self._terminate_running()
+            return
+        self._stacks_requested = True
+        self._awaiting_dump = set(running)
+        self._terminate_at = time.monotonic() + STACK_DUMP_MAX_WAIT
+        for other in running:
+            other.signal(self.stack_dump_signal)
+
+    def _dump_done(self, worker: Worker) -> None:
+        """The worker began its stack dump, or exited: once every one has, terminate soon."""
+        if worker in self._awaiting_dump:
+            self._awaiting_dump.discard(worker)
+            if not self._awaiting_dump and self._terminate_at is not None:
+                self._terminate_at = min(self._terminate_at, time.monotonic() + STACK_DUMP_SETTLE)
+
+    def _terminate_running(self) -> None:
+        self._terminate_at = None
+        self._no_dump, self._awaiting_dump = self._awaiting_dump, set()
         for worker in self._running():
             worker.signal_group(signal.SIGTERM)
+        self._set_kill_deadline(self.kill_grace, "--kill-grace")
 
-    def _kill_all(self, announce: bool = True) -> None:
-        state = self._state
-        running = self._running()
-        if running and announce:
-            self.printer.launcher_line(
-                f"{', '.join(w.label for w in running)} still running after "
-                f"{self.kill_grace:g} s; sending SIGKILL")
-        for worker in running:
+    def _set_kill_deadline(self, seconds: float, option: str) -> None:
+        self._kill_at = time.monotonic() + seconds
+        self._kill_reason = f"{seconds:g} s ({option})"
+
+    def _kill_running(self) -> None:
+        for worker in self._running():
             worker.signal_group(signal.SIGKILL)
-        state.kill_at = None
+        self._kill_at = None
+
+    def _scope(self) -> tuple[set[int], set[int], set[int]]:
+        """(worker groups, roots, excluded pids) for the reaper: what belongs to the run."""
+        groups = {w.process.pid for w in self.workers if w.process is not None}
+        roots = groups | ({os.getpid()} if self.adopt_orphans else set())  # orphans were re-parented here
+        exclude = {self._guardian.pid} if self._guardian is not None else set()
+        return groups, roots, exclude
+
+    def _report_processes_to_guardian(self) -> None:
+        self._next_snapshot = time.monotonic() + SNAPSHOT_INTERVAL
+        if self._guardian is None:
+            return
+        groups, roots, exclude = self._scope()
+        processes = reaper.scan(self._token)
+        pids = reaper.members(processes, groups=groups, roots=roots, exclude=exclude)
+        new = {p.pid: p.started for p in processes if p.pid in pids and self._reported.get(p.pid) != p.started}
+        self._reported.update(new)
+        self._guardian.add_processes(new)
+
+    def _kill_everything(self) -> None:
+        for worker in self.workers:
+            worker.signal_group(signal.SIGKILL)
+        groups, roots, exclude = self._scope()
+        reaper.kill_run(self._token, groups=groups, roots=roots, exclude=exclude)
+        if self.adopt_orphans:
+            reaper.reap_adopted(keep=roots | exclude)
+        self._teardown_done = time.monotonic()
 
     def _drain_output(self) -> None:
-        """Print what the workers wrote before exiting; don't wait forever on a pipe that a
-        leftover grandchild still holds open (rule 4 kills it right after)."""
+        """Print what the workers wrote before they exited. Every writer is dead by now,
+        so the pipes reach end of file at once; the deadline is only a safety net."""
         deadline = time.monotonic() + OUTPUT_DRAIN_SECONDS
-        while self._state.open_outputs and time.monotonic() < deadline:
+        while any(w.output_open for w in self._watch.values()) and time.monotonic() < deadline:
             try:
                 event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -184,39 +322,47 @@ class Supervisor:
     # --- outcome ------------------------------------------------------------------------
 
     def _outcome(self) -> int:
-        state = self._state
-        if state.first_failure is not None:
-            self._print_failure_summary(state.first_failure)
-            return exit_code(state.returncodes[state.first_failure])
-        if state.interrupted_by is not None:
-            return 128 + state.interrupted_by
+        if self._failure is not None:
+            failure = self._describe_failure(self._failure)
+            self.printer.launcher_line("\n".join(summary.render(failure)))
+            return failure.exit_code
+        if self._interrupted_by is not None:
+            killed = [w.label for w, watch in self._watch.items() if watch.returncode == -signal.SIGKILL]
+            self.printer.launcher_line(
+                f"stopped: every worker exited within {self._teardown_done - self._interrupted_at:.2f} s of "
+                f"{signal.Signals(self._interrupted_by).name}" + (f"; {', '.join(killed)} had to be killed" if killed else ""))
+            return 128 + self._interrupted_by
         return 0
 
-    def _print_failure_summary(self, worker: Worker) -> None:
-        state = self._state
-        returncode = state.returncodes[worker]
-        elapsed = state.failed_at - worker.started_at
-        teardown = time.monotonic() - state.failed_at
-        lines = [
-            "=" * 72,
-            f"FAILED: {worker.label} (rank {worker.rank}) failed first, {elapsed:.1f} s after start, "
-            f"with {describe(returncode)}.",
-            f"Stopped {state.stopped} other running worker(s); teardown took {teardown:.2f} s.",
-        ]
-        if state.tails[worker]:
-            lines.append(f"Last {len(state.tails[worker])} lines of {worker.label}:")
-            lines += [f"  {line}" for line in state.tails[worker]]
-        if self.run_dir is not None:
-            lines.append(f"Full logs: {self.run_dir / 'logs'}")
-        lines.append("=" * 72)
-        self.printer.launcher_line("\n".join(lines))
+    def _describe_failure(self, first: _FirstFailure) -> summary.Failure:
+        worker, watch = first.worker, self._watch[first.worker]
+        returncode = watch.returncode if watch.returncode is not None else -signal.SIGKILL
+        if first.hung_for is not None:
+            code, how = EXIT_HANG, f"printed nothing for {first.hung_for:g} s"
+        else:
+            code, how = exit_code(returncode), summary.describe(returncode)
+        where = {w.label: frames for w, wa in self._watch.items() if (frames := wa.stacks.where())}
+        where |= {w.label: NO_DUMP for w in self._no_dump}
+        return summary.Failure(
+            label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at,
+            exit_code=code, how=how,
+            hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom),
+            tail=list(watch.tail), stopped=first.stopped,
+            teardown_seconds=(self._teardown_done or time.monotonic()) - first.at, where=where,
+            logs=self.run_dir / "logs" if self.run_dir is not None else None)
 
     def _record_exit_codes(self) -> None:
         if self.run_dir is None:
             return
-        record = [{"rank": w.rank, "label": w.label, "pid": w.process.pid if w.process else None,
-                   "returncode": self._state.returncodes.get(w),
-                   "exit_code": exit_code(self._state.returncodes[w]) if w in self._state.returncodes else None,
-                   "failed_first": w is self._state.first_failure}
-                  for w in self.workers]
+        failed = self._failure.worker if self._failure is not None else None
+        record = []
+        for worker in self.workers:
+            returncode = self._watch[worker].returncode if worker in self._watch else None
+            record.append({
+                "rank": worker.rank, "label": worker.label,
+                "pid": worker.process.pid if worker.process else None,
+                "returncode": returncode,
+                "exit_code": exit_code(returncode) if returncode is not None else None,
+                "failed_first": worker is failed,
+                "hung": worker is failed and self._failure.hung_for is not None})
         atomic_write_text(self.run_dir / "workers.json", json.dumps(record, indent=2) + "\n")

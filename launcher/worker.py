@@ -3,6 +3,7 @@ threads that turn its output and its exit into events for the supervisor."""
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import os
 import signal
@@ -79,14 +80,28 @@ class Worker:
     def _read(self, emit: Callable[[Event], None]) -> None:
         assert self.process is not None and self.process.stdout is not None
         stream = self.process.stdout
+        # Incremental, so a character split between two pieces of a long line survives;
+        # bytes that are not UTF-8 become U+FFFD instead of an error.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while chunk := stream.readline(MAX_LINE_BYTES):
-            emit(Line(self, chunk.rstrip(b"\n").decode("utf-8", errors="replace")))
+            # A piece is a whole line unless it was cut at MAX_LINE_BYTES; a short piece
+            # without a newline is the last one before the end of output.
+            whole = chunk.endswith(b"\n") or len(chunk) < MAX_LINE_BYTES
+            emit(Line(self, decoder.decode(chunk.rstrip(b"\n"), final=whole)))
         stream.close()
         emit(OutputClosed(self))
 
     def _wait(self, emit: Callable[[Event], None]) -> None:
         assert self.process is not None
         emit(Exited(self, self.process.wait()))
+
+    def signal(self, signum: int) -> None:
+        """Send signum to the worker's own process only (its helpers keep running)."""
+        if self.process is not None and self.process.returncode is None:
+            try:
+                self.process.send_signal(signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def signal_group(self, signum: int) -> None:
         """Send signum to the worker's whole process group (it and what it started)."""

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from conftest import ROOT, alive, launcher_env, wait_until
 from launcher import cli, devices
 from launcher.printer import Printer
+from launcher.supervisor import SNAPSHOT_INTERVAL
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -31,6 +35,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, code: int, text: 
     (["--kill-grace", "-1"], "--kill-grace must be between 0 and 3600 seconds (got -1)"),
     (["--kill-grace", "inf"], "--kill-grace must be between 0 and 3600 seconds (got inf)"),
     (["--kill-grace", "nan"], "--kill-grace must be between 0 and 3600 seconds (got nan)"),
+    (["--stop-timeout", "-5"], "--stop-timeout must be between 0 and 86400 seconds (got -5)"),
+    (["--hang-timeout", "0"], "--hang-timeout must be between 1 and 86400 seconds (got 0)"),
     (["--set", "training.batchsize=4"], "training.batchsize: unknown key; did you mean training.batch_size?"),
     (["--config", "no/such.json"], "no/such.json: config file not found"),
 ])
@@ -92,11 +98,99 @@ def test_a_signal_to_the_launcher_stops_every_worker_and_exits_128_plus_it(scrip
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
 
 
-def test_workers_die_with_a_launcher_killed_by_sigkill(script, tmp_path):
-    proc, pids = start_launcher_with_sleepers(script, tmp_path)
+ESCAPES_THEN_SLEEPS = """
+import os, subprocess, sys, time
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+escaped = [subprocess.Popen(sleep, start_new_session=True).pid]
+read, write = os.pipe()
+if os.fork() == 0:  # a daemon with a clean environment: fork, new session, fork, exit
+    os.setsid()
+    if (pid := os.fork()) == 0:
+        os.execve(sys.executable, sleep, {})
+    os.write(write, str(pid).encode())
+    os._exit(0)
+os.wait()
+escaped.append(int(os.read(read, 32)))
+print("escaped", *escaped, flush=True)
+print("pid", os.getpid(), flush=True)
+if os.environ["RANK"] == "0":
+    time.sleep(60)
+"""
+
+
+def run_tokens(token_owner_pids: list[int]) -> set[str]:
+    return {psutil.Process(pid).environ().get("LAUNCHER_RUN_TOKEN") for pid in token_owner_pids}
+
+
+def test_workers_and_everything_they_started_die_with_a_launcher_killed_by_sigkill(script, tmp_path):
+    proc, pids = start_launcher_with_sleepers(script, tmp_path, ESCAPES_THEN_SLEEPS.replace(
+        'if os.environ["RANK"] == "0":', "if True:"))
+    escaped = escaped_descendants(tmp_path)
+    (token,) = run_tokens(pids)
+    time.sleep(2 * SNAPSHOT_INTERVAL)  # the launcher has told its guardian what it saw
     proc.kill()
     proc.wait(timeout=5)
-    assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
+    # Workers by their parent-death signal; the rest by the guardian: the setsid children
+    # carry the run's token; the clean-environment daemons were in the launcher's reports.
+    assert wait_until(lambda: not any(alive(pid) for pid in pids + escaped), timeout=3)
+    left = lambda: [(p.pid, p.status(), p.cmdline()) for p in psutil.process_iter(["environ"])
+                    if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == token]
+    assert wait_until(lambda: not left(), timeout=3), left()
+
+
+def escaped_descendants(tmp_path) -> list[int]:
+    """The pids the workers printed: [setsid child, daemon] per worker."""
+    lines = (tmp_path / "r" / "logs" / "combined.log").read_text().splitlines()
+    return [int(pid) for line in lines if ":escaped " in line for pid in line.split()[1:]]
+
+
+def test_descendants_that_left_the_group_and_cleared_their_environment_do_not_outlive_the_run(script, tmp_path):
+    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", *script(ESCAPES_THEN_SLEEPS.replace(
+        'if os.environ["RANK"] == "0":', "if False:")), timeout=30)
+    assert result.returncode == 0, result.stdout
+    escaped = escaped_descendants(tmp_path)
+    assert len(escaped) == 4
+    assert wait_until(lambda: not any(alive(pid) for pid in escaped), timeout=3)
+
+
+GRACEFUL = """
+import os, signal, subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import signal, time\\n"
+    "signal.signal(signal.SIGTERM, lambda *_: print('helper got SIGTERM', flush=True))\\n"
+    "time.sleep(60)"])
+def finish_step_and_save(signum, frame):
+    time.sleep(0.5)
+    print("saved after", signal.Signals(signum).name, "helper alive:", helper.poll() is None, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, finish_step_and_save)
+print("pid", os.getpid(), helper.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigint_asks_each_worker_alone_to_stop_and_waits_for_it(script, tmp_path):
+    proc, pids = start_launcher_with_sleepers(script, tmp_path, GRACEFUL)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 130
+    out = proc.stdout.read()
+    assert out.count("saved after SIGTERM helper alive: True") == 2  # the helpers got no signal
+    assert "helper got SIGTERM" not in out and "still running" not in out
+    helpers = [int(l.split()[-1]) for l in (tmp_path / "r" / "logs" / "combined.log").read_text().splitlines()
+               if ":pid " in l]
+    assert wait_until(lambda: not any(alive(pid) for pid in pids + helpers), timeout=3)
+    record = json.loads((tmp_path / "r" / "workers.json").read_text())
+    assert [r["exit_code"] for r in record] == [0, 0]
+
+
+def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(script, tmp_path):
+    ignores_sigterm = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
+    proc, pids = start_launcher_with_sleepers(script, tmp_path, ignores_sigterm, "--stop-timeout", "0.5")
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143
+    assert 0.5 <= time.monotonic() - started < 3
+    assert "CPU0, CPU1 still running after 0.5 s (--stop-timeout); sending SIGKILL" in proc.stdout.read()
+    assert not any(alive(pid) for pid in pids)
 
 
 def placement(monkeypatch, gpus: list[int], device: str, nproc=None, device_id=None,
@@ -179,11 +273,11 @@ def test_a_reader_that_goes_away_ends_the_run_quietly_with_141(script, tmp_path)
 
 def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_path):
     ignores_sigterm = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
-    proc, pids = start_launcher_with_sleepers(script, tmp_path, ignores_sigterm, "--kill-grace", "60")
+    proc, pids = start_launcher_with_sleepers(script, tmp_path, ignores_sigterm, "--stop-timeout", "60")
     proc.send_signal(signal.SIGINT)
     assert proc.stdout.readline().startswith("launcher: received SIGINT")
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=10) == 130  # long before the 60 s grace
+    assert proc.wait(timeout=10) == 130  # long before the 60 s stop timeout
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
     assert "still running after" not in proc.stdout.read()
 

@@ -8,11 +8,12 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from conftest import alive, wait_until
 from launcher.printer import Printer
-from launcher.supervisor import Supervisor, exit_code
+from launcher.supervisor import EXIT_HANG, Supervisor, exit_code
 from launcher.worker import Worker, worker_env
 
 FAILS_WITH_7 = """
@@ -40,12 +41,12 @@ def make_worker(rank: int, argv: list[str], label: str | None = None) -> Worker:
     return Worker(rank=rank, label=label or f"CPU{rank}", argv=argv, env=env)
 
 
-def supervise(workers: list[Worker], tmp_path, kill_grace: float = 2.0) -> tuple[int, str, float]:
+def supervise(workers: list[Worker], tmp_path, kill_grace: float = 2.0, **options) -> tuple[int, str, float]:
     console = io.StringIO()
     (tmp_path / "logs").mkdir(exist_ok=True)
     printer = Printer(console, tmp_path / "logs")
     started = time.monotonic()
-    code = Supervisor(workers, printer, kill_grace=kill_grace, run_dir=tmp_path).run()
+    code = Supervisor(workers, printer, kill_grace=kill_grace, run_dir=tmp_path, **options).run()
     printer.close()
     return code, console.getvalue(), time.monotonic() - started
 
@@ -88,7 +89,7 @@ def test_a_peer_that_ignores_sigterm_is_killed_after_the_grace_period(script, tm
     code, out, elapsed = supervise([stubborn, failing], tmp_path, kill_grace=0.5)
     assert code == 7
     assert 0.5 <= elapsed < 3.0
-    assert "CPU0 still running after 0.5 s; sending SIGKILL" in out
+    assert "CPU0 still running after 0.5 s (--kill-grace); sending SIGKILL" in out
     assert not alive(stubborn.process.pid)
 
 
@@ -159,3 +160,101 @@ def test_worker_environment_follows_the_contract(gpu, label):
         "TORCHINDUCTOR_COMPILE_THREADS": "2"}
     assert env["CUDA_VISIBLE_DEVICES"] == (gpu or "")
     assert env.get("GPU_RANK") == label
+
+
+LEAVES_ESCAPED_DESCENDANTS = """
+    import os, subprocess, sys, time
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    setsid = subprocess.Popen(sleep, start_new_session=True)
+    if os.fork() == 0:  # a daemon: fork, new session, fork again, the middle one exits
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, sleep)
+        os._exit(0)
+    os.wait()
+    time.sleep(0.3)  # let the daemon exec
+    print("escaped", setsid.pid, flush=True)
+"""
+
+
+def escaped_pids(out: str, label: str) -> list[int]:
+    """The setsid child's pid and the daemon's, found by their command lines."""
+    line = next(l for l in out.splitlines() if l.startswith(f"{label}:escaped"))
+    setsid_pid = int(line.split()[-1])
+    return [setsid_pid, *daemon_pids(line)]
+
+
+def daemon_pids(_line: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][-1] == "import time; time.sleep(60)"
+            and p.ppid() == 1]
+
+
+def test_descendants_that_left_the_workers_group_do_not_survive_the_run(script, tmp_path):
+    leaver = make_worker(0, script(LEAVES_ESCAPED_DESCENDANTS, "leaver.py"))
+    code, out, _ = supervise([leaver, make_worker(1, script("pass", "ok.py"))], tmp_path)
+    assert code == 0
+    setsid_pid = int(next(l for l in out.splitlines() if l.startswith("CPU0:escaped")).split()[-1])
+    assert wait_until(lambda: not alive(setsid_pid), timeout=2.0)
+    assert wait_until(lambda: not [p for p in psutil.process_iter(["environ"])
+                                   if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN")
+                                   == leaver.env["LAUNCHER_RUN_TOKEN"]], timeout=2.0)
+
+
+SILENT_AFTER_ONE_LINE = """
+    import faulthandler, signal, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    print("started", flush=True)
+    def wait_for_peer():
+        time.sleep(60)
+    wait_for_peer()
+"""
+
+
+def test_a_silent_worker_counts_as_failed_after_the_hang_timeout_with_exit_124(script, tmp_path):
+    chatty = script("import time\nfor i in range(400):\n    print(i, flush=True)\n    time.sleep(0.01)", "chatty.py")
+    silent = make_worker(1, script(SILENT_AFTER_ONE_LINE, "silent.py"))
+    code, out, elapsed = supervise([make_worker(0, chatty), silent], tmp_path, hang_timeout=1.0,
+                                   stack_dump_signal=signal.SIGUSR1)
+    assert code == EXIT_HANG == 124
+    assert 1.0 <= elapsed < 3.0
+    assert "CPU1 printed nothing for 1 s (--hang-timeout)" in out
+    assert "FAILED: CPU1 (rank 1) failed first" in out and "printed nothing for 1 s, exit code 124" in out
+    assert "CPU1: wait_for_peer (" in out  # where it was, from its stack dump
+    record = json.loads((tmp_path / "workers.json").read_text())
+    assert [r["hung"] for r in record] == [False, True]
+
+
+def test_a_hang_timeout_does_not_fire_while_workers_keep_printing(script, tmp_path):
+    chatty = script("import time\nfor i in range(30):\n    print(i, flush=True)\n    time.sleep(0.1)", "chatty.py")
+    code, out, elapsed = supervise([make_worker(0, chatty), make_worker(1, chatty)], tmp_path, hang_timeout=1.0)
+    assert code == 0 and elapsed > 2.5
+
+
+def test_before_teardown_the_summary_shows_where_each_surviving_worker_was(script, tmp_path):
+    waiting = make_worker(0, script(SILENT_AFTER_ONE_LINE, "waiting.py"))
+    failing = make_worker(1, script(FAILS_WITH_7, "fail.py"))
+    code, out, _ = supervise([waiting, failing], tmp_path, stack_dump_signal=signal.SIGUSR1)
+    assert code == 7
+    summary = out.split("FAILED")[1]
+    assert "Where each worker was" in summary and "CPU0: wait_for_peer (" in summary
+    assert "most recent call first" in (tmp_path / "logs" / "cpu0.log").read_text()  # the full dump
+
+
+@pytest.mark.parametrize("source, hint", [
+    ("print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\n"
+     "raise SystemExit(1)", "the GPU ran out of memory: lower training.batch_size"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL came from outside the launcher, "
+                                                                "most often the kernel's out-of-memory killer"),
+])
+def test_the_summary_gives_a_hint_when_the_cause_is_known(script, tmp_path, source, hint):
+    code, out, _ = supervise([make_worker(0, script(source, "oom.py")), make_worker(1, script(SLEEPS))], tmp_path)
+    assert code != 0
+    assert f"Hint: {hint}" in out.split("FAILED")[1]
+
+
+def test_a_multibyte_character_cut_by_the_line_length_bound_survives(script, tmp_path):
+    wide = script("print('\u00e9' * 100_000)")  # 200,000 bytes: pieces end inside characters
+    code, out, _ = supervise([make_worker(0, wide), make_worker(1, script("pass", "ok.py"))], tmp_path)
+    text = "".join(line[len("CPU0:"):] for line in out.splitlines() if line.startswith("CPU0:"))
+    assert code == 0 and text == "\u00e9" * 100_000

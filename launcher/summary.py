@@ -1,0 +1,109 @@
+"""The failure summary, printed once after teardown: which worker failed first, when and
+how, a hint where the cause is known, its last lines, and where every worker was."""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RULE = "=" * 72
+CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA error: out of memory")
+FRAMES_SHOWN = 3
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_FAULTHANDLER_FRAME = re.compile(r'^  File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+
+
+def describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def is_cuda_oom(line: str) -> bool:
+    return any(marker in line for marker in CUDA_OOM_MARKERS)
+
+
+@dataclass
+class StackDump:
+    """Reads faulthandler's output (all threads, most recent call first) line by line."""
+    threads: list[list[str]] = field(default_factory=list)
+    _in_thread: bool = False
+
+    def feed(self, line: str) -> bool:
+        """Take one line of output; True if it starts a thread's stack."""
+        if _THREAD_HEADER.match(line):
+            self.threads.append([])
+            self._in_thread = True
+            return True
+        if self._in_thread and (frame := _FAULTHANDLER_FRAME.match(line)):
+            path = Path(frame["file"])
+            self.threads[-1].append(f"{frame['func']} ({'/'.join(path.parts[-2:])}:{frame['line']})")
+        else:
+            self._in_thread = False
+        return False
+
+    def where(self) -> str | None:
+        """The innermost frames of the deepest thread (the main thread, in a training
+        process), or None if no dump arrived."""
+        if not any(self.threads):
+            return None
+        deepest = max(self.threads, key=len)
+        return " <- ".join(deepest[:FRAMES_SHOWN])
+
+
+def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool) -> str | None:
+    if hung_for is not None:
+        return (f"it printed nothing for {hung_for:g} s (--hang-timeout); the stack dumps show what each "
+                f"worker was waiting for. Raise --hang-timeout if start-up or compilation is this slow.")
+    if cuda_oom:
+        return ("the GPU ran out of memory: lower training.batch_size (raise training.grad_accum_nums to keep "
+                "the tokens per step) or data.context_length.")
+    if returncode == -signal.SIGKILL:
+        return ("SIGKILL came from outside the launcher, most often the kernel's out-of-memory killer "
+                "(check `dmesg | grep -i oom`): the host ran out of memory.")
+    return None
+
+
+@dataclass(frozen=True)
+class Failure:
+    label: str
+    rank: int
+    after_start: float
+    """Seconds from the worker's start to its failure."""
+    exit_code: int
+    how: str
+    """"exit code 7", "killed by SIGKILL", or what the hang watchdog saw."""
+    hint: str | None
+    tail: list[str]
+    stopped: int
+    """Workers still running at the failure, which the teardown stopped."""
+    teardown_seconds: float
+    where: dict[str, str]
+    """Label -> innermost frames, for every worker whose stack dump arrived."""
+    logs: Path | None
+
+
+def render(failure: Failure) -> list[str]:
+    how = failure.how if failure.how == f"exit code {failure.exit_code}" else \
+        f"{failure.how}, exit code {failure.exit_code}"
+    lines = [RULE, f"FAILED: {failure.label} (rank {failure.rank}) failed first, "
+                   f"{failure.after_start:.1f} s after start: {how}."]
+    if failure.hint:
+        lines.append(f"Hint: {failure.hint}")
+    if failure.tail:
+        lines.append(f"Last {len(failure.tail)} lines of {failure.label}:")
+        lines += [f"  {line}" for line in failure.tail]
+    if failure.where:
+        lines.append("Where each worker was (innermost frames first; full stacks in its log):")
+        lines += [f"  {label}: {frames}" for label, frames in failure.where.items()]
+    lines.append(f"Stopped {failure.stopped} other running worker(s); teardown took {failure.teardown_seconds:.2f} s.")
+    if failure.logs is not None:
+        lines.append(f"Full logs: {failure.logs}")
+    lines.append(RULE)
+    return lines
