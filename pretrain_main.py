@@ -4,11 +4,20 @@
     CUDA_VISIBLE_DEVICES=3 GPU_RANK=3 python3 pretrain_main.py --debug   # lines labelled [GPU 3]
 """
 
-import logging
-import os
-import sys
+import faulthandler
+import signal
 
-from pretrain.train import main
+# First, before torch loads: on SIGUSR1 (the launcher sends it before tearing a run down)
+# print the Python stack of every thread to stderr, which is this worker's log. It works
+# even while the process is stuck in C code, such as a collective waiting for a peer.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+faulthandler.enable()  # and on a crash in native code (SIGSEGV, SIGFPE, SIGABRT, SIGBUS)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from pretrain.train import main  # noqa: E402
 
 if __name__ == "__main__":
     code = main()

@@ -140,10 +140,14 @@ class SystemConfig:
     """Where to train: "cuda", "cpu", or "auto" (every free GPU, else CPU workers)."""
     device_id: int | None = None
     """Pin the run to this one physical GPU index; null lets the launcher choose."""
+    collective_timeout: float = 600.0
+    """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes."""
 
     def __post_init__(self) -> None:
         if self.device_id is not None:
             _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
+        _check(self.collective_timeout > 0, "system.collective_timeout",
+               f"must be a positive number of seconds (got {self.collective_timeout:g})")
 
 
 @dataclass(frozen=True)

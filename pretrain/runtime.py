@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -95,16 +96,17 @@ def init_runtime(config: Config) -> Runtime:
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=config.system.collective_timeout),
                                 device_id=device if device.type == "cuda" else None)
     return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank))
 
 
-def shutdown(runtime: Runtime, success: bool) -> None:
-    """Leave the process group. After success every rank first waits for the others: gloo
-    ranks that tear down while a peer still talks abort with SIGABRT. After a failure there
-    is no barrier, since the peers may never arrive."""
+def shutdown(runtime: Runtime, peers_alive: bool) -> None:
+    """Leave the process group. When every rank ends together (success, an agreed stop)
+    each first waits for the others: gloo ranks that tear down while a peer still talks
+    abort with SIGABRT. After a failure there is no barrier, since the peers may never arrive."""
     if runtime.distributed and dist.is_initialized():
-        if success:
+        if peers_alive:
             dist.barrier()
         dist.destroy_process_group()
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
@@ -26,6 +29,7 @@ from pretrain.data.prepare import prepare
 from pretrain.model import Transformer, cross_entropy_loss
 from pretrain.runfiles import create_run_dir, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
+from pretrain.stopping import Stopped, StopRequest
 
 
 class NonFiniteError(RuntimeError):
@@ -57,9 +61,13 @@ class Trainer:
     model: torch.nn.Module
     """The model as trained: wrapped in DDP when there is more than one rank."""
     optimizer: torch.optim.Optimizer
+    loader: TrainBatches
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    """Iterates loader; loader.state_dict() names the next batch it yields."""
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     log: logging.Logger
+    run_dir: Path
+    stop: StopRequest = field(default_factory=StopRequest)
     losses: list[float] = field(default_factory=list)
     """Global mean loss of every logged step."""
 
@@ -80,7 +88,7 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: to
                              fused=device.type == "cuda")
 
 
-def build(config: Config, runtime: Runtime, dataset_dir: Path, log: logging.Logger) -> Trainer:
+def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
     t = config.training
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = Transformer(config.model, max_seq_len=config.data.context_length).to(runtime.device)
@@ -89,9 +97,13 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, log: logging.Logg
     optimizer = build_optimizer(model, t, runtime.device)
     if runtime.distributed:
         # The only buffers are the rotary tables: constants, identical on every rank, so
-        # broadcasting them before every forward would be wasted traffic.
-        model = DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-                                        broadcast_buffers=False)
+        # broadcasting them before every forward would be wasted traffic. torch 2.13 warns
+        # that broadcast_buffers is deprecated, but its replacement still syncs at init.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            model = DistributedDataParallel(
+                model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+                broadcast_buffers=False)
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                           runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda")
     try:
@@ -104,7 +116,7 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, log: logging.Logg
     log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
               f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
               f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
-    return Trainer(config, runtime, model, optimizer, iter(loader), val, log)
+    return Trainer(config, runtime, model, optimizer, loader, iter(loader), val, log, run_dir)
 
 
 # --- fit ------------------------------------------------------------------------------
@@ -157,6 +169,7 @@ def evaluate(trainer: Trainer) -> float | None:
 
 
 def fit(trainer: Trainer) -> None:
+    """Train for max_steps, or until trainer.stop is agreed: then save and raise Stopped."""
     t, log = trainer.config.training, trainer.log
     interval = trainer.config.logging.log_interval
     start = time.perf_counter()
@@ -180,6 +193,10 @@ def fit(trainer: Trainer) -> None:
             window_start, window_steps = now, 0
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
             log_validation(trainer, step)
+        if (signum := trainer.stop.agreed(trainer.runtime)) is not None:
+            path = checkpoint.save(trainer, step + 1, trainer.run_dir)
+            log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
+            raise Stopped(signum)
     val_loss = log_validation(trainer, t.max_steps - 1)
     log.info(f"Training complete: {t.max_steps} steps in {time.perf_counter() - start:.1f}s, "
              f"final loss {trainer.losses[-1]:.4f}"
@@ -215,9 +232,10 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     # Under the launcher the dataset is already prepared and this is a cache hit.
     dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
-    trainer = build(config, runtime, dataset_dir, log)
+    trainer = build(config, runtime, dataset_dir, run_dir, log)
     log.debug(f"Run directory: {run_dir}")
-    fit(trainer)
+    with trainer.stop.installed():  # SIGTERM or SIGINT: finish the step, save, stop
+        fit(trainer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,10 +247,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pretrain: error: {error}", file=sys.stderr)
         return 2
     log = setup_logging(runtime.label, config.logging.level)
-    success = False
+    peers_alive = False  # whether every rank reaches shutdown() together
     try:
         train(config, runtime, args.run_dir, log)
-        success = True
+        peers_alive = True
+    except Stopped as stop:
+        peers_alive = True
+        return 128 + stop.signum
+    except RuntimeError as error:
+        if not (runtime.distributed and "timed out" in str(error).lower()):
+            raise
+        # gloo's message says only which operation timed out; say what it means.
+        log.error(f"a collective waited longer than system.collective_timeout "
+                  f"({config.system.collective_timeout:g} s) for the other ranks: one of them is frozen or "
+                  f"gone (its log says which); {str(error).splitlines()[0]}")
+        return 1
     except (DataError, NonFiniteError) as error:
         log.error(str(error))
         return 2 if isinstance(error, DataError) else 1
@@ -240,5 +269,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error(os_error_message(error))
         return 2
     finally:
-        shutdown(runtime, success)
+        shutdown(runtime, peers_alive)
     return 0

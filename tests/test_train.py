@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import ROOT
+from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.data.prepare import prepare
 from pretrain.runtime import Runtime, device_label, setup_logging
-from pretrain.train import NonFiniteError, build, format_eta, lr_at, train_step
+from pretrain.stopping import Stopped
+from pretrain.train import NonFiniteError, build, fit, format_eta, lr_at, train_step
 
 
 def training(**changes) -> cfg.TrainingConfig:
@@ -54,7 +61,8 @@ def trainer(tmp_path):
     config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path}", "training.batch_size=2",
                                                "data.context_length=32"])
     runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
-    return build(config, runtime, prepare(config.data, log=lambda _: None), setup_logging("CPU 0", "WARNING"))
+    return build(config, runtime, prepare(config.data, log=lambda _: None), tmp_path / "run",
+                 setup_logging("CPU 0", "WARNING"))
 
 
 def test_a_training_step_returns_a_finite_loss_near_ln_vocab_at_init(trainer):
@@ -70,3 +78,36 @@ def test_a_nan_weight_stops_training_at_that_step(trainer):
     with pytest.raises(NonFiniteError, match="step 4: .* is not finite; see configs/config_stable.json"):
         train_step(trainer, 4)
     assert torch.equal(trainer.model.output.weight, before)  # the bad update was not applied
+
+
+def test_a_requested_stop_ends_training_after_the_step_with_a_loadable_checkpoint(trainer):
+    trainer.stop.signum = signal.SIGTERM  # as the handler records a SIGTERM
+    with pytest.raises(Stopped) as stopped:
+        fit(trainer)
+    assert stopped.value.signum == signal.SIGTERM
+    assert len(trainer.losses) == 1  # one step ran, then it stopped
+    saved = trainer.run_dir / "checkpoints" / "step_1"
+    assert sorted(p.name for p in saved.iterdir()) == \
+        ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
+    assert not list(saved.parent.glob("*.tmp"))
+    state = checkpoint.read_state(saved)
+    assert state["steps_done"] == 1 and state["loader"] == trainer.loader.state_dict()
+    weights = checkpoint.load_tensors(saved, "model.pt")
+    assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+    assert checkpoint.load_tensors(saved, "optimizer.pt")["state"]  # the Adam moments are there
+    assert cfg.load(saved / "config.json") == trainer.config
+
+
+def test_a_second_stop_signal_ends_the_process_at_once(tmp_path):
+    source = ("import os, signal, time\n"
+              "from pretrain.stopping import StopRequest\n"
+              "with StopRequest().installed():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    print('first SIGTERM only recorded', flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(5)\n"
+              "    print('not reached', flush=True)\n")
+    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=30,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == -signal.SIGTERM
+    assert result.stdout == "first SIGTERM only recorded\n"
