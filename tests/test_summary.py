@@ -1,0 +1,57 @@
+"""The failure summary: stack dumps read, hints chosen, the report laid out."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from launcher import summary
+
+FAULTHANDLER_DUMP = """\
+Thread 0x00007f3a1b7fe640 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 622 in wait
+
+Current thread 0x00007f3a2c1e4b80 (most recent call first):
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/work/pretrain/stopping.py", line 58 in agreed
+  File "/work/pretrain/train.py", line 191 in fit
+INFO | [CPU 0] a normal line after the dump
+""".splitlines()
+
+
+def test_the_stack_dump_reader_names_the_innermost_frames_of_the_deepest_thread():
+    dump = summary.StackDump()
+    starts = [dump.feed(line) for line in FAULTHANDLER_DUMP]
+    assert starts.count(True) == 2
+    assert dump.where() == ("all_reduce (distributed/distributed_c10d.py:3252) <- "
+                            "wrapper (distributed/c10d_logger.py:83) <- agreed (pretrain/stopping.py:58)")
+
+
+def test_a_python_traceback_is_not_mistaken_for_a_stack_dump():
+    dump = summary.StackDump()
+    for line in ["Traceback (most recent call last):", '  File "x.py", line 3, in <module>', "ValueError: no"]:
+        assert dump.feed(line) is False
+    assert dump.where() is None
+
+
+def test_hints_name_the_likely_cause():
+    assert "hang-timeout" in summary.hint(-signal.SIGTERM, hung_for=60.0, cuda_oom=False)
+    assert "training.batch_size" in summary.hint(1, hung_for=None, cuda_oom=True)
+    assert "out-of-memory killer" in summary.hint(-signal.SIGKILL, hung_for=None, cuda_oom=False)
+    assert summary.hint(1, hung_for=None, cuda_oom=False) is None
+    assert summary.is_cuda_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB")
+
+
+def test_the_report_says_who_failed_how_and_what_it_printed_last():
+    lines = summary.render(summary.Failure(
+        label="GPU3", rank=1, after_start=12.34, exit_code=137, how="killed by SIGKILL", hint="the OOM killer",
+        tail=["step 7", "step 8"], stopped=7, teardown_seconds=0.123, where={"GPU0": "all_reduce (x.py:1)"},
+        logs=Path("/runs/r/logs")))
+    assert lines[1] == "FAILED: GPU3 (rank 1) failed first, 12.3 s after start: killed by SIGKILL, exit code 137."
+    assert "Hint: the OOM killer" in lines and "  step 8" in lines and "  GPU0: all_reduce (x.py:1)" in lines
+    assert "Stopped 7 other running worker(s); teardown took 0.12 s." in lines
+    assert lines[0] == lines[-1] == summary.RULE
+    plain = summary.render(summary.Failure("CPU1", 1, 0.3, 7, "exit code 7", None, [], 1, 0.01, {}, None))
+    assert plain[1].endswith("0.3 s after start: exit code 7.") and not any(l.startswith("Hint") for l in plain)
