@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import alive, wait_until
 from launcher import guardian, reaper
 from launcher.reaper import ProcessInfo
@@ -38,48 +40,42 @@ def test_a_subreaper_root_finds_orphans_that_were_re_parented_to_it():
     assert reaper.members(table, groups=set(), roots={5}, exclude={5}) == {50, 51}
 
 
-def test_scan_sees_a_real_child_and_whether_it_carries_the_token():
+@pytest.fixture
+def sleeper():
+    """Start a sleeping child, optionally carrying a run token; all are killed afterwards."""
+    started: list[subprocess.Popen] = []
+
+    def start(token: str | None = None) -> subprocess.Popen:
+        env = dict(os.environ, **({reaper.TOKEN_VAR: token} if token else {}))
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env))
+        return started[-1]
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_scan_sees_a_real_child_and_whether_it_carries_the_token(sleeper):
     token = reaper.new_token()
-    tagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                              env=dict(os.environ, **{reaper.TOKEN_VAR: token}))
-    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        found = {p.pid: p for p in reaper.scan(token)}
-        assert found[tagged.pid].tagged and not found[plain.pid].tagged
-        assert found[tagged.pid].ppid == os.getpid()
-        assert reaper.start_time(tagged.pid) == found[tagged.pid].started
-    finally:
-        for proc in (tagged, plain):
-            proc.kill()
-            proc.wait()
+    tagged, plain = sleeper(token), sleeper()
+    found = {p.pid: p for p in reaper.scan(token)}
+    assert found[tagged.pid].tagged and not found[plain.pid].tagged
+    assert found[tagged.pid].ppid == os.getpid()
+    assert reaper.start_time(tagged.pid) == found[tagged.pid].started
 
 
-def test_the_guardian_kills_the_run_when_its_pipe_closes_without_done():
+def test_the_guardian_kills_the_run_when_its_pipe_closes_without_done(sleeper):
     token = reaper.new_token()
-    tagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                              env=dict(os.environ, **{reaper.TOKEN_VAR: token}))
-    seen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        commands = io.StringIO(f"pid {seen.pid} {reaper.start_time(seen.pid)}\n")
-        assert guardian.watch(token, commands) == 2
-        assert wait_until(lambda: tagged.poll() is not None and seen.poll() is not None, timeout=3)
-    finally:
-        for proc in (tagged, seen):
-            proc.kill()
-            proc.wait()
+    tagged, seen = sleeper(token), sleeper()
+    commands = io.StringIO(f"pid {seen.pid} {reaper.start_time(seen.pid)}\n")
+    assert guardian.watch(token, commands) == 2
+    assert wait_until(lambda: tagged.poll() is not None and seen.poll() is not None, timeout=3)
 
 
-def test_the_guardian_kills_nothing_once_told_done_and_never_a_reused_pid():
+def test_the_guardian_kills_nothing_once_told_done_and_never_a_reused_pid(sleeper):
     token = reaper.new_token()
-    tagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                              env=dict(os.environ, **{reaper.TOKEN_VAR: token}))
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        assert guardian.watch(token, io.StringIO("done\n")) == 0
-        # A pid whose start time differs is another process now: left alone.
-        assert guardian.watch("unused", io.StringIO(f"pid {other.pid} {reaper.start_time(other.pid) + 1}\n")) == 0
-        assert alive(tagged.pid) and alive(other.pid)
-    finally:
-        for proc in (tagged, other):
-            proc.kill()
-            proc.wait()
+    tagged, other = sleeper(token), sleeper()
+    assert guardian.watch(token, io.StringIO("done\n")) == 0
+    # A pid whose start time differs is another process now: left alone.
+    assert guardian.watch("unused", io.StringIO(f"pid {other.pid} {reaper.start_time(other.pid) + 1}\n")) == 0
+    assert alive(tagged.pid) and alive(other.pid)
