@@ -76,6 +76,8 @@ class Failure:
     rank: int
     after_start: float
     """Seconds from the worker's start to its failure."""
+    clock: str
+    """Wall-clock time of the failure (HH:MM:SS), to match against dmesg or other logs."""
     exit_code: int
     how: str
     """"exit code 7", "killed by SIGKILL", or what the hang watchdog saw."""
@@ -92,8 +94,8 @@ class Failure:
 def render(failure: Failure) -> list[str]:
     how = failure.how if failure.how == f"exit code {failure.exit_code}" else \
         f"{failure.how}, exit code {failure.exit_code}"
-    lines = [RULE, f"FAILED: {failure.label} (rank {failure.rank}) failed first, "
-                   f"{failure.after_start:.1f} s after start: {how}."]
+    lines = [RULE, f"FAILED: {failure.label} (rank {failure.rank}) failed first "
+                   f"at {failure.clock}, {failure.after_start:.1f} s after start: {how}."]
     if failure.hint:
         lines.append(f"Hint: {failure.hint}")
     if failure.tail:

@@ -79,6 +79,7 @@ class _Watch:
 class _FirstFailure:
     worker: Worker
     at: float
+    clock: str
     stopped: int
     """Other workers still running at that moment, which the teardown stopped."""
     hung_for: float | None = None
@@ -246,8 +247,8 @@ class Supervisor:
     def _fail(self, worker: Worker, hung_for: float | None = None) -> None:
         """Rules 1 and 2: remember the first failure, ask for stacks, stop the others."""
         running = self._running()
-        self._failure = _FirstFailure(worker, time.monotonic(), len([w for w in running if w is not worker]),
-                                      hung_for)
+        self._failure = _FirstFailure(worker, time.monotonic(), time.strftime("%H:%M:%S"),
+                                      len([w for w in running if w is not worker]), hung_for)
         if self.stack_dump_signal is None or not running:
             self._terminate_running()
             return
@@ -344,7 +345,7 @@ class Supervisor:
         where = {w.label: frames for w, wa in self._watch.items() if (frames := wa.stacks.where())}
         where |= {w.label: NO_DUMP for w in self._no_dump}
         return summary.Failure(
-            label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at,
+            label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at, clock=first.clock,
             exit_code=code, how=how,
             hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom),
             tail=list(watch.tail), stopped=first.stopped,

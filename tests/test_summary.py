@@ -46,12 +46,13 @@ def test_hints_name_the_likely_cause():
 
 def test_the_report_says_who_failed_how_and_what_it_printed_last():
     lines = summary.render(summary.Failure(
-        label="GPU3", rank=1, after_start=12.34, exit_code=137, how="killed by SIGKILL", hint="the OOM killer",
+        label="GPU3", rank=1, after_start=12.34, clock="07:44:12", exit_code=137, how="killed by SIGKILL", hint="the OOM killer",
         tail=["step 7", "step 8"], stopped=7, teardown_seconds=0.123, where={"GPU0": "all_reduce (x.py:1)"},
         logs=Path("/runs/r/logs")))
-    assert lines[1] == "FAILED: GPU3 (rank 1) failed first, 12.3 s after start: killed by SIGKILL, exit code 137."
+    assert lines[1] == ("FAILED: GPU3 (rank 1) failed first at 07:44:12, 12.3 s after start: "
+                        "killed by SIGKILL, exit code 137.")
     assert "Hint: the OOM killer" in lines and "  step 8" in lines and "  GPU0: all_reduce (x.py:1)" in lines
     assert "Stopped 7 other running worker(s); teardown took 0.12 s." in lines
     assert lines[0] == lines[-1] == summary.RULE
-    plain = summary.render(summary.Failure("CPU1", 1, 0.3, 7, "exit code 7", None, [], 1, 0.01, {}, None))
+    plain = summary.render(summary.Failure("CPU1", 1, 0.3, "07:44:12", 7, "exit code 7", None, [], 1, 0.01, {}, None))
     assert plain[1].endswith("0.3 s after start: exit code 7.") and not any(l.startswith("Hint") for l in plain)
