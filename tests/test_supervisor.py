@@ -258,3 +258,11 @@ def test_a_multibyte_character_cut_by_the_line_length_bound_survives(script, tmp
     code, out, _ = supervise([make_worker(0, wide), make_worker(1, script("pass", "ok.py"))], tmp_path)
     text = "".join(line[len("CPU0:"):] for line in out.splitlines() if line.startswith("CPU0:"))
     assert code == 0 and text == "\u00e9" * 100_000
+
+
+def test_lines_of_workers_writing_at_once_never_mix(script, tmp_path):
+    flood = script("import os\nr = os.environ['RANK']\nfor i in range(500):\n    print(f'rank{r}-' + r * 3000)")
+    code, out, _ = supervise([make_worker(0, flood), make_worker(1, flood)], tmp_path)
+    lines = [line for line in out.splitlines() if not line.startswith("launcher")]
+    assert code == 0 and len(lines) == 1000
+    assert set(lines) == {f"CPU{r}:rank{r}-" + str(r) * 3000 for r in (0, 1)}
