@@ -182,7 +182,8 @@ def run(argv: Sequence[str]) -> int:
         workers = make_workers(placement, command)
         return Supervisor(workers, printer, kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
                           hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
-                          stack_dump_signal=None if generic else STACK_DUMP_SIGNAL).run()
+                          stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
+                          stop_leaders_only=not generic).run()
     finally:
         printer.close()
 

@@ -17,11 +17,13 @@ import ctypes
 import os
 import secrets
 import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 TOKEN_VAR = "LAUNCHER_RUN_TOKEN"
 KILL_PASSES = 10  # a process may fork between a scan and its kill; scan again until none is left
+KILL_WAIT_SECONDS = 5.0  # then wait this long for them to end (one releasing a GPU takes a moment)
 
 
 def new_token() -> str:
@@ -130,13 +132,17 @@ def kill_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int]
         if not pids:
             break
         killed |= {pid for pid in pids if kill(pid)}
+    # Return only once they have ended (zombies count), so a relaunch finds the GPUs free.
+    deadline = time.monotonic() + KILL_WAIT_SECONDS
+    while any(start_time(pid) is not None for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return len(killed)
 
 
-def reap_adopted(keep: set[int]) -> None:
+def reap_adopted(processes: Iterable[ProcessInfo], keep: set[int]) -> None:
     """Collect the exit status of orphans this subreaper adopted (they are zombies until
     then). Children in keep are left to whoever waits for them."""
-    for process in scan(None):
+    for process in processes:
         if process.ppid == os.getpid() and process.zombie and process.pid not in keep:
             try:
                 os.waitpid(process.pid, os.WNOHANG)

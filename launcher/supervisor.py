@@ -7,10 +7,12 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
 2. On that first failure, workers that can dump their stacks are asked to (the summary
    shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every running
    worker's process group gets SIGTERM, and SIGKILL once kill_grace seconds have passed.
-3. SIGINT or SIGTERM to the supervisor asks every worker to stop gracefully: SIGTERM to
-   the worker process alone, so it can finish its step and save while its helpers keep
-   working. After stop_timeout seconds they are killed; a second signal kills at once.
-   Returns 130 or 143.
+3. SIGINT or SIGTERM to the supervisor asks every worker to stop gracefully with SIGTERM:
+   to its process group, or, for training workers, to the worker process alone, so it can
+   finish its step and save while its helpers (data loaders) keep working. After
+   stop_timeout seconds they are killed; a second signal kills at once. Returns 130 or
+   143, unless a worker fails while stopping (an exit code other than 0 or a death by that
+   SIGTERM): that is a failure as in rule 1.
 4. When the loop ends, every process of the run is SIGKILLed: the workers' groups and
    the descendants that left them (setsid, double fork), found by the run's token in
    their environment and, with adopt_orphans, by being re-parented to the supervisor.
@@ -35,7 +37,7 @@ from launcher import reaper, summary
 from launcher.guardian import Guardian
 from launcher.printer import Printer
 from launcher.worker import Event, Exited, Line, OutputClosed, Worker
-from pretrain.runfiles import PROJECT_ROOT, atomic_write_text
+from pretrain.runfiles import PROJECT_ROOT, atomic_write_text, os_error_message
 
 OUTPUT_DRAIN_SECONDS = 1.0  # after teardown, wait at most this long for the rest of the output
 # SIGTERM right after the stack-dump signal would kill a worker before it dumps (a default
@@ -47,6 +49,8 @@ NO_DUMP = "no stack dump: the process was stopped (SIGSTOP) or is stuck in the k
 SNAPSHOT_INTERVAL = 0.5  # how often the guardian learns the run's processes (one /proc pass)
 TAIL_LINES = 20
 EXIT_HANG = 124  # as timeout(1) reports it
+# How a worker ends when asked to stop: 0, or by (or after handling) SIGTERM.
+STOPPED_AS_ASKED = {0, -signal.SIGTERM, 128 + signal.SIGTERM}
 
 
 def exit_code(returncode: int) -> int:
@@ -83,15 +87,19 @@ class _FirstFailure:
     stopped: int
     """Other workers still running at that moment, which the teardown stopped."""
     hung_for: float | None = None
+    unresponsive: bool = False
+    """For a hang: the worker did not answer the stack-dump request either (it is frozen)."""
 
 
 class Supervisor:
     def __init__(self, workers: list[Worker], printer: Printer, *, kill_grace: float = 5.0,
                  stop_timeout: float = 120.0, hang_timeout: float | None = None,
-                 stack_dump_signal: int | None = None, run_dir: Path | None = None,
-                 adopt_orphans: bool = False) -> None:
+                 stack_dump_signal: int | None = None, stop_leaders_only: bool = False,
+                 run_dir: Path | None = None, adopt_orphans: bool = False) -> None:
         """stack_dump_signal: the signal on which the workers print their Python stacks
         (only for commands known to handle it; by default it would kill them).
+        stop_leaders_only: a graceful stop signals only each worker process, which stops
+        its own helpers (for training workers); otherwise their whole groups.
         adopt_orphans: make this process a child subreaper, so descendants that double
         fork stay findable; only for a process that runs nothing but this supervisor."""
         self.workers = workers
@@ -100,6 +108,7 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.hang_timeout = hang_timeout
         self.stack_dump_signal = stack_dump_signal
+        self.stop_leaders_only = stop_leaders_only
         self.run_dir = run_dir
         self.adopt_orphans = adopt_orphans
         self._token = reaper.new_token()
@@ -116,6 +125,8 @@ class Supervisor:
         self._terminate_at: float | None = None
         self._kill_at: float | None = None
         self._kill_reason = ""
+        self._killed: set[Worker] = set()
+        """Workers the supervisor SIGKILLed: their deaths are never a first failure."""
         self._next_snapshot = 0.0
         self._reported: dict[int, int] = {}
         self._teardown_done: float | None = None
@@ -137,8 +148,9 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self._drain_output()
+        code = self._outcome()
         self._record_exit_codes()
-        return self._outcome()
+        return code
 
     def _start_all(self) -> None:
         if self.adopt_orphans:
@@ -175,12 +187,17 @@ class Supervisor:
             case Exited(worker, returncode):
                 self._watch[worker].returncode = returncode
                 self._dump_done(worker)
-                if returncode != 0 and self._failure is None and self._interrupted_by is None:
+                if self._is_first_failure(worker, returncode):
                     self.printer.launcher_line(
                         f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers")
                     self._fail(worker)
             case Interrupted(signum):
                 self._on_interrupt(signum)
+
+    def _is_first_failure(self, worker: Worker, returncode: int) -> bool:
+        if returncode == 0 or self._failure is not None or worker in self._killed:
+            return False
+        return self._interrupted_by is None or returncode not in STOPPED_AS_ASKED  # rules 1 and 3
 
     def _on_line(self, worker: Worker, text: str) -> None:
         watch = self._watch[worker]
@@ -201,7 +218,10 @@ class Supervisor:
             f"received {signal.Signals(signum).name}: asking the workers to stop gracefully "
             f"(at most {self.stop_timeout:g} s, --stop-timeout; again to kill them now)")
         for worker in self._running():  # rule 3
-            worker.signal(signal.SIGTERM)
+            if self.stop_leaders_only:
+                worker.signal(signal.SIGTERM)
+            else:
+                worker.signal_group(signal.SIGTERM)
         self._set_kill_deadline(self.stop_timeout, "--stop-timeout")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -225,7 +245,7 @@ class Supervisor:
             worker = min(self._running(), key=lambda w: self._watch[w].last_output)
             self.printer.launcher_line(
                 f"{worker.label} printed nothing for {self.hang_timeout:g} s (--hang-timeout); "
-                f"counting it as failed and stopping every worker")
+                f"it has failed; stopping every worker")
             self._fail(worker, hung_for=self.hang_timeout)
 
     @property
@@ -268,6 +288,12 @@ class Supervisor:
     def _terminate_running(self) -> None:
         self._terminate_at = None
         self._no_dump, self._awaiting_dump = self._awaiting_dump, set()
+        failure = self._failure
+        if failure is not None and failure.hung_for is not None and self._no_dump:
+            # All ranks fall silent when one freezes: the one that cannot even dump its
+            # stacks (stopped, stuck in the kernel) is the cause, not the first to go quiet.
+            failure.worker = min(self._no_dump, key=lambda w: self._watch[w].last_output)
+            failure.unresponsive = True
         for worker in self._running():
             worker.signal_group(signal.SIGTERM)
         self._set_kill_deadline(self.kill_grace, "--kill-grace")
@@ -278,6 +304,7 @@ class Supervisor:
 
     def _kill_running(self) -> None:
         for worker in self._running():
+            self._killed.add(worker)
             worker.signal_group(signal.SIGKILL)
         self._kill_at = None
 
@@ -298,6 +325,8 @@ class Supervisor:
         new = {p.pid: p.started for p in processes if p.pid in pids and self._reported.get(p.pid) != p.started}
         self._reported.update(new)
         self._guardian.add_processes(new)
+        if self.adopt_orphans:  # or adopted orphans that ended pile up as zombies in a long run
+            reaper.reap_adopted(processes, keep=roots | exclude)
 
     def _kill_everything(self) -> None:
         for worker in self.workers:
@@ -305,7 +334,9 @@ class Supervisor:
         groups, roots, exclude = self._scope()
         reaper.kill_run(self._token, groups=groups, roots=roots, exclude=exclude)
         if self.adopt_orphans:
-            reaper.reap_adopted(keep=roots | exclude)
+            reaper.reap_adopted(reaper.scan(None), keep=roots | exclude)
+        for worker in self.workers:
+            worker.reap()
         self._teardown_done = time.monotonic()
 
     def _drain_output(self) -> None:
@@ -340,6 +371,8 @@ class Supervisor:
         returncode = watch.returncode if watch.returncode is not None else -signal.SIGKILL
         if first.hung_for is not None:
             code, how = EXIT_HANG, f"printed nothing for {first.hung_for:g} s"
+            if first.unresponsive:
+                how += " and did not answer the stack-dump request (frozen)"
         else:
             code, how = exit_code(returncode), summary.describe(returncode)
         where = {w.label: frames for w, wa in self._watch.items() if (frames := wa.stacks.where())}
@@ -353,6 +386,8 @@ class Supervisor:
             logs=self.run_dir / "logs" if self.run_dir is not None else None)
 
     def _record_exit_codes(self) -> None:
+        """workers.json; a failure to write it (a full disk) is reported, not raised, so
+        the exit code and the summary survive it."""
         if self.run_dir is None:
             return
         failed = self._failure.worker if self._failure is not None else None
@@ -366,4 +401,7 @@ class Supervisor:
                 "exit_code": exit_code(returncode) if returncode is not None else None,
                 "failed_first": worker is failed,
                 "hung": worker is failed and self._failure.hung_for is not None})
-        atomic_write_text(self.run_dir / "workers.json", json.dumps(record, indent=2) + "\n")
+        try:
+            atomic_write_text(self.run_dir / "workers.json", json.dumps(record, indent=2) + "\n")
+        except OSError as error:
+            self.printer.launcher_line(f"warning: could not record exit codes: {os_error_message(error)}")

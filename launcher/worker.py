@@ -92,20 +92,33 @@ class Worker:
         emit(OutputClosed(self))
 
     def _wait(self, emit: Callable[[Event], None]) -> None:
+        """Report the exit without reaping: the process stays a zombie until reap(), so
+        its pid, and so its process group id, cannot pass to another process while the
+        supervisor may still signal them."""
         assert self.process is not None
-        emit(Exited(self, self.process.wait()))
+        try:
+            info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped already: the supervisor is past teardown
+            return
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        emit(Exited(self, -info.si_status if killed else info.si_status))
+
+    def reap(self) -> None:
+        """Collect the ended process (after teardown); no signal is sent to it afterwards."""
+        if self.process is not None:
+            self.process.wait()
 
     def signal(self, signum: int) -> None:
         """Send signum to the worker's own process only (its helpers keep running)."""
-        if self.process is not None and self.process.returncode is None:
+        if self.process is not None and self.process.returncode is None:  # not reaped
             try:
-                self.process.send_signal(signum)
+                os.kill(self.process.pid, signum)
             except (ProcessLookupError, PermissionError):
                 pass
 
     def signal_group(self, signum: int) -> None:
         """Send signum to the worker's whole process group (it and what it started)."""
-        if self.process is None:
+        if self.process is None or self.process.returncode is not None:  # reaped: the id may be reused
             return
         try:
             os.killpg(self.process.pid, signum)

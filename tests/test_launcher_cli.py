@@ -153,33 +153,21 @@ def test_descendants_that_left_the_group_and_cleared_their_environment_do_not_ou
     assert wait_until(lambda: not any(alive(pid) for pid in escaped), timeout=3)
 
 
-GRACEFUL = """
-import os, signal, subprocess, sys, time
-helper = subprocess.Popen([sys.executable, "-c", "import signal, time\\n"
-    "signal.signal(signal.SIGTERM, lambda *_: print('helper got SIGTERM', flush=True))\\n"
-    "time.sleep(60)"])
-def finish_step_and_save(signum, frame):
-    time.sleep(0.5)
-    print("saved after", signal.Signals(signum).name, "helper alive:", helper.poll() is None, flush=True)
-    sys.exit(0)
-signal.signal(signal.SIGTERM, finish_step_and_save)
-print("pid", os.getpid(), helper.pid, flush=True)
-time.sleep(60)
-"""
-
-
-def test_sigint_asks_each_worker_alone_to_stop_and_waits_for_it(script, tmp_path):
-    proc, pids = start_launcher_with_sleepers(script, tmp_path, GRACEFUL)
+def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(script, tmp_path):
+    handles = script("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: (print("child got SIGTERM", flush=True), sys.exit(0)))
+        print("pid", os.getpid(), flush=True)
+        time.sleep(60)
+    """, "child.py")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                             "--", "bash", "-c", f"{' '.join(handles)}; echo after"],
+                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    read = [proc.stdout.readline(), proc.stdout.readline()]
+    assert all(":pid " in line for line in read), read
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=20) == 130
-    out = proc.stdout.read()
-    assert out.count("saved after SIGTERM helper alive: True") == 2  # the helpers got no signal
-    assert "helper got SIGTERM" not in out and "still running" not in out
-    helpers = [int(l.split()[-1]) for l in (tmp_path / "r" / "logs" / "combined.log").read_text().splitlines()
-               if ":pid " in l]
-    assert wait_until(lambda: not any(alive(pid) for pid in pids + helpers), timeout=3)
-    record = json.loads((tmp_path / "r" / "workers.json").read_text())
-    assert [r["exit_code"] for r in record] == [0, 0]
+    assert proc.stdout.read().count("child got SIGTERM") == 2  # the whole group was asked
 
 
 def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(script, tmp_path):
