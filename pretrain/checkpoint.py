@@ -66,11 +66,32 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
         atomic_write_text(tmp / "state.json", json.dumps(state, indent=2) + "\n")
     _barrier(runtime)  # every rank's files are in tmp
     if runtime.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _fsync_files(tmp)  # on disk before the rename makes them count
+        _replace_dir(tmp, final)
     _barrier(runtime)  # no rank returns before the checkpoint exists
     return final
+
+
+def _fsync_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Rename new to final; an existing final is moved aside first and removed last, so a
+    complete checkpoint exists at every moment."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(new, final)
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power loss
+    finally:
+        os.close(directory)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_state(path: Path) -> dict:

@@ -146,8 +146,8 @@ class SystemConfig:
     def __post_init__(self) -> None:
         if self.device_id is not None:
             _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
-        _check(self.collective_timeout > 0, "system.collective_timeout",
-               f"must be a positive number of seconds (got {self.collective_timeout:g})")
+        _check(0 < self.collective_timeout <= 86400, "system.collective_timeout",
+               f"must be between 0 and 86400 seconds (got {self.collective_timeout:g})")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """A graceful stop: SIGTERM or SIGINT asks the training loop to finish its current step,
-save a checkpoint and exit with 128 + the signal. A second signal ends the process at once.
+save a checkpoint and exit with 128 + the signal. A second signal, a second or more after
+the first, ends the process at once: one sooner is the same request arriving twice (Slurm
+signals every process of a job, and the launcher forwards its own SIGTERM as well).
 
 The launcher sends SIGTERM on Ctrl-C; a scheduler (Slurm, Kubernetes) sends it before a
 preemption. The signal can reach the ranks between two different steps, so after every
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from pretrain.runtime import Runtime
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_AFTER_SECONDS = 1.0
 
 
 class Stopped(Exception):
@@ -31,6 +35,7 @@ class Stopped(Exception):
 class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._received_at = 0.0
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -43,11 +48,12 @@ class StopRequest:
                 signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self.signum is not None:  # asked twice: end now, as the signal itself would
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._received_at = signum, now
+        elif now - self._received_at >= REPEAT_AFTER_SECONDS:  # asked again: end now, as the signal would
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
 
     def agreed(self, runtime: Runtime) -> int | None:
         """The stop signal if any rank received one, else None. A collective: every rank
