@@ -304,3 +304,20 @@ def test_a_worker_that_fails_while_stopping_is_a_failure_not_a_clean_stop(script
                              stop_leaders_only=True)
     assert code == 2
     assert "FAILED: CPU1 (rank 1) failed first" in out and "launcher: stopped:" not in out
+
+
+def test_an_exited_worker_keeps_its_pid_until_teardown_so_no_other_process_can_take_it(script, tmp_path):
+    checks_sibling = script("""
+        import os, time, psutil
+        if os.environ["RANK"] == "0":
+            print("exiting", os.getpid(), flush=True)
+        else:
+            time.sleep(0.5)
+            siblings = psutil.Process(os.getppid()).children()
+            print("zombie siblings", [p.pid for p in siblings if p.status() == psutil.STATUS_ZOMBIE], flush=True)
+    """)
+    workers = [make_worker(0, checks_sibling), make_worker(1, checks_sibling)]
+    code, out, _ = supervise(workers, tmp_path)
+    assert code == 0
+    assert f"CPU1:zombie siblings [{workers[0].process.pid}]" in out.splitlines()
+    assert workers[0].process.returncode == 0  # reaped at the end
