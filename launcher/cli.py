@@ -132,12 +132,13 @@ def check_command(command: list[str]) -> None:
 def prepare_training(config: cfg.Config, placement: Placement, printer: Printer) -> cfg.Config:
     """Prepare the dataset once and check one global batch fits, before anything is spawned
     or written; return the config as the workers will run it."""
-    from pretrain.data import prepare
+    from pretrain.data.fitting import fit_to_dataset
+    from pretrain.data.prepare import prepare
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
-    dataset_dir = prepare.prepare(config.data, log=printer.launcher_line)
-    prepare.check_batch_fits(dataset_dir, config.data.context_length,
-                             config.training.batch_size, placement.world_size)
+    dataset_dir = prepare(config.data, log=printer.launcher_line)
+    config, length = fit_to_dataset(config, dataset_dir, placement.world_size)
+    printer.launcher_line(f"run length: {length.describe()}")
     return config
 
 

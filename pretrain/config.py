@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pretrain.data.tokenizer import tokenizer_vocab_size
 from pretrain.runfiles import atomic_write_text
 
 
@@ -46,8 +45,8 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); n_heads must be divisible by it."""
     ffn_dim: int = 14336
     """Hidden width of the SwiGLU feed-forward block."""
-    vocab_size: int = 128256
-    """Rows of the embedding and output projection; at least the tokenizer's vocabulary."""
+    vocab_size: int | None = 128256
+    """Rows of the embedding and output projection: at least the tokenizer's vocabulary; null follows the tokenizer (set once the dataset is prepared)."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
     rope_theta: float = 500000.0
@@ -56,7 +55,7 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weight matrices."""
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
         _check(self.dim % self.n_heads == 0, "model.dim",
                f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
@@ -64,29 +63,77 @@ class ModelConfig:
                f"head size {self.dim // self.n_heads} (dim / n_heads) must be even for rotary embeddings")
         _check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
                f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})")
+        if self.vocab_size is not None:
+            _check(self.vocab_size >= 2, "model.vocab_size", f"must be at least 2 or null (got {self.vocab_size})")
         _check(self.norm_eps > 0, "model.norm_eps", f"must be positive (got {self.norm_eps})")
         _check(self.rope_theta > 0, "model.rope_theta", f"must be positive (got {self.rope_theta})")
         _check(self.init_std > 0, "model.init_std", f"must be positive (got {self.init_std})")
 
 
+SOURCES_WITH_PATH = ("text", "jsonl", "parquet", "llmc", "megatron")
+SHARD_SOURCES = ("llmc", "megatron")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["builtin"] = "builtin"
-    """Where the text comes from; "builtin" is Python's own documentation (no network)."""
-    tokenizer: Literal["byte"] = "byte"
-    """How text becomes token ids; "byte": one id per UTF-8 byte plus end-of-text (257 ids)."""
+    source: Literal["builtin", "text", "jsonl", "parquet", "hub", "llmc", "megatron"] = "builtin"
+    """Where the text comes from: "builtin" (Python's own documentation, no network), local "text", "jsonl" or "parquet" files, a Hugging Face "hub" dataset, or pre-tokenized "llmc" (llm.c / modded-nanogpt .bin) or "megatron" (.bin + .idx) shards, used in place."""
+    path: str = ""
+    """Local source: a file, a directory or a glob pattern (text, jsonl, parquet, llmc); for megatron the path without .bin/.idx. Relative paths are from the current directory."""
+    val_path: str = ""
+    """Validation files, same form as path; empty holds out the last val_fraction of the tokens instead."""
+    text_field: str = "text"
+    """The JSON Lines field or Parquet column that holds the text (jsonl, parquet and hub sources)."""
+    hub_repo: str = ""
+    """Hugging Face dataset repository id (owner/name) for source "hub"."""
+    hub_revision: str = "main"
+    """Branch, tag or commit of hub_repo."""
+    hub_files: str = "*.parquet"
+    """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
+    max_samples: int = 0
+    """Use at most this many documents of the source (train and validation together); 0 uses all."""
+    tokenizer: Literal["byte", "bpe", "huggingface", "tiktoken"] = "byte"
+    """How text becomes token ids: "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
+    tokenizer_name: str = ""
+    """huggingface: a tokenizer.json path or a Hub model repo id; tiktoken: the encoding name (gpt2, cl100k_base, o200k_base)."""
+    bpe_vocab_size: int = 8192
+    """Vocabulary size of the trained "bpe" tokenizer, end-of-text included."""
+    eot_token: str = ""
+    """End-of-text token of a huggingface tokenizer; empty picks the first it has of <|endoftext|>, <|end_of_text|>, </s>, <eos>."""
     context_length: int = 8192
     """Tokens per training sequence."""
     val_fraction: float = 0.05
-    """Share of the documents held out for validation."""
+    """Share of the tokens held out for validation when val_path is empty."""
     cache_dir: str = "cache/datasets"
     """Where prepared datasets are cached; a relative path is under the project root."""
 
     def __post_init__(self) -> None:
-        _check(self.context_length >= 2, "data.context_length", f"must be at least 2 (got {self.context_length})")
+        _check(2 <= self.context_length <= 1 << 20, "data.context_length",
+               f"must be between 2 and 1048576 (got {self.context_length})")
         _check(0 < self.val_fraction < 1, "data.val_fraction",
                f"must be between 0 and 1, exclusive (got {self.val_fraction})")
         _check(self.cache_dir != "", "data.cache_dir", "must not be empty")
+        _check(self.max_samples >= 0, "data.max_samples", f"must not be negative (got {self.max_samples}); 0 uses all")
+        _check(self.bpe_vocab_size >= 258, "data.bpe_vocab_size",
+               f"must be at least 258 (256 bytes, end-of-text and one merge; got {self.bpe_vocab_size})")
+        if self.hub_repo:
+            _check(self.hub_repo.count("/") == 1 and all(self.hub_repo.split("/")), "data.hub_repo",
+                   f"expected owner/name (got {self.hub_repo!r})")
+        _check(self.hub_files != "", "data.hub_files", "must not be empty")
+
+    def check_complete(self) -> None:
+        """The keys the chosen source and tokenizer cannot work without. Checked once every
+        layer is applied: a file may choose the source and a --set give its path."""
+        if self.source in SOURCES_WITH_PATH:
+            _check(self.path != "", "data.path", f'source "{self.source}" needs data.path (a file, directory or glob)')
+        if self.source == "hub":
+            _check(self.hub_repo != "", "data.hub_repo", 'source "hub" needs data.hub_repo=owner/name')
+        if self.source in SHARD_SOURCES:
+            _check(self.max_samples == 0, "data.max_samples",
+                   f'applies to text sources; "{self.source}" shards are used whole (set it to 0)')
+        if self.tokenizer in ("huggingface", "tiktoken"):
+            what = "a tokenizer.json path or Hub repo id" if self.tokenizer == "huggingface" else "an encoding such as gpt2"
+            _check(self.tokenizer_name != "", "data.tokenizer_name", f'tokenizer "{self.tokenizer}" needs {what}')
 
 
 @dataclass(frozen=True)
@@ -104,7 +151,9 @@ class TrainingConfig:
     warmup_steps: int = 2000
     """Optimizer steps of linear warmup from zero to the peak learning rate."""
     max_steps: int = 10000
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for (when epochs is 0)."""
+    epochs: int = 0
+    """Passes over the train split; sets the run length instead of max_steps when above 0."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to weight matrices only."""
     beta1: float = 0.9
@@ -125,7 +174,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches"):
             _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
-        for name in ("num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval"):
+        for name in ("epochs", "num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval"):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
         _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
@@ -180,12 +229,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
-    def __post_init__(self) -> None:
-        needed = tokenizer_vocab_size(self.data.tokenizer)
-        _check(self.model.vocab_size >= needed, "model.vocab_size",
-               f"{self.model.vocab_size} is smaller than the {self.data.tokenizer} tokenizer's vocabulary; "
-               f"set it to at least {needed}")
-
 
 SECTIONS: dict[str, type] = {name: hint for name, hint in get_type_hints(Config).items() if name != "preset"}
 
@@ -200,7 +243,7 @@ def debug() -> Config:
     return Config(
         preset="debug",
         model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                          vocab_size=tokenizer_vocab_size("byte"), rope_theta=10000.0),
+                          vocab_size=None, rope_theta=10000.0),
         data=DataConfig(context_length=128),
         training=TrainingConfig(batch_size=8, grad_accum_nums=1, learning_rate=3e-3,
                                 warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2),
@@ -329,6 +372,7 @@ def resolve(preset: str | None = None, config_file: Path | None = None,
         config = apply_overrides(config, {"training": {"max_steps": max_steps}}, "--max-steps")
     for assignment in sets:
         config = apply_overrides(config, parse_set(assignment), "--set")
+    config.data.check_complete()
     return config
 
 

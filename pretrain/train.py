@@ -25,6 +25,7 @@ from pretrain import config as cfg
 from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
+from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.model import Transformer, cross_entropy_loss
 from pretrain.runfiles import create_run_dir, os_error_message
@@ -105,7 +106,8 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
                 model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
                 broadcast_buffers=False)
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                          runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda")
+                          runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",
+                          grad_accum=t.grad_accum_nums)
     try:
         val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                                  runtime.world_size, t.eval_batches)
@@ -227,10 +229,13 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     included, is released when it returns: a process group destroyed while DDP still holds
     it is torn down at interpreter exit instead, where gloo's threads abort the process."""
     run_dir = create_run_dir(run_dir_arg)
+    # Under the launcher the dataset is already prepared and this is a cache hit, and the
+    # config already fits it (the same values again).
+    dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
+    config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
+    log.debug(f"Run length: {length.describe()}")
     if runtime.is_main and not (run_dir / "config.json").exists():
         cfg.save(config, run_dir / "config.json")
-    # Under the launcher the dataset is already prepared and this is a cache hit.
-    dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
     trainer = build(config, runtime, dataset_dir, run_dir, log)
     log.debug(f"Run directory: {run_dir}")

@@ -110,7 +110,7 @@ def test_impossible_values_are_errors_naming_the_key():
     assert "training.batch_size: must be at least 1 (got 0)" in error_of(sets=["training.batch_size=0"])
     assert "model.n_heads: 4 is not divisible by model.n_kv_heads (3)" in \
         error_of(preset="debug", sets=["model.n_kv_heads=3"])
-    assert "model.vocab_size" in error_of(preset="debug", sets=["model.vocab_size=100"])
+    assert "model.vocab_size: must be at least 2 or null (got 1)" in error_of(sets=["model.vocab_size=1"])
     assert "training.learning_rate: must be positive" in error_of(sets=["training.learning_rate=0"])
 
 
@@ -174,3 +174,37 @@ def test_preset_must_be_a_name_and_is_not_a_section(tmp_path):
     assert 'preset: expected a preset name, got ["debug"] (a list)' in \
         error_of(config_file=write(tmp_path, {"preset": ["debug"]}))
     assert "the preset is not a section; use --preset NAME" in error_of(sets=["preset.foo=1"])
+
+
+def test_the_debug_preset_leaves_the_vocabulary_to_the_tokenizer_and_production_fixes_llama_3s():
+    assert cfg.debug().model.vocab_size is None
+    assert cfg.production().model.vocab_size == 128256
+    assert cfg.resolve(sets=["model.vocab_size=null"]).model.vocab_size is None
+
+
+def test_each_data_source_demands_the_keys_it_cannot_work_without():
+    assert 'data.path: source "jsonl" needs data.path' in error_of(sets=["data.source=jsonl"])
+    assert 'data.path: source "megatron" needs data.path' in error_of(sets=["data.source=megatron"])
+    assert 'data.hub_repo: source "hub" needs data.hub_repo=owner/name' in error_of(sets=["data.source=hub"])
+    assert "data.hub_repo: expected owner/name (got 'nameonly')" in error_of(sets=["data.hub_repo=nameonly"])
+    assert 'data.tokenizer_name: tokenizer "tiktoken" needs an encoding such as gpt2' in \
+        error_of(sets=["data.tokenizer=tiktoken"])
+    assert "data.max_samples: applies to text sources" in \
+        error_of(sets=["data.source=llmc", "data.path=x.bin", "data.max_samples=5"])
+    assert "data.bpe_vocab_size: must be at least 258" in error_of(sets=["data.bpe_vocab_size=100"])
+    assert "data.max_samples: must not be negative" in error_of(sets=["data.max_samples=-1"])
+    assert "training.epochs: must not be negative" in error_of(sets=["training.epochs=-1"])
+    assert 'data.source: "csv" (a string) is not one of' in error_of(sets=["data.source=csv"])
+
+
+def test_a_source_chosen_in_a_file_may_get_its_path_from_a_set(tmp_path):
+    file = write(tmp_path, {"data": {"source": "parquet"}})
+    assert cfg.resolve(config_file=file, sets=["data.path=x.parquet"]).data.path == "x.parquet"
+    assert 'data.path: source "parquet" needs data.path' in error_of(config_file=file)
+
+
+def test_a_complete_data_source_config_resolves():
+    config = cfg.resolve(preset="debug", sets=["data.source=jsonl", "data.path=data/*.jsonl", "data.text_field=body",
+                                               "data.tokenizer=bpe", "data.bpe_vocab_size=4096", "training.epochs=2"])
+    assert (config.data.source, config.data.path, config.data.text_field) == ("jsonl", "data/*.jsonl", "body")
+    assert (config.data.tokenizer, config.data.bpe_vocab_size, config.training.epochs) == ("bpe", 4096, 2)

@@ -1,48 +1,102 @@
-"""Memory-mapped, deterministic, rank-sharded batches: pretrain/data/loader.py."""
+"""Memory-mapped, deterministic, rank-sharded batches: pretrain/data/loader.py.
+
+The datasets here are written directly (token files plus a meta.json of format version 2), not
+by prepare.py, so these tests pin the file format the loader reads. Every token value occurs once
+per split, so a window is known by its first token.
+"""
 
 from __future__ import annotations
 
 import itertools
+import json
+import pickle
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from pretrain.config import DataConfig
 from pretrain.data import DataError
-from pretrain.data.loader import TokenWindows, TrainBatches, validation_batches
-from pretrain.data.prepare import prepare
+from pretrain.data.loader import TokenWindows, TrainBatches, as_is, validation_batches
 
-T = 8  # context length: small, so a small corpus has hundreds of windows
+T = 8  # context length: small, so a small dataset has hundreds of windows
+HEADER = 1024  # bytes before the tokens of an llm.c-style shard
+JUNK = b"\xab"  # header filling: read as tokens, it would give values no test expects
+
+
+@dataclass(frozen=True)
+class Part:
+    """One segment to write: tokens appended to file (relative to the dataset, or absolute)."""
+    tokens: np.ndarray
+    file: str | Path
+    dtype: str = "uint16"
+    header: int = 0
+    """Junk bytes written first when this part creates the file."""
+
+
+def write_dataset(directory: Path, **splits: list[Part]) -> Path:
+    """A prepared dataset in format version 2, without prepare.py: each part appended to its file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    meta: dict = {"format_version": 2, "key": {}, "files": {}, "splits": {}, "tokens": {}, "vocab_size": 2**32}
+    for split, parts in splits.items():
+        entries = []
+        for part in parts:
+            path = directory / part.file
+            offset = path.stat().st_size if path.exists() else part.header
+            with path.open("ab") as file:
+                file.write(JUNK * (offset - file.tell()))
+                file.write(part.tokens.astype(np.dtype(part.dtype).newbyteorder("<")).tobytes())
+            entries.append({"file": str(part.file), "offset": offset, "tokens": len(part.tokens), "dtype": part.dtype})
+        meta["splits"][split] = entries
+        meta["tokens"][split] = sum(len(part.tokens) for part in parts)
+    for split in splits.values():
+        for part in split:  # sizes as prepare.py records them; no test here reads the checksums
+            meta["files"][str(part.file)] = {"bytes": (directory / part.file).stat().st_size, "sha256": ""}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def expected_windows(parts: list[Part]) -> np.ndarray:
+    """Every window of the split, segment by segment, computed straight from the definition."""
+    return np.array([part.tokens[i * T:i * T + T + 1] for part in parts for i in range((len(part.tokens) - 1) // T)])
+
+
+class Data(NamedTuple):
+    path: Path
+    train: np.ndarray  # (windows, T + 1): what window i must be
+    val: np.ndarray
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    """About 6,000 train tokens of random letters: every window is distinct."""
-    rng = np.random.default_rng(0)
-    documents = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), size=int(n)))
-                 for n in rng.integers(50, 250, size=50)]
-    cfg = DataConfig(cache_dir=str(tmp_path_factory.mktemp("cache")), val_fraction=0.1)
-    return prepare(cfg, log=lambda line: None, documents=documents)
+def data(tmp_path_factory) -> Data:
+    """537 train windows in four segments and three files: one beside meta.json shared with val,
+    two absolute shards elsewhere with 1,024-byte headers; one segment too short for any window."""
+    shards = tmp_path_factory.mktemp("shards")
+    train = [Part(1000 + np.arange(2001), "tokens.bin"),  # 250 windows
+             Part(10000 + np.arange(1500), shards / "shard_01.bin", header=HEADER),  # 187
+             Part(15000 + np.arange(5), "tokens.bin"),  # none
+             Part(20000 + np.arange(803), shards / "shard_02.bin", header=HEADER)]  # 100
+    val = [Part(30000 + np.arange(601), "tokens.bin")]  # 75
+    path = write_dataset(tmp_path_factory.mktemp("dataset"), train=train, val=val)
+    return Data(path, expected_windows(train), expected_windows(val))
 
 
-def train_batches(dataset: Path, **changes) -> TrainBatches:
+def train_batches(data: Data, **changes) -> TrainBatches:
     args = dict(context_length=T, batch_size=4, rank=0, world_size=1, seed=7, num_workers=0)
-    return TrainBatches(dataset, **{**args, **changes})
+    return TrainBatches(data.path, **{**args, **changes})
 
 
 def take(batches, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(itertools.islice(batches, n))
 
 
-def window_index(windows: TokenWindows) -> dict[bytes, int]:
-    """Which window a row of x is, by its content."""
-    return {windows[i][0].numpy().tobytes(): i for i in range(len(windows))}
-
-
-def indices_of(batch_x: torch.Tensor, lookup: dict[bytes, int]) -> list[int]:
-    return [lookup[row.numpy().tobytes()] for row in batch_x]
+def indices_of(batch_x: torch.Tensor, windows: np.ndarray) -> list[int]:
+    """Which windows the rows of batch_x are, by their first token."""
+    first = {int(token): i for i, token in enumerate(windows[:, 0])}
+    return [first[int(token)] for token in batch_x[:, 0]]
 
 
 def assert_same_batches(a, b) -> None:
@@ -53,95 +107,168 @@ def assert_same_batches(a, b) -> None:
 
 # --- windows -------------------------------------------------------------------------------------
 
-def test_windows_are_read_through_a_read_only_memory_map(dataset):
-    windows = TokenWindows(dataset, "train", T)
+def test_windows_are_read_through_read_only_memory_maps(data):
+    windows = TokenWindows(data.path, "train", T)
 
-    assert isinstance(windows.tokens, np.memmap) and windows.tokens.mode == "r"
-    assert len(windows) == (windows.n_tokens - 1) // T
-    with pytest.raises(ValueError):
-        windows.tokens[0] = 1
+    assert len(windows.maps) == 4
+    for tokens in windows.maps:
+        assert isinstance(tokens, np.memmap) and tokens.mode == "r"
+        with pytest.raises(ValueError):
+            tokens[0] = 1
 
 
-def test_window_i_is_tokens_i_times_t_plus_one_split_into_input_and_target(dataset):
-    windows = TokenWindows(dataset, "train", T)
-    tokens = np.fromfile(dataset / "train.bin", dtype=np.uint16).astype(np.int64)
+def test_window_i_is_tokens_i_times_t_plus_one_of_its_segment_split_into_input_and_target(data):
+    windows = TokenWindows(data.path, "train", T)
 
-    for i in (0, 1, len(windows) - 1):
+    assert len(windows) == len(data.train) == 537
+    for i in range(len(windows)):
         x, y = windows[i]
-        assert x.tolist() == tokens[i * T:i * T + T].tolist()
-        assert y.tolist() == tokens[i * T + 1:i * T + T + 1].tolist()
+        assert x.tolist() == data.train[i, :-1].tolist() and y.tolist() == data.train[i, 1:].tolist()
+
+
+@pytest.mark.parametrize("index", [3, -1])
+def test_a_window_index_out_of_range_is_refused_rather_than_wrapped_around(tmp_path, index):
+    path = write_dataset(tmp_path, train=[Part(np.arange(3 * T + 1), "train.bin")], val=[Part(np.arange(T + 1), "train.bin")])
+    windows = TokenWindows(path, "train", T)
     with pytest.raises(IndexError):
-        windows[len(windows)]
+        windows[index]
+    with pytest.raises(IndexError):
+        windows.batch([0, index])
 
 
-def test_a_truncated_token_file_is_refused_rather_than_read_short(tmp_path, dataset):
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for name in ("meta.json", "val.bin"):
-        (copy / name).write_bytes((dataset / name).read_bytes())
-    (copy / "train.bin").write_bytes((dataset / "train.bin").read_bytes()[:-2])
+def test_windows_never_cross_from_one_segment_into_the_next(data):
+    x, y = TokenWindows(data.path, "train", T).batch(np.arange(537))
 
-    with pytest.raises(DataError, match="meta.json promises"):
-        train_batches(copy)
+    # Within a segment tokens count up by one; across the junction of two they jump.
+    assert (torch.diff(torch.cat([x, y[:, -1:]], dim=1)) == 1).all()
+    assert {int(token) // 5000 for token in x[:, 0]} == {0, 2, 4}  # segments 1, 2 and 4; none from segment 3
 
 
-# --- training batches ----------------------------------------------------------------------------
+def test_shards_elsewhere_are_read_in_place_after_their_header(data):
+    meta = json.loads((data.path / "meta.json").read_text())
+    shard = meta["splits"]["train"][1]
+    assert Path(shard["file"]).is_absolute() and shard["offset"] == HEADER
 
-def test_batches_are_int64_of_batch_size_by_context_length_and_y_is_x_shifted_by_one(dataset):
-    windows = TokenWindows(dataset, "train", T)
-    for x, y in take(train_batches(dataset), 3):
-        assert x.shape == y.shape == (4, T)
-        assert x.dtype == y.dtype == torch.int64
-        assert torch.equal(x[:, 1:], y[:, :-1])
-        for row_x, row_y in zip(x, y):
-            (i,) = [i for i in range(len(windows)) if torch.equal(windows[i][0], row_x)]
-            assert torch.equal(windows[i][1], row_y)
+    x, _ = TokenWindows(data.path, "train", T)[250]
+    assert x.tolist() == list(range(10000, 10000 + T))
 
 
-def test_ranks_get_disjoint_windows_that_together_cover_the_epochs_used_windows(dataset):
+def test_uint32_tokens_beyond_the_uint16_range_are_read_whole(tmp_path):
+    tokens = 100_000 + np.arange(3 * T + 1)
+    path = write_dataset(tmp_path, train=[Part(tokens, "train.bin", "uint32")], val=[Part(tokens, "val.bin", "uint32")])
+    x, y = TokenWindows(path, "train", T).batch([2, 0])
+
+    assert x.tolist() == [tokens[2 * T:3 * T].tolist(), tokens[:T].tolist()]
+    assert y[0, -1].item() == tokens[-1] == 100_000 + 3 * T
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_token_file_is_refused_with_a_one_line_error(tmp_path, damage):
+    path = write_dataset(tmp_path, train=[Part(np.arange(100), "a.bin"), Part(np.arange(100), "b.bin")],
+                         val=[Part(np.arange(50), "a.bin")])
+    if damage == "missing":
+        (path / "b.bin").unlink()
+    else:
+        (path / "b.bin").write_bytes((path / "b.bin").read_bytes()[:-2])
+
+    with pytest.raises(DataError) as error:
+        TrainBatches(path, T, batch_size=2, rank=0, world_size=1, seed=0, num_workers=0)
+
+    message = str(error.value)
+    assert message.startswith(f"{path / 'b.bin'}: ") and "meta.json promises 100 tokens of uint16" in message
+    assert message.endswith("; rebuild it with `python3 prepare_dataset.py --force`") and "\n" not in message
+
+
+def test_a_dataset_of_the_old_format_says_to_rebuild_it(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"format_version": 1, "tokens": {"train": 100}, "dtype": "uint16"}))
+    with pytest.raises(DataError, match="format_version 1, expected 2.*; rebuild it with"):
+        TrainBatches(tmp_path, T, batch_size=2, rank=0, world_size=1, seed=0, num_workers=0)
+
+
+def test_a_pickled_dataset_carries_no_token_data_and_maps_again_where_it_lands(data):
+    windows = TokenWindows(data.path, "train", T)
+    expected = windows.batch([0, 300, 500])
+
+    copy = pickle.loads(pickle.dumps(windows))
+
+    assert len(pickle.dumps(windows)) < 2000
+    assert_same_batches([copy.batch([0, 300, 500])], [expected])
+
+
+# --- batches ---------------------------------------------------------------------------------------
+
+def test_a_batch_is_contiguous_int64_windows_in_the_order_asked_even_across_segments(data):
+    order = [500, 3, 260, 4, 536]
+    x, y = TokenWindows(data.path, "train", T).batch(order)
+
+    assert x.shape == y.shape == (5, T) and x.dtype == y.dtype == torch.int64
+    assert x.is_contiguous() and y.is_contiguous()
+    assert x.tolist() == data.train[order, :-1].tolist() and y.tolist() == data.train[order, 1:].tolist()
+
+
+def test_dataloader_fetches_a_whole_batch_through_getitems(data):
+    windows = TokenWindows(data.path, "train", T)
+    sampler = [[5, 400], [1, 2]]
+    batches = list(DataLoader(windows, batch_sampler=sampler, collate_fn=as_is))
+
+    assert_same_batches(batches, [windows.batch(indices) for indices in sampler])
+
+
+def test_training_batches_are_batch_size_by_context_length_and_y_is_x_shifted_by_one(data):
+    for x, y in take(train_batches(data), 3):
+        assert x.shape == y.shape == (4, T) and x.dtype == torch.int64
+        assert y.tolist() == data.train[indices_of(x, data.train), 1:].tolist()
+
+
+def test_ranks_get_disjoint_windows_that_together_cover_the_epoch_but_the_remainder(data):
     world = 3
-    lookup = window_index(TokenWindows(dataset, "train", T))
-    ranks = [train_batches(dataset, rank=r, world_size=world) for r in range(world)]
+    ranks = [train_batches(data, rank=r, world_size=world) for r in range(world)]
     per_epoch = ranks[0].batches_per_epoch
-    seen = [[i for x, _ in take(loader, per_epoch) for i in indices_of(x, lookup)] for loader in ranks]
+    seen = [[i for x, _ in take(loader, per_epoch) for i in indices_of(x, data.train)] for loader in ranks]
 
-    assert all(loader.batches_per_epoch == per_epoch for loader in ranks)
+    assert [loader.batches_per_epoch for loader in ranks] == [537 // 3 // 4] * world == [44] * world
     assert all(len(set(s)) == len(s) == per_epoch * 4 for s in seen)
-    assert not set(seen[0]) & set(seen[1]) and not set(seen[1]) & set(seen[2]) and not set(seen[0]) & set(seen[2])
-    # The epoch's permutation, cut to what the ranks can use in equal whole batches.
-    order = np.random.default_rng([7, 0]).permutation(len(lookup))
-    assert set().union(*seen) == set(order[:world * per_epoch * 4].tolist())
+    assert sum(len(s) for s in seen) == len(set().union(*seen))  # disjoint
+    # The epoch's permutation, but the 9 windows that cannot give every rank one more batch.
+    order = np.random.default_rng([7, 0]).permutation(537)
+    assert set().union(*seen) == set(order[:528].tolist())
 
 
-def test_two_loaders_with_the_same_settings_give_the_same_batches(dataset):
-    first, second = train_batches(dataset, rank=1, world_size=2), train_batches(dataset, rank=1, world_size=2)
+def test_the_same_seed_and_epoch_give_the_same_order_and_another_epoch_or_seed_another(data):
+    first, second = train_batches(data, rank=1, world_size=2), train_batches(data, rank=1, world_size=2)
     n = first.batches_per_epoch + 3  # into the second epoch
     assert_same_batches(take(first, n), take(second, n))
 
-
-def test_each_epoch_and_each_seed_has_its_own_order(dataset):
-    loader = train_batches(dataset)
-
-    assert not np.array_equal(loader.epoch_batches(0), loader.epoch_batches(1))
-    assert not np.array_equal(loader.epoch_batches(0), train_batches(dataset, seed=8).epoch_batches(0))
+    assert not np.array_equal(first.epoch_batches(0), first.epoch_batches(1))
+    assert not np.array_equal(first.epoch_batches(0), train_batches(data, rank=1, world_size=2, seed=8).epoch_batches(0))
     for epoch in (0, 1):  # an epoch never repeats a window
-        assert len(set(loader.epoch_batches(epoch).ravel().tolist())) == loader.epoch_batches(epoch).size
+        assert len(set(first.epoch_batches(epoch).ravel().tolist())) == first.epoch_batches(epoch).size
 
 
-def test_iteration_rolls_over_into_the_next_epoch(dataset):
-    loader = train_batches(dataset)
-    lookup = window_index(loader.windows)
+def test_iteration_rolls_over_into_the_next_epoch(data):
+    loader = train_batches(data)
     per_epoch = loader.batches_per_epoch
 
     batches = take(loader, per_epoch + 1)
 
     assert loader.state_dict() == {"epoch": 1, "batch_index": 1}
-    assert indices_of(batches[-1][0], lookup) == loader.epoch_batches(1)[0].tolist()
-    assert indices_of(batches[per_epoch - 1][0], lookup) == loader.epoch_batches(0)[-1].tolist()
+    assert indices_of(batches[per_epoch - 1][0], data.train) == loader.epoch_batches(0)[-1].tolist()
+    assert indices_of(batches[-1][0], data.train) == loader.epoch_batches(1)[0].tolist()
 
 
-def test_state_dict_names_the_next_batch_while_the_caller_holds_the_current_one(dataset):
-    loader = train_batches(dataset)
+def test_grad_accum_makes_an_epoch_a_whole_number_of_optimizer_steps(data):
+    loader = train_batches(data, world_size=2, grad_accum=3)
+    # 537 windows // 2 ranks // (4 x 3) = 22 steps of 3 micro-batches; without accumulation 67 batches.
+    assert loader.batches_per_epoch == 66 and train_batches(data, world_size=2).batches_per_epoch == 67
+
+    batches = take(loader, 66 + 3)
+
+    assert loader.state_dict() == {"epoch": 1, "batch_index": 3}
+    assert indices_of(batches[66][0], data.train) == loader.epoch_batches(1)[0].tolist()
+
+
+def test_state_dict_names_the_next_batch_while_the_caller_holds_the_current_one(data):
+    loader = train_batches(data)
     assert loader.state_dict() == {"epoch": 0, "batch_index": 0}
     iterator = iter(loader)
     next(iterator)
@@ -150,81 +277,66 @@ def test_state_dict_names_the_next_batch_while_the_caller_holds_the_current_one(
     assert loader.state_dict() == {"epoch": 0, "batch_index": 2}
 
 
-@pytest.mark.parametrize("num_workers", [0, 1])
-def test_a_loader_resumed_from_state_dict_continues_with_exactly_the_next_batches(dataset, num_workers):
-    uninterrupted = train_batches(dataset)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_resumed_from_state_dict_continues_with_exactly_the_next_batches(data, num_workers):
+    uninterrupted = train_batches(data, rank=1, world_size=2, grad_accum=2)
     per_epoch = uninterrupted.batches_per_epoch
     expected = take(uninterrupted, per_epoch + 4)
 
-    interrupted = train_batches(dataset)
+    interrupted = train_batches(data, rank=1, world_size=2, grad_accum=2, num_workers=num_workers)
     stop = per_epoch - 2  # resume shortly before an epoch boundary and cross it
     take(interrupted, stop)
-    resumed = train_batches(dataset, num_workers=num_workers)
-    resumed.load_state_dict(dict(interrupted.state_dict()))
+    resumed = train_batches(data, rank=1, world_size=2, grad_accum=2, num_workers=num_workers)
+    resumed.load_state_dict(json.loads(json.dumps(interrupted.state_dict())))  # as a checkpoint stores it
 
     assert_same_batches(take(resumed, per_epoch + 4 - stop), expected[stop:])
+    assert resumed.state_dict() == {"epoch": 1, "batch_index": 4}
 
 
-def test_a_resume_position_beyond_the_epoch_is_refused(dataset):
-    loader = train_batches(dataset)
-    with pytest.raises(DataError, match="did the dataset, batch size or world size change"):
+def test_a_resume_position_beyond_the_epoch_is_refused(data):
+    loader = train_batches(data)
+    with pytest.raises(DataError, match="did the dataset, batch size, gradient accumulation or world size change"):
         loader.load_state_dict({"epoch": 0, "batch_index": loader.batches_per_epoch})
 
 
-def test_one_worker_process_gives_the_same_batches_as_loading_in_process(dataset):
-    in_process = train_batches(dataset, rank=1, world_size=2, num_workers=0)
-    n = in_process.batches_per_epoch + 2
-    assert_same_batches(take(train_batches(dataset, rank=1, world_size=2, num_workers=1), n), take(in_process, n))
-
-
-def test_data_too_small_for_one_batch_per_rank_raises_with_the_numbers_and_the_fix(dataset):
-    n_windows = len(TokenWindows(dataset, "train", T))
+def test_data_too_small_for_one_optimizer_step_raises_with_the_numbers_and_the_fix(data):
     with pytest.raises(DataError) as error:
-        train_batches(dataset, batch_size=n_windows // 2 + 1, world_size=2)
+        train_batches(data, batch_size=90, grad_accum=3, world_size=2)
 
     message = str(error.value)
-    assert f"{n_windows} windows" in message and "\n" not in message
-    assert "reduce training.batch_size or data.context_length, or add data" in message
-    assert train_batches(dataset, batch_size=n_windows // 2, world_size=2).batches_per_epoch == 1
+    assert "has 537 windows of 9 tokens" in message and "= 540;" in message and "\n" not in message
+    assert message.endswith("reduce training.batch_size, training.grad_accum_nums or data.context_length, or add data")
+    assert train_batches(data, batch_size=89, grad_accum=3, world_size=2).batches_per_epoch == 3
 
 
 # --- validation batches --------------------------------------------------------------------------
 
-def test_validation_batches_are_the_same_on_every_call(dataset):
-    first = validation_batches(dataset, T, batch_size=4, rank=0, world_size=2, num_batches=3)
+def test_validation_batches_are_the_same_on_every_call(data):
+    first = validation_batches(data.path, T, batch_size=4, rank=0, world_size=2, num_batches=3)
     assert len(first) == 3
-    assert_same_batches(first, validation_batches(dataset, T, batch_size=4, rank=0, world_size=2, num_batches=3))
+    assert_same_batches(first, validation_batches(data.path, T, batch_size=4, rank=0, world_size=2, num_batches=3))
 
 
-def test_validation_batches_are_the_first_windows_of_val_shared_disjointly_by_rank(dataset):
-    windows = TokenWindows(dataset, "val", T)
-    lookup = window_index(windows)
+def test_validation_batches_are_the_first_windows_of_val_shared_disjointly_by_rank(data):
     world, batch, num = 2, 4, 3
-    per_rank = [validation_batches(dataset, T, batch, rank, world, num) for rank in range(world)]
-    seen = [[i for x, _ in batches for i in indices_of(x, lookup)] for batches in per_rank]
+    per_rank = [validation_batches(data.path, T, batch, rank, world, num) for rank in range(world)]
+    seen = [[i for x, _ in batches for i in indices_of(x, data.val)] for batches in per_rank]
 
-    assert sorted(seen[0] + seen[1]) == list(range(world * batch * num))
-    assert not set(seen[0]) & set(seen[1])
+    assert seen[0] == list(range(0, 24, 2)) and seen[1] == list(range(1, 24, 2))
     for x, y in per_rank[1]:
         assert x.shape == y.shape == (batch, T) and torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_a_small_val_split_gives_fewer_batches_but_the_same_number_on_every_rank(dataset):
-    n_val = len(TokenWindows(dataset, "val", T))
-    world = 3
-    counts = [len(validation_batches(dataset, T, 4, rank, world, num_batches=1000)) for rank in range(world)]
-
-    assert counts == [n_val // world // 4] * world
+def test_a_small_val_split_gives_fewer_batches_but_the_same_number_on_every_rank(data):
+    counts = [len(validation_batches(data.path, T, 4, rank, 3, num_batches=1000)) for rank in range(3)]
+    assert counts == [75 // 3 // 4] * 3
 
 
-def test_a_val_split_smaller_than_one_full_batch_per_rank_gives_one_smaller_batch(dataset):
-    n_val = len(TokenWindows(dataset, "val", T))
-    batches = validation_batches(dataset, T, batch_size=n_val, rank=1, world_size=2, num_batches=4)
-
-    assert len(batches) == 1 and batches[0][0].shape == (n_val // 2, T)
+def test_a_val_split_smaller_than_one_full_batch_per_rank_gives_one_smaller_batch(data):
+    batches = validation_batches(data.path, T, batch_size=75, rank=1, world_size=2, num_batches=4)
+    assert len(batches) == 1 and batches[0][0].shape == (37, T)
 
 
-def test_a_val_split_with_fewer_windows_than_ranks_raises_with_the_fix(dataset):
-    n_val = len(TokenWindows(dataset, "val", T))
-    with pytest.raises(DataError, match="increase data.val_fraction, reduce data.context_length"):
-        validation_batches(dataset, T, batch_size=1, rank=0, world_size=n_val + 1, num_batches=1)
+def test_a_val_split_with_fewer_windows_than_ranks_raises_with_the_fix(data):
+    with pytest.raises(DataError, match="has 75 windows of 9 tokens, fewer than one per rank .76.; increase data.val"):
+        validation_batches(data.path, T, batch_size=1, rank=0, world_size=76, num_batches=1)

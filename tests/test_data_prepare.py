@@ -16,7 +16,7 @@ import pytest
 from pretrain.config import DataConfig
 from pretrain.data import DataError
 from pretrain.data import prepare as prep
-from pretrain.data.builtin import builtin_documents, builtin_identity
+from pretrain.data.builtin import builtin_documents, content_digest
 from pretrain.data.tokenizer import BYTE_EOT, ByteTokenizer
 from pretrain.runfiles import PROJECT_ROOT
 
@@ -33,9 +33,19 @@ def prepare_quietly(cfg: DataConfig, documents=CORPUS, **kwargs) -> tuple[Path, 
     return prep.prepare(cfg, log=lines.append, documents=documents, **kwargs), lines
 
 
-def split_documents(path: Path) -> list[str]:
-    """The texts of a token file, one per end-of-text."""
-    tokens = np.fromfile(path, dtype=np.uint16)
+def split_tokens(path: Path, split: str) -> np.ndarray:
+    """The tokens of one split, read through its segments in meta.json."""
+    parts = []
+    for segment in prep.read_meta(path)["splits"][split]:
+        dtype = prep.DTYPES[segment["dtype"]]
+        parts.append(np.fromfile(path / segment["file"], dtype=dtype, count=segment["tokens"],
+                                 offset=segment["offset"]))
+    return np.concatenate(parts)
+
+
+def split_documents(path: Path, split: str) -> list[str]:
+    """The texts of a split, one per end-of-text."""
+    tokens = split_tokens(path, split)
     assert tokens[-1] == BYTE_EOT
     ends = np.flatnonzero(tokens == BYTE_EOT)
     starts = np.concatenate([[0], ends[:-1] + 1])
@@ -52,42 +62,45 @@ def env_with_project() -> dict[str, str]:
 
 # --- building ------------------------------------------------------------------------------------
 
-def test_prepare_writes_train_val_and_meta_into_a_readable_keyed_directory(tmp_path):
+def test_prepare_writes_tokens_and_meta_into_a_readable_keyed_directory(tmp_path):
     path, lines = prepare_quietly(data_config(tmp_path))
 
     assert path.parent == tmp_path / "cache"
     assert path.name.startswith("custom-byte-") and len(path.name) == len("custom-byte-") + 12
-    assert entries(path) == ["meta.json", "train.bin", "val.bin"]
+    assert entries(path) == ["meta.json", "tokens.bin"]
     assert len(lines) == 1 and lines[0].startswith(f"dataset: prepared {path} (")
-    assert "40 documents) in " in lines[0]
+    assert "40 documents) in " in lines[0] and lines[0].endswith(" tokens/s)")
 
 
-def test_meta_records_the_inputs_counts_and_checksums(tmp_path):
+def test_meta_records_the_key_the_tokenizer_the_splits_counts_and_checksums(tmp_path):
     path, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.1))
     meta = prep.read_meta(path)
 
     assert meta["format_version"] == prep.FORMAT_VERSION
-    assert (meta["source"], meta["tokenizer"], meta["vocab_size"], meta["eot_id"]) == ("custom", "byte", 257, 256)
-    assert meta["source_identity"].startswith("sha256:")
-    assert meta["dtype"] == "uint16" and meta["val_fraction"] == 0.1
-    assert meta["documents"] == {"train": 36, "val": 4}
-    total_bytes = sum(len(doc.encode("utf-8")) + 1 for doc in CORPUS)
-    assert meta["tokens"]["train"] + meta["tokens"]["val"] == total_bytes
-    for split in ("train", "val"):
-        assert (path / f"{split}.bin").stat().st_size == 2 * meta["tokens"][split]
-        assert len(meta["sha256"][f"{split}.bin"]) == 64
+    assert meta["key"]["source"] == {"source": "custom", "content": content_digest(CORPUS)}
+    assert meta["key"]["tokenizer"] == {"kind": "byte"} and meta["key"]["max_samples"] == 0
+    assert meta["key"]["val_fraction"] == 0.1
+    assert meta["tokenizer"] == {"kind": "byte", "name": "byte", "vocab_size": 257, "eot_id": 256}
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"], meta["max_token_id"]) == (257, 256, "uint16", 256)
+    total = sum(len(doc.encode("utf-8")) + 1 for doc in CORPUS)
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == total
+    assert meta["documents"]["total"] == 40
+    assert meta["documents"]["train"] + meta["documents"]["val"] == 40
+    assert meta["splits"]["train"] == [{"file": "tokens.bin", "offset": 0, "tokens": meta["tokens"]["train"],
+                                        "dtype": "uint16"}]
+    assert meta["splits"]["val"] == [{"file": "tokens.bin", "offset": 2 * meta["tokens"]["train"],
+                                      "tokens": meta["tokens"]["val"], "dtype": "uint16"}]
+    assert meta["files"]["tokens.bin"] == {"bytes": 2 * total, "sha256": prep.file_sha256(path / "tokens.bin")}
     assert time.time() - time.mktime(time.strptime(meta["created"], "%Y-%m-%dT%H:%M:%SZ")) < 86400 + 60
 
 
-def test_every_document_lands_in_exactly_one_split_and_round_trips_through_the_byte_tokenizer(tmp_path):
+def test_documents_keep_their_order_validation_is_the_tail_and_both_round_trip(tmp_path):
     path, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.1))
-    train, val = split_documents(path / "train.bin"), split_documents(path / "val.bin")
+    train, val = split_documents(path, "train"), split_documents(path, "val")
 
-    assert train and val
-    assert sorted(train + val) == sorted(CORPUS)
-    # Each split keeps the corpus order, so a document's neighbours stay its neighbours.
-    assert train == [doc for doc in CORPUS if doc in train]
-    assert ByteTokenizer().decode(np.fromfile(path / "val.bin", dtype=np.uint16)) == "".join(d + "\n" for d in val)
+    assert train + val == CORPUS  # the cut fell on a document boundary
+    assert len(val) in (3, 4, 5)
+    assert ByteTokenizer().decode(split_tokens(path, "val")) == "".join(d + "\n" for d in val)
 
 
 def test_tokens_are_uint16_when_the_vocabulary_fits_and_uint32_when_not():
@@ -96,66 +109,86 @@ def test_tokens_are_uint16_when_the_vocabulary_fits_and_uint32_when_not():
     assert prep.storage_dtype(128256) == "uint32"
 
 
-def test_validation_split_takes_about_val_fraction_of_the_documents_spread_over_the_corpus():
-    held_out = prep.validation_documents(100, 0.05)
+def test_the_validation_cut_moves_to_a_nearby_document_boundary_or_stays_inside_one_long_document():
+    # 1000 tokens, 10%: the ideal cut is at 900.
+    assert prep.split_point(1000, [100, 880, 950, 1000], 0.1) == 950  # next boundary leaves 50 >= 50
+    assert prep.split_point(1000, [100, 880, 960, 1000], 0.1) == 880  # next leaves 40 < 50; previous 120 <= 200
+    assert prep.split_point(1000, [100, 500, 1000], 0.1) == 900      # both too far: cut inside a document
+    assert prep.split_point(1000, [1000], 0.1) == 900                # one document
+    assert prep.split_point(2, [2], 0.5) == 1
+    with pytest.raises(DataError, match="1 token"):
+        prep.split_point(1, [1], 0.1)
 
-    assert held_out == prep.validation_documents(100, 0.05)
-    assert sorted(held_out) == [10, 30, 50, 70, 90]
-    assert prep.validation_documents(2, 0.01) == {1}
-    assert prep.validation_documents(3, 0.99) == {0, 2}
+
+def test_a_single_long_document_is_split_inside_it(tmp_path):
+    path, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.25), documents=["x" * 399])
+    meta = prep.read_meta(path)
+
+    assert meta["tokens"] == {"train": 300, "val": 100}
+    assert meta["documents"] == {"total": 1, "train": 0, "val": 1}
 
 
-def test_a_source_with_one_document_cannot_be_split_and_says_so(tmp_path):
-    with pytest.raises(DataError, match="at least 2 documents"):
-        prepare_quietly(data_config(tmp_path), documents=["only one"])
-    assert entries(tmp_path / "cache") == [e for e in entries(tmp_path / "cache") if e.endswith(".lock")]
+def test_an_empty_source_is_a_one_line_error_and_leaves_nothing_behind(tmp_path):
+    with pytest.raises(DataError, match="has no documents"):
+        prepare_quietly(data_config(tmp_path), documents=[])
+    assert [e for e in entries(tmp_path / "cache") if not e.endswith(".lock")] == []
+
+
+def test_max_samples_takes_the_first_documents(tmp_path):
+    path, _ = prepare_quietly(data_config(tmp_path, max_samples=10))
+    meta = prep.read_meta(path)
+
+    assert meta["documents"]["total"] == 10
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == sum(len(d.encode("utf-8")) + 1 for d in CORPUS[:10])
 
 
 def test_each_input_that_changes_the_bytes_changes_the_cache_directory(tmp_path):
     base, _ = prepare_quietly(data_config(tmp_path))
     other_fraction, _ = prepare_quietly(data_config(tmp_path, val_fraction=0.2))
     other_text, _ = prepare_quietly(data_config(tmp_path), documents=CORPUS[:-1] + ["changed"])
+    other_samples, _ = prepare_quietly(data_config(tmp_path, max_samples=5))
+    other_tokenizer, _ = prepare_quietly(data_config(tmp_path, tokenizer="bpe", bpe_vocab_size=300))
     other_context, _ = prepare_quietly(data_config(tmp_path, context_length=64))
 
-    assert len({base, other_fraction, other_text}) == 3
-    assert other_context == base  # windows are cut at load time; the bytes do not depend on it
+    assert len({base, other_fraction, other_text, other_samples, other_tokenizer}) == 5
+    # Deliberate: windows are cut at load time, so the bytes do not depend on the context length
+    # and one preparation serves them all.
+    assert other_context == base
 
 
 # --- reuse, damage, failure ----------------------------------------------------------------------
 
 def test_second_prepare_reuses_the_cache_without_tokenizing_again(tmp_path, monkeypatch):
     calls = []
-    encode = ByteTokenizer.encode
-    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: calls.append(text) or encode(self, text))
+    encode = ByteTokenizer.encode_batch
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: calls.append(texts) or encode(self, texts))
     cfg = data_config(tmp_path)
 
     first, _ = prepare_quietly(cfg)
-    built_calls, mtime = len(calls), (first / "train.bin").stat().st_mtime_ns
+    built = len(calls)
     second, lines = prepare_quietly(cfg)
 
-    assert built_calls == len(CORPUS)
-    assert second == first and len(calls) == built_calls
-    assert (second / "train.bin").stat().st_mtime_ns == mtime
-    meta = prep.read_meta(first)
-    assert lines == [f"dataset: reusing {first} ({meta['tokens']['train']} train tokens, "
-                     f"{meta['tokens']['val']} val tokens)"]
+    assert built > 0 and len(calls) == built
+    assert second == first
+    assert lines == [f"dataset: reusing {first} ({prep.read_meta(first)['tokens']['train']:,} train tokens, "
+                     f"{prep.read_meta(first)['tokens']['val']:,} val tokens)"]
 
 
 def test_force_rebuilds_a_valid_cache_in_place(tmp_path):
     cfg = data_config(tmp_path)
     first, _ = prepare_quietly(cfg)
-    inode = (first / "train.bin").stat().st_ino
+    inode = (first / "tokens.bin").stat().st_ino
 
     second, lines = prepare_quietly(cfg, force=True)
 
-    assert second == first and (second / "train.bin").stat().st_ino != inode
+    assert second == first and (second / "tokens.bin").stat().st_ino != inode
     assert lines[0] == f"dataset: rebuilding {first} (forced)"
     assert lines[1].startswith("dataset: prepared")
     assert entries(tmp_path / "cache") == [first.name, first.name + ".lock"]
 
 
-def truncate_train(path: Path) -> None:
-    with open(path / "train.bin", "r+b") as file:
+def truncate_tokens(path: Path) -> None:
+    with open(path / "tokens.bin", "r+b") as file:
         file.truncate(10)
 
 
@@ -163,8 +196,14 @@ def garble_meta(path: Path) -> None:
     (path / "meta.json").write_text("{not json")
 
 
-def remove_val(path: Path) -> None:
-    (path / "val.bin").unlink()
+def remove_tokens(path: Path) -> None:
+    (path / "tokens.bin").unlink()
+
+
+def drop_val_split(path: Path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["splits"]["val"]
+    (path / "meta.json").write_text(json.dumps(meta))
 
 
 def bump_format_version(path: Path) -> None:
@@ -173,9 +212,10 @@ def bump_format_version(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (truncate_train, "train.bin has 10 bytes"),
+    (truncate_tokens, "tokens.bin has 10 bytes"),
     (garble_meta, "meta.json is unreadable"),
-    (remove_val, "val.bin is missing"),
+    (remove_tokens, "tokens.bin is missing"),
+    (drop_val_split, "no segments for val"),
     (bump_format_version, "format_version 0"),
 ])
 def test_a_damaged_cache_is_reported_in_one_line_and_rebuilt(tmp_path, damage, reason):
@@ -190,7 +230,7 @@ def test_a_damaged_cache_is_reported_in_one_line_and_rebuilt(tmp_path, damage, r
     assert len(lines) == 2
     assert lines[0].startswith(f"dataset: rebuilding {path} (damaged: ") and reason in lines[0]
     assert lines[1].startswith(f"dataset: prepared {path}")
-    assert prep.read_meta(path)["sha256"] == good_meta["sha256"]
+    assert prep.read_meta(path)["files"] == good_meta["files"]
     prep.verify(path)
 
 
@@ -203,6 +243,7 @@ def test_a_failed_build_leaves_no_temporary_directory_and_the_next_one_succeeds(
         return encode(self, text)
 
     monkeypatch.setattr(ByteTokenizer, "encode", fail_on_the_tenth_document)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 100)  # several batches: the failure comes mid-file
     with pytest.raises(RuntimeError, match="tokenizer exploded"):
         prepare_quietly(data_config(tmp_path))
     assert [e for e in entries(tmp_path / "cache") if not e.endswith(".lock")] == []
@@ -217,8 +258,8 @@ def test_temporary_directories_of_a_killed_preparer_are_cleaned_up_by_the_next_b
     path, _ = prepare_quietly(cfg)
     leftover = path.parent / f".{path.name}.tmp-12345-deadbeef"
     leftover.mkdir()
-    (leftover / "train.bin").write_bytes(b"half")
-    truncate_train(path)
+    (leftover / "tokens.bin").write_bytes(b"half")
+    truncate_tokens(path)
 
     prepare_quietly(cfg)
 
@@ -229,14 +270,14 @@ def test_verify_catches_a_flipped_byte_that_the_quick_check_cannot_see(tmp_path)
     cfg = data_config(tmp_path)
     path, _ = prepare_quietly(cfg)
     prep.verify(path)
-    with open(path / "val.bin", "r+b") as file:
+    with open(path / "tokens.bin", "r+b") as file:
         first = file.read(1)
         file.seek(0)
         file.write(bytes([first[0] ^ 0x01]))
 
     _, lines = prepare_quietly(cfg)  # same size: the O(1) check reuses it
     assert lines[0].startswith("dataset: reusing")
-    with pytest.raises(DataError, match=r"val\.bin does not match its sha256"):
+    with pytest.raises(DataError, match=r"tokens\.bin does not match its sha256"):
         prep.verify(path)
 
 
@@ -258,6 +299,8 @@ CONCURRENT_PREPARER = textwrap.dedent("""
         time.sleep(0.04)
         return encode(self, text)
     ByteTokenizer.encode = slow_encode
+    import pretrain.data.prepare as prep
+    prep.BATCH_CHARS = 1  # one document per batch
     ready.touch()
     while not go.exists():
         time.sleep(0.002)
@@ -302,11 +345,11 @@ def test_builtin_documents_are_the_pydoc_topics_sorted_by_name():
     assert len(documents) > 10
 
 
-def test_builtin_identity_is_a_content_hash_that_changes_with_the_corpus():
+def test_the_content_digest_changes_with_the_corpus_and_its_document_boundaries():
     documents = builtin_documents()
-    assert builtin_identity() == builtin_identity(documents)
-    assert builtin_identity(documents[:-1]) != builtin_identity(documents)
-    assert builtin_identity(["ab", "c"]) != builtin_identity(["a", "bc"])
+    assert content_digest(documents) == content_digest(builtin_documents())
+    assert content_digest(documents[:-1]) != content_digest(documents)
+    assert content_digest(["ab", "c"]) != content_digest(["a", "bc"])
 
 
 def test_importing_prepare_does_not_import_torch():
@@ -334,8 +377,8 @@ def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(
     assert built.stdout.startswith(f"dataset: prepared {path} (") and " train tokens, " in built.stdout
     assert reused.returncode == 0, reused.stderr
     assert reused.stdout.splitlines() == [
-        f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']} train tokens, "
-        f"{prep.read_meta(path)['tokens']['val']} val tokens)",
+        f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']:,} train tokens, "
+        f"{prep.read_meta(path)['tokens']['val']:,} val tokens)",
         f"dataset: verified {path} (every file matches its sha256 in meta.json)",
     ]
 
@@ -353,12 +396,12 @@ def test_prepare_dataset_script_reports_a_failed_verify_in_one_line(tmp_path):
     cache = tmp_path / "cache"
     assert run_script("--debug", "--set", f"data.cache_dir={cache}").returncode == 0
     (path,) = [p for p in cache.iterdir() if p.is_dir()]
-    data = bytearray((path / "train.bin").read_bytes())
+    data = bytearray((path / "tokens.bin").read_bytes())
     data[100] ^= 0x01
-    (path / "train.bin").write_bytes(bytes(data))
+    (path / "tokens.bin").write_bytes(bytes(data))
 
     result = run_script("--debug", "--set", f"data.cache_dir={cache}", "--verify")
 
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"prepare_dataset: error: {path}: train.bin does not match its sha256")
+    assert result.stderr.startswith(f"prepare_dataset: error: {path}: tokens.bin does not match its sha256")

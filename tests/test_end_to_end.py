@@ -101,7 +101,7 @@ def test_the_dataset_is_prepared_once_and_reused_by_the_next_run(two_runs):
     assert cache_after_second == cache_after_first
     datasets = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert len(datasets) == 1 and datasets[0].name.startswith("builtin-byte-")
-    assert {p.name for p in datasets[0].iterdir()} >= {"train.bin", "val.bin", "meta.json"}
+    assert {p.name for p in datasets[0].iterdir()} >= {"tokens.bin", "meta.json"}
 
 
 def test_max_steps_and_accumulation_on_the_command_line_shape_the_run(two_runs):

@@ -227,7 +227,8 @@ def test_nvml_without_a_driver_reports_no_gpus():
 def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run_dir(tmp_path):
     result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
                     "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "training.batch_size=100000")
-    assert_one_line_error(result, 2, "fewer than batch_size 100000 x 2 rank(s) = 200000; reduce training.batch_size")
+    assert_one_line_error(result, 2, "fewer than one optimizer step needs: batch_size 100000 x grad_accum_nums 1 "
+                                     "x 2 rank(s) = 200,000; reduce training.batch_size")
     assert not (tmp_path / "r").exists()
     assert "CPU0:" not in result.stdout  # no worker started
 

@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT
 from pretrain import checkpoint
 from pretrain import config as cfg
+from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.runtime import Runtime, device_label, setup_logging
 from pretrain.stopping import Stopped
@@ -61,8 +62,9 @@ def trainer(tmp_path):
     config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path}", "training.batch_size=2",
                                                "data.context_length=32"])
     runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
-    return build(config, runtime, prepare(config.data, log=lambda _: None), tmp_path / "run",
-                 setup_logging("CPU 0", "WARNING"))
+    dataset = prepare(config.data, log=lambda _: None)
+    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    return build(config, runtime, dataset, tmp_path / "run", setup_logging("CPU 0", "WARNING"))
 
 
 def test_a_training_step_returns_a_finite_loss_near_ln_vocab_at_init(trainer):

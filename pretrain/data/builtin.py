@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 def builtin_documents() -> list[str]:
@@ -22,9 +22,3 @@ def content_digest(documents: Iterable[str]) -> str:
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
     return "sha256:" + digest.hexdigest()
-
-
-def builtin_identity(documents: Sequence[str] | None = None) -> str:
-    """Names the exact builtin corpus. The topics differ between Python versions, so the
-    identity is a hash of the content rather than a fixed string."""
-    return "pydoc_data.topics@" + content_digest(builtin_documents() if documents is None else documents)

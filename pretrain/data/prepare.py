@@ -2,23 +2,34 @@
 
 One prepared dataset is `<data.cache_dir>/<source>-<tokenizer>-<hash12>/`:
 
-    train.bin, val.bin   raw little-endian token ids, uint16 when the vocabulary fits, else uint32;
-                         every document is followed by the end-of-text id
-    meta.json            what was built from what, the counts and the sha256 of each file
+    tokens.bin       the token ids of every document, each followed by end-of-text, back to back;
+                     little-endian uint16 when the vocabulary fits, else uint32 (llm.c's layout)
+    tokenizer.json   the trained or given tokenizer, when there is one (to decode later)
+    meta.json        the key, the tokenizer, the splits (as segments: file, byte offset, token
+                     count, dtype), counts, the largest id, and the sha256 and size of each file
 
-`hash12` hashes every input that changes the bytes (see `cache_key`), so a different input gets a
-different directory and an existing directory never needs comparing against its inputs.
+Pre-tokenized shards (llm.c, Megatron) are not copied: their directory holds only meta.json,
+whose segments point at the shards where they are.
+
+Validation is data.val_path when given, else the tail of the token stream: the last
+val_fraction of the tokens, moved to a document boundary when one is near (see split_point).
+
+`hash12` hashes the key: every input that changes the bytes (format version, the source's
+identity: its files' paths, sizes and modification times, or content hash, or Hub commit; the
+tokenizer's identity; max_samples; the split). Context length is not one: windows are cut at load
+time, so one preparation serves every context length. A cache hit reads meta.json and stats the
+files, nothing more (under 0.3 s whatever the size); `verify` re-hashes on request.
 
 A build writes into a temporary directory beside the final one and renames it into place, so the
 final name only ever holds a complete dataset. A lock file `<final>.lock` makes concurrent
-preparers build once: the others wait, then reuse. A cache hit reads meta.json and compares file
-sizes, nothing more; `verify` re-hashes the files on request.
+preparers build once: the others wait, then reuse.
 
 This module must not import torch: the launcher imports it and has to start fast.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -26,7 +37,9 @@ import secrets
 import shutil
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,74 +48,65 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from pretrain.data import DataError
-from pretrain.data.builtin import builtin_documents, builtin_identity, content_digest
-from pretrain.data.tokenizer import Tokenizer, get_tokenizer
+from pretrain.data.shards import Shard, llmc_shard, megatron_shard, scan
+from pretrain.data.sources import Piece, TextSource, documents_source, resolve_files, text_source
+from pretrain.data.windows import DTYPES, REBUILD_HINT
+from pretrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe
 from pretrain.runfiles import project_path
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
-# Explicitly little-endian, the layout llm.c-style .bin files use, whatever machine reads it.
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-REBUILD_HINT = "rebuild it with `python3 prepare_dataset.py --force`"
+TOKENS_FILE = "tokens.bin"
+BATCH_CHARS = 4 << 20
+"""Text handed to the tokenizer at once: large enough for its threads, small for memory."""
 
-
-@dataclass(frozen=True)
-class Source:
-    name: str
-    identity: str
-    """Changes whenever the documents do; part of the cache key."""
-    documents: Sequence[str]
+Log = Callable[[str], None]
 
 
 # --- public API -------------------------------------------------------------------------------
 
-def prepare(cfg: DataConfig, log: Callable[[str], None] = print, *,
-            documents: Sequence[str] | None = None, force: bool = False) -> Path:
+def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | None = None,
+            force: bool = False) -> Path:
     """Return the directory of the prepared dataset for cfg, building it first if needed.
 
     documents replaces cfg.source with these texts (source name "custom"; used by tests).
     force rebuilds even when a valid cache exists."""
-    source = load_source(cfg.source, documents)
-    tokenizer = get_tokenizer(cfg.tokenizer)
-    key = cache_key(source, tokenizer, cfg.val_fraction)
-    final = dataset_path(cfg.cache_dir, source, tokenizer, key)
-
+    recipe = recipe_for(cfg, documents)
+    final = recipe.path
     # Fast path without the lock: the final name only ever appears complete (by rename), so a
     # valid one can be used as is. This also keeps a read-only shared cache usable.
-    if not force and _problem(final, key) is None:
+    if not force and _problem(final, recipe.key) is None:
         return _reuse(final, log)
 
     final.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(final, log):
-        problem = _problem(final, key)  # another preparer may have built it while we waited
+        problem = _problem(final, recipe.key)  # another preparer may have built it while we waited
         if problem is None and not force:
             return _reuse(final, log)
         _remove_leftovers(final)
         if final.exists():
-            reason = "forced" if problem is None else f"damaged: {problem}"
-            log(f"dataset: rebuilding {final} ({reason})")
-        _build(final, source, tokenizer, cfg.val_fraction, key, log)
+            log(f"dataset: rebuilding {final} ({'forced' if problem is None else f'damaged: {problem}'})")
+        _build(final, recipe, log)
     return final
 
 
 def verify(dataset_dir: str | Path) -> None:
-    """Check a prepared dataset completely, sha256 of every token file included.
+    """Check a prepared dataset completely, the sha256 of every file it uses included.
 
     Raises DataError naming the first problem found."""
     dataset_dir = Path(dataset_dir)
     try:
         meta = _load_meta(dataset_dir)
-        _check_sizes(dataset_dir, meta)
-        for split in SPLITS:
-            expected = meta["sha256"][f"{split}.bin"]
-            actual = _file_sha256(token_file(dataset_dir, split))
-            if actual != expected:
-                raise _Damage(f"{split}.bin does not match its sha256 in meta.json "
-                              f"(expected {expected[:12]}..., got {actual[:12]}...)")
+        _check_files(dataset_dir, meta)
+        for name, expected in meta["files"].items():
+            actual = file_sha256(dataset_dir / name)
+            if actual != expected["sha256"]:
+                raise _Damage(f"{name} does not match its sha256 in meta.json "
+                              f"(expected {expected['sha256'][:12]}..., got {actual[:12]}...)")
     except _Damage as damage:
         raise DataError(f"{dataset_dir}: {damage}; {REBUILD_HINT}") from None
 
@@ -116,25 +120,16 @@ def read_meta(dataset_dir: str | Path) -> dict[str, Any]:
         raise DataError(f"{dataset_dir}: not a usable prepared dataset ({damage}); {REBUILD_HINT}") from None
 
 
-def window_count(n_tokens: int, context_length: int) -> int:
-    """Non-overlapping windows of context_length + 1 tokens in a split (see loader.py)."""
-    return max(0, (n_tokens - 1) // context_length)
-
-
-def check_batch_fits(dataset_dir: str | Path, context_length: int, batch_size: int, world_size: int) -> None:
-    """Raise DataError, with the numbers and the fix, when the train split cannot fill one
-    batch on every rank. Torch-free, so the launcher checks before spawning anyone."""
-    n_tokens = read_meta(dataset_dir)["tokens"]["train"]
-    n_windows, needed = window_count(n_tokens, context_length), batch_size * world_size
-    if n_windows < needed:
-        raise DataError(
-            f"the train split ({n_tokens} tokens) has {n_windows} windows of {context_length + 1} tokens, "
-            f"fewer than batch_size {batch_size} x {world_size} rank(s) = {needed}; "
-            "reduce training.batch_size or data.context_length, or add data")
-
-
-def token_file(dataset_dir: str | Path, split: str) -> Path:
-    return Path(dataset_dir) / f"{split}.bin"
+def model_vocab_size(configured: int | None, meta: dict[str, Any]) -> int:
+    """The model's vocabulary for a dataset: the configured size, or the tokenizer's when None.
+    DataError when the dataset holds ids the configured size cannot embed."""
+    needed = meta["vocab_size"]
+    if configured is None:
+        return needed
+    if configured < needed:
+        raise DataError(f"the dataset's token ids go up to {needed - 1}, beyond model.vocab_size {configured}; "
+                        f"set model.vocab_size to at least {needed}, or to null to follow the tokenizer")
+    return configured
 
 
 def storage_dtype(vocab_size: int) -> str:
@@ -142,49 +137,60 @@ def storage_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def load_source(name: str, documents: Sequence[str] | None = None) -> Source:
-    """The documents of data.source, or the given documents as source "custom"."""
-    if documents is not None:
-        documents = list(documents)
-        return Source("custom", content_digest(documents), documents)
-    if name == "builtin":
-        documents = builtin_documents()
-        return Source("builtin", builtin_identity(documents), documents)
-    raise DataError(f"data.source: unknown source {name!r}")
+def split_point(total: int, boundaries: Sequence[int], val_fraction: float) -> int:
+    """Tokens that go to train; the rest, the tail, is validation.
+
+    The cut is at total * (1 - val_fraction), moved to the next document boundary when that
+    leaves validation at least half its share, else to the previous one when that leaves it at
+    most twice its share, else kept (one long document is cut inside). boundaries: sorted
+    offsets where a document ends."""
+    if total < 2:
+        raise DataError(f"the source has {total} token(s), too few to split into train and validation; add data")
+    target = min(max(1, round(total * val_fraction)), total - 1)
+    cut = total - target
+    after = bisect.bisect_left(boundaries, cut)
+    if after < len(boundaries) and 0 < boundaries[after] < total and total - boundaries[after] >= (target + 1) // 2:
+        return boundaries[after]
+    if after > 0 and 0 < boundaries[after - 1] and total - boundaries[after - 1] <= 2 * target:
+        return boundaries[after - 1]
+    return cut
 
 
-def cache_key(source: Source, tokenizer: Tokenizer, val_fraction: float) -> dict[str, Any]:
-    """Every input that changes the bytes of a prepared dataset. Context length is not one:
-    the loader cuts windows at run time."""
-    return {
+# --- the recipe: key, place and builder (cheap; no token is read) ----------------------------
+
+@dataclass(frozen=True)
+class Recipe:
+    key: dict[str, Any]
+    path: Path
+    build: Callable[[Path, Log], dict[str, Any]]
+    """Writes the dataset's files into a directory; returns the rest of meta.json."""
+
+
+def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None) -> Recipe:
+    """What preparing cfg means: the cache key, the directory and how to build it."""
+    if documents is None and cfg.source in ("llmc", "megatron"):
+        return _shard_recipe(cfg)
+    train = documents_source(list(documents)) if documents is not None else text_source(cfg)
+    val = text_source(cfg, val=True) if cfg.val_path and documents is None else None
+    key = {
         "format_version": FORMAT_VERSION,
-        "source": source.name,
-        "source_identity": source.identity,
-        "tokenizer": tokenizer.name,
-        "vocab_size": tokenizer.vocab_size,
-        "eot_id": tokenizer.eot_id,
-        "val_fraction": val_fraction,
+        "source": train.identity,
+        "val_source": val.identity if val else None,
+        "val_fraction": None if val else cfg.val_fraction,
+        "max_samples": cfg.max_samples,
+        "tokenizer": tokenizer_spec(cfg, train.identity),
     }
+    path = _dataset_path(cfg.cache_dir, f"{train.name}-{tokenizer_label(cfg)}", key)
+    return Recipe(key, path, lambda directory, log: _tokenize(directory, cfg, train, val, log))
 
 
-def dataset_path(cache_dir: str, source: Source, tokenizer: Tokenizer, key: dict[str, Any]) -> Path:
+def _dataset_path(cache_dir: str, label: str, key: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
-    return project_path(cache_dir) / f"{source.name}-{tokenizer.name}-{digest[:12]}"
-
-
-def validation_documents(n_documents: int, val_fraction: float) -> set[int]:
-    """Indices of the documents held out for validation: about val_fraction of them, spread
-    evenly over the corpus, at least one, and never all (train keeps at least one)."""
-    if n_documents < 2:
-        raise DataError(f"cannot split {n_documents} document(s) into train and validation; "
-                        "the source needs at least 2 documents")
-    n_val = min(max(1, round(n_documents * val_fraction)), n_documents - 1)
-    # The middle of each of n_val equal strides; strides are wider than 1, so no index repeats.
-    return {int((k + 0.5) * n_documents / n_val) for k in range(n_val)}
+    return project_path(cache_dir) / f"{label}-{digest[:12]}"
 
 
 @contextmanager
-def _build_lock(final: Path, log: Callable[[str], None]) -> Iterator[None]:
+def _build_lock(final: Path, log: Log) -> Iterator[None]:
     """Hold `<final>.lock`; say so when waiting, or a waiting rank looks hung."""
     from filelock import FileLock, Timeout  # imported here: a cache hit does not need it
 
@@ -207,15 +213,14 @@ class _Damage(Exception):
 
 
 def _problem(dataset_dir: Path, key: dict[str, Any]) -> str | None:
-    """None when dataset_dir holds a complete dataset for key; else what is wrong. O(1)."""
+    """None when dataset_dir holds a complete dataset for key; else what is wrong. Cheap."""
     if not dataset_dir.is_dir():
         return "not built"
     try:
         meta = _load_meta(dataset_dir)
-        for field, expected in key.items():
-            if meta.get(field) != expected:
-                raise _Damage(f"meta.json has {field}={meta.get(field)!r}, expected {expected!r}")
-        _check_sizes(dataset_dir, meta)
+        if meta["key"] != json.loads(json.dumps(key)):
+            raise _Damage("meta.json was built from other inputs")
+        _check_files(dataset_dir, meta)
     except _Damage as damage:
         return str(damage)
     return None
@@ -233,33 +238,40 @@ def _load_meta(dataset_dir: Path) -> dict[str, Any]:
         raise _Damage("meta.json is not a JSON object")
     if meta.get("format_version") != FORMAT_VERSION:
         raise _Damage(f"meta.json has format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    if meta.get("dtype") not in DTYPES:
-        raise _Damage(f"meta.json has dtype {meta.get('dtype')!r}, expected one of {', '.join(DTYPES)}")
+    for field, kind in (("key", dict), ("files", dict), ("splits", dict), ("tokens", dict), ("vocab_size", int)):
+        if not isinstance(meta.get(field), kind):
+            raise _Damage(f"meta.json has no valid {field}")
     for split in SPLITS:
-        count = meta.get("tokens", {}).get(split) if isinstance(meta.get("tokens"), dict) else None
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise _Damage(f"meta.json has no valid token count for {split}")
-        sha = meta.get("sha256", {}).get(f"{split}.bin") if isinstance(meta.get("sha256"), dict) else None
-        if not isinstance(sha, str):
-            raise _Damage(f"meta.json has no sha256 for {split}.bin")
+        segments = meta["splits"].get(split)
+        if not isinstance(segments, list) or not segments:
+            raise _Damage(f"meta.json has no segments for {split}")
+        for segment in segments:
+            if (not isinstance(segment, dict) or segment.get("dtype") not in DTYPES
+                    or not all(isinstance(segment.get(f), int) for f in ("offset", "tokens"))
+                    or not isinstance(segment.get("file"), str)):
+                raise _Damage(f"meta.json has a malformed {split} segment")
     return meta
 
 
-def _check_sizes(dataset_dir: Path, meta: dict[str, Any]) -> None:
-    itemsize = DTYPES[meta["dtype"]].itemsize
-    for split in SPLITS:
-        path = token_file(dataset_dir, split)
-        expected = meta["tokens"][split] * itemsize
+def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
+    """Every file meta.json lists exists with its recorded size, and every segment lies in one."""
+    for name, recorded in meta["files"].items():
+        path = dataset_dir / name
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise _Damage(f"{path.name} is missing") from None
-        if size != expected:
-            raise _Damage(f"{path.name} has {size} bytes, expected {expected} "
-                          f"({meta['tokens'][split]} tokens of {meta['dtype']})")
+            raise _Damage(f"{name} is missing") from None
+        if not isinstance(recorded, dict) or size != recorded.get("bytes"):
+            raise _Damage(f"{name} has {size} bytes, expected {recorded.get('bytes') if isinstance(recorded, dict) else '?'}")
+    for split in SPLITS:
+        for segment in meta["splits"][split]:
+            recorded = meta["files"].get(segment["file"])
+            end = segment["offset"] + segment["tokens"] * DTYPES[segment["dtype"]].itemsize
+            if recorded is None or end > recorded["bytes"]:
+                raise _Damage(f"a {split} segment reaches past the end of {segment['file']}")
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(1 << 20):
@@ -267,94 +279,288 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _reuse(dataset_dir: Path, log: Callable[[str], None]) -> Path:
+def _reuse(dataset_dir: Path, log: Log) -> Path:
     tokens = _load_meta(dataset_dir)["tokens"]
-    log(f"dataset: reusing {dataset_dir} ({tokens['train']} train tokens, {tokens['val']} val tokens)")
+    log(f"dataset: reusing {dataset_dir} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens)")
     return dataset_dir
 
 
 # --- building ---------------------------------------------------------------------------------
 
-class _SplitWriter:
-    """Appends token arrays to one split's file, counting and hashing as it goes."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file = file
-        self.sha256 = hashlib.sha256()
-        self.documents = 0
-        self.tokens = 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        data = tokens.tobytes()
-        self.file.write(data)
-        self.sha256.update(data)
-        self.documents += 1
-        self.tokens += tokens.size
-
-
-def _build(final: Path, source: Source, tokenizer: Tokenizer, val_fraction: float,
-           key: dict[str, Any], log: Callable[[str], None]) -> None:
+def _build(final: Path, recipe: Recipe, log: Log) -> None:
     started = time.monotonic()
-    held_out = validation_documents(len(source.documents), val_fraction)
-    dtype = storage_dtype(tokenizer.vocab_size)
     # mkdir (not mkdtemp) so the directory gets the umask's permissions: others on a shared
     # machine must be able to read the cache.
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        writers = _write_token_files(tmp, source.documents, held_out, tokenizer, DTYPES[dtype])
-        meta = {
-            **key,
-            "dtype": dtype,
-            "documents": {split: writers[split].documents for split in SPLITS},
-            "tokens": {split: writers[split].tokens for split in SPLITS},
-            "sha256": {f"{split}.bin": writers[split].sha256.hexdigest() for split in SPLITS},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "build_seconds": round(time.monotonic() - started, 3),
-        }
+        details = recipe.build(tmp, log)
+        seconds = time.monotonic() - started
+        meta = {"format_version": FORMAT_VERSION, "key": recipe.key, **details,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "build_seconds": round(seconds, 3)}
         _write_synced(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
         _replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tokens = meta["tokens"]
-    log(f"dataset: prepared {final} ({tokens['train']} train tokens, {tokens['val']} val tokens, "
-        f"{len(source.documents)} documents) in {time.monotonic() - started:.1f}s")
+    total = tokens["train"] + tokens["val"]
+    log(f"dataset: prepared {final} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens, "
+        f"{meta.get('documents', {}).get('total', '?')} documents) in {seconds:.1f}s "
+        f"({total / max(seconds, 1e-9):,.0f} tokens/s)")
 
 
-def _write_token_files(directory: Path, documents: Sequence[str], held_out: set[int],
-                       tokenizer: Tokenizer, dtype: np.dtype) -> dict[str, _SplitWriter]:
+def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSource | None, log: Log) -> dict[str, Any]:
+    """Build a dataset from text: tokens.bin, tokenizer.json when there is one; meta details."""
+    bpe_file = _trained_bpe(cfg, train, log) if cfg.tokenizer == "bpe" else None
+    tokenizer = load_tokenizer(cfg, bpe_file)
+    dtype = storage_dtype(tokenizer.vocab_size)
+    with open(directory / TOKENS_FILE, "wb") as file:
+        writer = _TokenWriter(file, DTYPES[dtype], tokenizer.vocab_size)
+        pieces = _limited(train.pieces(), cfg.max_samples)
+        # With max_samples the share of the source that will be read is unknown: no ETA then.
+        _encode_into(writer, pieces, tokenizer, "dataset: tokenizing", None if cfg.max_samples else train.total_bytes)
+        train_tokens = writer.tokens
+        if val is not None:
+            _encode_into(writer, val.pieces(), tokenizer, "dataset: tokenizing validation", val.total_bytes)
+        writer.finish()
+    if writer.documents == 0:
+        raise DataError(f"the source ({train.name}) has no documents; check data.path, data.hub_files or the files")
+    if val is not None:
+        if train_tokens in (0, writer.tokens):
+            which = "data.path" if train_tokens == 0 else "data.val_path"
+            raise DataError(f"{which} has no documents; it must hold at least one")
+        split = train_tokens
+    else:
+        split = split_point(writer.tokens, writer.boundaries, cfg.val_fraction)
+    files = {TOKENS_FILE: {"bytes": writer.tokens * DTYPES[dtype].itemsize, "sha256": writer.sha256.hexdigest()}}
+    tokenizer_meta: dict[str, Any] = {"kind": cfg.tokenizer, "name": tokenizer.name,
+                                      "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
+    if cfg.tokenizer in ("bpe", "huggingface"):
+        shutil.copyfile(bpe_file or tokenizer.path, directory / TOKENIZER_FILE)  # type: ignore[attr-defined]
+        files[TOKENIZER_FILE] = {"bytes": (directory / TOKENIZER_FILE).stat().st_size,
+                                 "sha256": file_sha256(directory / TOKENIZER_FILE)}
+        tokenizer_meta["file"] = TOKENIZER_FILE
+    train_documents = bisect.bisect_right(writer.boundaries, split)
+    itemsize = DTYPES[dtype].itemsize
+    return {
+        "tokenizer": tokenizer_meta,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "dtype": dtype,
+        "max_token_id": writer.max_id,
+        "splits": {"train": [_segment(TOKENS_FILE, 0, split, dtype)],
+                   "val": [_segment(TOKENS_FILE, split * itemsize, writer.tokens - split, dtype)]},
+        "tokens": {"train": split, "val": writer.tokens - split},
+        "documents": {"total": writer.documents, "train": train_documents,
+                      "val": writer.documents - train_documents},
+        "files": files,
+    }
+
+
+def _segment(file: str, offset: int, tokens: int, dtype: str) -> dict[str, Any]:
+    return {"file": file, "offset": offset, "tokens": tokens, "dtype": dtype}
+
+
+def _limited(pieces: Iterator[Piece], max_samples: int) -> Iterator[Piece]:
+    """The pieces of the first max_samples documents (all when 0)."""
+    documents = 0
+    for piece in pieces:
+        yield piece
+        documents += piece.ends_document
+        if max_samples and documents >= max_samples:
+            return
+
+
+class _TokenWriter:
+    """Appends token arrays to tokens.bin, counting, hashing and checking ids as it goes."""
+
+    def __init__(self, file: BinaryIO, dtype: np.dtype, vocab_size: int) -> None:
+        self.file, self.dtype, self.vocab_size = file, dtype, vocab_size
+        self.sha256 = hashlib.sha256()
+        self.tokens = self.documents = self.max_id = 0
+        self.boundaries = array("q")
+        """Token offsets where a document ends (after its end-of-text)."""
+
+    def write(self, ids: list[np.ndarray], ends: list[bool], eot_id: int) -> None:
+        parts = []
+        for piece_ids, ends_document in zip(ids, ends):
+            parts.append(piece_ids)
+            if ends_document:
+                parts.append(np.array([eot_id]))
+        tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if tokens.size:
+            largest = int(tokens.max())
+            # A tokenizer bug would otherwise wrap around silently in the narrow storage type.
+            if largest >= self.vocab_size or int(tokens.min()) < 0:
+                raise DataError(f"the tokenizer produced id {largest}, beyond its vocabulary of {self.vocab_size}")
+            self.max_id = max(self.max_id, largest)
+        data = tokens.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha256.update(data)
+        offset = self.tokens
+        for piece_ids, ends_document in zip(ids, ends):
+            offset += piece_ids.size
+            if ends_document:
+                offset += 1
+                self.boundaries.append(offset)
+                self.documents += 1
+        self.tokens = offset
+
+    def finish(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+
+def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
+    batch: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece.text)
+        if size >= BATCH_CHARS or len(batch) >= 4096:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode_into(writer: _TokenWriter, pieces: Iterator[Piece], tokenizer: Tokenizer, label: str,
+                 total_bytes: int | None) -> None:
+    """Tokenize pieces in batches and append them to writer, in order.
+
+    The next batch is read and parsed here while a helper thread encodes the current one (the
+    tokenizers release the GIL and use every core), so reading overlaps encoding; at most two
+    batches are in memory."""
+    progress = _progress(label, total_bytes, unit="B")
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending: tuple[Future[list[np.ndarray]], list[Piece]] | None = None
+        for batch in _batches(pieces):
+            future = pool.submit(tokenizer.encode_batch, [piece.text for piece in batch])
+            if pending is not None:
+                _write_encoded(writer, *pending, tokenizer, progress, started)
+            pending = (future, batch)
+        if pending is not None:
+            _write_encoded(writer, *pending, tokenizer, progress, started)
+    progress.close()
+
+
+def _write_encoded(writer: _TokenWriter, future: Future, batch: list[Piece], tokenizer: Tokenizer,
+                   progress: Any, started: float) -> None:
+    writer.write(future.result(), [piece.ends_document for piece in batch], tokenizer.eot_id)
+    progress.update(sum(piece.size for piece in batch))
+    rate = writer.tokens / max(time.monotonic() - started, 1e-9)
+    progress.set_postfix_str(f"{writer.tokens:,} tokens, {rate:,.0f} tokens/s", refresh=False)
+
+
+def _progress(label: str, total: int | None, unit: str) -> Any:
     from tqdm import tqdm  # imported here: only a build draws a progress bar
 
     # No monitor thread: the launcher prepares data and then forks its workers, and forking
     # while another thread runs can deadlock the child.
     tqdm.monitor_interval = 0
-
-    with open(token_file(directory, "train"), "wb") as train, open(token_file(directory, "val"), "wb") as val:
-        writers = {"train": _SplitWriter(train), "val": _SplitWriter(val)}
-        # disable=None: silent when stderr is not a terminal (logs, pipes, tests).
-        progress = tqdm(documents, desc="dataset: tokenizing", unit="doc", file=sys.stderr,
-                        disable=None, leave=False)
-        for index, document in enumerate(progress):
-            split = "val" if index in held_out else "train"
-            writers[split].write(_document_tokens(tokenizer, document, dtype))
-        for file in (train, val):
-            file.flush()
-            os.fsync(file.fileno())
-    return writers
+    # disable=None: silent when stderr is not a terminal (logs, pipes, tests).
+    return tqdm(desc=label, total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=None,
+                leave=False, mininterval=0.5)
 
 
-def _document_tokens(tokenizer: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
-    """The ids of one document followed by end-of-text, in the storage dtype."""
-    ids = np.asarray(tokenizer.encode(text))
-    # A tokenizer bug would otherwise wrap around silently in the narrow storage type.
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
-        raise DataError(f"tokenizer {tokenizer.name!r} produced an id outside 0..{tokenizer.vocab_size - 1}")
-    tokens = np.empty(ids.size + 1, dtype=dtype)
-    tokens[:-1] = ids
-    tokens[-1] = tokenizer.eot_id
-    return tokens
+def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log) -> Path:
+    """The BPE tokenizer trained on source, from its own cache (trained once, under a lock)."""
+    spec = tokenizer_spec(cfg, source.identity)
+    final = _dataset_path(str(project_path(cfg.cache_dir) / "tokenizers"), f"bpe{cfg.bpe_vocab_size}", spec)
+    file = final / TOKENIZER_FILE
+    if file.is_file():
+        return file
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(final, log):
+        if file.is_file():
+            return file
+        _remove_leftovers(final)
+        started = time.monotonic()
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            texts = (piece.text for piece in _limited(source.pieces(), cfg.max_samples))
+            train_bpe(texts, cfg.bpe_vocab_size, tmp / TOKENIZER_FILE)
+            _replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log(f"dataset: trained a {cfg.bpe_vocab_size}-token BPE tokenizer on {source.name} "
+            f"in {time.monotonic() - started:.1f}s: {file}")
+    return file
 
+
+# --- pre-tokenized shards ---------------------------------------------------------------------
+
+def _shards(cfg: DataConfig, val: bool) -> list[Shard]:
+    path, key = (cfg.val_path, "data.val_path") if val else (cfg.path, "data.path")
+    if cfg.source == "megatron":
+        return [megatron_shard(Path(path).expanduser().resolve())]
+    return [llmc_shard(file) for file in resolve_files(path, "llmc", key)]
+
+
+def _shard_recipe(cfg: DataConfig) -> Recipe:
+    train = _shards(cfg, val=False)
+    val = _shards(cfg, val=True) if cfg.val_path else []
+    stamps = [[str(s.path), s.path.stat().st_size, s.path.stat().st_mtime_ns] for s in train + val]
+    key = {"format_version": FORMAT_VERSION, "source": {"source": cfg.source, "files": stamps,
+                                                        "val_files": len(val)},
+           "val_fraction": None if val else cfg.val_fraction}
+    path = _dataset_path(cfg.cache_dir, cfg.source, key)
+    return Recipe(key, path, lambda directory, log: _index_shards(train, val, cfg.val_fraction, log))
+
+
+def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log: Log) -> dict[str, Any]:
+    """Scan shards once (largest id, sha256) and describe them as segments, in place."""
+    shards = train + val
+    progress = _progress("dataset: scanning shards", total=sum(s.tokens for s in shards), unit="tok")
+    scans = {shard.path: scan(shard, progress.update) for shard in shards}
+    progress.close()
+    segments = {"train": [_shard_segment(s) for s in train], "val": [_shard_segment(s) for s in val]}
+    if not val:
+        total = sum(s.tokens for s in train)  # document ends are not known: cut at the exact share
+        segments["train"], segments["val"] = _tail_split(segments["train"], total - split_point(total, [], val_fraction))
+    max_id = max(s.max_id for s in scans.values())
+    count = {split: sum(seg["tokens"] for seg in segments[split]) for split in SPLITS}
+    known_documents = [s.documents for s in shards]
+    return {
+        "tokenizer": None,
+        "vocab_size": max_id + 1,
+        "eot_id": None,
+        "dtype": shards[0].dtype,
+        "max_token_id": max_id,
+        "splits": segments,
+        "tokens": count,
+        "documents": {"total": sum(known_documents) if None not in known_documents else None},
+        "files": {str(s.path): {"bytes": s.path.stat().st_size, "sha256": scans[s.path].sha256} for s in shards},
+    }
+
+
+def _shard_segment(shard: Shard) -> dict[str, Any]:
+    return _segment(str(shard.path), shard.offset, shard.tokens, shard.dtype)
+
+
+def _tail_split(segments: list[dict[str, Any]], val_tokens: int) -> tuple[list[dict], list[dict]]:
+    """Cut the last val_tokens tokens off a list of segments: (train segments, val segments)."""
+    train, val = [dict(s) for s in segments], []
+    while val_tokens > 0:
+        last = train.pop()
+        if last["tokens"] <= val_tokens:
+            val.insert(0, last)
+            val_tokens -= last["tokens"]
+            continue
+        keep = last["tokens"] - val_tokens
+        itemsize = DTYPES[last["dtype"]].itemsize
+        train.append({**last, "tokens": keep})
+        val.insert(0, {**last, "offset": last["offset"] + keep * itemsize, "tokens": val_tokens})
+        val_tokens = 0
+    return train, val
+
+
+# --- files ------------------------------------------------------------------------------------
 
 def _write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as file:

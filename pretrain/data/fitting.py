@@ -1,0 +1,29 @@
+"""Where a config meets its prepared dataset: the model's vocabulary and the run's length.
+
+Both depend on the data: a tokenizer's vocabulary is known once it is loaded or trained, and an
+epoch's length once the tokens are counted. The launcher calls fit_to_dataset after preparing,
+before it spawns anyone, so a dataset that cannot fill one step, or ids the model cannot embed,
+stop the run with one line; the config it writes for the workers holds the concrete values.
+Torch-free, like everything the launcher imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pretrain.config import Config
+from pretrain.data.prepare import model_vocab_size, read_meta
+from pretrain.data.windows import RunLength, plan_run
+
+
+def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> tuple[Config, RunLength]:
+    """config with model.vocab_size and training.max_steps made concrete for this dataset and
+    world size, and the run's length. DataError when they do not fit."""
+    meta = read_meta(dataset_dir)
+    t = config.training
+    length = plan_run(meta, config.data.context_length, t.batch_size, t.grad_accum_nums, world_size,
+                      t.epochs, t.max_steps)
+    model = dataclasses.replace(config.model, vocab_size=model_vocab_size(config.model.vocab_size, meta))
+    training = dataclasses.replace(t, max_steps=length.total_steps)
+    return dataclasses.replace(config, model=model, training=training), length

@@ -1,0 +1,123 @@
+"""Pre-tokenized shards that users already have, read in place (never copied).
+
+- llm.c / modded-nanogpt `.bin`: a header of 256 little-endian int32 (magic, version, token
+  count, then zeros) followed by the tokens: magic 20240520 has uint16 tokens (GPT-2),
+  magic 20240801 uint32 tokens (Llama 3).
+- Megatron indexed dataset: `<prefix>.bin` holds the tokens of every sequence back to back;
+  `<prefix>.idx` starts with b"MMIDIDX\\x00\\x00", a uint64 version (1), a uint8 dtype code,
+  uint64 sequence and document counts, then int32 sizes, int64 pointers and int64 document
+  indices.
+
+A Shard says where the tokens are (file, byte offset, count, dtype): exactly a loader segment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.data import DataError
+
+LLMC_HEADER_BYTES = 256 * 4
+LLMC_DTYPES = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")
+# Integer codes only. int32 ids are non-negative, so they read the same as uint32; a negative
+# one would show up as an id beyond the vocabulary in the scan.
+MEGATRON_DTYPES = {8: "uint16", 4: "uint32"}
+MEGATRON_UNSUPPORTED = {1: "uint8", 2: "int8", 3: "int16", 5: "int64", 6: "float64", 7: "float32"}
+ITEMSIZE = {"uint16": 2, "uint32": 4}
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    offset: int
+    """Bytes before the first token."""
+    tokens: int
+    dtype: str
+    documents: int | None = None
+    """Documents in the shard when its format records them (Megatron)."""
+
+
+def llmc_shard(path: Path) -> Shard:
+    """Read and check an llm.c shard's header; DataError for anything else."""
+    with open(path, "rb") as file:
+        header = file.read(LLMC_HEADER_BYTES)
+    if len(header) < LLMC_HEADER_BYTES:
+        raise DataError(f"{path}: {len(header)} bytes, too short for an llm.c shard (a 1024-byte header comes first)")
+    magic, version, tokens = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
+    if (magic, version) not in LLMC_DTYPES:
+        known = " or ".join(f"{m} version {v}" for m, v in LLMC_DTYPES)
+        raise DataError(f"{path}: not an llm.c / modded-nanogpt shard (magic number {magic} version {version}; "
+                        f"expected {known}); for Megatron .bin/.idx use data.source=megatron")
+    shard = Shard(path, LLMC_HEADER_BYTES, tokens, LLMC_DTYPES[magic, version])
+    _check_size(shard, f"its header promises {tokens} tokens")
+    return shard
+
+
+def megatron_shard(prefix: Path) -> Shard:
+    """The token file of a Megatron .bin/.idx pair, checked against its index."""
+    index, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    for path in (index, data):
+        if not path.is_file():
+            raise DataError(f"data.path: {path} does not exist (a Megatron dataset is a .bin and .idx pair; "
+                            "give the path without the suffix)")
+    with open(index, "rb") as file:
+        head = file.read(MEGATRON_HEADER.size)
+        if len(head) < MEGATRON_HEADER.size:
+            raise DataError(f"{index}: too short for a Megatron index")
+        magic, version, code, sequences, documents = MEGATRON_HEADER.unpack(head)
+        if magic != MEGATRON_MAGIC:
+            raise DataError(f"{index}: not a Megatron index (magic {magic!r}, expected {MEGATRON_MAGIC!r})")
+        if version != 1:
+            raise DataError(f"{index}: Megatron index version {version} is not supported (expected 1)")
+        if code not in MEGATRON_DTYPES:
+            name = MEGATRON_UNSUPPORTED.get(code, f"code {code}")
+            raise DataError(f"{index}: token type {name} is not supported (uint16 or int32 only)")
+        sizes = np.fromfile(file, dtype="<i4", count=sequences)
+    if sizes.size != sequences or (sizes < 0).any():
+        raise DataError(f"{index}: truncated or damaged (expected {sequences} sequence sizes)")
+    shard = Shard(data, 0, int(sizes.sum(dtype=np.int64)), MEGATRON_DTYPES[code], max(0, documents - 1))
+    _check_size(shard, f"{index.name} lists {shard.tokens} tokens")
+    return shard
+
+
+def _check_size(shard: Shard, promise: str) -> None:
+    expected = shard.offset + shard.tokens * ITEMSIZE[shard.dtype]
+    size = shard.path.stat().st_size
+    if size != expected:
+        raise DataError(f"{shard.path}: {size} bytes, but {promise} of {shard.dtype} ({expected} bytes); "
+                        "the file is truncated or damaged")
+    if shard.tokens < 1:
+        raise DataError(f"{shard.path}: holds no tokens")
+
+
+@dataclass(frozen=True)
+class Scan:
+    max_id: int
+    sha256: str
+    """Of the whole file, header included."""
+
+
+def scan(shard: Shard, advance: Callable[[int], None] = lambda n: None, chunk_bytes: int = 64 << 20) -> Scan:
+    """Read a shard once: its largest token id (checked against the model's vocabulary) and its
+    sha256 (for --verify). advance(n) is called with the tokens read, for a progress bar."""
+    digest = hashlib.sha256()
+    dtype = np.dtype("<u2" if shard.dtype == "uint16" else "<u4")
+    max_id = 0
+    with open(shard.path, "rb") as file:
+        digest.update(file.read(shard.offset))
+        chunk_bytes -= chunk_bytes % dtype.itemsize
+        while data := file.read(chunk_bytes):
+            digest.update(data)
+            tokens = np.frombuffer(data, dtype=dtype)
+            if tokens.size:
+                max_id = max(max_id, int(tokens.max()))
+                advance(tokens.size)
+    return Scan(max_id, digest.hexdigest())
