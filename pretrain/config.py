@@ -99,7 +99,7 @@ class DataConfig:
     bpe_vocab_size: int = 8192
     """Vocabulary size of the trained "bpe" tokenizer, end-of-text included."""
     eot_token: str = ""
-    """End-of-text token of a huggingface tokenizer; empty picks the first it has of <|endoftext|>, <|end_of_text|>, </s>, <eos>."""
+    """End-of-text token of a huggingface tokenizer; empty picks the first it has of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>`."""
     context_length: int = 8192
     """Tokens per training sequence."""
     val_fraction: float = 0.05
@@ -431,8 +431,9 @@ def reference_table() -> str:
     for section, cls in SECTIONS.items():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
+            meaning = docs.get(f.name, "").replace("|", r"\|")  # a bare | would end the table cell
             rows.append(f"| `{section}.{f.name}` | `{json.dumps(prod[section][f.name])}` "
-                        f"| `{json.dumps(dbg[section][f.name])}` | {docs.get(f.name, '')} |")
+                        f"| `{json.dumps(dbg[section][f.name])}` | {meaning} |")
     return "\n".join(rows)
 
 

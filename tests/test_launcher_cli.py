@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import os
 import signal
 import subprocess
@@ -231,6 +232,46 @@ def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run
                                      "x 2 rank(s) = 200,000; reduce training.batch_size")
     assert not (tmp_path / "r").exists()
     assert "CPU0:" not in result.stdout  # no worker started
+
+
+def test_token_ids_beyond_the_models_vocabulary_stop_before_spawning(tmp_path):
+    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "model.vocab_size=100")
+    assert_one_line_error(result, 2, "the dataset's token ids go up to 256, beyond model.vocab_size 100; "
+                                     "set model.vocab_size to at least 257, or to null to follow the tokenizer")
+    assert not (tmp_path / "r").exists() and "CPU0:" not in result.stdout
+
+
+def test_a_missing_source_file_is_one_line_and_leaves_nothing_in_the_cache(tmp_path):
+    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.source=jsonl",
+                    "--set", f"data.path={tmp_path / 'nowhere.jsonl'}")
+    assert_one_line_error(result, 2, f"data.path: {tmp_path / 'nowhere.jsonl'} does not exist")
+    assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_jsonl_source_with_a_trained_bpe_tokenizer_trains_for_whole_epochs(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bakers".split()
+    with corpus.open("w") as file:
+        for i in range(300):
+            file.write(json.dumps({"id": i, "body": " ".join(rng.choices(words, k=60))}) + "\n")
+    result = launch("--debug", "--device", "cpu", "--nproc", "2", "--run-dir", str(tmp_path / "r"),
+                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.source=jsonl",
+                    "--set", f"data.path={corpus}", "--set", "data.text_field=body",
+                    "--set", "data.tokenizer=bpe", "--set", "data.bpe_vocab_size=300",
+                    "--set", "data.context_length=32", "--set", "training.batch_size=4",
+                    "--set", "training.epochs=2", timeout=120)
+
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    assert "launcher: dataset: trained a 300-token BPE tokenizer on jsonl" in result.stdout
+    (length,) = [line for line in result.stdout.splitlines() if line.startswith("launcher: run length: ")]
+    per_epoch = int(length.split("run length: ")[1].split(" optimizer steps per epoch")[0])
+    assert f"2 epochs = {2 * per_epoch} steps" in length
+    assert f"CPU0:INFO | [CPU 0] Step [{2 * per_epoch - 1}/{2 * per_epoch}]" in result.stdout
+    resolved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert resolved["model"]["vocab_size"] == 300 and resolved["training"]["max_steps"] == 2 * per_epoch
 
 
 def test_a_command_that_cannot_be_executed_exits_126_with_one_line(tmp_path):

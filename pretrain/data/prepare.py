@@ -505,7 +505,10 @@ def _shards(cfg: DataConfig, val: bool) -> list[Shard]:
 def _shard_recipe(cfg: DataConfig) -> Recipe:
     train = _shards(cfg, val=False)
     val = _shards(cfg, val=True) if cfg.val_path else []
-    stamps = [[str(s.path), s.path.stat().st_size, s.path.stat().st_mtime_ns] for s in train + val]
+    files = [s.path for s in train + val]
+    if cfg.source == "megatron":  # the index holds the document boundaries: it is an input too
+        files += [s.path.with_suffix(".idx") for s in train + val]
+    stamps = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     key = {"format_version": FORMAT_VERSION, "source": {"source": cfg.source, "files": stamps,
                                                         "val_files": len(val)},
            "val_fraction": None if val else cfg.val_fraction}

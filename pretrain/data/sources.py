@@ -20,6 +20,7 @@ import fnmatch
 import glob
 import gzip
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,9 +258,10 @@ def hub_snapshot(repo: str, revision: str, pattern: str, repo_type: str = "datas
     try:
         return Path(snapshot_download(repo, repo_type=repo_type, revision=revision, allow_patterns=pattern))
     except errors.LocalEntryNotFoundError:
+        offline = ", or unset HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else ""
         raise DataError(f"{where} is not in the Hugging Face cache and the Hub cannot be reached "
                         f"(offline); download it where there is network (`hf download {repo} --repo-type "
-                        f"{repo_type}`) and copy the cache, or unset HF_HUB_OFFLINE") from None
+                        f"{repo_type}`) and copy the cache (HF_HOME){offline}") from None
     except errors.GatedRepoError:
         raise DataError(f"{where} is gated: accept its terms on huggingface.co, then log in with "
                         "`hf auth login` or set HF_TOKEN") from None
