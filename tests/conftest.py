@@ -44,3 +44,20 @@ def launcher_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
     env.pop("NO_COLOR", None)
     return env
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    """The message of a raised error, after checking it is one non-empty line."""
+    message = str(excinfo.value)
+    assert message and "\n" not in message
+    return message
+
+
+def cache_leftovers(tmp_path: Path) -> list[str]:
+    """Everything under tmp_path/cache but lock files and the folder of trained tokenizers:
+    after a failed preparation, this must be empty."""
+    cache = tmp_path / "cache"
+    if not cache.exists():
+        return []
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*")
+                  if not p.name.endswith(".lock") and not (p.is_dir() and p.name == "tokenizers"))

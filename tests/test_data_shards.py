@@ -12,6 +12,8 @@ import pytest
 from pretrain.config import DataConfig
 from pretrain.data import DataError
 from pretrain.data.prepare import prepare, read_meta, verify
+from conftest import cache_leftovers, one_line_error
+
 
 LLMC_MAGIC = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
 MEGATRON_CODES = {"uint16": 8, "int32": 4}
@@ -60,17 +62,6 @@ def segment_tokens(dataset: Path, segments: list[dict]) -> np.ndarray:
 
 def split_tokens(dataset: Path, split: str) -> np.ndarray:
     return segment_tokens(dataset, read_meta(dataset)["splits"][split])
-
-
-def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
-    message = str(excinfo.value)
-    assert message and "\n" not in message
-    return message
-
-
-def cache_leftovers(tmp_path: Path) -> list[str]:
-    cache = tmp_path / "cache"
-    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) if cache.exists() else []
 
 
 def touch_later(path: Path, seconds: int = 5) -> None:

@@ -15,6 +15,7 @@ from pretrain.data import DataError
 from pretrain.data import sources
 from pretrain.data.prepare import prepare, read_meta
 from pretrain.data.tokenizer import BYTE_EOT
+from conftest import cache_leftovers, one_line_error
 
 
 def config(tmp_path: Path, **changes) -> DataConfig:
@@ -49,20 +50,6 @@ def byte_documents(tokens: np.ndarray) -> list[str]:
 
 def documents_of(dataset: Path) -> list[str]:
     return byte_documents(all_tokens(dataset))
-
-
-def cache_leftovers(tmp_path: Path) -> list[str]:
-    """What the cache holds besides lock files (nothing when a preparation failed cleanly)."""
-    cache = tmp_path / "cache"
-    if not cache.exists():
-        return []
-    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
-
-
-def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
-    message = str(excinfo.value)
-    assert "\n" not in message and message.strip() == message and message
-    return message
 
 
 def write_jsonl(path: Path, rows: list, field: str = "text") -> Path:

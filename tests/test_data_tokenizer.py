@@ -15,6 +15,8 @@ from pretrain.data import DataError
 from pretrain.data import prepare as prep
 from pretrain.data.prepare import prepare, read_meta, verify
 from pretrain.data.tokenizer import BYTE_EOT, BYTE_VOCAB_SIZE, ByteTokenizer
+from conftest import cache_leftovers, one_line_error
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,21 +54,6 @@ def documents(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
     ends = np.flatnonzero(tokens == eot_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [tokens[s:e] for s, e in zip(starts, ends)]
-
-
-def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
-    message = str(excinfo.value)
-    assert message and "\n" not in message
-    return message
-
-
-def cache_leftovers(tmp_path: Path) -> list[str]:
-    """Everything under the cache but lock files and the directories that hold them."""
-    cache = tmp_path / "cache"
-    if not cache.exists():
-        return []
-    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*")
-                  if not p.name.endswith(".lock") and not (p.is_dir() and p.name == "tokenizers"))
 
 
 # --- byte ----------------------------------------------------------------------------------------

@@ -50,8 +50,9 @@ import numpy as np
 from pretrain.data import DataError
 from pretrain.data.shards import Shard, llmc_shard, megatron_shard, scan
 from pretrain.data.sources import Piece, TextSource, documents_source, resolve_files, text_source
+from pretrain.data.tokenizer import (TOKENIZER_FILE, Tokenizer, file_sha256, load_tokenizer, tokenizer_label,
+                                     tokenizer_spec, train_bpe)
 from pretrain.data.windows import DTYPES, REBUILD_HINT
-from pretrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe
 from pretrain.runfiles import project_path
 
 if TYPE_CHECKING:
@@ -269,14 +270,6 @@ def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
             end = segment["offset"] + segment["tokens"] * DTYPES[segment["dtype"]].itemsize
             if recorded is None or end > recorded["bytes"]:
                 raise _Damage(f"a {split} segment reaches past the end of {segment['file']}")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _reuse(dataset_dir: Path, log: Log) -> Path:
