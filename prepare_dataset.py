@@ -15,7 +15,7 @@ import sys
 
 from pretrain import config as configuration
 from pretrain.data import DataError
-from pretrain.data.prepare import prepare, verify
+from pretrain.data.prepare import prepare, sigterm_as_exit, verify
 from pretrain.runfiles import os_error_message
 
 PROG = "prepare_dataset"
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         data_config = configuration.from_args(args).data
-        dataset_dir = prepare(data_config, log=print, force=args.force)
+        with sigterm_as_exit():
+            dataset_dir = prepare(data_config, log=print, force=args.force)
         if args.verify:
             verify(dataset_dir)
             print(f"dataset: verified {dataset_dir} (every file matches its sha256 in meta.json)")

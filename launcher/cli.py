@@ -133,10 +133,11 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     """Prepare the dataset once and check one global batch fits, before anything is spawned
     or written; return the config as the workers will run it."""
     from pretrain.data.fitting import fit_to_dataset
-    from pretrain.data.prepare import prepare
+    from pretrain.data.prepare import prepare, sigterm_as_exit
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
-    dataset_dir = prepare(config.data, log=printer.launcher_line)
+    with sigterm_as_exit():
+        dataset_dir = prepare(config.data, log=printer.launcher_line)
     config, length = fit_to_dataset(config, dataset_dir, placement.world_size)
     printer.launcher_line(f"run length: {length.describe()}")
     return config

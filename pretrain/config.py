@@ -91,7 +91,7 @@ class DataConfig:
     hub_files: str = "*.parquet"
     """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
     max_samples: int = 0
-    """Use at most this many documents of the source (train and validation together); 0 uses all."""
+    """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
     tokenizer: Literal["byte", "bpe", "huggingface", "tiktoken"] = "byte"
     """How text becomes token ids: "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
     tokenizer_name: str = ""
@@ -131,9 +131,22 @@ class DataConfig:
         if self.source in SHARD_SOURCES:
             _check(self.max_samples == 0, "data.max_samples",
                    f'applies to text sources; "{self.source}" shards are used whole (set it to 0)')
+        if self.source not in SOURCES_WITH_PATH:  # keys that would be silently ignored are mistakes
+            for key in ("path", "val_path"):
+                _check(getattr(self, key) == "", f"data.{key}",
+                       f'source "{self.source}" reads no local files; set data.source to text, jsonl, parquet, '
+                       "llmc or megatron to use it")
+        if self.source != "hub":
+            _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
         if self.tokenizer in ("huggingface", "tiktoken"):
             what = "a tokenizer.json path or Hub repo id" if self.tokenizer == "huggingface" else "an encoding such as gpt2"
             _check(self.tokenizer_name != "", "data.tokenizer_name", f'tokenizer "{self.tokenizer}" needs {what}')
+        else:
+            _check(self.tokenizer_name == "", "data.tokenizer_name",
+                   f'is set but data.tokenizer is "{self.tokenizer}"; set data.tokenizer to huggingface or tiktoken')
+        if self.tokenizer == "tiktoken":
+            _check(self.tokenizer_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
+                   "data.tokenizer_name", f"{self.tokenizer_name!r} is not a tiktoken encoding name (gpt2, cl100k_base, ...)")
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,18 @@ def test_each_data_source_demands_the_keys_it_cannot_work_without():
     assert 'data.source: "csv" (a string) is not one of' in error_of(sets=["data.source=csv"])
 
 
+def test_keys_the_chosen_source_or_tokenizer_would_ignore_are_errors_not_silence():
+    assert 'data.path: source "builtin" reads no local files; set data.source to text' in \
+        error_of(sets=["data.path=corpus.jsonl"])
+    assert 'data.val_path: source "hub" reads no local files' in \
+        error_of(sets=["data.source=hub", "data.hub_repo=a/b", "data.val_path=v.jsonl"])
+    assert 'data.hub_repo: is set but data.source is "builtin"; set data.source=hub' in \
+        error_of(sets=["data.hub_repo=a/b"])
+    assert 'data.tokenizer_name: is set but data.tokenizer is "byte"' in error_of(sets=["data.tokenizer_name=gpt2"])
+    assert "data.tokenizer_name: 'a/b' is not a tiktoken encoding name" in \
+        error_of(sets=["data.tokenizer=tiktoken", "data.tokenizer_name=a/b"])
+
+
 def test_a_source_chosen_in_a_file_may_get_its_path_from_a_set(tmp_path):
     file = write(tmp_path, {"data": {"source": "parquet"}})
     assert cfg.resolve(config_file=file, sets=["data.path=x.parquet"]).data.path == "x.parquet"

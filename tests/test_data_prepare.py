@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -170,8 +171,10 @@ def test_second_prepare_reuses_the_cache_without_tokenizing_again(tmp_path, monk
 
     assert built > 0 and len(calls) == built
     assert second == first
-    assert lines == [f"dataset: reusing {first} ({prep.read_meta(first)['tokens']['train']:,} train tokens, "
-                     f"{prep.read_meta(first)['tokens']['val']:,} val tokens)"]
+    (line,) = lines
+    assert line.startswith(f"dataset: reusing {first} ({prep.read_meta(first)['tokens']['train']:,} train tokens, "
+                           f"{prep.read_meta(first)['tokens']['val']:,} val tokens; checked in ")
+    assert line.endswith(" ms)")
 
 
 def test_force_rebuilds_a_valid_cache_in_place(tmp_path):
@@ -376,11 +379,10 @@ def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(
     assert path.name.startswith("builtin-byte-")
     assert built.stdout.startswith(f"dataset: prepared {path} (") and " train tokens, " in built.stdout
     assert reused.returncode == 0, reused.stderr
-    assert reused.stdout.splitlines() == [
-        f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']:,} train tokens, "
-        f"{prep.read_meta(path)['tokens']['val']:,} val tokens)",
-        f"dataset: verified {path} (every file matches its sha256 in meta.json)",
-    ]
+    reuse, verified = reused.stdout.splitlines()
+    assert reuse.startswith(f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']:,} train tokens, "
+                            f"{prep.read_meta(path)['tokens']['val']:,} val tokens; checked in ")
+    assert verified == f"dataset: verified {path} (every file matches its sha256 in meta.json)"
 
 
 def test_prepare_dataset_script_names_the_closest_key_for_a_typo_in_one_line():
@@ -405,3 +407,58 @@ def test_prepare_dataset_script_reports_a_failed_verify_in_one_line(tmp_path):
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"prepare_dataset: error: {path}: tokens.bin does not match its sha256")
+
+
+TERMINATED_PREPARER = textwrap.dedent("""
+    import sys, time
+    from pretrain.config import DataConfig
+    from pretrain.data import prepare as prep
+    from pretrain.data.tokenizer import ByteTokenizer
+
+    encode = ByteTokenizer.encode
+    def slow_encode(self, text):
+        time.sleep(0.05)
+        return encode(self, text)
+    ByteTokenizer.encode = slow_encode
+    prep.BATCH_CHARS = 1  # one document per batch: the build takes seconds
+    with prep.sigterm_as_exit():
+        prep.prepare(DataConfig(cache_dir=sys.argv[1]), documents=[f"document {i}" for i in range(400)])
+""")
+
+
+def test_a_terminated_build_removes_its_temporary_directory(tmp_path):
+    script = tmp_path / "preparer.py"
+    script.write_text(TERMINATED_PREPARER)
+    cache = tmp_path / "cache"
+    process = subprocess.Popen([sys.executable, str(script), str(cache)], env=env_with_project(),
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not list(cache.glob(".*.tmp-*/tokens.bin")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(cache.glob(".*.tmp-*/tokens.bin")), "the build never started"
+
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=20)
+
+    assert process.returncode == 143 and "Traceback" not in stderr
+    assert [e for e in entries(cache) if not e.endswith(".lock")] == []
+
+
+def test_document_ends_far_before_the_validation_cut_are_dropped_without_changing_the_split(tmp_path, monkeypatch):
+    documents = [f"doc {i} " + "x" * (i % 13) for i in range(3000)]
+    reference, _ = prepare_quietly(data_config(tmp_path / "a", val_fraction=0.1), documents=documents)
+    monkeypatch.setattr(prep, "BOUNDARIES_KEPT", 10)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 500)  # many batches, so dropping happens along the way
+    kept: list[int] = []
+    write = prep._TokenWriter.write
+
+    def spy(self, *args):
+        write(self, *args)
+        kept.append(len(self.boundaries))
+    monkeypatch.setattr(prep._TokenWriter, "write", spy)
+
+    bounded, _ = prepare_quietly(data_config(tmp_path / "b", val_fraction=0.1), documents=documents)
+
+    assert max(kept) < 800  # of 3000 document ends
+    assert prep.read_meta(bounded)["splits"] == prep.read_meta(reference)["splits"]
+    assert prep.read_meta(bounded)["documents"] == prep.read_meta(reference)["documents"]

@@ -339,3 +339,14 @@ def test_a_rewritten_megatron_index_alone_makes_the_next_prepare_index_again(tmp
 
     assert second != first
     assert read_meta(second)["documents"]["total"] == 1
+
+
+def test_a_validation_shard_that_data_path_also_matches_is_refused(tmp_path):
+    write_llmc(tmp_path / "shard_train_000.bin", range(100))
+    write_llmc(tmp_path / "shard_val_000.bin", range(50))
+
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, source="llmc", path=str(tmp_path), val_path=str(tmp_path / "shard_val_*.bin")))
+
+    message = one_line_error(excinfo)
+    assert message.startswith(f"{tmp_path / 'shard_val_000.bin'} is in both data.path and data.val_path")

@@ -530,3 +530,40 @@ def test_hub_files_matching_several_formats_is_an_error(tmp_path, hub_cache):
         run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*"))
 
     assert "several formats" in one_line_error(excinfo)
+
+
+def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):
+    data = gzip.compress(("line of text\n" * 2000).encode())
+    path = tmp_path / "broken.txt.gz"
+    path.write_bytes(data[:40] + bytes(200) + data[240:])
+
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, source="text", path=str(path)))
+
+    assert f"{path}: cannot read" in one_line_error(excinfo)
+    assert cache_leftovers(tmp_path) == []
+
+
+def test_jsonl_nulls_are_skipped_and_lone_surrogates_replaced(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "first"}\n{"text": null}\n{"text": "a\\ud800b"}\n', encoding="utf-8")
+
+    dataset = run(config(tmp_path, source="jsonl", path=str(path)))
+
+    assert documents_of(dataset) == ["first", "a?b"]
+
+
+def test_workers_get_the_hub_branch_pinned_to_the_commit_the_launcher_prepared(tmp_path, hub_cache):
+    from pretrain import config as cfg
+    from pretrain.data.fitting import fit_to_dataset
+
+    hub_cache("owner/name", {"data/train.jsonl": "".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 20)})
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.source=hub",
+                                               "data.hub_repo=owner/name", "data.hub_files=*.jsonl",
+                                               "data.context_length=8", "training.batch_size=1"])
+    dataset = prepare(config.data, log=lambda line: None)
+
+    fitted, _ = fit_to_dataset(config, dataset, world_size=1)
+
+    assert config.data.hub_revision == "main" and fitted.data.hub_revision == COMMIT
+    assert prepare(fitted.data, log=lambda line: None) == dataset  # a worker finds the same dataset

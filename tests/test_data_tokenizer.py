@@ -351,3 +351,33 @@ def test_importing_prepare_pulls_in_no_heavy_library():
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "none"
+
+
+def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_path):
+    from tokenizers import Tokenizer
+
+    path = word_level(tmp_path / "padded" / "tokenizer.json", WORDS, specials=["<|endoftext|>", "[PAD]"])
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.enable_truncation(max_length=2)
+    tokenizer.enable_padding(pad_id=7, pad_token="[PAD]")
+    tokenizer.save(str(path))
+
+    dataset = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(path)),
+                  documents=["the cat sat on", "mat"])
+
+    assert all_tokens(dataset).tolist() == [1, 2, 3, 4, 6, 5, 6]  # whole documents, no padding
+
+
+def test_a_damaged_cached_bpe_tokenizer_is_trained_again(tmp_path, bpe_calls):
+    source = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
+    cfg = config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300)
+    dataset = run(cfg)
+    (trained,) = (tmp_path / "cache" / "tokenizers").glob("bpe300-*/tokenizer.json")
+    trained.write_text('{"truncated": ')
+    lines: list[str] = []
+
+    assert prepare(cfg, log=lines.append, force=True) == dataset
+
+    assert bpe_calls == [300, 300]
+    assert any(line.startswith("dataset: training the BPE tokenizer again (forced)") for line in lines)
+    assert json.loads(trained.read_text())["model"]["type"] == "BPE"

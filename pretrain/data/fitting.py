@@ -1,4 +1,5 @@
-"""Where a config meets its prepared dataset: the model's vocabulary and the run's length.
+"""Where a config meets its prepared dataset: the model's vocabulary and the run's length
+(and a Hub dataset's branch, pinned to the commit that was prepared).
 
 Both depend on the data: a tokenizer's vocabulary is known once it is loaded or trained, and an
 epoch's length once the tokens are counted. The launcher calls fit_to_dataset after preparing,
@@ -26,4 +27,9 @@ def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> 
                       t.epochs, t.max_steps)
     model = dataclasses.replace(config.model, vocab_size=model_vocab_size(config.model.vocab_size, meta))
     training = dataclasses.replace(t, max_steps=length.total_steps)
-    return dataclasses.replace(config, model=model, training=training), length
+    data = config.data
+    if data.source == "hub":
+        # Pin the branch to the commit prepared, so every worker finds this very dataset in the
+        # cache without asking the Hub, even if the branch moves during the run.
+        data = dataclasses.replace(data, hub_revision=meta["key"]["source"]["commit"])
+    return dataclasses.replace(config, model=model, training=training, data=data), length

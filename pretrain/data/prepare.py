@@ -35,6 +35,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 import time
 from array import array
@@ -65,6 +66,12 @@ TOKENS_FILE = "tokens.bin"
 BATCH_CHARS = 4 << 20
 """Text handed to the tokenizer at once: large enough for its threads, small for memory."""
 
+MAX_FOLLOWED_VOCAB = 1 << 22
+"""model.vocab_size null follows the data up to this (4M ids; the largest real tokenizers hold 256K)."""
+
+BOUNDARIES_KEPT = 1 << 16
+"""Document ends held before the ones that can no longer matter are dropped (see _TokenWriter)."""
+
 Log = Callable[[str], None]
 
 
@@ -76,23 +83,40 @@ def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | Non
 
     documents replaces cfg.source with these texts (source name "custom"; used by tests).
     force rebuilds even when a valid cache exists."""
-    recipe = recipe_for(cfg, documents)
+    started = time.monotonic()
+    recipe = recipe_for(cfg, documents, force=force)
     final = recipe.path
     # Fast path without the lock: the final name only ever appears complete (by rename), so a
     # valid one can be used as is. This also keeps a read-only shared cache usable.
-    if not force and _problem(final, recipe.key) is None:
-        return _reuse(final, log)
+    meta, problem = _inspect(final, recipe.key)
+    if meta is not None and not force:
+        return _reuse(final, meta, log, started)
 
     final.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(final, log):
-        problem = _problem(final, recipe.key)  # another preparer may have built it while we waited
-        if problem is None and not force:
-            return _reuse(final, log)
+        meta, problem = _inspect(final, recipe.key)  # another preparer may have built it meanwhile
+        if meta is not None and not force:
+            return _reuse(final, meta, log, started)
         _remove_leftovers(final)
         if final.exists():
-            log(f"dataset: rebuilding {final} ({'forced' if problem is None else f'damaged: {problem}'})")
+            log(f"dataset: rebuilding {final} ({'forced' if meta is not None else f'damaged: {problem}'})")
         _build(final, recipe, log)
     return final
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within: SIGTERM raises SystemExit(143), so a build that is terminated removes its
+    temporary directory (possibly gigabytes) instead of leaving it in the cache. For entry
+    points, in the main thread; the previous handler comes back afterwards."""
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def verify(dataset_dir: str | Path) -> None:
@@ -126,6 +150,9 @@ def model_vocab_size(configured: int | None, meta: dict[str, Any]) -> int:
     DataError when the dataset holds ids the configured size cannot embed."""
     needed = meta["vocab_size"]
     if configured is None:
+        if needed > MAX_FOLLOWED_VOCAB:  # a damaged shard (a negative int32 read as uint32) looks like this
+            raise DataError(f"the dataset's largest token id is {needed - 1:,}, too large to size the model by; "
+                            "check the shards, or set model.vocab_size explicitly if it is right")
         return needed
     if configured < needed:
         raise DataError(f"the dataset's token ids go up to {needed - 1}, beyond model.vocab_size {configured}; "
@@ -167,12 +194,16 @@ class Recipe:
     """Writes the dataset's files into a directory; returns the rest of meta.json."""
 
 
-def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None) -> Recipe:
-    """What preparing cfg means: the cache key, the directory and how to build it."""
+def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None, force: bool = False) -> Recipe:
+    """What preparing cfg means: the cache key, the directory and how to build it (force: a
+    trained BPE tokenizer is trained again too)."""
+    cfg.check_complete()
     if documents is None and cfg.source in ("llmc", "megatron"):
         return _shard_recipe(cfg)
     train = documents_source(list(documents)) if documents is not None else text_source(cfg)
     val = text_source(cfg, val=True) if cfg.val_path and documents is None else None
+    if val is not None:
+        _check_disjoint(train.identity.get("files", []), val.identity.get("files", []))
     key = {
         "format_version": FORMAT_VERSION,
         "source": train.identity,
@@ -182,7 +213,17 @@ def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None) -> Recip
         "tokenizer": tokenizer_spec(cfg, train.identity),
     }
     path = _dataset_path(cfg.cache_dir, f"{train.name}-{tokenizer_label(cfg)}", key)
-    return Recipe(key, path, lambda directory, log: _tokenize(directory, cfg, train, val, log))
+    return Recipe(key, path, lambda directory, log: _tokenize(directory, cfg, train, val, log, force))
+
+
+def _check_disjoint(train_files: list[list[Any]], val_files: list[list[Any]]) -> None:
+    """Validation on files that are also trained on measures nothing: refuse (a directory given
+    as data.path easily includes the validation files)."""
+    both = sorted({f[0] for f in train_files} & {f[0] for f in val_files})
+    if both:
+        more = f" and {len(both) - 1} more" if len(both) > 1 else ""
+        raise DataError(f"{both[0]}{more} is in both data.path and data.val_path; "
+                        "narrow data.path so validation files are not trained on")
 
 
 def _dataset_path(cache_dir: str, label: str, key: dict[str, Any]) -> Path:
@@ -213,18 +254,19 @@ class _Damage(Exception):
     """What is wrong with a cache directory, as a short phrase."""
 
 
-def _problem(dataset_dir: Path, key: dict[str, Any]) -> str | None:
-    """None when dataset_dir holds a complete dataset for key; else what is wrong. Cheap."""
+def _inspect(dataset_dir: Path, key: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """(meta, "") when dataset_dir holds a complete dataset for key, else (None, what is wrong).
+    Reads meta.json and stats files: cheap whatever the size."""
     if not dataset_dir.is_dir():
-        return "not built"
+        return None, "not built"
     try:
         meta = _load_meta(dataset_dir)
         if meta["key"] != json.loads(json.dumps(key)):
             raise _Damage("meta.json was built from other inputs")
         _check_files(dataset_dir, meta)
     except _Damage as damage:
-        return str(damage)
-    return None
+        return None, str(damage)
+    return meta, ""
 
 
 def _load_meta(dataset_dir: Path) -> dict[str, Any]:
@@ -243,6 +285,13 @@ def _load_meta(dataset_dir: Path) -> dict[str, Any]:
         if not isinstance(meta.get(field), kind):
             raise _Damage(f"meta.json has no valid {field}")
     for split in SPLITS:
+        if not _is_count(meta["tokens"].get(split)):
+            raise _Damage(f"meta.json has no token count for {split}")
+    for name, recorded in meta["files"].items():
+        if not (isinstance(recorded, dict) and _is_count(recorded.get("bytes"))
+                and isinstance(recorded.get("sha256"), str)):
+            raise _Damage(f"meta.json has no size and sha256 for {name}")
+    for split in SPLITS:
         segments = meta["splits"].get(split)
         if not isinstance(segments, list) or not segments:
             raise _Damage(f"meta.json has no segments for {split}")
@@ -254,6 +303,10 @@ def _load_meta(dataset_dir: Path) -> dict[str, Any]:
     return meta
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
     """Every file meta.json lists exists with its recorded size, and every segment lies in one."""
     for name, recorded in meta["files"].items():
@@ -262,8 +315,8 @@ def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
             size = path.stat().st_size
         except FileNotFoundError:
             raise _Damage(f"{name} is missing") from None
-        if not isinstance(recorded, dict) or size != recorded.get("bytes"):
-            raise _Damage(f"{name} has {size} bytes, expected {recorded.get('bytes') if isinstance(recorded, dict) else '?'}")
+        if size != recorded["bytes"]:
+            raise _Damage(f"{name} has {size} bytes, expected {recorded['bytes']}")
     for split in SPLITS:
         for segment in meta["splits"][split]:
             recorded = meta["files"].get(segment["file"])
@@ -272,9 +325,10 @@ def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
                 raise _Damage(f"a {split} segment reaches past the end of {segment['file']}")
 
 
-def _reuse(dataset_dir: Path, log: Log) -> Path:
-    tokens = _load_meta(dataset_dir)["tokens"]
-    log(f"dataset: reusing {dataset_dir} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens)")
+def _reuse(dataset_dir: Path, meta: dict[str, Any], log: Log, started: float) -> Path:
+    tokens = meta["tokens"]
+    log(f"dataset: reusing {dataset_dir} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens; "
+        f"checked in {(time.monotonic() - started) * 1000:.0f} ms)")
     return dataset_dir
 
 
@@ -304,17 +358,19 @@ def _build(final: Path, recipe: Recipe, log: Log) -> None:
         f"({total / max(seconds, 1e-9):,.0f} tokens/s)")
 
 
-def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSource | None, log: Log) -> dict[str, Any]:
+def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSource | None, log: Log,
+              force: bool) -> dict[str, Any]:
     """Build a dataset from text: tokens.bin, tokenizer.json when there is one; meta details."""
-    bpe_file = _trained_bpe(cfg, train, log) if cfg.tokenizer == "bpe" else None
+    bpe_file = _trained_bpe(cfg, train, log, force) if cfg.tokenizer == "bpe" else None
     tokenizer = load_tokenizer(cfg, bpe_file)
     dtype = storage_dtype(tokenizer.vocab_size)
     with open(directory / TOKENS_FILE, "wb") as file:
-        writer = _TokenWriter(file, DTYPES[dtype], tokenizer.vocab_size)
+        # With val_path the split is where validation starts: no boundary is needed at all.
+        writer = _TokenWriter(file, DTYPES[dtype], tokenizer.vocab_size, 0.0 if val else cfg.val_fraction)
         pieces = _limited(train.pieces(), cfg.max_samples)
         # With max_samples the share of the source that will be read is unknown: no ETA then.
         _encode_into(writer, pieces, tokenizer, "dataset: tokenizing", None if cfg.max_samples else train.total_bytes)
-        train_tokens = writer.tokens
+        train_tokens, train_documents = writer.tokens, writer.documents
         if val is not None:
             _encode_into(writer, val.pieces(), tokenizer, "dataset: tokenizing validation", val.total_bytes)
         writer.finish()
@@ -327,6 +383,7 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
         split = train_tokens
     else:
         split = split_point(writer.tokens, writer.boundaries, cfg.val_fraction)
+        train_documents = writer.dropped + bisect.bisect_right(writer.boundaries, split)
     files = {TOKENS_FILE: {"bytes": writer.tokens * DTYPES[dtype].itemsize, "sha256": writer.sha256.hexdigest()}}
     tokenizer_meta: dict[str, Any] = {"kind": cfg.tokenizer, "name": tokenizer.name,
                                       "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
@@ -335,7 +392,6 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
         files[TOKENIZER_FILE] = {"bytes": (directory / TOKENIZER_FILE).stat().st_size,
                                  "sha256": file_sha256(directory / TOKENIZER_FILE)}
         tokenizer_meta["file"] = TOKENIZER_FILE
-    train_documents = bisect.bisect_right(writer.boundaries, split)
     itemsize = DTYPES[dtype].itemsize
     return {
         "tokenizer": tokenizer_meta,
@@ -369,12 +425,15 @@ def _limited(pieces: Iterator[Piece], max_samples: int) -> Iterator[Piece]:
 class _TokenWriter:
     """Appends token arrays to tokens.bin, counting, hashing and checking ids as it goes."""
 
-    def __init__(self, file: BinaryIO, dtype: np.dtype, vocab_size: int) -> None:
-        self.file, self.dtype, self.vocab_size = file, dtype, vocab_size
+    def __init__(self, file: BinaryIO, dtype: np.dtype, vocab_size: int, val_fraction: float) -> None:
+        self.file, self.dtype, self.vocab_size, self.val_fraction = file, dtype, vocab_size, val_fraction
         self.sha256 = hashlib.sha256()
         self.tokens = self.documents = self.max_id = 0
         self.boundaries = array("q")
-        """Token offsets where a document ends (after its end-of-text)."""
+        """Token offsets where a document ends (after its end-of-text), the recent ones only:
+        split_point never picks one before total * (1 - 2 * val_fraction), and the total only
+        grows, so older ones are dropped (counted in `dropped`) and memory stays bounded."""
+        self.dropped = 0
 
     def write(self, ids: list[np.ndarray], ends: list[bool], eot_id: int) -> None:
         parts = []
@@ -400,6 +459,10 @@ class _TokenWriter:
                 self.boundaries.append(offset)
                 self.documents += 1
         self.tokens = offset
+        if len(self.boundaries) > BOUNDARIES_KEPT:
+            useless = bisect.bisect_left(self.boundaries, self.tokens * (1 - 2 * self.val_fraction) - 2)
+            del self.boundaries[:useless]
+            self.dropped += useless
 
     def finish(self) -> None:
         self.file.flush()
@@ -459,17 +522,19 @@ def _progress(label: str, total: int | None, unit: str) -> Any:
                 leave=False, mininterval=0.5)
 
 
-def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log) -> Path:
-    """The BPE tokenizer trained on source, from its own cache (trained once, under a lock)."""
+def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> Path:
+    """The BPE tokenizer trained on source, from its own cache (trained once, under a lock;
+    again when forced or when the cached file does not load)."""
     spec = tokenizer_spec(cfg, source.identity)
     final = _dataset_path(str(project_path(cfg.cache_dir) / "tokenizers"), f"bpe{cfg.bpe_vocab_size}", spec)
     file = final / TOKENIZER_FILE
-    if file.is_file():
-        return file
     final.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(final, log):
-        if file.is_file():
+        problem = "forced" if force else _tokenizer_problem(file)
+        if problem is None:
             return file
+        if file.exists():
+            log(f"dataset: training the BPE tokenizer again ({problem}): {file}")
         _remove_leftovers(final)
         started = time.monotonic()
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -486,6 +551,19 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log) -> Path:
     return file
 
 
+def _tokenizer_problem(file: Path) -> str | None:
+    """None when file is a tokenizer.json the tokenizers library loads; else why not."""
+    if not file.is_file():
+        return "not trained"
+    from tokenizers import Tokenizer as RustTokenizer
+
+    try:
+        RustTokenizer.from_file(str(file))
+    except Exception as error:  # the library raises plain Exception for a file it cannot parse
+        return f"damaged: {(str(error).splitlines() or [type(error).__name__])[0][:120]}"
+    return None
+
+
 # --- pre-tokenized shards ---------------------------------------------------------------------
 
 def _shards(cfg: DataConfig, val: bool) -> list[Shard]:
@@ -498,6 +576,7 @@ def _shards(cfg: DataConfig, val: bool) -> list[Shard]:
 def _shard_recipe(cfg: DataConfig) -> Recipe:
     train = _shards(cfg, val=False)
     val = _shards(cfg, val=True) if cfg.val_path else []
+    _check_disjoint([[str(s.path)] for s in train], [[str(s.path)] for s in val])
     files = [s.path for s in train + val]
     if cfg.source == "megatron":  # the index holds the document boundaries: it is an input too
         files += [s.path.with_suffix(".idx") for s in train + val]

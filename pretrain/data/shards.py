@@ -80,6 +80,9 @@ def megatron_shard(prefix: Path) -> Shard:
         if code not in MEGATRON_DTYPES:
             name = MEGATRON_UNSUPPORTED.get(code, f"code {code}")
             raise DataError(f"{index}: token type {name} is not supported (uint16 or int32 only)")
+        # A damaged header could name any count: check it against the file before reading.
+        if sequences * 4 > index.stat().st_size - MEGATRON_HEADER.size:
+            raise DataError(f"{index}: truncated or damaged (its header lists {sequences} sequences)")
         sizes = np.fromfile(file, dtype="<i4", count=sequences)
     if sizes.size != sequences or (sizes < 0).any():
         raise DataError(f"{index}: truncated or damaged (expected {sequences} sequence sizes)")

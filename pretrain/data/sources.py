@@ -21,6 +21,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,7 +149,7 @@ def _text_pieces(path: Path, _field: str) -> Iterator[Piece]:
                     buffer, size = [], 0
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; convert it (for example with iconv) or leave it out") from None
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:
         raise DataError(f"{path}: cannot read ({error})") from None
     yield Piece("".join(buffer), True, size)
 
@@ -156,15 +158,17 @@ def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
     try:
         with _open_text(path) as file:
             for number, line in enumerate(file, 1):
-                if line.strip():
-                    yield Piece(_jsonl_text(path, number, line, text_field), True, len(line))
+                text = _jsonl_text(path, number, line, text_field) if line.strip() else None
+                if text is not None:
+                    yield Piece(text, True, len(line))
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text") from None
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:
         raise DataError(f"{path}: cannot read ({error})") from None
 
 
-def _jsonl_text(path: Path, number: int, line: str, text_field: str) -> str:
+def _jsonl_text(path: Path, number: int, line: str, text_field: str) -> str | None:
+    """The text of one row; None for a null (skipped, as Parquet's nulls are)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
@@ -175,9 +179,15 @@ def _jsonl_text(path: Path, number: int, line: str, text_field: str) -> str:
         fields = ", ".join(sorted(row)) or "none"
         raise DataError(f"{path}:{number}: no field {text_field!r} (fields: {fields}); set data.text_field")
     text = row[text_field]
+    if text is None:
+        return None
     if not isinstance(text, str):
         raise DataError(f"{path}:{number}: field {text_field!r} holds {type(text).__name__}, not text; "
                         "set data.text_field to a text field")
+    if "\\ud" in line or "\\uD" in line:
+        # A lone surrogate escape (found in web dumps) decodes to a str no encoder accepts;
+        # replace it like undecodable bytes. Valid pairs became one character already.
+        text = text.encode("utf-8", "replace").decode("utf-8")
     return text
 
 
@@ -255,6 +265,13 @@ def hub_snapshot(repo: str, revision: str, pattern: str, repo_type: str = "datas
         raise DataError("the Hugging Face Hub needs the huggingface_hub package: pip install huggingface_hub") from None
 
     where = f"{repo_type} {repo}@{revision}"
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        # A commit never changes: when it is in the cache, no request to the Hub is needed.
+        try:
+            return Path(snapshot_download(repo, repo_type=repo_type, revision=revision,
+                                          allow_patterns=pattern, local_files_only=True))
+        except errors.LocalEntryNotFoundError:
+            pass
     try:
         return Path(snapshot_download(repo, repo_type=repo_type, revision=revision, allow_patterns=pattern))
     except errors.LocalEntryNotFoundError:

@@ -31,6 +31,9 @@ BYTE_VOCAB_SIZE = 257
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 BPE_EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+ENCODING_RULES = 2
+"""Bumped whenever how a tokenizer.json is applied changes (2: special tokens spelled in the
+text are text; the file's padding and truncation are off), so older caches are rebuilt."""
 
 
 class Tokenizer(Protocol):
@@ -54,11 +57,12 @@ def tokenizer_spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str
         return {"kind": "byte"}
     if cfg.tokenizer == "bpe":
         return {"kind": "bpe", "vocab_size": cfg.bpe_vocab_size, "trained_on": source_identity,
-                "max_samples": cfg.max_samples, "recipe": 1}
+                "max_samples": cfg.max_samples, "recipe": 1, "encoding": ENCODING_RULES}
     if cfg.tokenizer == "tiktoken":
         return {"kind": "tiktoken", "encoding": cfg.tokenizer_name}
     file = huggingface_file(cfg.tokenizer_name)
-    return {"kind": "huggingface", "file_sha256": file_sha256(file), "eot_token": cfg.eot_token}
+    return {"kind": "huggingface", "file_sha256": file_sha256(file), "eot_token": cfg.eot_token,
+            "encoding": ENCODING_RULES}
 
 
 def tokenizer_label(cfg: DataConfig) -> str:
@@ -166,6 +170,10 @@ class HuggingFaceTokenizer:
         except Exception as error:  # the library raises plain Exception for a file it cannot parse
             raise DataError(f"{path}: not a usable tokenizer.json ({(str(error).splitlines() or [type(error).__name__])[0][:200]})") from None
         self.path, self.name = path, name
+        # Padding and truncation saved in a file (BERT-style tokenizers) would cut or pad every
+        # document: pretraining wants each text's ids exactly.
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
         # Text that spells a special token ("<|endoftext|>" in a web page) is text, not that token:
         # only end-of-text ids the preparation adds may mark document ends (tiktoken's encode_ordinary).
         self.tokenizer.encode_special_tokens = True
