@@ -133,7 +133,8 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     """Prepare the dataset once and check one global batch fits, before anything is spawned
     or written; return the config as the workers will run it."""
     from pretrain.data.fitting import fit_to_dataset
-    from pretrain.data.prepare import prepare, sigterm_as_exit
+    from pretrain.data.cache import sigterm_as_exit
+    from pretrain.data.prepare import prepare
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     with sigterm_as_exit():

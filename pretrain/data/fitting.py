@@ -14,7 +14,8 @@ import dataclasses
 from pathlib import Path
 
 from pretrain.config import Config
-from pretrain.data.prepare import model_vocab_size, read_meta
+from pretrain.data.cache import read_meta
+from pretrain.data.prepare import model_vocab_size
 from pretrain.data.windows import RunLength, plan_run
 
 

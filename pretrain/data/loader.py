@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from pretrain.data import DataError
-from pretrain.data.prepare import read_meta
+from pretrain.data.cache import read_meta
 from pretrain.data.windows import DTYPES, check_segment_file, open_segment, segments, steps_per_epoch
 
 Batch = tuple[Tensor, Tensor]

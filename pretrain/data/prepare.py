@@ -22,7 +22,7 @@ files, nothing more (under 0.3 s whatever the size); `verify` re-hashes on reque
 
 A build writes into a temporary directory beside the final one and renames it into place, so the
 final name only ever holds a complete dataset. A lock file `<final>.lock` makes concurrent
-preparers build once: the others wait, then reuse.
+preparers build once: the others wait, then reuse. The mechanics of that are in cache.py.
 
 This module must not import torch: the launcher imports it and has to start fast.
 """
@@ -35,13 +35,11 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import sys
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -49,19 +47,22 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from pretrain.data import DataError
+from pretrain.data.cache import (FORMAT_VERSION, META_FILE, SPLITS, build_lock, inspect_dataset, read_meta,
+                                 remove_leftovers, replace_dir, sigterm_as_exit, verify, write_synced)
 from pretrain.data.shards import Shard, llmc_shard, megatron_shard, scan
 from pretrain.data.sources import Piece, TextSource, documents_source, resolve_files, text_source
 from pretrain.data.tokenizer import (TOKENIZER_FILE, Tokenizer, file_sha256, load_tokenizer, tokenizer_label,
                                      tokenizer_spec, train_bpe)
-from pretrain.data.windows import DTYPES, REBUILD_HINT
+from pretrain.data.windows import DTYPES
 from pretrain.runfiles import project_path
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
 
-FORMAT_VERSION = 2
-SPLITS = ("train", "val")
-META_FILE = "meta.json"
+__all__ = ["prepare", "read_meta", "verify", "sigterm_as_exit", "model_vocab_size", "split_point",
+           "storage_dtype", "recipe_for", "FORMAT_VERSION", "TOKENS_FILE"]
+"""read_meta, verify and sigterm_as_exit live in cache.py; they are here too, as the API of preparing."""
+
 TOKENS_FILE = "tokens.bin"
 BATCH_CHARS = 4 << 20
 """Text handed to the tokenizer at once: large enough for its threads, small for memory."""
@@ -88,61 +89,20 @@ def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | Non
     final = recipe.path
     # Fast path without the lock: the final name only ever appears complete (by rename), so a
     # valid one can be used as is. This also keeps a read-only shared cache usable.
-    meta, problem = _inspect(final, recipe.key)
+    meta, problem = inspect_dataset(final, recipe.key)
     if meta is not None and not force:
         return _reuse(final, meta, log, started)
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(final, log):
-        meta, problem = _inspect(final, recipe.key)  # another preparer may have built it meanwhile
+    with build_lock(final, log):
+        meta, problem = inspect_dataset(final, recipe.key)  # another preparer may have built it meanwhile
         if meta is not None and not force:
             return _reuse(final, meta, log, started)
-        _remove_leftovers(final)
+        remove_leftovers(final)
         if final.exists():
             log(f"dataset: rebuilding {final} ({'forced' if meta is not None else f'damaged: {problem}'})")
         _build(final, recipe, log)
     return final
-
-
-@contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """Within: SIGTERM raises SystemExit(143), so a build that is terminated removes its
-    temporary directory (possibly gigabytes) instead of leaving it in the cache. For entry
-    points, in the main thread; the previous handler comes back afterwards."""
-    def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, leave)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def verify(dataset_dir: str | Path) -> None:
-    """Check a prepared dataset completely, the sha256 of every file it uses included.
-
-    Raises DataError naming the first problem found."""
-    dataset_dir = Path(dataset_dir)
-    try:
-        meta = _load_meta(dataset_dir)
-        _check_files(dataset_dir, meta)
-        for name, expected in meta["files"].items():
-            actual = file_sha256(dataset_dir / name)
-            if actual != expected["sha256"]:
-                raise _Damage(f"{name} does not match its sha256 in meta.json "
-                              f"(expected {expected['sha256'][:12]}..., got {actual[:12]}...)")
-    except _Damage as damage:
-        raise DataError(f"{dataset_dir}: {damage}; {REBUILD_HINT}") from None
-
-
-def read_meta(dataset_dir: str | Path) -> dict[str, Any]:
-    """The parsed meta.json of a prepared dataset; DataError when it is missing or unreadable."""
-    dataset_dir = Path(dataset_dir)
-    try:
-        return _load_meta(dataset_dir)
-    except _Damage as damage:
-        raise DataError(f"{dataset_dir}: not a usable prepared dataset ({damage}); {REBUILD_HINT}") from None
 
 
 def model_vocab_size(configured: int | None, meta: dict[str, Any]) -> int:
@@ -231,100 +191,6 @@ def _dataset_path(cache_dir: str, label: str, key: dict[str, Any]) -> Path:
     return project_path(cache_dir) / f"{label}-{digest[:12]}"
 
 
-@contextmanager
-def _build_lock(final: Path, log: Log) -> Iterator[None]:
-    """Hold `<final>.lock`; say so when waiting, or a waiting rank looks hung."""
-    from filelock import FileLock, Timeout  # imported here: a cache hit does not need it
-
-    lock = FileLock(f"{final}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log(f"dataset: waiting for another process to finish preparing {final}")
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-# --- checking a cache -------------------------------------------------------------------------
-
-class _Damage(Exception):
-    """What is wrong with a cache directory, as a short phrase."""
-
-
-def _inspect(dataset_dir: Path, key: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """(meta, "") when dataset_dir holds a complete dataset for key, else (None, what is wrong).
-    Reads meta.json and stats files: cheap whatever the size."""
-    if not dataset_dir.is_dir():
-        return None, "not built"
-    try:
-        meta = _load_meta(dataset_dir)
-        if meta["key"] != json.loads(json.dumps(key)):
-            raise _Damage("meta.json was built from other inputs")
-        _check_files(dataset_dir, meta)
-    except _Damage as damage:
-        return None, str(damage)
-    return meta, ""
-
-
-def _load_meta(dataset_dir: Path) -> dict[str, Any]:
-    path = dataset_dir / META_FILE
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _Damage("meta.json is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _Damage(f"meta.json is unreadable ({error})") from None
-    if not isinstance(meta, dict):
-        raise _Damage("meta.json is not a JSON object")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise _Damage(f"meta.json has format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    for field, kind in (("key", dict), ("files", dict), ("splits", dict), ("tokens", dict), ("vocab_size", int)):
-        if not isinstance(meta.get(field), kind):
-            raise _Damage(f"meta.json has no valid {field}")
-    for split in SPLITS:
-        if not _is_count(meta["tokens"].get(split)):
-            raise _Damage(f"meta.json has no token count for {split}")
-    for name, recorded in meta["files"].items():
-        if not (isinstance(recorded, dict) and _is_count(recorded.get("bytes"))
-                and isinstance(recorded.get("sha256"), str)):
-            raise _Damage(f"meta.json has no size and sha256 for {name}")
-    for split in SPLITS:
-        segments = meta["splits"].get(split)
-        if not isinstance(segments, list) or not segments:
-            raise _Damage(f"meta.json has no segments for {split}")
-        for segment in segments:
-            if (not isinstance(segment, dict) or segment.get("dtype") not in DTYPES
-                    or not all(isinstance(segment.get(f), int) for f in ("offset", "tokens"))
-                    or not isinstance(segment.get("file"), str)):
-                raise _Damage(f"meta.json has a malformed {split} segment")
-    return meta
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
-    """Every file meta.json lists exists with its recorded size, and every segment lies in one."""
-    for name, recorded in meta["files"].items():
-        path = dataset_dir / name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise _Damage(f"{name} is missing") from None
-        if size != recorded["bytes"]:
-            raise _Damage(f"{name} has {size} bytes, expected {recorded['bytes']}")
-    for split in SPLITS:
-        for segment in meta["splits"][split]:
-            recorded = meta["files"].get(segment["file"])
-            end = segment["offset"] + segment["tokens"] * DTYPES[segment["dtype"]].itemsize
-            if recorded is None or end > recorded["bytes"]:
-                raise _Damage(f"a {split} segment reaches past the end of {segment['file']}")
-
-
 def _reuse(dataset_dir: Path, meta: dict[str, Any], log: Log, started: float) -> Path:
     tokens = meta["tokens"]
     log(f"dataset: reusing {dataset_dir} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens; "
@@ -346,8 +212,8 @@ def _build(final: Path, recipe: Recipe, log: Log) -> None:
         meta = {"format_version": FORMAT_VERSION, "key": recipe.key, **details,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "build_seconds": round(seconds, 3)}
-        _write_synced(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
-        _replace_dir(tmp, final)
+        write_synced(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -529,20 +395,20 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
     final = _dataset_path(str(project_path(cfg.cache_dir) / "tokenizers"), f"bpe{cfg.bpe_vocab_size}", spec)
     file = final / TOKENIZER_FILE
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(final, log):
+    with build_lock(final, log):
         problem = "forced" if force else _tokenizer_problem(file)
         if problem is None:
             return file
         if file.exists():
             log(f"dataset: training the BPE tokenizer again ({problem}): {file}")
-        _remove_leftovers(final)
+        remove_leftovers(final)
         started = time.monotonic()
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
             texts = (piece.text for piece in _limited(source.pieces(), cfg.max_samples))
             train_bpe(texts, cfg.bpe_vocab_size, tmp / TOKENIZER_FILE)
-            _replace_dir(tmp, final)
+            replace_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -634,38 +500,3 @@ def _tail_split(segments: list[dict[str, Any]], val_tokens: int) -> tuple[list[d
         val_tokens = 0
     return train, val
 
-
-# --- files ------------------------------------------------------------------------------------
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _replace_dir(new: Path, final: Path) -> None:
-    """Move new to final; an existing final is moved aside first and deleted afterwards, so
-    the final name never holds a partly deleted or partly written dataset."""
-    old = final.parent / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-    if final.exists():
-        os.rename(final, old)
-    os.rename(new, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_leftovers(final: Path) -> None:
-    """Delete temporary directories of preparers that died mid-build. Call with the lock held:
-    then no live preparer is using any of them."""
-    for pattern in (f".{final.name}.tmp-*", f".{final.name}.old-*"):
-        for leftover in final.parent.glob(pattern):
-            shutil.rmtree(leftover, ignore_errors=True)
