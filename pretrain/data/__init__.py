@@ -9,3 +9,10 @@ from __future__ import annotations
 
 class DataError(Exception):
     """A data problem the user can fix; the message is one line."""
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of a library's error message, for quoting inside a one-line DataError
+    (some messages span lines, some are empty: then the error's type name)."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:limit] if lines else type(error).__name__

@@ -115,12 +115,6 @@ def as_is(batch: Batch) -> Batch:
     return batch
 
 
-def stack_windows(windows: list[Batch]) -> Batch:
-    """Collate single (x, y) windows into a batch; a tuple, where DataLoader's default gives a list."""
-    inputs, targets = zip(*windows)
-    return torch.stack(inputs), torch.stack(targets)
-
-
 class TrainBatches:
     """Endless training micro-batches (x, y) of shape (batch_size, context_length) for one rank.
 

@@ -30,6 +30,7 @@ This module must not import torch: the launcher imports it and has to start fast
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
@@ -47,13 +48,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from pretrain.data import DataError
-from pretrain.data.cache import (FORMAT_VERSION, META_FILE, SPLITS, build_lock, inspect_dataset, read_meta,
+from pretrain.data.cache import (FORMAT_VERSION, META_FILE, build_lock, inspect_dataset, read_meta,
                                  remove_leftovers, replace_dir, sigterm_as_exit, verify, write_synced)
 from pretrain.data.shards import Shard, llmc_shard, megatron_shard, scan
 from pretrain.data.sources import Piece, TextSource, documents_source, resolve_files, text_source
-from pretrain.data.tokenizer import (TOKENIZER_FILE, Tokenizer, file_sha256, load_tokenizer, tokenizer_label,
-                                     tokenizer_spec, train_bpe)
-from pretrain.data.windows import DTYPES
+from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, Tokenizer, file_sha256,
+                                     load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe)
+from pretrain.data.windows import DTYPES, Segment
 from pretrain.runfiles import project_path
 
 if TYPE_CHECKING:
@@ -258,15 +259,14 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
         files[TOKENIZER_FILE] = {"bytes": (directory / TOKENIZER_FILE).stat().st_size,
                                  "sha256": file_sha256(directory / TOKENIZER_FILE)}
         tokenizer_meta["file"] = TOKENIZER_FILE
-    itemsize = DTYPES[dtype].itemsize
+    train_segment = Segment(TOKENS_FILE, 0, split, dtype)
     return {
         "tokenizer": tokenizer_meta,
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
         "dtype": dtype,
         "max_token_id": writer.max_id,
-        "splits": {"train": [_segment(TOKENS_FILE, 0, split, dtype)],
-                   "val": [_segment(TOKENS_FILE, split * itemsize, writer.tokens - split, dtype)]},
+        "splits": _splits([train_segment], [Segment(TOKENS_FILE, train_segment.nbytes, writer.tokens - split, dtype)]),
         "tokens": {"train": split, "val": writer.tokens - split},
         "documents": {"total": writer.documents, "train": train_documents,
                       "val": writer.documents - train_documents},
@@ -274,8 +274,9 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
     }
 
 
-def _segment(file: str, offset: int, tokens: int, dtype: str) -> dict[str, Any]:
-    return {"file": file, "offset": offset, "tokens": tokens, "dtype": dtype}
+def _splits(train: list[Segment], val: list[Segment]) -> dict[str, list[dict[str, Any]]]:
+    """The "splits" of meta.json, in the form windows.segments reads back."""
+    return {"train": [dataclasses.asdict(s) for s in train], "val": [dataclasses.asdict(s) for s in val]}
 
 
 def _limited(pieces: Iterator[Piece], max_samples: int) -> Iterator[Piece]:
@@ -302,12 +303,18 @@ class _TokenWriter:
         self.dropped = 0
 
     def write(self, ids: list[np.ndarray], ends: list[bool], eot_id: int) -> None:
+        eot = np.array([eot_id], dtype=np.uint32)  # unsigned: joining it keeps the ids' narrow type
         parts = []
+        offset = self.tokens
         for piece_ids, ends_document in zip(ids, ends):
             parts.append(piece_ids)
+            offset += piece_ids.size
             if ends_document:
-                parts.append(np.array([eot_id]))
-        tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+                parts.append(eot)
+                offset += 1
+                self.boundaries.append(offset)
+                self.documents += 1
+        tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
         if tokens.size:
             largest = int(tokens.max())
             # A tokenizer bug would otherwise wrap around silently in the narrow storage type.
@@ -317,13 +324,6 @@ class _TokenWriter:
         data = tokens.astype(self.dtype, copy=False).tobytes()
         self.file.write(data)
         self.sha256.update(data)
-        offset = self.tokens
-        for piece_ids, ends_document in zip(ids, ends):
-            offset += piece_ids.size
-            if ends_document:
-                offset += 1
-                self.boundaries.append(offset)
-                self.documents += 1
         self.tokens = offset
         if len(self.boundaries) > BOUNDARIES_KEPT:
             useless = bisect.bisect_left(self.boundaries, self.tokens * (1 - 2 * self.val_fraction) - 2)
@@ -418,15 +418,13 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
 
 
 def _tokenizer_problem(file: Path) -> str | None:
-    """None when file is a tokenizer.json the tokenizers library loads; else why not."""
+    """None when file is a trained tokenizer that loads; else why not."""
     if not file.is_file():
         return "not trained"
-    from tokenizers import Tokenizer as RustTokenizer
-
     try:
-        RustTokenizer.from_file(str(file))
-    except Exception as error:  # the library raises plain Exception for a file it cannot parse
-        return f"damaged: {(str(error).splitlines() or [type(error).__name__])[0][:120]}"
+        HuggingFaceTokenizer(file, BPE_EOT, "bpe")
+    except DataError as error:
+        return f"damaged: {error}"
     return None
 
 
@@ -460,12 +458,13 @@ def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log
     progress = _progress("dataset: scanning shards", total=sum(s.tokens for s in shards), unit="tok")
     scans = {shard.path: scan(shard, progress.update) for shard in shards}
     progress.close()
-    segments = {"train": [_shard_segment(s) for s in train], "val": [_shard_segment(s) for s in val]}
+    train_segments = [Segment(str(s.path), s.offset, s.tokens, s.dtype) for s in train]
+    val_segments = [Segment(str(s.path), s.offset, s.tokens, s.dtype) for s in val]
     if not val:
         total = sum(s.tokens for s in train)  # document ends are not known: cut at the exact share
-        segments["train"], segments["val"] = _tail_split(segments["train"], total - split_point(total, [], val_fraction))
+        train_segments, val_segments = _tail_split(train_segments, total - split_point(total, [], val_fraction))
     max_id = max(s.max_id for s in scans.values())
-    count = {split: sum(seg["tokens"] for seg in segments[split]) for split in SPLITS}
+    count = {"train": sum(s.tokens for s in train_segments), "val": sum(s.tokens for s in val_segments)}
     known_documents = [s.documents for s in shards]
     return {
         "tokenizer": None,
@@ -473,30 +472,25 @@ def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log
         "eot_id": None,
         "dtype": shards[0].dtype,
         "max_token_id": max_id,
-        "splits": segments,
+        "splits": _splits(train_segments, val_segments),
         "tokens": count,
         "documents": {"total": sum(known_documents) if None not in known_documents else None},
         "files": {str(s.path): {"bytes": s.path.stat().st_size, "sha256": scans[s.path].sha256} for s in shards},
     }
 
 
-def _shard_segment(shard: Shard) -> dict[str, Any]:
-    return _segment(str(shard.path), shard.offset, shard.tokens, shard.dtype)
-
-
-def _tail_split(segments: list[dict[str, Any]], val_tokens: int) -> tuple[list[dict], list[dict]]:
+def _tail_split(segments: list[Segment], val_tokens: int) -> tuple[list[Segment], list[Segment]]:
     """Cut the last val_tokens tokens off a list of segments: (train segments, val segments)."""
-    train, val = [dict(s) for s in segments], []
+    train, val = list(segments), []
     while val_tokens > 0:
         last = train.pop()
-        if last["tokens"] <= val_tokens:
+        if last.tokens <= val_tokens:
             val.insert(0, last)
-            val_tokens -= last["tokens"]
+            val_tokens -= last.tokens
             continue
-        keep = last["tokens"] - val_tokens
-        itemsize = DTYPES[last["dtype"]].itemsize
-        train.append({**last, "tokens": keep})
-        val.insert(0, {**last, "offset": last["offset"] + keep * itemsize, "tokens": val_tokens})
+        kept = dataclasses.replace(last, tokens=last.tokens - val_tokens)
+        train.append(kept)
+        val.insert(0, dataclasses.replace(last, offset=last.offset + kept.nbytes, tokens=val_tokens))
         val_tokens = 0
     return train, val
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.data import DataError
+from pretrain.data.windows import DTYPES
 
 LLMC_HEADER_BYTES = 256 * 4
 LLMC_DTYPES = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
@@ -31,7 +32,6 @@ MEGATRON_HEADER = struct.Struct("<9sQBQQ")
 # one would show up as an id beyond the vocabulary in the scan.
 MEGATRON_DTYPES = {8: "uint16", 4: "uint32"}
 MEGATRON_UNSUPPORTED = {1: "uint8", 2: "int8", 3: "int16", 5: "int64", 6: "float64", 7: "float32"}
-ITEMSIZE = {"uint16": 2, "uint32": 4}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def megatron_shard(prefix: Path) -> Shard:
 
 
 def _check_size(shard: Shard, promise: str) -> None:
-    expected = shard.offset + shard.tokens * ITEMSIZE[shard.dtype]
+    expected = shard.offset + shard.tokens * DTYPES[shard.dtype].itemsize
     size = shard.path.stat().st_size
     if size != expected:
         raise DataError(f"{shard.path}: {size} bytes, but {promise} of {shard.dtype} ({expected} bytes); "
@@ -112,7 +112,7 @@ def scan(shard: Shard, advance: Callable[[int], None] = lambda n: None, chunk_by
     """Read a shard once: its largest token id (checked against the model's vocabulary) and its
     sha256 (for --verify). advance(n) is called with the tokens read, for a progress bar."""
     digest = hashlib.sha256()
-    dtype = np.dtype("<u2" if shard.dtype == "uint16" else "<u4")
+    dtype = DTYPES[shard.dtype]
     max_id = 0
     with open(shard.path, "rb") as file:
         digest.update(file.read(shard.offset))

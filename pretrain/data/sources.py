@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from pretrain.data import DataError
+from pretrain.data import DataError, first_line
 from pretrain.data.builtin import builtin_documents, content_digest
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
     try:
         parquet = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as error:
-        raise DataError(f"{path}: not a readable Parquet file ({_first_line(error)})") from None
+        raise DataError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set data.text_field")
@@ -216,11 +216,7 @@ def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
                 if text is not None:
                     yield Piece(text, True, round(row_size))
     except (OSError, pa.ArrowException) as error:
-        raise DataError(f"{path}: cannot read ({_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{path}: cannot read ({first_line(error)})") from None
 
 
 # --- Hugging Face Hub -------------------------------------------------------------------------
@@ -288,4 +284,4 @@ def hub_snapshot(repo: str, revision: str, pattern: str, repo_type: str = "datas
     except errors.RevisionNotFoundError:
         raise DataError(f"{where}: no such revision; set a branch, tag or commit that exists") from None
     except (errors.HfHubHTTPError, OSError, ValueError) as error:
-        raise DataError(f"{where}: download failed ({_first_line(error)})") from None
+        raise DataError(f"{where}: download failed ({first_line(error)})") from None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from pretrain.data import DataError
+from pretrain.data import DataError, first_line
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
@@ -168,7 +168,7 @@ class HuggingFaceTokenizer:
         try:
             self.tokenizer = RustTokenizer.from_file(str(path))
         except Exception as error:  # the library raises plain Exception for a file it cannot parse
-            raise DataError(f"{path}: not a usable tokenizer.json ({(str(error).splitlines() or [type(error).__name__])[0][:200]})") from None
+            raise DataError(f"{path}: not a usable tokenizer.json ({first_line(error)})") from None
         self.path, self.name = path, name
         # Padding and truncation saved in a file (BERT-style tokenizers) would cut or pad every
         # document: pretraining wants each text's ids exactly.
