@@ -1,0 +1,122 @@
+"""Hugging Face Hub datasets, offline from a Hub cache the tests fill: pretrain/data/sources.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import cache_leftovers, one_line_error
+from pretrain.data import DataError
+from pretrain.data.prepare import prepare, read_meta
+from test_data_sources import TEXTS, config, documents_of, run, write_parquet
+
+# --- Hugging Face Hub (offline, from a pre-populated Hub cache) ----------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hub cache in tmp_path; returns a function that adds a dataset snapshot to it."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    cache, home = tmp_path / "hf" / "hub", tmp_path / "hf" / "home"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these when it is imported: set them where it looks at call time too.
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def add(repo: str, files: dict[str, object], commit: str = COMMIT) -> Path:
+        folder = cache / ("datasets--" + repo.replace("/", "--"))
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / "main").write_text(commit)  # no trailing newline, as the Hub writes it
+        snapshot = folder / "snapshots" / commit
+        for name, content in files.items():
+            path = snapshot / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, dict):
+                write_parquet(path, content)
+            else:
+                path.write_text(content, encoding="utf-8")
+        return snapshot
+    return add
+
+
+def test_hub_reads_the_matching_files_of_a_cached_snapshot_and_keys_on_its_commit(tmp_path, hub_cache):
+    hub_cache("owner/name", {
+        "data/train-00000.parquet": {"text": TEXTS[:2]},
+        "data/train-00001.parquet": {"text": TEXTS[2:]},
+        "extra/other.parquet": {"text": ["not matched"]},
+        "README.md": "# a dataset card\n",
+    })
+
+    dataset = run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="data/train-*.parquet"))
+
+    assert documents_of(dataset) == TEXTS
+    key = read_meta(dataset)["key"]["source"]
+    assert key["source"] == "hub" and key["hub_repo"] == "owner/name" and key["commit"] == COMMIT
+    assert [name for name, _ in key["files"]] == ["data/train-00000.parquet", "data/train-00001.parquet"]
+    assert dataset.name.startswith("hub-owner-name-byte-")
+
+
+def test_hub_reads_jsonl_files_and_a_new_commit_is_a_new_dataset(tmp_path, hub_cache):
+    hub_cache("owner/name", {"data/part.jsonl": json.dumps({"text": "old"}) + "\n"})
+    cfg = config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*.jsonl")
+    old = run(cfg)
+
+    new_commit = "f" * 40
+    hub_cache("owner/name", {"data/part.jsonl": json.dumps({"text": "new"}) + "\n"}, commit=new_commit)
+    new = run(cfg)
+
+    assert documents_of(old) == ["old"] and documents_of(new) == ["new"]
+    assert old != new and read_meta(new)["key"]["source"]["commit"] == new_commit
+
+
+def test_a_hub_repo_missing_from_the_cache_offline_says_how_to_get_it(tmp_path, hub_cache):
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, source="hub", hub_repo="owner/absent"))
+
+    message = one_line_error(excinfo)
+    assert "owner/absent" in message and "offline" in message
+    assert "HF_HUB_OFFLINE" in message and "hf download owner/absent" in message
+    assert cache_leftovers(tmp_path) == []
+
+
+def test_hub_files_matching_nothing_is_an_error_naming_the_setting(tmp_path, hub_cache):
+    hub_cache("owner/name", {"data/train.parquet": {"text": ["x"]}, "README.md": "card"})
+
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*.jsonl"))
+
+    message = one_line_error(excinfo)
+    assert "data.hub_files" in message and "*.jsonl" in message and "owner/name" in message
+    assert cache_leftovers(tmp_path) == []
+
+
+def test_hub_files_matching_several_formats_is_an_error(tmp_path, hub_cache):
+    hub_cache("owner/name", {"a.parquet": {"text": ["x"]}, "b.jsonl": json.dumps({"text": "y"}) + "\n"})
+
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*"))
+
+    assert "several formats" in one_line_error(excinfo)
+
+
+def test_workers_get_the_hub_branch_pinned_to_the_commit_the_launcher_prepared(tmp_path, hub_cache):
+    from pretrain import config as cfg
+    from pretrain.data.fitting import fit_to_dataset
+
+    hub_cache("owner/name", {"data/train.jsonl": "".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 20)})
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.source=hub",
+                                               "data.hub_repo=owner/name", "data.hub_files=*.jsonl",
+                                               "data.context_length=8", "training.batch_size=1"])
+    dataset = prepare(config.data, log=lambda line: None)
+
+    fitted, _ = fit_to_dataset(config, dataset, world_size=1)
+
+    assert config.data.hub_revision == "main" and fitted.data.hub_revision == COMMIT
+    assert prepare(fitted.data, log=lambda line: None) == dataset  # a worker finds the same dataset
