@@ -2,6 +2,7 @@
 
     python -m launcher [options]                 train: pretrain_main.py on every device
     python -m launcher [options] -- CMD [ARGS]   any command, supervised, one per device
+    python -m launcher gpus [criteria]           the GPU table, with the verdict on each GPU
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import devices
+from launcher import devices, gpu_table, nvml
+from launcher.claims import ClaimError
+from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
 from launcher.printer import Printer, use_colour
+from launcher.scripted_nvml import BadScript
 from launcher.supervisor import StartError, Supervisor
 from launcher.worker import Worker, worker_env
 from pretrain import config as cfg
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
 
-DEFAULT_CPU_WORKERS = 2
 MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain_main.py dumps every thread's stack on it
@@ -49,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "the first failure. With `-- COMMAND ...`, supervise any command instead.")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
                         help="override system.device (auto: every GPU, else CPU workers)")
+    parser.add_argument("--gpus", metavar="WHICH",
+                        help="all (default: every free GPU), auto:N (the N freest), a list of GPU ids or "
+                             "UUIDs such as 0,3, or none (CPU workers)")
     parser.add_argument("--nproc", type=int, metavar="N",
-                        help=f"worker processes (default: one per GPU; {DEFAULT_CPU_WORKERS} on CPU)")
+                        help=f"CPU worker processes (default {DEFAULT_CPU_WORKERS}); on GPUs, same as --gpus auto:N")
+    add_criteria_arguments(parser)
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse a busy GPU named in --gpus instead of warning")
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
                         help="after a failure, seconds between SIGTERM and SIGKILL for the other workers "
@@ -64,6 +73,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-free-memory", default=devices.DEFAULT_MIN_FREE_MEMORY, metavar="AMOUNT",
+                        help="a GPU is free with at least this much memory free: a share of its memory "
+                             f"(90%%) or an amount (20GiB) (default: {devices.DEFAULT_MIN_FREE_MEMORY})")
+    parser.add_argument("--max-utilization", default=f"{devices.DEFAULT_MAX_UTILIZATION:g}", metavar="PERCENT",
+                        help="a GPU is free when busy at most this share of the time, averaged over "
+                             f"{nvml.UTILIZATION_WINDOW:g} s (default: {devices.DEFAULT_MAX_UTILIZATION:g})")
+
+
+def show_gpus(argv: Sequence[str]) -> int:
+    """`python -m launcher gpus`: every GPU and the verdict on it; claims nothing."""
+    parser = argparse.ArgumentParser(prog="python -m launcher gpus",
+                                     description="Show this machine's GPUs and which the launcher counts as free.")
+    add_criteria_arguments(parser)
+    args = parser.parse_args(argv)
+    criteria = devices.Criteria(devices.parse_min_free_memory(args.min_free_memory),
+                                devices.parse_max_utilization(args.max_utilization))
+    try:
+        gpus = nvml.discover()
+    except nvml.NoGpuDriver:
+        gpus = []
+    if not gpus:
+        raise UsageError("no NVIDIA GPU found; use --device cpu")
+    visible = devices.visible_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    print(gpu_table.render([devices.judge(gpu, criteria, visible) for gpu in gpus]))
+    return 0
+
+
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Options before `--`, the command after it."""
     argv = list(argv)
@@ -71,39 +108,6 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         at = argv.index("--")
         return argv[:at], argv[at + 1:]
     return argv, []
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where the workers run: device "cuda" or "cpu", and the physical GPU of each rank."""
-    device: str
-    world_size: int
-    gpus: tuple[int, ...] = ()
-
-    def label(self, rank: int) -> str:
-        return f"GPU{self.gpus[rank]}" if self.device == "cuda" else f"CPU{rank}"
-
-
-def place(device: str, nproc: int | None, device_id: int | None, printer: Printer) -> Placement:
-    """Decide CPU or GPU, and which GPUs."""
-    if nproc is not None and nproc < 1:
-        raise UsageError(f"--nproc must be at least 1 (got {nproc})")
-    try:
-        gpus = devices.nvml_gpu_indices() if device in ("auto", "cuda") else []
-        gpus = devices.restrict_to_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    except devices.DeviceError as error:
-        raise UsageError(str(error)) from None
-    if device == "cuda" or (device == "auto" and gpus):
-        try:
-            chosen = devices.choose_gpus(gpus, nproc, device_id)
-            return Placement("cuda", len(chosen), tuple(chosen))
-        except devices.DeviceError as error:
-            raise UsageError(str(error)) from None
-    workers = nproc or DEFAULT_CPU_WORKERS
-    if device == "auto":
-        printer.launcher_line(f"no NVIDIA GPU found; running {workers} CPU worker processes (gloo); "
-                              f"--nproc N changes the count")
-    return Placement("cpu", workers)
 
 
 def free_port() -> int:
@@ -117,9 +121,9 @@ def make_workers(placement: Placement, command: list[str]) -> list[Worker]:
     compile_cache = str(PROJECT_ROOT / "cache" / "inductor")
     workers = []
     for rank in range(placement.world_size):
-        gpu = str(placement.gpus[rank]) if placement.device == "cuda" else None
+        gpu = placement.gpus[rank] if placement.device == "cuda" else None
         env = worker_env(dict(os.environ), rank=rank, world_size=placement.world_size, master_port=port,
-                         gpu=gpu, cpu_count=cpus, compile_cache=compile_cache)
+                         gpu=gpu and gpu.cuda_visible_id, gpu_id=gpu and gpu.id, cpu_count=cpus, compile_cache=compile_cache)
         workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))
     return workers
 
@@ -159,8 +163,9 @@ def check_seconds(option: str, value: float, low: float, high: float) -> None:
 
 
 def run(argv: Sequence[str]) -> int:
+    if list(argv[:1]) == ["gpus"]:
+        return show_gpus(argv[1:])
     options, command = split_command(argv)
-    generic = bool(command)
     args = build_parser().parse_args(options)
     check_seconds("--kill-grace", args.kill_grace, 0, MAX_KILL_GRACE)
     check_seconds("--stop-timeout", args.stop_timeout, 0, MAX_STOP_TIMEOUT)
@@ -170,7 +175,19 @@ def run(argv: Sequence[str]) -> int:
     if command:
         check_command(command)
     console = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
-    placement = place(args.device or config.system.device, args.nproc, config.system.device_id, console)
+    placement = place(GpuOptions(device=args.device or config.system.device, gpus=args.gpus, nproc=args.nproc,
+                                 device_id=config.system.device_id, min_free_memory=args.min_free_memory,
+                                 max_utilization=args.max_utilization, strict=args.strict), console)
+    try:
+        return run_placed(args, config, command, placement, console)
+    finally:
+        placement.release()
+
+
+def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement,
+               console: Printer) -> int:
+    """Prepare, spawn and supervise, on devices already chosen (and claimed)."""
+    generic = bool(command)
     if not command:
         config = prepare_training(config, placement, console)
     try:
@@ -206,7 +223,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except UsageError as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = error.exit_code
-    except (cfg.ConfigError, DataError) as error:
+    except devices.DeviceError as error:
+        print(f"launcher: error: {error}", file=sys.stderr)
+        if error.table:
+            print(error.table, file=sys.stderr)
+        code = EXIT_USAGE
+    except (cfg.ConfigError, DataError, BadScript, ClaimError) as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_USAGE
     except OSError as error:  # an unwritable cache directory, a full disk

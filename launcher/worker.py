@@ -127,11 +127,12 @@ class Worker:
 
 
 def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port: int,
-               gpu: str | None, cpu_count: int, compile_cache: str) -> dict[str, str]:
+               gpu: str | None, cpu_count: int, compile_cache: str, gpu_id: str | None = None) -> dict[str, str]:
     """The worker contract (DESIGN.md): torchrun's variables, one GPU, bounded threads.
 
-    gpu is the physical GPU (index or UUID) or None for a CPU worker. Thread counts the
-    user set explicitly are kept."""
+    gpu is the physical GPU as CUDA_VISIBLE_DEVICES names it (NVML index, or UUID for a MIG
+    device) or None for a CPU worker; gpu_id (default: gpu) is its GPU_RANK, the id its log
+    prefix shows. Thread counts the user set explicitly are kept."""
     threads = str(max(1, cpu_count // world_size))
     env = dict(base)
     env.update({
@@ -144,7 +145,7 @@ def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port:
         "PYTHONUNBUFFERED": "1",
     })
     if gpu is not None:
-        env["GPU_RANK"] = gpu
+        env["GPU_RANK"] = gpu_id or gpu
     else:
         env.pop("GPU_RANK", None)
     env.setdefault("OMP_NUM_THREADS", threads)

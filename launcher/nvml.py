@@ -1,0 +1,175 @@
+"""What the GPUs of this machine are and how busy they are, read through NVML.
+
+The one seam between the launcher and the hardware is `nvml_library()`: the nvidia-ml-py
+package (imported as pynvml), or, when LAUNCHER_SCRIPTED_GPUS names a JSON file, a scripted
+machine with the same functions (launcher/scripted_nvml.py), so every policy and every
+error can be tried, and tested, on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
+UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
+UTILIZATION_SAMPLES = 5
+
+
+class NoGpuDriver(Exception):
+    """NVML cannot be used: no NVIDIA driver, or the library is missing."""
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    memory: int | None
+    """Bytes of GPU memory it holds; None where the driver does not say."""
+    user: str | None
+    """Its owner; None when the process is not visible from here (another container's PID
+    namespace, or gone) or its owner cannot be read."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One device a worker can be given: a whole GPU, or one MIG device of a GPU."""
+    id: str
+    """How users and logs name it: the NVML index ("3"), or index.slot for a MIG device ("0.1")."""
+    index: int
+    """NVML index of the physical GPU (the PCI bus order, which CUDA_DEVICE_ORDER=PCI_BUS_ID gives CUDA too)."""
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total: int
+    memory_used: int
+    utilization: float | None
+    """Mean percent of time a kernel ran, over the sampling window; None when not supported."""
+    processes: tuple[GpuProcess, ...]
+    mig: bool = False
+    """A MIG device (addressed by its UUID)."""
+    mig_enabled: bool = False
+    """A whole GPU in MIG mode: CUDA can only use its MIG devices, never the GPU itself."""
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_used)
+
+    @property
+    def cuda_visible_id(self) -> str:
+        """What a worker's CUDA_VISIBLE_DEVICES names it by."""
+        return self.uuid if self.mig else str(self.index)
+
+
+def nvml_library() -> Any:
+    """pynvml, or the scripted machine that LAUNCHER_SCRIPTED_GPUS names."""
+    script = os.environ.get(SCRIPTED_GPUS_VAR)
+    if script:
+        from launcher.scripted_nvml import ScriptedNvml
+        return ScriptedNvml.from_file(script)
+    try:
+        import pynvml
+    except ImportError as error:  # a broken install: requirements.txt has nvidia-ml-py
+        raise NoGpuDriver(f"cannot import pynvml ({error}); install nvidia-ml-py") from None
+    return pynvml
+
+
+def discover(window: float = UTILIZATION_WINDOW, samples: int = UTILIZATION_SAMPLES) -> list[Gpu]:
+    """Every usable device, in NVML order, a MIG device right after its GPU.
+
+    Raises NoGpuDriver when NVML cannot start (no driver, library not found)."""
+    nvml = nvml_library()
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as error:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        raise NoGpuDriver(str(error)) from None
+    try:
+        handles = _device_handles(nvml)
+        utilization = _sample_utilization(nvml, [h for _, h, _ in handles], window, samples)
+        return [_describe(nvml, gpu_id, handle, mig, util)
+                for (gpu_id, handle, mig), util in zip(handles, utilization)]
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _device_handles(nvml: Any) -> list[tuple[str, Any, str]]:
+    """(id, handle, kind) for each GPU and each MIG device; kind is "gpu", "mig" or "mig-parent"."""
+    handles = []
+    for index in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        migs = _mig_handles(nvml, handle)
+        handles.append((str(index), handle, "mig-parent" if migs is not None else "gpu"))
+        for slot, mig in migs or []:
+            handles.append((f"{index}.{slot}", mig, "mig"))
+    return handles
+
+
+def _mig_handles(nvml: Any, handle: Any) -> list[tuple[int, Any]] | None:
+    """The MIG devices of a GPU in MIG mode (slot, handle); None when MIG is off or unsupported."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:  # NotSupported: a GPU without MIG
+        return None
+    if current != nvml.NVML_DEVICE_MIG_ENABLE:
+        return None
+    devices = []
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            devices.append((slot, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)))
+        except nvml.NVMLError:  # NotFound: an empty slot
+            continue
+    return devices
+
+
+def _sample_utilization(nvml: Any, handles: list[Any], window: float, samples: int) -> list[float | None]:
+    """Mean utilization of each device over `window` seconds: one reading is a single
+    instant, and a training job between two steps reads 0%. None where unsupported (MIG)."""
+    readings: list[list[float] | None] = [[] for _ in handles]
+    for round_ in range(samples):
+        if round_:
+            time.sleep(window / max(1, samples - 1))
+        for i, handle in enumerate(handles):
+            if readings[i] is None:
+                continue
+            try:
+                readings[i].append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))  # type: ignore[union-attr]
+            except nvml.NVMLError:  # NotSupported (MIG devices, some boards), GPU lost
+                readings[i] = None
+    return [sum(r) / len(r) if r else None for r in readings]
+
+
+def _describe(nvml: Any, gpu_id: str, handle: Any, kind: str, utilization: float | None) -> Gpu:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    index = int(gpu_id.split(".")[0])
+    parent = nvml.nvmlDeviceGetHandleByIndex(index) if kind == "mig" else handle
+    return Gpu(id=gpu_id, index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+               name=_text(nvml.nvmlDeviceGetName(handle)),
+               pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(parent).busId),
+               memory_total=int(memory.total), memory_used=int(memory.used), utilization=utilization,
+               processes=_processes(nvml, handle), mig=kind == "mig", mig_enabled=kind == "mig-parent")
+
+
+def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
+    try:
+        running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError:  # NoPermission, NotSupported
+        return ()
+    return tuple(GpuProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+                            _owner(int(p.pid))) for p in running)
+
+
+def _owner(pid: int) -> str | None:
+    """NVML reports host PIDs: inside a container, other containers' processes are not
+    there at all. (A PID that names an unrelated local process cannot be told apart.)"""
+    try:
+        return psutil.Process(pid).username()
+    except (psutil.Error, KeyError):  # NoSuchProcess, AccessDenied; KeyError: uid without a name
+        return None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+

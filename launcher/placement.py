@@ -1,0 +1,122 @@
+"""Where the workers run: CPU workers, or which GPUs (chosen, claimed, and explained).
+
+Rules, in order:
+1. `--device cpu` or `--gpus none`: CPU workers (--nproc of them, default 2). No NVML.
+2. What is asked for: --gpus; else system.device_id (that one GPU); else --nproc N (the N
+   freest GPUs, auto:N); else all (every free GPU).
+3. No NVIDIA driver, no GPU, or a CUDA_VISIBLE_DEVICES that hides them all: with device
+   auto and nothing explicit (the debug preset), CPU workers; otherwise an error.
+4. Otherwise devices.select() chooses and claims; the claims last until release().
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from launcher import devices, nvml
+from launcher.devices import DeviceError, GpuRequest
+from launcher.gpu_table import render
+from launcher.nvml import Gpu
+from launcher.printer import Printer
+
+DEFAULT_CPU_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    """The launcher's device options, as given."""
+    device: str = "auto"
+    """auto, cpu or cuda (--device, else system.device)."""
+    gpus: str | None = None
+    nproc: int | None = None
+    device_id: int | None = None
+    min_free_memory: str = devices.DEFAULT_MIN_FREE_MEMORY
+    max_utilization: str = str(devices.DEFAULT_MAX_UTILIZATION)
+    strict: bool = False
+
+
+@dataclass
+class Placement:
+    """Where the workers run: device "cuda" or "cpu", and the device of each rank."""
+    device: str
+    world_size: int
+    gpus: tuple[Gpu, ...] = ()
+    selection: devices.Selection | None = field(default=None, repr=False)
+
+    def label(self, rank: int) -> str:
+        return f"GPU{self.gpus[rank].id}" if self.device == "cuda" else f"CPU{rank}"
+
+    def release(self) -> None:
+        """Give back the GPU claims (the launcher's exit does too, however it exits)."""
+        if self.selection is not None:
+            self.selection.release()
+
+
+def gpu_request(options: GpuOptions) -> GpuRequest:
+    if options.nproc is not None and options.nproc < 1:
+        raise DeviceError(f"--nproc must be at least 1 (got {options.nproc})")
+    if options.gpus is not None:
+        request = devices.parse_request(options.gpus)
+        if options.device == "cpu" and request.kind != "none":
+            raise DeviceError(f"--device cpu conflicts with --gpus {options.gpus}; drop one of them")
+        if options.nproc is not None and request.kind != "none":
+            raise DeviceError(f"--nproc sets the number of CPU workers; with --gpus {options.gpus} the GPUs "
+                              f"decide it (auto:N for N GPUs); drop --nproc")
+        if options.device_id is not None and request != GpuRequest("list", ids=(str(options.device_id),)):
+            raise DeviceError(f"system.device_id pins GPU {options.device_id} but --gpus is {options.gpus}; "
+                              f"drop one of them")
+        return request
+    if options.device == "cpu":
+        return GpuRequest("none")
+    if options.device_id is not None:
+        if options.nproc not in (None, 1):
+            raise DeviceError(f"system.device_id pins one GPU but --nproc is {options.nproc}; drop one of them")
+        return GpuRequest("list", ids=(str(options.device_id),))
+    if options.nproc is not None:
+        return GpuRequest("auto", count=options.nproc)
+    return GpuRequest("all")
+
+
+def place(options: GpuOptions, printer: Printer) -> Placement:
+    """Decide CPU or GPU and which GPUs; the chosen GPUs are claimed on return."""
+    request = gpu_request(options)
+    cpu_workers = options.nproc or DEFAULT_CPU_WORKERS
+    if request.kind == "none":
+        return Placement("cpu", cpu_workers)
+    criteria = devices.Criteria(devices.parse_min_free_memory(options.min_free_memory),
+                                devices.parse_max_utilization(options.max_utilization))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        gpus = nvml.discover()
+    except nvml.NoGpuDriver:
+        gpus = []
+    usable = devices.visible_ids(gpus, visible) if gpus else set()
+    if not gpus or usable == set():
+        falls_back = options.device == "auto" and options.gpus in (None, "all") and options.device_id is None
+        if falls_back:
+            printer.launcher_line(f"no NVIDIA GPU found; running {cpu_workers} CPU worker processes (gloo); "
+                                  f"--nproc N changes the count")
+            return Placement("cpu", cpu_workers)
+        if gpus:
+            raise DeviceError(f"CUDA_VISIBLE_DEVICES={visible} hides every GPU; unset it or use --device cpu")
+        raise DeviceError("no NVIDIA GPU found; use --device cpu")
+    selection = devices.select(gpus, request, criteria, strict=options.strict, cuda_visible_devices=visible)
+    _explain(selection, request, printer)
+    return Placement("cuda", len(selection.chosen), tuple(selection.chosen), selection)
+
+
+def _explain(selection: devices.Selection, request: GpuRequest, printer: Printer) -> None:
+    """Say which GPUs were chosen and why, before anything else happens."""
+    ids = ", ".join(g.id for g in selection.chosen)
+    plural = "s" if len(selection.chosen) > 1 else ""
+    for warning in selection.warnings:
+        printer.launcher_line(f"warning: {warning}")
+    if request.kind == "auto":
+        printer.launcher_line(f"Using GPU{plural} {ids} (lowest utilization)")
+        printer.launcher_line(render(selection.verdicts))
+    elif request.kind == "all":
+        skipped = [v for v in selection.verdicts if v.state in ("busy", "claimed")]
+        printer.launcher_line(f"using GPU{plural} {ids}" + (f"; skipped {len(skipped)}:" if skipped else ""))
+        for verdict in skipped:
+            printer.launcher_line(f"  GPU {verdict.gpu.id}: {verdict.describe()}")

@@ -1,0 +1,164 @@
+"""A scripted GPU machine with the pynvml functions the launcher calls.
+
+`LAUNCHER_SCRIPTED_GPUS=machine.json python -m launcher gpus` shows how the launcher would
+judge that machine; the tests use it for every policy, and for real launcher processes
+racing for GPUs. The file:
+
+    {"driver": true,                      # false: NVML library not found
+     "gpus": [{"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-...", "pci_bus_id": "00000000:18:00.0",
+               "memory_total_mib": 81559, "memory_used_mib": 0,
+               "utilization": [0, 100, 0],  # successive readings (cycled); null: not supported
+               "processes": [{"pid": 4242, "memory_mib": 1024}],
+               "mig": [{"slot": 0, "uuid": "MIG-...", "name": "...", "memory_total_mib": 9856,
+                        "memory_used_mib": 0, "processes": []}]}]}
+
+Every key of a GPU is optional; the defaults make an idle H100. Errors are pynvml's own
+exception classes, so the launcher's handling of them is what runs against a real driver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+MIB = 1 << 20
+GPU_KEYS = {"name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
+MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
+
+
+class BadScript(ValueError):
+    """The scripted machine's file is missing or malformed (one line)."""
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """What nvmlDeviceGetUtilizationRates, GetMemoryInfo, GetPciInfo and the process list return."""
+    gpu: int = 0
+    memory: int = 0
+    total: int = 0
+    used: int = 0
+    free: int = 0
+    busId: str = ""
+    pid: int = 0
+    usedGpuMemory: int | None = None
+
+
+@dataclass(eq=False)
+class _Device:
+    name: str
+    uuid: str
+    pci_bus_id: str
+    memory_total: int
+    memory_used: int
+    utilization: Any  # an endless iterator of readings, or None: not supported
+    processes: list[dict]
+    migs: dict[int, _Device] = field(default_factory=dict)
+    mig_mode: bool = False
+
+
+class ScriptedNvml:
+    """Stands in for the pynvml module (the subset launcher/nvml.py uses)."""
+
+    NVMLError = pynvml.NVMLError
+    NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
+
+    def __init__(self, machine: dict) -> None:
+        self.driver = bool(machine.get("driver", True))
+        self.devices = [_gpu(i, spec) for i, spec in enumerate(machine.get("gpus", []))]
+
+    @classmethod
+    def from_file(cls, path: str) -> ScriptedNvml:
+        try:
+            machine = json.loads(Path(path).read_text(encoding="utf-8"))
+            if not isinstance(machine, dict):
+                raise ValueError("the top level must be an object")
+            return cls(machine)
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            raise BadScript(f"scripted GPU machine {path}: {error}; fix the file or unset LAUNCHER_SCRIPTED_GPUS") from None
+
+    def nvmlInit(self) -> None:
+        if not self.driver:
+            raise pynvml.NVMLError_LibraryNotFound()
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Device:
+        if not 0 <= index < len(self.devices):
+            raise pynvml.NVMLError_InvalidArgument()
+        return self.devices[index]
+
+    def nvmlDeviceGetUUID(self, device: _Device) -> str:
+        return device.uuid
+
+    def nvmlDeviceGetName(self, device: _Device) -> str:
+        return device.name
+
+    def nvmlDeviceGetPciInfo(self, device: _Device) -> _Reading:
+        return _Reading(busId=device.pci_bus_id)
+
+    def nvmlDeviceGetMemoryInfo(self, device: _Device) -> _Reading:
+        return _Reading(total=device.memory_total, used=device.memory_used,
+                        free=max(0, device.memory_total - device.memory_used))
+
+    def nvmlDeviceGetUtilizationRates(self, device: _Device) -> _Reading:
+        if device.utilization is None or device.mig_mode:
+            raise pynvml.NVMLError_NotSupported()
+        return _Reading(gpu=next(device.utilization))
+
+    def nvmlDeviceGetComputeRunningProcesses(self, device: _Device) -> list[_Reading]:
+        return [_Reading(pid=int(p["pid"]), usedGpuMemory=None if p.get("memory_mib") is None
+                         else int(p["memory_mib"] * MIB)) for p in device.processes]
+
+    def nvmlDeviceGetMigMode(self, device: _Device) -> list[int]:
+        if not device.migs and not device.mig_mode:
+            raise pynvml.NVMLError_NotSupported()
+        return [int(device.mig_mode), int(device.mig_mode)]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: _Device) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Device, slot: int) -> _Device:
+        if slot not in device.migs:
+            raise pynvml.NVMLError_NotFound()
+        return device.migs[slot]
+
+
+def _gpu(index: int, spec: dict) -> _Device:
+    _check_keys(spec, GPU_KEYS, f"gpus[{index}]")
+    utilization = spec.get("utilization", [0])
+    device = _Device(
+        name=str(spec.get("name", "NVIDIA H100 80GB HBM3")),
+        uuid=str(spec.get("uuid", f"GPU-{index:08x}-0000-0000-0000-000000000000")),
+        pci_bus_id=str(spec.get("pci_bus_id", f"00000000:{0x18 + 0x10 * index:02X}:00.0")),
+        memory_total=int(spec.get("memory_total_mib", 81559) * MIB),
+        memory_used=int(spec.get("memory_used_mib", 0) * MIB),
+        utilization=None if utilization is None else itertools.cycle([int(u) for u in utilization] or [0]),
+        processes=list(spec.get("processes", [])),
+        mig_mode="mig" in spec)
+    for mig_spec in spec.get("mig", []):
+        _check_keys(mig_spec, MIG_KEYS, f"gpus[{index}].mig[]")
+        slot = int(mig_spec["slot"])
+        device.migs[slot] = _Device(
+            name=str(mig_spec.get("name", f"{device.name} MIG 1g.10gb")),
+            uuid=str(mig_spec.get("uuid", f"MIG-{index:08x}-{slot:04x}-0000-0000-000000000000")),
+            pci_bus_id=device.pci_bus_id, memory_total=int(mig_spec.get("memory_total_mib", 9856) * MIB),
+            memory_used=int(mig_spec.get("memory_used_mib", 0) * MIB), utilization=None,
+            processes=list(mig_spec.get("processes", [])))
+    return device
+
+
+def _check_keys(spec: Any, allowed: set[str], where: str) -> None:
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where} must be an object")
+    unknown = set(spec) - allowed
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}")

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Train on one GPU you name: its NVML index (as `python -m launcher gpus` and nvidia-smi show
+# it), a MIG device such as 0.1, or a UUID. Output lines are prefixed GPU<id>:.
+#   ./train_gpu.sh 3 --debug
+#   ./train_gpu.sh 3 --strict --config configs/single_gpu.json   # refuse GPU 3 if it is busy
+set -euo pipefail
+if [ $# -lt 1 ] || [[ $1 == -* ]]; then
+  echo "usage: ./train_gpu.sh GPU [launcher options...]  (GPU: an id from \`python -m launcher gpus\`)" >&2
+  exit 2
+fi
+gpu=$1; shift
+exec bash "$(dirname "${BASH_SOURCE[0]}")/run_training.sh" --gpus "$gpu" "$@"
