@@ -77,10 +77,13 @@ def nvml_library() -> Any:
     return pynvml
 
 
-def discover(window: float = UTILIZATION_WINDOW, samples: int = UTILIZATION_SAMPLES) -> list[Gpu]:
-    """Every usable device, in NVML order, a MIG device right after its GPU.
+def discover(window: float | None = None, samples: int | None = None) -> list[Gpu]:
+    """Every usable device, in NVML order, a MIG device right after its GPU; utilization
+    is sampled `samples` times over `window` seconds (default UTILIZATION_*).
 
     Raises NoGpuDriver when NVML cannot start (no driver, library not found)."""
+    window = UTILIZATION_WINDOW if window is None else window
+    samples = UTILIZATION_SAMPLES if samples is None else samples
     nvml = nvml_library()
     try:
         nvml.nvmlInit()

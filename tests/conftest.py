@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -12,6 +13,24 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def private_gpu_claims(monkeypatch, tmp_path_factory):
+    """No test claims a GPU of the machine it runs on: each test has its own claims directory."""
+    monkeypatch.setenv("LAUNCHER_CLAIMS_DIR", str(tmp_path_factory.mktemp("claims")))
+
+
+@pytest.fixture
+def scripted_gpus(tmp_path, monkeypatch):
+    """Make NVML see a scripted machine (launcher/scripted_nvml.py), here and in the
+    launchers a test starts: scripted_gpus([{}, {"utilization": [90]}]) is two H100s, one busy."""
+    def make(gpus: list[dict], driver: bool = True) -> Path:
+        path = tmp_path / "machine.json"
+        path.write_text(json.dumps({"driver": driver, "gpus": gpus}))
+        monkeypatch.setenv("LAUNCHER_SCRIPTED_GPUS", str(path))
+        return path
+    return make
 
 
 @pytest.fixture

@@ -1,11 +1,9 @@
-"""The launcher's command line: bad input, the generic mode, signals, device placement."""
+"""The launcher's command line: bad input, the generic mode, signals (device placement: test_placement.py)."""
 
 from __future__ import annotations
 
-import io
 import json
 import random
-import os
 import signal
 import subprocess
 import sys
@@ -15,8 +13,6 @@ import psutil
 import pytest
 
 from conftest import ROOT, alive, launcher_env, wait_until
-from launcher import cli, devices
-from launcher.printer import Printer
 from launcher.supervisor import SNAPSHOT_INTERVAL
 
 
@@ -182,49 +178,6 @@ def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(script, tmp
     assert not any(alive(pid) for pid in pids)
 
 
-def placement(monkeypatch, gpus: list[int], device: str, nproc=None, device_id=None,
-              visible: str | None = None) -> tuple[cli.Placement, str]:
-    monkeypatch.setattr(devices, "nvml_gpu_indices", lambda: gpus)
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    console = io.StringIO()
-    return cli.place(device, nproc, device_id, Printer(console, None)), console.getvalue()
-
-
-def test_auto_without_gpus_runs_two_cpu_workers_and_says_so_in_one_line(monkeypatch):
-    chosen, said = placement(monkeypatch, [], "auto")
-    assert (chosen.device, chosen.world_size, chosen.label(1)) == ("cpu", 2, "CPU1")
-    assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); "
-                    "--nproc N changes the count\n")
-    assert placement(monkeypatch, [], "auto", nproc=3)[0].world_size == 3
-
-
-def test_auto_with_gpus_runs_one_worker_per_gpu_labelled_by_physical_index(monkeypatch):
-    chosen, said = placement(monkeypatch, [0, 1, 2, 3], "auto")
-    assert (chosen.device, chosen.world_size, said) == ("cuda", 4, "")
-    assert [chosen.label(r) for r in range(4)] == ["GPU0", "GPU1", "GPU2", "GPU3"]
-    assert placement(monkeypatch, [0, 1, 2, 3], "cuda", device_id=2)[0].label(0) == "GPU2"
-
-
-@pytest.mark.parametrize("gpus, kwargs, text", [
-    ([], {}, "no NVIDIA GPU found; use --device cpu"),
-    ([0, 1], {"nproc": 3}, "--nproc 3 asks for more GPUs than there are (2)"),
-    ([0, 1], {"device_id": 5}, "GPU 5 does not exist; GPUs here: 0, 1"),
-    ([0, 1], {"device_id": 1, "nproc": 2}, "pins one GPU but --nproc is 2"),
-])
-def test_impossible_gpu_requests_are_usage_errors(monkeypatch, gpus, kwargs, text):
-    with pytest.raises(cli.UsageError, match=text.replace("(", r"\(").replace(")", r"\)")):
-        placement(monkeypatch, gpus, "cuda", **kwargs)
-
-
-def test_nvml_without_a_driver_reports_no_gpus():
-    if os.path.exists("/proc/driver/nvidia/version"):
-        pytest.skip("this machine has an NVIDIA driver")
-    assert devices.nvml_gpu_indices() == []
-
-
 def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run_dir(tmp_path):
     result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
                     "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "training.batch_size=100000")
@@ -310,11 +263,3 @@ def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_p
     assert proc.wait(timeout=10) == 130  # long before the 60 s stop timeout
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
     assert "still running after" not in proc.stdout.read()
-
-
-def test_an_existing_cuda_visible_devices_limits_the_gpus_used(monkeypatch):
-    chosen, _ = placement(monkeypatch, [0, 1, 2, 3], "auto", visible="3,1")
-    assert [chosen.label(r) for r in range(chosen.world_size)] == ["GPU3", "GPU1"]
-    assert placement(monkeypatch, [0, 1], "auto", visible="")[0].device == "cpu"  # nothing visible
-    with pytest.raises(cli.UsageError, match="names GPUs by UUID"):
-        placement(monkeypatch, [0, 1], "cuda", visible="GPU-8f2a")

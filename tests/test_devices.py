@@ -1,0 +1,309 @@
+"""GPU selection policies (launcher/devices.py) and the GPU table (launcher/gpu_table.py),
+on GPUs described directly, with claims replaced by a dictionary."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher import claims, devices
+from launcher.devices import Criteria, DeviceError, GpuRequest, parse_request, select
+from launcher.gpu_table import render
+from launcher.nvml import Gpu, GpuProcess
+
+GIB = 1 << 30
+
+
+def gpu(index: int, util: float | None = 0.0, used_gib: float = 0.0, total_gib: float = 80.0, *,
+        mig_of: int | None = None, mig_enabled: bool = False, processes=()) -> Gpu:
+    gpu_id = f"{mig_of}.{index}" if mig_of is not None else str(index)
+    uuid = f"MIG-{mig_of}{index}aa" if mig_of is not None else f"GPU-{index}{index}ff-0000"
+    return Gpu(id=gpu_id, index=mig_of if mig_of is not None else index, uuid=uuid, name="NVIDIA H100 80GB HBM3",
+               pci_bus_id=f"00000000:{index:02X}:00.0", memory_total=int(total_gib * GIB),
+               memory_used=int(used_gib * GIB), utilization=util, processes=tuple(processes),
+               mig=mig_of is not None, mig_enabled=mig_enabled)
+
+
+class Claims:
+    """Claims without files: uuid -> holder pid; a claim by this test takes pid 0."""
+
+    def __init__(self, held: dict[str, int] | None = None) -> None:
+        self.held = dict(held or {})
+        self.released: list[str] = []
+
+    def claim(self, uuid: str) -> claims.Claim | claims.Holder:
+        if uuid in self.held:
+            return claims.Holder(pid=self.held[uuid], user="bob", since="09:00")
+        self.held[uuid] = 0
+        test = self
+
+        class Held(claims.Claim):
+            def release(self) -> None:
+                test.released.append(self.uuid)
+                test.held.pop(self.uuid, None)
+        return Held(uuid, -1)
+
+    def holder(self, uuid: str) -> claims.Holder | None:
+        pid = self.held.get(uuid)
+        return None if pid is None else claims.Holder(pid=pid, user="bob", since="09:00")
+
+
+def choose(gpus: list[Gpu], request: str, claimed: Claims | None = None, visible: str | None = None,
+           strict: bool = False, criteria: Criteria = Criteria()) -> devices.Selection:
+    table = claimed or Claims()
+    return select(gpus, parse_request(request), criteria, strict=strict, cuda_visible_devices=visible,
+                  claim=table.claim, holder=table.holder)
+
+
+def ids(selection: devices.Selection) -> list[str]:
+    return [g.id for g in selection.chosen]
+
+
+# --- parsing --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, request_", [
+    ("all", GpuRequest("all")), ("ALL", GpuRequest("all")), ("none", GpuRequest("none")),
+    ("auto", GpuRequest("auto", count=1)), ("auto:3", GpuRequest("auto", count=3)),
+    ("0,3", GpuRequest("list", ids=("0", "3"))), (" 2 ", GpuRequest("list", ids=("2",))),
+    ("0.1,GPU-ab12", GpuRequest("list", ids=("0.1", "GPU-ab12"))),
+])
+def test_gpu_requests_are_parsed(text, request_):
+    assert parse_request(text) == request_
+
+
+@pytest.mark.parametrize("text, message", [
+    ("auto:0", "the count after auto: must be a whole number of at least 1"),
+    ("auto:x", "the count after auto: must be a whole number of at least 1"),
+    ("0,,3", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
+    ("gpu0", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
+    ("", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
+    ("1,1", "names GPU 1 twice"),
+])
+def test_bad_gpu_requests_are_one_line_errors(text, message):
+    with pytest.raises(DeviceError, match=message) as error:
+        parse_request(text)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("text, value", [("90%", 0.9), ("0%", 0.0), ("20GiB", 20 * GIB), ("20", 20 * GIB),
+                                         ("500MiB", 500 * 2**20), ("16GB", 16e9), ("1.5g", 1.5 * GIB)])
+def test_min_free_memory_is_a_share_or_an_amount(text, value):
+    assert devices.parse_min_free_memory(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["lots", "150%", "20TB", "-1GiB"])
+def test_bad_min_free_memory_is_refused(text):
+    with pytest.raises(DeviceError, match="--min-free-memory"):
+        devices.parse_min_free_memory(text)
+
+
+def test_max_utilization_is_a_percentage_from_0_to_100():
+    assert devices.parse_max_utilization("25%") == 25 and devices.parse_max_utilization("0") == 0
+    for bad in ("101", "-5", "busy", "nan"):
+        with pytest.raises(DeviceError, match="--max-utilization"):
+            devices.parse_max_utilization(bad)
+
+
+# --- verdicts -------------------------------------------------------------------------
+
+def test_a_gpu_is_busy_over_the_utilization_limit_or_under_the_free_memory_floor():
+    judge = lambda g: devices.judge(g, Criteria(min_free_memory=0.9, max_utilization=10), None, lambda _: None)  # noqa: E731
+    assert judge(gpu(0, util=10)).state == "free"  # the limit itself is allowed
+    assert judge(gpu(0, util=11)).reasons == ("utilization 11% > 10%",)
+    assert judge(gpu(0, used_gib=9)).reasons == ("71.0 GiB free < 90%",)
+    assert judge(gpu(0, used_gib=8)).state == "free"
+    assert len(judge(gpu(0, util=50, used_gib=70)).reasons) == 2
+
+
+def test_an_absolute_free_memory_floor_ignores_the_total():
+    criteria = Criteria(min_free_memory=devices.parse_min_free_memory("20GiB"))
+    assert devices.judge(gpu(0, used_gib=59), criteria, None, lambda _: None).state == "free"
+    assert devices.judge(gpu(0, used_gib=61), criteria, None, lambda _: None).reasons == ("19.0 GiB free < 20 GiB",)
+
+
+def test_unknown_utilization_is_neither_zero_nor_busy():
+    verdict = devices.judge(gpu(0, util=None), Criteria(), None, lambda _: None)
+    assert verdict.state == "free" and verdict.describe() == "free (utilization unknown)"
+    busy = devices.judge(gpu(0, util=None, used_gib=79), Criteria(), None, lambda _: None)
+    assert busy.state == "busy" and "utilization" not in busy.describe()
+
+
+# --- all ------------------------------------------------------------------------------
+
+def test_all_takes_every_free_gpu_and_records_why_the_others_were_skipped():
+    gpus = [gpu(0), gpu(1, util=97), gpu(2), gpu(3, used_gib=70)]
+    selection = choose(gpus, "all")
+    assert ids(selection) == ["0", "2"]
+    assert [v.state for v in selection.verdicts] == ["chosen", "busy", "chosen", "busy"]
+
+
+def test_eight_idle_gpus_are_all_taken_in_nvml_order():
+    assert ids(choose([gpu(i) for i in range(8)], "all")) == [str(i) for i in range(8)]
+
+
+def test_all_with_nothing_free_is_an_error_with_the_table_of_reasons():
+    gpus = [gpu(0, util=90), gpu(1, used_gib=79)]
+    with pytest.raises(DeviceError) as error:
+        choose(gpus, "all", Claims({gpus[0].uuid: 4242}))
+    assert str(error.value).startswith("none of the 2 GPU(s) is free")
+    assert "loosen --max-utilization or --min-free-memory" in str(error.value)
+    table = error.value.table.splitlines()
+    assert "claimed by launcher pid 4242 (bob)" in table[1] and "GiB free < 90%" in table[2]
+
+
+def test_a_gpu_claimed_by_another_launcher_is_skipped_by_all():
+    gpus = [gpu(0), gpu(1)]
+    selection = choose(gpus, "all", Claims({gpus[0].uuid: 77}))
+    assert ids(selection) == ["1"] and selection.verdicts[0].state == "claimed"
+
+
+def test_losing_the_race_for_a_gpu_moves_on_to_the_next_free_one():
+    """The table saw GPU 0 free, but another launcher claimed it first."""
+    gpus = [gpu(0), gpu(1)]
+    table = Claims()
+    table.holder = lambda uuid: None  # type: ignore[method-assign]  # the look found nothing held
+    table.held[gpus[0].uuid] = 99  # ...then the other launcher won
+    selection = select(gpus, parse_request("auto:1"), Criteria(), claim=table.claim, holder=table.holder)
+    assert ids(selection) == ["1"]
+    assert selection.verdicts[0].describe() == "claimed by launcher pid 99 (bob) since 09:00"
+
+
+# --- auto:N ---------------------------------------------------------------------------
+
+def test_auto_takes_the_lowest_utilization_then_the_most_free_memory():
+    gpus = [gpu(0, util=5), gpu(1, util=0, used_gib=5), gpu(2, util=0, used_gib=2), gpu(3, util=1)]
+    assert ids(choose(gpus, "auto:1")) == ["2"]
+    assert ids(choose(gpus, "auto:2")) == ["1", "2"]  # ranks in NVML order
+    assert ids(choose(gpus, "auto:3")) == ["1", "2", "3"]
+
+
+def test_auto_ranks_unknown_utilization_after_every_measured_one():
+    gpus = [gpu(0, util=None), gpu(1, util=8)]
+    assert ids(choose(gpus, "auto:1")) == ["1"]
+
+
+def test_auto_asking_for_more_than_are_free_fails_and_releases_what_it_claimed():
+    table = Claims()
+    with pytest.raises(DeviceError, match=r"--gpus auto:3 needs 3, but 2 of 3 GPU\(s\) are free") as error:
+        choose([gpu(0), gpu(1), gpu(2, util=50)], "auto:3", table)
+    assert sorted(table.released) == sorted([gpu(0).uuid, gpu(1).uuid]) and not table.held
+    assert error.value.table is not None
+
+
+# --- explicit lists -------------------------------------------------------------------
+
+def test_an_explicit_list_is_used_as_given_and_a_busy_gpu_in_it_is_a_warning():
+    selection = choose([gpu(0), gpu(1, util=97), gpu(2), gpu(3)], "3,1")
+    assert ids(selection) == ["1", "3"]
+    assert selection.warnings == ["GPU 1 is busy (utilization 97% > 10%); using it anyway as --gpus names it "
+                                  "(--strict refuses)"]
+
+
+def test_strict_refuses_a_busy_gpu_in_the_list_and_claims_nothing():
+    table = Claims()
+    with pytest.raises(DeviceError, match="GPU 1 is busy .*; --strict refuses busy GPUs"):
+        choose([gpu(0), gpu(1, util=97)], "0,1", table, strict=True)
+    assert not table.held
+
+
+def test_a_gpu_that_does_not_exist_lists_the_gpus_there_are():
+    with pytest.raises(DeviceError, match=r"--gpus names GPU 7, which does not exist; GPUs here: 0, 1 "):
+        choose([gpu(0), gpu(1)], "7")
+
+
+def test_a_listed_gpu_claimed_by_another_launcher_is_an_error_naming_the_holder():
+    gpus = [gpu(0), gpu(1)]
+    table = Claims({gpus[1].uuid: 31337})
+    with pytest.raises(DeviceError, match="GPU 1 is claimed by launcher pid 31337 .*; choose another GPU or wait"):
+        choose(gpus, "0,1", table)
+    assert table.released == [gpus[0].uuid]  # GPU 0's claim was given back
+
+
+def test_gpus_can_be_named_by_uuid_or_unique_uuid_prefix():
+    gpus = [gpu(0), gpu(1), gpu(11)]
+    assert ids(choose(gpus, f"{gpus[1].uuid}")) == ["1"]
+    assert ids(choose(gpus, "GPU-00")) == ["0"]
+    with pytest.raises(DeviceError, match="matches 2 GPUs; give more of the UUID"):
+        choose(gpus, "GPU-1")
+
+
+def test_one_gpu_named_by_id_and_by_uuid_is_refused():
+    gpus = [gpu(0), gpu(1)]
+    with pytest.raises(DeviceError, match="names one GPU twice"):
+        choose(gpus, f"1,{gpus[1].uuid}")
+
+
+# --- MIG ------------------------------------------------------------------------------
+
+def mig_machine() -> list[Gpu]:
+    return [gpu(0, mig_enabled=True, util=None), gpu(0, util=None, total_gib=10, mig_of=0),
+            gpu(1, util=None, total_gib=10, mig_of=0), gpu(1)]
+
+
+def test_mig_devices_are_chosen_and_their_gpu_never_is():
+    selection = choose(mig_machine(), "all")
+    assert ids(selection) == ["0.0", "0.1", "1"]
+    assert [g.cuda_visible_id for g in selection.chosen] == ["MIG-00aa", "MIG-01aa", "1"]
+    assert selection.verdicts[0].describe() == "MIG mode: use its MIG devices"
+
+
+def test_naming_a_gpu_in_mig_mode_points_to_its_mig_devices():
+    with pytest.raises(DeviceError, match=r"GPU 0 is in MIG mode, .*choose its MIG devices \(0.0, 0.1\)"):
+        choose(mig_machine(), "0")
+    assert ids(choose(mig_machine(), "0.1,MIG-00")) == ["0.0", "0.1"]
+
+
+# --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------
+
+def test_cuda_visible_devices_limits_the_choice_by_index():
+    gpus = [gpu(i) for i in range(4)]
+    assert ids(choose(gpus, "all", visible="3,1")) == ["1", "3"]
+    assert choose(gpus, "all", visible="3,1").verdicts[0].describe() == "not in CUDA_VISIBLE_DEVICES"
+    with pytest.raises(DeviceError, match="GPU 2 is not in CUDA_VISIBLE_DEVICES; choose among 1, 3"):
+        choose(gpus, "2", visible="3,1")
+
+
+def test_cuda_visible_devices_limits_the_choice_by_uuid_and_mig_uuid():
+    gpus = [gpu(i) for i in range(3)] + [gpu(3, mig_enabled=True), gpu(0, mig_of=3, total_gib=10)]
+    assert ids(choose(gpus, "all", visible=f"{gpus[2].uuid},GPU-00")) == ["0", "2"]
+    assert ids(choose(gpus, "all", visible="MIG-30")) == ["3.0"]
+    assert ids(choose(gpus, "all", visible="3")) == ["3.0"]  # a GPU in MIG mode: its MIG devices
+
+
+def test_cuda_visible_devices_stops_at_minus_one_like_cuda():
+    gpus = [gpu(i) for i in range(3)]
+    assert devices.visible_ids(gpus, "2,-1,0") == {"2"}
+    assert devices.visible_ids(gpus, "") == set() and devices.visible_ids(gpus, "NoDevFiles") == set()
+    assert devices.visible_ids(gpus, None) is None
+
+
+def test_cuda_visible_devices_naming_a_missing_gpu_is_an_error():
+    with pytest.raises(DeviceError, match=r"CUDA_VISIBLE_DEVICES=0,5 names GPU 5, which does not exist"):
+        devices.visible_ids([gpu(0), gpu(1)], "0,5")
+
+
+# --- the table ------------------------------------------------------------------------
+
+def test_the_table_shows_every_device_with_its_numbers_and_verdict():
+    processes = (GpuProcess(pid=4121, memory=70 * GIB, user="bob"), GpuProcess(pid=77, memory=None, user=None))
+    gpus = [gpu(0), gpu(1, util=97, used_gib=70.5, processes=processes), gpu(2, util=None)] + mig_machine()
+    lines = render(choose(gpus[:3], "all").verdicts).splitlines()
+    assert lines[0].split() == ["GPU", "NAME", "BUS", "ID", "MEMORY", "USED", "UTIL", "PROCESSES", "VERDICT"]
+    assert lines[1].split()[0] == "0" and lines[1].rstrip().endswith("chosen")
+    assert "70.5 / 80.0 GiB" in lines[2] and "97%" in lines[2]
+    assert "4121 (bob) 70.0 GiB, 77 (not visible here)" in lines[2]
+    assert "busy: utilization 97% > 10%; 9.5 GiB free < 90%" in lines[2]
+    assert " ? " in lines[3] and lines[3].rstrip().endswith("chosen (utilization unknown)")
+    at = lines[0].index("VERDICT")  # columns line up under the header
+    assert [line[at:].split()[0] for line in lines[1:]] == ["chosen", "busy:", "chosen"]
+
+
+def test_the_table_indents_mig_devices_under_their_gpu_and_shows_na_utilization():
+    lines = render(choose(mig_machine(), "all").verdicts).splitlines()
+    assert lines[1].split()[0] == "0" and " n/a " in lines[1]
+    assert lines[2].startswith("  0.0") and lines[3].startswith("  0.1")
+
+
+def test_a_long_process_list_is_cut_to_three_and_a_count():
+    many = tuple(GpuProcess(pid=100 + i, memory=GIB, user="ann") for i in range(5))
+    line = render(choose([gpu(0, processes=many)], "all").verdicts).splitlines()[1]
+    assert "102 (ann) 1.0 GiB, +2 more" in line and "103" not in line

@@ -1,0 +1,256 @@
+"""Where workers run (launcher/placement.py) on scripted machines, and the GPU paths end to
+end: `python -m launcher gpus`, real launchers racing for GPUs, train_gpu.sh and
+train_auto_gpu.sh."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, launcher_env, wait_until
+from launcher import claims, nvml
+from launcher.devices import DeviceError
+from launcher.placement import GpuOptions, Placement, place
+from launcher.printer import Printer
+
+PRINT_GPU = ("import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPU_RANK'], "
+             "os.environ['CUDA_DEVICE_ORDER'], flush=True)")
+
+
+@pytest.fixture(autouse=True)
+def no_sampling_wait(monkeypatch):
+    monkeypatch.setattr(nvml, "UTILIZATION_WINDOW", 0.0)  # in this process only; launchers still wait 1 s
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def placed(**options) -> tuple[Placement, str]:
+    console = io.StringIO()
+    placement = place(GpuOptions(**options), Printer(console, None))
+    return placement, console.getvalue()
+
+
+def labels(placement: Placement) -> list[str]:
+    return [placement.label(rank) for rank in range(placement.world_size)]
+
+
+# --- CPU, and no GPU ------------------------------------------------------------------
+
+def test_cpu_runs_never_read_nvml(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAUNCHER_SCRIPTED_GPUS", str(tmp_path / "missing.json"))  # reading it would fail
+    assert labels(placed(device="cpu")[0]) == ["CPU0", "CPU1"]
+    assert labels(placed(device="cuda", gpus="none", nproc=3)[0]) == ["CPU0", "CPU1", "CPU2"]
+
+
+def test_without_a_driver_the_debug_preset_falls_back_to_cpu_workers_and_says_so(scripted_gpus):
+    scripted_gpus([], driver=False)
+    placement, said = placed(device="auto")
+    assert (placement.device, placement.world_size) == ("cpu", 2)
+    assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); "
+                    "--nproc N changes the count\n")
+
+
+@pytest.mark.parametrize("options", [{"device": "cuda"}, {"device": "auto", "gpus": "0"},
+                                     {"device": "auto", "gpus": "auto:1"}, {"device": "auto", "device_id": 0}])
+def test_without_a_driver_asking_for_a_gpu_is_an_error(scripted_gpus, options):
+    scripted_gpus([], driver=False)
+    with pytest.raises(DeviceError, match=r"^no NVIDIA GPU found; use --device cpu$"):
+        placed(**options)
+
+
+def test_a_cuda_visible_devices_that_hides_every_gpu_means_cpu_or_an_error(scripted_gpus, monkeypatch):
+    scripted_gpus([{}, {}])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert placed(device="auto")[0].device == "cpu"
+    with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES= hides every GPU; unset it or use --device cpu"):
+        placed(device="cuda")
+
+
+# --- choosing -------------------------------------------------------------------------
+
+def test_all_runs_one_worker_per_free_gpu_and_says_which_were_skipped(scripted_gpus):
+    scripted_gpus([{}, {"utilization": [97]}, {}, {"memory_used_mib": 60000}])
+    placement, said = placed(device="cuda")
+    assert labels(placement) == ["GPU0", "GPU2"]
+    assert said.splitlines() == ["launcher: using GPUs 0, 2; skipped 2:",
+                                 "launcher:   GPU 1: busy: utilization 97% > 10%",
+                                 "launcher:   GPU 3: busy: 21.1 GiB free < 90%"]
+    placement.release()
+
+
+def test_auto_says_using_gpu_n_and_shows_the_table_behind_the_choice(scripted_gpus):
+    scripted_gpus([{"utilization": [40]}, {"utilization": [0, 20, 0, 20, 0]}, {"utilization": [3]}])
+    placement, said = placed(gpus="auto:1")
+    lines = said.splitlines()
+    assert lines[0] == "launcher: Using GPU 2 (lowest utilization)"  # 3% beats 8% on average
+    assert lines[1].split()[1:3] == ["GPU", "NAME"] and len(lines) == 5
+    assert lines[2].endswith("busy: utilization 40% > 10%") and lines[4].endswith("chosen")
+    placement.release()
+
+
+def test_nproc_on_a_gpu_machine_takes_the_n_freest(scripted_gpus):
+    scripted_gpus([{"utilization": [5]}, {}, {"utilization": [9]}, {}])
+    placement, said = placed(nproc=3)
+    assert labels(placement) == ["GPU0", "GPU1", "GPU3"] and "Using GPUs 0, 1, 3" in said
+    placement.release()
+
+
+def test_device_id_pins_that_gpu_even_when_it_is_busy_with_a_warning(scripted_gpus):
+    scripted_gpus([{}, {}, {"utilization": [60]}])
+    placement, said = placed(device_id=2)
+    assert labels(placement) == ["GPU2"]
+    assert said.startswith("launcher: warning: GPU 2 is busy (utilization 60% > 10%); using it anyway")
+    placement.release()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"gpus": "0", "nproc": 2}, "--nproc sets the number of CPU workers; with --gpus 0 the GPUs decide it"),
+    ({"gpus": "0,1", "device_id": 1}, "system.device_id pins GPU 1 but --gpus is 0,1; drop one of them"),
+    ({"device": "cpu", "gpus": "0"}, "--device cpu conflicts with --gpus 0"),
+    ({"device_id": 1, "nproc": 2}, "system.device_id pins one GPU but --nproc is 2"),
+    ({"nproc": 0}, r"--nproc must be at least 1 \(got 0\)"),
+    ({"gpus": "auto:3"}, r"--gpus auto:3 needs 3, but 2 of 2 GPU\(s\) are free"),
+    ({"gpus": "0", "min_free_memory": "lots"}, "--min-free-memory 'lots' is not a percentage"),
+])
+def test_contradictory_or_impossible_options_are_one_line_errors(scripted_gpus, options, message):
+    scripted_gpus([{}, {}])
+    with pytest.raises(DeviceError, match=message) as error:
+        placed(**options)
+    assert "\n" not in str(error.value)
+
+
+def test_the_chosen_gpus_stay_claimed_until_released(scripted_gpus):
+    scripted_gpus([{"uuid": "GPU-aaaa"}, {"uuid": "GPU-bbbb"}])
+    placement, _ = placed(gpus="1")
+    assert claims.holder_of("GPU-bbbb").pid == os.getpid() and claims.holder_of("GPU-aaaa") is None
+    with pytest.raises(DeviceError, match="GPU 1 is claimed by launcher pid"):
+        placed(gpus="1")
+    assert labels(placed(gpus="auto:1")[0]) == ["GPU0"]  # the other one
+    placement.release()
+    assert claims.holder_of("GPU-bbbb") is None
+
+
+def test_mig_devices_run_under_their_uuid_and_are_labelled_gpu_dot_slot(scripted_gpus):
+    scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
+    placement, _ = placed(device="cuda")
+    assert labels(placement) == ["GPU0.0", "GPU0.1"]
+    assert [g.cuda_visible_id for g in placement.gpus] == ["MIG-one", "MIG-two"]
+    placement.release()
+
+
+# --- end to end: real launchers -------------------------------------------------------
+
+def launcher(*args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(scripted_gpus, tmp_path):
+    scripted_gpus([{}, {}])
+    release = tmp_path / "release"  # the workers hold their GPUs until the test has looked
+    worker = f"{PRINT_GPU}; import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
+    racers = [launcher("--gpus", "auto:1", "--", sys.executable, "-c", worker) for _ in range(2)]
+    try:
+        claims_dir = os.environ["LAUNCHER_CLAIMS_DIR"]
+        assert wait_until(lambda: sum(claims.holder_of(f"GPU-{i:08x}-0000-0000-0000-000000000000") is not None
+                                      for i in range(2)) == 2, timeout=15), os.listdir(claims_dir)
+        third = launcher("--gpus", "auto:1", "--", "true")
+        assert third.wait(timeout=30) == 2
+        refusal = third.stderr.read()
+        assert refusal.startswith("launcher: error: --gpus auto:1 needs 1, but none of the 2 GPU(s) is free")
+        assert refusal.count("claimed by launcher pid") == 2
+    finally:
+        release.touch()
+    outputs = [racer.communicate(timeout=30)[0] for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0]
+    chosen = sorted(line for out in outputs for line in out.splitlines() if line.startswith("GPU"))
+    assert chosen == ["GPU0:0 0 PCI_BUS_ID", "GPU1:1 1 PCI_BUS_ID"]
+    assert all("Using GPU" in out for out in outputs)
+
+
+def test_a_killed_launcher_gives_its_gpu_back(scripted_gpus):
+    scripted_gpus([{"uuid": "GPU-solo"}])
+    holder = launcher("--gpus", "0", "--", sys.executable, "-c", "import time; time.sleep(60)")
+    try:
+        assert wait_until(lambda: claims.holder_of("GPU-solo") is not None, timeout=15)
+        holder.kill()  # SIGKILL: no cleanup code of the launcher runs
+        holder.wait(timeout=10)
+        assert claims.holder_of("GPU-solo") is None
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpus):
+    scripted_gpus([{}, {"utilization": [80], "processes": [{"pid": 4_000_000, "memory_mib": 2048}]},
+                   {"utilization": None}])
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "launcher", "gpus", "--max-utilization", "90"], cwd=ROOT,
+                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("GPU ")
+    assert lines[1].endswith("free") and lines[2].endswith("free")  # 80% is under --max-utilization 90
+    assert "4000000 (not visible here) 2.0 GiB" in lines[2]
+    assert lines[3].endswith("free (utilization unknown)")
+    assert time.monotonic() - started >= 0.9  # utilization sampled over a second, not read once
+
+
+def test_launcher_gpus_without_a_driver_is_a_one_line_error(scripted_gpus):
+    scripted_gpus([], driver=False)
+    result = subprocess.run([sys.executable, "-m", "launcher", "gpus"], cwd=ROOT, env=launcher_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "launcher: error: no NVIDIA GPU found; use --device cpu\n"
+
+
+def test_no_free_gpu_prints_the_error_then_the_table_of_reasons(scripted_gpus):
+    scripted_gpus([{"utilization": [99]}, {"memory_used_mib": 80000}])
+    result = subprocess.run([sys.executable, "-m", "launcher", "--", "true"], cwd=ROOT, env=launcher_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    first, *table = result.stderr.splitlines()
+    assert first.startswith("launcher: error: none of the 2 GPU(s) is free (free: utilization <= 10%")
+    assert table[1].endswith("busy: utilization 99% > 10%") and "GiB free < 90%" in table[2]
+
+
+# --- the shell scripts ----------------------------------------------------------------
+
+def shell(script: str, *args: str) -> subprocess.CompletedProcess:
+    # PYTHON: the scripts' setup uses the interpreter running these tests, which has everything.
+    return subprocess.run(["bash", str(ROOT / script), *args], cwd=ROOT, env=launcher_env(PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_train_gpu_sh_runs_one_worker_on_the_gpu_named(scripted_gpus):
+    scripted_gpus([{}, {}, {}, {}])
+    result = shell("train_gpu.sh", "3", "--", sys.executable, "-c", PRINT_GPU)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == ["GPU3:3 3 PCI_BUS_ID"]
+
+
+def test_train_auto_gpu_sh_uses_the_freest_gpu_and_says_why(scripted_gpus):
+    scripted_gpus([{"utilization": [50]}, {"utilization": [2]}, {"utilization": [30]}])
+    result = shell("train_auto_gpu.sh", "--", sys.executable, "-c", PRINT_GPU)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "launcher: Using GPU 1 (lowest utilization)"
+    assert any(line.endswith("chosen") and line.split()[1] == "1" for line in lines)
+    assert "GPU1:1 1 PCI_BUS_ID" in lines
+
+
+def test_the_gpu_scripts_without_a_driver_say_use_device_cpu(scripted_gpus):
+    scripted_gpus([], driver=False)
+    for result in (shell("train_gpu.sh", "0", "--debug"), shell("train_auto_gpu.sh", "--debug")):
+        assert (result.returncode, result.stdout) == (2, "")
+        assert result.stderr.splitlines()[-1] == "launcher: error: no NVIDIA GPU found; use --device cpu"
+
+
+def test_train_gpu_sh_without_a_gpu_prints_its_usage(scripted_gpus):
+    result = shell("train_gpu.sh")
+    assert result.returncode == 2 and result.stderr.startswith("usage: ./train_gpu.sh GPU")
+    assert shell("train_gpu.sh", "--debug").returncode == 2
