@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m launcher",
         description="Run one training process per device, prefix their output, stop them all on "
-                    "the first failure. With `-- COMMAND ...`, supervise any command instead.")
+                    "the first failure. With `-- COMMAND ...`, supervise any command instead.",
+        epilog="`python -m launcher gpus` shows this machine's GPUs and the verdict on each.")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
                         help="override system.device (auto: every GPU, else CPU workers)")
     parser.add_argument("--gpus", metavar="WHICH",
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-free-memory", default=devices.DEFAULT_MIN_FREE_MEMORY, metavar="AMOUNT",
                         help="a GPU is free with at least this much memory free: a share of its memory "
-                             f"(90%%) or an amount (20GiB) (default: {devices.DEFAULT_MIN_FREE_MEMORY})")
+                             "(90%%) or an amount (20GiB) (default: " + devices.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")")
     parser.add_argument("--max-utilization", default=f"{devices.DEFAULT_MAX_UTILIZATION:g}", metavar="PERCENT",
                         help="a GPU is free when busy at most this share of the time, averaged over "
                              f"{nvml.UTILIZATION_WINDOW:g} s (default: {devices.DEFAULT_MAX_UTILIZATION:g})")

@@ -200,6 +200,14 @@ def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpu
     assert time.monotonic() - started >= 0.9  # utilization sampled over a second, not read once
 
 
+@pytest.mark.parametrize("args", [["--help"], ["gpus", "--help"]])
+def test_the_help_of_the_launcher_and_of_gpus_shows_the_gpu_options(args):
+    result = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "--min-free-memory AMOUNT" in result.stdout and "(default: 90%)" in result.stdout
+
+
 def test_launcher_gpus_without_a_driver_is_a_one_line_error(scripted_gpus):
     scripted_gpus([], driver=False)
     result = subprocess.run([sys.executable, "-m", "launcher", "gpus"], cwd=ROOT, env=launcher_env(),
