@@ -130,8 +130,10 @@ def _open_claim_file(uuid: str, create: bool = True) -> int:
 def _ensure_dir() -> Path:
     directory = claims_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(exist_ok=True)  # not its parents: they would get this user's umask
         info = directory.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            raise ClaimError(f"claims directory {directory} is a symlink; set {CLAIMS_DIR_VAR} to the directory itself")
         if not stat.S_ISDIR(info.st_mode):
             raise ClaimError(f"claims directory {directory} is not a directory; remove it or set {CLAIMS_DIR_VAR}")
         if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != 0o1777:
@@ -139,7 +141,8 @@ def _ensure_dir() -> Path:
     except ClaimError:
         raise
     except OSError as error:
-        raise _claim_error(directory, error) from None
+        raise ClaimError(f"cannot use the GPU claims directory {directory}: {error.strerror or error}; "
+                         f"create it, or set {CLAIMS_DIR_VAR} to another directory") from None
     return directory
 
 
@@ -152,7 +155,9 @@ def _claim_error(path: Path, error: OSError) -> ClaimError:
 def _read_holder(fd: int) -> Holder:
     try:
         record = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
-        return Holder(pid=int(record["pid"]), user=str(record.get("user")), since=str(record.get("since")))
+        user, since = record.get("user"), record.get("since")
+        return Holder(pid=int(record["pid"]), user=None if user is None else str(user),
+                      since=None if since is None else str(since))
     except (OSError, ValueError, KeyError, TypeError):
         return Holder()  # being written, or not a record of ours
 

@@ -78,7 +78,7 @@ class ScriptedNvml:
             if not isinstance(machine, dict):
                 raise ValueError("the top level must be an object")
             return cls(machine)
-        except (OSError, ValueError, TypeError, AttributeError) as error:
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
             raise BadScript(f"scripted GPU machine {path}: {error}; fix the file or unset LAUNCHER_SCRIPTED_GPUS") from None
 
     def nvmlInit(self) -> None:
@@ -133,27 +133,51 @@ class ScriptedNvml:
 
 
 def _gpu(index: int, spec: dict) -> _Device:
-    _check_keys(spec, GPU_KEYS, f"gpus[{index}]")
+    where = f"gpus[{index}]"
+    _check_keys(spec, GPU_KEYS, where)
     utilization = spec.get("utilization", [0])
+    if utilization is not None and not (isinstance(utilization, list) and all(_is_number(u) for u in utilization)):
+        raise ValueError(f"{where}.utilization must be a list of percentages or null")
     device = _Device(
         name=str(spec.get("name", "NVIDIA H100 80GB HBM3")),
         uuid=str(spec.get("uuid", f"GPU-{index:08x}-0000-0000-0000-000000000000")),
         pci_bus_id=str(spec.get("pci_bus_id", f"00000000:{0x18 + 0x10 * index:02X}:00.0")),
-        memory_total=int(spec.get("memory_total_mib", 81559) * MIB),
-        memory_used=int(spec.get("memory_used_mib", 0) * MIB),
+        memory_total=_mib(spec, "memory_total_mib", 81559, where), memory_used=_mib(spec, "memory_used_mib", 0, where),
         utilization=None if utilization is None else itertools.cycle([int(u) for u in utilization] or [0]),
-        processes=list(spec.get("processes", [])),
-        mig_mode="mig" in spec)
+        processes=_process_list(spec, where), mig_mode="mig" in spec)
     for mig_spec in spec.get("mig", []):
-        _check_keys(mig_spec, MIG_KEYS, f"gpus[{index}].mig[]")
-        slot = int(mig_spec["slot"])
+        mig_where = f"{where}.mig[]"
+        _check_keys(mig_spec, MIG_KEYS, mig_where)
+        if not isinstance(mig_spec.get("slot"), int):
+            raise ValueError(f"{mig_where} needs a whole-number slot")
+        slot = mig_spec["slot"]
         device.migs[slot] = _Device(
             name=str(mig_spec.get("name", f"{device.name} MIG 1g.10gb")),
             uuid=str(mig_spec.get("uuid", f"MIG-{index:08x}-{slot:04x}-0000-0000-000000000000")),
-            pci_bus_id=device.pci_bus_id, memory_total=int(mig_spec.get("memory_total_mib", 9856) * MIB),
-            memory_used=int(mig_spec.get("memory_used_mib", 0) * MIB), utilization=None,
-            processes=list(mig_spec.get("processes", [])))
+            pci_bus_id=device.pci_bus_id, memory_total=_mib(mig_spec, "memory_total_mib", 9856, mig_where),
+            memory_used=_mib(mig_spec, "memory_used_mib", 0, mig_where), utilization=None,
+            processes=_process_list(mig_spec, mig_where))
     return device
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _mib(spec: dict, key: str, default: float, where: str) -> int:
+    value = spec.get(key, default)
+    if not _is_number(value) or value < 0:
+        raise ValueError(f"{where}.{key} must be a number of MiB, not {value!r}")
+    return int(value * MIB)
+
+
+def _process_list(spec: dict, where: str) -> list[dict]:
+    processes = spec.get("processes", [])
+    for process in processes if isinstance(processes, list) else [None]:
+        if not (isinstance(process, dict) and isinstance(process.get("pid"), int)
+                and (process.get("memory_mib") is None or _is_number(process["memory_mib"]))):
+            raise ValueError(f"{where}.processes must be a list of {{\"pid\": N, \"memory_mib\": M}}")
+    return processes
 
 
 def _check_keys(spec: Any, allowed: set[str], where: str) -> None:

@@ -1,0 +1,201 @@
+"""GPU discovery (launcher/nvml.py) run against scripted machines (launcher/scripted_nvml.py):
+what each GPU and MIG device is, utilization sampled over a window, the processes on a GPU
+and their owners, and the errors for a missing driver or a malformed script."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import one_line_error
+from launcher import nvml, scripted_nvml
+from launcher.scripted_nvml import ScriptedNvml
+
+MIB = 1 << 20
+NOT_HERE_PID = 4_000_000  # above any pid_max: a process of another container
+
+
+@pytest.fixture
+def machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Script the machine that discovery sees: write its JSON and point the seam at it."""
+    def make(spec: object, name: str = "machine.json") -> Path:
+        path = tmp_path / name
+        path.write_text(spec if isinstance(spec, str) else json.dumps(spec))
+        monkeypatch.setenv(nvml.SCRIPTED_GPUS_VAR, str(path))
+        return path
+    return make
+
+
+def by_id(gpus: list[nvml.Gpu]) -> dict[str, nvml.Gpu]:
+    return {gpu.id: gpu for gpu in gpus}
+
+
+def test_eight_idle_gpus_are_eight_whole_devices_in_nvml_order(machine):
+    specs = [{"name": f"NVIDIA H100 80GB HBM3 #{i}", "uuid": f"GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd",
+              "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "memory_total_mib": 81559,
+              "memory_used_mib": 3 * i} for i in range(8)]
+    machine({"gpus": specs})
+    gpus = nvml.discover(window=0)
+    assert [gpu.id for gpu in gpus] == [str(i) for i in range(8)]
+    for i, (gpu, spec) in enumerate(zip(gpus, specs)):
+        assert gpu.index == i
+        assert gpu.uuid == spec["uuid"]
+        assert gpu.name == spec["name"]
+        assert gpu.pci_bus_id == spec["pci_bus_id"]
+        assert gpu.memory_total == 81559 * MIB
+        assert gpu.memory_used == 3 * i * MIB
+        assert gpu.memory_free == (81559 - 3 * i) * MIB
+        assert gpu.utilization == 0.0
+        assert gpu.processes == ()
+        assert not gpu.mig and not gpu.mig_enabled
+        assert gpu.cuda_visible_id == str(i)
+
+
+def test_free_memory_is_never_negative_when_used_exceeds_total(machine):
+    machine({"gpus": [{"memory_total_mib": 100, "memory_used_mib": 150}]})
+    assert nvml.discover(window=0)[0].memory_free == 0
+
+
+def test_utilization_is_averaged_over_the_window_not_read_once(machine):
+    machine({"gpus": [{"utilization": [0, 100, 0, 100, 0]}, {"utilization": [100, 0]}]})
+    gpus = nvml.discover(window=0, samples=5)
+    assert gpus[0].utilization == pytest.approx(40.0)
+    assert gpus[1].utilization == pytest.approx(60.0)  # 100, 0, 100, 0, 100: the readings cycle
+
+
+def test_utilization_sampling_really_spreads_its_readings_over_the_window(machine):
+    machine({"gpus": [{"utilization": [50]}]})
+    start = time.monotonic()
+    gpus = nvml.discover(window=0.2, samples=3)
+    elapsed = time.monotonic() - start
+    assert 0.15 <= elapsed < 2.0
+    assert gpus[0].utilization == pytest.approx(50.0)
+
+
+def test_unsupported_utilization_is_none_and_the_other_gpus_are_still_measured(machine):
+    machine({"gpus": [{"utilization": [30, 50]}, {"utilization": None}, {"utilization": [80]}]})
+    gpus = nvml.discover(window=0, samples=2)
+    assert gpus[1].utilization is None
+    assert gpus[0].utilization == pytest.approx(40.0)
+    assert gpus[2].utilization == pytest.approx(80.0)
+
+
+def test_a_process_of_this_container_is_reported_with_its_owner(machine):
+    machine({"gpus": [{"processes": [{"pid": os.getpid(), "memory_mib": 1024}]}]})
+    (process,) = nvml.discover(window=0)[0].processes
+    assert process.pid == os.getpid()
+    assert process.memory == 1024 * MIB
+    assert process.user == getpass.getuser()
+
+
+def test_a_process_of_another_container_has_no_user_but_keeps_its_memory(machine):
+    machine({"gpus": [{"processes": [{"pid": NOT_HERE_PID, "memory_mib": 2048},
+                                     {"pid": os.getpid(), "memory_mib": None}]}]})
+    other, mine = nvml.discover(window=0)[0].processes
+    assert (other.pid, other.user, other.memory) == (NOT_HERE_PID, None, 2048 * MIB)
+    assert mine.memory is None
+    assert mine.user == getpass.getuser()
+
+
+def test_mig_devices_follow_their_parent_and_are_addressed_by_mig_uuid(machine):
+    machine({"gpus": [{}, {"pci_bus_id": "00000000:AB:00.0", "mig": [{"slot": 0}, {"slot": 2}]}, {}]})
+    gpus = nvml.discover(window=0)
+    assert [gpu.id for gpu in gpus] == ["0", "1", "1.0", "1.2", "2"]
+    parent, *children = gpus[1:4]
+    assert parent.mig_enabled and not parent.mig
+    assert parent.cuda_visible_id == "1"
+    assert len({child.uuid for child in children}) == 2
+    for child in children:
+        assert child.mig and not child.mig_enabled
+        assert child.index == 1
+        assert child.uuid.startswith("MIG-")
+        assert child.cuda_visible_id == child.uuid
+        assert child.pci_bus_id == "00000000:AB:00.0"
+        assert child.utilization is None
+    assert not gpus[0].mig_enabled and not gpus[4].mig_enabled
+
+
+def test_mig_devices_carry_their_own_memory_and_processes(machine):
+    machine({"gpus": [{"memory_used_mib": 0, "mig": [
+        {"slot": 1, "memory_total_mib": 19968, "memory_used_mib": 500,
+         "processes": [{"pid": NOT_HERE_PID, "memory_mib": 500}]}]}]})
+    child = by_id(nvml.discover(window=0))["0.1"]
+    assert (child.memory_total, child.memory_used) == (19968 * MIB, 500 * MIB)
+    assert [p.pid for p in child.processes] == [NOT_HERE_PID]
+
+
+def test_a_machine_without_driver_raises_no_gpu_driver(machine):
+    machine({"driver": False, "gpus": [{}]})
+    with pytest.raises(nvml.NoGpuDriver):
+        nvml.discover(window=0)
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists(), reason="this machine has an NVIDIA driver")
+def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
+    monkeypatch.delenv(nvml.SCRIPTED_GPUS_VAR, raising=False)
+    with pytest.raises(nvml.NoGpuDriver):
+        nvml.discover(window=0)
+
+
+@pytest.mark.parametrize("content", [
+    "{not json",
+    json.dumps({"gpus": [{"name": "x", "colour": "green"}]}),
+    json.dumps({"gpus": [{"mig": [{"slot": 0, "colour": "green"}]}]}),
+    json.dumps([{"name": "x"}]),
+    json.dumps({"gpus": [{"mig": [{}]}]}),
+    json.dumps({"gpus": [{"processes": [{"memory_mib": 1}]}]}),
+    json.dumps({"gpus": [{"processes": [5]}]}),
+    json.dumps({"gpus": [{"memory_total_mib": "80"}]}),
+    json.dumps({"gpus": [{"utilization": "busy"}]}),
+], ids=["not-json", "unknown-gpu-key", "unknown-mig-key", "top-level-list", "mig-without-slot",
+        "process-without-pid", "process-not-an-object", "memory-as-text", "utilization-not-a-list"])
+def test_a_malformed_script_is_one_line_naming_the_file_and_the_fix(machine, content):
+    path = machine(content)
+    with pytest.raises(scripted_nvml.BadScript) as excinfo:
+        nvml.discover(window=0)
+    message = one_line_error(excinfo)
+    assert str(path) in message
+    assert "fix the file or unset LAUNCHER_SCRIPTED_GPUS" in message
+
+
+def test_a_missing_script_is_a_bad_script_too(tmp_path, monkeypatch):
+    path = tmp_path / "absent.json"
+    monkeypatch.setenv(nvml.SCRIPTED_GPUS_VAR, str(path))
+    with pytest.raises(scripted_nvml.BadScript) as excinfo:
+        nvml.discover(window=0)
+    assert str(path) in one_line_error(excinfo)
+
+
+def test_names_and_uuids_given_as_bytes_by_an_older_pynvml_are_decoded(machine, monkeypatch):
+    machine({"gpus": [{"name": "NVIDIA A100-SXM4-40GB", "uuid": "GPU-abc", "pci_bus_id": "00000000:07:00.0"}]})
+    for method in ("nvmlDeviceGetName", "nvmlDeviceGetUUID"):
+        original = getattr(ScriptedNvml, method)
+        monkeypatch.setattr(ScriptedNvml, method, lambda self, device, _f=original: _f(self, device).encode())
+    gpu = nvml.discover(window=0)[0]
+    assert (gpu.name, gpu.uuid) == ("NVIDIA A100-SXM4-40GB", "GPU-abc")
+    assert isinstance(gpu.name, str) and isinstance(gpu.uuid, str)
+
+
+def test_undecodable_bytes_are_replaced_rather_than_raising():
+    assert nvml._text(b"GPU-\xff") == "GPU-\ufffd"
+    assert nvml._text("GPU-1") == "GPU-1"
+
+
+@pytest.mark.skipif(not Path("/proc/driver/nvidia/version").exists(), reason="needs an NVIDIA driver (run on a GPU machine)")
+def test_real_nvml_describes_every_gpu_of_this_machine(monkeypatch):
+    monkeypatch.delenv(nvml.SCRIPTED_GPUS_VAR, raising=False)
+    gpus = nvml.discover(window=0.2, samples=3)
+    assert gpus, "a driver but no GPU"
+    for gpu in gpus:
+        assert gpu.uuid.startswith(("GPU-", "MIG-")) and gpu.name
+        assert re.fullmatch(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]", gpu.pci_bus_id)
+        assert 0 <= gpu.memory_used <= gpu.memory_total and gpu.memory_total > 0
+        assert gpu.utilization is None or 0 <= gpu.utilization <= 100
+    whole = [g for g in gpus if not g.mig]
+    assert [g.index for g in whole] == list(range(len(whole)))  # NVML order, every index once
