@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if error.table:
             print(error.table, file=sys.stderr)
         code = EXIT_USAGE
-    except (cfg.ConfigError, DataError, BadScript, ClaimError) as error:
+    except (cfg.ConfigError, DataError, BadScript, ClaimError, nvml.NvmlFailure) as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_USAGE
     except OSError as error:  # an unwritable cache directory, a full disk

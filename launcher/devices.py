@@ -115,7 +115,7 @@ def parse_max_utilization(text: str) -> float:
 @dataclass(frozen=True)
 class Verdict:
     gpu: Gpu
-    state: Literal["free", "busy", "hidden", "mig", "claimed", "chosen"]
+    state: Literal["free", "busy", "hidden", "mig", "claimed", "error", "chosen"]
     reasons: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -126,6 +126,8 @@ class Verdict:
 
 def judge(gpu: Gpu, criteria: Criteria, visible: set[str] | None,
           holder: Callable[[str], claims.Holder | None] = claims.holder_of) -> Verdict:
+    if gpu.error is not None:
+        return Verdict(gpu, "error", (f"NVML cannot read it: {gpu.error}",))
     if visible is not None and gpu.id not in visible:
         return Verdict(gpu, "hidden", ("not in CUDA_VISIBLE_DEVICES",))
     if gpu.mig_enabled:
@@ -251,6 +253,8 @@ def _claim_listed(selection: Selection, gpus: list[Gpu], request: GpuRequest, st
         if verdict.state == "hidden":
             raise DeviceError(f"GPU {gpu.id} is not in CUDA_VISIBLE_DEVICES; choose among "
                               f"{', '.join(v.gpu.id for v in selection.verdicts if v.state not in ('hidden', 'mig'))}")
+        if verdict.state == "error":
+            raise DeviceError(f"GPU {gpu.id}: {verdict.reasons[0]}; check `nvidia-smi`, or choose another GPU")
         if verdict.state == "mig":
             migs = ", ".join(g.id for g in gpus if g.mig and g.index == gpu.index) or "none configured"
             raise DeviceError(f"GPU {gpu.id} is in MIG mode, so CUDA cannot use it whole; choose its MIG "

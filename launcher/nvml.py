@@ -24,6 +24,10 @@ class NoGpuDriver(Exception):
     """NVML cannot be used: no NVIDIA driver, or the library is missing."""
 
 
+class NvmlFailure(Exception):
+    """NVML started but cannot list the GPUs (one line)."""
+
+
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int
@@ -53,6 +57,8 @@ class Gpu:
     """A MIG device (addressed by its UUID)."""
     mig_enabled: bool = False
     """A whole GPU in MIG mode: CUDA can only use its MIG devices, never the GPU itself."""
+    error: str | None = None
+    """Why NVML could not describe it (GPU is lost, no permission); such a GPU is never chosen."""
 
     @property
     def memory_free(self) -> int:
@@ -81,7 +87,8 @@ def discover(window: float | None = None, samples: int | None = None) -> list[Gp
     """Every usable device, in NVML order, a MIG device right after its GPU; utilization
     is sampled `samples` times over `window` seconds (default UTILIZATION_*).
 
-    Raises NoGpuDriver when NVML cannot start (no driver, library not found)."""
+    Raises NoGpuDriver when NVML cannot start (no driver, library not found), NvmlFailure
+    when it cannot count the GPUs. A GPU it cannot read is listed with its error."""
     window = UTILIZATION_WINDOW if window is None else window
     samples = UTILIZATION_SAMPLES if samples is None else samples
     nvml = nvml_library()
@@ -99,10 +106,19 @@ def discover(window: float | None = None, samples: int | None = None) -> list[Gp
 
 
 def _device_handles(nvml: Any) -> list[tuple[str, Any, str]]:
-    """(id, handle, kind) for each GPU and each MIG device; kind is "gpu", "mig" or "mig-parent"."""
+    """(id, handle, kind) for each GPU and each MIG device; kind is "gpu", "mig" or
+    "mig-parent", or the error NVML gave for a GPU it has no handle for."""
+    try:
+        count = nvml.nvmlDeviceGetCount()
+    except nvml.NVMLError as error:
+        raise NvmlFailure(f"NVML cannot count the GPUs ({error}); check `nvidia-smi`, or use --device cpu") from None
     handles = []
-    for index in range(nvml.nvmlDeviceGetCount()):
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    for index in range(count):
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        except nvml.NVMLError as error:  # GPU is lost, no permission
+            handles.append((str(index), None, str(error)))
+            continue
         migs = _mig_handles(nvml, handle)
         handles.append((str(index), handle, "mig-parent" if migs is not None else "gpu"))
         for slot, mig in migs or []:
@@ -135,7 +151,8 @@ def _sample_utilization(nvml: Any, handles: list[Any], window: float, samples: i
         if round_:
             time.sleep(window / max(1, samples - 1))
         for i, handle in enumerate(handles):
-            if readings[i] is None:
+            if readings[i] is None or handle is None:
+                readings[i] = None
                 continue
             try:
                 readings[i].append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))  # type: ignore[union-attr]
@@ -145,8 +162,18 @@ def _sample_utilization(nvml: Any, handles: list[Any], window: float, samples: i
 
 
 def _describe(nvml: Any, gpu_id: str, handle: Any, kind: str, utilization: float | None) -> Gpu:
-    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     index = int(gpu_id.split(".")[0])
+    if handle is not None:
+        try:
+            return _read(nvml, gpu_id, index, handle, kind, utilization)
+        except nvml.NVMLError as error:
+            kind = str(error)
+    return Gpu(id=gpu_id, index=index, uuid="", name="?", pci_bus_id="?", memory_total=0, memory_used=0,
+               utilization=None, processes=(), mig="." in gpu_id, error=kind)
+
+
+def _read(nvml: Any, gpu_id: str, index: int, handle: Any, kind: str, utilization: float | None) -> Gpu:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     parent = nvml.nvmlDeviceGetHandleByIndex(index) if kind == "mig" else handle
     return Gpu(id=gpu_id, index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
                name=_text(nvml.nvmlDeviceGetName(handle)),

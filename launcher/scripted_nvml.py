@@ -8,6 +8,7 @@ racing for GPUs. The file:
      "gpus": [{"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-...", "pci_bus_id": "00000000:18:00.0",
                "memory_total_mib": 81559, "memory_used_mib": 0,
                "utilization": [0, 100, 0],  # successive readings (cycled); null: not supported
+               "lost": false,               # true: NVML says "GPU is lost" for it
                "processes": [{"pid": 4242, "memory_mib": 1024}],
                "mig": [{"slot": 0, "uuid": "MIG-...", "name": "...", "memory_total_mib": 9856,
                         "memory_used_mib": 0, "processes": []}]}]}
@@ -27,7 +28,7 @@ from typing import Any
 import pynvml
 
 MIB = 1 << 20
-GPU_KEYS = {"name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
+GPU_KEYS = {"lost", "name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
 MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
 
 
@@ -59,6 +60,7 @@ class _Device:
     processes: list[dict]
     migs: dict[int, _Device] = field(default_factory=dict)
     mig_mode: bool = False
+    lost: bool = False
 
 
 class ScriptedNvml:
@@ -94,6 +96,8 @@ class ScriptedNvml:
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Device:
         if not 0 <= index < len(self.devices):
             raise pynvml.NVMLError_InvalidArgument()
+        if self.devices[index].lost:
+            raise pynvml.NVMLError_GpuIsLost()
         return self.devices[index]
 
     def nvmlDeviceGetUUID(self, device: _Device) -> str:
@@ -144,7 +148,7 @@ def _gpu(index: int, spec: dict) -> _Device:
         pci_bus_id=str(spec.get("pci_bus_id", f"00000000:{0x18 + 0x10 * index:02X}:00.0")),
         memory_total=_mib(spec, "memory_total_mib", 81559, where), memory_used=_mib(spec, "memory_used_mib", 0, where),
         utilization=None if utilization is None else itertools.cycle([int(u) for u in utilization] or [0]),
-        processes=_process_list(spec, where), mig_mode="mig" in spec)
+        processes=_process_list(spec, where), mig_mode="mig" in spec, lost=spec.get("lost") is True)
     for mig_spec in spec.get("mig", []):
         mig_where = f"{where}.mig[]"
         _check_keys(mig_spec, MIG_KEYS, mig_where)

@@ -307,3 +307,13 @@ def test_a_long_process_list_is_cut_to_three_and_a_count():
     many = tuple(GpuProcess(pid=100 + i, memory=GIB, user="ann") for i in range(5))
     line = render(choose([gpu(0, processes=many)], "all").verdicts).splitlines()[1]
     assert "102 (ann) 1.0 GiB, +2 more" in line and "103" not in line
+
+
+def test_a_gpu_nvml_cannot_read_is_never_chosen_and_says_why():
+    lost = Gpu(id="1", index=1, uuid="", name="?", pci_bus_id="?", memory_total=0, memory_used=0,
+               utilization=None, processes=(), error="GPU is lost")
+    selection = choose([gpu(0), lost, gpu(2)], "all")
+    assert ids(selection) == ["0", "2"]
+    assert selection.verdicts[1].describe() == "NVML cannot read it: GPU is lost"
+    with pytest.raises(DeviceError, match="GPU 1: NVML cannot read it: GPU is lost; check `nvidia-smi`"):
+        choose([gpu(0), lost], "1")

@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import pynvml
 import pytest
 
 from conftest import one_line_error
@@ -199,3 +200,21 @@ def test_real_nvml_describes_every_gpu_of_this_machine(monkeypatch):
         assert gpu.utilization is None or 0 <= gpu.utilization <= 100
     whole = [g for g in gpus if not g.mig]
     assert [g.index for g in whole] == list(range(len(whole)))  # NVML order, every index once
+
+
+def test_a_lost_gpu_is_listed_with_its_error_and_the_others_are_read(machine):
+    machine({"gpus": [{}, {"lost": True}, {"utilization": [7]}]})
+    gpus = nvml.discover(window=0)
+    assert [g.error for g in gpus] == [None, "GPU is lost", None]
+    assert (gpus[1].id, gpus[1].utilization, gpus[1].memory_total) == ("1", None, 0)
+    assert gpus[2].utilization == 7.0
+
+
+def test_nvml_that_cannot_count_the_gpus_is_a_one_line_failure(machine, monkeypatch):
+    machine({"gpus": [{}]})
+
+    def count_fails(self):
+        raise pynvml.NVMLError_Unknown()
+    monkeypatch.setattr(scripted_nvml.ScriptedNvml, "nvmlDeviceGetCount", count_fails)
+    with pytest.raises(nvml.NvmlFailure, match=r"NVML cannot count the GPUs \(Unknown Error\); check `nvidia-smi`"):
+        nvml.discover(window=0)
