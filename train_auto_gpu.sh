@@ -4,4 +4,8 @@
 # `Using GPU N (lowest utilization)` and the table behind the choice.
 #   ./train_auto_gpu.sh --debug
 set -euo pipefail
+for arg in "$@"; do  # a second --gpus would silently win over this script's
+  [ "$arg" = "--" ] && break
+  case $arg in --gpus|--gpus=*) echo "${0##*/}: error: it chooses the GPU itself; drop --gpus, or use run_training.sh --gpus" >&2; exit 2;; esac
+done
 exec bash "$(dirname "${BASH_SOURCE[0]}")/run_training.sh" --gpus auto:1 "$@"

@@ -9,4 +9,8 @@ if [ $# -lt 1 ] || [[ $1 == -* ]]; then
   exit 2
 fi
 gpu=$1; shift
+for arg in "$@"; do  # a second --gpus would silently win over this script's
+  [ "$arg" = "--" ] && break
+  case $arg in --gpus|--gpus=*) echo "${0##*/}: error: the GPU is its first argument; drop --gpus" >&2; exit 2;; esac
+done
 exec bash "$(dirname "${BASH_SOURCE[0]}")/run_training.sh" --gpus "$gpu" "$@"

@@ -1,169 +1,135 @@
-"""Claims: a launcher holds one lock per GPU it runs on, for the life of the run, so two
+"""Claims: a launcher holds one claim per GPU it runs on, for the life of the run, so two
 launches on one machine never get the same GPU, even when they choose at the same moment.
 
-A claim is an flock on <claims dir>/<GPU UUID>.lock. The kernel drops it when the launcher
-exits, however it exits (SIGKILL included), so a crashed launcher leaves no stale claim.
-The file also says who holds it (pid, user, since when), for the GPU table. The directory
-is shared by every user of the machine (sticky and world-writable, like /tmp), or set by
-LAUNCHER_CLAIMS_DIR (a directory every container on the host mounts, for example).
+A claim is a listening Unix socket bound to an abstract name, `@gpu-launcher/<GPU UUID>`
+(Linux). Binding is atomic: of two launchers, exactly one gets the name. The kernel frees
+the name when the holder exits, however it exits (SIGKILL included), so a crashed launcher
+leaves nothing stale; and unlike a lock file in /tmp, no other user can delete, replace,
+rewrite or block it. Who holds a claim comes from the kernel too (SO_PEERCRED: pid and
+uid), never from text another user could have written.
+
+Abstract names live in the network namespace: launchers in containers that share the host's
+network (`--network host`) share claims; containers with networks of their own do not.
+LAUNCHER_CLAIMS_NAMESPACE changes the prefix (the tests use it to keep to themselves).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import getpass
-import json
 import os
-import stat
+import pwd
+import socket
+import struct
+import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-CLAIMS_DIR_VAR = "LAUNCHER_CLAIMS_DIR"
-DEFAULT_CLAIMS_DIR = Path("/tmp/gpu-launcher-claims")
-# A reader of the table takes a shared lock for an instant; a claimer that meets it tries again.
-CLAIM_ATTEMPTS = 5
-CLAIM_RETRY_DELAY = 0.01
+import psutil
+
+NAMESPACE_VAR = "LAUNCHER_CLAIMS_NAMESPACE"
+DEFAULT_NAMESPACE = "gpu-launcher"
+MAX_NAME_BYTES = 107  # sun_path is 108 bytes, the first of them the abstract marker \0
+LOOK_TIMEOUT = 1.0  # seconds a look at a claim waits for the holder's socket
 
 
 class ClaimError(OSError):
-    """The claims directory or a claim file cannot be used (one line)."""
+    """A claim cannot be made or looked at (one line)."""
 
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a claim, as its file says; empty fields when it has not written them yet."""
+    """Who holds a claim, as the kernel reports it; None where it cannot say."""
     pid: int | None = None
     user: str | None = None
     since: str | None = None
 
     def describe(self) -> str:
         if self.pid is None:
-            return "claimed by another launcher"
+            return "claimed by another launcher" + (f" ({self.user})" if self.user else "")
         return f"claimed by launcher pid {self.pid} ({self.user or '?'}) since {self.since or '?'}"
-
-
-def claims_dir() -> Path:
-    return Path(os.environ.get(CLAIMS_DIR_VAR) or DEFAULT_CLAIMS_DIR)
 
 
 class Claim:
     """One held GPU claim; release() (or the process's exit) gives it back."""
 
-    def __init__(self, uuid: str, fd: int) -> None:
+    def __init__(self, uuid: str, sock: socket.socket) -> None:
         self.uuid = uuid
-        self._fd: int | None = fd
+        self._socket: socket.socket | None = sock
+        # Looks at the claim connect to it; answer them by closing, so none waits.
+        threading.Thread(target=self._answer_looks, args=(sock,), daemon=True, name=f"claim-{uuid}").start()
+
+    @staticmethod
+    def _answer_looks(sock: socket.socket) -> None:
+        while True:
+            try:
+                connection, _ = sock.accept()
+            except OSError:  # released: shut down and closed
+                return
+            connection.close()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the only descriptor drops the flock
-            self._fd = None
+        if self._socket is not None:
+            try:
+                self._socket.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            except OSError:
+                pass
+            self._socket.close()
+            self._socket = None
+
+
+def claim_name(uuid: str) -> bytes:
+    if not uuid or any(not (c.isalnum() or c in "-_.") for c in uuid):
+        raise ClaimError(f"cannot claim a GPU with UUID {uuid!r}")
+    namespace = os.environ.get(NAMESPACE_VAR) or DEFAULT_NAMESPACE
+    name = f"\0{namespace}/{uuid}".encode()
+    if len(name) > MAX_NAME_BYTES + 1:
+        raise ClaimError(f"claim name for {uuid} is too long; shorten {NAMESPACE_VAR}")
+    return name
 
 
 def try_claim(uuid: str) -> Claim | Holder:
     """Claim the GPU with this UUID, or say who holds it."""
-    fd = _open_claim_file(uuid)
-    for attempt in range(CLAIM_ATTEMPTS):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if attempt + 1 < CLAIM_ATTEMPTS:
-                time.sleep(CLAIM_RETRY_DELAY)
-    else:
-        holder = _read_holder(fd)
-        os.close(fd)
-        return holder
-    record = {"pid": os.getpid(), "user": _user(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    name = claim_name(uuid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inherited by children (PEP 446)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    except OSError:
-        pass  # the record is for people reading the table; the lock is the claim
-    return Claim(uuid, fd)
+        sock.bind(name)
+    except OSError as error:
+        sock.close()
+        if error.errno != errno.EADDRINUSE:
+            raise ClaimError(f"cannot claim GPU {uuid}: {error.strerror or error}") from None
+        return holder_of(uuid) or Holder()  # None: the holder exited just now; still not ours
+    sock.listen(64)
+    return Claim(uuid, sock)
 
 
 def holder_of(uuid: str) -> Holder | None:
     """Who holds the claim on this GPU, or None when it is free (a look, not a claim)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(LOOK_TIMEOUT)
     try:
-        fd = _open_claim_file(uuid, create=False)
-    except FileNotFoundError:
+        sock.connect(claim_name(uuid))
+    except ConnectionRefusedError:  # no such name (or bound but not yet listening: no one holds it yet)
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _read_holder(fd)
+    except OSError:  # timed out: held by a launcher too busy to answer
+        return Holder()
+    else:
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        return _holder(pid, uid)
     finally:
-        os.close(fd)  # drops the shared lock too
-    return None
+        sock.close()
 
 
-def _open_claim_file(uuid: str, create: bool = True) -> int:
-    """A descriptor for the claim file, created readable and writable by everyone. Never
-    follows a symlink. Opens without O_CREAT first: in a sticky directory the kernel
-    (fs.protected_regular) refuses O_CREAT on another user's existing file."""
-    if not uuid or "/" in uuid or uuid.startswith("."):
-        raise ClaimError(f"cannot claim a GPU with UUID {uuid!r}")
-    directory = _ensure_dir() if create else claims_dir()
-    path = directory / f"{uuid}.lock"
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(3):
-        try:
-            return os.open(path, flags)
-        except FileNotFoundError:
-            if not create:
-                raise
-        except OSError as error:
-            raise _claim_error(path, error) from None
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue  # another launcher created it just now
-        except OSError as error:
-            raise _claim_error(path, error) from None
-        os.fchmod(fd, 0o666)  # the umask must not lock other users out
-        return fd
-    raise ClaimError(f"cannot open claim file {path}")
-
-
-def _ensure_dir() -> Path:
-    directory = claims_dir()
+def _holder(pid: int, uid: int) -> Holder:
+    """pid is 0 when the holder is in a PID namespace this process cannot see."""
     try:
-        directory.mkdir(exist_ok=True)  # not its parents: they would get this user's umask
-        info = directory.lstat()
-        if stat.S_ISLNK(info.st_mode):
-            raise ClaimError(f"claims directory {directory} is a symlink; set {CLAIMS_DIR_VAR} to the directory itself")
-        if not stat.S_ISDIR(info.st_mode):
-            raise ClaimError(f"claims directory {directory} is not a directory; remove it or set {CLAIMS_DIR_VAR}")
-        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != 0o1777:
-            os.chmod(directory, 0o1777)  # shared by every user, each keeping their own files
-    except ClaimError:
-        raise
-    except OSError as error:
-        raise ClaimError(f"cannot use the GPU claims directory {directory}: {error.strerror or error}; "
-                         f"create it, or set {CLAIMS_DIR_VAR} to another directory") from None
-    return directory
-
-
-def _claim_error(path: Path, error: OSError) -> ClaimError:
-    reason = "it is a symlink" if error.errno == errno.ELOOP else (error.strerror or str(error))
-    return ClaimError(f"cannot use GPU claim file {path}: {reason}; "
-                      f"fix its permissions or set {CLAIMS_DIR_VAR} to another directory")
-
-
-def _read_holder(fd: int) -> Holder:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid {uid}"
+    if pid <= 0:
+        return Holder(user=user)
     try:
-        record = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
-        user, since = record.get("user"), record.get("since")
-        return Holder(pid=int(record["pid"]), user=None if user is None else str(user),
-                      since=None if since is None else str(since))
-    except (OSError, ValueError, KeyError, TypeError):
-        return Holder()  # being written, or not a record of ours
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(psutil.Process(pid).create_time()))
+    except psutil.Error:
+        since = None
+    return Holder(pid=pid, user=user, since=since)

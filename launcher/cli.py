@@ -178,7 +178,8 @@ def run(argv: Sequence[str]) -> int:
     console = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
     placement = place(GpuOptions(device=args.device or config.system.device, gpus=args.gpus, nproc=args.nproc,
                                  device_id=config.system.device_id, min_free_memory=args.min_free_memory,
-                                 max_utilization=args.max_utilization, strict=args.strict), console)
+                                 max_utilization=args.max_utilization, strict=args.strict,
+                                 cpu_fallback=bool(command) or config.preset == "debug"), console)
     try:
         return run_placed(args, config, command, placement, console)
     finally:

@@ -55,7 +55,7 @@ def parse_request(text: str) -> GpuRequest:
         if not count.isdigit() or int(count) < 1:
             raise DeviceError(f"--gpus {text}: the count after auto: must be a whole number of at least 1, as in auto:2")
         return GpuRequest("auto", count=int(count))
-    ids = tuple(part.strip() for part in value.split(","))
+    ids = tuple(str(int(part)) if part.strip().isdigit() else part.strip() for part in value.split(","))
     if not value or not all(re.fullmatch(r"\d+(\.\d+)?|(GPU|MIG)-[0-9A-Za-z-]+", i) for i in ids):
         raise DeviceError(f"--gpus {text!r} is not all, auto:N, none, or a list of GPU ids like 0,3 "
                           f"(`python -m launcher gpus` lists them)")
@@ -222,17 +222,19 @@ def select(gpus: list[Gpu], request: GpuRequest, criteria: Criteria, *, strict: 
 
 def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
                 claim: Callable[[str], claims.Claim | claims.Holder]) -> None:
-    """all: every free GPU, in NVML order; auto:N: the N freest."""
+    """all: every free GPU, in NVML order; auto:N: the N freest. A GPU another launcher
+    claims between the look and the claim is skipped like any claimed GPU."""
+    _keep_mig_devices_apart(selection)
     free = [v for v in selection.verdicts if v.state == "free"]
     if request.kind == "auto":
         free.sort(key=freest_first)
-    wanted = len(free) if request.kind == "all" else request.count
+    wanted = request.count if request.kind == "auto" else len(free)
     for verdict in free:
         if len(selection.chosen) == wanted:
             break
         _claim_one(selection, verdict, claim)
-    if not selection.chosen or len(selection.chosen) < wanted:
-        usable = [v for v in selection.verdicts if v.state not in ("hidden", "mig")]
+    if not selection.chosen or (request.kind == "auto" and len(selection.chosen) < wanted):
+        usable = [v for v in selection.verdicts if v.state not in ("hidden", "mig", "error")]
         have = f"{len(selection.chosen)} of {len(usable)} GPU(s) are free" if selection.chosen else \
             f"none of the {len(usable)} GPU(s) is free"
         need = "" if request.kind == "all" else f"--gpus {request} needs {request.count}, but "
@@ -240,6 +242,15 @@ def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
                           f"{criteria.describe_memory()} memory free, unclaimed); wait, loosen --max-utilization "
                           f"or --min-free-memory, or name GPUs with --gpus",
                           table=_table(selection))
+
+
+def _keep_mig_devices_apart(selection: Selection) -> None:
+    """all and auto:N never put MIG devices and whole GPUs in one run (a 10 GB slice would
+    pace an 80 GB GPU); MIG devices are theirs only on a machine with no whole GPU to use."""
+    whole = [v for v in selection.verdicts if not v.gpu.mig and v.state not in ("hidden", "mig", "error")]
+    if whole:
+        selection.verdicts = [Verdict(v.gpu, "mig", ("MIG device: not mixed with whole GPUs; name it in --gpus",))
+                              if v.gpu.mig and v.state in ("free", "busy") else v for v in selection.verdicts]
 
 
 def _claim_listed(selection: Selection, gpus: list[Gpu], request: GpuRequest, strict: bool,

@@ -44,7 +44,7 @@ class Gpu:
     id: str
     """How users and logs name it: the NVML index ("3"), or index.slot for a MIG device ("0.1")."""
     index: int
-    """NVML index of the physical GPU (the PCI bus order, which CUDA_DEVICE_ORDER=PCI_BUS_ID gives CUDA too)."""
+    """NVML index of the physical GPU (the PCI bus order; CUDA_DEVICE_ORDER=PCI_BUS_ID gives CUDA the same)."""
     uuid: str
     name: str
     pci_bus_id: str
@@ -66,8 +66,10 @@ class Gpu:
 
     @property
     def cuda_visible_id(self) -> str:
-        """What a worker's CUDA_VISIBLE_DEVICES names it by."""
-        return self.uuid if self.mig else str(self.index)
+        """What a worker's CUDA_VISIBLE_DEVICES names it by: its UUID. NVML lists GPUs that
+        CUDA skips (lost, or not accessible to this process), which would shift every CUDA
+        index after them; a UUID always names the GPU that was chosen and claimed."""
+        return self.uuid
 
 
 def nvml_library() -> Any:
@@ -94,8 +96,12 @@ def discover(window: float | None = None, samples: int | None = None) -> list[Gp
     nvml = nvml_library()
     try:
         nvml.nvmlInit()
-    except nvml.NVMLError as error:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        raise NoGpuDriver(str(error)) from None
+    except nvml.NVMLError as error:
+        if error.value in (nvml.NVML_ERROR_LIBRARY_NOT_FOUND, nvml.NVML_ERROR_DRIVER_NOT_LOADED):
+            raise NoGpuDriver(str(error)) from None
+        # A driver that is there but broken (library/driver version mismatch after an
+        # upgrade, no permission) must not pass for a machine without GPUs.
+        raise NvmlFailure(f"NVML cannot start ({error}); check `nvidia-smi`, or use --device cpu") from None
     try:
         handles = _device_handles(nvml)
         utilization = _sample_utilization(nvml, [h for _, h, _ in handles], window, samples)
@@ -135,7 +141,11 @@ def _mig_handles(nvml: Any, handle: Any) -> list[tuple[int, Any]] | None:
     if current != nvml.NVML_DEVICE_MIG_ENABLE:
         return None
     devices = []
-    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+    try:
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except nvml.NVMLError:  # no permission: the GPU is listed in MIG mode, with no device to use
+        return devices
+    for slot in range(slots):
         try:
             devices.append((slot, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)))
         except nvml.NVMLError:  # NotFound: an empty slot

@@ -4,8 +4,10 @@ Rules, in order:
 1. `--device cpu` or `--gpus none`: CPU workers (--nproc of them, default 2). No NVML.
 2. What is asked for: --gpus; else system.device_id (that one GPU); else --nproc N (the N
    freest GPUs, auto:N); else all (every free GPU).
-3. No NVIDIA driver, no GPU, or a CUDA_VISIBLE_DEVICES that hides them all: with device
-   auto and nothing explicit (the debug preset), CPU workers; otherwise an error.
+3. No NVIDIA driver, no GPU, or a CUDA_VISIBLE_DEVICES that hides them all: CPU workers
+   when falling back is allowed (the debug preset, or a generic `-- COMMAND`) with device
+   auto and no GPU named; otherwise "no NVIDIA GPU found; use --device cpu". A driver that
+   is there but broken is always an error (nvml.NvmlFailure).
 4. Otherwise devices.select() chooses and claims; the claims last until release().
 """
 
@@ -34,6 +36,8 @@ class GpuOptions:
     min_free_memory: str = devices.DEFAULT_MIN_FREE_MEMORY
     max_utilization: str = str(devices.DEFAULT_MAX_UTILIZATION)
     strict: bool = False
+    cpu_fallback: bool = False
+    """Without GPUs, run CPU workers instead of stopping (the debug preset; generic commands)."""
 
 
 @dataclass
@@ -63,7 +67,8 @@ def gpu_request(options: GpuOptions) -> GpuRequest:
         if options.nproc is not None and request.kind != "none":
             raise DeviceError(f"--nproc sets the number of CPU workers; with --gpus {options.gpus} the GPUs "
                               f"decide it (auto:N for N GPUs); drop --nproc")
-        if options.device_id is not None and request != GpuRequest("list", ids=(str(options.device_id),)):
+        if (options.device_id is not None and request.kind != "none"
+                and request != GpuRequest("list", ids=(str(options.device_id),))):
             raise DeviceError(f"system.device_id pins GPU {options.device_id} but --gpus is {options.gpus}; "
                               f"drop one of them")
         return request
@@ -93,7 +98,8 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
         gpus = []
     usable = devices.visible_ids(gpus, visible) if gpus else set()
     if not gpus or usable == set():
-        falls_back = options.device == "auto" and options.gpus in (None, "all") and options.device_id is None
+        falls_back = (options.cpu_fallback and options.device == "auto" and request.kind == "all"
+                      and options.device_id is None)
         if falls_back:
             printer.launcher_line(f"no NVIDIA GPU found; running {cpu_workers} CPU worker processes (gloo); "
                                   f"--nproc N changes the count")
@@ -116,7 +122,7 @@ def _explain(selection: devices.Selection, request: GpuRequest, printer: Printer
         printer.launcher_line(f"Using GPU{plural} {ids} (lowest utilization)")
         printer.launcher_line(render(selection.verdicts))
     elif request.kind == "all":
-        skipped = [v for v in selection.verdicts if v.state in ("busy", "claimed")]
+        skipped = [v for v in selection.verdicts if v.state in ("busy", "claimed", "error", "mig") and not v.gpu.mig_enabled]
         printer.launcher_line(f"using GPU{plural} {ids}" + (f"; skipped {len(skipped)}:" if skipped else ""))
         for verdict in skipped:
             printer.launcher_line(f"  GPU {verdict.gpu.id}: {verdict.describe()}")

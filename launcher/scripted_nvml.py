@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import pynvml
 
 MIB = 1 << 20
 GPU_KEYS = {"lost", "name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
@@ -66,10 +65,12 @@ class _Device:
 class ScriptedNvml:
     """Stands in for the pynvml module (the subset launcher/nvml.py uses)."""
 
-    NVMLError = pynvml.NVMLError
-    NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
-
     def __init__(self, machine: dict) -> None:
+        import pynvml  # here, not at the top: the launcher imports this module on CPU-only setups too
+        self._pynvml = pynvml
+        self.NVMLError = pynvml.NVMLError
+        for constant in ("NVML_DEVICE_MIG_ENABLE", "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"):
+            setattr(self, constant, getattr(pynvml, constant))
         self.driver = bool(machine.get("driver", True))
         self.devices = [_gpu(i, spec) for i, spec in enumerate(machine.get("gpus", []))]
 
@@ -85,7 +86,7 @@ class ScriptedNvml:
 
     def nvmlInit(self) -> None:
         if not self.driver:
-            raise pynvml.NVMLError_LibraryNotFound()
+            raise self._pynvml.NVMLError_LibraryNotFound()
 
     def nvmlShutdown(self) -> None:
         pass
@@ -95,9 +96,9 @@ class ScriptedNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Device:
         if not 0 <= index < len(self.devices):
-            raise pynvml.NVMLError_InvalidArgument()
+            raise self._pynvml.NVMLError_InvalidArgument()
         if self.devices[index].lost:
-            raise pynvml.NVMLError_GpuIsLost()
+            raise self._pynvml.NVMLError_GpuIsLost()
         return self.devices[index]
 
     def nvmlDeviceGetUUID(self, device: _Device) -> str:
@@ -115,7 +116,7 @@ class ScriptedNvml:
 
     def nvmlDeviceGetUtilizationRates(self, device: _Device) -> _Reading:
         if device.utilization is None or device.mig_mode:
-            raise pynvml.NVMLError_NotSupported()
+            raise self._pynvml.NVMLError_NotSupported()
         return _Reading(gpu=next(device.utilization))
 
     def nvmlDeviceGetComputeRunningProcesses(self, device: _Device) -> list[_Reading]:
@@ -124,7 +125,7 @@ class ScriptedNvml:
 
     def nvmlDeviceGetMigMode(self, device: _Device) -> list[int]:
         if not device.migs and not device.mig_mode:
-            raise pynvml.NVMLError_NotSupported()
+            raise self._pynvml.NVMLError_NotSupported()
         return [int(device.mig_mode), int(device.mig_mode)]
 
     def nvmlDeviceGetMaxMigDeviceCount(self, device: _Device) -> int:
@@ -132,7 +133,7 @@ class ScriptedNvml:
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Device, slot: int) -> _Device:
         if slot not in device.migs:
-            raise pynvml.NVMLError_NotFound()
+            raise self._pynvml.NVMLError_NotFound()
         return device.migs[slot]
 
 
@@ -165,7 +166,7 @@ def _gpu(index: int, spec: dict) -> _Device:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _mib(spec: dict, key: str, default: float, where: str) -> int:
@@ -178,7 +179,7 @@ def _mib(spec: dict, key: str, default: float, where: str) -> int:
 def _process_list(spec: dict, where: str) -> list[dict]:
     processes = spec.get("processes", [])
     for process in processes if isinstance(processes, list) else [None]:
-        if not (isinstance(process, dict) and isinstance(process.get("pid"), int)
+        if not (isinstance(process, dict) and isinstance(process.get("pid"), int) and process["pid"] > 0
                 and (process.get("memory_mib") is None or _is_number(process["memory_mib"]))):
             raise ValueError(f"{where}.processes must be a list of {{\"pid\": N, \"memory_mib\": M}}")
     return processes

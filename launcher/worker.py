@@ -130,8 +130,8 @@ def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port:
                gpu: str | None, cpu_count: int, compile_cache: str, gpu_id: str | None = None) -> dict[str, str]:
     """The worker contract (DESIGN.md): torchrun's variables, one GPU, bounded threads.
 
-    gpu is the physical GPU as CUDA_VISIBLE_DEVICES names it (NVML index, or UUID for a MIG
-    device) or None for a CPU worker; gpu_id (default: gpu) is its GPU_RANK, the id its log
+    gpu is the physical GPU as CUDA_VISIBLE_DEVICES names it (the launcher gives its UUID)
+    or None for a CPU worker; gpu_id (default: gpu) is its GPU_RANK, the id its log
     prefix shows. Thread counts the user set explicitly are kept."""
     threads = str(max(1, cpu_count // world_size))
     env = dict(base)

@@ -7,6 +7,7 @@ import os
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -16,9 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def private_gpu_claims(monkeypatch, tmp_path_factory):
-    """No test claims a GPU of the machine it runs on: each test has its own claims directory."""
-    monkeypatch.setenv("LAUNCHER_CLAIMS_DIR", str(tmp_path_factory.mktemp("claims")))
+def private_gpu_claims(monkeypatch):
+    """No test claims a GPU of the machine it runs on, or meets another test's claims:
+    each test has claim names of its own (launcher/claims.py)."""
+    monkeypatch.setenv("LAUNCHER_CLAIMS_NAMESPACE", f"gpu-launcher-test-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture

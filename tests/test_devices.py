@@ -37,10 +37,13 @@ class Claims:
         test = self
 
         class Held(claims.Claim):
+            def __init__(self, uuid: str) -> None:  # no socket: the dictionary is the claim
+                self.uuid = uuid
+
             def release(self) -> None:
                 test.released.append(self.uuid)
                 test.held.pop(self.uuid, None)
-        return Held(uuid, -1)
+        return Held(uuid)
 
     def holder(self, uuid: str) -> claims.Holder | None:
         pid = self.held.get(uuid)
@@ -156,6 +159,15 @@ def test_a_gpu_claimed_by_another_launcher_is_skipped_by_all():
     assert ids(selection) == ["1"] and selection.verdicts[0].state == "claimed"
 
 
+def test_all_losing_the_race_for_some_gpus_runs_on_the_rest():
+    gpus = [gpu(0), gpu(1), gpu(2)]
+    table = Claims()
+    table.holder = lambda uuid: None  # type: ignore[method-assign]  # the look found nothing held
+    table.held[gpus[0].uuid] = 99  # ...then another launcher won GPU 0
+    selection = select(gpus, parse_request("all"), Criteria(), claim=table.claim, holder=table.holder)
+    assert ids(selection) == ["1", "2"] and selection.verdicts[0].state == "claimed"
+
+
 def test_losing_the_race_for_a_gpu_moves_on_to_the_next_free_one():
     """The table saw GPU 0 free, but another launcher claimed it first."""
     gpus = [gpu(0), gpu(1)]
@@ -239,11 +251,19 @@ def mig_machine() -> list[Gpu]:
             gpu(1, util=None, total_gib=10, mig_of=0), gpu(1)]
 
 
-def test_mig_devices_are_chosen_and_their_gpu_never_is():
-    selection = choose(mig_machine(), "all")
-    assert ids(selection) == ["0.0", "0.1", "1"]
-    assert [g.cuda_visible_id for g in selection.chosen] == ["MIG-00aa", "MIG-01aa", "1"]
+def test_on_a_machine_of_mig_devices_they_are_chosen_and_their_gpu_never_is():
+    selection = choose(mig_machine()[:3], "all")
+    assert ids(selection) == ["0.0", "0.1"]
+    assert [g.cuda_visible_id for g in selection.chosen] == ["MIG-00aa", "MIG-01aa"]
     assert selection.verdicts[0].describe() == "MIG mode: use its MIG devices"
+
+
+def test_all_and_auto_never_mix_mig_devices_with_whole_gpus():
+    for request in ("all", "auto:1"):
+        selection = choose(mig_machine(), request)
+        assert ids(selection) == ["1"]
+        assert selection.verdicts[1].describe() == "MIG device: not mixed with whole GPUs; name it in --gpus"
+    assert ids(choose(mig_machine(), "0.0,1")) == ["0.0", "1"]  # named, they mix
 
 
 def test_naming_a_gpu_in_mig_mode_points_to_its_mig_devices():

@@ -28,6 +28,11 @@ def no_sampling_wait(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+def uuid(index: int) -> str:
+    """The UUID a scripted machine gives GPU `index` by default."""
+    return f"GPU-{index:08x}-0000-0000-0000-000000000000"
+
+
 def placed(**options) -> tuple[Placement, str]:
     console = io.StringIO()
     placement = place(GpuOptions(**options), Printer(console, None))
@@ -48,24 +53,39 @@ def test_cpu_runs_never_read_nvml(monkeypatch, tmp_path):
 
 def test_without_a_driver_the_debug_preset_falls_back_to_cpu_workers_and_says_so(scripted_gpus):
     scripted_gpus([], driver=False)
-    placement, said = placed(device="auto")
+    placement, said = placed(device="auto", cpu_fallback=True)
     assert (placement.device, placement.world_size) == ("cpu", 2)
     assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); "
                     "--nproc N changes the count\n")
+    assert placed(device="auto", gpus="ALL", cpu_fallback=True)[0].device == "cpu"
 
 
-@pytest.mark.parametrize("options", [{"device": "cuda"}, {"device": "auto", "gpus": "0"},
-                                     {"device": "auto", "gpus": "auto:1"}, {"device": "auto", "device_id": 0}])
-def test_without_a_driver_asking_for_a_gpu_is_an_error(scripted_gpus, options):
+@pytest.mark.parametrize("options", [{"device": "auto"}, {"device": "cuda", "cpu_fallback": True},
+                                     {"device": "auto", "gpus": "0", "cpu_fallback": True},
+                                     {"device": "auto", "gpus": "auto:1", "cpu_fallback": True},
+                                     {"device": "auto", "device_id": 0, "cpu_fallback": True}])
+def test_without_a_driver_the_production_preset_or_a_gpu_request_is_an_error(scripted_gpus, options):
     scripted_gpus([], driver=False)
     with pytest.raises(DeviceError, match=r"^no NVIDIA GPU found; use --device cpu$"):
         placed(**options)
 
 
+def test_a_broken_driver_is_an_error_even_where_cpu_would_do(scripted_gpus, monkeypatch):
+    scripted_gpus([{}])
+    import pynvml
+    from launcher import scripted_nvml
+
+    def mismatch(self):
+        raise pynvml.NVMLError_LibRmVersionMismatch()
+    monkeypatch.setattr(scripted_nvml.ScriptedNvml, "nvmlInit", mismatch)
+    with pytest.raises(nvml.NvmlFailure, match=r"NVML cannot start \(RM has detected an NVML/RM version mismatch"):
+        placed(device="auto", cpu_fallback=True)
+
+
 def test_a_cuda_visible_devices_that_hides_every_gpu_means_cpu_or_an_error(scripted_gpus, monkeypatch):
     scripted_gpus([{}, {}])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert placed(device="auto")[0].device == "cpu"
+    assert placed(device="auto", cpu_fallback=True)[0].device == "cpu"
     with pytest.raises(DeviceError, match="CUDA_VISIBLE_DEVICES= hides every GPU; unset it or use --device cpu"):
         placed(device="cuda")
 
@@ -110,6 +130,7 @@ def test_device_id_pins_that_gpu_even_when_it_is_busy_with_a_warning(scripted_gp
 @pytest.mark.parametrize("options, message", [
     ({"gpus": "0", "nproc": 2}, "--nproc sets the number of CPU workers; with --gpus 0 the GPUs decide it"),
     ({"gpus": "0,1", "device_id": 1}, "system.device_id pins GPU 1 but --gpus is 0,1; drop one of them"),
+    ({"gpus": "7"}, "--gpus names GPU 7, which does not exist; GPUs here: 0, 1 "),
     ({"device": "cpu", "gpus": "0"}, "--device cpu conflicts with --gpus 0"),
     ({"device_id": 1, "nproc": 2}, "system.device_id pins one GPU but --nproc is 2"),
     ({"nproc": 0}, r"--nproc must be at least 1 \(got 0\)"),
@@ -155,12 +176,10 @@ def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(scripted_g
     worker = f"{PRINT_GPU}; import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
     racers = [launcher("--gpus", "auto:1", "--", sys.executable, "-c", worker) for _ in range(2)]
     try:
-        claims_dir = os.environ["LAUNCHER_CLAIMS_DIR"]
-        assert wait_until(lambda: sum(claims.holder_of(f"GPU-{i:08x}-0000-0000-0000-000000000000") is not None
-                                      for i in range(2)) == 2, timeout=15), os.listdir(claims_dir)
+        assert wait_until(lambda: sum(claims.holder_of(uuid(i)) is not None for i in range(2)) == 2, timeout=15)
         third = launcher("--gpus", "auto:1", "--", "true")
-        assert third.wait(timeout=30) == 2
-        refusal = third.stderr.read()
+        _, refusal = third.communicate(timeout=30)
+        assert third.returncode == 2
         assert refusal.startswith("launcher: error: --gpus auto:1 needs 1, but none of the 2 GPU(s) is free")
         assert refusal.count("claimed by launcher pid") == 2
     finally:
@@ -168,7 +187,7 @@ def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(scripted_g
     outputs = [racer.communicate(timeout=30)[0] for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0]
     chosen = sorted(line for out in outputs for line in out.splitlines() if line.startswith("GPU"))
-    assert chosen == ["GPU0:0 0 PCI_BUS_ID", "GPU1:1 1 PCI_BUS_ID"]
+    assert chosen == [f"GPU{i}:{uuid(i)} {i} PCI_BUS_ID" for i in range(2)]
     assert all("Using GPU" in out for out in outputs)
 
 
@@ -238,7 +257,7 @@ def test_train_gpu_sh_runs_one_worker_on_the_gpu_named(scripted_gpus):
     scripted_gpus([{}, {}, {}, {}])
     result = shell("train_gpu.sh", "3", "--", sys.executable, "-c", PRINT_GPU)
     assert result.returncode == 0, result.stderr
-    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == ["GPU3:3 3 PCI_BUS_ID"]
+    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == [f"GPU3:{uuid(3)} 3 PCI_BUS_ID"]
 
 
 def test_train_auto_gpu_sh_uses_the_freest_gpu_and_says_why(scripted_gpus):
@@ -248,7 +267,7 @@ def test_train_auto_gpu_sh_uses_the_freest_gpu_and_says_why(scripted_gpus):
     lines = result.stdout.splitlines()
     assert lines[0] == "launcher: Using GPU 1 (lowest utilization)"
     assert any(line.endswith("chosen") and line.split()[1] == "1" for line in lines)
-    assert "GPU1:1 1 PCI_BUS_ID" in lines
+    assert f"GPU1:{uuid(1)} 1 PCI_BUS_ID" in lines
 
 
 def test_the_gpu_scripts_without_a_driver_say_use_device_cpu(scripted_gpus):
