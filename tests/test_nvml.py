@@ -153,8 +153,11 @@ def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
     json.dumps({"gpus": [{"processes": [5]}]}),
     json.dumps({"gpus": [{"memory_total_mib": "80"}]}),
     json.dumps({"gpus": [{"utilization": "busy"}]}),
+    '{"gpus": [{"memory_total_mib": Infinity}]}',
+    json.dumps({"gpus": [{"processes": [{"pid": -4}]}]}),
 ], ids=["not-json", "unknown-gpu-key", "unknown-mig-key", "top-level-list", "mig-without-slot",
-        "process-without-pid", "process-not-an-object", "memory-as-text", "utilization-not-a-list"])
+        "process-without-pid", "process-not-an-object", "memory-as-text", "utilization-not-a-list",
+        "infinite-memory", "negative-pid"])
 def test_a_malformed_script_is_one_line_naming_the_file_and_the_fix(machine, content):
     path = machine(content)
     with pytest.raises(scripted_nvml.BadScript) as excinfo:

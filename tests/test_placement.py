@@ -191,6 +191,14 @@ def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(scripted_g
     assert all("Using GPU" in out for out in outputs)
 
 
+def test_a_worker_on_a_mig_device_gets_its_uuid_and_is_prefixed_gpu_dot_slot(scripted_gpus):
+    scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
+    result = subprocess.run([sys.executable, "-m", "launcher", "--gpus", "0.1", "--", sys.executable, "-c", PRINT_GPU],
+                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == ["GPU0.1:MIG-two 0.1 PCI_BUS_ID"]
+
+
 def test_a_killed_launcher_gives_its_gpu_back(scripted_gpus):
     scripted_gpus([{"uuid": "GPU-solo"}])
     holder = launcher("--gpus", "0", "--", sys.executable, "-c", "import time; time.sleep(60)")
@@ -275,6 +283,13 @@ def test_the_gpu_scripts_without_a_driver_say_use_device_cpu(scripted_gpus):
     for result in (shell("train_gpu.sh", "0", "--debug"), shell("train_auto_gpu.sh", "--debug")):
         assert (result.returncode, result.stdout) == (2, "")
         assert result.stderr.splitlines()[-1] == "launcher: error: no NVIDIA GPU found; use --device cpu"
+
+
+def test_the_gpu_scripts_refuse_a_second_gpus_option(scripted_gpus):
+    scripted_gpus([{}, {}])
+    for result in (shell("train_gpu.sh", "0", "--gpus", "1"), shell("train_auto_gpu.sh", "--gpus=1")):
+        assert (result.returncode, result.stdout) == (2, "")
+        assert "drop --gpus" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_train_gpu_sh_without_a_gpu_prints_its_usage(scripted_gpus):
