@@ -4,9 +4,10 @@ launches on one machine never get the same GPU, even when they choose at the sam
 A claim is a listening Unix socket bound to an abstract name, `@gpu-launcher/<GPU UUID>`
 (Linux). Binding is atomic: of two launchers, exactly one gets the name. The kernel frees
 the name when the holder exits, however it exits (SIGKILL included), so a crashed launcher
-leaves nothing stale; and unlike a lock file in /tmp, no other user can delete, replace,
-rewrite or block it. Who holds a claim comes from the kernel too (SO_PEERCRED: pid and
-uid), never from text another user could have written.
+leaves nothing stale; and unlike a lock file in /tmp, no other user can delete, replace
+or rewrite a held claim. Who holds a claim comes from the kernel too (SO_PEERCRED: pid and
+uid), never from text another user could have written. (Any local process can bind a free
+name and so keep launchers off that GPU, as it could by simply using the GPU.)
 
 Abstract names live in the network namespace: launchers in containers that share the host's
 network (`--network host`) share claims; containers with networks of their own do not.
@@ -56,32 +57,42 @@ class Claim:
         self.uuid = uuid
         self._socket: socket.socket | None = sock
         # Looks at the claim connect to it; answer them by closing, so none waits.
-        threading.Thread(target=self._answer_looks, args=(sock,), daemon=True, name=f"claim-{uuid}").start()
+        self._answerer = threading.Thread(target=self._answer_looks, daemon=True, name=f"claim-{uuid}")
+        self._answerer.start()
 
-    @staticmethod
-    def _answer_looks(sock: socket.socket) -> None:
-        while True:
+    def _answer_looks(self) -> None:
+        sock = self._socket
+        while sock is not None:
             try:
                 connection, _ = sock.accept()
-            except OSError:  # released: shut down and closed
-                return
+            except OSError:
+                if self._socket is None:  # released: shut down
+                    return
+                time.sleep(0.05)  # out of descriptors, say: keep answering once it passes
+                continue
             connection.close()
 
     def release(self) -> None:
-        if self._socket is not None:
-            try:
-                self._socket.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-            except OSError:
-                pass
-            self._socket.close()
-            self._socket = None
+        """Give the claim back; when this returns, the GPU can be claimed again."""
+        sock, self._socket = self._socket, None
+        if sock is None:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
+        self._answerer.join()  # until it leaves accept(), it keeps the socket, and so the name, alive
+        sock.close()
 
 
 def claim_name(uuid: str) -> bytes:
-    if not uuid or any(not (c.isalnum() or c in "-_.") for c in uuid):
+    if not uuid or any(not (c.isascii() and c.isalnum() or c in "-_.") for c in uuid):
         raise ClaimError(f"cannot claim a GPU with UUID {uuid!r}")
     namespace = os.environ.get(NAMESPACE_VAR) or DEFAULT_NAMESPACE
-    name = f"\0{namespace}/{uuid}".encode()
+    try:
+        name = f"\0{namespace}/{uuid}".encode()
+    except UnicodeEncodeError:
+        raise ClaimError(f"{NAMESPACE_VAR} must be text (UTF-8)") from None
     if len(name) > MAX_NAME_BYTES + 1:
         raise ClaimError(f"claim name for {uuid} is too long; shorten {NAMESPACE_VAR}")
     return name
@@ -104,15 +115,21 @@ def try_claim(uuid: str) -> Claim | Holder:
 
 def holder_of(uuid: str) -> Holder | None:
     """Who holds the claim on this GPU, or None when it is free (a look, not a claim)."""
+    name = claim_name(uuid)
+    deadline = time.monotonic() + LOOK_TIMEOUT
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(LOOK_TIMEOUT)
+    sock.setblocking(False)
     try:
-        sock.connect(claim_name(uuid))
-    except ConnectionRefusedError:  # no such name (or bound but not yet listening: no one holds it yet)
-        return None
-    except OSError:  # timed out: held by a launcher too busy to answer
-        return Holder()
-    else:
+        while True:
+            try:
+                sock.connect(name)
+                break
+            except ConnectionRefusedError:  # no such name (or bound, not yet listening: not held yet)
+                return None
+            except BlockingIOError:  # the holder's queue of looks is full: it is busy; wait a little
+                if time.monotonic() > deadline:
+                    return Holder()
+                time.sleep(0.01)
         pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               struct.calcsize("3i")))
         return _holder(pid, uid)
