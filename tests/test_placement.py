@@ -150,7 +150,9 @@ def test_the_chosen_gpus_stay_claimed_until_released(scripted_gpus):
     assert claims.holder_of("GPU-bbbb").pid == os.getpid() and claims.holder_of("GPU-aaaa") is None
     with pytest.raises(DeviceError, match="GPU 1 is claimed by launcher pid"):
         placed(gpus="1")
-    assert labels(placed(gpus="auto:1")[0]) == ["GPU0"]  # the other one
+    other, _ = placed(gpus="auto:1")
+    assert labels(other) == ["GPU0"]  # the other one
+    other.release()
     placement.release()
     assert claims.holder_of("GPU-bbbb") is None
 
