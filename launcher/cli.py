@@ -89,14 +89,13 @@ def show_gpus(argv: Sequence[str]) -> int:
                                      description="Show this machine's GPUs and which the launcher counts as free.")
     add_criteria_arguments(parser)
     args = parser.parse_args(argv)
-    criteria = devices.Criteria(devices.parse_min_free_memory(args.min_free_memory),
-                                devices.parse_max_utilization(args.max_utilization))
+    criteria = devices.Criteria.parse(args.min_free_memory, args.max_utilization)
     try:
         gpus = nvml.discover()
     except nvml.NoGpuDriver:
         gpus = []
     if not gpus:
-        raise UsageError("no NVIDIA GPU found; use --device cpu")
+        raise UsageError(devices.NO_GPU_FOUND)
     visible = devices.visible_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     print(gpu_table.render([devices.judge(gpu, criteria, visible) for gpu in gpus]))
     return 0

@@ -19,6 +19,7 @@ from launcher.nvml import Gpu
 GIB = 1 << 30
 DEFAULT_MIN_FREE_MEMORY = "90%"
 DEFAULT_MAX_UTILIZATION = 10.0
+NO_GPU_FOUND = "no NVIDIA GPU found; use --device cpu"
 NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
 
 
@@ -72,6 +73,11 @@ class Criteria:
     """Free memory needed: bytes when above 1, else a fraction of the device's total."""
     max_utilization: float = DEFAULT_MAX_UTILIZATION
     """Percent; a GPU busier than this (mean over the sampling window) is busy."""
+
+    @classmethod
+    def parse(cls, min_free_memory: str, max_utilization: str) -> Criteria:
+        """From the --min-free-memory and --max-utilization option values."""
+        return cls(parse_min_free_memory(min_free_memory), parse_max_utilization(max_utilization))
 
     def describe_memory(self) -> str:
         m = self.min_free_memory

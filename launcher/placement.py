@@ -89,8 +89,7 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
     cpu_workers = options.nproc or DEFAULT_CPU_WORKERS
     if request.kind == "none":
         return Placement("cpu", cpu_workers)
-    criteria = devices.Criteria(devices.parse_min_free_memory(options.min_free_memory),
-                                devices.parse_max_utilization(options.max_utilization))
+    criteria = devices.Criteria.parse(options.min_free_memory, options.max_utilization)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         gpus = nvml.discover()
@@ -106,7 +105,7 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
             return Placement("cpu", cpu_workers)
         if gpus:
             raise DeviceError(f"CUDA_VISIBLE_DEVICES={visible} hides every GPU; unset it or use --device cpu")
-        raise DeviceError("no NVIDIA GPU found; use --device cpu")
+        raise DeviceError(devices.NO_GPU_FOUND)
     selection = devices.select(gpus, request, criteria, strict=options.strict, cuda_visible_devices=visible)
     _explain(selection, request, printer)
     return Placement("cuda", len(selection.chosen), tuple(selection.chosen), selection)
