@@ -53,6 +53,8 @@ class ModelConfig:
     """Base of the rotary position embedding frequencies."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
+    max_seq_len: int | None = 8192
+    """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -68,6 +70,8 @@ class ModelConfig:
         _check(self.norm_eps > 0, "model.norm_eps", f"must be positive (got {self.norm_eps})")
         _check(self.rope_theta > 0, "model.rope_theta", f"must be positive (got {self.rope_theta})")
         _check(self.init_std > 0, "model.init_std", f"must be positive (got {self.init_std})")
+        if self.max_seq_len is not None:
+            _check(self.max_seq_len >= 2, "model.max_seq_len", f"must be at least 2 or null (got {self.max_seq_len})")
 
 
 SOURCES_WITH_PATH = ("text", "jsonl", "parquet", "llmc", "megatron")
@@ -183,11 +187,28 @@ class TrainingConfig:
     """Compute validation loss every N steps; 0 only after the last step."""
     eval_batches: int = 4
     """Micro-batches per rank in one validation pass."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
+    parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
+    """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: about a third more compute for much less memory."""
+    compile: bool | None = None
+    """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
+    loss_chunk_tokens: int = 2048
+    """Tokens per chunk of the output projection and cross-entropy, so the fp32 logits of the whole batch never exist at once; 0 computes them in one piece."""
+    checkpoint_interval: int = 1000
+    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
+    keep_checkpoints: int = 3
+    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
+    resume: str = ""
+    """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the newest run under runs/), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches"):
+        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints"):
             _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
-        for name in ("epochs", "num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval"):
+        for name in ("epochs", "num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval",
+                     "global_batch_size", "loss_chunk_tokens", "checkpoint_interval"):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
         _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
@@ -218,6 +239,8 @@ class LoggingConfig:
     """Lowest level of worker log lines printed."""
     log_interval: int = 10
     """Print a step line every N optimizer steps (the first and last step always)."""
+    tensorboard: bool = True
+    """Also write the metrics as TensorBoard events to <run dir>/tensorboard/ when the tensorboard package is installed."""
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, "logging.log_interval", f"must be at least 1 (got {self.log_interval})")
@@ -256,15 +279,28 @@ def debug() -> Config:
     return Config(
         preset="debug",
         model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                          vocab_size=None, rope_theta=10000.0),
+                          vocab_size=None, rope_theta=10000.0, max_seq_len=None),
         data=DataConfig(context_length=128),
         training=TrainingConfig(batch_size=8, grad_accum_nums=1, learning_rate=3e-3,
-                                warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2),
+                                warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2,
+                                checkpoint_interval=0, keep_checkpoints=2),
         logging=LoggingConfig(level="DEBUG", log_interval=1),
     )
 
 
-PRESETS: dict[str, Callable[[], Config]] = {"debug": debug, "production": production}
+def small() -> Config:
+    """About 124M parameters (GPT-2 small size) at context 1024: a real run on one GPU."""
+    return Config(
+        preset="small",
+        model=ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=None,
+                          rope_theta=10000.0, max_seq_len=1024),
+        data=DataConfig(tokenizer="bpe", bpe_vocab_size=32768, context_length=1024),
+        training=TrainingConfig(batch_size=16, grad_accum_nums=4, learning_rate=6e-4, warmup_steps=200,
+                                max_steps=5000, eval_interval=250),
+    )
+
+
+PRESETS: dict[str, Callable[[], Config]] = {"debug": debug, "small": small, "production": production}
 
 
 # --- strict loading -------------------------------------------------------------------
@@ -386,7 +422,37 @@ def resolve(preset: str | None = None, config_file: Path | None = None,
     for assignment in sets:
         config = apply_overrides(config, parse_set(assignment), "--set")
     config.data.check_complete()
+    check_context(config)
     return config
+
+
+def check_context(config: Config) -> None:
+    """The training sequences must fit the model's positions."""
+    limit = config.model.max_seq_len
+    if limit is not None and config.data.context_length > limit:
+        raise ConfigError(f"data.context_length {config.data.context_length} is longer than the model supports "
+                          f"(model.max_seq_len {limit}); lower data.context_length or raise model.max_seq_len")
+
+
+def max_seq_len(config: Config) -> int:
+    """The sequence length the model is built for."""
+    return config.model.max_seq_len or config.data.context_length
+
+
+def with_world_size(config: Config, world_size: int) -> Config:
+    """config with grad_accum_nums derived from training.global_batch_size for world_size ranks
+    (unchanged when global_batch_size is 0). ConfigError when it does not divide."""
+    t = config.training
+    if t.global_batch_size == 0:
+        return config
+    per_step = t.batch_size * world_size
+    if t.global_batch_size % per_step:
+        lower = t.global_batch_size // per_step * per_step
+        options = " or ".join(str(n) for n in (lower, lower + per_step) if n > 0)
+        raise ConfigError(f"training.global_batch_size {t.global_batch_size} is not a multiple of training.batch_size "
+                          f"{t.batch_size} x {world_size} rank(s) = {per_step}; use {options}, or change batch_size")
+    training = dataclasses.replace(t, grad_accum_nums=t.global_batch_size // per_step)
+    return dataclasses.replace(config, training=training)
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -414,13 +480,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-steps", type=int, metavar="N", help="override training.max_steps")
     group.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one key (value as JSON, else a string); repeatable")
+    group.add_argument("--resume", metavar="auto|PATH",
+                       help="continue from a checkpoint: auto (the latest one) or a checkpoint or run directory; "
+                            "same as --set training.resume=...")
 
 
 def from_args(args: argparse.Namespace) -> Config:
     if args.debug and args.preset not in (None, "debug"):
         raise ConfigError(f"--debug conflicts with --preset {args.preset}; use one of them")
+    sets = list(args.sets)
+    if getattr(args, "resume", None):
+        if not args.resume.strip():
+            raise ConfigError("--resume: expected auto or a checkpoint path")
+        sets.append(f"training.resume={json.dumps(args.resume)}")
     return resolve(preset="debug" if args.debug else args.preset, config_file=args.config,
-                   max_steps=args.max_steps, sets=args.sets)
+                   max_steps=args.max_steps, sets=sets)
 
 
 # --- documentation --------------------------------------------------------------------

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig
 
@@ -146,8 +147,12 @@ class Transformer(nn.Module):
             nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
             nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab_size); position t sees only tokens 0..t."""
+    def forward(self, tokens: Tensor, targets: Tensor | None = None, loss_chunk_tokens: int = 0) -> Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab_size); position t sees only tokens 0..t.
+
+        With targets (B, T): the mean next-token cross-entropy instead, computed loss_chunk_tokens
+        positions at a time (0: all at once) so the logits of the whole batch never exist together.
+        """
         B, T = tokens.shape
         if T > self.max_seq_len:
             raise ValueError(f"input sequence length {T} exceeds the model's max_seq_len {self.max_seq_len}; "
@@ -156,11 +161,40 @@ class Transformer(nn.Module):
         x = self.tok_embed(tokens)  # (B, T, dim)
         for layer in self.layers:
             x = layer(x, cos, sin)  # (B, T, dim)
-        return self.output(self.norm(x))  # (B, T, vocab_size)
+        x = self.norm(x)
+        if targets is None:
+            return self.output(x)  # (B, T, vocab_size)
+        return chunked_cross_entropy(x.flatten(0, 1), self.output, targets.flatten(0, 1), loss_chunk_tokens)
 
     def num_params(self) -> int:
         """Every parameter, the embedding and the (untied) output projection included."""
         return sum(p.numel() for p in self.parameters())
+
+
+def _chunk_loss_sum(hidden: Tensor, output: nn.Linear, targets: Tensor) -> Tensor:
+    """Summed cross-entropy of one chunk: hidden (N, dim), targets (N,)."""
+    return F.cross_entropy(output(hidden).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: Tensor, output: nn.Linear, targets: Tensor, chunk_tokens: int) -> Tensor:
+    """Mean cross-entropy of output(hidden) (N, vocab) against targets (N,), chunk_tokens rows at a time.
+
+    At Llama-3's vocabulary of 128256, the fp32 logits of 8192 tokens take 4 GiB, and autograd
+    would keep them (as log-probabilities) until the backward pass. Each chunk is checkpointed
+    instead: only its input is kept, and its logits are recomputed in the backward pass, one
+    chunk at a time. The price is one more output-projection matmul per step.
+    """
+    n = hidden.shape[0]
+    if chunk_tokens <= 0 or n <= chunk_tokens:
+        return _chunk_loss_sum(hidden, output, targets) / n
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss_sum, h, output, t, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(h, output, t)
+    return total / n
 
 
 def cross_entropy_loss(logits: Tensor, targets: Tensor) -> Tensor:

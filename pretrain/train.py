@@ -27,7 +27,7 @@ from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.model import Transformer, cross_entropy_loss
+from pretrain.model import Transformer
 from pretrain.runfiles import create_run_dir, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.stopping import Stopped, StopRequest
@@ -92,7 +92,7 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: to
 def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
     t = config.training
     torch.manual_seed(t.seed)  # the same initial weights on every rank
-    model = Transformer(config.model, max_seq_len=config.data.context_length).to(runtime.device)
+    model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config)).to(runtime.device)
     log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
              f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}")
     optimizer = build_optimizer(model, t, runtime.device)
@@ -142,7 +142,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         sync = nullcontext() if last or not trainer.runtime.distributed else trainer.model.no_sync()
         with sync:
             with autocast(trainer):
-                loss = cross_entropy_loss(trainer.model(x), y) / t.grad_accum_nums
+                loss = trainer.model(x, y, t.loss_chunk_tokens) / t.grad_accum_nums
             loss.backward()
         loss_sum += loss.detach()
     max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
@@ -164,8 +164,8 @@ def evaluate(trainer: Trainer) -> float | None:
     total = torch.zeros((), device=trainer.runtime.device)
     for x, y in trainer.val_batches:
         with autocast(trainer):
-            logits = trainer.model(x.to(trainer.runtime.device))
-        total += cross_entropy_loss(logits, y.to(trainer.runtime.device))
+            total += trainer.model(x.to(trainer.runtime.device), y.to(trainer.runtime.device),
+                                   trainer.config.training.loss_chunk_tokens)
     trainer.model.train()
     return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pretrain.config import Config
+from pretrain.config import Config, with_world_size
 from pretrain.data.cache import read_meta
 from pretrain.data.prepare import model_vocab_size
 from pretrain.data.windows import RunLength, plan_run
@@ -21,7 +21,9 @@ from pretrain.data.windows import RunLength, plan_run
 
 def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> tuple[Config, RunLength]:
     """config with model.vocab_size and training.max_steps made concrete for this dataset and
-    world size, and the run's length. DataError when they do not fit."""
+    world size, and the run's length. DataError when they do not fit; ConfigError when
+    training.global_batch_size does not divide over the ranks."""
+    config = with_world_size(config, world_size)
     meta = read_meta(dataset_dir)
     t = config.training
     length = plan_run(meta, config.data.context_length, t.batch_size, t.grad_accum_nums, world_size,
