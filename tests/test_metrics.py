@@ -1,0 +1,233 @@
+"""Metrics: the GPU peak table, FLOPs per token, MFU, memory, metrics.jsonl and TensorBoard."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from pretrain import config as cfg
+from pretrain.config import ModelConfig
+from pretrain.metrics import (
+    MetricsLog,
+    flops_per_token,
+    mfu,
+    param_count,
+    peak_bf16_flops,
+    peak_memory_gib,
+    read_metrics,
+    reset_peak_memory,
+)
+from pretrain.model import Transformer
+
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257,
+                   rope_theta=10000.0, max_seq_len=32)
+
+
+# --- the peak table -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA H200 NVL", 835e12),
+    ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA B200", 2250e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100-PCIE-40GB", 312e12),
+    ("NVIDIA A10", 125e12),
+    ("NVIDIA L4", 121e12),
+    ("NVIDIA L40", 181e12),
+    ("NVIDIA L40S", 362e12),
+    ("NVIDIA GeForce RTX 4090", 165e12),
+])
+def test_known_gpus_get_their_dense_bf16_peak(name, peak):
+    assert peak_bf16_flops(name) == peak
+
+
+@pytest.mark.parametrize("name", [
+    "Tesla V100-SXM2-16GB",  # no bf16 tensor cores
+    "Tesla T4",
+    "NVIDIA A10G",  # no NVIDIA datasheet: left out rather than guessed
+    "NVIDIA GeForce RTX 4090 D",  # a cut-down 4090, not the 4090's peak
+    "NVIDIA GeForce RTX 4090 Laptop GPU",
+    "NVIDIA A100-SXM4-40GB MIG 1g.5gb",  # a slice of a GPU has a slice of its compute
+    "AMD Instinct MI300X",
+    "",
+])
+def test_unknown_gpus_and_gpu_slices_have_no_peak_and_so_no_mfu(name):
+    assert peak_bf16_flops(name) is None
+    assert mfu(10_000.0, 1e9, peak_bf16_flops(name)) is None
+
+
+def test_mfu_is_achieved_model_flops_over_the_peak_as_a_fraction():
+    assert mfu(1_000.0, 6e9, 1e13) == pytest.approx(0.6)
+    assert mfu(1_000.0, 6e9, 0.0) is None
+
+
+# --- FLOPs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_cfg", [
+    TINY,
+    dataclasses.replace(TINY, n_kv_heads=4, ffn_dim=96, vocab_size=300),  # no grouping
+    dataclasses.replace(TINY, n_layers=3, n_heads=8, n_kv_heads=1),  # one key/value head
+])
+def test_the_parameter_count_from_the_config_matches_the_built_model(model_cfg):
+    assert param_count(model_cfg) == Transformer(model_cfg, max_seq_len=8).num_params()
+
+
+def test_the_production_preset_counts_as_llama_3_8b():
+    assert param_count(cfg.production().model) == 8_030_261_248  # Meta's published count
+
+
+def test_flops_per_token_is_six_per_non_embedding_parameter_plus_full_attention():
+    per_layer = (64 * 64 * 2      # wq, wo
+                 + 64 * 32 * 2    # wk, wv: 2 kv heads of 16
+                 + 3 * 64 * 128   # w1, w2, w3
+                 + 2 * 64)        # two RMSNorm weights
+    non_embedding = 2 * per_layer + 64 + 257 * 64  # layers, final norm, output projection
+    attention = 12 * 2 * 64 * 32  # 12 x layers x dim x seq_len
+    assert non_embedding == 90_496
+    assert flops_per_token(TINY, seq_len=32) == 6 * 90_496 + attention == 592_128
+
+
+def test_flops_per_token_grows_with_the_sequence_length_through_attention_only():
+    assert flops_per_token(TINY, 64) - flops_per_token(TINY, 32) == 12 * 2 * 64 * 32
+
+
+def test_flops_need_a_known_vocabulary():
+    with pytest.raises(ValueError, match="vocab_size"):
+        flops_per_token(dataclasses.replace(TINY, vocab_size=None), 32)
+
+
+# --- memory ---------------------------------------------------------------------------
+
+def test_peak_memory_is_unknown_on_cpu():
+    reset_peak_memory(torch.device("cpu"))
+    assert peak_memory_gib(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_peak_memory_sees_an_allocation_and_forgets_it_after_a_reset():
+    device = torch.device("cuda", 0)
+    block = torch.empty(2**28, dtype=torch.uint8, device=device)  # 0.25 GiB
+    assert peak_memory_gib(device) >= 0.25
+    del block
+    reset_peak_memory(device)
+    assert peak_memory_gib(device) < 0.25
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_this_machines_gpu_is_in_the_peak_table():
+    name = torch.cuda.get_device_name()
+    assert peak_bf16_flops(name) is not None, f"{name!r} is missing from PEAK_BF16_FLOPS"
+
+
+# --- metrics.jsonl --------------------------------------------------------------------
+
+def log_two_steps(log: MetricsLog) -> None:
+    log.log_train(0, 5.5, 1e-3, 2.0, 12_000.0, 0.41, 3.5, 1.25)
+    log.log_train(1, 5.0, 2e-3, None, None, None, None, 2.5)
+    log.log_val(1, 5.25)
+
+
+def test_each_record_is_one_json_line_readable_before_the_log_is_closed(tmp_path):
+    with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
+        log_two_steps(log)
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # flushed per line
+    assert [json.loads(line)["kind"] for line in lines] == ["train", "train", "val"]
+    first, second, val = read_metrics(tmp_path / "metrics.jsonl")
+    assert {k: first[k] for k in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
+                                  "peak_memory_gib", "elapsed_s")} == {
+        "step": 0, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 12_000.0, "mfu": 0.41,
+        "peak_memory_gib": 3.5, "elapsed_s": 1.25}
+    assert second["grad_norm"] is None and second["mfu"] is None and second["peak_memory_gib"] is None
+    assert val == {"kind": "val", "step": 1, "val_loss": 5.25, "time": val["time"]}
+
+
+def test_non_finite_values_and_tensors_are_written_as_strict_json(tmp_path):
+    with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
+        log.log_train(0, float("nan"), 1e-3, torch.tensor(float("inf")), 1.0, None, None, 0.0)
+        log.log_train(1, torch.tensor(4.5), 1e-3, torch.tensor(0.5), 1.0, None, None, 0.0)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in lines]
+    assert records[0]["loss"] is None and records[0]["grad_norm"] is None
+    assert records[1]["loss"] == 4.5 and records[1]["grad_norm"] == 0.5
+
+
+def test_a_disabled_log_writes_and_creates_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    with MetricsLog(run_dir, enabled=False, tensorboard=True) as log:
+        log_two_steps(log)
+    assert not run_dir.exists()
+
+
+def test_a_reopened_log_appends_to_the_same_file(tmp_path):
+    with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
+        log_two_steps(log)
+    with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
+        log.log_train(2, 4.0, 1e-3, 1.0, 1.0, None, None, 3.0)
+    assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        ("train", 0), ("train", 1), ("val", 1), ("train", 2)]
+
+
+def test_a_reopened_log_drops_the_partial_line_a_killed_writer_left(tmp_path):
+    with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
+        log_two_steps(log)
+    with open(tmp_path / "metrics.jsonl", "a") as out:
+        out.write('{"kind": "train", "step": 2, "lo')  # killed mid-line
+    with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
+        log.log_train(2, 4.0, 1e-3, 1.0, 1.0, None, None, 3.0)
+    records = read_metrics(tmp_path / "metrics.jsonl")  # no corrupt line in the middle
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 0), ("train", 1), ("val", 1), ("train", 2)]
+    assert records[-1]["loss"] == 4.0
+
+
+def test_reading_skips_a_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 0, "loss": 5.0}\n{"kind": "train", "step": 1, "lo')
+    assert read_metrics(path) == [{"kind": "train", "step": 0, "loss": 5.0}]
+
+
+def test_reading_keeps_a_complete_last_line_without_its_newline(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 0}\n{"kind": "val", "step": 0, "val_loss": 5.0}')
+    assert [r["kind"] for r in read_metrics(path)] == ["train", "val"]
+
+
+@pytest.mark.parametrize("bad_line", ['{"kind": "train", "st', "[1, 2]", "\udcff garbage"])
+def test_reading_rejects_a_corrupt_line_before_the_last_naming_its_number(tmp_path, bad_line):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(('{"kind": "train", "step": 0}\n' + bad_line + '\n{"kind": "train", "step": 1}\n')
+                     .encode("utf-8", errors="surrogateescape"))
+    with pytest.raises(ValueError, match=r"line 2\b") as excinfo:
+        read_metrics(path)
+    assert "\n" not in str(excinfo.value)
+
+
+# --- TensorBoard ----------------------------------------------------------------------
+
+def test_tensorboard_events_are_written_when_the_package_is_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed")
+    with MetricsLog(tmp_path, enabled=True, tensorboard=True) as log:
+        log_two_steps(log)
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+def test_tensorboard_without_the_package_is_skipped_with_one_debug_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes its import fail
+    logger = logging.getLogger("test-metrics")
+    with caplog.at_level(logging.DEBUG, logger="test-metrics"):
+        with MetricsLog(tmp_path, enabled=True, tensorboard=True, logger=logger) as log:
+            log_two_steps(log)
+    assert not (tmp_path / "tensorboard").exists()
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert "tensorboard" in caplog.records[0].getMessage().lower()
