@@ -1,0 +1,252 @@
+"""How much GPU memory a run needs per GPU, from its config alone, before anything is built.
+
+The launcher imports this (no torch here) to choose between DDP and FSDP and to refuse a
+config that cannot fit, with one line that says what would help, before any worker starts.
+The estimate is a model of the peak, not a measurement: parameters, gradients and AdamW state
+are exact counts; activations follow the per-layer formula in `_activation_bytes_per_token`;
+a fixed allowance covers the CUDA context and the caching allocator's fragmentation.
+
+What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4):
+
+    DDP   weights 4P (+ 2P: autocast's bf16 copies of the matrices, kept for the backward)
+          gradients 4P (DDP's buckets hold them: gradient_as_bucket_view), AdamW 8P
+    FSDP  weights 4P/W + a x (root + 2 blocks): the unsharded copies in flight (the root's
+          embedding and output stay gathered through the step; one block runs while the next
+          is prefetched); gradients 4P/W + a x (root + 1 block) unsharded before their
+          reduce-scatter; AdamW 8P/W
+
+One process is never wrapped (pretrain/parallel.py), so world_size 1 is estimated as the
+plain model whatever the mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pretrain.config import Config, ConfigError, ModelConfig
+
+GIB = 1 << 30
+FP32 = 4
+BF16 = 2
+OVERHEAD_BYTES = 2 * GIB
+"""The CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's fragmentation."""
+AUTO_DDP_SHARE = 0.9
+"""training.parallelism "auto" picks DDP when its estimate fits this share of the GPU."""
+MODES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU at the peak of a training step (the start of the backward pass)."""
+    mode: str
+    world_size: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """What autograd keeps for one micro-batch's backward pass, over every block."""
+    logits: int
+    """The fp32 logits of one loss chunk and their gradient."""
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.overhead
+
+    def describe(self) -> str:
+        """~61.3 GiB per GPU: weights 30.0, gradients 30.0, optimizer 60.0, ... GiB"""
+        return f"~{gib(self.total)} GiB per GPU: {self.parts()}"
+
+    def parts(self) -> str:
+        names = ("weights", "gradients", "optimizer", "activations", "logits", "overhead")
+        return ", ".join(f"{name} {gib(getattr(self, name))}" for name in names) + " GiB"
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.1f}"
+
+
+# --- parameters -------------------------------------------------------------------------
+
+def _require_vocab(model: ModelConfig) -> int:
+    if model.vocab_size is None:
+        raise ValueError("model.vocab_size is null: estimate after the dataset fixed it (fit_to_dataset)")
+    return model.vocab_size
+
+
+def block_parameter_count(model: ModelConfig) -> int:
+    """One TransformerBlock: two RMSNorm weights, wq/wk/wv/wo, and the SwiGLU w1/w2/w3."""
+    d, head_dim = model.dim, model.dim // model.n_heads
+    attention = d * model.n_heads * head_dim * 2 + d * model.n_kv_heads * head_dim * 2  # wq, wo; wk, wv
+    return 2 * d + attention + 3 * d * model.ffn_dim
+
+
+def root_parameter_count(model: ModelConfig) -> int:
+    """What is not in a block: the embedding, the final norm and the (untied) output projection."""
+    return 2 * _require_vocab(model) * model.dim + model.dim
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Every parameter of Transformer(model); equals Transformer.num_params()."""
+    return root_parameter_count(model) + model.n_layers * block_parameter_count(model)
+
+
+def _matrix_parameter_count(model: ModelConfig) -> int:
+    """The parameters autocast copies to bf16 (the Linear weights; not the embedding or norms)."""
+    norms = 2 * model.dim
+    return model.n_layers * (block_parameter_count(model) - norms) + _require_vocab(model) * model.dim
+
+
+# --- activations ------------------------------------------------------------------------
+
+def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
+    """What one block keeps per token for its backward pass (flash attention: nothing of T x T).
+
+    In the compute dtype: the attention norm's output (shared by wq, wk, wv), q, k and v after
+    the rotation, the attention output and its reshaped copy (wo's input), the FFN norm's
+    output, w1's and w3's outputs, silu's output and the gated product (w2's input):
+    5 dim + 2 kv_dim + 4 ffn_dim. In fp32: each RMSNorm's float input and normalised value
+    (2 x 2 dim) and the float copies of q and k the rotary embedding works on (dim + kv_dim).
+    """
+    d, ffn = model.dim, model.ffn_dim
+    kv = model.n_kv_heads * (d // model.n_heads)
+    return compute_bytes * (5 * d + 2 * kv + 4 * ffn) + FP32 * (5 * d + kv)
+
+
+def activation_bytes(config: Config) -> int:
+    """Autograd's saved tensors for one micro-batch (batch_size x context_length tokens).
+
+    Without activation checkpointing every block keeps `_activation_bytes_per_token`. With it,
+    each block keeps only its fp32 input and one block at a time is recomputed for its
+    backward. Either way the final norm and the hidden states fed to the loss are kept.
+    """
+    model, t = config.model, config.training
+    tokens = t.batch_size * config.data.context_length
+    compute = BF16 if t.use_amp else FP32
+    per_block = _activation_bytes_per_token(model, compute)
+    blocks = per_block + model.n_layers * FP32 * model.dim if t.activation_checkpointing else model.n_layers * per_block
+    head = FP32 * 2 * model.dim + compute * model.dim  # the final RMSNorm, the loss's input
+    return tokens * (blocks + head)
+
+
+def logits_bytes(config: Config) -> int:
+    """The fp32 logits of one loss chunk and their gradient (of the whole micro-batch when
+    training.loss_chunk_tokens is 0 or larger than it)."""
+    t = config.training
+    tokens = t.batch_size * config.data.context_length
+    chunk = min(tokens, t.loss_chunk_tokens) if t.loss_chunk_tokens > 0 else tokens
+    return chunk * _require_vocab(config.model) * FP32 * 2
+
+
+# --- the estimate -----------------------------------------------------------------------
+
+def estimate(config: Config, world_size: int, mode: str) -> MemoryEstimate:
+    """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+    model, amp = config.model, config.training.use_amp
+    params = parameter_count(model)
+    unsharded = BF16 if amp else FP32  # the dtype FSDP gathers into (MixedPrecisionPolicy under amp)
+    if mode == "fsdp" and world_size > 1:
+        root, block = root_parameter_count(model), block_parameter_count(model)
+        weights = _ceil_div(FP32 * params, world_size) + unsharded * (root + 2 * block)
+        gradients = _ceil_div(FP32 * params, world_size) + unsharded * (root + block)
+        optimizer = _ceil_div(2 * FP32 * params, world_size)
+    else:
+        weights = FP32 * params + (BF16 * _matrix_parameter_count(model) if amp else 0)
+        gradients = FP32 * params
+        optimizer = 2 * FP32 * params
+    return MemoryEstimate(mode=mode, world_size=world_size, weights=weights, gradients=gradients,
+                          optimizer=optimizer, activations=activation_bytes(config),
+                          logits=logits_bytes(config), overhead=OVERHEAD_BYTES)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> str:
+    """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
+    memory limit (CPU: None), or when DDP's estimate fits AUTO_DDP_SHARE of the GPU (DDP
+    communicates less); FSDP otherwise."""
+    chosen = config.training.parallelism
+    if chosen != "auto":
+        return chosen
+    if world_size == 1 or gpu_memory_bytes is None:
+        return "ddp"
+    fits = estimate(config, world_size, "ddp").total <= AUTO_DDP_SHARE * gpu_memory_bytes
+    return "ddp" if fits else "fsdp"
+
+
+def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str) -> None:
+    """ConfigError (one line: the estimate, the GPU's memory, what would help) when the
+    estimate exceeds gpu_memory_bytes."""
+    needed = estimate(config, world_size, mode)
+    if needed.total <= gpu_memory_bytes:
+        return
+    suggestions = _suggestions(config, world_size, mode, needed.total)
+    hint = "try " + _join_or(suggestions) if suggestions else "use a smaller model or a shorter data.context_length"
+    where = "with FSDP" if mode == "fsdp" and world_size > 1 else "with DDP" if world_size > 1 else "on one GPU"
+    raise ConfigError(f"preset {config.preset} needs ~{gib(needed.total)} GiB per GPU {where} ({needed.parts()}) "
+                      f"but the GPU has {gib(gpu_memory_bytes)} GiB; {hint}")
+
+
+def _suggestions(config: Config, world_size: int, mode: str, total: int) -> list[str]:
+    """The changes not already made that lower the estimate, each as the user would make it."""
+    t = config.training
+    found = []
+
+    def helps(changed: Config, ranks: int = world_size, as_mode: str = mode) -> bool:
+        return estimate(changed, ranks, as_mode).total < total
+
+    if mode == "ddp" and world_size > 1 and helps(config, as_mode="fsdp"):
+        found.append("--set training.parallelism=fsdp")
+    if not t.activation_checkpointing and helps(_with_training(config, activation_checkpointing=True)):
+        found.append("--set training.activation_checkpointing=true")
+    whole_batch = t.loss_chunk_tokens == 0 or t.loss_chunk_tokens > 2048
+    if whole_batch and helps(_with_training(config, loss_chunk_tokens=2048)):
+        found.append("--set training.loss_chunk_tokens=2048")
+    if t.batch_size > 1:
+        found.append("a smaller training.batch_size" if t.global_batch_size
+                     else "a smaller training.batch_size with a larger training.grad_accum_nums")
+    if mode == "fsdp" or world_size == 1:
+        if helps(config, ranks=max(2, 2 * world_size), as_mode="fsdp"):
+            # "auto" picks FSDP by itself once there are GPUs to shard over
+            found.append("more GPUs (FSDP shards the model over them)" if mode == "fsdp" or t.parallelism == "auto"
+                         else "more GPUs with --set training.parallelism=fsdp")
+    return found
+
+
+def _with_training(config: Config, **changes: object) -> Config:
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
+
+
+def _join_or(items: list[str]) -> str:
+    """a; a or b; a, b, or c"""
+    if len(items) <= 2:
+        return " or ".join(items)
+    return ", ".join(items[:-1]) + ", or " + items[-1]
+
+
+# --- the launcher's decision ------------------------------------------------------------
+
+def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> tuple[Config, str]:
+    """config with training.parallelism made concrete ("ddp" or "fsdp") for the workers, and
+    the launcher's line saying what was chosen. gpu_memory_bytes is the smallest GPU's memory,
+    None on CPU workers (DDP unless the user chose FSDP, and no memory check). ConfigError
+    (check_fits) when the estimate does not fit the GPU."""
+    mode = choose_parallelism(config, world_size, gpu_memory_bytes)
+    planned = _with_training(config, parallelism=mode)
+    on_gpus = gpu_memory_bytes is not None
+    if world_size == 1:
+        line = f"parallelism: none, one {'GPU' if on_gpus else 'CPU worker'}"
+    else:
+        line = f"parallelism: {mode.upper()} over {world_size} {'GPUs' if on_gpus else 'CPU workers'}"
+    if gpu_memory_bytes is None:
+        return planned, line
+    check_fits(config, world_size, gpu_memory_bytes, mode)
+    detail = f"estimated {gib(estimate(config, world_size, mode).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
+    if config.training.parallelism == "auto" and mode == "fsdp":
+        detail += f"; DDP would need ~{gib(estimate(config, world_size, 'ddp').total)} GiB"
+    return planned, f"{line} ({detail})"

@@ -1,0 +1,150 @@
+"""How the model is spread over the ranks: activation checkpointing, torch.compile, DDP or FSDP2.
+
+train.py builds a plain Transformer and hands it to parallelize(); everything else it needs
+to know about the wrapper (the module with the plain state_dict names, skipping the gradient
+sync of accumulation steps, the global gradient norm) goes through the functions here, so the
+training loop reads the same whichever mode runs. Which mode runs is decided once, by the
+launcher (pretrain/memory.py), and written into training.parallelism.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.config import Config
+from pretrain.model import Transformer, TransformerBlock
+from pretrain.runtime import Runtime
+
+
+def compile_enabled(config: Config, device: torch.device) -> bool:
+    """training.compile, or, when it is null, on CUDA only (a first compile on CPU is slow)."""
+    chosen = config.training.compile
+    return device.type == "cuda" if chosen is None else chosen
+
+
+def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str) -> nn.Module:
+    """The model as trained: activation checkpointing and torch.compile per block when the
+    config asks for them, then DDP or FSDP2 (mode "ddp" or "fsdp") when there is more than one
+    rank. One process gets the model itself, whatever the mode ("single" says so explicitly).
+    Parameter names and state_dict keys never change."""
+    if mode not in ("single", "ddp", "fsdp"):
+        raise ValueError(f"mode must be single, ddp or fsdp (got {mode!r}); the launcher resolves training.parallelism")
+    if mode == "single" and runtime.distributed:
+        raise ValueError(f"mode single is for one process, but there are {runtime.world_size} ranks")
+    t = config.training
+    if t.activation_checkpointing:
+        for block in blocks(model):
+            checkpoint_activations(block)
+    if compile_enabled(config, runtime.device):
+        for block in blocks(model):
+            block.compile()  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
+    if not runtime.distributed:
+        return model
+    if mode == "fsdp":
+        return shard(model, init_device_mesh(runtime.device.type, (runtime.world_size,)), t.use_amp)
+    return replicate(model, runtime.device)
+
+
+def blocks(model: Transformer) -> list[TransformerBlock]:
+    return [module for module in model.layers if isinstance(module, TransformerBlock)]
+
+
+def checkpoint_activations(block: TransformerBlock) -> None:
+    """Keep only the block's inputs for the backward pass and recompute the rest there.
+
+    The block's forward is replaced on the instance, not wrapped in another module, so the
+    module tree, and with it every parameter name, stays as it was. The recomputation calls
+    the class's forward directly: under FSDP2 it runs while the block's parameters are
+    gathered for its backward, as the hooks of a call would not run twice."""
+    plain_forward = type(block).forward
+
+    def forward(self: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():  # evaluation: nothing is kept anyway
+            return plain_forward(self, x, cos, sin)
+        return checkpoint(plain_forward, self, x, cos, sin, use_reentrant=False)
+
+    block.forward = types.MethodType(forward, block)
+
+
+def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """DDP: a full copy per rank, gradients all-reduced in buckets during the backward pass.
+    The gradients are views into those buckets (gradient_as_bucket_view), so they are not
+    held twice."""
+    # The only buffers are the rotary tables: constants, identical on every rank, so
+    # broadcasting them before every forward would be wasted traffic. torch 2.13 warns
+    # that broadcast_buffers is deprecated, but its replacement still syncs at init.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
+def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool) -> Transformer:
+    """FSDP2: every block's parameters sharded over the ranks and gathered only while the block
+    runs; the root (embedding, final norm, output) is one more group. Under use_amp the gathered
+    copies are bf16 and gradients are reduced in fp32; the sharded master weights stay fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_amp else None
+    options = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
+    for block in blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def unwrap(model: nn.Module) -> Transformer:
+    """The Transformer, whose state_dict has the plain parameter names (under FSDP2 its values
+    are DTensors: each rank's shard)."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if not isinstance(inner, Transformer):
+        raise TypeError(f"expected a Transformer, DDP or FSDP2 model, got {type(model).__name__}")
+    return inner
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Inside, a backward pass synchronises gradients across ranks only when enabled: the
+    micro-batches of gradient accumulation before the last accumulate locally instead."""
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> Tensor:
+    """Clip the gradients to a global norm of max_norm (0 or inf: leave them) and return their
+    global norm before clipping: a plain 0-d tensor on the device, the same on every rank.
+    Under FSDP2 each rank holds a shard of every gradient, so the norm of the shards is
+    reduced over the ranks (full_tensor) before anything is scaled."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if not parameters:  # nothing was trained (every gradient None): the norm is 0
+        return torch.zeros((), device=next(model.parameters()).device)
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if 0 < max_norm < float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total

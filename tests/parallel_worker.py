@@ -1,0 +1,125 @@
+"""One rank of tests/test_parallel.py's two-rank runs (gloo, CPU): the same tiny model trained
+for two optimizer steps under DDP, FSDP2, and FSDP2 with activation checkpointing, from the
+same seed on the same data, and the dtypes FSDP2 computes and keeps in under use_amp. Writes
+what each run saw to <out>/rank<r>.json.
+
+Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/parallel_worker.py OUT
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pretrain import config as cfg
+from pretrain.model import Transformer
+from pretrain.parallel import clip_grad_norm, gradient_sync, is_fsdp, parallelize, unwrap
+from pretrain.runtime import init_runtime, shutdown
+
+CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 2
+
+
+def tiny_config(**training: object) -> cfg.Config:
+    base = cfg.debug()
+    model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61,
+                                max_seq_len=CONTEXT)
+    return dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, context_length=CONTEXT),
+                               training=dataclasses.replace(base.training, **({"use_amp": False, "compile": False,
+                                                                               "grad_accum_nums": ACCUM} | training)),
+                               system=dataclasses.replace(base.system, device="cpu"))
+
+
+def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Different data on each rank (so that averaging matters), the same in every run."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    tokens = torch.randint(0, 61, (STEPS * ACCUM, BATCH, CONTEXT + 1), generator=generator)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def grad_fingerprint(model: torch.nn.Module) -> float | None:
+    """Sum of the first block's wq gradient on this rank (None when it has none)."""
+    grad = unwrap(model).layers[0].attention.wq.weight.grad
+    if grad is None:
+        return None
+    return float(grad.full_tensor().sum() if hasattr(grad, "full_tensor") else grad.sum())
+
+
+def all_gather_floats(value: float | None) -> list[float | None]:
+    """[rank 0's value, rank 1's value]; None travels as NaN."""
+    mine = torch.tensor(float("nan") if value is None else value, dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [None if t.isnan() else float(t) for t in gathered]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, list[float]]:
+    state = unwrap(model).state_dict()
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).flatten().tolist() for name, t in state.items()}
+
+
+def train(config: cfg.Config, runtime, mode: str) -> dict:
+    torch.manual_seed(0)
+    model = parallelize(Transformer(config.model, CONTEXT), config, runtime, mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = iter(batches(runtime.rank))
+    record: dict = {"is_fsdp": is_fsdp(model), "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
+                    "keys": sorted(unwrap(model).state_dict()), "losses": [], "grad_norms": [],
+                    "inside_no_sync": [], "after_sync": []}
+    for _ in range(STEPS):
+        loss_sum = torch.zeros(())
+        for micro in range(ACCUM):
+            x, y = next(data)
+            last = micro == ACCUM - 1
+            with gradient_sync(model, last):
+                loss = model(x, y) / ACCUM
+                loss.backward()
+            loss_sum += loss.detach()
+            if not last:
+                record["inside_no_sync"].append(all_gather_floats(grad_fingerprint(model)))
+        record["after_sync"].append(all_gather_floats(grad_fingerprint(model)))
+        dist.all_reduce(loss_sum)
+        record["losses"].append(float(loss_sum) / runtime.world_size)
+        norm = clip_grad_norm(model, 0.5)
+        record["grad_norms"].append(all_gather_floats(float(norm)))
+        record["norm_is_plain"] = type(norm) is torch.Tensor and norm.dim() == 0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    record["state"] = full_state(model)
+    return record
+
+
+def amp_dtypes(runtime) -> dict[str, str]:
+    """Under use_amp, the dtype of a block's weight as its forward sees it, and of the
+    sharded weight the optimizer updates."""
+    config = tiny_config(use_amp=True)
+    model = parallelize(Transformer(config.model, CONTEXT), config, runtime, "fsdp")
+    wq = unwrap(model).layers[0].attention.wq
+    seen = {}
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        seen.setdefault("forward", str(module.weight.dtype))
+    wq.register_forward_pre_hook(record)
+    x, y = batches(runtime.rank)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)
+    loss.backward()
+    return seen | {"master": str(wq.weight.dtype), "gradient": str(wq.weight.grad.dtype)}
+
+
+def main(out: Path) -> None:
+    config = tiny_config()
+    runtime = init_runtime(config)
+    runs = {"ddp": train(config, runtime, "ddp"), "fsdp": train(config, runtime, "fsdp"),
+            "fsdp_checkpointed": train(tiny_config(activation_checkpointing=True), runtime, "fsdp"),
+            "amp_dtypes": amp_dtypes(runtime)}
+    (out / f"rank{runtime.rank}.json").write_text(json.dumps(runs))
+    shutdown(runtime, peers_alive=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,247 @@
+"""pretrain/memory.py: the per-GPU memory estimate, the DDP/FSDP choice, the pre-flight check,
+and the launcher refusing a config that cannot fit before any worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, launcher_env, one_line_error
+from launcher import nvml
+from launcher.cli import prepare_training
+from launcher.placement import Placement
+from launcher.printer import Printer
+from pretrain import config as cfg
+from pretrain.config import ConfigError
+from pretrain.memory import (GIB, check_fits, choose_parallelism, estimate, parameter_count, plan_parallelism)
+
+GPU_80 = 80 * GIB
+
+
+def with_training(config: cfg.Config, **changes: object) -> cfg.Config:
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
+
+
+def with_model(config: cfg.Config, **changes: object) -> cfg.Config:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
+
+
+def small() -> cfg.Config:
+    return with_model(cfg.small(), vocab_size=32768)  # what the trained BPE tokenizer gives it
+
+
+# --- parameters -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [
+    {},                                                     # the debug preset's shape
+    {"n_kv_heads": 4},                                      # no grouping
+    {"n_heads": 8, "n_kv_heads": 1, "ffn_dim": 100},        # multi-query, an odd FFN width
+    {"n_layers": 3, "dim": 48, "n_heads": 2, "n_kv_heads": 2, "vocab_size": 1000},
+])
+def test_the_parameter_count_from_the_config_is_the_real_models(shape):
+    from pretrain.model import Transformer
+    model = dataclasses.replace(cfg.debug().model, **({"vocab_size": 257} | shape))
+    assert parameter_count(model) == Transformer(model, max_seq_len=8).num_params()
+
+
+def test_the_production_preset_has_llama_3_8b_parameters():
+    assert parameter_count(cfg.production().model) == 8_030_261_248
+
+
+def test_the_parameter_count_needs_a_vocabulary():
+    with pytest.raises(ValueError, match="vocab_size is null"):
+        parameter_count(cfg.debug().model)
+
+
+# --- the estimate ---------------------------------------------------------------------
+
+def test_llama_3_8b_with_ddp_does_not_fit_one_80_gib_gpu():
+    assert estimate(cfg.production(), 1, "ddp").total > GPU_80
+    # AdamW's fp32 moments alone are 8 bytes per parameter
+    assert estimate(cfg.production(), 1, "ddp").optimizer == 8 * 8_030_261_248
+
+
+def test_production_on_eight_80_gib_gpus_fits_with_fsdp_and_activation_checkpointing():
+    config = with_training(cfg.production(), activation_checkpointing=True)
+    assert estimate(config, 8, "fsdp").total < 0.9 * GPU_80
+    check_fits(config, 8, GPU_80, "fsdp")  # no error
+
+
+def test_the_small_preset_fits_one_80_gib_gpu():
+    assert estimate(small(), 1, "ddp").total < 0.5 * GPU_80
+    check_fits(small(), 1, GPU_80, "ddp")
+
+
+def test_under_fsdp_the_estimate_shrinks_with_more_gpus_and_under_ddp_it_does_not():
+    config = cfg.production()
+    fsdp = [estimate(config, n, "fsdp").total for n in (2, 4, 8, 16)]
+    assert fsdp == sorted(fsdp, reverse=True) and len(set(fsdp)) == 4
+    assert len({estimate(config, n, "ddp").total for n in (1, 2, 8, 16)}) == 1
+
+
+def test_one_process_is_estimated_unwrapped_whatever_the_mode():
+    assert estimate(cfg.production(), 1, "fsdp") == dataclasses.replace(estimate(cfg.production(), 1, "ddp"),
+                                                                          mode="fsdp")
+
+
+def test_activation_checkpointing_loss_chunks_and_bf16_shrink_their_parts():
+    config = with_training(cfg.production(), use_amp=False)
+    base = estimate(config, 8, "fsdp")
+    checkpointed = estimate(with_training(config, activation_checkpointing=True), 8, "fsdp")
+    assert checkpointed.activations < base.activations / 5
+    assert (checkpointed.weights, checkpointed.optimizer) == (base.weights, base.optimizer)
+    unchunked = estimate(with_training(config, loss_chunk_tokens=0), 8, "fsdp")
+    assert unchunked.logits == 4 * base.logits  # 8192 tokens instead of 2048
+    assert estimate(with_training(config, use_amp=True), 8, "fsdp").activations < base.activations
+
+
+def test_the_batch_scales_the_activations_and_nothing_else():
+    one, four = (estimate(with_training(small(), batch_size=n), 1, "ddp") for n in (1, 4))
+    assert four.activations == 4 * one.activations
+    assert (four.weights, four.gradients, four.optimizer) == (one.weights, one.gradients, one.optimizer)
+
+
+def test_describe_gives_the_total_and_every_part_in_gib():
+    text = estimate(cfg.production(), 1, "ddp").describe()
+    assert text.startswith("~") and " GiB per GPU: weights " in text
+    assert ", gradients 29.9, optimizer 59.8, activations " in text and text.endswith(" GiB")
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        estimate(small(), 2, "auto")
+
+
+# --- choosing -------------------------------------------------------------------------
+
+def test_an_explicit_parallelism_is_kept():
+    assert choose_parallelism(with_training(small(), parallelism="fsdp"), 2, GPU_80) == "fsdp"
+    assert choose_parallelism(with_training(cfg.production(), parallelism="ddp"), 8, GPU_80) == "ddp"
+
+
+def test_auto_chooses_ddp_when_it_fits_and_fsdp_when_it_does_not():
+    assert choose_parallelism(small(), 8, GPU_80) == "ddp"
+    assert choose_parallelism(cfg.production(), 8, GPU_80) == "fsdp"
+
+
+def test_auto_chooses_ddp_for_one_rank_and_on_cpu():
+    assert choose_parallelism(cfg.production(), 1, GPU_80) == "ddp"
+    assert choose_parallelism(cfg.production(), 8, None) == "ddp"
+
+
+def test_auto_keeps_a_tenth_of_the_gpu_spare_for_ddp():
+    needed = estimate(small(), 2, "ddp").total
+    assert choose_parallelism(small(), 2, int(needed / 0.9) + 1) == "ddp"
+    assert choose_parallelism(small(), 2, int(needed / 0.9) - 1) == "fsdp"
+
+
+# --- the pre-flight check -------------------------------------------------------------
+
+def refusal(config: cfg.Config, world_size: int, mode: str, memory: int = GPU_80) -> str:
+    with pytest.raises(ConfigError) as error:
+        check_fits(config, world_size, memory, mode)
+    return one_line_error(error)
+
+
+def test_a_config_that_does_not_fit_says_the_estimate_the_gpu_and_what_would_help():
+    message = refusal(cfg.production(), 8, "ddp", int(79.6 * GIB))
+    needed = estimate(cfg.production(), 8, "ddp")
+    assert message.startswith(f"preset production needs ~{needed.total / GIB:.1f} GiB per GPU with DDP (weights ")
+    assert message.endswith("but the GPU has 79.6 GiB; try --set training.parallelism=fsdp or "
+                            "--set training.activation_checkpointing=true")
+
+
+def test_suggestions_leave_out_what_is_already_on():
+    config = with_training(cfg.production(), activation_checkpointing=True)
+    message = refusal(config, 2, "fsdp", 40 * GIB)
+    assert "activation_checkpointing" not in message and "parallelism=fsdp" not in message
+    assert "with FSDP" in message and message.endswith("; try more GPUs (FSDP shards the model over them)")
+
+
+def test_a_larger_batch_is_suggested_to_shrink_with_more_accumulation():
+    config = with_training(cfg.production(), batch_size=8, activation_checkpointing=True)
+    message = refusal(config, 8, "fsdp", 40 * GIB)
+    assert message.endswith("; try a smaller training.batch_size with a larger training.grad_accum_nums "
+                            "or more GPUs (FSDP shards the model over them)")
+    derived = with_training(config, global_batch_size=512)  # accumulation follows from it
+    assert "; try a smaller training.batch_size or more GPUs" in refusal(derived, 8, "fsdp", 40 * GIB)
+
+
+def test_a_loss_computed_in_one_piece_is_suggested_to_be_chunked():
+    config = with_training(small(), loss_chunk_tokens=0, activation_checkpointing=True, batch_size=4)
+    message = refusal(config, 1, "ddp", 2 * GIB)
+    assert "try --set training.loss_chunk_tokens=2048, a smaller training.batch_size" in message
+    unchunked = with_training(config, loss_chunk_tokens=4096)  # the whole micro-batch of 4 x 1024 tokens
+    assert "try --set training.loss_chunk_tokens=2048, " in refusal(unchunked, 1, "ddp", 2 * GIB)
+    chunked = with_training(config, loss_chunk_tokens=1024)
+    assert "loss_chunk_tokens" not in refusal(chunked, 1, "ddp", 2 * GIB)
+
+
+def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
+    assert refusal(cfg.production(), 1, "ddp").endswith(
+        "on one GPU (" + estimate(cfg.production(), 1, "ddp").parts() + ") but the GPU has 80.0 GiB; "
+        "try --set training.activation_checkpointing=true or more GPUs (FSDP shards the model over them)")
+    pinned = with_training(cfg.production(), parallelism="ddp")
+    assert refusal(pinned, 1, "ddp").endswith("or more GPUs with --set training.parallelism=fsdp")
+
+
+# --- the launcher ---------------------------------------------------------------------
+
+def test_the_launcher_resolves_fsdp_for_workers_and_says_why():
+    config, line = plan_parallelism(with_training(cfg.production(), activation_checkpointing=True), 8, GPU_80)
+    assert config.training.parallelism == "fsdp"
+    assert line.startswith("parallelism: FSDP over 8 GPUs (estimated ") and " GiB of 80.0 GiB per GPU; DDP would " \
+                                                                              "need ~" in line
+
+
+def test_on_cpu_workers_the_launcher_runs_ddp_unless_fsdp_was_chosen_and_checks_no_memory():
+    config, line = plan_parallelism(cfg.production(), 2, None)
+    assert (config.training.parallelism, line) == ("ddp", "parallelism: DDP over 2 CPU workers")
+    config, line = plan_parallelism(with_training(cfg.production(), parallelism="fsdp"), 2, None)
+    assert (config.training.parallelism, line) == ("fsdp", "parallelism: FSDP over 2 CPU workers")
+    assert plan_parallelism(cfg.production(), 1, None)[1] == "parallelism: none, one CPU worker"
+
+
+def gpu(memory_gib: float) -> nvml.Gpu:
+    return nvml.Gpu(id="0", index=0, uuid="GPU-0", name="scripted", pci_bus_id="0", memory_total=int(memory_gib * GIB),
+                    memory_used=0, utilization=0.0, processes=())
+
+
+def test_prepare_training_writes_the_concrete_mode_into_the_workers_config(tmp_path):
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}"])
+    console = io.StringIO()
+    prepared = prepare_training(config, Placement("cuda", 2, gpus=(gpu(80), gpu(40))), Printer(console, None))
+    assert prepared.training.parallelism == "ddp"
+    (line,) = [line for line in console.getvalue().splitlines() if "parallelism" in line]
+    assert line.startswith("launcher: parallelism: DDP over 2 GPUs (estimated ")
+    assert line.endswith(" GiB of 40.0 GiB per GPU)")  # the smaller GPU decides
+
+
+def test_prepare_training_on_cpu_keeps_ddp_without_a_memory_check(tmp_path):
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}"])
+    console = io.StringIO()
+    prepared = prepare_training(config, Placement("cpu", 2), Printer(console, None))
+    assert prepared.training.parallelism == "ddp"
+    assert "launcher: parallelism: DDP over 2 CPU workers\n" in console.getvalue()
+
+
+def test_production_on_one_80_gib_gpu_stops_before_any_worker_with_one_line_and_exit_2(scripted_gpus, tmp_path):
+    scripted_gpus([{"memory_total_mib": 80 * 1024}])
+    result = subprocess.run([sys.executable, "-m", "launcher", "--run-dir", str(tmp_path / "run"),
+                             "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("launcher: error: preset production needs ~")
+    assert "GiB per GPU on one GPU (weights " in result.stderr
+    assert "but the GPU has 80.0 GiB; try --set training.activation_checkpointing=true" in result.stderr
+    assert "GPU0:" not in result.stdout and not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_the_launcher_can_estimate_without_importing_torch():
+    probe = "import sys, pretrain.memory; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=launcher_env()).returncode == 0

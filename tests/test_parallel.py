@@ -1,0 +1,229 @@
+"""pretrain/parallel.py: DDP and FSDP2 over two real gloo ranks (tests/parallel_worker.py),
+activation checkpointing, compile and the single-process path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from pretrain import config as cfg
+from pretrain.model import Transformer
+from pretrain.parallel import (clip_grad_norm, compile_enabled, gradient_sync, is_fsdp, parallelize, unwrap)
+from pretrain.runtime import Runtime
+
+SINGLE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
+
+
+def tiny(**training: object) -> cfg.Config:
+    base = cfg.debug()
+    model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=16)
+    return dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, context_length=16),
+                               training=dataclasses.replace(base.training, **({"use_amp": False, "compile": False}
+                                                                              | training)))
+
+
+def fresh_model(config: cfg.Config) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(config.model, max_seq_len=16)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(5))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# --- two ranks ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """What each of two gloo ranks saw in the DDP, FSDP2 and checkpointed FSDP2 runs."""
+    out = tmp_path_factory.mktemp("ranks")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel_worker.py"), str(out)], cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def flat(per_step: list[list[float]]) -> list[float]:
+    """[[rank 0, rank 1] of each step] -> one list."""
+    return [value for step in per_step for value in step]
+
+
+def test_fsdp_gives_the_losses_of_ddp_on_the_first_step_and_after_an_optimizer_step(two_ranks):
+    for seen in two_ranks:
+        ddp, fsdp = seen["ddp"]["losses"], seen["fsdp"]["losses"]
+        assert len(ddp) == 2 and ddp[0] != ddp[1]  # the step changed the weights
+        assert fsdp == pytest.approx(ddp, rel=1e-5)
+
+
+def test_fsdp_ends_with_the_weights_of_ddp(two_ranks):
+    ddp, fsdp = two_ranks[0]["ddp"]["state"], two_ranks[0]["fsdp"]["state"]
+    assert fsdp.keys() == ddp.keys()
+    for name in ddp:
+        assert fsdp[name] == pytest.approx(ddp[name], rel=1e-4, abs=1e-6), name
+
+
+def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(two_ranks):
+    for seen in two_ranks:
+        assert seen["fsdp_checkpointed"]["losses"] == pytest.approx(seen["ddp"]["losses"], rel=1e-5)
+        assert flat(seen["fsdp_checkpointed"]["grad_norms"]) == pytest.approx(flat(seen["ddp"]["grad_norms"]), rel=1e-5)
+
+
+def test_clip_grad_norm_is_the_same_under_fsdp_as_under_ddp_and_on_every_rank(two_ranks):
+    ddp, fsdp = two_ranks[0]["ddp"], two_ranks[0]["fsdp"]
+    for ddp_norms, fsdp_norms in zip(ddp["grad_norms"], fsdp["grad_norms"]):
+        assert fsdp_norms[0] == fsdp_norms[1] and ddp_norms[0] == ddp_norms[1]  # [rank 0, rank 1]
+        assert fsdp_norms[0] == pytest.approx(ddp_norms[0], rel=1e-5)
+        assert ddp_norms[0] > 0.5  # above max_norm: the runs above compared clipped steps
+    assert fsdp["norm_is_plain"] and ddp["norm_is_plain"]  # a 0-d torch.Tensor, not a DTensor
+
+
+def test_ddp_ranks_keep_their_own_gradients_until_the_synced_micro_batch(two_ranks):
+    ddp = two_ranks[0]["ddp"]
+    for inside, after in zip(ddp["inside_no_sync"], ddp["after_sync"]):
+        assert inside[0] != pytest.approx(inside[1])  # [rank 0, rank 1]: local data, local gradients
+        assert after[0] == after[1]
+
+
+def test_fsdp_reduce_scatters_no_gradient_until_the_synced_micro_batch(two_ranks):
+    fsdp = two_ranks[0]["fsdp"]
+    assert fsdp["inside_no_sync"] == [[None, None]] * 2  # no sharded gradient exists yet
+    assert all(after[0] == after[1] is not None for after in fsdp["after_sync"])
+    assert flat(fsdp["after_sync"]) == pytest.approx(flat(two_ranks[0]["ddp"]["after_sync"]), rel=1e-5)
+
+
+def test_fsdp_under_amp_runs_blocks_in_bf16_and_keeps_fp32_master_weights_and_gradients(two_ranks):
+    assert two_ranks[0]["amp_dtypes"] == {"forward": "torch.bfloat16", "master": "torch.float32",
+                                          "gradient": "torch.float32"}
+
+
+def test_wrapped_models_unwrap_to_the_transformer_with_plain_names(two_ranks):
+    expected = sorted(fresh_model(tiny()).state_dict())
+    for run in ("ddp", "fsdp", "fsdp_checkpointed"):
+        assert two_ranks[0][run]["unwraps_to_transformer"]
+        assert two_ranks[0][run]["keys"] == expected
+    assert [two_ranks[0][run]["is_fsdp"] for run in ("ddp", "fsdp")] == [False, True]
+
+
+# --- one process ----------------------------------------------------------------------
+
+def loss_and_grads(model: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
+    x, y = batch()
+    loss = model(x, y)
+    loss.backward()
+    return float(loss.detach()), {name: p.grad.clone() for name, p in unwrap(model).named_parameters()}
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_the_names():
+    config = tiny()
+    plain = parallelize(fresh_model(config), config, SINGLE, "ddp")
+    checkpointed = parallelize(fresh_model(config), tiny(activation_checkpointing=True), SINGLE, "ddp")
+    calls = []
+    # A pre-hook: the recomputation stops as soon as it has what the backward needs, before
+    # feed_forward returns (non-reentrant checkpoint's early stop), so a forward hook would miss it.
+    checkpointed.layers[0].feed_forward.register_forward_pre_hook(lambda *args: calls.append(1))
+    loss, grads = loss_and_grads(plain)
+    checkpointed_loss, checkpointed_grads = loss_and_grads(checkpointed)
+    assert len(calls) == 2  # the forward, then its recomputation in the backward pass
+    assert checkpointed_loss == loss
+    assert checkpointed_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(checkpointed_grads[name], grads[name], rtol=1e-6, atol=1e-7)
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+
+
+def test_a_checkpointed_block_recomputes_nothing_in_evaluation():
+    config = tiny(activation_checkpointing=True)
+    model = parallelize(fresh_model(config), config, SINGLE, "ddp")
+    calls = []
+    model.layers[0].feed_forward.register_forward_pre_hook(lambda *args: calls.append(1))
+    with torch.no_grad():
+        model(batch()[0])
+    assert len(calls) == 1
+
+
+def test_compile_is_applied_to_each_block_in_place_without_renaming_parameters():
+    config = tiny(compile=True)
+    names = list(fresh_model(config).state_dict())
+    model = parallelize(fresh_model(config), config, SINGLE, "ddp")
+    assert all(block._compiled_call_impl is not None for block in model.layers)
+    assert model._compiled_call_impl is None  # the blocks, not the whole model
+    assert list(model.state_dict()) == names
+
+
+def test_compile_defaults_to_cuda_only_and_an_explicit_choice_wins():
+    assert compile_enabled(tiny(compile=None), torch.device("cuda", 0))
+    assert not compile_enabled(tiny(compile=None), torch.device("cpu"))
+    assert compile_enabled(tiny(compile=True), torch.device("cpu"))
+    assert not compile_enabled(tiny(compile=False), torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp", "fsdp"])
+def test_a_single_process_trains_the_model_itself_whatever_the_mode(mode):
+    config = tiny()
+    model = fresh_model(config)
+    assert parallelize(model, config, SINGLE, mode) is model
+    assert unwrap(model) is model and not is_fsdp(model)
+
+
+def test_gradient_sync_off_in_a_single_process_still_accumulates_gradients():
+    model = fresh_model(tiny())
+    _, once = loss_and_grads(model)
+    with gradient_sync(model, False):
+        _, twice = loss_and_grads(model)
+    for name in once:
+        torch.testing.assert_close(twice[name], 2 * once[name])
+
+
+def test_an_unknown_mode_or_single_on_several_ranks_is_refused():
+    with pytest.raises(ValueError, match="mode must be single, ddp or fsdp"):
+        parallelize(fresh_model(tiny()), tiny(), SINGLE, "auto")
+    two = dataclasses.replace(SINGLE, world_size=2)
+    with pytest.raises(ValueError, match="mode single is for one process, but there are 2 ranks"):
+        parallelize(fresh_model(tiny()), tiny(), two, "single")
+
+
+def global_norm(model: torch.nn.Module) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+
+
+@pytest.mark.parametrize("max_norm", [0.0, float("inf")])
+def test_clip_grad_norm_with_no_limit_returns_the_norm_and_leaves_the_gradients(max_norm):
+    model = fresh_model(tiny())
+    _, grads = loss_and_grads(model)
+    before = global_norm(model)
+    assert float(clip_grad_norm(model, max_norm)) == pytest.approx(before, rel=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name])
+
+
+def test_clip_grad_norm_scales_the_gradients_to_max_norm_and_returns_the_norm_before():
+    model = fresh_model(tiny())
+    loss_and_grads(model)
+    before = global_norm(model)
+    norm = clip_grad_norm(model, before / 4)
+    assert norm.dim() == 0 and float(norm) == pytest.approx(before, rel=1e-6)
+    assert global_norm(model) == pytest.approx(before / 4, rel=1e-4)
+
+
+def test_clip_grad_norm_without_gradients_is_zero():
+    assert float(clip_grad_norm(fresh_model(tiny()), 1.0)) == 0.0
