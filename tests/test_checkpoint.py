@@ -1,0 +1,354 @@
+"""Checkpoints: what a save holds, that a restore continues exactly, pruning, unfinished saves,
+refusals with one line, and the FSDP2 format (sharded DCP) across two real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from conftest import ROOT, one_line_error
+from pretrain import checkpoint
+from pretrain import config as cfg
+from pretrain.checkpoint import CheckpointError
+from pretrain.data.fitting import fit_to_dataset
+from pretrain.data.prepare import prepare
+from pretrain.model import Transformer
+from pretrain.runtime import Runtime, setup_logging
+from pretrain.train import Trainer, build, lr_at, train_step
+
+TINY = ["training.batch_size=2", "data.context_length=32", "system.device=cpu", "logging.tensorboard=false",
+        "debug.check_finite=false"]
+
+
+def resolved(cache: Path, *sets: str, world_size: int = 1) -> tuple[cfg.Config, Path]:
+    """The debug preset on a tiny context, fitted to the built-in dataset prepared in cache."""
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={cache}", *TINY, *sets])
+    dataset = prepare(config.data, log=lambda _: None)
+    config, _ = fit_to_dataset(config, dataset, world_size=world_size)
+    return config, dataset
+
+
+def make_trainer(cache: Path, run_dir: Path, *sets: str) -> Trainer:
+    config, dataset = resolved(cache, *sets)
+    runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
+    return build(config, runtime, dataset, run_dir, setup_logging("CPU 0", "WARNING"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def trained(cache, tmp_path) -> tuple[Trainer, Path]:
+    """A trainer after two steps and the checkpoint it saved then."""
+    trainer = make_trainer(cache, tmp_path / "run")
+    for step in range(2):
+        train_step(trainer, step)
+    return trainer, checkpoint.save(trainer, 2, trainer.run_dir)
+
+
+def draws() -> tuple[torch.Tensor, float, np.ndarray]:
+    return torch.rand(4), random.random(), np.random.rand(4)
+
+
+def assert_same_tensors(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    for key in first:
+        a, b = first[key], second[key]
+        if isinstance(a, dict):
+            assert_same_tensors(a, b)
+        else:
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), key
+
+
+def test_a_restored_trainer_has_the_saved_weights_optimizer_state_data_position_and_random_streams(
+        trained, cache, tmp_path):
+    saved, path = trained
+    expected = draws()  # what the saving process draws next
+    fresh = make_trainer(cache, tmp_path / "fresh")  # build() reseeds torch; scramble the others too
+    random.seed(7)
+    np.random.seed(7)
+    assert checkpoint.restore(fresh, path) == 2
+    got = draws()
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1] and np.array_equal(got[2], expected[2])
+    assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
+    assert_same_tensors(fresh.optimizer.state_dict()["state"], saved.optimizer.state_dict()["state"])
+    assert fresh.loader.state_dict() == saved.loader.state_dict() == {"epoch": 0, "batch_index": 2}
+    assert all(torch.equal(a, b) for a, b in zip(next(fresh.batches), next(saved.batches)))
+
+
+def test_four_steps_equal_two_then_a_save_and_restore_then_two_bit_for_bit(cache, tmp_path):
+    whole = make_trainer(cache, tmp_path / "whole")
+    expected = [float(train_step(whole, step)[0]) for step in range(4)]
+    first = make_trainer(cache, tmp_path / "first")
+    losses = [float(train_step(first, step)[0]) for step in range(2)]
+    path = checkpoint.save(first, 2, first.run_dir)
+    second = make_trainer(cache, tmp_path / "second")
+    start = checkpoint.restore(second, path)
+    losses += [float(train_step(second, step)[0]) for step in range(start, 4)]
+    assert losses == expected
+    assert expected[2] != expected[3]  # the steps differ, so equal lists mean the same steps
+
+
+def test_the_checkpoint_holds_the_run_state_and_every_tensor_file_loads_with_weights_only(trained):
+    trainer, path = trained
+    assert sorted(p.name for p in path.iterdir()) == \
+        ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
+    state = checkpoint.read_state(path)
+    assert state == {"format_version": checkpoint.FORMAT_VERSION, "steps_done": 2, "world_size": 1,
+                     "parallelism": "single", "loader": {"epoch": 0, "batch_index": 2},
+                     "lr_schedule": {"steps_done": 2, "lr": lr_at(2, trainer.config.training)}}
+    assert checkpoint.load_config(path) == trainer.config
+    for file in path.glob("*.pt"):
+        assert torch.load(file, weights_only=True), file  # raises on any pickled object
+    optimizer = checkpoint.load_tensors(path, "optimizer.pt")
+    assert "layers.0.attention.wq.weight" in optimizer["state"]  # keyed by name: loads under any wrapper
+    rng = checkpoint.load_tensors(path, "rng_rank0.pt")
+    assert rng.keys() == {"cpu", "python", "numpy"}
+
+
+def test_load_model_state_gives_the_weights_under_the_plain_parameter_names(trained):
+    trainer, path = trained
+    weights = checkpoint.load_model_state(path)
+    plain = Transformer(trainer.config.model, max_seq_len=32).state_dict()
+    assert weights.keys() == plain.keys()
+    assert_same_tensors(weights, trainer.model.state_dict())
+
+
+def test_only_the_newest_step_checkpoints_are_kept_and_named_ones_never_pruned(cache, tmp_path):
+    trainer = make_trainer(cache, tmp_path / "run", "training.keep_checkpoints=2")
+    for steps in (1, 2, 3):
+        checkpoint.save(trainer, steps, trainer.run_dir)
+    checkpoint.save(trainer, 3, trainer.run_dir, name="nan_grad_step_3")
+    directory = trainer.run_dir / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["nan_grad_step_3", "step_2", "step_3"]
+    checkpoint.save(trainer, 1, trainer.run_dir)  # older than the rest, but just written: kept
+    assert sorted(p.name for p in directory.iterdir()) == ["nan_grad_step_3", "step_1", "step_3"]
+
+
+def test_an_interrupted_save_is_ignored_by_latest_and_cleaned_by_the_next_save(trained):
+    trainer, path = trained
+    directory = path.parent
+    unfinished = directory / "step_9.tmp"
+    unfinished.mkdir()
+    (unfinished / "state.json").write_text('{"steps_done": 9}')  # written, but never renamed into place
+    (directory / "step_8").mkdir()  # no state.json: not a checkpoint
+    assert checkpoint.latest(directory) == path
+    checkpoint.save(trainer, 3, trainer.run_dir)
+    assert not unfinished.exists()
+    assert checkpoint.latest(directory) == directory / "step_3"
+
+
+def test_a_checkpoint_moved_aside_by_an_interrupted_replace_is_put_back_by_the_next_save(trained):
+    trainer, path = trained
+    aside = path.with_name("step_2.old")
+    os.rename(path, aside)  # killed between moving the old step_2 aside and renaming the new one in
+    checkpoint.save(trainer, 3, trainer.run_dir)
+    assert checkpoint.read_state(path)["steps_done"] == 2 and not aside.exists()
+
+
+def test_a_model_of_another_width_is_refused_naming_the_key(trained, cache, tmp_path):
+    _, path = trained
+    narrower = make_trainer(cache, tmp_path / "other", "model.dim=64", "model.ffn_dim=192")
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(narrower, path)
+    assert one_line_error(error) == (f"checkpoint {path} is for a different model: model.dim is 128 there, 64 "
+                                     "here; resume with the same model config or start fresh")
+
+
+def test_tensors_that_do_not_fit_the_model_are_refused_naming_the_first_one(trained, cache, tmp_path):
+    _, path = trained
+    weights = checkpoint.load_tensors(path, "model.pt")
+    weights["output.weight"] = weights["output.weight"][:100]
+    torch.save(weights, path / "model.pt")
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(make_trainer(cache, tmp_path / "other"), path)
+    assert one_line_error(error) == (f"checkpoint {path} is for a different model: output.weight is of shape "
+                                     "[100, 128] there, of shape [257, 128] here; resume with the same model config "
+                                     "or start fresh")
+
+
+def test_a_directory_that_is_not_a_complete_checkpoint_is_refused_with_what_is_wrong(trained, cache, tmp_path):
+    _, path = trained
+    trainer = make_trainer(cache, tmp_path / "other")
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(trainer, tmp_path)
+    assert "no state.json (not a checkpoint, or an unfinished save)" in one_line_error(error)
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(trainer, path)
+    assert one_line_error(error) == (f"checkpoint {path} is incomplete: optimizer.pt is missing; resume from "
+                                     "another checkpoint of the run")
+
+
+def test_a_pickled_object_in_a_tensor_file_is_refused_not_run(trained, cache, tmp_path):
+    _, path = trained
+    torch.save({"cpu": torch.get_rng_state(), "payload": Path("/")}, path / "rng_rank0.pt")  # a class, pickled
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(make_trainer(cache, tmp_path / "other"), path)
+    assert one_line_error(error).startswith(f"checkpoint {path}: cannot read rng_rank0.pt (")
+
+
+class RunsCode:
+    """Unpickling this calls os.system: what a hostile checkpoint would do."""
+
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_dcp_metadata_naming_anything_but_checkpoint_classes_is_refused_unread(tmp_path):
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.read_dcp_metadata(tmp_path)
+    assert one_line_error(error) == (f"checkpoint {tmp_path}: cannot read dcp/.metadata (posix.system is not part "
+                                     "of checkpoint metadata); resume from another checkpoint of the run")
+
+
+def test_a_bigger_batch_continues_after_the_windows_already_read(trained, cache, tmp_path):
+    saved, path = trained  # 2 steps of 1 x 2 windows: 4 windows read
+    halves = [next(saved.batches) for _ in range(2)]
+    bigger = make_trainer(cache, tmp_path / "bigger", "training.batch_size=4")
+    checkpoint.restore(bigger, path)
+    assert bigger.loader.state_dict() == {"epoch": 0, "batch_index": 1}
+    x, y = next(bigger.batches)
+    assert torch.equal(x, torch.cat([halves[0][0], halves[1][0]])) and torch.equal(y, torch.cat([halves[0][1],
+                                                                                                 halves[1][1]]))
+
+
+def test_a_data_position_that_is_not_a_whole_batch_of_the_new_run_is_refused(trained, cache, tmp_path):
+    _, path = trained
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(make_trainer(cache, tmp_path / "other", "training.batch_size=8"), path)
+    assert one_line_error(error) == (
+        f"checkpoint {path} stopped 4 windows into epoch 0 (1 rank(s) x batch 2), not a whole number of batches "
+        "of 1 rank(s) x batch 8; resume with 1 rank(s) and training.batch_size 2")
+
+
+def test_a_format_1_checkpoint_restores_its_weights_and_adam_moments(trained, cache, tmp_path):
+    saved, path = trained
+    # Format 1: the optimizer's own numbered state dict, torch's CPU generator only.
+    torch.save(saved.optimizer.state_dict(), path / "optimizer.pt")
+    torch.save({"cpu": torch.get_rng_state()}, path / "rng_rank0.pt")
+    state = checkpoint.read_state(path)
+    for key in ("parallelism", "lr_schedule"):
+        del state[key]
+    (path / "state.json").write_text(json.dumps(state | {"format_version": 1}))
+    fresh = make_trainer(cache, tmp_path / "fresh")
+    assert checkpoint.restore(fresh, path) == 2
+    assert_same_tensors(fresh.optimizer.state_dict()["state"], saved.optimizer.state_dict()["state"])
+    assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
+
+
+# --- FSDP2: two gloo ranks ------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gathered(tensors: dict) -> dict[str, torch.Tensor]:
+    """Full tensors of a state dict whose values may be DTensors (a collective under FSDP)."""
+    return {key: value.full_tensor() if hasattr(value, "full_tensor") else value for key, value in tensors.items()}
+
+
+def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
+    """One of two FSDP2 ranks: train 2 steps, save (DCP), train 2 more; a fresh trainer restores
+    the save and trains the same 2; a third restores the single-process checkpoint. Writes what
+    it saw to out/rank<r>.json and, on rank 0, full tensors to out/*.pt."""
+    from pretrain.runtime import init_runtime, shutdown
+    config, dataset = resolved(Path(cache), "training.parallelism=fsdp", world_size=2)
+    runtime = init_runtime(config)
+    log = setup_logging(runtime.label, "WARNING")
+    out_dir = Path(out)
+
+    def fresh(name: str) -> Trainer:
+        trainer = build(config, runtime, dataset, out_dir / name, log)
+        assert checkpoint.is_fsdp(trainer.model)
+        return trainer
+
+    first = fresh("run")
+    for step in range(2):
+        train_step(first, step)
+    path = checkpoint.save(first, 2, first.run_dir)
+    saved_weights = gathered(first.model.state_dict())
+    continued = [float(train_step(first, step)[0]) for step in (2, 3)]
+
+    second = fresh("second")
+    assert checkpoint.restore(second, path) == 2
+    resumed = [float(train_step(second, step)[0]) for step in (2, 3)]
+
+    third = fresh("third")
+    checkpoint.restore(third, Path(single_checkpoint))
+    from_single = gathered(third.model.state_dict())
+    moments = {name: gathered(state)["exp_avg"] for name, state in
+               checkpoint.named_optimizer_state(third.optimizer, third.model)["state"].items()}
+    draw = torch.rand(2).tolist()
+    if runtime.is_main:
+        torch.save(saved_weights, out_dir / "saved_weights.pt")
+        torch.save({"weights": from_single, "exp_avg": moments}, out_dir / "from_single.pt")
+    (out_dir / f"rank{runtime.rank}.json").write_text(json.dumps(
+        {"checkpoint": str(path), "continued": continued, "resumed": resumed, "draw": draw}))
+    shutdown(runtime, peers_alive=True)
+
+
+def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_process(cache, tmp_path):
+    single = make_trainer(cache, tmp_path / "single")
+    for step in range(2):
+        train_step(single, step)
+    single_path = checkpoint.save(single, 2, single.run_dir)
+    after_save = torch.rand(2).tolist()  # the draw rank 0 must repeat after restoring single_path
+    port = free_port()
+    workers = [subprocess.Popen(
+        [sys.executable, "-c", f"import test_checkpoint; test_checkpoint.fsdp_worker({str(cache)!r}, "
+                               f"{str(tmp_path)!r}, {str(single_path)!r})"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], "\n".join(outputs)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Each rank continues from the restored shards exactly as the rank that saved them.
+    for seen in ranks:
+        assert seen["resumed"] == seen["continued"]
+    path = Path(ranks[0]["checkpoint"])
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "dcp", "rng_rank0.pt", "rng_rank1.pt",
+                                                      "state.json"]
+    assert checkpoint.read_state(path)["parallelism"] == "fsdp"
+    assert not any(isinstance(item, BytesStorageMetadata)  # nothing DCP would unpickle
+                   for item in checkpoint.read_dcp_metadata(path).state_dict_metadata.values())
+
+    # One process, no process group: the whole model, plain names, the gathered weights.
+    saved_weights = torch.load(tmp_path / "saved_weights.pt", weights_only=True)
+    whole = checkpoint.load_model_state(path)
+    assert whole.keys() == Transformer(single.config.model, 32).state_dict().keys()
+    assert_same_tensors(whole, saved_weights)
+
+    # The sharded checkpoint restores into one process (DCP reshards; the data position converts).
+    alone = make_trainer(cache, tmp_path / "alone")
+    checkpoint.restore(alone, path)
+    assert_same_tensors(alone.model.state_dict(), saved_weights)
+    assert alone.loader.state_dict() == {"epoch": 0, "batch_index": 4}  # 2 ranks x 2 micro-batches of 2
+
+    # The single-process checkpoint restored into FSDP: the same weights and Adam moments; rank 0
+    # took up the saved random stream, rank 1 (which the single run did not have) a fresh one.
+    from_single = torch.load(tmp_path / "from_single.pt", weights_only=True)
+    assert_same_tensors(from_single["weights"], single.model.state_dict())
+    expected_moments = checkpoint.named_optimizer_state(single.optimizer, single.model)["state"]
+    assert_same_tensors(from_single["exp_avg"], {k: v["exp_avg"] for k, v in expected_moments.items()})
+    assert ranks[0]["draw"] == after_save and ranks[1]["draw"] != after_save
+    assert "has no random state for rank 1" in outputs[1]
