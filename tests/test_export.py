@@ -1,0 +1,179 @@
+"""Export to safetensors: the weights and config round-trip, files appear whole, the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from tokenizers import Tokenizer as RustTokenizer
+
+from conftest import launcher_env
+from pretrain import checkpoint
+from pretrain.checkpoint import CheckpointError
+from pretrain import config as cfg
+from pretrain.config import ModelConfig
+from pretrain.data.fitting import fit_to_dataset
+from pretrain.data.prepare import prepare
+from pretrain.export import default_output, export, find_checkpoint, find_tokenizer_file, load_exported, main
+from pretrain.model import Transformer
+from pretrain.runtime import Runtime, setup_logging
+from pretrain.train import Trainer, build, train_step
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Trainer]:
+    """A real checkpoint of a tiny byte-level model after one optimizer step, and its trainer."""
+    root = tmp_path_factory.mktemp("export")
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={root / 'cache'}", "training.batch_size=2",
+                                               "data.context_length=32"])
+    runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
+    dataset = prepare(config.data, log=lambda _: None)
+    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    trainer = build(config, runtime, dataset, root / "run", setup_logging("CPU 0", "WARNING"))
+    train_step(trainer, 0)  # weights that are no longer the seeded initialisation
+    return checkpoint.save(trainer, 1, root / "run"), trainer
+
+
+def trained_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in trainer.model.state_dict().items()}
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_an_export_holds_the_checkpoints_weights_and_a_config_that_rebuilds_the_model(trained, tmp_path, capsys):
+    path, trainer = trained
+    code, out, err = run_cli(["--checkpoint", str(path), "--output", str(tmp_path / "out")], capsys)
+    assert code == 0, err
+    assert "exported" in out and str(tmp_path / "out") in out
+
+    state, meta = load_exported(tmp_path / "out")
+    expected = trained_state(trainer)
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+    assert meta["max_seq_len"] == 32 and meta["model"]["max_seq_len"] == 32 and meta["model"]["vocab_size"] == 257
+    assert meta["torch_dtype"] == "float32"
+    assert meta["tokenizer"] == {"kind": "byte", "name": "byte", "eot_id": 256, "vocab_size": 257, "file": None}
+    assert meta["exported_from"]["steps_done"] == 1
+
+    rebuilt = Transformer(ModelConfig(**meta["model"]), max_seq_len=meta["max_seq_len"])
+    rebuilt.load_state_dict(state)  # strict
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(rebuilt(tokens), trainer.model(tokens))
+
+
+def test_without_output_a_run_is_exported_into_its_export_folder(trained, tmp_path, capsys):
+    path, _ = trained
+    run_dir = shutil.copytree(path.parent.parent, tmp_path / "run")
+    code, _, err = run_cli(["--checkpoint", str(run_dir)], capsys)
+    assert code == 0, err
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert default_output(tmp_path / "loose-checkpoint") == tmp_path / "loose-checkpoint" / "export"
+
+
+def test_exporting_again_leaves_no_temporary_files_and_a_failed_write_keeps_the_previous_export(
+        trained, tmp_path, monkeypatch):
+    _, trainer = trained
+    out = tmp_path / "out"
+    export(trained_state(trainer), trainer.config, out)
+    export(trained_state(trainer), trainer.config, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    before = (out / "model.safetensors").read_bytes()
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export(trained_state(trainer), trainer.config, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_tensors_that_share_storage_are_written_as_separate_copies(trained, tmp_path):
+    _, trainer = trained
+    state = trained_state(trainer)
+    state["output.weight"] = state["tok_embed.weight"]  # tied embeddings: safetensors refuses shared storage
+    export(state, trainer.config, tmp_path / "out")
+    loaded, _ = load_exported(tmp_path / "out")
+    assert torch.equal(loaded["output.weight"], state["tok_embed.weight"])
+    assert loaded["output.weight"].data_ptr() != loaded["tok_embed.weight"].data_ptr()
+
+
+def test_a_bpe_models_tokenizer_is_found_copied_and_described(tmp_path):
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer=bpe",
+                                               "data.bpe_vocab_size=300", "data.context_length=32"])
+    dataset = prepare(config.data, log=lambda _: None)
+    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    checkpoint_dir = tmp_path / "step_1"
+    checkpoint_dir.mkdir()
+    assert find_tokenizer_file(config, checkpoint_dir) == dataset / "tokenizer.json"
+    shutil.copyfile(dataset / "tokenizer.json", checkpoint_dir / "tokenizer.json")
+    assert find_tokenizer_file(config, checkpoint_dir) == checkpoint_dir / "tokenizer.json"  # a copy beside it wins
+
+    state = Transformer(config.model, max_seq_len=32).state_dict()
+    eot = RustTokenizer.from_file(str(dataset / "tokenizer.json")).token_to_id("<|endoftext|>")
+    for given in (checkpoint_dir / "tokenizer.json", None):  # None: the prepared dataset's, as after training
+        out = tmp_path / f"out-{given is None}"
+        export(state, config, out, given)
+        assert (out / "tokenizer.json").read_bytes() == (dataset / "tokenizer.json").read_bytes()
+        described = json.loads((out / "config.json").read_text())["tokenizer"]
+        assert described == {"kind": "bpe", "name": "bpe300", "eot_id": eot, "vocab_size": 300,
+                             "file": "tokenizer.json"}
+
+
+def test_the_export_command_runs_as_a_module(trained, tmp_path):
+    path, _ = trained
+    result = subprocess.run([sys.executable, "-m", "pretrain.export", "--checkpoint", str(path),
+                             "--output", str(tmp_path / "out")],
+                            env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("missing", "no such directory"),
+    ("no weights", "model.pt is missing"),
+    ("no config", "no config.json"),
+])
+def test_an_unusable_checkpoint_is_one_line_and_exit_2(trained, tmp_path, capsys, damage, fragment):
+    path, _ = trained
+    target = tmp_path / "step_1"
+    if damage != "missing":
+        shutil.copytree(path, target)
+        (target / ("model.pt" if damage == "no weights" else "config.json")).unlink()
+    code, out, err = run_cli(["--checkpoint", str(target), "--output", str(tmp_path / "out")], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("export: error: ") and err.count("\n") == 1 and fragment in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_directory_means_its_latest_complete_checkpoint(trained, tmp_path):
+    path, _ = trained
+    run_dir = shutil.copytree(path.parent.parent, tmp_path / "run")
+    shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_10")
+    shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_9")
+    shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_11.tmp")
+    assert find_checkpoint(run_dir) == run_dir / "checkpoints" / "step_10"
+    assert find_checkpoint(run_dir / "checkpoints" / "step_9") == run_dir / "checkpoints" / "step_9"
+    for step in ("step_1", "step_9", "step_10"):
+        shutil.rmtree(run_dir / "checkpoints" / step)
+    with pytest.raises(CheckpointError, match="the run has no complete checkpoint"):
+        find_checkpoint(run_dir)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        find_checkpoint(tmp_path / "elsewhere")
