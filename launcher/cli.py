@@ -134,18 +134,38 @@ def check_command(command: list[str]) -> None:
 
 
 def prepare_training(config: cfg.Config, placement: Placement, printer: Printer) -> cfg.Config:
-    """Prepare the dataset once and check one global batch fits, before anything is spawned
-    or written; return the config as the workers will run it."""
+    """Prepare the dataset once, check one global batch fits the data and the model fits the
+    GPUs, and choose DDP or FSDP, before anything is spawned or written; return the config as
+    the workers will run it (training.parallelism "ddp" or "fsdp", never "auto")."""
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.prepare import prepare
+    from pretrain.memory import plan_parallelism
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     with sigterm_as_exit():
         dataset_dir = prepare(config.data, log=printer.launcher_line)
     config, length = fit_to_dataset(config, dataset_dir, placement.world_size)
     printer.launcher_line(f"run length: {length.describe()}")
+    # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
+    gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
+    config, line = plan_parallelism(config, placement.world_size, gpu_memory)
+    printer.launcher_line(line)
     return config
+
+
+def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) -> tuple[str | None, cfg.Config]:
+    """Resolve training.resume once, for every worker: the run directory to continue in and the
+    config naming the exact checkpoint ("" when starting fresh)."""
+    from pretrain.resume import resolve_resume
+
+    run_dir, checkpoint = resolve_resume(config.training.resume, run_dir_arg, PROJECT_ROOT / "runs")
+    if checkpoint is not None:
+        printer.launcher_line(f"resuming from {checkpoint}")
+    elif config.training.resume == "auto":
+        printer.launcher_line("no checkpoint to resume from; starting at step 0")
+    training = dataclasses.replace(config.training, resume=str(checkpoint) if checkpoint else "")
+    return (str(run_dir) if run_dir else None), dataclasses.replace(config, training=training)
 
 
 def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
@@ -189,10 +209,12 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
                console: Printer) -> int:
     """Prepare, spawn and supervise, on devices already chosen (and claimed)."""
     generic = bool(command)
+    run_dir_arg = args.run_dir
     if not command:
         config = prepare_training(config, placement, console)
+        run_dir_arg, config = resume_point(config, run_dir_arg, console)
     try:
-        run_dir = create_run_dir(args.run_dir)
+        run_dir = create_run_dir(run_dir_arg)
     except OSError as error:
         raise UsageError(f"cannot create run directory {args.run_dir or 'runs/'}: "
                          f"{error.strerror or error}; choose another with --run-dir") from None
@@ -211,6 +233,7 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
 
 def main(argv: Sequence[str] | None = None) -> None:
     from pretrain.data import DataError
+    from pretrain.resume import ResumeError
 
     try:
         code = run(sys.argv[1:] if argv is None else argv)
@@ -229,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if error.table:
             print(error.table, file=sys.stderr)
         code = EXIT_USAGE
-    except (cfg.ConfigError, DataError, BadScript, ClaimError, nvml.NvmlFailure) as error:
+    except (cfg.ConfigError, DataError, ResumeError, BadScript, ClaimError, nvml.NvmlFailure) as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_USAGE
     except OSError as error:  # an unwritable cache directory, a full disk

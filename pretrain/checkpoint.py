@@ -237,9 +237,9 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: {what}; give a <run dir>/checkpoints/step_<N> directory") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"checkpoint {path}: state.json is unreadable ({_first_line(error)}); "
-                              "resume from another checkpoint of the run") from None
+                              "use another checkpoint of the run") from None
     if not isinstance(state, dict) or not isinstance(state.get("steps_done"), int):
-        raise CheckpointError(f"checkpoint {path}: state.json has no steps_done; resume from another checkpoint")
+        raise CheckpointError(f"checkpoint {path}: state.json has no steps_done; use another checkpoint")
     version = state.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}, newer than this code reads "
@@ -251,7 +251,7 @@ def load_config(path: Path) -> Config:
     """The resolved config the checkpoint was written with."""
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no config.json; "
-                              "resume from another checkpoint of the run")
+                              "use another checkpoint of the run")
     try:
         return cfg.load(path / "config.json")
     except cfg.ConfigError as error:
@@ -264,12 +264,12 @@ def load_tensors(path: Path, name: str, mmap: bool = False) -> Any:
     file = path / name
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing; "
-                              "resume from another checkpoint of the run")
+                              "use another checkpoint of the run")
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise CheckpointError(f"checkpoint {path}: cannot read {name} ({_first_line(error)}); "
-                              "resume from another checkpoint of the run") from None
+                              "use another checkpoint of the run") from None
 
 
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -329,15 +329,15 @@ def read_dcp_metadata(path: Path) -> Metadata:
     file = path / "dcp" / ".metadata"
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: dcp/.metadata is missing; "
-                              "resume from another checkpoint of the run")
+                              "use another checkpoint of the run")
     try:
         with open(file, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError) as error:
         raise CheckpointError(f"checkpoint {path}: cannot read dcp/.metadata ({_first_line(error)}); "
-                              "resume from another checkpoint of the run") from None
+                              "use another checkpoint of the run") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path}: dcp/.metadata is not DCP metadata; resume from another checkpoint")
+        raise CheckpointError(f"checkpoint {path}: dcp/.metadata is not DCP metadata; use another checkpoint")
     return metadata
 
 

@@ -87,7 +87,7 @@ def _from_path(resume: str, run_dir: Path | None) -> tuple[Path | None, Path | N
     if (path / "state.json").exists():
         if read_state(path) is None:
             raise ResumeError(f"--resume {resume}: the checkpoint's state.json is unreadable (the checkpoint is "
-                              "damaged); resume from another checkpoint of the run")
+                              "damaged); use another checkpoint of the run")
         path = path.resolve()
         owner = path.parent.parent if path.parent.name == "checkpoints" else None
         return run_dir or owner, path

@@ -11,24 +11,23 @@ import math
 import signal
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from pretrain import checkpoint
+from pretrain import checkpoint, export, memory, parallel
 from pretrain import config as cfg
 from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
+from pretrain.metrics import MetricsLog, flops_per_token, mfu, peak_bf16_flops, peak_memory_gib
 from pretrain.model import Transformer
-from pretrain.runfiles import create_run_dir, os_error_message
+from pretrain.resume import ResumeError, resolve_resume
+from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.stopping import Stopped, StopRequest
 
@@ -60,7 +59,9 @@ class Trainer:
     config: Config
     runtime: Runtime
     model: torch.nn.Module
-    """The model as trained: wrapped in DDP when there is more than one rank."""
+    """The model as trained: wrapped in DDP or sharded by FSDP when there is more than one rank."""
+    mode: str
+    """How the ranks share the model: "single", "ddp" or "fsdp"."""
     optimizer: torch.optim.Optimizer
     loader: TrainBatches
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -68,7 +69,10 @@ class Trainer:
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     log: logging.Logger
     run_dir: Path
+    metrics: MetricsLog
     stop: StopRequest = field(default_factory=StopRequest)
+    start_step: int = 0
+    """The first step this process runs: 0, or the steps done by the checkpoint it resumed."""
     losses: list[float] = field(default_factory=list)
     """Global mean loss of every logged step."""
 
@@ -89,22 +93,32 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: to
                              fused=device.type == "cuda")
 
 
+def gpu_memory(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def parallel_mode(config: Config, runtime: Runtime) -> str:
+    """single for one process, else the configured mode ("auto" chooses by estimated memory).
+    A run that cannot fit the GPU fails here, before the model is built."""
+    if not runtime.distributed:
+        mode = "single"
+    else:
+        mode = memory.choose_parallelism(config, runtime.world_size, gpu_memory(runtime.device))
+    if runtime.device.type == "cuda":
+        memory.check_fits(config, runtime.world_size, gpu_memory(runtime.device), "fsdp" if mode == "fsdp" else "ddp")
+    return mode
+
+
 def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
     t = config.training
+    mode = parallel_mode(config, runtime)
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config)).to(runtime.device)
     log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
-             f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}")
-    optimizer = build_optimizer(model, t, runtime.device)
-    if runtime.distributed:
-        # The only buffers are the rotary tables: constants, identical on every rank, so
-        # broadcasting them before every forward would be wasted traffic. torch 2.13 warns
-        # that broadcast_buffers is deprecated, but its replacement still syncs at init.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-            model = DistributedDataParallel(
-                model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-                broadcast_buffers=False)
+             f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
+             + (f"; {mode.upper()}" if runtime.distributed else ""))
+    model = parallel.parallelize(model, config, runtime, mode)
+    optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                           runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",
                           grad_accum=t.grad_accum_nums)
@@ -118,7 +132,8 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
               f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
               f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
-    return Trainer(config, runtime, model, optimizer, loader, iter(loader), val, log, run_dir)
+    metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log)
+    return Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
 
 
 # --- fit ------------------------------------------------------------------------------
@@ -137,16 +152,13 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     loss_sum = torch.zeros((), device=device)
     for micro in range(t.grad_accum_nums):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
-        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-        last = micro == t.grad_accum_nums - 1
-        sync = nullcontext() if last or not trainer.runtime.distributed else trainer.model.no_sync()
-        with sync:
+        # Only the last micro-batch all-reduces (or reduce-scatters) gradients; the others accumulate locally.
+        with parallel.gradient_sync(trainer.model, enabled=micro == t.grad_accum_nums - 1):
             with autocast(trainer):
                 loss = trainer.model(x, y, t.loss_chunk_tokens) / t.grad_accum_nums
             loss.backward()
         loss_sum += loss.detach()
-    max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), max_norm)
+    grad_norm = parallel.clip_grad_norm(trainer.model, t.max_grad_norm)
     if trainer.config.debug.check_finite and not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)):
         raise NonFiniteError(f"step {step}: loss {float(loss_sum):.4f}, gradient norm {float(grad_norm):.4f} "
                              f"is not finite; see configs/config_stable.json for safer settings")
@@ -170,45 +182,115 @@ def evaluate(trainer: Trainer) -> float | None:
     return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
 
 
+@dataclass
+class Throughput:
+    """Tokens/s, MFU and peak memory over the steps since the last step line."""
+    tokens_per_step: int
+    world_size: int
+    flops_per_token: float
+    peak_flops: float | None
+    """The device's bf16 peak (None: unknown device or CPU, so no MFU)."""
+    device: torch.device
+    window_start: float = field(default_factory=time.perf_counter)
+    window_steps: int = 0
+
+    def step_done(self) -> None:
+        self.window_steps += 1
+
+    def measure(self, now: float) -> tuple[float, float | None, float | None]:
+        """(tokens/s over all ranks, MFU, peak memory GiB) of the window; starts the next one."""
+        tokens_per_s = self.tokens_per_step * self.window_steps / max(now - self.window_start, 1e-9)
+        utilization = mfu(tokens_per_s / self.world_size, self.flops_per_token, self.peak_flops)
+        self.window_start, self.window_steps = now, 0
+        return tokens_per_s, utilization, peak_memory_gib(self.device)
+
+
+def throughput(trainer: Trainer) -> Throughput:
+    device = trainer.runtime.device
+    peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if not trainer.config.training.use_amp:
+        peak = None  # the table holds bf16 peaks; an fp32 run measured against them would mislead
+    return Throughput(trainer.tokens_per_step, trainer.runtime.world_size,
+                      flops_per_token(trainer.config.model, trainer.config.data.context_length), peak, device)
+
+
+def step_line(trainer: Trainer, step: int, loss: float, lr: float, grad_norm: float, eta_s: float,
+              tokens_per_s: float, utilization: float | None, memory_gib: float | None) -> str:
+    line = (f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f} | LR: {lr:.2e} | "
+            f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}")
+    if utilization is not None:
+        line += f" | MFU: {100 * utilization:.1f}%"
+    if memory_gib is not None:
+        line += f" | Mem: {memory_gib:.1f} GiB"
+    return line
+
+
 def fit(trainer: Trainer) -> None:
-    """Train for max_steps, or until trainer.stop is agreed: then save and raise Stopped."""
+    """Train from start_step to max_steps, or until trainer.stop is agreed: then save and raise
+    Stopped. Saves a checkpoint every checkpoint_interval steps and after the last one."""
     t, log = trainer.config.training, trainer.log
     interval = trainer.config.logging.log_interval
     start = time.perf_counter()
-    window_start, window_steps = start, 0
+    speed = throughput(trainer)
     first_step_done = None
-    for step in range(t.max_steps):
+    for step in range(trainer.start_step, t.max_steps):
         loss, grad_norm, lr = train_step(trainer, step)
-        window_steps += 1
+        speed.step_done()
+        steps_run = step - trainer.start_step
         last = step == t.max_steps - 1
-        if step == 0 or last or step % interval == 0:
+        if steps_run == 0 or last or step % interval == 0:
             mean_loss = mean_across_ranks(loss, trainer.runtime)  # the global mean, the same on every rank
             trainer.losses.append(mean_loss)
             now = time.perf_counter()
             first_step_done = first_step_done or now
             # The first step includes warm-up costs; the ETA uses the steps after it.
-            per_step = (now - first_step_done) / step if step > 0 else now - start
-            tokens_per_s = trainer.tokens_per_step * window_steps / max(now - window_start, 1e-9)
-            log.info(f"Step [{step}/{t.max_steps}] | Loss: {mean_loss:.4f} | LR: {lr:.2e} | "
-                     f"Grad Norm: {float(grad_norm):.4f} | ETA: {format_eta(per_step * (t.max_steps - 1 - step))} | "
-                     f"Tokens/s: {tokens_per_s:,.0f}")
-            window_start, window_steps = now, 0
+            per_step = (now - first_step_done) / steps_run if steps_run > 0 else now - start
+            tokens_per_s, utilization, memory_gib = speed.measure(now)
+            log.info(step_line(trainer, step, mean_loss, lr, float(grad_norm), per_step * (t.max_steps - 1 - step),
+                               tokens_per_s, utilization, memory_gib))
+            trainer.metrics.log_train(step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization,
+                                      memory_gib, now - start)
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
             log_validation(trainer, step)
         if (signum := trainer.stop.agreed(trainer.runtime)) is not None:
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
             raise Stopped(signum)
+        if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 and not last:
+            path = checkpoint.save(trainer, step + 1, trainer.run_dir)
+            log.info(f"Checkpoint saved to {path}")
     val_loss = log_validation(trainer, t.max_steps - 1)
-    log.info(f"Training complete: {t.max_steps} steps in {time.perf_counter() - start:.1f}s, "
-             f"final loss {trainer.losses[-1]:.4f}"
-             + (f", validation loss {val_loss:.4f}" if val_loss is not None else ""))
+    path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
+    exported = export_final(trainer)
+    log.info(f"Training complete: {t.max_steps - trainer.start_step} steps in {time.perf_counter() - start:.1f}s, "
+             + (f"final loss {trainer.losses[-1]:.4f}" if trainer.losses else "nothing left to train")
+             + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
+             + f"; checkpoint {path}" + (f"; weights exported to {exported}" if exported else ""))
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU with plain names; under FSDP a collective that
+    gathers the shards (every rank must call it)."""
+    if parallel.is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: tensor.detach().cpu() for name, tensor in parallel.unwrap(model).state_dict().items()}
+
+
+def export_final(trainer: Trainer) -> Path | None:
+    """Rank 0 writes <run dir>/export/model.safetensors and config.json (every rank takes part
+    in gathering sharded weights)."""
+    state = full_state_dict(trainer.model)
+    if not trainer.runtime.is_main:
+        return None
+    return export.export(state, trainer.config, trainer.run_dir / "export")
 
 
 def log_validation(trainer: Trainer, step: int) -> float | None:
     val_loss = evaluate(trainer)
     if val_loss is not None:
         trainer.log.info(f"Validation | Step [{step}/{trainer.config.training.max_steps}] | Loss: {val_loss:.4f}")
+        trainer.metrics.log_val(step, val_loss)
     return val_loss
 
 
@@ -228,7 +310,8 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     """Set up the run directory and data, build, fit. Everything it built, the DDP wrapper
     included, is released when it returns: a process group destroyed while DDP still holds
     it is torn down at interpreter exit instead, where gloo's threads abort the process."""
-    run_dir = create_run_dir(run_dir_arg)
+    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, PROJECT_ROOT / "runs")
+    run_dir = create_run_dir(resume_run_dir)
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
     dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
@@ -239,7 +322,13 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
     trainer = build(config, runtime, dataset_dir, run_dir, log)
     log.debug(f"Run directory: {run_dir}")
-    with trainer.stop.installed():  # SIGTERM or SIGINT: finish the step, save, stop
+    if resume_from is not None:
+        trainer.start_step = checkpoint.restore(trainer, resume_from)
+        trainer.batches = iter(trainer.loader)  # from the restored position
+        log.info(f"Resumed from {resume_from} at step {trainer.start_step}")
+    elif config.training.resume == "auto":
+        log.info("No checkpoint to resume from; starting at step 0")
+    with trainer.stop.installed(), trainer.metrics:  # SIGTERM or SIGINT: finish the step, save, stop
         fit(trainer)
 
 
@@ -267,9 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({config.system.collective_timeout:g} s) for the other ranks: one of them is frozen or "
                   f"gone (its log says which); {str(error).splitlines()[0]}")
         return 1
-    except (DataError, NonFiniteError) as error:
+    except (DataError, NonFiniteError, cfg.ConfigError, ResumeError, checkpoint.CheckpointError) as error:
         log.error(str(error))
-        return 2 if isinstance(error, DataError) else 1
+        return 1 if isinstance(error, NonFiniteError) else 2
     except OSError as error:  # an unwritable run or cache directory, a full disk
         log.error(os_error_message(error))
         return 2

@@ -44,7 +44,7 @@ def test_the_quick_benchmark_prints_a_throughput_table_and_a_cross_entropy_memor
     assert steps_per_s > 0
     assert abs(tokens_per_s / (steps_per_s * batch * context) - 1) < 0.01  # tokens/s counts what a step trains
     assert re.fullmatch(rf"(≤ )?{NUMBER} (MiB|GiB)", row["peak memory"])
-    assert number(row["warm-up (s)"]) > 0
+    assert number(row["warm-up (s)"]) >= 0  # shown to 0.1 s: a fast machine warms up in less
 
     assert [r["chunk (tokens)"] for r in cross_entropy] == ["0 (whole batch)", "128"]
     for r in cross_entropy:

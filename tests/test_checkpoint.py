@@ -189,7 +189,7 @@ def test_a_directory_that_is_not_a_complete_checkpoint_is_refused_with_what_is_w
     (path / "optimizer.pt").unlink()
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(trainer, path)
-    assert one_line_error(error) == (f"checkpoint {path} is incomplete: optimizer.pt is missing; resume from "
+    assert one_line_error(error) == (f"checkpoint {path} is incomplete: optimizer.pt is missing; use "
                                      "another checkpoint of the run")
 
 
@@ -214,7 +214,7 @@ def test_dcp_metadata_naming_anything_but_checkpoint_classes_is_refused_unread(t
     with pytest.raises(CheckpointError) as error:
         checkpoint.read_dcp_metadata(tmp_path)
     assert one_line_error(error) == (f"checkpoint {tmp_path}: cannot read dcp/.metadata (posix.system is not part "
-                                     "of checkpoint metadata); resume from another checkpoint of the run")
+                                     "of checkpoint metadata); use another checkpoint of the run")
 
 
 def test_a_bigger_batch_continues_after_the_windows_already_read(trained, cache, tmp_path):

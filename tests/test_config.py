@@ -220,3 +220,46 @@ def test_a_complete_data_source_config_resolves():
                                                "data.tokenizer=bpe", "data.bpe_vocab_size=4096", "training.epochs=2"])
     assert (config.data.source, config.data.path, config.data.text_field) == ("jsonl", "data/*.jsonl", "body")
     assert (config.data.tokenizer, config.data.bpe_vocab_size, config.training.epochs) == ("bpe", 4096, 2)
+
+
+def test_the_small_preset_is_about_124m_parameters_at_context_1024():
+    import torch  # noqa: F401  (the model needs it; the config module does not)
+    from pretrain.model import Transformer
+
+    c = cfg.small()
+    model = dataclasses.replace(c.model, vocab_size=c.data.bpe_vocab_size)
+    with torch.device("meta"):
+        params = Transformer(model, max_seq_len=cfg.max_seq_len(c)).num_params()
+    assert 115e6 < params < 135e6 and c.data.context_length == 1024
+
+
+def test_a_global_batch_size_sets_the_accumulation_for_the_number_of_ranks():
+    c = cfg.resolve(preset="debug", sets=["training.batch_size=4", "training.global_batch_size=32"])
+    assert cfg.with_world_size(c, 2).training.grad_accum_nums == 4
+    assert cfg.with_world_size(c, 8).training.grad_accum_nums == 1
+    unset = cfg.resolve(preset="debug")
+    assert cfg.with_world_size(unset, 4) == unset  # 0: batch_size x grad_accum_nums per rank, as configured
+
+
+def test_a_global_batch_size_that_does_not_divide_names_the_nearest_that_do():
+    c = cfg.resolve(preset="debug", sets=["training.batch_size=4", "training.global_batch_size=32"])
+    with pytest.raises(cfg.ConfigError) as caught:
+        cfg.with_world_size(c, 3)
+    assert str(caught.value) == ("training.global_batch_size 32 is not a multiple of training.batch_size 4 x 3 "
+                                "rank(s) = 12; use 24 or 36, or change batch_size")
+
+
+def test_a_context_longer_than_the_models_positions_is_refused():
+    message = error_of(preset="small", sets=["data.context_length=2048"])
+    assert message == ("data.context_length 2048 is longer than the model supports (model.max_seq_len 1024); "
+                       "lower data.context_length or raise model.max_seq_len")
+    assert cfg.resolve(preset="debug", sets=["data.context_length=4096"]).model.max_seq_len is None  # follows it
+
+
+def test_resume_on_the_command_line_is_the_training_resume_key():
+    import argparse
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser)
+    assert cfg.from_args(parser.parse_args(["--debug", "--resume", "auto"])).training.resume == "auto"
+    with pytest.raises(cfg.ConfigError, match="--resume: expected auto or a checkpoint path"):
+        cfg.from_args(parser.parse_args(["--debug", "--resume", " "]))

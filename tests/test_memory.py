@@ -89,7 +89,7 @@ def test_one_process_is_estimated_unwrapped_whatever_the_mode():
 
 
 def test_activation_checkpointing_loss_chunks_and_bf16_shrink_their_parts():
-    config = with_training(cfg.production(), use_amp=False)
+    config = with_training(cfg.production(), use_amp=False, activation_checkpointing=False)
     base = estimate(config, 8, "fsdp")
     checkpointed = estimate(with_training(config, activation_checkpointing=True), 8, "fsdp")
     assert checkpointed.activations < base.activations / 5
@@ -148,8 +148,9 @@ def refusal(config: cfg.Config, world_size: int, mode: str, memory: int = GPU_80
 
 
 def test_a_config_that_does_not_fit_says_the_estimate_the_gpu_and_what_would_help():
-    message = refusal(cfg.production(), 8, "ddp", int(79.6 * GIB))
-    needed = estimate(cfg.production(), 8, "ddp")
+    config = with_training(cfg.production(), activation_checkpointing=False)
+    message = refusal(config, 8, "ddp", int(79.6 * GIB))
+    needed = estimate(config, 8, "ddp")
     assert message.startswith(f"preset production needs ~{needed.total / GIB:.1f} GiB per GPU with DDP (weights ")
     assert message.endswith("but the GPU has 79.6 GiB; try --set training.parallelism=fsdp or "
                             "--set training.activation_checkpointing=true")
@@ -182,10 +183,11 @@ def test_a_loss_computed_in_one_piece_is_suggested_to_be_chunked():
 
 
 def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
-    assert refusal(cfg.production(), 1, "ddp").endswith(
-        "on one GPU (" + estimate(cfg.production(), 1, "ddp").parts() + ") but the GPU has 80.0 GiB; "
+    config = with_training(cfg.production(), activation_checkpointing=False)
+    assert refusal(config, 1, "ddp").endswith(
+        "on one GPU (" + estimate(config, 1, "ddp").parts() + ") but the GPU has 80.0 GiB; "
         "try --set training.activation_checkpointing=true or more GPUs (FSDP shards the model over them)")
-    pinned = with_training(cfg.production(), parallelism="ddp")
+    pinned = with_training(config, parallelism="ddp")
     assert refusal(pinned, 1, "ddp").endswith("or more GPUs with --set training.parallelism=fsdp")
 
 
@@ -238,7 +240,8 @@ def test_production_on_one_80_gib_gpu_stops_before_any_worker_with_one_line_and_
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("launcher: error: preset production needs ~")
     assert "GiB per GPU on one GPU (weights " in result.stderr
-    assert "but the GPU has 80.0 GiB; try --set training.activation_checkpointing=true" in result.stderr
+    # The preset already checkpoints activations: only more GPUs (sharding 8B parameters) help.
+    assert "but the GPU has 80.0 GiB; try more GPUs (FSDP shards the model over them)" in result.stderr
     assert "GPU0:" not in result.stdout and not (tmp_path / "run").exists()  # nothing started, nothing written
 
 

@@ -137,7 +137,7 @@ def test_a_checkpoint_with_a_damaged_state_file_is_refused(tmp_path, runs):
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(path), None, runs)
     assert one_line_error(error) == (f"--resume {path}: the checkpoint's state.json is unreadable (the checkpoint "
-                                     "is damaged); resume from another checkpoint of the run")
+                                     "is damaged); use another checkpoint of the run")
 
 
 def test_resolving_imports_no_torch():

@@ -1,0 +1,116 @@
+"""Whole training runs on CPU (debug preset, tiny context): exact resume, single process and
+two DDP ranks under the launcher; the loss falls; what a finished run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, launcher_env
+from pretrain import checkpoint
+from pretrain.metrics import read_metrics
+
+SMALL_RUN = ["--set", "data.context_length=64", "--set", "training.batch_size=4", "--set", "logging.log_interval=1"]
+
+
+def run(tmp_path, command: list[str], run_dir, *options: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, *command, "--debug", "--run-dir", str(run_dir),
+         "--set", f"data.cache_dir={tmp_path / 'cache'}", *SMALL_RUN, *options],
+        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    """Step -> the exact global loss rank 0 recorded (metrics.jsonl keeps every digit)."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"}
+
+
+SINGLE = ["pretrain_main.py"]
+TWO_RANKS = ["-m", "launcher", "--device", "cpu", "--nproc", "2"]
+
+
+@pytest.mark.parametrize("command", [SINGLE, TWO_RANKS], ids=["single process", "two DDP ranks"])
+def test_twenty_steps_equal_ten_then_ten_resumed_from_the_checkpoint_at_every_step(tmp_path, command):
+    whole = tmp_path / "whole"
+    run(tmp_path, command, whole, "--max-steps", "20", "--set", "training.checkpoint_interval=10")
+    # Resume from a copy of the step-10 checkpoint alone, in a fresh run directory: nothing but
+    # the checkpoint carries over.
+    saved = tmp_path / "saved" / "step_10"
+    shutil.copytree(whole / "checkpoints" / "step_10", saved)
+    resumed = tmp_path / "resumed"
+    out = run(tmp_path, command, resumed, "--max-steps", "20", "--resume", str(saved)).stdout
+    assert f"Resumed from {saved} at step 10" in out
+
+    first, second = train_losses(whole), train_losses(resumed)
+    assert sorted(first) == list(range(20)) and sorted(second) == list(range(10, 20))
+    assert {step: first[step] for step in range(10, 20)} == second  # bit for bit
+    assert torch.equal(checkpoint.load_model_state(whole / "checkpoints" / "step_20")["output.weight"],
+                       checkpoint.load_model_state(resumed / "checkpoints" / "step_20")["output.weight"])
+
+
+def test_resume_auto_continues_the_latest_checkpoint_of_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    run(tmp_path, SINGLE, run_dir, "--max-steps", "6", "--set", "training.checkpoint_interval=3")
+    out = run(tmp_path, SINGLE, run_dir, "--max-steps", "9", "--resume", "auto").stdout
+    assert f"Resumed from {run_dir / 'checkpoints' / 'step_6'} at step 6" in out
+    records = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert records == list(range(6)) + [6, 7, 8]  # the same metrics file, continued
+
+
+def test_resume_auto_without_a_checkpoint_starts_at_step_zero(tmp_path):
+    out = run(tmp_path, SINGLE, tmp_path / "run", "--max-steps", "2", "--resume", "auto").stdout
+    assert "No checkpoint to resume from; starting at step 0" in out
+
+
+def test_the_loss_falls_on_the_builtin_corpus(tmp_path):
+    run_dir = tmp_path / "run"
+    run(tmp_path, SINGLE, run_dir, "--max-steps", "30", "--set", "training.warmup_steps=3")
+    losses = train_losses(run_dir)
+    assert losses[0] == pytest.approx(5.55, abs=0.3)  # ln(257): uniform over the byte vocabulary
+    assert losses[29] < losses[0] - 2.0  # bytes of English are far from uniform
+
+
+def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run(tmp_path, SINGLE, run_dir, "--max-steps", "8", "--set", "training.checkpoint_interval=2",
+              "--set", "training.keep_checkpoints=2").stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_6", "step_8"]
+    assert "Tokens/s:" in out and "MFU" not in out  # no MFU on a CPU: its peak is not known
+    kinds = [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert kinds.count("train") == 8 and kinds[-1] == "val"
+    from safetensors.torch import load_file
+    exported = load_file(run_dir / "export" / "model.safetensors")
+    final = checkpoint.load_model_state(run_dir / "checkpoints" / "step_8")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    assert json.loads((run_dir / "export" / "config.json").read_text())
+
+
+def test_a_context_longer_than_the_model_supports_is_refused_before_start_up(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "run"),
+         "--set", "model.max_seq_len=64", "--set", "data.context_length=128"],
+        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "launcher: error: data.context_length 128 is longer than the model supports (model.max_seq_len 64); "
+        "lower data.context_length or raise model.max_seq_len"]
+
+
+def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_with_the_nearest_sizes(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", "2",
+         "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={tmp_path / 'cache'}",
+         "--set", "training.batch_size=4", "--set", "training.global_batch_size=20"],
+        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "launcher: error: training.global_batch_size 20 is not a multiple of training.batch_size 4 x 2 rank(s) "
+        "= 8; use 16 or 24, or change batch_size")
+    assert not (tmp_path / "run" / "logs" / "cpu0.log").exists()  # refused before any worker started
