@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pretrain import checkpoint, export, memory, parallel
 from pretrain import config as cfg
@@ -24,10 +25,11 @@ from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.metrics import MetricsLog, flops_per_token, mfu, peak_bf16_flops, peak_memory_gib
+from pretrain.data.tokenizer import TOKENIZER_FILE
+from pretrain.metrics import MetricsLog, flops_per_token, mfu, peak_bf16_flops, peak_memory_gib, reset_peak_memory
 from pretrain.model import Transformer
 from pretrain.resume import ResumeError, resolve_resume
-from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
+from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.stopping import Stopped, StopRequest
 
@@ -73,6 +75,8 @@ class Trainer:
     stop: StopRequest = field(default_factory=StopRequest)
     start_step: int = 0
     """The first step this process runs: 0, or the steps done by the checkpoint it resumed."""
+    tokenizer_file: Path | None = None
+    """The dataset's tokenizer.json, exported with the weights (None: a built-in tokenizer)."""
     losses: list[float] = field(default_factory=list)
     """Global mean loss of every logged step."""
 
@@ -113,7 +117,10 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     t = config.training
     mode = parallel_mode(config, runtime)
     torch.manual_seed(t.seed)  # the same initial weights on every rank
-    model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config)).to(runtime.device)
+    # Built on its device directly: an 8B model built on the CPU first would take 32 GB of host
+    # memory per rank (and minutes of CPU initialisation) before moving.
+    with torch.device(runtime.device):
+        model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
     log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
              f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
              + (f"; {mode.upper()}" if runtime.distributed else ""))
@@ -201,8 +208,10 @@ class Throughput:
         """(tokens/s over all ranks, MFU, peak memory GiB) of the window; starts the next one."""
         tokens_per_s = self.tokens_per_step * self.window_steps / max(now - self.window_start, 1e-9)
         utilization = mfu(tokens_per_s / self.world_size, self.flops_per_token, self.peak_flops)
+        memory_gib = peak_memory_gib(self.device)
+        reset_peak_memory(self.device)
         self.window_start, self.window_steps = now, 0
-        return tokens_per_s, utilization, peak_memory_gib(self.device)
+        return tokens_per_s, utilization, memory_gib
 
 
 def throughput(trainer: Trainer) -> Throughput:
@@ -268,22 +277,17 @@ def fit(trainer: Trainer) -> None:
              + f"; checkpoint {path}" + (f"; weights exported to {exported}" if exported else ""))
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on CPU with plain names; under FSDP a collective that
-    gathers the shards (every rank must call it)."""
-    if parallel.is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {name: tensor.detach().cpu() for name, tensor in parallel.unwrap(model).state_dict().items()}
-
-
 def export_final(trainer: Trainer) -> Path | None:
-    """Rank 0 writes <run dir>/export/model.safetensors and config.json (every rank takes part
-    in gathering sharded weights)."""
-    state = full_state_dict(trainer.model)
+    """Rank 0 writes <run dir>/export/: model.safetensors, config.json and the dataset's
+    tokenizer.json. Under FSDP every rank takes part in gathering the shards."""
+    if parallel.is_fsdp(trainer.model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif trainer.runtime.is_main:
+        state = {name: tensor.detach().cpu() for name, tensor in parallel.unwrap(trainer.model).state_dict().items()}
     if not trainer.runtime.is_main:
         return None
-    return export.export(state, trainer.config, trainer.run_dir / "export")
+    return export.export(state, trainer.config, trainer.run_dir / "export", tokenizer_file=trainer.tokenizer_file)
 
 
 def log_validation(trainer: Trainer, step: int) -> float | None:
@@ -306,12 +310,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def shared_run_dir(run_dir: Path | None, runtime: Runtime) -> Path:
+    """The run directory every rank writes to: the given one, else a new runs/<run-id>/ that
+    rank 0 names for all (started without the launcher, say by torchrun, each rank would
+    otherwise invent its own)."""
+    if run_dir is not None:
+        return run_dir
+    chosen = [str(PROJECT_ROOT / "runs" / new_run_id())]
+    if runtime.distributed:
+        dist.broadcast_object_list(chosen, src=0)  # a str from rank 0 of this very job
+    return Path(chosen[0])
+
+
 def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: logging.Logger) -> None:
     """Set up the run directory and data, build, fit. Everything it built, the DDP wrapper
     included, is released when it returns: a process group destroyed while DDP still holds
     it is torn down at interpreter exit instead, where gloo's threads abort the process."""
     resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, PROJECT_ROOT / "runs")
-    run_dir = create_run_dir(resume_run_dir)
+    run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
     dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
@@ -321,6 +337,8 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
         cfg.save(config, run_dir / "config.json")
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
     trainer = build(config, runtime, dataset_dir, run_dir, log)
+    if (dataset_dir / TOKENIZER_FILE).exists():
+        trainer.tokenizer_file = dataset_dir / TOKENIZER_FILE
     log.debug(f"Run directory: {run_dir}")
     if resume_from is not None:
         trainer.start_step = checkpoint.restore(trainer, resume_from)

@@ -114,3 +114,26 @@ def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_with_the_
         "launcher: error: training.global_batch_size 20 is not a multiple of training.batch_size 4 x 2 rank(s) "
         "= 8; use 16 or 24, or change batch_size")
     assert not (tmp_path / "run" / "logs" / "cpu0.log").exists()  # refused before any worker started
+
+
+def test_ranks_started_without_the_launcher_or_a_run_directory_share_one_run_directory(tmp_path):
+    """As under torchrun: rank 0 names the run directory for every rank."""
+    import re
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = [subprocess.Popen(
+        [sys.executable, "pretrain_main.py", "--debug", "--max-steps", "2", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+         *SMALL_RUN], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=launcher_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for rank in range(2)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
+    run_dirs = [re.findall(r"Run directory: (\S+)", out) for out in outputs]
+    try:
+        assert [proc.returncode for proc in ranks] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+        assert len(run_dirs[0]) == 1 and run_dirs[0] == run_dirs[1]
+        assert (ROOT / "runs" / run_dirs[0][0].split("/")[-1] / "checkpoints" / "step_2" / "rng_rank1.pt").exists()
+    finally:
+        for found in {d for dirs in run_dirs for d in dirs}:
+            shutil.rmtree(found, ignore_errors=True)
