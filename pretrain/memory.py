@@ -10,10 +10,16 @@ What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16
 
     DDP   weights 4P (+ 2P: autocast's bf16 copies of the matrices, kept for the backward)
           gradients 4P (DDP's buckets hold them: gradient_as_bucket_view), AdamW 8P
-    FSDP  weights 4P/W + a x (root + 2 blocks): the unsharded copies in flight (the root's
-          embedding and output stay gathered through the step; one block runs while the next
-          is prefetched); gradients 4P/W + a x (root + 1 block) unsharded before their
-          reduce-scatter; AdamW 8P/W
+    FSDP  weights 4P/W + a x (head + 2 blocks): the unsharded copies in flight (the root group,
+          the final norm and output projection, stays gathered through the step; one block
+          runs while the next is prefetched); gradients 4P/W + a x head (the root's, unsharded
+          until the end of the backward pass) + (a + 4) x block (one block's unsharded
+          gradients and the fp32 buffer they are reduce-scattered from); AdamW 8P/W
+
+FSDP reduce-scatters on every micro-batch of gradient accumulation (pretrain/parallel.py,
+gradient_sync), so no rank ever holds the full gradient and grad_accum_nums changes nothing
+here. The embedding is gathered in fp32, but only around its own forward and backward, where
+the activations are few, so it is not part of the peak.
 
 One process is never wrapped (pretrain/parallel.py), so world_size 1 is estimated as the
 plain model whatever the mode.
@@ -71,7 +77,7 @@ def gib(n_bytes: float) -> str:
 
 def _require_vocab(model: ModelConfig) -> int:
     if model.vocab_size is None:
-        raise ValueError("model.vocab_size is null: estimate after the dataset fixed it (fit_to_dataset)")
+        raise ValueError("model.vocab_size is null: count parameters once the dataset has fixed it (fit_to_dataset)")
     return model.vocab_size
 
 
@@ -82,14 +88,21 @@ def block_parameter_count(model: ModelConfig) -> int:
     return 2 * d + attention + 3 * d * model.ffn_dim
 
 
-def root_parameter_count(model: ModelConfig) -> int:
-    """What is not in a block: the embedding, the final norm and the (untied) output projection."""
-    return 2 * _require_vocab(model) * model.dim + model.dim
+def embedding_parameter_count(model: ModelConfig) -> int:
+    """The token embedding: a lookup table, no matmul (FLOPs per token leave it out)."""
+    return _require_vocab(model) * model.dim
+
+
+def head_parameter_count(model: ModelConfig) -> int:
+    """The final norm and the (untied) output projection: FSDP's root group."""
+    return _require_vocab(model) * model.dim + model.dim
 
 
 def parameter_count(model: ModelConfig) -> int:
-    """Every parameter of Transformer(model); equals Transformer.num_params()."""
-    return root_parameter_count(model) + model.n_layers * block_parameter_count(model)
+    """Every parameter of Transformer(model); equals Transformer.num_params(). The one count:
+    pretrain/metrics.py counts FLOPs from it."""
+    return (embedding_parameter_count(model) + model.n_layers * block_parameter_count(model)
+            + head_parameter_count(model))
 
 
 def _matrix_parameter_count(model: ModelConfig) -> int:
@@ -103,15 +116,29 @@ def _matrix_parameter_count(model: ModelConfig) -> int:
 def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     """What one block keeps per token for its backward pass (flash attention: nothing of T x T).
 
-    In the compute dtype: the attention norm's output (shared by wq, wk, wv), q, k and v after
-    the rotation, the attention output and its reshaped copy (wo's input), the FFN norm's
-    output, w1's and w3's outputs, silu's output and the gated product (w2's input):
-    5 dim + 2 kv_dim + 4 ffn_dim. In fp32: each RMSNorm's float input and normalised value
-    (2 x 2 dim) and the float copies of q and k the rotary embedding works on (dim + kv_dim).
+    The residual stream is fp32 in every mode (autocast leaves it so, and so does FSDP:
+    pretrain/parallel.py), so each RMSNorm keeps its fp32 input and normalised value (2 x 2 dim).
+    In the compute dtype: each matmul's input, which under autocast is a bf16 copy of the fp32
+    norm output per consumer (wq, wk, wv, w1, w3: 5 dim) and in fp32 the norm output itself, shared
+    (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim) and its output, which wo
+    reads through a view (dim); w1's and w3's outputs, silu's output and the gated product, w2's
+    input (4 ffn_dim). Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one
+    per head). The rotation keeps nothing: its tables are constants.
     """
     d, ffn = model.dim, model.ffn_dim
     kv = model.n_kv_heads * (d // model.n_heads)
-    return compute_bytes * (5 * d + 2 * kv + 4 * ffn) + FP32 * (5 * d + kv)
+    norm_outputs = 5 * d if compute_bytes != FP32 else 2 * d
+    return compute_bytes * (norm_outputs + 2 * d + 2 * kv + 4 * ffn) + FP32 * (4 * d + 2 + model.n_heads)
+
+
+def _head_bytes_per_token(config: Config, compute_bytes: int) -> int:
+    """What the model keeps per token outside its blocks: the token ids and targets (int64), the
+    final RMSNorm (its fp32 input, normalised value and reciprocal RMS) and the loss's input: the
+    fp32 hidden states a chunked loss keeps for its recomputation, or the output projection's
+    input (a bf16 copy under autocast) when the loss is computed in one piece."""
+    t, dim = config.training, config.model.dim
+    chunked = 0 < t.loss_chunk_tokens < t.batch_size * config.data.context_length
+    return 2 * 8 + FP32 * (2 * dim + 1) + (FP32 if chunked else compute_bytes) * dim
 
 
 def activation_bytes(config: Config) -> int:
@@ -126,8 +153,7 @@ def activation_bytes(config: Config) -> int:
     compute = BF16 if t.use_amp else FP32
     per_block = _activation_bytes_per_token(model, compute)
     blocks = per_block + model.n_layers * FP32 * model.dim if t.activation_checkpointing else model.n_layers * per_block
-    head = FP32 * 2 * model.dim + compute * model.dim  # the final RMSNorm, the loss's input
-    return tokens * (blocks + head)
+    return tokens * (blocks + _head_bytes_per_token(config, compute))
 
 
 def logits_bytes(config: Config) -> int:
@@ -149,9 +175,9 @@ def estimate(config: Config, world_size: int, mode: str) -> MemoryEstimate:
     params = parameter_count(model)
     unsharded = BF16 if amp else FP32  # the dtype FSDP gathers into (MixedPrecisionPolicy under amp)
     if mode == "fsdp" and world_size > 1:
-        root, block = root_parameter_count(model), block_parameter_count(model)
-        weights = _ceil_div(FP32 * params, world_size) + unsharded * (root + 2 * block)
-        gradients = _ceil_div(FP32 * params, world_size) + unsharded * (root + block)
+        head, block = head_parameter_count(model), block_parameter_count(model)
+        weights = _ceil_div(FP32 * params, world_size) + unsharded * (head + 2 * block)
+        gradients = _ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
         optimizer = _ceil_div(2 * FP32 * params, world_size)
     else:
         weights = FP32 * params + (BF16 * _matrix_parameter_count(model) if amp else 0)

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ModelConfig
+from pretrain.memory import embedding_parameter_count, parameter_count
 
 if TYPE_CHECKING:
     import torch
@@ -75,24 +76,6 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 # --- FLOPs ------------------------------------------------------------------------------
 
-def _vocab_size(model_cfg: ModelConfig) -> int:
-    if model_cfg.vocab_size is None:
-        raise ValueError("model.vocab_size is null: count FLOPs once the dataset has set it")
-    return model_cfg.vocab_size
-
-
-def param_count(model_cfg: ModelConfig) -> int:
-    """Every parameter of Transformer(model_cfg), as Transformer.num_params() counts them."""
-    dim, head_dim = model_cfg.dim, model_cfg.dim // model_cfg.n_heads
-    kv_dim = model_cfg.n_kv_heads * head_dim
-    attention = 2 * dim * dim + 2 * dim * kv_dim  # wq, wo; wk, wv
-    feed_forward = 3 * dim * model_cfg.ffn_dim  # w1, w2, w3
-    norms = 2 * dim  # attention_norm, ffn_norm
-    per_layer = attention + feed_forward + norms
-    vocab = _vocab_size(model_cfg)
-    return vocab * dim + model_cfg.n_layers * per_layer + dim + vocab * dim  # tok_embed, layers, norm, output
-
-
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length seq_len.
 
@@ -101,9 +84,9 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     is a matmul and counts), each costing 2 FLOPs forward and 4 backward per token; the
     attention scores and their weighted sum cost 12 L d T, with the causal mask counted in
     full (as if no work were skipped). seq_len is the trained sequence length
-    (data.context_length), not model.max_seq_len.
+    (data.context_length), not model.max_seq_len. ValueError while model.vocab_size is null.
     """
-    non_embedding = param_count(model_cfg) - _vocab_size(model_cfg) * model_cfg.dim
+    non_embedding = parameter_count(model_cfg) - embedding_parameter_count(model_cfg)
     return 6.0 * non_embedding + 12.0 * model_cfg.n_layers * model_cfg.dim * seq_len
 
 

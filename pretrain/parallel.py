@@ -1,9 +1,9 @@
 """How the model is spread over the ranks: activation checkpointing, torch.compile, DDP or FSDP2.
 
 train.py builds a plain Transformer and hands it to parallelize(); everything else it needs
-to know about the wrapper (the module with the plain state_dict names, skipping the gradient
-sync of accumulation steps, the global gradient norm) goes through the functions here, so the
-training loop reads the same whichever mode runs. Which mode runs is decided once, by the
+to know about the wrapper (the module with the plain state_dict names, when gradients are
+synchronised during accumulation, the global gradient norm) goes through the functions here,
+so the training loop reads the same whichever mode runs. Which mode runs is decided once, by the
 launcher (pretrain/memory.py), and written into training.parallelism.
 """
 
@@ -91,19 +91,36 @@ def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel
 
 
 def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool) -> Transformer:
-    """FSDP2: every block's parameters sharded over the ranks and gathered only while the block
-    runs; the root (embedding, final norm, output) is one more group. Under use_amp the gathered
-    copies are bf16 and gradients are reduced in fp32; the sharded master weights stay fp32."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_amp else None
-    options = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
+    """FSDP2: parameters sharded over the ranks and gathered only while their group runs. The
+    groups: the embedding, each block, and the root (the final norm and the output projection,
+    gathered through the whole step, as it is needed again as soon as the backward pass starts).
+
+    Under use_amp the blocks and the root are gathered as bf16 and their gradients reduced in
+    fp32; every sharded master weight stays fp32. The modes must compute the same thing, and
+    under DDP or on one GPU autocast leaves the embedding's output, and so the residual stream
+    (x + block(x)), in fp32. So here the embedding is gathered in fp32 too (a bf16 lookup would
+    make the whole stream bf16), and no group casts its floating-point inputs to bf16
+    (cast_forward_inputs=False): autocast still runs each matmul in bf16, as it does under DDP.
+    The one difference left: the norms' weights are gathered as bf16 with their group, where
+    autocast leaves them fp32, so once trained the losses differ in the fifth digit or so."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if use_amp else None,
+                                  reduce_dtype=torch.float32 if use_amp else None, cast_forward_inputs=False)
+    fully_shard(model.tok_embed, mesh=mesh)  # no policy: fp32, like its output under autocast
     for block in blocks(model):
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
 def is_fsdp(model: nn.Module) -> bool:
+    """Whether model itself is FSDP2-sharded (parallelize shards the root whenever it shards)."""
     return isinstance(model, FSDPModule)
+
+
+def has_fsdp(model: nn.Module) -> bool:
+    """Whether model or any of its submodules is FSDP2-sharded: then its state_dict holds
+    DTensor shards, and saving or loading it is a collective over every rank."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def unwrap(model: nn.Module) -> Transformer:
@@ -117,20 +134,19 @@ def unwrap(model: nn.Module) -> Transformer:
 
 @contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Inside, a backward pass synchronises gradients across ranks only when enabled: the
-    micro-batches of gradient accumulation before the last accumulate locally instead."""
-    if enabled:
+    """Inside, a DDP backward pass all-reduces gradients only when enabled: the micro-batches of
+    gradient accumulation before the last add to each rank's local gradients instead, which DDP
+    holds anyway (its full gradients are the buckets).
+
+    FSDP2 reduce-scatters on every micro-batch whatever enabled says, as torchtitan does: without
+    the sync, FSDP2 keeps every parameter's full, unsharded gradient (fp32 under use_amp: 4 bytes
+    a parameter, ~30 GiB for Llama-3 8B) until the last micro-batch, while with it only the
+    shards accumulate and the estimate (pretrain/memory.py) stays true. The extra reduce-scatters
+    overlap with the backward's compute. One process has no sync to skip."""
+    if enabled or not isinstance(model, DistributedDataParallel):
         yield
-    elif isinstance(model, DistributedDataParallel):
-        with model.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
+        return
+    with model.no_sync():
         yield
 
 

@@ -159,7 +159,8 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     loss_sum = torch.zeros((), device=device)
     for micro in range(t.grad_accum_nums):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
-        # Only the last micro-batch all-reduces (or reduce-scatters) gradients; the others accumulate locally.
+        # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
+        # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
         with parallel.gradient_sync(trainer.model, enabled=micro == t.grad_accum_nums - 1):
             with autocast(trainer):
                 loss = trainer.model(x, y, t.loss_chunk_tokens) / t.grad_accum_nums

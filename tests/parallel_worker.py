@@ -1,7 +1,8 @@
 """One rank of tests/test_parallel.py's two-rank runs (gloo, CPU): the same tiny model trained
-for two optimizer steps under DDP, FSDP2, and FSDP2 with activation checkpointing, from the
-same seed on the same data, and the dtypes FSDP2 computes and keeps in under use_amp. Writes
-what each run saw to <out>/rank<r>.json.
+for two optimizer steps under DDP, FSDP2, and FSDP2 with activation checkpointing, and under
+bf16 autocast with DDP and FSDP2, from the same seed on the same data; the dtypes FSDP2
+computes and keeps in under use_amp; and which models count as sharded. Writes what each run
+saw to <out>/rank<r>.json.
 
 Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/parallel_worker.py OUT
 """
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from pretrain import config as cfg
 from pretrain.model import Transformer
-from pretrain.parallel import clip_grad_norm, gradient_sync, is_fsdp, parallelize, unwrap
+from pretrain.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
 from pretrain.runtime import init_runtime, shutdown
 
 CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 2
@@ -67,7 +70,7 @@ def train(config: cfg.Config, runtime, mode: str) -> dict:
     model = parallelize(Transformer(config.model, CONTEXT), config, runtime, mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = iter(batches(runtime.rank))
-    record: dict = {"is_fsdp": is_fsdp(model), "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
+    record: dict = {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model), "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
                     "keys": sorted(unwrap(model).state_dict()), "losses": [], "grad_norms": [],
                     "inside_no_sync": [], "after_sync": []}
     for _ in range(STEPS):
@@ -76,7 +79,8 @@ def train(config: cfg.Config, runtime, mode: str) -> dict:
             x, y = next(data)
             last = micro == ACCUM - 1
             with gradient_sync(model, last):
-                loss = model(x, y) / ACCUM
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.training.use_amp):
+                    loss = model(x, y) / ACCUM
                 loss.backward()
             loss_sum += loss.detach()
             if not last:
@@ -93,9 +97,10 @@ def train(config: cfg.Config, runtime, mode: str) -> dict:
     return record
 
 
-def amp_dtypes(runtime) -> dict[str, str]:
-    """Under use_amp, the dtype of a block's weight as its forward sees it, and of the
-    sharded weight the optimizer updates."""
+def amp_dtypes(runtime) -> dict[str, str | list[str]]:
+    """Under use_amp, the dtype of a block's weight as its forward sees it, of the sharded
+    weight the optimizer updates and its gradient, and of the residual stream: what each
+    block's first norm and the final norm receive."""
     config = tiny_config(use_amp=True)
     model = parallelize(Transformer(config.model, CONTEXT), config, runtime, "fsdp")
     wq = unwrap(model).layers[0].attention.wq
@@ -104,11 +109,22 @@ def amp_dtypes(runtime) -> dict[str, str]:
     def record(module: torch.nn.Module, args: tuple) -> None:
         seen.setdefault("forward", str(module.weight.dtype))
     wq.register_forward_pre_hook(record)
+    residual = []
+    for norm in [block.attention_norm for block in unwrap(model).layers] + [unwrap(model).norm]:
+        norm.register_forward_pre_hook(lambda module, args: residual.append(str(args[0].dtype)))
     x, y = batches(runtime.rank)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x, y)
     loss.backward()
-    return seen | {"master": str(wq.weight.dtype), "gradient": str(wq.weight.grad.dtype)}
+    return seen | {"master": str(wq.weight.dtype), "gradient": str(wq.weight.grad.dtype), "residual": residual}
+
+
+def sharded_blocks_only(runtime) -> dict[str, bool]:
+    """A model whose blocks alone are sharded: the root is no FSDPModule, a submodule is."""
+    config = tiny_config()
+    model = Transformer(config.model, CONTEXT)
+    fully_shard(model.layers[0], mesh=init_device_mesh("cpu", (runtime.world_size,)))
+    return {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model)}
 
 
 def main(out: Path) -> None:
@@ -116,7 +132,9 @@ def main(out: Path) -> None:
     runtime = init_runtime(config)
     runs = {"ddp": train(config, runtime, "ddp"), "fsdp": train(config, runtime, "fsdp"),
             "fsdp_checkpointed": train(tiny_config(activation_checkpointing=True), runtime, "fsdp"),
-            "amp_dtypes": amp_dtypes(runtime)}
+            "ddp_amp": train(tiny_config(use_amp=True), runtime, "ddp"),
+            "fsdp_amp": train(tiny_config(use_amp=True), runtime, "fsdp"),
+            "amp_dtypes": amp_dtypes(runtime), "sharded_blocks_only": sharded_blocks_only(runtime)}
     (out / f"rank{runtime.rank}.json").write_text(json.dumps(runs))
     shutdown(runtime, peers_alive=True)
 

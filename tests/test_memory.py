@@ -17,7 +17,8 @@ from launcher.placement import Placement
 from launcher.printer import Printer
 from pretrain import config as cfg
 from pretrain.config import ConfigError
-from pretrain.memory import (GIB, check_fits, choose_parallelism, estimate, parameter_count, plan_parallelism)
+from pretrain.memory import (GIB, activation_bytes, check_fits, choose_parallelism, estimate, logits_bytes,
+                             parameter_count, plan_parallelism)
 
 GPU_80 = 80 * GIB
 
@@ -100,9 +101,73 @@ def test_activation_checkpointing_loss_chunks_and_bf16_shrink_their_parts():
 
 
 def test_the_batch_scales_the_activations_and_nothing_else():
-    one, four = (estimate(with_training(small(), batch_size=n), 1, "ddp") for n in (1, 4))
+    # both batches are longer than a loss chunk (2048 tokens), so the loss keeps the same input
+    one, four = (estimate(with_training(small(), batch_size=n), 1, "ddp") for n in (4, 16))
     assert four.activations == 4 * one.activations
-    assert (four.weights, four.gradients, four.optimizer) == (one.weights, one.gradients, one.optimizer)
+    assert (four.weights, four.gradients, four.optimizer, four.logits) == (one.weights, one.gradients,
+                                                                          one.optimizer, one.logits)
+
+
+def test_under_fsdp_gradient_accumulation_adds_no_full_gradient():
+    # parallel.gradient_sync reduce-scatters every micro-batch: beyond its shard a GPU holds the
+    # head's gradients and one block's in flight, not all 8B parameters' (~30 GiB in fp32).
+    config = with_training(cfg.production(), activation_checkpointing=True)
+    one, eight = (estimate(with_training(config, grad_accum_nums=n), 8, "fsdp") for n in (1, 8))
+    assert one == eight
+    assert eight.gradients - 4 * 8_030_261_248 / 8 < 3 * GIB
+
+
+# --- activations, against what autograd saves -----------------------------------------
+
+def tiny(use_amp: bool, loss_chunk_tokens: int, n_layers: int = 2) -> cfg.Config:
+    """3 x 16 tokens: 48 rows, a length no parameter has (so autocast's weight copies are told apart)."""
+    base = cfg.debug()
+    config = with_model(base, n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=61,
+                        max_seq_len=16)
+    config = dataclasses.replace(config, data=dataclasses.replace(base.data, context_length=16))
+    return with_training(config, batch_size=3, use_amp=use_amp, loss_chunk_tokens=loss_chunk_tokens,
+                         activation_checkpointing=False)
+
+
+def saved_bytes(config: cfg.Config) -> int:
+    """Bytes of the distinct storages autograd saves in one forward pass with targets (under
+    bf16 autocast when use_amp), less the constants (parameters, rotary tables) and autocast's
+    bf16 copies of the weights (matmuls may save them transposed), which the estimate counts
+    as weights."""
+    import torch
+    from pretrain.model import Transformer
+    torch.manual_seed(0)
+    model = Transformer(config.model, max_seq_len=16)
+    weight_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+    constants = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in constants and tuple(tensor.shape) not in weight_shapes:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens = torch.randint(0, 61, (3, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # two tensors, as the loader gives them
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.training.use_amp):
+            loss = model(inputs, targets, config.training.loss_chunk_tokens)
+    del loss
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("use_amp", [False, True])
+@pytest.mark.parametrize("loss_chunk_tokens", [0, 16])
+def test_the_activation_estimate_is_what_autograd_saves(use_amp, loss_chunk_tokens):
+    config = tiny(use_amp, loss_chunk_tokens)
+    one_block_less = tiny(use_amp, loss_chunk_tokens, n_layers=1)
+    per_block = activation_bytes(config) - activation_bytes(one_block_less)
+    assert saved_bytes(config) - saved_bytes(one_block_less) == per_block
+    # a loss in one piece also keeps its fp32 log-probabilities: half of the logits part (the
+    # gradient is the other); a chunked one recomputes them in the backward pass
+    logits = 0 if loss_chunk_tokens else logits_bytes(config) // 2
+    assert saved_bytes(config) == pytest.approx(activation_bytes(config) + logits, rel=1e-3)
 
 
 def test_describe_gives_the_total_and_every_part_in_gib():

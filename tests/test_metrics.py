@@ -16,7 +16,6 @@ from pretrain.metrics import (
     MetricsLog,
     flops_per_token,
     mfu,
-    param_count,
     peak_bf16_flops,
     peak_memory_gib,
     read_metrics,
@@ -77,12 +76,16 @@ def test_mfu_is_achieved_model_flops_over_the_peak_as_a_fraction():
     dataclasses.replace(TINY, n_kv_heads=4, ffn_dim=96, vocab_size=300),  # no grouping
     dataclasses.replace(TINY, n_layers=3, n_heads=8, n_kv_heads=1),  # one key/value head
 ])
-def test_the_parameter_count_from_the_config_matches_the_built_model(model_cfg):
-    assert param_count(model_cfg) == Transformer(model_cfg, max_seq_len=8).num_params()
+def test_flops_count_every_parameter_of_the_built_model_but_the_embedding(model_cfg):
+    model = Transformer(model_cfg, max_seq_len=8)
+    non_embedding = model.num_params() - model.tok_embed.weight.numel()
+    attention = 12 * model_cfg.n_layers * model_cfg.dim * 32
+    assert flops_per_token(model_cfg, seq_len=32) == 6 * non_embedding + attention
 
 
-def test_the_production_preset_counts_as_llama_3_8b():
-    assert param_count(cfg.production().model) == 8_030_261_248  # Meta's published count
+def test_the_production_preset_costs_the_flops_of_llama_3_8b():
+    # Meta's 8,030,261,248 parameters less the 128,256 x 4,096 embedding
+    assert flops_per_token(cfg.production().model, seq_len=1) == 6 * (8_030_261_248 - 128_256 * 4096) + 12 * 32 * 4096
 
 
 def test_flops_per_token_is_six_per_non_embedding_parameter_plus_full_attention():

@@ -16,7 +16,8 @@ import torch
 from conftest import ROOT
 from pretrain import config as cfg
 from pretrain.model import Transformer
-from pretrain.parallel import (clip_grad_norm, compile_enabled, gradient_sync, is_fsdp, parallelize, unwrap)
+from pretrain.parallel import (clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize,
+                               unwrap)
 from pretrain.runtime import Runtime
 
 SINGLE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
@@ -50,7 +51,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    """What each of two gloo ranks saw in the DDP, FSDP2 and checkpointed FSDP2 runs."""
+    """What each of two gloo ranks saw in the DDP, FSDP2, checkpointed FSDP2 and bf16 autocast runs."""
     out = tmp_path_factory.mktemp("ranks")
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel_worker.py"), str(out)], cwd=ROOT,
@@ -104,16 +105,34 @@ def test_ddp_ranks_keep_their_own_gradients_until_the_synced_micro_batch(two_ran
         assert after[0] == after[1]
 
 
-def test_fsdp_reduce_scatters_no_gradient_until_the_synced_micro_batch(two_ranks):
-    fsdp = two_ranks[0]["fsdp"]
-    assert fsdp["inside_no_sync"] == [[None, None]] * 2  # no sharded gradient exists yet
-    assert all(after[0] == after[1] is not None for after in fsdp["after_sync"])
-    assert flat(fsdp["after_sync"]) == pytest.approx(flat(two_ranks[0]["ddp"]["after_sync"]), rel=1e-5)
+def test_fsdp_reduce_scatters_every_micro_batch_so_no_rank_keeps_a_full_gradient(two_ranks):
+    # Skipping the sync would keep each parameter's unsharded gradient until the last
+    # micro-batch (no sharded gradient, None, until then): 4 bytes a parameter per GPU.
+    ddp, fsdp = two_ranks[0]["ddp"], two_ranks[0]["fsdp"]
+    for local, synced in zip(ddp["inside_no_sync"], fsdp["inside_no_sync"]):
+        assert synced[0] == synced[1] == pytest.approx(sum(local) / 2, rel=1e-5)  # the mean over the ranks
+    assert flat(fsdp["after_sync"]) == pytest.approx(flat(ddp["after_sync"]), rel=1e-5)
 
 
 def test_fsdp_under_amp_runs_blocks_in_bf16_and_keeps_fp32_master_weights_and_gradients(two_ranks):
-    assert two_ranks[0]["amp_dtypes"] == {"forward": "torch.bfloat16", "master": "torch.float32",
-                                          "gradient": "torch.float32"}
+    dtypes = two_ranks[0]["amp_dtypes"]
+    assert (dtypes["forward"], dtypes["master"], dtypes["gradient"]) == ("torch.bfloat16",) + ("torch.float32",) * 2
+
+
+def test_fsdp_under_amp_keeps_the_residual_stream_in_fp32_as_autocast_does_under_ddp(two_ranks):
+    # what both blocks' attention norms and the final norm receive
+    assert two_ranks[0]["amp_dtypes"]["residual"] == ["torch.float32"] * 3
+
+
+def test_fsdp_under_amp_computes_the_first_step_of_ddp_under_amp(two_ranks):
+    for seen in two_ranks:
+        ddp, fsdp = seen["ddp_amp"], seen["fsdp_amp"]
+        assert ddp["losses"][0] != seen["ddp"]["losses"][0]  # autocast did run in bf16
+        assert fsdp["losses"][0] == pytest.approx(ddp["losses"][0], rel=1e-7)
+        assert fsdp["grad_norms"][0] == pytest.approx(ddp["grad_norms"][0], rel=1e-6)
+        # Once trained, the norms' weights differ a little: FSDP gathers them as bf16, and
+        # autocast leaves them fp32.
+        assert fsdp["losses"][1] == pytest.approx(ddp["losses"][1], rel=1e-4)
 
 
 def test_wrapped_models_unwrap_to_the_transformer_with_plain_names(two_ranks):
@@ -122,6 +141,11 @@ def test_wrapped_models_unwrap_to_the_transformer_with_plain_names(two_ranks):
         assert two_ranks[0][run]["unwraps_to_transformer"]
         assert two_ranks[0][run]["keys"] == expected
     assert [two_ranks[0][run]["is_fsdp"] for run in ("ddp", "fsdp")] == [False, True]
+
+
+def test_has_fsdp_sees_a_sharded_submodule_where_is_fsdp_sees_only_the_root(two_ranks):
+    assert two_ranks[0]["sharded_blocks_only"] == {"is_fsdp": False, "has_fsdp": True}
+    assert [two_ranks[0][run]["has_fsdp"] for run in ("ddp", "fsdp")] == [False, True]
 
 
 # --- one process ----------------------------------------------------------------------
@@ -182,7 +206,7 @@ def test_a_single_process_trains_the_model_itself_whatever_the_mode(mode):
     config = tiny()
     model = fresh_model(config)
     assert parallelize(model, config, SINGLE, mode) is model
-    assert unwrap(model) is model and not is_fsdp(model)
+    assert unwrap(model) is model and not is_fsdp(model) and not has_fsdp(model)
 
 
 def test_gradient_sync_off_in_a_single_process_still_accumulates_gradients():
