@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -46,8 +44,8 @@ from pretrain.data.prepare import recipe_for
 from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, ByteTokenizer, HuggingFaceTokenizer, TiktokenTokenizer,
                                      Tokenizer, huggingface_file, tokenizer_label)
 from pretrain.model import Transformer
-from pretrain.resume import UNFINISHED_SUFFIXES, latest
-from pretrain.runfiles import os_error_message
+from pretrain.resume import ResumeError, checkpoint_at
+from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
 
 FORMAT = "pretrain-llama"
 FORMAT_VERSION = 1
@@ -81,24 +79,13 @@ class OneLineParser(argparse.ArgumentParser):
 # --- reading a checkpoint ---------------------------------------------------------------------
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint directory path names: path itself, or a run directory's latest checkpoint.
-    Whether it is complete is checked when it is read (read_checkpoint)."""
-    if not path.is_dir():
-        what = "not a directory" if path.exists() else "no such directory"
-        raise CheckpointError(f"--checkpoint {path}: {what}; give a checkpoint (<run dir>/checkpoints/step_<N>) "
-                              "or a run directory")
-    if path.name.endswith(UNFINISHED_SUFFIXES):
-        raise CheckpointError(f"--checkpoint {path}: an unfinished checkpoint save (renamed or removed when the "
-                              "save finishes); use a complete step_<N> directory beside it")
-    if (path / "state.json").exists():  # (a run directory has a config.json too)
-        return path
-    if not (path / "checkpoints").is_dir():
-        raise CheckpointError(f"--checkpoint {path}: neither a checkpoint (no state.json) nor a run directory "
-                              "(no checkpoints/); give <run dir>/checkpoints/step_<N> or a run directory")
-    if (found := latest(path / "checkpoints")) is None:
-        raise CheckpointError(f"--checkpoint {path}: the run has no complete checkpoint yet; "
-                              "give a checkpoint directory")
-    return found
+    """The checkpoint directory path names (absolute): path itself, or a run directory's latest
+    checkpoint, as --resume means it. Whether its model files are all there is checked when it is
+    read (read_checkpoint)."""
+    try:
+        return checkpoint_at(path)
+    except ResumeError as error:  # its message starts with the path, for the option's name to go first
+        raise CheckpointError(f"--checkpoint {error}") from None
 
 
 def read_checkpoint(path: Path) -> tuple[Config, dict[str, Tensor]]:
@@ -220,32 +207,25 @@ def tokenizer_description(config: Config, tokenizer_file: Path | None) -> dict[s
 
 def export(state: dict[str, Tensor], config: Config, out_dir: Path, tokenizer_file: Path | None = None,
            *, source: dict[str, Any] | None = None) -> Path:
-    """Write model.safetensors, config.json and tokenizer.json into out_dir; return it.
+    """Write model.safetensors, config.json and, given tokenizer_file, a copy of it as
+    tokenizer.json into out_dir; return it.
 
-    tokenizer_file None means the prepared dataset's copy, when the tokenizer has a file and the
-    dataset is here (so the export at the end of training carries it too). source, when given,
-    is recorded in config.json as "exported_from" (the checkpoint, its step)."""
+    Nothing is looked up: the caller knows where the tokenizer is (training: the prepared
+    dataset's copy; the command line: find_tokenizer_file), and finding it from the config alone
+    means recomputing the data recipe, which may hash the source files or reach the Hub.
+    source, when given, is recorded in config.json as "exported_from" (the checkpoint, its step)."""
     from safetensors.torch import save_file  # only exporting needs safetensors
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_file = tokenizer_file or _prepared_tokenizer_file(config)
     tensors = standalone_tensors(state)
-    _write_atomically(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     if tokenizer_file is not None:
-        _write_atomically(out_dir / TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp))
+        atomic_write(out_dir / TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp))
     # config.json last: it describes the other files, so it never points at weights not yet written.
     described = export_config(config, tensors, tokenizer_file)
     if source is not None:
         described["exported_from"] = source
-    text = json.dumps(described, indent=2) + "\n"
-    _write_atomically(out_dir / CONFIG_FILE, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(described, indent=2) + "\n")
     return out_dir
-
-
-def _prepared_tokenizer_file(config: Config) -> Path | None:
-    if config.data.tokenizer not in ("bpe", "huggingface") or (dataset := _dataset_dir(config)) is None:
-        return None
-    return dataset / TOKENIZER_FILE if (dataset / TOKENIZER_FILE).is_file() else None
 
 
 def standalone_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -276,23 +256,6 @@ def export_config(config: Config, state: dict[str, Tensor], tokenizer_file: Path
         "torch_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "num_parameters": sum(t.numel() for t in state.values()),
     }
-
-
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """write(tmp) fills a temporary file beside path, which then replaces path; on any failure
-    the temporary file is removed and path is untouched."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; an export is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -332,9 +295,7 @@ def run(args: argparse.Namespace) -> Path:
     except TokenizerNotFound as error:  # the weights are still worth exporting
         print(f"export: warning: {error}; exporting without tokenizer.json", file=sys.stderr)
         tokenizer_file = None
-    source = {"checkpoint": str(checkpoint_dir.resolve())}
-    if (checkpoint_dir / "state.json").is_file():
-        source["steps_done"] = checkpoint.read_state(checkpoint_dir).get("steps_done")
+    source = {"checkpoint": str(checkpoint_dir), "steps_done": checkpoint.read_state(checkpoint_dir)["steps_done"]}
     out_dir = export(state, config, args.output or default_output(checkpoint_dir), tokenizer_file, source=source)
     count = sum(t.numel() for t in state.values())
     print(f"exported {checkpoint_dir} ({count / 1e6:.2f}M parameters) to {out_dir}")

@@ -8,15 +8,13 @@ only when a plot is drawn.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pretrain.metrics import read_metrics
-from pretrain.runfiles import os_error_message
+from pretrain.runfiles import atomic_write, os_error_message
 
 
 class PlotError(Exception):
@@ -86,21 +84,9 @@ def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -
         ax.grid(alpha=0.3)
     if title:
         figure.suptitle(title)
-    _save_atomically(figure, output)
+    # Through a temporary file and a rename: a viewer never sees half a PNG.
+    atomic_write(output, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
     return output
-
-
-def _save_atomically(figure, output: Path) -> None:
-    """A temporary file in the same directory, then rename: a viewer never sees half a PNG."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            figure.savefig(out, format="png", dpi=110)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

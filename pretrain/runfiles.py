@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -23,19 +25,47 @@ def os_error_message(error: OSError) -> str:
     return f"{error.filename}: {reason}" if error.filename else reason
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write text to path so readers see the old file or the whole new one, never a part."""
+def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644) -> None:
+    """Create or replace path so readers see the old file or the whole new one, never a part.
+
+    write(tmp) fills a temporary file in path's directory (a rename is atomic only within one
+    file system); it is flushed to disk, given mode (mkstemp makes it 0600, and run files are
+    meant to be read by others) and renamed over path. On any failure, path is untouched and
+    the temporary file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
+        write(tmp)
+        _fsync(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    _fsync_directory(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's) data to disk; a read-only descriptor is enough on POSIX."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename in path survive a crash. Best effort: some file systems (network mounts)
+    refuse to fsync a directory, and the new file is in place by then either way."""
+    with contextlib.suppress(OSError):
+        _fsync(path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write text (UTF-8) to path atomically (atomic_write)."""
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def new_run_id() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -59,6 +60,14 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for MASTER_PORT of a test's process group.
+    (Another process may take it before the group binds it: rare enough for tests.)"""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def launcher_env(**extra: str) -> dict[str, str]:

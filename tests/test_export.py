@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from conftest import launcher_env
 from pretrain import checkpoint
+from pretrain import export as export_module
 from pretrain.checkpoint import CheckpointError
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
@@ -91,6 +93,7 @@ def test_exporting_again_leaves_no_temporary_files_and_a_failed_write_keeps_the_
     export(trained_state(trainer), trainer.config, out)
     export(trained_state(trainer), trainer.config, out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}  # meant to be shared
     before = (out / "model.safetensors").read_bytes()
 
     def disk_full(tensors, filename, metadata=None):
@@ -114,11 +117,18 @@ def test_tensors_that_share_storage_are_written_as_separate_copies(trained, tmp_
     assert loaded["output.weight"].data_ptr() != loaded["tok_embed.weight"].data_ptr()
 
 
-def test_a_bpe_models_tokenizer_is_found_copied_and_described(tmp_path):
+@pytest.fixture
+def bpe_run(tmp_path) -> tuple[cfg.Config, Path]:
+    """The config of a tiny BPE model, fitted to its prepared dataset, and that dataset."""
     config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer=bpe",
                                                "data.bpe_vocab_size=300", "data.context_length=32"])
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
+    return config, dataset
+
+
+def test_a_bpe_models_tokenizer_is_found_copied_and_described(bpe_run, tmp_path):
+    config, dataset = bpe_run
     checkpoint_dir = tmp_path / "step_1"
     checkpoint_dir.mkdir()
     assert find_tokenizer_file(config, checkpoint_dir) == dataset / "tokenizer.json"
@@ -127,13 +137,28 @@ def test_a_bpe_models_tokenizer_is_found_copied_and_described(tmp_path):
 
     state = Transformer(config.model, max_seq_len=32).state_dict()
     eot = RustTokenizer.from_file(str(dataset / "tokenizer.json")).token_to_id("<|endoftext|>")
-    for given in (checkpoint_dir / "tokenizer.json", None):  # None: the prepared dataset's, as after training
-        out = tmp_path / f"out-{given is None}"
-        export(state, config, out, given)
-        assert (out / "tokenizer.json").read_bytes() == (dataset / "tokenizer.json").read_bytes()
-        described = json.loads((out / "config.json").read_text())["tokenizer"]
-        assert described == {"kind": "bpe", "name": "bpe300", "eot_id": eot, "vocab_size": 300,
-                             "file": "tokenizer.json"}
+    export(state, config, tmp_path / "out", checkpoint_dir / "tokenizer.json")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (dataset / "tokenizer.json").read_bytes()
+    described = json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer"]
+    assert described == {"kind": "bpe", "name": "bpe300", "eot_id": eot, "vocab_size": 300, "file": "tokenizer.json"}
+
+
+def test_export_looks_nothing_up_and_copies_only_the_tokenizer_it_is_given(bpe_run, tmp_path, monkeypatch):
+    config, dataset = bpe_run
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("export recomputed the data recipe to find the tokenizer")
+
+    monkeypatch.setattr(export_module, "recipe_for", no_lookup)  # finding the dataset: may hash files, reach the Hub
+    monkeypatch.setattr(export_module, "huggingface_file", no_lookup)
+    state = Transformer(config.model, max_seq_len=32).state_dict()
+    export(state, config, tmp_path / "given", tokenizer_file=dataset / "tokenizer.json")
+    assert (tmp_path / "given" / "tokenizer.json").read_bytes() == (dataset / "tokenizer.json").read_bytes()
+
+    export(state, config, tmp_path / "none", tokenizer_file=None)  # although the dataset beside it has one
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["config.json", "model.safetensors"]
+    described = json.loads((tmp_path / "none" / "config.json").read_text())["tokenizer"]
+    assert described == {"kind": "bpe", "name": "bpe300", "eot_id": None, "vocab_size": None, "file": None}
 
 
 def test_the_export_command_runs_as_a_module(trained, tmp_path):
@@ -145,17 +170,25 @@ def test_the_export_command_runs_as_a_module(trained, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
 
+DAMAGE = {
+    "no weights": lambda checkpoint_dir: (checkpoint_dir / "model.pt").unlink(),
+    "no config": lambda checkpoint_dir: (checkpoint_dir / "config.json").unlink(),
+    "damaged state": lambda checkpoint_dir: (checkpoint_dir / "state.json").write_text('{"steps_do'),
+}
+
+
 @pytest.mark.parametrize("damage, fragment", [
     ("missing", "no such directory"),
     ("no weights", "model.pt is missing"),
     ("no config", "no config.json"),
+    ("damaged state", "state.json is unreadable"),
 ])
 def test_an_unusable_checkpoint_is_one_line_and_exit_2(trained, tmp_path, capsys, damage, fragment):
     path, _ = trained
     target = tmp_path / "step_1"
     if damage != "missing":
         shutil.copytree(path, target)
-        (target / ("model.pt" if damage == "no weights" else "config.json")).unlink()
+        DAMAGE[damage](target)
     code, out, err = run_cli(["--checkpoint", str(target), "--output", str(tmp_path / "out")], capsys)
     assert code == 2 and out == ""
     assert err.startswith("export: error: ") and err.count("\n") == 1 and fragment in err, err

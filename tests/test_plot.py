@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import ROOT
 from pretrain.metrics import MetricsLog
-from pretrain.plot import latest_by_step
+from pretrain.plot import latest_by_step, load_records, plot_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -56,6 +57,13 @@ def test_the_plot_is_written_into_the_run_directory_by_default(tmp_path):
     assert result.stdout.strip() == str(run_dir / "metrics.png")
     assert_valid_png(run_dir / "metrics.png")
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "metrics.png"]  # no temp file left
+
+
+def test_the_plot_is_readable_by_everyone_like_the_runs_other_files(tmp_path):
+    run_dir = write_run(tmp_path / "run", steps=3)
+    output = plot_metrics(load_records(run_dir), run_dir / "metrics.png")
+    assert stat.S_IMODE(output.stat().st_mode) == 0o644  # not the 0600 of a temporary file
+    assert output.read_bytes()[:8] == PNG_SIGNATURE
 
 
 def test_the_output_option_chooses_the_path_and_creates_its_directory(tmp_path):
