@@ -15,10 +15,13 @@ shard) and an FSDP checkpoint into a DDP or single-process run (DCP reshards on 
 world size may change between save and restore: the data position is converted (see
 _loader_position), and ranks the saving run did not have seed their generators afresh.
 
-Every rank writes into <name>.tmp/ and rank 0 renames it into place, so a checkpoint directory
-is either complete or absent. Every .pt file loads with torch.load(weights_only=True); the
-DCP metadata, which torch pickles, is read with an unpickler that admits only DCP's own
-metadata classes, and only tensors are ever stored in DCP (so none of its values is unpickled).
+Every rank writes its files into <name>.tmp/ and fsyncs them; rank 0 then renames the directory
+into place, so a checkpoint directory is either complete or absent (pretrain/checkpoint_files.py).
+Every .pt file loads with torch.load(weights_only=True), and the DCP files are read without
+unpickling anything but DCP's own metadata classes (pretrain/dcp_files.py).
+
+This module orchestrates; the parts live in checkpoint_files (directories on disk), dcp_files
+(the sharded format, read safely), model_state (state dicts by parameter name) and rng.
 """
 
 from __future__ import annotations
@@ -27,47 +30,35 @@ import json
 import math
 import os
 import pickle
-import random
-import shutil
-import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from pretrain import config as cfg
+from pretrain.checkpoint_files import (FORMAT_VERSION, CheckpointError, clean_unfinished, first_line, fsync_dir,
+                                       latest, prune, read_state, replace_dir, supersede_after)
 from pretrain.config import Config
-from pretrain.resume import latest, step_checkpoints
+from pretrain.dcp_files import DIRECTORY, read_dcp_metadata
+from pretrain.model_state import (full_states, load_full, load_sharded, model_shapes, plain_name, read_sharded_model,
+                                  save_sharded, sharded_model_shapes)
+from pretrain.parallel import has_fsdp
+from pretrain.rng import rng_states, seed_from, set_rng_states
 from pretrain.runfiles import atomic_write_text
 from pretrain.runtime import Runtime
 
 if TYPE_CHECKING:
     from pretrain.train import Trainer
 
-__all__ = ["CheckpointError", "latest", "load_config", "load_model_state", "load_tensors", "read_state",
-           "restore", "save"]
-
-FORMAT_VERSION = 2
-"""2: optimizer state keyed by parameter name, Python and NumPy RNG, DCP for FSDP. 1 (the
-optimizer's own integer keys, torch RNG only) is still read."""
+__all__ = ["FORMAT_VERSION", "CheckpointError", "latest", "load_config", "load_model_state", "load_tensors",
+           "read_dcp_metadata", "read_state", "restore", "rng_states", "save", "set_rng_states"]
 
 ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 """The model keys that define its parameters. The others (norm_eps, rope_theta, max_seq_len,
 init_std) may change on resume: raising rope_theta with max_seq_len is how a context is extended."""
-
-WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-"""Name components that wrappers (DDP, torch.compile, activation checkpointing, FSDP1) insert."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used here; the message is one line that says what to do."""
 
 
 # --- save -----------------------------------------------------------------------------
@@ -75,7 +66,8 @@ class CheckpointError(ValueError):
 def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = None) -> Path:
     """Write a checkpoint after steps_done optimizer steps to <run_dir>/checkpoints/step_<steps_done>
     (or name) and return its path; every rank calls this. Rank 0 then deletes the oldest step_<N>
-    checkpoints beyond training.keep_checkpoints."""
+    checkpoints beyond training.keep_checkpoints. CheckpointError (one line, naming the file)
+    when a file cannot be written."""
     runtime = trainer.runtime
     final = run_dir / "checkpoints" / (name or f"step_{steps_done}")
     tmp = final.with_name(final.name + ".tmp")
@@ -83,20 +75,26 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
         clean_unfinished(final.parent)  # a save that was killed left these
         tmp.mkdir(parents=True)
     _barrier(runtime)
-    torch.save(rng_states(runtime.device), tmp / f"rng_rank{runtime.rank}.pt")
-    if is_fsdp(trainer.model):
-        _save_sharded(trainer, tmp / "dcp")
+    # Each rank fsyncs what it writes (DCP fsyncs its shards), so after the barrier rank 0
+    # only has the directory entries left to make durable.
+    _write_tensors(rng_states(runtime.device), tmp / f"rng_rank{runtime.rank}.pt")
+    if has_fsdp(trainer.model):
+        save_sharded(trainer.model, trainer.optimizer, tmp / DIRECTORY)
     elif runtime.is_main:
-        model_state, optimizer_state = _full_states(trainer)
-        torch.save(model_state, tmp / "model.pt")
-        torch.save(optimizer_state, tmp / "optimizer.pt")
+        model_state, optimizer_state = full_states(trainer.model, trainer.optimizer)
+        _write_tensors(model_state, tmp / "model.pt")
+        _write_tensors(optimizer_state, tmp / "optimizer.pt")
     if runtime.is_main:
-        cfg.save(trainer.config, tmp / "config.json")
-        atomic_write_text(tmp / "state.json", json.dumps(_state(trainer, steps_done), indent=2) + "\n")
-    _barrier(runtime)  # every rank's files are in tmp
+        with _writing(tmp / "config.json"):
+            cfg.save(trainer.config, tmp / "config.json")
+        with _writing(tmp / "state.json"):
+            atomic_write_text(tmp / "state.json", json.dumps(_state(trainer, steps_done), indent=2) + "\n")
+    _barrier(runtime)  # every rank's files are in tmp, on disk
     if runtime.is_main:
-        _fsync_tree(tmp)  # on disk before the rename makes them count
-        _replace_dir(tmp, final)
+        for directory in (tmp / DIRECTORY, tmp):
+            if directory.is_dir():
+                fsync_dir(directory)
+        replace_dir(tmp, final)
         prune(final.parent, trainer.config.training.keep_checkpoints, final)
     _barrier(runtime)  # no rank returns before the checkpoint exists
     return final
@@ -105,120 +103,30 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
 def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
     from pretrain.train import lr_at  # train imports this module
     return {"format_version": FORMAT_VERSION, "steps_done": steps_done,
-            "world_size": trainer.runtime.world_size, "parallelism": parallelism(trainer),
+            "world_size": trainer.runtime.world_size, "parallelism": trainer.mode,
             "loader": trainer.loader.state_dict(),
             # The schedule is a pure function of the step; the rate is for people, and for
             # noticing on resume that the schedule changed.
             "lr_schedule": {"steps_done": steps_done, "lr": lr_at(steps_done, trainer.config.training)}}
 
 
-def parallelism(trainer: Trainer) -> str:
-    """"fsdp", "ddp" or "single": how the ranks held the model."""
-    if is_fsdp(trainer.model):
-        return "fsdp"
-    return "ddp" if trainer.runtime.distributed else "single"
+def _write_tensors(value: Any, file: Path) -> None:
+    """torch.save to file, fsynced before it returns."""
+    with _writing(file), open(file, "wb") as handle:
+        torch.save(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
-def is_fsdp(model: torch.nn.Module) -> bool:
-    return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
-def _full_states(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model's state dict and the optimizer's, both keyed by plain parameter name."""
-    model_state = {plain_name(key): value.detach() for key, value in trainer.model.state_dict().items()}
-    return model_state, named_optimizer_state(trainer.optimizer, trainer.model)
-
-
-def _save_sharded(trainer: Trainer, directory: Path) -> None:
-    """FSDP: every rank writes its shards of the model and of the optimizer's state."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    if trainer.optimizer.state:
-        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-        content = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
-    else:  # no step yet; get_state_dict would initialise the optimizer's state with a dummy step
-        content = {"model": get_model_state_dict(trainer.model)}
-    # The param_groups (hyperparameters) are not saved: they come from the config, and DCP
-    # would pickle them.
-    dcp.save(content, storage_writer=FileSystemWriter(directory))
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name without the components wrappers add: module.layers.0... -> layers.0..."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-
-
-def _parameter_order(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[str]:
-    """The plain names of the optimizer's parameters, in the order its state_dict numbers them."""
-    names = {id(p): plain_name(n) for n, p in model.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def named_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, Any]:
-    """optimizer.state_dict() with parameter names in place of its numbers (the form
-    torch.distributed.checkpoint.state_dict uses), so it loads whatever wraps the model."""
-    order = _parameter_order(optimizer, model)
-    raw = optimizer.state_dict()
-    return {"state": {order[index]: state for index, state in raw["state"].items()},
-            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                             for group in raw["param_groups"]]}
-
-
-# --- files ----------------------------------------------------------------------------
-
-def clean_unfinished(checkpoints_dir: Path) -> None:
-    """Remove the .tmp directories of saves that were killed. A .old directory is a complete
-    checkpoint being replaced: removed when its replacement is in place, else renamed back."""
-    if not checkpoints_dir.is_dir():
-        return
-    for path in checkpoints_dir.iterdir():
-        if path.name.endswith(".tmp"):
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.name.endswith(".old"):
-            final = path.with_name(path.name.removesuffix(".old"))
-            if final.exists():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.rename(path, final)
-
-
-def prune(checkpoints_dir: Path, keep: int, just_written: Path) -> list[Path]:
-    """Delete step_<N> checkpoints so that `keep` remain: the one just written and the newest
-    others. Checkpoints with other names are never deleted. Returns what was deleted."""
-    steps = [path for _, path in step_checkpoints(checkpoints_dir)]
-    others = [path for path in steps if path != just_written]
-    room = keep - 1 if just_written in steps else keep
-    doomed = others[:max(0, len(others) - room)]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)  # a checkpoint left over must not end the run
-    return doomed
-
-
-def _fsync_tree(directory: Path) -> None:
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            with open(Path(root) / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+@contextmanager
+def _writing(file: Path) -> Iterator[None]:
+    """A failed write as one line naming the file: a full disk makes torch.save raise
+    RuntimeError and every other write OSError."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(new: Path, final: Path) -> None:
-    """Rename new to final; an existing final is moved aside first and removed last, so a
-    complete checkpoint exists at every moment."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(new, final)
-    _fsync_dir(final.parent)  # the rename itself survives a power loss
-    shutil.rmtree(old, ignore_errors=True)
+        yield
+    except (OSError, RuntimeError) as error:
+        raise CheckpointError(f"cannot write checkpoint file {file} ({first_line(error)}); make room on its disk "
+                              "(or make it writable) and resume from the latest checkpoint") from None
 
 
 def _barrier(runtime: Runtime) -> None:
@@ -227,25 +135,6 @@ def _barrier(runtime: Runtime) -> None:
 
 
 # --- reading --------------------------------------------------------------------------
-
-def read_state(path: Path) -> dict:
-    """The checkpoint's state.json; CheckpointError when path is not a (complete) checkpoint."""
-    try:
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        what = "no such directory" if not path.exists() else "no state.json (not a checkpoint, or an unfinished save)"
-        raise CheckpointError(f"checkpoint {path}: {what}; give a <run dir>/checkpoints/step_<N> directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"checkpoint {path}: state.json is unreadable ({_first_line(error)}); "
-                              "use another checkpoint of the run") from None
-    if not isinstance(state, dict) or not isinstance(state.get("steps_done"), int):
-        raise CheckpointError(f"checkpoint {path}: state.json has no steps_done; use another checkpoint")
-    version = state.get("format_version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {version}, newer than this code reads "
-                              f"({FORMAT_VERSION}); update the code or start fresh")
-    return state
-
 
 def load_config(path: Path) -> Config:
     """The resolved config the checkpoint was written with."""
@@ -268,7 +157,7 @@ def load_tensors(path: Path, name: str, mmap: bool = False) -> Any:
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {path}: cannot read {name} ({_first_line(error)}); "
+        raise CheckpointError(f"checkpoint {path}: cannot read {name} ({first_line(error)}); "
                               "use another checkpoint of the run") from None
 
 
@@ -277,79 +166,12 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     process group, whichever format the checkpoint has (for generation and export)."""
     read_state(path)
     if _is_sharded(path):
-        return _read_sharded_model(path)
+        return read_sharded_model(path, read_dcp_metadata(path))
     return {plain_name(key): value for key, value in load_tensors(path, "model.pt", mmap=True).items()}
 
 
 def _is_sharded(path: Path) -> bool:
-    return (path / "dcp").is_dir()
-
-
-def _read_sharded_model(path: Path) -> dict[str, torch.Tensor]:
-    """The model part of a DCP checkpoint, assembled into full tensors built from its metadata."""
-    metadata = read_dcp_metadata(path)
-    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
-             for key, item in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
-    _dcp_load(state, SafeReader(path / "dcp"), alone=True)
-    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
-
-
-def _dcp_load(state: dict[str, Any], reader: SafeReader, alone: bool | None = None) -> None:
-    """dcp.load in place; alone (default: when there is no process group) reads every tensor in
-    this process, without a collective."""
-    if alone is None:
-        alone = not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings():  # it warns whenever it runs alone, even when asked to
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=alone)
-
-
-# DCP pickles its metadata (.metadata). Unpickling runs whatever the file names, so only
-# the classes DCP's own metadata is made of are admitted.
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                    torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
-
-
-def read_dcp_metadata(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint path (its dcp/.metadata), read without running foreign code."""
-    file = path / "dcp" / ".metadata"
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: dcp/.metadata is missing; "
-                              "use another checkpoint of the run")
-    try:
-        with open(file, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {path}: cannot read dcp/.metadata ({_first_line(error)}); "
-                              "use another checkpoint of the run") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path}: dcp/.metadata is not DCP metadata; use another checkpoint")
-    return metadata
-
-
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through _MetadataUnpickler instead of pickle.load."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_dcp_metadata(Path(self.checkpoint_id).parent)  # the reader is given <checkpoint>/dcp
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    return (path / DIRECTORY).is_dir()
 
 
 # --- restore --------------------------------------------------------------------------
@@ -357,21 +179,23 @@ class SafeReader(FileSystemReader):
 def restore(trainer: Trainer, path: Path) -> int:
     """Load model, optimizer, data position and this rank's random generators from the
     checkpoint at path into trainer; return the steps it had done. Every rank calls this.
-    The optimizer's hyperparameters stay those of trainer's config."""
+    The optimizer's hyperparameters stay those of trainer's config. Resuming an earlier
+    checkpoint of the run directory trainer writes to sets its later ones aside."""
     # Everything that can refuse the checkpoint runs before anything is loaded into trainer.
     state = read_state(path)
+    check_steps(path, state["steps_done"], trainer.config.training.max_steps)
     saved_config = load_config(path)
     check_same_model(path, saved_config.model, trainer.config.model)
+    metadata = read_dcp_metadata(path) if _is_sharded(path) else None  # refuses pickled values, unread
     rng = _read_rng(path, state, trainer.runtime.rank)
     position = _loader_position(path, state, saved_config, trainer)
-    if _is_sharded(path):
-        metadata = read_dcp_metadata(path)
-        check_shapes(path, _dcp_model_shapes(metadata), trainer.model)
-        _load_sharded(trainer, path, metadata)
+    if metadata is not None:
+        check_shapes(path, sharded_model_shapes(metadata), trainer.model)
+        load_sharded(trainer.model, trainer.optimizer, path, metadata)
     else:
         model_state = load_tensors(path, "model.pt", mmap=True)
         check_shapes(path, {plain_name(k): tuple(v.shape) for k, v in model_state.items()}, trainer.model)
-        _load_full(trainer, model_state, load_tensors(path, "optimizer.pt", mmap=True))
+        load_full(trainer.model, trainer.optimizer, model_state, load_tensors(path, "optimizer.pt", mmap=True))
     trainer.loader.load_state_dict(position)
     trainer.batches = iter(trainer.loader)  # from the restored position
     if rng is None:
@@ -379,7 +203,15 @@ def restore(trainer: Trainer, path: Path) -> int:
     else:
         set_rng_states(rng, trainer.runtime.device)
     _warn_if_schedule_changed(trainer, path, state)
+    _supersede_later(trainer, path, state["steps_done"])
     return state["steps_done"]
+
+
+def check_steps(path: Path, steps_done: int, max_steps: int) -> None:
+    """A checkpoint past the end of this run would train backwards (equal: nothing left to train)."""
+    if steps_done > max_steps:
+        raise CheckpointError(f"checkpoint {path} has {steps_done} steps done, more than training.max_steps "
+                              f"{max_steps}; raise --max-steps or resume an earlier checkpoint")
 
 
 def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfig) -> None:
@@ -392,7 +224,7 @@ def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfi
 
 def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:
     """The checkpoint has exactly the model's tensors, each of the same (full) shape."""
-    current = {plain_name(key): tuple(value.shape) for key, value in model.state_dict().items()}
+    current = model_shapes(model)
     for key in sorted(saved.keys() | current.keys()):
         there, here = saved.get(key), current.get(key)
         if there != here:
@@ -400,64 +232,6 @@ def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.
                 return "absent" if shape is None else f"of shape {list(shape)}"
             raise CheckpointError(f"checkpoint {path} is for a different model: {key} is {show(there)} there, "
                                   f"{show(here)} here; resume with the same model config or start fresh")
-
-
-def _dcp_model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
-    return {key.removeprefix("model."): tuple(item.size) for key, item in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
-
-
-def _load_full(trainer: Trainer, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
-    """Full state dicts (single process or DDP) into whatever trainer.model is."""
-    model_state = {plain_name(key): value for key, value in model_state.items()}
-    order = _parameter_order(trainer.optimizer, trainer.model)
-    named = _by_name(optimizer_state, order)
-    if is_fsdp(trainer.model):
-        # Every rank holds the full tensors (memory-mapped) and keeps its own shard of each.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        groups = named_optimizer_state(trainer.optimizer, trainer.model)["param_groups"]
-        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_state,
-                       optim_state_dict={"state": named, "param_groups": groups} if named else {},
-                       options=StateDictOptions(full_state_dict=True))
-        return
-    _plain_module(trainer.model).load_state_dict(model_state)
-    index = {name: i for i, name in enumerate(order)}
-    unknown = sorted(named.keys() - index.keys())
-    if unknown:
-        raise CheckpointError(f"the optimizer state has parameter {unknown[0]}, which the model does not; "
-                              "resume with the same model config or start fresh")
-    trainer.optimizer.load_state_dict({"state": {index[name]: value for name, value in named.items()},
-                                       "param_groups": trainer.optimizer.state_dict()["param_groups"]})
-
-
-def _by_name(optimizer_state: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """The per-parameter optimizer state keyed by name. Format 1 numbered the parameters in
-    the order the optimizer was built, which build_optimizer has kept."""
-    return {order[key] if isinstance(key, int) else key: value for key, value in optimizer_state["state"].items()}
-
-
-def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose state_dict keys are the plain names (DDP and torch.compile wrap it)."""
-    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
-        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
-    return model
-
-
-def _load_sharded(trainer: Trainer, path: Path, metadata: Metadata) -> None:
-    """A DCP checkpoint into whatever trainer.model is: DCP reads each rank's part of every
-    tensor (all of it for an unsharded model), whatever the world size that wrote it."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                         set_model_state_dict, set_state_dict)
-    has_optimizer = any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
-    reader = SafeReader(path / "dcp")
-    if not has_optimizer:  # saved before the first step: the fresh optimizer is right
-        model_state = get_model_state_dict(trainer.model)
-        _dcp_load({"model": model_state}, reader)
-        set_model_state_dict(trainer.model, model_state)
-        return
-    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    _dcp_load({"model": model_state, "optimizer": {"state": optimizer_state["state"]}}, reader)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
 
 def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, trainer: Trainer) -> dict[str, int]:
@@ -484,6 +258,21 @@ def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, tr
     return {"epoch": position["epoch"], "batch_index": batch_index}
 
 
+def _read_rng(path: Path, state: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """This rank's saved generators; None for a rank the saving run did not have."""
+    if rank >= int(state["world_size"]):
+        return None
+    return load_tensors(path, f"rng_rank{rank}.pt")
+
+
+def _seed_new_rank(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
+    rank, steps_done = trainer.runtime.rank, state["steps_done"]
+    seed_from(trainer.config.training.seed, steps_done, rank)
+    trainer.log.warning(f"Checkpoint {path} was written by {state['world_size']} rank(s) and has no random "
+                        f"state for rank {rank}; its generators are seeded from (training.seed, step "
+                        f"{steps_done}, rank {rank}) instead")
+
+
 def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
     from pretrain.train import lr_at  # train imports this module
     saved = state.get("lr_schedule", {}).get("lr")
@@ -495,60 +284,16 @@ def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any
             "min_lr_ratio differ)")
 
 
-# --- random generators ----------------------------------------------------------------
-
-def rng_states(device: torch.device) -> dict[str, Any]:
-    """Every random generator of this process, as tensors and plain values (weights_only loads them)."""
-    version, mt_state, gauss_next = random.getstate()
-    bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    states: dict[str, Any] = {
-        "cpu": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"bit_generator": bit_generator, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-    }
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def set_rng_states(states: dict[str, Any], device: torch.device) -> None:
-    """Undo rng_states. Generators a checkpoint lacks (format 1 had torch's only, a CPU run no
-    CUDA) are left as they are."""
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states and device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], device)
-    if "python" in states:
-        python = states["python"]
-        random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
-    if "numpy" in states:
-        numpy = states["numpy"]
-        np.random.set_state((numpy["bit_generator"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                             numpy["has_gauss"], numpy["cached_gaussian"]))
-
-
-def _read_rng(path: Path, state: dict[str, Any], rank: int) -> dict[str, Any] | None:
-    """This rank's saved generators; None for a rank the saving run did not have."""
-    if rank >= int(state["world_size"]):
-        return None
-    return load_tensors(path, f"rng_rank{rank}.pt")
-
-
-def _seed_new_rank(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
-    """A rank beyond the saving run's world size: seed every generator from (seed, step, rank),
-    so a second resume on the same ranks repeats it, and ranks do not share one stream."""
-    rank, steps_done = trainer.runtime.rank, state["steps_done"]
-    seed = int(np.random.SeedSequence([trainer.config.training.seed, steps_done, rank]).generate_state(1)[0])
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    trainer.log.warning(f"Checkpoint {path} was written by {state['world_size']} rank(s) and has no random "
-                        f"state for rank {rank}; its generators are seeded from (training.seed, step "
-                        f"{steps_done}, rank {rank}) instead")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
+def _supersede_later(trainer: Trainer, path: Path, steps_done: int) -> None:
+    """Resuming an earlier checkpoint into its own run directory abandons the run's later
+    step_<N>: rank 0 renames them to step_<N>.superseded before any new save (which would
+    otherwise prune the new checkpoints in their favour, and --resume auto continue them),
+    and no rank goes on before it has."""
+    checkpoints_dir = trainer.run_dir / "checkpoints"
+    if trainer.runtime.is_main and checkpoints_dir.is_dir() and os.path.samefile(checkpoints_dir, path.parent):
+        renamed = supersede_after(checkpoints_dir, steps_done)
+        if renamed:
+            trainer.log.warning(f"Resuming {path.name} abandons the run's later checkpoints; renamed "
+                                f"{', '.join(p.name for p in renamed)} in {checkpoints_dir} (kept, but never "
+                                "resumed or pruned automatically)")
+    _barrier(trainer.runtime)

@@ -1,29 +1,41 @@
 """Checkpoints: what a save holds, that a restore continues exactly, pruning, unfinished saves,
-refusals with one line, and the FSDP2 format (sharded DCP) across two real gloo ranks."""
+refusals with one line, hostile files that must not run code, resuming an earlier checkpoint of
+the same run, and the FSDP2 format (sharded DCP) across two real gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
 import random
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from conftest import ROOT, one_line_error
-from pretrain import checkpoint
+from pretrain import checkpoint, checkpoint_files, dcp_files
 from pretrain import config as cfg
 from pretrain.checkpoint import CheckpointError
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.model import Transformer
+from pretrain.model_state import named_optimizer_state
+from pretrain.parallel import is_fsdp
 from pretrain.runtime import Runtime, setup_logging
 from pretrain.train import Trainer, build, lr_at, train_step
 
@@ -252,6 +264,155 @@ def test_a_format_1_checkpoint_restores_its_weights_and_adam_moments(trained, ca
     assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
 
 
+# --- hostile DCP checkpoints ------------------------------------------------------------
+
+class TouchesFile:
+    """Unpickling this creates marker: proof that reading a checkpoint ran its code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def make_hostile(path: Path, marker: Path) -> None:
+    """Turn a full checkpoint into a DCP one whose first Adam `step` is a pickled object that
+    runs code when unpickled: DCP stores a non-tensor value as bytes and its planner reads them
+    back with torch.load(weights_only=False)."""
+    model = checkpoint.load_tensors(path, "model.pt")
+    state = {name: dict(value) for name, value in checkpoint.load_tensors(path, "optimizer.pt")["state"].items()}
+    state[next(iter(state))]["step"] = TouchesFile(marker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model, "optimizer": {"state": state}}, storage_writer=FileSystemWriter(path / "dcp"),
+                 no_dist=True)
+    (path / "model.pt").unlink()
+    (path / "optimizer.pt").unlink()
+
+
+@pytest.fixture
+def hostile(trained, tmp_path) -> tuple[Path, Path]:
+    """A DCP checkpoint holding a pickled object, and the file the object would create."""
+    _, path = trained
+    marker = tmp_path / "code-ran"
+    make_hostile(path, marker)
+    return path, marker
+
+
+def test_a_dcp_checkpoint_holding_a_pickled_value_is_refused_before_anything_loads(hostile, cache, tmp_path):
+    path, marker = hostile
+    fresh = make_trainer(cache, tmp_path / "fresh")
+    before = {key: value.clone() for key, value in fresh.model.state_dict().items()}
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(fresh, path)
+    assert one_line_error(error).startswith(f"checkpoint {path}: dcp/.metadata declares optimizer.state.")
+    assert one_line_error(error).endswith(".step as pickled bytes, which this code never writes (only tensors) and "
+                                          "will not unpickle; use another checkpoint of the run")
+    assert_same_tensors(fresh.model.state_dict(), before)
+    with pytest.raises(CheckpointError):
+        checkpoint.load_model_state(path)  # generate and export read it too
+    assert not marker.exists()
+
+
+def test_the_dcp_reader_refuses_a_pickled_value_that_gets_past_the_metadata_check(hostile, cache, tmp_path,
+                                                                                  monkeypatch):
+    path, marker = hostile
+    monkeypatch.setattr(dcp_files, "_check_tensors_only", lambda *_: None)
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(make_trainer(cache, tmp_path / "fresh"), path)
+    assert one_line_error(error) == (f"checkpoint {path}: a DCP entry is pickled bytes, which this code never "
+                                     "writes (only tensors) and will not unpickle; use another checkpoint of the run")
+    assert not marker.exists()
+
+
+def test_the_dcp_load_planner_never_unpickles_a_value(tmp_path):
+    marker = tmp_path / "code-ran"
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("optimizer.state.w.step"),
+                    dest_offsets=torch.Size([0]), storage_index=MetadataIndex("optimizer.state.w.step"),
+                    storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+    payload = io.BytesIO()
+    torch.save(TouchesFile(marker), payload)
+    payload.seek(0)
+    with pytest.raises(CheckpointError, match="entry optimizer.state.w.step: a DCP entry is pickled bytes"):
+        dcp_files.TensorsOnlyPlanner().load_bytes(item, payload)
+    assert not marker.exists()
+
+
+# --- resuming, saving and pruning in a run's own directory --------------------------------
+
+def test_resuming_an_earlier_checkpoint_of_the_same_run_sets_its_later_ones_aside(cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    first = make_trainer(cache, run_dir, "training.keep_checkpoints=3")
+    for steps in (1, 2, 3):
+        checkpoint.save(first, steps, run_dir)
+    directory = run_dir / "checkpoints"
+    checkpoint.restore(make_trainer(cache, tmp_path / "elsewhere"), directory / "step_1")
+    assert sorted(p.name for p in directory.iterdir()) == ["step_1", "step_2", "step_3"]  # not the run it writes
+
+    again = make_trainer(cache, run_dir, "training.keep_checkpoints=3")
+    assert checkpoint.restore(again, directory / "step_1") == 1
+    assert sorted(p.name for p in directory.iterdir()) == ["step_1", "step_2.superseded", "step_3.superseded"]
+    assert (f"Resuming step_1 abandons the run's later checkpoints; renamed step_2.superseded, step_3.superseded "
+            f"in {directory} (kept, but never resumed or pruned automatically)") in capsys.readouterr().out
+    checkpoint.save(again, 2, run_dir)
+    assert checkpoint.latest(directory) == directory / "step_2"  # --resume auto continues the new run
+    assert checkpoint.read_state(directory / "step_3.superseded")["steps_done"] == 3  # the user's data, intact
+
+
+def test_a_name_taken_by_an_earlier_supersede_gets_a_number(tmp_path):
+    directory = tmp_path / "checkpoints"
+    for name in ("step_1", "step_2", "step_2.superseded"):
+        (directory / name).mkdir(parents=True)
+    assert checkpoint_files.supersede_after(directory, 1) == [directory / "step_2.superseded.2"]
+
+
+def test_a_checkpoint_past_the_runs_last_step_is_refused(trained, cache, tmp_path):
+    _, path = trained  # 2 steps done
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.restore(make_trainer(cache, tmp_path / "shorter", "training.max_steps=1"), path)
+    assert one_line_error(error) == (f"checkpoint {path} has 2 steps done, more than training.max_steps 1; raise "
+                                     "--max-steps or resume an earlier checkpoint")
+    assert checkpoint.restore(make_trainer(cache, tmp_path / "done", "training.max_steps=2"), path) == 2
+
+
+def test_a_prune_killed_midway_leaves_nothing_that_passes_for_a_checkpoint(cache, tmp_path, monkeypatch):
+    trainer = make_trainer(cache, tmp_path / "run", "training.keep_checkpoints=1")
+    directory = trainer.run_dir / "checkpoints"
+    checkpoint.save(trainer, 3, trainer.run_dir)
+
+    def killed(path, *args, **kwargs):  # the weights are gone, state.json is not, when the process dies
+        (Path(path) / "model.pt").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(trainer, 1, trainer.run_dir)  # the newest other, step_3, is pruned
+    monkeypatch.undo()
+    assert sorted(p.name for p in directory.iterdir()) == ["step_1", "step_3.deleting"]
+    assert checkpoint.latest(directory) == directory / "step_1"
+    checkpoint.save(trainer, 2, trainer.run_dir)
+    assert sorted(p.name for p in directory.iterdir()) == ["step_2"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_file(cache, tmp_path, monkeypatch):
+    trainer = make_trainer(cache, tmp_path / "run")
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed\nException raised from write_record at ...")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.save(trainer, 1, trainer.run_dir)
+    file = trainer.run_dir / "checkpoints" / "step_1.tmp" / "rng_rank0.pt"
+    assert one_line_error(error) == (
+        f"cannot write checkpoint file {file} ([enforce fail at inline_container.cc:626] . PytorchStreamWriter "
+        "failed writing file data/0: file write failed); make room on its disk (or make it writable) and resume "
+        "from the latest checkpoint")
+    assert checkpoint.latest(trainer.run_dir / "checkpoints") is None
+
+
 # --- FSDP2: two gloo ranks ------------------------------------------------------------
 
 def free_port() -> int:
@@ -263,6 +424,23 @@ def free_port() -> int:
 def gathered(tensors: dict) -> dict[str, torch.Tensor]:
     """Full tensors of a state dict whose values may be DTensors (a collective under FSDP)."""
     return {key: value.full_tensor() if hasattr(value, "full_tensor") else value for key, value in tensors.items()}
+
+
+@contextlib.contextmanager
+def fsyncs_recorded() -> Iterator[list[str]]:
+    """The names of the files and directories this process fsyncs inside."""
+    names: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        names.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real(fd)
+
+    os.fsync = recording
+    try:
+        yield names
+    finally:
+        os.fsync = real
 
 
 def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
@@ -277,13 +455,14 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
 
     def fresh(name: str) -> Trainer:
         trainer = build(config, runtime, dataset, out_dir / name, log)
-        assert checkpoint.is_fsdp(trainer.model)
+        assert is_fsdp(trainer.model)
         return trainer
 
     first = fresh("run")
     for step in range(2):
         train_step(first, step)
-    path = checkpoint.save(first, 2, first.run_dir)
+    with fsyncs_recorded() as synced:
+        path = checkpoint.save(first, 2, first.run_dir)
     saved_weights = gathered(first.model.state_dict())
     continued = [float(train_step(first, step)[0]) for step in (2, 3)]
 
@@ -295,13 +474,13 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
     checkpoint.restore(third, Path(single_checkpoint))
     from_single = gathered(third.model.state_dict())
     moments = {name: gathered(state)["exp_avg"] for name, state in
-               checkpoint.named_optimizer_state(third.optimizer, third.model)["state"].items()}
+               named_optimizer_state(third.optimizer, third.model)["state"].items()}
     draw = torch.rand(2).tolist()
     if runtime.is_main:
         torch.save(saved_weights, out_dir / "saved_weights.pt")
         torch.save({"weights": from_single, "exp_avg": moments}, out_dir / "from_single.pt")
     (out_dir / f"rank{runtime.rank}.json").write_text(json.dumps(
-        {"checkpoint": str(path), "continued": continued, "resumed": resumed, "draw": draw}))
+        {"checkpoint": str(path), "continued": continued, "resumed": resumed, "draw": draw, "synced": synced}))
     shutdown(runtime, peers_alive=True)
 
 
@@ -321,6 +500,14 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
     outputs = [worker.communicate(timeout=120)[0] for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0], "\n".join(outputs)[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Each rank made its own files durable before the checkpoint was renamed into place; rank 0
+    # only its own, and the directories.
+    synced = [set(seen["synced"]) for seen in ranks]
+    assert {"rng_rank0.pt", "step_2.tmp", "dcp", "checkpoints"} <= synced[0]
+    assert "rng_rank1.pt" in synced[1] and any(name.startswith("__1_") for name in synced[1])
+    assert not any(name.startswith("__1_") or name == "rng_rank1.pt" for name in synced[0])
+    assert not synced[1] & {"step_2.tmp", "dcp", "checkpoints"}
 
     # Each rank continues from the restored shards exactly as the rank that saved them.
     for seen in ranks:
@@ -348,7 +535,7 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
     # took up the saved random stream, rank 1 (which the single run did not have) a fresh one.
     from_single = torch.load(tmp_path / "from_single.pt", weights_only=True)
     assert_same_tensors(from_single["weights"], single.model.state_dict())
-    expected_moments = checkpoint.named_optimizer_state(single.optimizer, single.model)["state"]
+    expected_moments = named_optimizer_state(single.optimizer, single.model)["state"]
     assert_same_tensors(from_single["exp_avg"], {k: v["exp_avg"] for k, v in expected_moments.items()})
     assert ranks[0]["draw"] == after_save and ranks[1]["draw"] != after_save
     assert "has no random state for rank 1" in outputs[1]

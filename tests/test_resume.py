@@ -1,8 +1,10 @@
-"""--resume: which run directory and which checkpoint each form of it names."""
+"""--resume: which run directory and which checkpoint each form of it names, and which
+checkpoint directories count as complete."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,16 +12,26 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, one_line_error
-from pretrain.resume import ResumeError, latest, resolve_resume
+from pretrain.resume import ResumeError, checkpoint_at, latest, resolve_resume
 
 
-def checkpoint_dir(run: Path, steps: int, complete: bool = True) -> Path:
-    """<run>/checkpoints/step_<steps>, with a state.json when complete."""
-    path = run / "checkpoints" / f"step_{steps}"
+def checkpoint_dir(run: Path, steps: int, complete: bool = True, name: str | None = None) -> Path:
+    """<run>/checkpoints/step_<steps> (or name), with a state.json and model files when complete."""
+    path = run / "checkpoints" / (name or f"step_{steps}")
     path.mkdir(parents=True)
-    if complete:
-        (path / "state.json").write_text(json.dumps({"format_version": 2, "steps_done": steps}))
+    return fill(path, steps) if complete else path
+
+
+def fill(path: Path, steps: int) -> Path:
+    """Make path a complete checkpoint of `steps` steps, as far as choosing one goes."""
+    (path / "state.json").write_text(json.dumps({"format_version": 2, "steps_done": steps}))
+    for file in ("model.pt", "optimizer.pt"):
+        (path / file).write_bytes(b"")
     return path
+
+
+def written_at(checkpoint: Path, seconds: int) -> None:
+    os.utime(checkpoint / "state.json", (seconds, seconds))
 
 
 @pytest.fixture
@@ -42,10 +54,35 @@ def test_latest_is_the_highest_complete_step_ignoring_unfinished_saves(tmp_path)
     (run / "checkpoints" / "step_300" / "state.json").write_text("{")  # cut short
     (run / "checkpoints" / "step_400.tmp").mkdir()
     (run / "checkpoints" / "step_400.tmp" / "state.json").write_text('{"steps_done": 400}')
-    (run / "checkpoints" / "nan_grad_step_500").mkdir()  # a named checkpoint is not a step_<N>
-    (run / "checkpoints" / "nan_grad_step_500" / "state.json").write_text('{"steps_done": 500}')
+    checkpoint_dir(run, 500, name="nan_grad_step_500")  # a named checkpoint is not a step_<N>
+    checkpoint_dir(run, 600, name="step_600.deleting")  # being pruned
+    checkpoint_dir(run, 700, name="step_700.superseded")  # set aside by resuming an earlier checkpoint
+    weightless = checkpoint_dir(run, 800)
+    (weightless / "optimizer.pt").unlink()  # state.json alone is not a checkpoint
     assert latest(run / "checkpoints") == ten  # 10 > 9: by number, not by name
     assert latest(tmp_path / "nothing") is None
+
+
+def test_a_sharded_checkpoint_is_complete_with_its_dcp_metadata(tmp_path):
+    sharded = checkpoint_dir(tmp_path / "run", 4, complete=False)
+    (sharded / "state.json").write_text('{"steps_done": 4}')
+    (sharded / "dcp").mkdir()
+    assert latest(tmp_path / "run" / "checkpoints") is None  # shards, but DCP's metadata (written last) missing
+    (sharded / "dcp" / ".metadata").write_bytes(b"")
+    assert latest(tmp_path / "run" / "checkpoints") == sharded
+
+
+def test_a_checkpoint_left_aside_by_a_killed_replace_is_still_found_and_resumable(tmp_path, runs):
+    run = tmp_path / "run"
+    checkpoint_dir(run, 3)
+    aside = checkpoint_dir(run, 5, name="step_5.old")  # killed between moving step_5 aside and the new one in
+    assert latest(run / "checkpoints") == aside
+    assert resolve_resume("auto", str(run), runs) == (run, aside)
+    assert resolve_resume(str(aside), None, runs) == (run, aside)
+    checkpoint_dir(run, 5)  # the replacement arrived: the .old is on its way out
+    assert latest(run / "checkpoints") == run / "checkpoints" / "step_5"
+    with pytest.raises(ResumeError, match="an unfinished checkpoint save"):
+        resolve_resume(str(aside), None, runs)
 
 
 def test_auto_with_a_run_directory_continues_its_latest_checkpoint(tmp_path, runs):
@@ -60,11 +97,13 @@ def test_auto_with_a_run_directory_that_has_no_checkpoint_starts_fresh_there(tmp
     assert resolve_resume("auto", str(tmp_path / "run"), runs) == (tmp_path / "run", None)
 
 
-def test_auto_alone_continues_the_newest_run_that_has_a_checkpoint(runs):
-    checkpoint_dir(runs / "20261120-235959-ffff", 8)
+def test_auto_alone_continues_the_run_whose_latest_checkpoint_was_written_last(runs):
+    written_at(checkpoint_dir(runs / "20261120-235959-ffff", 8), 1_000)
     wanted = checkpoint_dir(runs / "20261121-070000-0001", 2)
-    checkpoint_dir(runs / "20261121-080000-0002", 7, complete=False)  # newest, but nothing complete
-    (runs / "20261121-090000-0003").mkdir()  # newest of all: started, never saved
+    written_at(wanted, 3_000)
+    written_at(checkpoint_dir(runs / "my-experiment", 5), 2_000)  # named by the user: sorts after every run id
+    checkpoint_dir(runs / "zz-started", 7, complete=False)  # nothing complete
+    (runs / "zzz-never-saved").mkdir()
     assert resolve_resume("auto", None, runs) == (runs / "20261121-070000-0001", wanted)
 
 
@@ -84,7 +123,7 @@ def test_a_checkpoint_path_continues_in_the_run_it_belongs_to_unless_a_run_direc
 def test_a_checkpoint_copied_out_of_its_run_starts_a_new_run(tmp_path, runs):
     path = tmp_path / "saved" / "step_10"
     path.mkdir(parents=True)
-    (path / "state.json").write_text('{"steps_done": 10}')
+    fill(path, 10)
     assert resolve_resume(str(path), None, runs) == (None, path)
 
 
@@ -106,8 +145,17 @@ def test_a_run_directory_without_a_complete_checkpoint_is_refused(tmp_path, runs
     checkpoint_dir(tmp_path / "run", 4, complete=False)
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(tmp_path / "run"), None, runs)
-    assert one_line_error(error) == (f"--resume {tmp_path / 'run'}: no checkpoint there (expected a "
-                                     "checkpoints/step_<N> directory or a run directory that has one)")
+    assert one_line_error(error) == (f"--resume {tmp_path / 'run'}: the run has no complete checkpoint yet; give a "
+                                     "checkpoint directory")
+
+
+def test_a_directory_that_is_neither_a_checkpoint_nor_a_run_is_refused(tmp_path, runs):
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(ResumeError) as error:
+        resolve_resume(str(tmp_path / "elsewhere"), None, runs)
+    assert one_line_error(error) == (f"--resume {tmp_path / 'elsewhere'}: neither a checkpoint (no state.json) nor a "
+                                     "run directory (no checkpoints/); give <run dir>/checkpoints/step_<N> or a run "
+                                     "directory")
 
 
 @pytest.mark.parametrize("name, problem", [
@@ -118,8 +166,19 @@ def test_a_path_that_is_not_a_directory_is_refused_naming_why(tmp_path, runs, na
     (tmp_path / "file.txt").write_text("")
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(tmp_path / name), None, runs)
-    assert one_line_error(error) == (f"--resume {tmp_path / name}: {problem} (expected a checkpoints/step_<N> "
-                                     "directory or a run directory that has one)")
+    assert one_line_error(error) == (f"--resume {tmp_path / name}: {problem}; give a checkpoint "
+                                     "(<run dir>/checkpoints/step_<N>) or a run directory")
+
+
+def test_checkpoint_at_names_the_checkpoint_a_path_means_and_starts_its_errors_with_the_path(tmp_path):
+    run = tmp_path / "run"
+    checkpoint_dir(run, 2)
+    four = checkpoint_dir(run, 4)
+    assert checkpoint_at(run) == four  # a run directory: its latest checkpoint
+    assert checkpoint_at(run / "checkpoints" / "step_2") == run / "checkpoints" / "step_2"
+    with pytest.raises(ResumeError) as error:
+        checkpoint_at(tmp_path / "missing")
+    assert one_line_error(error).startswith(f"{tmp_path / 'missing'}: no such directory; ")
 
 
 def test_an_unfinished_save_is_refused_pointing_to_the_complete_ones(tmp_path, runs):
@@ -136,8 +195,8 @@ def test_a_checkpoint_with_a_damaged_state_file_is_refused(tmp_path, runs):
     (path / "state.json").write_text('{"steps_do')
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(path), None, runs)
-    assert one_line_error(error) == (f"--resume {path}: the checkpoint's state.json is unreadable (the checkpoint "
-                                     "is damaged); use another checkpoint of the run")
+    assert one_line_error(error) == (f"--resume {path}: state.json is unreadable (Unterminated string starting at: "
+                                     "line 1 column 2 (char 1)); use another checkpoint of the run")
 
 
 def test_resolving_imports_no_torch():

@@ -1,0 +1,207 @@
+"""A run's checkpoint directories on disk: which are complete, what their state.json says, and
+the renames that keep each one complete or absent. Standard library only: the launcher chooses
+the checkpoint to resume with it before any worker (and torch) starts.
+
+<run dir>/checkpoints/ holds
+    step_<N>/             a complete checkpoint after N steps (save() may also use another name)
+    step_<N>.tmp/         a save in progress, or killed: removed by the next save
+    step_<N>.old/         a complete checkpoint being replaced by a new step_<N>: removed once the
+                          new one is in place; alone (killed mid-replace) it still counts as step_<N>
+    step_<N>.deleting/    a checkpoint being pruned: removed by the next save, never read
+    step_<N>.superseded/  a later checkpoint of a continuation abandoned by resuming an earlier one:
+                          kept for the user, never resumed or pruned automatically
+
+A checkpoint is complete when it has a readable state.json and its model files: model.pt and
+optimizer.pt (single process, DDP) or dcp/.metadata (FSDP, written last by DCP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+FORMAT_VERSION = 2
+"""2: optimizer state keyed by parameter name, Python and NumPy RNG, DCP for FSDP. 1 (the
+optimizer's own integer keys, torch RNG only) is still read."""
+
+STEP_NAME = re.compile(r"step_(\d+)")
+OLD, TMP, DELETING, SUPERSEDED = ".old", ".tmp", ".deleting", ".superseded"
+UNFINISHED_SUFFIXES = (TMP, OLD, DELETING)
+"""Directories no one resumes from (an alone .old is the exception: see is_unfinished)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here; the message is one line that says what to do."""
+
+
+class StateError(CheckpointError):
+    """state.json is missing or unusable. problem is the message without the leading
+    "checkpoint <path>: ", for callers that name the path their own way."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"checkpoint {path}: {problem}")
+        self.path, self.problem = path, problem
+
+    def __reduce__(self):  # picklable (collectives gather exceptions), with both arguments
+        return type(self), (self.path, self.problem)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# --- reading --------------------------------------------------------------------------
+
+def read_state(path: Path) -> dict:
+    """The checkpoint's state.json; StateError when path is not a checkpoint this code reads."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        what = "no such directory" if not path.exists() else "no state.json (not a checkpoint, or an unfinished save)"
+        raise StateError(path, f"{what}; give a <run dir>/checkpoints/step_<N> directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StateError(path, f"state.json is unreadable ({first_line(error)}); "
+                               "use another checkpoint of the run") from None
+    if not isinstance(state, dict) or not isinstance(state.get("steps_done"), int):
+        raise StateError(path, "state.json has no steps_done; use another checkpoint of the run")
+    version = state.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise StateError(path, f"format version {version} is newer than this code reads ({FORMAT_VERSION}); "
+                               "update the code or start fresh")
+    return state
+
+
+def has_model_files(path: Path) -> bool:
+    return ((path / "model.pt").is_file() and (path / "optimizer.pt").is_file()) or \
+        (path / "dcp" / ".metadata").is_file()
+
+
+def is_unfinished(path: Path) -> bool:
+    """A save in progress or killed, or a checkpoint being pruned or replaced. A .old whose
+    replacement never arrived is the complete checkpoint it was, so it does not count."""
+    if path.name.endswith(OLD):
+        return path.with_name(path.name.removesuffix(OLD)).exists()
+    return path.name.endswith(UNFINISHED_SUFFIXES)
+
+
+def is_complete(path: Path) -> bool:
+    if is_unfinished(path) or not has_model_files(path):
+        return False
+    try:
+        read_state(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """Every step_<N> directory (complete or not) as (N, path), lowest N first; a step_<N>.old
+    left alone by a killed replace stands for step_<N>."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = []
+    for child in checkpoints_dir.iterdir():
+        name = child.name.removesuffix(OLD) if child.name.endswith(OLD) else child.name
+        if (match := STEP_NAME.fullmatch(name)) and child.is_dir() and not is_unfinished(child):
+            found.append((int(match[1]), child))
+    return sorted(found)
+
+
+def latest(checkpoints_dir: Path) -> Path | None:
+    """The complete step_<N> checkpoint with the highest N, or None."""
+    complete = [path for _, path in step_checkpoints(checkpoints_dir) if is_complete(path)]
+    return complete[-1] if complete else None
+
+
+# --- changing ---------------------------------------------------------------------------
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint directory: first renamed to .deleting, so a delete cut short leaves
+    nothing that looks like a checkpoint. Never raises: a leftover must not end a run."""
+    doomed = path.with_name(path.name + DELETING)
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_unfinished(checkpoints_dir: Path) -> None:
+    """Remove what killed saves and prunes left (.tmp, .deleting). A .old is a complete
+    checkpoint being replaced: removed when its replacement is in place, else renamed back."""
+    if not checkpoints_dir.is_dir():
+        return
+    for path in checkpoints_dir.iterdir():
+        if path.name.endswith((TMP, DELETING)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.endswith(OLD):
+            final = path.with_name(path.name.removesuffix(OLD))
+            if final.exists():
+                remove(path)
+            else:
+                os.rename(path, final)
+
+
+def prune(checkpoints_dir: Path, keep: int, just_written: Path) -> list[Path]:
+    """Delete step_<N> checkpoints so that `keep` remain: the one just written and the newest
+    others. Checkpoints with other names (and superseded ones) are never deleted. Returns
+    what was deleted."""
+    steps = [path for _, path in step_checkpoints(checkpoints_dir)]
+    others = [path for path in steps if path != just_written]
+    room = keep - 1 if just_written in steps else keep
+    doomed = others[:max(0, len(others) - room)]
+    for path in doomed:
+        remove(path)
+    return doomed
+
+
+def supersede_after(checkpoints_dir: Path, steps_done: int) -> list[Path]:
+    """Rename every step_<N> with N > steps_done to step_<N>.superseded (or .superseded.2, ...
+    when that exists) and return the new paths. Resuming an earlier checkpoint abandons them:
+    left as they were, pruning would keep them over the new run's own checkpoints and
+    --resume auto would continue them."""
+    renamed = []
+    for steps, path in step_checkpoints(checkpoints_dir):
+        if steps > steps_done:
+            target = _free_name(checkpoints_dir / f"step_{steps}{SUPERSEDED}")
+            os.rename(path, target)
+            renamed.append(target)
+    if renamed:
+        fsync_dir(checkpoints_dir)
+    return renamed
+
+
+def _free_name(path: Path) -> Path:
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Rename new to final; an existing final is moved aside to final.old first and removed
+    last, so a complete checkpoint exists at every moment (clean_unfinished and latest know
+    what a kill in between leaves)."""
+    old = final.with_name(final.name + OLD)
+    if final.exists():
+        if old.exists():  # a leftover of an earlier replace; final is complete
+            remove(old)
+        os.rename(final, old)
+    os.rename(new, final)
+    fsync_dir(final.parent)  # the rename itself survives a power loss
+    if old.exists():
+        remove(old)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries (files created or renamed in it) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
