@@ -202,7 +202,7 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
     resume: str = ""
-    """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the newest run under runs/), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
+    """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints"):
