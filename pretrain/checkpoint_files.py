@@ -23,6 +23,8 @@ import re
 import shutil
 from pathlib import Path
 
+from pretrain.runfiles import fsync
+
 FORMAT_VERSION = 2
 """2: optimizer state keyed by parameter name, Python and NumPy RNG, DCP for FSDP. 1 (the
 optimizer's own integer keys, torch RNG only) is still read."""
@@ -200,8 +202,4 @@ def replace_dir(new: Path, final: Path) -> None:
 
 def fsync_dir(directory: Path) -> None:
     """Make the directory's entries (files created or renamed in it) durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync(directory)

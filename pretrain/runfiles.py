@@ -38,7 +38,7 @@ def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644)
     tmp = Path(name)
     try:
         write(tmp)
-        _fsync(tmp)
+        fsync(tmp)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
@@ -47,7 +47,7 @@ def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644)
     _fsync_directory(path.parent)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Flush a file's (or a directory's) data to disk; a read-only descriptor is enough on POSIX."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -60,7 +60,7 @@ def _fsync_directory(path: Path) -> None:
     """Make a rename in path survive a crash. Best effort: some file systems (network mounts)
     refuse to fsync a directory, and the new file is in place by then either way."""
     with contextlib.suppress(OSError):
-        _fsync(path)
+        fsync(path)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

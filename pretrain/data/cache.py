@@ -24,6 +24,7 @@ from typing import Any
 from pretrain.data import DataError
 from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
+from pretrain.runfiles import fsync
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")
@@ -179,16 +180,8 @@ def replace_dir(new: Path, final: Path) -> None:
     if final.exists():
         os.rename(final, old)
     os.rename(new, final)
-    _fsync_dir(final.parent)
+    fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove_leftovers(final: Path) -> None:
