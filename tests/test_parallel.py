@@ -6,14 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from pretrain import config as cfg
 from pretrain.model import Transformer
 from pretrain.parallel import (clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize,
@@ -42,12 +41,6 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --- two ranks ------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
