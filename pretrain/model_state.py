@@ -52,6 +52,18 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 # --- full state dicts -------------------------------------------------------------------
 
+def whole_model_on_cpu(model: torch.nn.Module, wanted_here: bool) -> dict[str, torch.Tensor] | None:
+    """Every weight, whole, on the CPU, under its plain name, where wanted_here (None elsewhere).
+    Under FSDP a collective: every rank must call it, as each holds a shard of every weight."""
+    if has_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if wanted_here else None
+    if not wanted_here:
+        return None
+    return {plain_name(key): value.detach().cpu() for key, value in model.state_dict().items()}
+
+
 def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor],
                                                                                      dict[str, Any]]:
     """The model's state dict and the optimizer's, both keyed by plain parameter name (not FSDP)."""

@@ -28,6 +28,7 @@ from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.metrics import MetricsLog, flops_per_token, mfu, peak_bf16_flops, peak_memory_gib, reset_peak_memory
 from pretrain.model import Transformer
+from pretrain.model_state import whole_model_on_cpu
 from pretrain.resume import ResumeError, resolve_resume
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
@@ -281,12 +282,8 @@ def fit(trainer: Trainer) -> None:
 def export_final(trainer: Trainer) -> Path | None:
     """Rank 0 writes <run dir>/export/: model.safetensors, config.json and the dataset's
     tokenizer.json. Under FSDP every rank takes part in gathering the shards."""
-    if parallel.is_fsdp(trainer.model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif trainer.runtime.is_main:
-        state = {name: tensor.detach().cpu() for name, tensor in parallel.unwrap(trainer.model).state_dict().items()}
-    if not trainer.runtime.is_main:
+    state = whole_model_on_cpu(trainer.model, wanted_here=trainer.runtime.is_main)
+    if state is None:
         return None
     return export.export(state, trainer.config, trainer.run_dir / "export", tokenizer_file=trainer.tokenizer_file)
 
