@@ -10,7 +10,9 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
 3. SIGINT or SIGTERM to the supervisor asks every worker to stop gracefully with SIGTERM:
    to its process group, or, for training workers, to the worker process alone, so it can
    finish its step and save while its helpers (data loaders) keep working. After
-   stop_timeout seconds they are killed; a second signal kills at once. Returns 130 or
+   stop_timeout seconds they are killed; a second signal kills at once. A group that got
+   SIGTERM (rules 2 and 3) has until that deadline to finish, even once its worker has
+   exited: what a shell started is still printing its last words. Returns 130 or
    143, unless a worker fails while stopping (an exit code other than 0 or a death by that
    SIGTERM): that is a failure as in rule 1.
 4. When the loop ends, every process of the run is SIGKILLed: the workers' groups and
@@ -127,6 +129,8 @@ class Supervisor:
         self._kill_reason = ""
         self._killed: set[Worker] = set()
         """Workers the supervisor SIGKILLed: their deaths are never a first failure."""
+        self._groups_stopping: set[Worker] = set()
+        """Workers whose whole process group was sent SIGTERM."""
         self._next_snapshot = 0.0
         self._reported: dict[int, int] = {}
         self._teardown_done: float | None = None
@@ -138,7 +142,7 @@ class Supervisor:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_all()
-            while any(w.returncode is None for w in self._watch.values()):
+            while self._watching():
                 self._handle(self._next_event())
                 self._check_deadlines()
         finally:
@@ -168,6 +172,10 @@ class Supervisor:
         for worker in self.workers:
             self._watch[worker] = _Watch(last_output=time.monotonic())
             worker.watch(self._events.put)
+
+    def _watching(self) -> bool:
+        """A worker is running, or a group told to stop still holds its output before the kill deadline."""
+        return bool(self._running() or self._kill_at is not None and self._stopping_groups())
 
     def _next_event(self) -> Event | Interrupted | None:
         deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot)
@@ -222,6 +230,7 @@ class Supervisor:
                 worker.signal(signal.SIGTERM)
             else:
                 worker.signal_group(signal.SIGTERM)
+                self._groups_stopping.add(worker)
         self._set_kill_deadline(self.stop_timeout, "--stop-timeout")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -239,6 +248,10 @@ class Supervisor:
                 self.printer.launcher_line(
                     f"{', '.join(w.label for w in running)} still running after {self._kill_reason}; "
                     f"sending SIGKILL")
+            elif lingering := self._stopping_groups():
+                self.printer.launcher_line(
+                    f"processes started by {', '.join(w.label for w in lingering)} still running after "
+                    f"{self._kill_reason}; sending SIGKILL")
             self._kill_running()
         deadline = self._hang_deadline()
         if deadline is not None and now >= deadline:
@@ -263,6 +276,10 @@ class Supervisor:
 
     def _running(self) -> list[Worker]:
         return [w for w, watch in self._watch.items() if watch.returncode is None]
+
+    def _stopping_groups(self) -> list[Worker]:
+        """Exited workers told to stop whose output some process of their group still holds."""
+        return [w for w in self._groups_stopping if self._watch[w].returncode is not None and self._watch[w].output_open]
 
     def _fail(self, worker: Worker, hung_for: float | None = None) -> None:
         """Rules 1 and 2: remember the first failure, ask for stacks, stop the others."""
@@ -296,6 +313,7 @@ class Supervisor:
             failure.unresponsive = True
         for worker in self._running():
             worker.signal_group(signal.SIGTERM)
+            self._groups_stopping.add(worker)
         self._set_kill_deadline(self.kill_grace, "--kill-grace")
 
     def _set_kill_deadline(self, seconds: float, option: str) -> None:

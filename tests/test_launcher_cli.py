@@ -153,7 +153,11 @@ def test_descendants_that_left_the_group_and_cleared_their_environment_do_not_ou
 def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(script, tmp_path):
     handles = script("""
         import os, signal, sys, time
-        signal.signal(signal.SIGTERM, lambda *_: (print("child got SIGTERM", flush=True), sys.exit(0)))
+        def stop(*_):
+            time.sleep(0.5)  # slower than bash, which dies of SIGTERM at once
+            print("child got SIGTERM", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
         print("pid", os.getpid(), flush=True)
         time.sleep(60)
     """, "child.py")
@@ -164,7 +168,26 @@ def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(script, tmp_pat
     assert all(":pid " in line for line in read), read
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=20) == 130
-    assert proc.stdout.read().count("child got SIGTERM") == 2  # the whole group was asked
+    assert proc.stdout.read().count("child got SIGTERM") == 2  # the whole group was asked, and waited for
+
+
+def test_a_shell_commands_child_that_ignores_sigterm_is_killed_at_the_stop_timeout(script, tmp_path):
+    handles = script("""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("pid", os.getpid(), flush=True)
+        time.sleep(60)
+    """, "child.py")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "1", "--stop-timeout", "1",
+                             "--run-dir", str(tmp_path / "r"), "--", "bash", "-c", f"{' '.join(handles)}; echo after"],
+                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline().split()[-1])
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 130
+    assert 1 <= time.monotonic() - started < 10
+    assert "processes started by CPU0 still running after 1 s (--stop-timeout); sending SIGKILL" in proc.stdout.read()
+    assert wait_until(lambda: not alive(child), timeout=3)
 
 
 def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(script, tmp_path):
