@@ -25,6 +25,7 @@ from launcher.scripted_nvml import BadScript
 from launcher.supervisor import StartError, Supervisor
 from launcher.worker import Worker, worker_env
 from pretrain import config as cfg
+from pretrain import exit_codes
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
 
 MAX_KILL_GRACE = 3600
@@ -226,7 +227,8 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
         return Supervisor(workers, printer, kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
                           hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
                           stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
-                          stop_leaders_only=not generic).run()
+                          stop_leaders_only=not generic,
+                          exit_meanings=None if generic else exit_codes.MEANINGS).run()
     finally:
         printer.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,8 @@ RULE = "=" * 72
 CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA error: out of memory")
 FRAMES_SHOWN = 3
 
+_NONFINITE_REPORT = re.compile(r"^(NaN|Inf) (GRADIENT|LOSS) DETECTED \[")
+"""The banner of a training worker's report on a NaN or Inf (pretrain/debug.py)."""
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _FAULTHANDLER_FRAME = re.compile(r'^  File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
 
@@ -27,6 +30,11 @@ def describe(returncode: int) -> str:
 
 def is_cuda_oom(line: str) -> bool:
     return any(marker in line for marker in CUDA_OOM_MARKERS)
+
+
+def nonfinite_banner(line: str) -> str | None:
+    """"NaN GRADIENT DETECTED" when line is the banner of a NaN/Inf report, else None."""
+    return match.group(0).removesuffix(" [") if (match := _NONFINITE_REPORT.match(line)) else None
 
 
 @dataclass
@@ -57,7 +65,15 @@ class StackDump:
         return " <- ".join(deepest[:FRAMES_SHOWN])
 
 
-def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool) -> str | None:
+def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool,
+         nonfinite_reports: Mapping[str, str] | None = None) -> str | None:
+    """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf."""
+    if nonfinite_reports:
+        banners = sorted(set(nonfinite_reports.values()))
+        return (f"the loss or the gradients became NaN or Inf: {', '.join(nonfinite_reports)} logged "
+                f"{' / '.join(banners)} with the tensors involved, then saved a checkpoint of the state before "
+                f"that step and a tensor dump. README Troubleshooting says what to change "
+                f"(configs/config_stable.json).")
     if hung_for is not None:
         return (f"it printed nothing for {hung_for:g} s (--hang-timeout); the stack dumps show what each "
                 f"worker was waiting for. Raise --hang-timeout if start-up or compilation is this slow.")
@@ -92,7 +108,7 @@ class Failure:
 
 
 def render(failure: Failure) -> list[str]:
-    how = failure.how if failure.how == f"exit code {failure.exit_code}" else \
+    how = failure.how if failure.how.startswith(f"exit code {failure.exit_code}") else \
         f"{failure.how}, exit code {failure.exit_code}"
     lines = [RULE, f"FAILED: {failure.label} (rank {failure.rank}) failed first "
                    f"at {failure.clock}, {failure.after_start:.1f} s after start: {how}."]

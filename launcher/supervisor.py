@@ -78,6 +78,8 @@ class _Watch:
     returncode: int | None = None
     output_open: bool = True
     cuda_oom: bool = False
+    nonfinite_report: str | None = None
+    """The banner of the NaN/Inf report the worker logged."""
     stacks: summary.StackDump = field(default_factory=summary.StackDump)
 
 
@@ -97,13 +99,15 @@ class Supervisor:
     def __init__(self, workers: list[Worker], printer: Printer, *, kill_grace: float = 5.0,
                  stop_timeout: float = 120.0, hang_timeout: float | None = None,
                  stack_dump_signal: int | None = None, stop_leaders_only: bool = False,
-                 run_dir: Path | None = None, adopt_orphans: bool = False) -> None:
+                 run_dir: Path | None = None, adopt_orphans: bool = False,
+                 exit_meanings: dict[int, str] | None = None) -> None:
         """stack_dump_signal: the signal on which the workers print their Python stacks
         (only for commands known to handle it; by default it would kill them).
         stop_leaders_only: a graceful stop signals only each worker process, which stops
         its own helpers (for training workers); otherwise their whole groups.
         adopt_orphans: make this process a child subreaper, so descendants that double
-        fork stay findable; only for a process that runs nothing but this supervisor."""
+        fork stay findable; only for a process that runs nothing but this supervisor.
+        exit_meanings: what the workers' own exit codes mean, named in the summary."""
         self.workers = workers
         self.printer = printer
         self.kill_grace = kill_grace
@@ -113,6 +117,7 @@ class Supervisor:
         self.stop_leaders_only = stop_leaders_only
         self.run_dir = run_dir
         self.adopt_orphans = adopt_orphans
+        self.exit_meanings = exit_meanings or {}
         self._token = reaper.new_token()
         self._events: queue.SimpleQueue[Event | Interrupted] = queue.SimpleQueue()  # put() is signal-safe
         self._watch: dict[Worker, _Watch] = {}
@@ -212,6 +217,7 @@ class Supervisor:
         watch.last_output = time.monotonic()
         watch.tail.append(text)
         watch.cuda_oom = watch.cuda_oom or summary.is_cuda_oom(text)
+        watch.nonfinite_report = watch.nonfinite_report or summary.nonfinite_banner(text)
         if self._stacks_requested and watch.stacks.feed(text):
             self._dump_done(worker)
         self.printer.worker_line(worker.label, text)
@@ -393,12 +399,16 @@ class Supervisor:
                 how += " and did not answer the stack-dump request (frozen)"
         else:
             code, how = exit_code(returncode), summary.describe(returncode)
+            if returncode in self.exit_meanings:
+                how += f" ({self.exit_meanings[returncode]})"
         where = {w.label: frames for w, wa in self._watch.items() if (frames := wa.stacks.where())}
         where |= {w.label: NO_DUMP for w in self._no_dump}
         return summary.Failure(
             label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at, clock=first.clock,
             exit_code=code, how=how,
-            hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom),
+            hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom,
+                              nonfinite_reports={w.label: wa.nonfinite_report for w, wa in self._watch.items()
+                                                 if wa.nonfinite_report}),
             tail=list(watch.tail), stopped=first.stopped,
             teardown_seconds=(self._teardown_done or time.monotonic()) - first.at, where=where,
             logs=self.run_dir / "logs" if self.run_dir is not None else None)

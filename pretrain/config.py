@@ -249,9 +249,23 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class DebugConfig:
     check_finite: bool = True
-    """Stop at the first step whose loss or gradient norm is NaN or Inf."""
+    """Check every step's loss and gradient norm for NaN or Inf before the update (one small all-reduce); on_nonfinite says what then."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """stop: report the bad tensors, save checkpoint nan_grad_step_<N> and the dump, exit 3. skip: drop that update and go on."""
+    max_skips_in_a_row: int = 3
+    """With on_nonfinite=skip: stop as with stop after this many skipped updates in a row."""
+    trace_nonfinite: bool = False
+    """Hooks on every module name the first whose output or gradient is not finite (slow; turns off compile and activation checkpointing)."""
+    dump_tensors: bool = True
+    """On a stop for NaN/Inf, write every parameter and gradient (float32) to <run dir>/debug/nan_debug_step_<N>.npz."""
     detect_anomaly: bool = False
     """Run autograd anomaly detection (names the backward op that made a NaN; slow)."""
+
+    def __post_init__(self) -> None:
+        _check(self.on_nonfinite in ("stop", "skip"), "debug.on_nonfinite",
+               f"must be stop or skip (got {self.on_nonfinite!r})")
+        _check(self.max_skips_in_a_row >= 1, "debug.max_skips_in_a_row",
+               f"must be at least 1 (got {self.max_skips_in_a_row})")
 
 
 @dataclass(frozen=True)
@@ -276,7 +290,8 @@ def production() -> Config:
 
 
 def debug() -> Config:
-    """2 layers, small width, 10 steps, DEBUG logging: runs in seconds on a CPU."""
+    """2 layers, small width, 10 steps, DEBUG logging, fp32, and hooks that name the first module
+    to produce a NaN or Inf: runs in seconds on a CPU."""
     return Config(
         preset="debug",
         model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
@@ -286,6 +301,7 @@ def debug() -> Config:
                                 warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2,
                                 checkpoint_interval=0, keep_checkpoints=2),
         logging=LoggingConfig(level="DEBUG", log_interval=1),
+        debug=DebugConfig(trace_nonfinite=True),
     )
 
 

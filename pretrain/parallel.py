@@ -28,7 +28,10 @@ from pretrain.runtime import Runtime
 
 
 def compile_enabled(config: Config, device: torch.device) -> bool:
-    """training.compile, or, when it is null, on CUDA only (a first compile on CPU is slow)."""
+    """training.compile, or, when it is null, on CUDA only (a first compile on CPU is slow);
+    never with debug.trace_nonfinite."""
+    if config.debug.trace_nonfinite:
+        return False  # compiled blocks hide their modules from the hooks
     chosen = config.training.compile
     return device.type == "cuda" if chosen is None else chosen
 
@@ -43,7 +46,7 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
     if mode == "single" and runtime.distributed:
         raise ValueError(f"mode single is for one process, but there are {runtime.world_size} ranks")
     t = config.training
-    if t.activation_checkpointing:
+    if t.activation_checkpointing and not config.debug.trace_nonfinite:  # its recomputation confuses the hooks
         for block in blocks(model):
             checkpoint_activations(block)
     if compile_enabled(config, runtime.device):
@@ -152,15 +155,27 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> Tensor:
     """Clip the gradients to a global norm of max_norm (0 or inf: leave them) and return their
-    global norm before clipping: a plain 0-d tensor on the device, the same on every rank.
-    Under FSDP2 each rank holds a shard of every gradient, so the norm of the shards is
-    reduced over the ranks (full_tensor) before anything is scaled."""
-    parameters = [p for p in model.parameters() if p.grad is not None]
-    if not parameters:  # nothing was trained (every gradient None): the norm is 0
-        return torch.zeros((), device=next(model.parameters()).device)
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if 0 < max_norm < float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    global norm before clipping: a plain 0-d tensor on the device, the same on every rank."""
+    total = grad_norm(model)
+    clip_gradients(model, max_norm, total)
     return total
+
+
+def grad_norm(model: nn.Module) -> Tensor:
+    """The global norm of every gradient: a plain 0-d tensor on the device, the same on every
+    rank. Under FSDP2 each rank holds a shard of every gradient, so the norm of the shards is
+    reduced over the ranks (full_tensor)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:  # nothing was trained (every gradient None): the norm is 0
+        return torch.zeros((), device=next(model.parameters()).device)
+    total = torch.nn.utils.get_total_norm(grads)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def clip_gradients(model: nn.Module, max_norm: float, total: Tensor) -> None:
+    """Scale the gradients so their global norm, total, becomes max_norm, if it is above it
+    (0 or inf: leave them). Apart from clip_grad_norm so that a non-finite norm can be caught
+    first: scaling by it would turn every gradient into NaN and hide which ones were bad."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if parameters and 0 < max_norm < float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)

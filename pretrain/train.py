@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, export, memory, parallel
+from pretrain import checkpoint, debug, export, memory, parallel
 from pretrain import config as cfg
 from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
@@ -26,6 +26,8 @@ from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import TOKENIZER_FILE
+from pretrain.debug import FirstNonFinite, NonFinite, NumericalFailure
+from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE
 from pretrain.metrics import MetricsLog, flops_per_token, mfu, peak_bf16_flops, peak_memory_gib, reset_peak_memory
 from pretrain.model import Transformer
 from pretrain.model_state import whole_model_on_cpu
@@ -33,10 +35,6 @@ from pretrain.resume import ResumeError, resolve_resume
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.stopping import Stopped, StopRequest
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm became NaN or Inf."""
 
 
 def lr_at(step: int, training: TrainingConfig) -> float:
@@ -80,6 +78,11 @@ class Trainer:
     """The dataset's tokenizer.json, exported with the weights (None: a built-in tokenizer)."""
     losses: list[float] = field(default_factory=list)
     """Global mean loss of every logged step."""
+    tracer: FirstNonFinite | None = None
+    """With debug.trace_nonfinite: the hooks that name the first module to produce NaN or Inf."""
+    skipped_steps: int = 0
+    """Updates dropped for NaN or Inf (debug.on_nonfinite=skip)."""
+    skips_in_a_row: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -141,7 +144,14 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
               f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
               f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
     metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log)
-    return Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
+    trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
+    if config.debug.trace_nonfinite:
+        trainer.tracer = FirstNonFinite(parallel.unwrap(model))
+        log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")
+        if t.activation_checkpointing or t.compile:
+            log.warning("debug.trace_nonfinite turns off training.activation_checkpointing and training.compile "
+                        "(the hooks must see every module); set debug.trace_nonfinite=false to keep them")
+    return trainer
 
 
 # --- fit ------------------------------------------------------------------------------
@@ -152,11 +162,16 @@ def autocast(trainer: Trainer):
 
 
 def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over grad_accum_nums micro-batches: (local loss, grad norm, lr)."""
+    """One optimizer step over grad_accum_nums micro-batches: (local loss, grad norm, lr).
+    A step whose loss or gradient norm is not finite on any rank updates nothing: it is
+    skipped or stops the run (debug.on_nonfinite; see pretrain/debug.py)."""
     t, device = trainer.config.training, trainer.runtime.device
     lr = lr_at(step, t)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
+    position = trainer.loader.state_dict()  # where this step's batches start
+    if trainer.tracer is not None:
+        trainer.tracer.reset()
     loss_sum = torch.zeros((), device=device)
     for micro in range(t.grad_accum_nums):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
@@ -167,13 +182,64 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
                 loss = trainer.model(x, y, t.loss_chunk_tokens) / t.grad_accum_nums
             loss.backward()
         loss_sum += loss.detach()
-    grad_norm = parallel.clip_grad_norm(trainer.model, t.max_grad_norm)
-    if trainer.config.debug.check_finite and not bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)):
-        raise NonFiniteError(f"step {step}: loss {float(loss_sum):.4f}, gradient norm {float(grad_norm):.4f} "
-                             f"is not finite; see configs/config_stable.json for safer settings")
+    grad_norm = parallel.grad_norm(trainer.model)
+    if trainer.config.debug.check_finite:
+        seen = trainer.tracer is not None and trainer.tracer.first is not None
+        if (event := debug.check_step(step, loss_sum, grad_norm, trainer.runtime, seen)) is not None:
+            skip_or_stop(trainer, event, position)
+            return loss_sum, grad_norm, lr
+    trainer.skips_in_a_row = 0
+    parallel.clip_gradients(trainer.model, t.max_grad_norm, grad_norm)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, lr
+
+
+def skip_or_stop(trainer: Trainer, event: NonFinite, position: dict[str, int]) -> None:
+    """Drop the step's update (on_nonfinite=skip, within max_skips_in_a_row), else stop."""
+    d = trainer.config.debug
+    if d.on_nonfinite == "skip" and trainer.skips_in_a_row < d.max_skips_in_a_row:
+        trainer.skips_in_a_row += 1
+        trainer.skipped_steps += 1
+        trainer.optimizer.zero_grad(set_to_none=True)
+        first = trainer.tracer.first if trainer.tracer is not None else None
+        trainer.log.warning(
+            f"Step {event.step}: loss {event.loss:.4f}, gradient norm {event.grad_norm:.4f}: update skipped "
+            f"({trainer.skips_in_a_row} in a row, {trainer.skipped_steps} in all; debug.on_nonfinite=skip stops "
+            f"after {d.max_skips_in_a_row} in a row)" + (f"; first non-finite: {first}" if first else ""))
+        return
+    stop_for_nonfinite(trainer, event, position)
+
+
+def stop_for_nonfinite(trainer: Trainer, event: NonFinite, position: dict[str, int]) -> None:
+    """Every rank: report (the affected ranks), dump the tensors (the reporting rank), save
+    checkpoint nan_grad_step_<N> with the state before the step, raise NumericalFailure."""
+    runtime, log, d = trainer.runtime, trainer.log, trainer.config.debug
+    reports = event.affected_here or runtime.rank == event.reporter
+    dump_path = trainer.run_dir / "debug" / f"nan_debug_step_{event.step}.npz"
+    writes_dump = d.dump_tensors and runtime.rank == event.reporter
+    if writes_dump and not (room := debug.room_for_dump(trainer.model, dump_path.parent))[0]:
+        log.warning(f"Tensor dump skipped: it needs {room[1] / 2**30:.1f} GiB, more than the disk has free "
+                    f"under {dump_path.parent}")
+        writes_dump = False
+    findings = debug.inspect_and_dump(trainer.model, event, runtime, dump_path if writes_dump else None, log)
+    if reports:
+        first = trainer.tracer.first if trainer.tracer is not None else None
+        log.error(debug.report(event, runtime.label, findings, first, tracing=trainer.tracer is not None))
+    else:
+        log.error(f"Step {event.step}: gradient norm {event.grad_norm:.4f} is not finite; rank {event.reporter} "
+                  f"reports the tensors")
+    trainer.loader.load_state_dict(position)  # so that resuming the checkpoint replays this step
+    path = checkpoint.save(trainer, event.step, trainer.run_dir, name=f"nan_grad_step_{event.step}")
+    log.info(f"Checkpoint with the state before step {event.step}: {path} (resuming it replays the step)")
+    dumped = d.dump_tensors and dump_path.exists()  # the reporting rank wrote it before the save's barrier
+    if writes_dump and dumped:
+        log.info(f"Tensor dump: {dump_path} (numpy.load(path, allow_pickle=False); README: Troubleshooting)")
+    raise NumericalFailure(
+        f"step {event.step}: {event.kind} {'gradient norm' if event.what == 'GRADIENT' else 'loss'}; stopped "
+        + ("(the report above names the tensors" if reports else f"(rank {event.reporter}'s report names the tensors")
+        + (f", dump {dump_path}" if dumped else "")
+        + "); README Troubleshooting and configs/config_stable.json say what to change")
 
 
 @torch.no_grad()
@@ -276,6 +342,7 @@ def fit(trainer: Trainer) -> None:
     log.info(f"Training complete: {t.max_steps - trainer.start_step} steps in {time.perf_counter() - start:.1f}s, "
              + (f"final loss {trainer.losses[-1]:.4f}" if trainer.losses else "nothing left to train")
              + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
+             + (f", {trainer.skipped_steps} update(s) skipped for NaN/Inf" if trainer.skipped_steps else "")
              + f"; checkpoint {path}" + (f"; weights exported to {exported}" if exported else ""))
 
 
@@ -364,6 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Stopped as stop:
         peers_alive = True
         return 128 + stop.signum
+    except NumericalFailure as error:
+        peers_alive = True  # every rank agreed on the step and stops there
+        log.error(str(error))
+        return NUMERICAL_FAILURE
     except RuntimeError as error:
         if not (runtime.distributed and "timed out" in str(error).lower()):
             raise
@@ -371,13 +442,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error(f"a collective waited longer than system.collective_timeout "
                   f"({config.system.collective_timeout:g} s) for the other ranks: one of them is frozen or "
                   f"gone (its log says which); {str(error).splitlines()[0]}")
-        return 1
-    except (DataError, NonFiniteError, cfg.ConfigError, ResumeError, checkpoint.CheckpointError) as error:
+        return ERROR
+    except (DataError, cfg.ConfigError, ResumeError, checkpoint.CheckpointError) as error:
         log.error(str(error))
-        return 1 if isinstance(error, NonFiniteError) else 2
+        return BAD_INPUT
     except OSError as error:  # an unwritable run or cache directory, a full disk
         log.error(os_error_message(error))
-        return 2
+        return BAD_INPUT
     finally:
         shutdown(runtime, peers_alive)
     return 0

@@ -26,6 +26,7 @@ def tiny(**training: object) -> cfg.Config:
     base = cfg.debug()
     model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=16)
     return dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, context_length=16),
+                               debug=dataclasses.replace(base.debug, trace_nonfinite=False),
                                training=dataclasses.replace(base.training, **({"use_amp": False, "compile": False}
                                                                               | training)))
 

@@ -19,7 +19,8 @@ from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.runtime import Runtime, device_label, setup_logging
 from pretrain.stopping import Stopped
-from pretrain.train import NonFiniteError, build, fit, format_eta, lr_at, train_step
+from pretrain.debug import NumericalFailure
+from pretrain.train import build, fit, format_eta, lr_at, train_step
 
 
 def training(**changes) -> cfg.TrainingConfig:
@@ -77,7 +78,7 @@ def test_a_nan_weight_stops_training_at_that_step(trainer):
     with torch.no_grad():
         trainer.model.layers[1].feed_forward.w2.weight[0, 0] = float("nan")
     before = trainer.model.output.weight.detach().clone()
-    with pytest.raises(NonFiniteError, match="step 4: .* is not finite; see configs/config_stable.json"):
+    with pytest.raises(NumericalFailure, match="step 4: NaN gradient norm; stopped .*configs/config_stable.json"):
         train_step(trainer, 4)
     assert torch.equal(trainer.model.output.weight, before)  # the bad update was not applied
 

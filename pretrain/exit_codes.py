@@ -1,0 +1,18 @@
+"""Exit codes of a training process, which the launcher passes on as its own (torch-free,
+so the launcher can name them without importing torch).
+
+    0    success
+    1    an unexpected error (a Python traceback says where), or a collective timed out
+    2    bad input: config, data, resume point, an unwritable directory; one line says which
+    3    numerical failure: the loss or the gradient norm became NaN or Inf (a report, a
+         checkpoint and a tensor dump were written; README "Troubleshooting")
+    128+n  stopped by signal n after saving (130: SIGINT, 143: SIGTERM)
+"""
+
+SUCCESS = 0
+ERROR = 1
+BAD_INPUT = 2
+NUMERICAL_FAILURE = 3
+
+MEANINGS = {NUMERICAL_FAILURE: "numerical failure: NaN or Inf in training"}
+"""What the launcher's failure summary says of a training worker's exit code."""
