@@ -253,7 +253,7 @@ class DebugConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """stop: report the bad tensors, save checkpoint nan_grad_step_<N> and the dump, exit 3. skip: drop that update and go on."""
     max_skips_in_a_row: int = 3
-    """With on_nonfinite=skip: stop as with stop after this many skipped updates in a row."""
+    """With on_nonfinite=skip: skip at most this many updates in a row; the next non-finite step stops as with stop."""
     trace_nonfinite: bool = False
     """Hooks on every module name the first whose output or gradient is not finite (slow; turns off compile and activation checkpointing)."""
     dump_tensors: bool = True

@@ -238,8 +238,11 @@ def inspect_and_dump(model: nn.Module, event: NonFinite, runtime: Runtime, dump_
             inspect(name, value, grad, findings)
         return findings
 
+    inspected = False
+
     def write_all(tmp: Path) -> None:
-        writer, error = NpzWriter(tmp), None
+        nonlocal inspected
+        inspected, writer, error = True, NpzWriter(tmp), None
         for name, value, grad in named_tensors(model):
             inspect(name, value, grad, findings)
             try:
@@ -254,10 +257,12 @@ def inspect_and_dump(model: nn.Module, event: NonFinite, runtime: Runtime, dump_
             raise error
 
     try:
-        dump_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(dump_path, write_all)
     except OSError as error:
         log.warning(f"Tensor dump {dump_path} not written: {error.strerror or error}")
+        if not inspected:  # the file could not even be created
+            for name, value, grad in named_tensors(model):
+                inspect(name, value, grad, findings)
     return findings
 
 

@@ -80,11 +80,14 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_st
     named = _by_name(optimizer_state, order)
     if has_fsdp(model):
         # Every rank holds the full tensors (memory-mapped) and keeps its own shard of each.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        options = StateDictOptions(full_state_dict=True)
+        if not named:  # saved before the first update (a step_0 or nan_grad_step_0): no moments yet
+            set_model_state_dict(model, model_state, options=options)
+            return
         groups = named_optimizer_state(optimizer, model)["param_groups"]
         set_state_dict(model, optimizer, model_state_dict=model_state,
-                       optim_state_dict={"state": named, "param_groups": groups} if named else {},
-                       options=StateDictOptions(full_state_dict=True))
+                       optim_state_dict={"state": named, "param_groups": groups}, options=options)
         return
     unwrap(model).load_state_dict(model_state)
     index = {name: i for i, name in enumerate(order)}

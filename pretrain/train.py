@@ -205,8 +205,8 @@ def skip_or_stop(trainer: Trainer, event: NonFinite, position: dict[str, int]) -
         first = trainer.tracer.first if trainer.tracer is not None else None
         trainer.log.warning(
             f"Step {event.step}: loss {event.loss:.4f}, gradient norm {event.grad_norm:.4f}: update skipped "
-            f"({trainer.skips_in_a_row} in a row, {trainer.skipped_steps} in all; debug.on_nonfinite=skip stops "
-            f"after {d.max_skips_in_a_row} in a row)" + (f"; first non-finite: {first}" if first else ""))
+            f"({trainer.skips_in_a_row} in a row, {trainer.skipped_steps} in all; debug.max_skips_in_a_row "
+            f"is {d.max_skips_in_a_row})" + (f"; first non-finite: {first}" if first else ""))
         return
     stop_for_nonfinite(trainer, event, position)
 

@@ -87,3 +87,15 @@ def test_no_worker_survives_a_numerical_failure(failed_run):
     record = json.loads((run_dir / "workers.json").read_text())
     assert [r["exit_code"] for r in record] == [NUMERICAL_FAILURE] * 2
     assert not any(alive(r["pid"]) for r in record)
+
+
+def test_under_fsdp_the_shards_are_gathered_into_the_same_report_and_dump(tmp_path):
+    # Also resumes a checkpoint saved before any update (no optimizer moments) into FSDP.
+    result = launch_from(tmp_path, poisoned_checkpoint(tmp_path), "training.parallelism=fsdp")
+    assert result.returncode == NUMERICAL_FAILURE, result.stdout[-3000:]
+    assert "CPU0:first non-finite: layers.1.feed_forward.w1, forward output" in result.stdout
+    assert f"CPU1:  {POISONED} (384, 128) value: 1 NaN of 49152; first values [" in result.stdout
+    with np.load(tmp_path / "run" / "debug" / "nan_debug_step_0.npz", allow_pickle=False) as dump:
+        assert dump[f"param/{POISONED}"].shape == (384, 128) and np.isnan(dump[f"param/{POISONED}"]).sum() == 1
+        assert np.isnan(dump["grad/output.weight"]).all()
+    assert (tmp_path / "run" / "checkpoints" / "nan_grad_step_0" / "dcp").is_dir()

@@ -56,3 +56,18 @@ def test_the_report_says_who_failed_how_and_what_it_printed_last():
     assert lines[0] == lines[-1] == summary.RULE
     plain = summary.render(summary.Failure("CPU1", 1, 0.3, "07:44:12", 7, "exit code 7", None, [], 1, 0.01, {}, None))
     assert plain[1].endswith("0.3 s after start: exit code 7.") and not any(l.startswith("Hint") for l in plain)
+
+
+def test_a_nan_report_banner_is_recognised_and_named_in_the_hint():
+    assert summary.nonfinite_banner("NaN GRADIENT DETECTED [GPU 6]") == "NaN GRADIENT DETECTED"
+    assert summary.nonfinite_banner("Inf LOSS DETECTED [CPU 0]") == "Inf LOSS DETECTED"
+    assert summary.nonfinite_banner("INFO | [GPU 6] NaN GRADIENT DETECTED [GPU 6]") is None  # a banner starts the line
+    text = summary.hint(3, hung_for=None, cuda_oom=False, nonfinite_reports={"GPU6": "NaN GRADIENT DETECTED"})
+    assert text.startswith("the loss or the gradients became NaN or Inf: GPU6 logged NaN GRADIENT DETECTED")
+    assert "configs/config_stable.json" in text
+
+
+def test_an_exit_code_with_a_meaning_is_not_repeated():
+    lines = summary.render(summary.Failure("GPU6", 6, 1.0, "07:44:12", 3, "exit code 3 (numerical failure)", None,
+                                           [], 1, 0.01, {}, None))
+    assert lines[1].endswith("1.0 s after start: exit code 3 (numerical failure).")

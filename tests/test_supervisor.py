@@ -321,3 +321,10 @@ def test_an_exited_worker_keeps_its_pid_until_teardown_so_no_other_process_can_t
     assert code == 0
     assert f"CPU1:zombie siblings [{workers[0].process.pid}]" in out.splitlines()
     assert workers[0].process.returncode == 0  # reaped at the end
+
+
+def test_the_summary_names_what_a_known_exit_code_means(script, tmp_path):
+    workers = [make_worker(0, script(SLEEPS, "sleep.py")), make_worker(1, script(FAILS_WITH_7, "fail.py"))]
+    code, out, _ = supervise(workers, tmp_path, exit_meanings={7: "seven: the test's own failure"})
+    assert code == 7
+    assert "failed first" in out and "exit code 7 (seven: the test's own failure)." in out
