@@ -1,6 +1,6 @@
 """The launcher supervising real training workers (2 CPU ranks, gloo, debug preset):
-a graceful stop on Ctrl-C, a frozen peer caught by the hang watchdog with stack dumps,
-and by the collective timeout."""
+a graceful stop on Ctrl-C, a killed rank and its peer's stack dump, a frozen peer caught by
+the hang watchdog with stack dumps, and by the collective timeout."""
 
 from __future__ import annotations
 
@@ -56,6 +56,22 @@ def test_ctrl_c_ends_training_after_a_step_with_a_checkpoint_and_exit_130(tmp_pa
     record = json.loads((tmp_path / "run" / "workers.json").read_text())
     assert [r["exit_code"] for r in record] == [128 + signal.SIGTERM] * 2
     assert not any(alive(w.pid) for w in workers)
+
+
+def test_when_a_rank_is_killed_its_peer_writes_every_thread_stack_to_its_log(tmp_path):
+    proc = start_training(tmp_path, "--kill-grace", "1")
+    read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
+    workers = worker_processes(proc)
+    workers[1].kill()  # from outside, as the OOM killer would
+    assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+    summary = proc.stdout.read().split("FAILED:")[1]
+    assert summary.startswith(" CPU1 (rank 1) failed first") and "killed by SIGKILL" in summary
+    # Asked by the supervisor (SIGUSR1), rank 0 wrote faulthandler's dump of all its threads
+    # to its own log, and the summary shows its innermost frames.
+    log = (tmp_path / "run" / "logs" / "cpu0.log").read_text()
+    assert "\nCurrent thread 0x" in log and re.search(r'\n  File ".*/pretrain/train.py", line \d+ in fit\n', log)
+    assert re.search(r"CPU0: \S+ \(", summary.split("Where each worker was")[1])
+    assert wait_until(lambda: not any(alive(w.pid) for w in workers), timeout=3)
 
 
 def test_a_frozen_rank_is_caught_by_the_hang_timeout_and_the_summary_shows_where_each_rank_was(tmp_path):
