@@ -3,28 +3,32 @@
 Run from the repository root:
 
     python benchmarks/debug_checks.py [--device cpu|cuda] [--configs NAME,...] [--steps N] [--warmup N]
-                                      [--repeats N] [--cache-dir DIR] [--quick]
+                                      [--block N] [--repeats N] [--cache-dir DIR] [--quick]
 
-Three settings of the debug section (pretrain/debug.py), on every config of --configs
-(the workloads of benchmarks/train.py: `debug` is the debug preset's model, `10m` one of ~10M):
+Three settings of the debug section (pretrain/debug.py), on every config of --configs (the
+workloads of benchmarks/train.py: `debug` is the debug preset's model, `10m` one of ~10M):
 1. off:    debug.check_finite=false, debug.trace_nonfinite=false
 2. checks: debug.check_finite=true,  debug.trace_nonfinite=false (the default of every preset):
            each step, before the update, check_step reads the loss and gradient norm back to the
            host (one device sync; with more than one rank also one tiny all-reduce)
 3. trace:  debug.check_finite=true,  debug.trace_nonfinite=true (the debug preset): forward,
            backward and gradient hooks on every module and parameter, each a device sync
-Each measurement is a fresh Python process: `pretrain.train.build` then `train_step` on the
-built-in corpus (byte tokenizer), one rank, one micro-batch per step, training.compile=false
-everywhere (trace_nonfinite turns compiling off, so the settings would otherwise differ in more
-than the checks; on the CPU compiling would also dominate). The --warmup steps are timed apart
-and left out; the --steps after them are timed as one stretch, with the device synchronized only
-before and after it, so that the host syncs the checks add show up (a sync per step for timing
-would hide them). ms/step is that stretch over --steps; each (config, setting) runs --repeats
-times, the settings in a rotated order in each round so that neither drift nor the first-run
-penalty favours one, and the table shows the median (spread: the fastest and slowest run).
-Overhead is the median's change against `off` of the same config. Every setting trains the same
-steps from the same seed, so the loss after the last step must be the same in each.
-CUDA: bf16 autocast, as training does; CPU: fp32.
+How: `pretrain.train.build` then `train_step` on the built-in corpus (byte tokenizer), one rank,
+one micro-batch per step, training.compile=false everywhere (trace_nonfinite turns compiling off,
+so the settings would otherwise differ in more than the checks; on the CPU compiling would also
+dominate). CUDA: bf16 autocast, as training does; CPU: fp32.
+
+Noise: a shared machine's load comes and goes within seconds (on 2 CPU cores another busy process
+can slow a step many times over), so the settings are not measured one after the other. Each run
+is a fresh Python process per config that builds one trainer per setting, from the same seed on
+the same data, and takes turns: a block of --block steps of each setting in a round, the order
+rotated every round, each block timed with the device synchronized only at its ends (a sync per
+step would hide the host syncs the checks add; on the CPU a block of 1 step is exact). The
+--warmup steps (rounds of them) are left out. ms/step: the median block, over all rounds of all --repeats runs, per
+step. Overhead: the median, over those rounds, of a setting's block time over `off`'s in the same
+round, so a burst of load that slows a round slows the three settings alike. Spread: the fastest
+and slowest run's median. The settings train the same steps, so their losses after the last step
+must agree.
 Progress goes to stderr; the Markdown table goes to stdout. Exit status 1 when a measurement failed.
 """
 
@@ -52,14 +56,14 @@ SETTINGS: dict[str, tuple[bool, bool]] = {"off": (False, False), "checks": (True
 """Setting: (debug.check_finite, debug.trace_nonfinite)."""
 
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"configs": "debug,10m", "warmup": 2, "steps": 10, "repeats": 5},
-    "cuda": {"configs": "debug,small", "warmup": 5, "steps": 30, "repeats": 5},
+    "cpu": {"configs": "debug,10m", "warmup": 2, "steps": 20, "block": 1, "repeats": 3},
+    "cuda": {"configs": "debug,small", "warmup": 20, "steps": 100, "block": 10, "repeats": 3},
 }
-"""Every option left unset takes its device's value here (or --quick's)."""
-QUICK: dict[str, Any] = {"configs": "debug", "warmup": 1, "steps": 3, "repeats": 1}
+"""Every option left unset takes its device's value here (or --quick's). Steps and warm-up are per setting."""
+QUICK: dict[str, Any] = {"configs": "debug", "warmup": 1, "steps": 4, "block": 1, "repeats": 1}
 
 
-# --- child side: one measurement in this fresh process ------------------------------------------
+# --- child side: one run, the three settings taking turns in this fresh process -------------------
 
 def measure(job: dict[str, Any]) -> dict[str, Any]:
     import logging
@@ -74,41 +78,45 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 
     device = bench_device(job["device"])
     workload = WORKLOADS[job["config"]]
-    check_finite, trace = SETTINGS[job["setting"]]
-    warmup, steps = job["warmup"], job["steps"]
-    sets = [*workload.sets, f"data.cache_dir={json.dumps(job['cache_dir'])}",
-            f"training.batch_size={workload.batch_size}", "training.grad_accum_nums=1",
-            f"training.max_steps={warmup + steps}", "training.compile=false",
-            "training.activation_checkpointing=false", f"training.use_amp={json.dumps(device.type == 'cuda')}",
-            f"system.device={device.type}", "logging.tensorboard=false",
-            f"debug.check_finite={json.dumps(check_finite)}", f"debug.trace_nonfinite={json.dumps(trace)}"]
-    config = cfg.resolve(preset=workload.preset, sets=sets)
-    dataset = prepare(config.data, log=progress)
-    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    block, rounds, warmup = job["block"], job["steps"] // job["block"], job["warmup"] // job["block"]
     log = logging.getLogger("benchmarks.debug_checks")
     log.addHandler(logging.StreamHandler(sys.stderr))
     log.setLevel(logging.WARNING)
     runtime = Runtime(rank=0, world_size=1, device=device, label="GPU 0" if device.type == "cuda" else "CPU 0")
-    with tempfile.TemporaryDirectory(prefix="debug-checks-bench-run-") as run_dir:
-        trainer = build(config, runtime, dataset, Path(run_dir), log)
-        if (trainer.tracer is not None) != trace or trainer.config.debug.check_finite != check_finite:
-            raise RuntimeError(f"build() did not honour setting {job['setting']}")
-        for step in range(warmup):
-            train_step(trainer, step)
-        synchronize(device)
-        clock = [time.perf_counter()]
-        for step in range(warmup, warmup + steps):
-            loss, _, _ = train_step(trainer, step)
-            clock.append(time.perf_counter())
-        synchronize(device)
-        clock[-1] = time.perf_counter()
-    if device.type == "cuda":  # the host runs ahead of the GPU: only the whole stretch is its time
-        ms_per_step = (clock[-1] - clock[0]) / steps * 1000
-    else:  # each step's own time is exact: its median is immune to a burst of other work on the machine
-        ms_per_step = statistics.median(b - a for a, b in zip(clock, clock[1:])) * 1000
-    return {"ms_per_step": ms_per_step, "loss": float(loss),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "cuda": torch.version.cuda, "threads": torch.get_num_threads()}
+    trainers = {}
+    with tempfile.TemporaryDirectory(prefix="debug-checks-bench-run-") as run_dirs:
+        for setting, (check_finite, trace) in SETTINGS.items():
+            sets = [*workload.sets, f"data.cache_dir={json.dumps(job['cache_dir'])}",
+                    f"training.batch_size={workload.batch_size}", "training.grad_accum_nums=1",
+                    f"training.max_steps={(warmup + rounds) * block}", "training.compile=false",
+                    "training.activation_checkpointing=false",
+                    f"training.use_amp={json.dumps(device.type == 'cuda')}", f"system.device={device.type}",
+                    "logging.tensorboard=false", f"debug.check_finite={json.dumps(check_finite)}",
+                    f"debug.trace_nonfinite={json.dumps(trace)}"]
+            config = cfg.resolve(preset=workload.preset, sets=sets)
+            dataset = prepare(config.data, log=progress)
+            config, _ = fit_to_dataset(config, dataset, world_size=1)
+            run_dir = Path(run_dirs) / setting
+            run_dir.mkdir()
+            trainers[setting] = trainer = build(config, runtime, dataset, run_dir, log)
+            if (trainer.tracer is not None) != trace or trainer.config.debug.check_finite != check_finite:
+                raise RuntimeError(f"build() did not honour setting {setting}")
+        names, steps, losses = list(SETTINGS), dict.fromkeys(SETTINGS, 0), {}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(warmup + rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                synchronize(device)
+                started = time.perf_counter()
+                for _ in range(block):
+                    loss, _, _ = train_step(trainers[name], steps[name])
+                    steps[name] += 1
+                synchronize(device)
+                if round_ >= warmup:
+                    times[name].append((time.perf_counter() - started) / block * 1000)
+                losses[name] = float(loss)
+        return {"ms_per_step": times, "loss": losses, "gpu": torch.cuda.get_device_name(device)
+                if device.type == "cuda" else None, "cuda": torch.version.cuda, "threads": torch.get_num_threads()}
 
 
 # --- parent side: run the children, print the table ----------------------------------------------
@@ -125,63 +133,57 @@ def run_job(job: dict[str, Any]) -> Outcome:
     return Outcome(job, result=json.loads(results[-1]))
 
 
-def jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (config, setting) once per round; round r starts r settings further on."""
-    names = list(SETTINGS)
-    order = []
-    for repeat in range(args.repeats):
-        for config in args.configs:
-            for i in range(len(names)):
-                order.append({"device": args.device, "config": config, "repeat": repeat,
-                              "setting": names[(i + repeat) % len(names)], "warmup": args.warmup,
-                              "steps": args.steps, "cache_dir": str(args.cache_dir)})
-    return order
-
-
-def run_all(all_jobs: list[dict[str, Any]]) -> list[Outcome]:
+def run_all(args: argparse.Namespace) -> list[Outcome]:
+    jobs = [{"device": args.device, "config": config, "repeat": repeat, "warmup": args.warmup, "steps": args.steps,
+             "block": args.block, "cache_dir": str(args.cache_dir)}
+            for repeat in range(args.repeats) for config in args.configs]
     outcomes = []
-    for i, job in enumerate(all_jobs, 1):
-        progress(f"[{i}/{len(all_jobs)}] {job['config']}, {job['setting']}, round {job['repeat'] + 1} ...")
+    for i, job in enumerate(jobs, 1):
+        progress(f"[{i}/{len(jobs)}] {job['config']}, run {job['repeat'] + 1} ...")
         outcomes.append(outcome := run_job(job))
         if outcome.result:
-            progress(f"  {outcome.result['ms_per_step']:.1f} ms/step")
+            progress("  " + ", ".join(f"{name} {statistics.median(ms):.1f}"
+                                      for name, ms in outcome.result["ms_per_step"].items()) + " ms/step")
     return outcomes
 
 
-def overhead(ms: float, baseline: float | None) -> str:
-    return "" if baseline is None else f"{(ms / baseline - 1) * 100:+.1f}%"
+def config_rows(name: str, runs: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for setting in SETTINGS:
+        times = [ms for r in runs for ms in r["ms_per_step"][setting]]
+        median = statistics.median(times)
+        ratio = statistics.median(ms / off for r in runs for ms, off in zip(r["ms_per_step"][setting],
+                                                                              r["ms_per_step"]["off"]))
+        per_run = [statistics.median(r["ms_per_step"][setting]) for r in runs]
+        losses = ", ".join(sorted({f"{r['loss'][setting]:.4f}" for r in runs}))
+        rows.append([name, setting, f"{median:.1f}", f"{1000 / median:.2f}", f"{(ratio - 1) * 100:+.1f}%",
+                     f"{min(per_run):.1f}–{max(per_run):.1f}", losses])
+    return rows
 
 
 def rows(args: argparse.Namespace, outcomes: list[Outcome]) -> list[list[str]]:
     table = []
     for config in args.configs:
-        workload = WORKLOADS[config]
-        name = f"{config} ({workload.about})"
-        medians: dict[str, float] = {}
-        for setting in SETTINGS:
-            mine = [o for o in outcomes if o.job["config"] == config and o.job["setting"] == setting]
-            runs = [o.result for o in mine if o.result]
-            failed = [o.error for o in mine if o.error]
-            if not runs:
-                table.append([name, setting, f"failed: {failed[0] if failed else 'not run'}", "", "", "", ""])
-                continue
-            times = [r["ms_per_step"] for r in runs]
-            medians[setting] = median = statistics.median(times)
-            losses = sorted({f"{r['loss']:.4f}" for r in runs})
-            spread = f"{min(times):.1f}–{max(times):.1f}" + (f" ({len(failed)} failed)" if failed else "")
-            table.append([name, setting, f"{median:.1f}", f"{1000 / median:.2f}", overhead(median, medians.get("off")),
-                          spread, ", ".join(losses)])
+        name = f"{config} ({WORKLOADS[config].about})"
+        mine = [o for o in outcomes if o.job["config"] == config]
+        runs, failed = [o.result for o in mine if o.result], [o.error for o in mine if o.error]
+        if not runs:
+            table.append([name, "all", f"failed: {failed[0]}", "", "", "", ""])
+            continue
+        table += config_rows(name + (f" ({len(failed)} of {len(mine)} runs failed)" if failed else ""), runs)
     return table
 
 
 def print_report(args: argparse.Namespace, outcomes: list[Outcome], elapsed: float) -> None:
     print(machine_line(args.device, outcomes))
     precision = "bf16 autocast" if args.device == "cuda" else "fp32"
-    print(f"\nStep time of `train_step` with the numerical checks off, on (`checks`, every preset's default) and "
-          f"tracing (`trace`, the debug preset): built-in corpus, byte tokenizer, 1 rank, 1 micro-batch per step, "
-          f"{precision}, training.compile=false; {args.steps} timed step(s) after {args.warmup} warm-up step(s), "
-          f"a fresh process per run, {args.repeats} run(s) per row in rotated order; ms/step: the median run; "
-          f"overhead: against `off` of the same config.\n")
+    print(f"\nStep time of `train_step` with the numerical checks off, on (`checks`: every preset's default) and "
+          f"tracing (`trace`: the debug preset): built-in corpus, byte tokenizer, 1 rank, 1 micro-batch per step, "
+          f"{precision}, training.compile=false. {args.repeats} run(s) per config, each a fresh process in which "
+          f"the three settings take turns, {args.block} step(s) at a time in rotated order, {args.steps} timed "
+          f"step(s) each after {args.warmup} warm-up step(s). ms/step: median over all timed blocks; "
+          f"overhead: median over rounds of the time against `off`'s in the same round; spread: the fastest and "
+          f"slowest run's median.\n")
     print_table(["config", "setting", "ms/step (median)", "steps/s", "overhead vs off", "spread (ms/step)",
                  f"loss after step {args.warmup + args.steps}"], rows(args, outcomes))
     print(f"\nTotal {elapsed:.0f} s.")
@@ -197,10 +199,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=sorted(DEFAULTS), default="cpu", help="where to measure (default cpu)")
     parser.add_argument("--configs", type=config_list, help=f"comma-separated, from {', '.join(WORKLOADS)} "
                                                             f"({default('configs')})")
-    parser.add_argument("--steps", type=int, help=f"timed training steps per run ({default('steps')})")
-    parser.add_argument("--warmup", type=int, help=f"untimed warm-up steps before them ({default('warmup')})")
-    parser.add_argument("--repeats", type=int, help=f"runs (fresh processes) per config and setting "
-                                                    f"({default('repeats')})")
+    parser.add_argument("--steps", type=int, help=f"timed steps per setting and run, a multiple of --block "
+                                                  f"({default('steps')})")
+    parser.add_argument("--warmup", type=int, help=f"untimed steps per setting first, a multiple of --block "
+                                                   f"({default('warmup')})")
+    parser.add_argument("--block", type=int, help=f"steps a setting runs before the next takes its turn, timed "
+                                                  f"as one ({default('block')})")
+    parser.add_argument("--repeats", type=int, help=f"runs (fresh processes) per config ({default('repeats')})")
     parser.add_argument("--cache-dir", type=Path, default=REPO / "cache" / "datasets",
                         help="data.cache_dir for the prepared corpus (default: the project cache)")
     parser.add_argument("--quick", action="store_true",
@@ -212,8 +217,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in {**DEFAULTS[args.device], **(QUICK if args.quick else {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, config_list(value) if name == "configs" else value)
-    if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--steps and --repeats must be at least 1, --warmup not negative")
+    if (args.block < 1 or args.repeats < 1 or args.steps < 1 or args.warmup < 0
+            or args.steps % args.block or args.warmup % args.block):
+        parser.error("--block, --repeats and --steps must be at least 1, --warmup not negative, and --steps and "
+                     "--warmup multiples of --block")
     if args.device == "cuda" and not cuda_available():
         parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
     args.cache_dir = args.cache_dir.resolve()
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_MARK + json.dumps(measure(json.loads(args.child))), flush=True)
         return 0
     started = time.monotonic()
-    outcomes = run_all(jobs(args))
+    outcomes = run_all(args)
     print_report(args, outcomes, time.monotonic() - started)
     return 1 if any(o.error for o in outcomes) else 0
 

@@ -451,6 +451,12 @@ def check_context(config: Config) -> None:
                           f"(model.max_seq_len {limit}); lower data.context_length or raise model.max_seq_len")
 
 
+def activation_checkpointing(config: Config) -> bool:
+    """Whether blocks recompute their activations: as asked, except under debug.trace_nonfinite,
+    whose hooks must see every module run once."""
+    return config.training.activation_checkpointing and not config.debug.trace_nonfinite
+
+
 def max_seq_len(config: Config) -> int:
     """The sequence length the model is built for."""
     return config.model.max_seq_len or config.data.context_length

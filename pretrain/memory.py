@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pretrain import config as cfg
 from pretrain.config import Config, ConfigError, ModelConfig
 
 GIB = 1 << 30
@@ -152,7 +153,8 @@ def activation_bytes(config: Config) -> int:
     tokens = t.batch_size * config.data.context_length
     compute = BF16 if t.use_amp else FP32
     per_block = _activation_bytes_per_token(model, compute)
-    blocks = per_block + model.n_layers * FP32 * model.dim if t.activation_checkpointing else model.n_layers * per_block
+    checkpointed = cfg.activation_checkpointing(config)
+    blocks = per_block + model.n_layers * FP32 * model.dim if checkpointed else model.n_layers * per_block
     return tokens * (blocks + _head_bytes_per_token(config, compute))
 
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.model import Transformer, TransformerBlock
 from pretrain.runtime import Runtime
@@ -46,7 +47,7 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
     if mode == "single" and runtime.distributed:
         raise ValueError(f"mode single is for one process, but there are {runtime.world_size} ranks")
     t = config.training
-    if t.activation_checkpointing and not config.debug.trace_nonfinite:  # its recomputation confuses the hooks
+    if cfg.activation_checkpointing(config):
         for block in blocks(model):
             checkpoint_activations(block)
     if compile_enabled(config, runtime.device):

@@ -313,3 +313,11 @@ def test_production_on_one_80_gib_gpu_stops_before_any_worker_with_one_line_and_
 def test_the_launcher_can_estimate_without_importing_torch():
     probe = "import sys, pretrain.memory; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=launcher_env()).returncode == 0
+
+
+def test_the_estimate_knows_that_tracing_nonfinite_turns_activation_checkpointing_off():
+    production = cfg.production()
+    traced = dataclasses.replace(production, debug=dataclasses.replace(production.debug, trace_nonfinite=True))
+    unchecked = dataclasses.replace(production, training=dataclasses.replace(production.training,
+                                                                             activation_checkpointing=False))
+    assert activation_bytes(traced) == activation_bytes(unchecked) > 5 * activation_bytes(production)
