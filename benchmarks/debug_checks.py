@@ -3,7 +3,7 @@
 Run from the repository root:
 
     python benchmarks/debug_checks.py [--device cpu|cuda] [--configs NAME,...] [--steps N] [--warmup N]
-                                      [--block N] [--repeats N] [--cache-dir DIR] [--quick]
+                                      [--block N] [--repeats N] [--threads N] [--cache-dir DIR] [--quick]
 
 Three settings of the debug section (pretrain/debug.py), on every config of --configs (the
 workloads of benchmarks/train.py: `debug` is the debug preset's model, `10m` one of ~10M):
@@ -28,7 +28,8 @@ step would hide the host syncs the checks add; on the CPU a block of 1 step is e
 step. Overhead: the median, over those rounds, of a setting's block time over `off`'s in the same
 round, so a burst of load that slows a round slows the three settings alike. Spread: the fastest
 and slowest run's median. The settings train the same steps, so their losses after the last step
-must agree.
+must agree. On a CPU other work shares, --threads 1 steadies the numbers most: torch's threads
+wait for each other at every operation, so one of them losing its core stalls them all.
 Progress goes to stderr; the Markdown table goes to stdout. Exit status 1 when a measurement failed.
 """
 
@@ -76,6 +77,8 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     from pretrain.runtime import Runtime
     from pretrain.train import build, train_step
 
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
     device = bench_device(job["device"])
     workload = WORKLOADS[job["config"]]
     block, rounds, warmup = job["block"], job["steps"] // job["block"], job["warmup"] // job["block"]
@@ -135,7 +138,7 @@ def run_job(job: dict[str, Any]) -> Outcome:
 
 def run_all(args: argparse.Namespace) -> list[Outcome]:
     jobs = [{"device": args.device, "config": config, "repeat": repeat, "warmup": args.warmup, "steps": args.steps,
-             "block": args.block, "cache_dir": str(args.cache_dir)}
+             "block": args.block, "threads": args.threads, "cache_dir": str(args.cache_dir)}
             for repeat in range(args.repeats) for config in args.configs]
     outcomes = []
     for i, job in enumerate(jobs, 1):
@@ -206,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, help=f"steps a setting runs before the next takes its turn, timed "
                                                   f"as one ({default('block')})")
     parser.add_argument("--repeats", type=int, help=f"runs (fresh processes) per config ({default('repeats')})")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads in each run (default 0: torch's own choice, one per core); "
+                             "1 makes a CPU that other work shares far less noisy")
     parser.add_argument("--cache-dir", type=Path, default=REPO / "cache" / "datasets",
                         help="data.cache_dir for the prepared corpus (default: the project cache)")
     parser.add_argument("--quick", action="store_true",
@@ -217,10 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in {**DEFAULTS[args.device], **(QUICK if args.quick else {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, config_list(value) if name == "configs" else value)
-    if (args.block < 1 or args.repeats < 1 or args.steps < 1 or args.warmup < 0
+    if (args.block < 1 or args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.threads < 0
             or args.steps % args.block or args.warmup % args.block):
-        parser.error("--block, --repeats and --steps must be at least 1, --warmup not negative, and --steps and "
-                     "--warmup multiples of --block")
+        parser.error("--block, --repeats and --steps must be at least 1, --warmup and --threads not negative, and "
+                     "--steps and --warmup multiples of --block")
     if args.device == "cuda" and not cuda_available():
         parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
     args.cache_dir = args.cache_dir.resolve()

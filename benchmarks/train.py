@@ -170,7 +170,7 @@ def measure_training(job: dict[str, Any]) -> dict[str, Any]:
             f"training.max_steps={warmup + steps}", "training.eval_batches=1",
             f"training.compile={json.dumps(job['compile'])}", f"training.use_amp={json.dumps(job['amp'])}",
             f"training.loss_chunk_tokens={job['loss_chunk_tokens']}", f"system.device={device.type}",
-            "logging.tensorboard=false"]
+            "logging.tensorboard=false", "debug.trace_nonfinite=false"]  # the debug preset's hooks: debug_checks.py
     config = cfg.resolve(preset=workload.preset, sets=sets)
     dataset = prepare(config.data, log=progress)
     config, _ = fit_to_dataset(config, dataset, world_size=1)

@@ -228,7 +228,8 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
                           hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
                           stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
                           stop_leaders_only=not generic,
-                          exit_meanings=None if generic else exit_codes.MEANINGS).run()
+                          exit_meanings=None if generic else exit_codes.MEANINGS,
+                          agreed_exit_codes=frozenset() if generic else exit_codes.AGREED).run()
     finally:
         printer.close()
 

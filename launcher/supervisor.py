@@ -7,6 +7,9 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
 2. On that first failure, workers that can dump their stacks are asked to (the summary
    shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every running
    worker's process group gets SIGTERM, and SIGKILL once kill_grace seconds have passed.
+   An exit code the workers agree on (agreed_exit_codes: a numerical failure, which every
+   rank stops for at the same step) gives the others AGREED_EXIT_GRACE seconds to exit on
+   their own first.
 3. SIGINT or SIGTERM to the supervisor asks every worker to stop gracefully with SIGTERM:
    to its process group, or, for training workers, to the worker process alone, so it can
    finish its step and save while its helpers (data loaders) keep working. After
@@ -46,6 +49,7 @@ OUTPUT_DRAIN_SECONDS = 1.0  # after teardown, wait at most this long for the res
 # SIGTERM is fatal at once), so it waits until every worker has begun its dump and a little
 # longer for the rest of it, or at most the first delay.
 STACK_DUMP_MAX_WAIT = 0.3
+AGREED_EXIT_GRACE = 5.0
 STACK_DUMP_SETTLE = 0.03
 NO_DUMP = "no stack dump: the process was stopped (SIGSTOP) or is stuck in the kernel"
 SNAPSHOT_INTERVAL = 0.5  # how often the guardian learns the run's processes (one /proc pass)
@@ -100,14 +104,16 @@ class Supervisor:
                  stop_timeout: float = 120.0, hang_timeout: float | None = None,
                  stack_dump_signal: int | None = None, stop_leaders_only: bool = False,
                  run_dir: Path | None = None, adopt_orphans: bool = False,
-                 exit_meanings: dict[int, str] | None = None) -> None:
+                 exit_meanings: dict[int, str] | None = None,
+                 agreed_exit_codes: frozenset[int] = frozenset()) -> None:
         """stack_dump_signal: the signal on which the workers print their Python stacks
         (only for commands known to handle it; by default it would kill them).
         stop_leaders_only: a graceful stop signals only each worker process, which stops
         its own helpers (for training workers); otherwise their whole groups.
         adopt_orphans: make this process a child subreaper, so descendants that double
         fork stay findable; only for a process that runs nothing but this supervisor.
-        exit_meanings: what the workers' own exit codes mean, named in the summary."""
+        exit_meanings: what the workers' own exit codes mean, named in the summary.
+        agreed_exit_codes: codes every worker exits with together (rule 2)."""
         self.workers = workers
         self.printer = printer
         self.kill_grace = kill_grace
@@ -118,6 +124,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.adopt_orphans = adopt_orphans
         self.exit_meanings = exit_meanings or {}
+        self.agreed_exit_codes = agreed_exit_codes
         self._token = reaper.new_token()
         self._events: queue.SimpleQueue[Event | Interrupted] = queue.SimpleQueue()  # put() is signal-safe
         self._watch: dict[Worker, _Watch] = {}
@@ -292,6 +299,10 @@ class Supervisor:
         running = self._running()
         self._failure = _FirstFailure(worker, time.monotonic(), time.strftime("%H:%M:%S"),
                                       len([w for w in running if w is not worker]), hung_for)
+        if hung_for is None and self._watch[worker].returncode in self.agreed_exit_codes and running:
+            self._failure.stopped = 0  # so far: they are on their way out too
+            self._terminate_at = time.monotonic() + AGREED_EXIT_GRACE
+            return
         if self.stack_dump_signal is None or not running:
             self._terminate_running()
             return
@@ -317,6 +328,8 @@ class Supervisor:
             # stacks (stopped, stuck in the kernel) is the cause, not the first to go quiet.
             failure.worker = min(self._no_dump, key=lambda w: self._watch[w].last_output)
             failure.unresponsive = True
+        if failure is not None:  # those that outlived an agreed exit's grace are stopped now
+            failure.stopped = max(failure.stopped, len([w for w in self._running() if w is not failure.worker]))
         for worker in self._running():
             worker.signal_group(signal.SIGTERM)
             self._groups_stopping.add(worker)
@@ -408,7 +421,7 @@ class Supervisor:
             exit_code=code, how=how,
             hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom,
                               nonfinite_reports={w.label: wa.nonfinite_report for w, wa in self._watch.items()
-                                                 if wa.nonfinite_report}),
+                                                 if wa.nonfinite_report and returncode in self.agreed_exit_codes}),
             tail=list(watch.tail), stopped=first.stopped,
             teardown_seconds=(self._teardown_done or time.monotonic()) - first.at, where=where,
             logs=self.run_dir / "logs" if self.run_dir is not None else None)

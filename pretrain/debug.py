@@ -5,11 +5,11 @@ Always on (debug.check_finite): after each step's backward, every rank learns wh
 rank's loss or the global gradient norm is not finite (one small all-reduce), before the
 optimizer can write the damage into the weights. Then, by debug.on_nonfinite:
 
-    stop   every rank takes part in writing the evidence and exits with
-           exit_codes.NUMERICAL_FAILURE: the affected ranks log a report of every parameter
-           whose value or gradient holds NaN or Inf, one rank writes every parameter and
-           gradient to <run dir>/debug/nan_debug_step_<N>.npz, and a checkpoint
-           nan_grad_step_<N> holds the state before the step (resuming it replays the step).
+    stop   every rank says so at once, the affected ranks log a report of every parameter
+           whose value or gradient holds NaN or Inf, all save checkpoint nan_grad_step_<N>
+           with the state before the step (resuming it replays the step), the reporting
+           rank writes every parameter and gradient to <run dir>/debug/nan_debug_step_<N>.npz,
+           and every rank exits with exit_codes.NUMERICAL_FAILURE.
     skip   the update is dropped and training goes on; after max_skips_in_a_row such steps
            in a row it stops as above.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,12 +35,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pretrain.model_state import plain_name
+from pretrain.parallel import has_fsdp
 from pretrain.runfiles import atomic_write
 from pretrain.runtime import Runtime
 
 RULE = "=" * 80
 FIRST_VALUES = 5
 """How many of a bad tensor's first elements the report shows."""
+PROGRESS_SECONDS = 30.0
+"""How often a long tensor dump says how far it got."""
 
 
 class NumericalFailure(RuntimeError):
@@ -68,19 +72,24 @@ class NonFinite:
 
     @property
     def what(self) -> str:
+        """GRADIENT when the gradient norm is not finite, else LOSS (some rank's loss was not)."""
         return "GRADIENT" if not math.isfinite(self.grad_norm) else "LOSS"
 
 
 def check_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False) -> NonFinite | None:
-    """None when the step is finite on every rank, else what every rank agrees happened.
+    """None when every rank's loss and the gradient norm are finite, else what every rank
+    agrees happened. What the hooks saw only decides which ranks count as affected: an Inf
+    that does not reach the loss or the gradients (a masked score, say) stops nothing.
     A collective: every rank calls it every step."""
-    affected = ~torch.isfinite(loss) | seen_by_hooks
-    flags = torch.stack([torch.where(affected, runtime.rank, runtime.world_size),
-                         (~torch.isfinite(grad_norm)).long()]).long()
+    loss_bad = ~torch.isfinite(loss)
+    affected = loss_bad | seen_by_hooks
+    # Under MIN: the lowest affected rank, and 0 for "bad" so that any one rank's bad wins.
+    flags = torch.stack([torch.where(affected, runtime.rank, runtime.world_size).long(),
+                         (~loss_bad).long(), torch.isfinite(grad_norm).long()])
     if runtime.distributed:
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # the lowest affected rank; the norm is global
-    first_affected, norm_bad = flags.tolist()
-    if first_affected == runtime.world_size and not norm_bad:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    first_affected, every_loss_finite, norm_finite = flags.tolist()
+    if every_loss_finite and norm_finite:
         return None
     reporter = first_affected if first_affected < runtime.world_size else 0
     return NonFinite(step, float(loss), float(grad_norm), bool(affected), reporter)
@@ -90,7 +99,9 @@ def check_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, see
 
 def _not_finite(value: object) -> bool:
     if isinstance(value, Tensor):
-        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+        # detach: a check recorded by autograd would be saved for the backward, and inside a
+        # checkpointed region (the chunked loss) the recomputation would then not match.
+        return value.is_floating_point() and not bool(torch.isfinite(value.detach()).all())
     if isinstance(value, (tuple, list)):
         return any(_not_finite(item) for item in value)
     return False
@@ -194,7 +205,9 @@ def report(event: NonFinite, label: str, findings: TensorFindings, first: str | 
     lines = [RULE, f"{event.kind} {event.what} DETECTED [{label}]", RULE,
              f"Step: {event.step}", f"Loss: {event.loss:.4f}", f"Gradient Norm: {event.grad_norm:.4f}",
              "PROBLEMATIC TENSORS (name, shape, where: bad elements of all; first values):"]
-    lines += findings.lines or ["  none: every parameter and gradient is finite (the loss itself was not)"]
+    why = "this rank's loss was not" if not math.isfinite(event.loss) else \
+        "the loss of another rank was not" if math.isfinite(event.grad_norm) else "only their norm overflowed"
+    lines += findings.lines or [f"  none: every parameter and gradient is finite ({why})"]
     lines += [f"Total layers with NaN gradients: {len(findings.bad_gradients)}",
               f"Affected layers: {findings.affected}"]
     if tracing:
@@ -226,48 +239,71 @@ def dump_size(model: nn.Module) -> int:
     return sum(2 * 4 * p.numel() for p in model.parameters())
 
 
-def inspect_and_dump(model: nn.Module, event: NonFinite, runtime: Runtime, dump_path: Path | None,
-                     log: logging.Logger) -> TensorFindings:
-    """Go through every parameter once (a collective under FSDP): collect the findings, and
-    on the reporting rank write param/<name> and grad/<name> to dump_path (None: no dump).
-    A dump that cannot be written is logged, and the iteration still runs to the end, so
-    the other ranks are not left waiting in a gather."""
+def inspect_all(model: nn.Module) -> TensorFindings:
+    """Every parameter whose value or gradient is not finite (under FSDP a collective)."""
     findings = TensorFindings([], [], [])
-    if dump_path is None or runtime.rank != event.reporter:
-        for name, value, grad in named_tensors(model):
-            inspect(name, value, grad, findings)
-        return findings
-
-    inspected = False
-
-    def write_all(tmp: Path) -> None:
-        nonlocal inspected
-        inspected, writer, error = True, NpzWriter(tmp), None
-        for name, value, grad in named_tensors(model):
-            inspect(name, value, grad, findings)
-            try:
-                if error is None:
-                    writer.add(f"param/{name}", value)
-                    if grad is not None:
-                        writer.add(f"grad/{name}", grad)
-            except OSError as failed:
-                error = failed
-        writer.close()
-        if error is not None:
-            raise error
-
-    try:
-        atomic_write(dump_path, write_all)
-    except OSError as error:
-        log.warning(f"Tensor dump {dump_path} not written: {error.strerror or error}")
-        if not inspected:  # the file could not even be created
-            for name, value, grad in named_tensors(model):
-                inspect(name, value, grad, findings)
+    for name, value, grad in named_tensors(model):
+        inspect(name, value, grad, findings)
     return findings
 
 
 def room_for_dump(model: nn.Module, directory: Path) -> tuple[bool, int]:
-    """(whether the dump fits in 90% of the free space where it goes, its size in bytes)."""
+    """(whether the dump fits in 90% of the free space where it goes, its size in bytes);
+    OSError when the directory cannot be made."""
     size = dump_size(model)
     directory.mkdir(parents=True, exist_ok=True)
     return size <= 0.9 * shutil.disk_usage(directory).free, size
+
+
+def write_dump(model: nn.Module, path: Path, runtime: Runtime, reporter: int, log: logging.Logger) -> bool:
+    """The reporting rank writes param/<name> and grad/<name> of every parameter to path, one
+    tensor at a time; whether it did. Every rank calls it: under FSDP each tensor is gathered
+    from all of them, so every rank goes through every tensor whatever happens on the
+    reporter (no room, a write error), and then all wait for the reporter to finish, so that
+    none exits (and has the launcher stop the rest) while the dump is being written."""
+    writes = runtime.rank == reporter
+    if writes:
+        try:
+            fits, size = room_for_dump(model, path.parent)
+        except OSError as error:
+            fits, size = False, dump_size(model)
+            log.warning(f"Tensor dump skipped: {error.strerror or error}: {error.filename}")
+        else:
+            if not fits:
+                log.warning(f"Tensor dump skipped: it needs {size / 2**30:.1f} GiB, more than the disk has "
+                            f"free under {path.parent}")
+        writes = fits
+    written = False
+    if writes:
+        try:
+            atomic_write(path, lambda tmp: _write_all(model, tmp, log))
+            written = True
+        except OSError as error:
+            log.warning(f"Tensor dump {path} not written: {error.strerror or error}")
+    elif has_fsdp(model):
+        for _ in named_tensors(model):  # take part in the gathers
+            pass
+    if runtime.distributed:
+        dist.barrier()
+    return written
+
+
+def _write_all(model: nn.Module, tmp: Path, log: logging.Logger) -> None:
+    """Every tensor into tmp; after a write error, the rest are still gathered (FSDP peers
+    wait for them), then the error is raised."""
+    names = sum(1 for _ in model.parameters())
+    writer, error, last_news = NpzWriter(tmp), None, time.monotonic()
+    for done, (name, value, grad) in enumerate(named_tensors(model), start=1):
+        try:
+            if error is None:
+                writer.add(f"param/{name}", value)
+                if grad is not None:
+                    writer.add(f"grad/{name}", grad)
+        except OSError as failed:
+            error = failed
+        if time.monotonic() - last_news > PROGRESS_SECONDS:  # a line now and then for the hang watchdog
+            log.info(f"Tensor dump: {done} of {names} parameters written")
+            last_news = time.monotonic()
+    writer.close()
+    if error is not None:
+        raise error

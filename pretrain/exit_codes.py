@@ -16,3 +16,6 @@ NUMERICAL_FAILURE = 3
 
 MEANINGS = {NUMERICAL_FAILURE: "numerical failure: NaN or Inf in training"}
 """What the launcher's failure summary says of a training worker's exit code."""
+AGREED = frozenset({NUMERICAL_FAILURE})
+"""Codes that every rank exits with together, having agreed on the step: the launcher gives
+the others a moment to finish and exit on their own before it stops them."""

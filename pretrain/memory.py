@@ -230,6 +230,9 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int) -> list
 
     if mode == "ddp" and world_size > 1 and helps(config, as_mode="fsdp"):
         found.append("--set training.parallelism=fsdp")
+    if t.activation_checkpointing and not cfg.activation_checkpointing(config) and \
+            helps(dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))):
+        found.append("--set debug.trace_nonfinite=false (its hooks turn activation checkpointing off)")
     if not t.activation_checkpointing and helps(_with_training(config, activation_checkpointing=True)):
         found.append("--set training.activation_checkpointing=true")
     whole_batch = t.loss_chunk_tokens == 0 or t.loss_chunk_tokens > 2048

@@ -212,33 +212,32 @@ def skip_or_stop(trainer: Trainer, event: NonFinite, position: dict[str, int]) -
 
 
 def stop_for_nonfinite(trainer: Trainer, event: NonFinite, position: dict[str, int]) -> None:
-    """Every rank: report (the affected ranks), dump the tensors (the reporting rank), save
-    checkpoint nan_grad_step_<N> with the state before the step, raise NumericalFailure."""
+    """Every rank, in this order (the most useful evidence first): say so at once; report the
+    tensors (the affected ranks); save checkpoint nan_grad_step_<N> with the state before the
+    step; write the tensor dump (the reporting rank); raise NumericalFailure."""
     runtime, log, d = trainer.runtime, trainer.log, trainer.config.debug
+    what = "gradient norm" if event.what == "GRADIENT" else "loss"
+    log.error(f"Step {event.step}: {event.kind} {what} (loss here {event.loss:.4f}, gradient norm "
+              f"{event.grad_norm:.4f}); no update made; writing the report, a checkpoint"
+              + (" and a tensor dump" if d.dump_tensors else ""))
+    findings = debug.inspect_all(trainer.model)
     reports = event.affected_here or runtime.rank == event.reporter
-    dump_path = trainer.run_dir / "debug" / f"nan_debug_step_{event.step}.npz"
-    writes_dump = d.dump_tensors and runtime.rank == event.reporter
-    if writes_dump and not (room := debug.room_for_dump(trainer.model, dump_path.parent))[0]:
-        log.warning(f"Tensor dump skipped: it needs {room[1] / 2**30:.1f} GiB, more than the disk has free "
-                    f"under {dump_path.parent}")
-        writes_dump = False
-    findings = debug.inspect_and_dump(trainer.model, event, runtime, dump_path if writes_dump else None, log)
     if reports:
         first = trainer.tracer.first if trainer.tracer is not None else None
         log.error(debug.report(event, runtime.label, findings, first, tracing=trainer.tracer is not None))
     else:
-        log.error(f"Step {event.step}: gradient norm {event.grad_norm:.4f} is not finite; rank {event.reporter} "
-                  f"reports the tensors")
+        log.error(f"Step {event.step}: this rank's loss is finite; rank {event.reporter} reports the tensors")
     trainer.loader.load_state_dict(position)  # so that resuming the checkpoint replays this step
     path = checkpoint.save(trainer, event.step, trainer.run_dir, name=f"nan_grad_step_{event.step}")
     log.info(f"Checkpoint with the state before step {event.step}: {path} (resuming it replays the step)")
-    dumped = d.dump_tensors and dump_path.exists()  # the reporting rank wrote it before the save's barrier
-    if writes_dump and dumped:
-        log.info(f"Tensor dump: {dump_path} (numpy.load(path, allow_pickle=False); README: Troubleshooting)")
+    dump_path = trainer.run_dir / "debug" / f"nan_debug_step_{event.step}.npz"
+    dumped = d.dump_tensors and debug.write_dump(trainer.model, dump_path, runtime, event.reporter, log)
+    if dumped:
+        log.info(f"Tensor dump: {dump_path} (numpy.load(path, allow_pickle=False); README: NaN and Inf)")
     raise NumericalFailure(
-        f"step {event.step}: {event.kind} {'gradient norm' if event.what == 'GRADIENT' else 'loss'}; stopped "
-        + ("(the report above names the tensors" if reports else f"(rank {event.reporter}'s report names the tensors")
-        + (f", dump {dump_path}" if dumped else "")
+        f"step {event.step}: {event.kind} {what}; stopped ("
+        + ("the report above names the tensors" if reports else f"rank {event.reporter}'s report names the tensors")
+        + f"; checkpoint {path}" + (f"; dump {dump_path}" if dumped else "")
         + "); README Troubleshooting and configs/config_stable.json say what to change")
 
 

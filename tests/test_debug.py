@@ -33,6 +33,10 @@ def test_a_finite_step_is_not_reported():
     assert debug.check_step(0, torch.tensor(2.5), torch.tensor(1.0), ONE) is None
 
 
+def test_an_inf_only_the_hooks_saw_stops_nothing():
+    assert debug.check_step(0, torch.tensor(2.5), torch.tensor(1.0), ONE, seen_by_hooks=True) is None
+
+
 def test_a_nan_loss_is_a_nan_on_this_rank_which_reports_it():
     event = debug.check_step(7, torch.tensor(float("nan")), torch.tensor(1.0), ONE)
     assert (event.kind, event.what, event.step, event.affected_here, event.reporter) == ("NaN", "LOSS", 7, True, 0)
@@ -115,16 +119,11 @@ def test_a_dump_written_an_array_at_a_time_loads_without_pickle(tmp_path):
         assert np.isnan(dump["param/a.weight"]).sum() == 1 and np.isinf(dump["grad/a.weight"]).sum() == 1
 
 
-def test_a_dump_that_cannot_be_written_still_inspects_every_tensor(tmp_path, caplog):
-    model = nn.Linear(2, 2)
-    with torch.no_grad():
-        model.weight[0, 0] = float("nan")
+def test_a_dump_that_cannot_be_written_is_a_warning_not_a_crash(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    event = NonFinite(0, float("nan"), float("nan"), True, 0)
-    findings = debug.inspect_and_dump(model, event, ONE, blocker / "d.npz", logging.getLogger("test"))
-    assert findings.affected == ["weight"]
-    assert "not written" in caplog.text
+    assert not debug.write_dump(nn.Linear(2, 2), blocker / "d.npz", ONE, 0, logging.getLogger("test"))
+    assert "Tensor dump skipped" in caplog.text
 
 
 # --- in training --------------------------------------------------------------------------
@@ -154,6 +153,24 @@ def test_a_nan_weight_stops_the_step_with_a_report_a_dump_and_a_checkpoint_that_
         train_step(again, 1)
 
 
+def test_the_hooks_work_inside_the_checkpointed_chunks_of_the_loss(tmp_path, capsys):
+    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS, "training.loss_chunk_tokens=16")
+    poison(trainer, "output.weight")
+    with pytest.raises(NumericalFailure, match="step 0: NaN"):
+        train_step(trainer, 0)
+    assert "first non-finite: output, forward output" in capsys.readouterr().out
+
+
+def test_an_unusable_dump_directory_skips_the_dump_and_still_stops_with_a_checkpoint(tmp_path, capsys):
+    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS)
+    (tmp_path / "run" / "debug").write_text("in the way")
+    poison(trainer)
+    with pytest.raises(NumericalFailure) as failure:
+        train_step(trainer, 0)
+    assert "Tensor dump skipped" in capsys.readouterr().out and "; dump " not in str(failure.value)
+    assert (tmp_path / "run" / "checkpoints" / "nan_grad_step_0" / "model.pt").exists()
+
+
 def test_without_room_on_disk_the_dump_is_skipped_and_the_run_still_stops_with_its_checkpoint(tmp_path, monkeypatch, capsys):
     trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS)
     poison(trainer)
@@ -168,15 +185,17 @@ def test_without_room_on_disk_the_dump_is_skipped_and_the_run_still_stops_with_i
 def test_skip_mode_drops_the_updates_then_stops_after_too_many_in_a_row(tmp_path, capsys):
     trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS, "debug.on_nonfinite=skip",
                            "debug.max_skips_in_a_row=2")
+    train_step(trainer, 0)  # a good step first, so that there are Adam moments to leave alone
     poison(trainer)
-    before = trainer.model.get_parameter("output.weight").detach().clone()
-    for step in range(2):
+    output = trainer.model.get_parameter("output.weight")
+    before, moments = output.detach().clone(), trainer.optimizer.state[output]["exp_avg"].clone()
+    for step in range(1, 3):
         train_step(trainer, step)
     assert trainer.skipped_steps == 2 and "update skipped (2 in a row, 2 in all" in capsys.readouterr().out
     assert all(p.grad is None for p in trainer.model.parameters())
-    with pytest.raises(NumericalFailure, match="step 2"):
-        train_step(trainer, 2)
-    assert torch.equal(trainer.model.get_parameter("output.weight"), before)
+    with pytest.raises(NumericalFailure, match="step 3"):
+        train_step(trainer, 3)
+    assert torch.equal(output, before) and torch.equal(trainer.optimizer.state[output]["exp_avg"], moments)
 
 
 def test_skip_mode_carries_on_after_one_bad_gradient(tmp_path, capsys):

@@ -321,3 +321,10 @@ def test_the_estimate_knows_that_tracing_nonfinite_turns_activation_checkpointin
     unchecked = dataclasses.replace(production, training=dataclasses.replace(production.training,
                                                                              activation_checkpointing=False))
     assert activation_bytes(traced) == activation_bytes(unchecked) > 5 * activation_bytes(production)
+
+
+def test_a_traced_run_that_does_not_fit_is_told_that_the_tracing_costs_the_checkpointing():
+    production = cfg.production()
+    traced = dataclasses.replace(production, debug=dataclasses.replace(production.debug, trace_nonfinite=True))
+    with pytest.raises(ConfigError, match=r"--set debug.trace_nonfinite=false \(its hooks turn activation"):
+        check_fits(traced, 8, 80 * GIB, "fsdp")

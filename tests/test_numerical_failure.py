@@ -48,7 +48,7 @@ def test_the_run_exits_with_the_numerical_failure_code_and_the_summary_names_it(
     run_dir, result = failed_run
     assert result.returncode == NUMERICAL_FAILURE == 3, result.stdout[-3000:]
     assert "exit code 3 (numerical failure: NaN or Inf in training)" in result.stdout
-    assert "Hint: the loss or the gradients became NaN or Inf: CPU0, CPU1 logged NaN GRADIENT DETECTED" in result.stdout
+    assert "Hint: the loss or the gradients became NaN or Inf: CPU0, CPU1 logged NaN GRADIENT DETECTED with" in result.stdout
 
 
 def test_every_affected_rank_reports_the_poisoned_weight_and_the_first_module_that_went_bad(failed_run):

@@ -328,3 +328,26 @@ def test_the_summary_names_what_a_known_exit_code_means(script, tmp_path):
     code, out, _ = supervise(workers, tmp_path, exit_meanings={7: "seven: the test's own failure"})
     assert code == 7
     assert "failed first" in out and "exit code 7 (seven: the test's own failure)." in out
+
+
+AGREED_EXIT = """
+    import sys, time
+    time.sleep(float(sys.argv[1]))
+    sys.exit(3)
+"""
+
+
+def test_after_an_agreed_exit_code_the_others_may_exit_on_their_own_within_the_grace(script, tmp_path):
+    path = script(AGREED_EXIT, "agreed.py")
+    workers = [make_worker(0, [*path, "0.1"]), make_worker(1, [*path, "1.0"])]
+    code, out, elapsed = supervise(workers, tmp_path, agreed_exit_codes=frozenset({3}))
+    assert code == 3 and [w.process.returncode for w in workers] == [3, 3]  # not SIGTERMed at 0.1 s
+    assert "Stopped 0 other running worker(s)" in out
+
+
+def test_after_an_agreed_exit_code_a_worker_that_does_not_follow_is_stopped_after_the_grace(script, tmp_path, monkeypatch):
+    monkeypatch.setattr("launcher.supervisor.AGREED_EXIT_GRACE", 0.5)
+    workers = [make_worker(0, [*script(AGREED_EXIT, "agreed.py"), "0.1"]), make_worker(1, script(SLEEPS, "sleep.py"))]
+    code, out, elapsed = supervise(workers, tmp_path, agreed_exit_codes=frozenset({3}))
+    assert code == 3 and elapsed < 3.0
+    assert "Stopped 1 other running worker(s)" in out and not alive(workers[1].process.pid)
