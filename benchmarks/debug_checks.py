@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: benchmarks.train and pretrain import from the repository
     sys.path.insert(0, str(REPO))
 
-from benchmarks.train import (RESULT_MARK, WORKLOADS, Outcome, bench_device, config_list,  # noqa: E402
+from benchmarks.train import (RESULT_MARK, WORKLOADS, Outcome, bench_device, config_list, run_job,  # noqa: E402
                               cuda_available, machine_line, print_table, progress, synchronize)
 
 SETTINGS: dict[str, tuple[bool, bool]] = {"off": (False, False), "checks": (True, False), "trace": (True, True)}
@@ -124,18 +122,6 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
 
 # --- parent side: run the children, print the table ----------------------------------------------
 
-def run_job(job: dict[str, Any]) -> Outcome:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results = [line[len(RESULT_MARK):] for line in process.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    if process.returncode != 0 or not results:
-        lines = process.stderr.strip().splitlines() or [f"exit status {process.returncode}"]
-        progress(f"  failed ({process.returncode}); its last output:\n" + "\n".join(lines[-15:]))
-        return Outcome(job, error=lines[-1][:160])
-    return Outcome(job, result=json.loads(results[-1]))
-
-
 def run_all(args: argparse.Namespace) -> list[Outcome]:
     jobs = [{"device": args.device, "config": config, "repeat": repeat, "warmup": args.warmup, "steps": args.steps,
              "block": args.block, "threads": args.threads, "cache_dir": str(args.cache_dir)}
@@ -143,7 +129,7 @@ def run_all(args: argparse.Namespace) -> list[Outcome]:
     outcomes = []
     for i, job in enumerate(jobs, 1):
         progress(f"[{i}/{len(jobs)}] {job['config']}, run {job['repeat'] + 1} ...")
-        outcomes.append(outcome := run_job(job))
+        outcomes.append(outcome := run_job(job, Path(__file__)))
         if outcome.result:
             progress("  " + ", ".join(f"{name} {statistics.median(ms):.1f}"
                                       for name, ms in outcome.result["ms_per_step"].items()) + " ms/step")

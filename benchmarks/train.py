@@ -247,9 +247,10 @@ class Outcome:
     error: str = ""
 
 
-def run_job(job: dict[str, Any]) -> Outcome:
+def run_job(job: dict[str, Any], script: Path = Path(__file__)) -> Outcome:
+    """Run `script --child JOB` in a fresh Python process and read its result line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
+    process = subprocess.run([sys.executable, str(script.resolve()), "--child", json.dumps(job)],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = [line[len(RESULT_MARK):] for line in process.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if process.returncode != 0 or not results:
