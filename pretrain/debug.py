@@ -150,12 +150,10 @@ class FirstNonFinite:
 # --- the report and the dump ----------------------------------------------------------
 
 def _whole(tensor: Tensor | None) -> Tensor | None:
-    """The full tensor, detached, in float32 on the CPU (under FSDP a collective)."""
+    """The full tensor, detached, where it is (under FSDP a collective)."""
     if tensor is None:
         return None
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    return tensor.detach().float().cpu()
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor, Tensor | None]]:
@@ -228,7 +226,7 @@ class NpzWriter:
 
     def add(self, key: str, tensor: Tensor) -> None:
         with self._zip.open(f"{key}.npy", "w", force_zip64=True) as entry:
-            np.lib.format.write_array(entry, tensor.numpy(), allow_pickle=False)
+            np.lib.format.write_array(entry, tensor.float().cpu().numpy(), allow_pickle=False)
 
     def close(self) -> None:
         self._zip.close()
@@ -273,14 +271,20 @@ def write_dump(model: nn.Module, path: Path, runtime: Runtime, reporter: int, lo
                 log.warning(f"Tensor dump skipped: it needs {size / 2**30:.1f} GiB, more than the disk has "
                             f"free under {path.parent}")
         writes = fits
-    written = False
+    written, gathered = False, False
+
+    def write(tmp: Path) -> None:
+        nonlocal gathered
+        gathered = True
+        _write_all(model, tmp, log)
+
     if writes:
         try:
-            atomic_write(path, lambda tmp: _write_all(model, tmp, log))
+            atomic_write(path, write)
             written = True
         except OSError as error:
             log.warning(f"Tensor dump {path} not written: {error.strerror or error}")
-    elif has_fsdp(model):
+    if not gathered and has_fsdp(model):  # no file to write to, or not the reporter
         for _ in named_tensors(model):  # take part in the gathers
             pass
     if runtime.distributed:

@@ -126,6 +126,17 @@ def test_a_dump_that_cannot_be_written_is_a_warning_not_a_crash(tmp_path, caplog
     assert "Tensor dump skipped" in caplog.text
 
 
+def test_under_fsdp_the_reporter_takes_part_in_every_gather_even_when_the_dump_file_cannot_be_made(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(debug, "room_for_dump", lambda model, directory: (True, 0))  # room, yet no file
+    monkeypatch.setattr(debug, "has_fsdp", lambda model: True)
+    gathered = []
+    monkeypatch.setattr(debug, "named_tensors", lambda model: (gathered.append(name) for name in ("a", "b")))
+    assert not debug.write_dump(nn.Linear(2, 2), blocker / "d.npz", ONE, 0, logging.getLogger("test"))
+    assert gathered == ["a", "b"]  # the peers' gathers were all matched
+
+
 # --- in training --------------------------------------------------------------------------
 
 def test_a_nan_weight_stops_the_step_with_a_report_a_dump_and_a_checkpoint_that_replays_it(tmp_path, capsys):
