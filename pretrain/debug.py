@@ -2,7 +2,8 @@
 where it came from, and keep the evidence.
 
 Always on (debug.check_finite): after each step's backward, every rank learns whether any
-rank's loss or the global gradient norm is not finite (one small all-reduce), before the
+rank's loss or the global gradient norm is not finite (one small all-reduce, which also carries
+the ranks' agreement on a stop request: the step's only host synchronization), before the
 optimizer can write the damage into the weights. Then, by debug.on_nonfinite:
 
     stop   every rank says so at once, the affected ranks log a report of every parameter
@@ -76,23 +77,47 @@ class NonFinite:
         return "GRADIENT" if not math.isfinite(self.grad_norm) else "LOSS"
 
 
-def check_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False) -> NonFinite | None:
-    """None when every rank's loss and the gradient norm are finite, else what every rank
-    agrees happened. What the hooks saw only decides which ranks count as affected: an Inf
-    that does not reach the loss or the gradients (a masked score, say) stops nothing.
-    A collective: every rank calls it every step."""
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank agrees on after a step's backward pass, from one all-reduce."""
+    nonfinite: NonFinite | None
+    """None when every rank's loss and the gradient norm are finite."""
+    stop_signum: int | None
+    """The stop signal any rank had received when it checked (the highest number), else None."""
+
+
+def agree_on_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False,
+                  stop_signum: int | None = None) -> StepAgreement:
+    """Whether the step is finite on every rank, and whether any rank was asked to stop
+    (stop_signum: this rank's pending signal). What the hooks saw only decides which ranks
+    count as affected: an Inf that does not reach the loss or the gradients (a masked score,
+    say) stops nothing. A collective: every rank calls it every step.
+
+    The host synchronises once: one all-reduce of four integers and one read of them
+    (.tolist()). The flags are made on the device from Python scalars passed as kernel
+    arguments (torch.full, torch.where), never copied from host memory, which would block."""
+    device = loss.device
     loss_bad = ~torch.isfinite(loss)
     affected = loss_bad | seen_by_hooks
-    # Under MIN: the lowest affected rank, and 0 for "bad" so that any one rank's bad wins.
+    # Under MIN: the lowest affected rank; 0 for "bad", so that any one rank's bad wins; and
+    # a stop request as minus its signal number, so that any request wins (the highest signal).
     flags = torch.stack([torch.where(affected, runtime.rank, runtime.world_size).long(),
-                         (~loss_bad).long(), torch.isfinite(grad_norm).long()])
+                         (~loss_bad).long(), torch.isfinite(grad_norm).long(),
+                         torch.full((), -(stop_signum or 0), dtype=torch.long, device=device)])
     if runtime.distributed:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    first_affected, every_loss_finite, norm_finite = flags.tolist()
+    first_affected, every_loss_finite, norm_finite, stop = flags.tolist()
+    stop_signum = -stop or None
     if every_loss_finite and norm_finite:
-        return None
+        return StepAgreement(None, stop_signum)
     reporter = first_affected if first_affected < runtime.world_size else 0
-    return NonFinite(step, float(loss), float(grad_norm), bool(affected), reporter)
+    return StepAgreement(NonFinite(step, float(loss), float(grad_norm), bool(affected), reporter), stop_signum)
+
+
+def check_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False) -> NonFinite | None:
+    """agree_on_step without a stop request: None when every rank's loss and the gradient
+    norm are finite, else what every rank agrees happened. A collective."""
+    return agree_on_step(step, loss, grad_norm, runtime, seen_by_hooks).nonfinite
 
 
 # --- where it started (debug mode) ----------------------------------------------------

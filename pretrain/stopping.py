@@ -4,8 +4,12 @@ the first, ends the process at once: one sooner is the same request arriving twi
 signals every process of a job, and the launcher forwards its own SIGTERM as well).
 
 The launcher sends SIGTERM on Ctrl-C; a scheduler (Slurm, Kubernetes) sends it before a
-preemption. The signal can reach the ranks between two different steps, so after every
-step the ranks agree (one tiny all-reduce) and all stop after the same one."""
+preemption. The signal can reach the ranks between two different steps, so every step the
+ranks agree and all stop after the same one. With debug.check_finite (the default) the
+agreement rides on the finite check's all-reduce (pretrain/debug.py agree_on_step), taken
+after the backward pass: with several ranks, a signal that arrives later in a step is acted on
+after the next one (or, during the last step, not at all: the run completes). Without the check, agreed()
+makes its own all-reduce after the step. Either way, one host synchronization per step."""
 
 from __future__ import annotations
 
@@ -32,10 +36,16 @@ class Stopped(Exception):
         self.signum = signum
 
 
+_UNSETTLED = object()
+
+
 class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
+        """The first stop signal this process received (None: none yet)."""
         self._received_at = 0.0
+        self._settled: object = _UNSETTLED
+        """What the ranks agreed on this step through another collective, until agreed() takes it."""
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -55,11 +65,21 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    def settle(self, signum: int | None) -> None:
+        """The ranks already agreed on this step's stop (signum, or None) through another
+        collective; the next agreed() returns it and makes none of its own."""
+        self._settled = signum
+
     def agreed(self, runtime: Runtime) -> int | None:
-        """The stop signal if any rank received one, else None. A collective: every rank
-        calls it at the same point of every step."""
+        """The stop signal if any rank received one, else None. Unless settle() gave this
+        step's answer, a collective: every rank calls it at the same point of every step."""
+        settled, self._settled = self._settled, _UNSETTLED
         if not runtime.distributed:
-            return self.signum
-        flag = torch.tensor([self.signum or 0], device=runtime.device)
+            return self.signum  # nothing to agree on: a signal that came after the check counts too
+        if settled is not _UNSETTLED:
+            return settled  # type: ignore[return-value]
+        # Filled on the device from a kernel argument: torch.tensor([...], device=cuda) would be a
+        # blocking host-to-device copy, a second synchronization next to .item().
+        flag = torch.full((1,), self.signum or 0, dtype=torch.long, device=runtime.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None

@@ -185,8 +185,11 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     grad_norm = parallel.grad_norm(trainer.model)
     if trainer.config.debug.check_finite:
         seen = trainer.tracer is not None and trainer.tracer.first is not None
-        if (event := debug.check_step(step, loss_sum, grad_norm, trainer.runtime, seen)) is not None:
-            skip_or_stop(trainer, event, position)
+        # The step's one host synchronization: it also settles whether the ranks stop after it.
+        agreement = debug.agree_on_step(step, loss_sum, grad_norm, trainer.runtime, seen, trainer.stop.signum)
+        trainer.stop.settle(agreement.stop_signum)
+        if agreement.nonfinite is not None:
+            skip_or_stop(trainer, agreement.nonfinite, position)
             return loss_sum, grad_norm, lr
     trainer.skips_in_a_row = 0
     parallel.clip_gradients(trainer.model, t.max_grad_norm, grad_norm)
@@ -328,7 +331,7 @@ def fit(trainer: Trainer) -> None:
                                       memory_gib, now - start)
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
             log_validation(trainer, step)
-        if (signum := trainer.stop.agreed(trainer.runtime)) is not None:
+        if (signum := trainer.stop.agreed(trainer.runtime)) is not None:  # settled by train_step's check, if on
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
             raise Stopped(signum)
