@@ -191,6 +191,8 @@ class TrainingConfig:
     """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
     parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
     """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
+    cpu_offload: bool | None = None
+    """FSDP2 with CPU offload: sharded weights, gradients and AdamW state in host memory, the GPU holding only what is in flight (slower: every step copies them over PCIe); null uses it only when the model does not fit the GPUs but fits with it, within the host's memory (the launcher says so)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them: about a third more compute for much less memory."""
     compile: bool | None = None

@@ -16,18 +16,24 @@ What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16
           until the end of the backward pass) + (a + 4) x block (one block's unsharded
           gradients and the fp32 buffer they are reduce-scattered from); AdamW 8P/W
 
+FSDP with CPU offload (training.cpu_offload) keeps the sharded weights, gradients and AdamW
+state in host memory (16P/W bytes per rank there) and on the GPU only what is in flight: the
+unsharded groups and gradients above, the activations and the logits. On CPU workers the whole
+per-GPU estimate is host memory, less the CUDA allowance plus a process's own.
+
 FSDP reduce-scatters on every micro-batch of gradient accumulation (pretrain/parallel.py,
 gradient_sync), so no rank ever holds the full gradient and grad_accum_nums changes nothing
 here. The embedding is gathered in fp32, but only around its own forward and backward, where
 the activations are few, so it is not part of the peak.
 
-One process is never wrapped (pretrain/parallel.py), so world_size 1 is estimated as the
-plain model whatever the mode.
+One process is never wrapped (pretrain/parallel.py) unless it offloads, so world_size 1 is
+estimated as the plain model whatever the mode, and as FSDP over one rank with offload.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from pretrain import config as cfg
@@ -41,6 +47,13 @@ OVERHEAD_BYTES = 2 * GIB
 AUTO_DDP_SHARE = 0.9
 """training.parallelism "auto" picks DDP when its estimate fits this share of the GPU."""
 MODES = ("ddp", "fsdp")
+HOST_OVERHEAD_BYTES = GIB
+"""Host memory of one training process besides its tensors: Python, torch's libraries, the data loader."""
+HOST_SHARE = 0.9
+"""A run may plan on this share of the host memory available when it starts (the rest: the OS,
+the launcher, other processes' growth)."""
+HOST_MEMORY_ENV = "LAUNCHER_HOST_MEMORY_GIB"
+"""Tests (and users who know better) set the host memory available, in GiB, instead of psutil's figure."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +79,9 @@ class MemoryEstimate:
         return f"~{gib(self.total)} GiB per GPU: {self.parts()}"
 
     def parts(self) -> str:
+        """The parts that are not zero (host memory under CPU offload has no activations)."""
         names = ("weights", "gradients", "optimizer", "activations", "logits", "overhead")
-        return ", ".join(f"{name} {gib(getattr(self, name))}" for name in names) + " GiB"
+        return ", ".join(f"{name} {gib(getattr(self, name))}" for name in names if getattr(self, name)) + " GiB"
 
 
 def gib(n_bytes: float) -> str:
@@ -169,14 +183,23 @@ def logits_bytes(config: Config) -> int:
 
 # --- the estimate -----------------------------------------------------------------------
 
-def estimate(config: Config, world_size: int, mode: str) -> MemoryEstimate:
-    """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"."""
+def estimate(config: Config, world_size: int, mode: str, offload: bool = False) -> MemoryEstimate:
+    """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"
+    (offload: FSDP with CPU offload, the shards in host memory: see host_estimate)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+    if offload and mode != "fsdp":
+        raise ValueError("CPU offload is a mode of FSDP")
     model, amp = config.model, config.training.use_amp
     params = parameter_count(model)
     unsharded = BF16 if amp else FP32  # the dtype FSDP gathers into (MixedPrecisionPolicy under amp)
-    if mode == "fsdp" and world_size > 1:
+    if offload:
+        head, block = head_parameter_count(model), block_parameter_count(model)
+        # The fp32 shards of the groups being gathered are copied in from the host first.
+        weights = (unsharded + _ceil_div(FP32, world_size)) * (head + 2 * block)
+        gradients = unsharded * head + (unsharded + FP32) * block
+        optimizer = 0
+    elif mode == "fsdp" and world_size > 1:
         head, block = head_parameter_count(model), block_parameter_count(model)
         weights = _ceil_div(FP32 * params, world_size) + unsharded * (head + 2 * block)
         gradients = _ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
@@ -194,6 +217,34 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> MemoryEstimate:
+    """Host memory per process: on GPUs, FSDP with CPU offload's shards of the weights,
+    gradients and AdamW state (mode "fsdp" only); on CPU workers, everything the GPU estimate
+    counts but the CUDA allowance."""
+    if not on_gpus:
+        return dataclasses.replace(estimate(config, world_size, mode), overhead=HOST_OVERHEAD_BYTES)
+    if mode != "fsdp":
+        raise ValueError("on GPUs only FSDP with CPU offload keeps the model in host memory")
+    shard = _ceil_div(FP32 * parameter_count(config.model), world_size)
+    return MemoryEstimate(mode=mode, world_size=world_size, weights=shard, gradients=shard, optimizer=2 * shard,
+                          activations=0, logits=0, overhead=HOST_OVERHEAD_BYTES)
+
+
+def host_memory_bytes() -> int:
+    """The host memory available now (psutil), or LAUNCHER_HOST_MEMORY_GIB when set."""
+    given = os.environ.get(HOST_MEMORY_ENV, "").strip()
+    if given:
+        try:
+            value = float(given)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{HOST_MEMORY_ENV}={given!r} is not a positive number of GiB; unset it or give one")
+        return int(value * GIB)
+    import psutil  # here: only the launcher's memory checks need it
+    return psutil.virtual_memory().available
+
+
 def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> str:
     """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
     memory limit (CPU: None), or when DDP's estimate fits AUTO_DDP_SHARE of the GPU (DDP
@@ -207,20 +258,23 @@ def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | 
     return "ddp" if fits else "fsdp"
 
 
-def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str) -> None:
+def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str, offload: bool = False,
+               note: str = "") -> None:
     """ConfigError (one line: the estimate, the GPU's memory, what would help) when the
-    estimate exceeds gpu_memory_bytes."""
-    needed = estimate(config, world_size, mode)
+    estimate exceeds gpu_memory_bytes. note goes after the GPU's memory (why offload does not help)."""
+    needed = estimate(config, world_size, mode, offload)
     if needed.total <= gpu_memory_bytes:
         return
-    suggestions = _suggestions(config, world_size, mode, needed.total)
+    suggestions = _suggestions(config, world_size, mode, needed.total, gpu_memory_bytes)
     hint = "try " + _join_or(suggestions) if suggestions else "use a smaller model or a shorter data.context_length"
     where = "with FSDP" if mode == "fsdp" and world_size > 1 else "with DDP" if world_size > 1 else "on one GPU"
+    if offload:
+        where += " and CPU offload"
     raise ConfigError(f"preset {config.preset} needs ~{gib(needed.total)} GiB per GPU {where} ({needed.parts()}) "
-                      f"but the GPU has {gib(gpu_memory_bytes)} GiB; {hint}")
+                      f"but the GPU has {gib(gpu_memory_bytes)} GiB{note}; {hint}")
 
 
-def _suggestions(config: Config, world_size: int, mode: str, total: int) -> list[str]:
+def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> list[str]:
     """The changes not already made that lower the estimate, each as the user would make it."""
     t = config.training
     found = []
@@ -244,9 +298,57 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int) -> list
     if mode == "fsdp" or world_size == 1:
         if helps(config, ranks=max(2, 2 * world_size), as_mode="fsdp"):
             # "auto" picks FSDP by itself once there are GPUs to shard over
-            found.append("more GPUs (FSDP shards the model over them)" if mode == "fsdp" or t.parallelism == "auto"
-                         else "more GPUs with --set training.parallelism=fsdp")
+            gpus = _gpus_that_fit(config, world_size, gpu_memory_bytes)
+            more = f"{gpus} or more GPUs" if gpus else "more GPUs"
+            found.append(f"{more} (FSDP shards the model over them)" if mode == "fsdp" or t.parallelism == "auto"
+                         else f"{more} with --set training.parallelism=fsdp")
     return found
+
+
+def _gpus_that_fit(config: Config, world_size: int, gpu_memory_bytes: int, most: int = 1024) -> int | None:
+    """The fewest GPUs (more than world_size, at most `most`) over which FSDP fits, if any."""
+    for gpus in range(world_size + 1, most + 1):
+        if estimate(config, gpus, "fsdp").total <= gpu_memory_bytes:
+            return gpus
+    return None
+
+
+def check_host_fits(config: Config, world_size: int, mode: str, host_memory_bytes: int, local_ranks: int,
+                    on_gpus: bool) -> None:
+    """ConfigError (one line: the estimate per process and for this machine, its memory, what
+    would help) when local_ranks processes need more than HOST_SHARE of the host's memory: CPU
+    workers (on_gpus False) or GPU ranks with CPU offload."""
+    per, needed = _host_need(config, world_size, mode, local_ranks, on_gpus)
+    if needed <= HOST_SHARE * host_memory_bytes:
+        return
+    what = "GPU with CPU offload" if on_gpus else "CPU worker"
+    ranks = "GPUs" if on_gpus else "workers"
+    raise ConfigError(f"preset {config.preset} needs ~{gib(per.total)} GiB of host memory per {what} "
+                      f"({per.parts()}) x {local_ranks} {ranks} = {gib(needed)} GiB but this machine has "
+                      f"{gib(host_memory_bytes)} GiB available (a run plans on {HOST_SHARE:.0%} of it); "
+                      + _host_hint(config, world_size, mode, host_memory_bytes, on_gpus))
+
+
+def _host_need(config: Config, world_size: int, mode: str, local_ranks: int, on_gpus: bool) -> tuple[MemoryEstimate, int]:
+    per = host_estimate(config, world_size, mode, on_gpus)
+    return per, per.total * local_ranks
+
+
+def _host_hint(config: Config, world_size: int, mode: str, host_memory_bytes: int, on_gpus: bool) -> str:
+    def fits(ranks: int, as_mode: str) -> bool:
+        return _host_need(config, ranks, as_mode, ranks, on_gpus)[1] <= HOST_SHARE * host_memory_bytes
+
+    found = []
+    if on_gpus:
+        found.append("--set training.cpu_offload=false with more GPUs")
+    else:
+        if mode == "ddp" and world_size > 1 and fits(world_size, "fsdp"):
+            found.append("--set training.parallelism=fsdp")
+        if world_size > 1 and fits(1, "ddp"):
+            found.append("--nproc 1")
+    if config.preset not in ("small", "debug"):
+        found.append("--preset small or --debug")
+    return "use " + _join_or(found) if found else "use a smaller model or a machine with more memory"
 
 
 def _with_training(config: Config, **changes: object) -> Config:
@@ -262,22 +364,71 @@ def _join_or(items: list[str]) -> str:
 
 # --- the launcher's decision ------------------------------------------------------------
 
-def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> tuple[Config, str]:
-    """config with training.parallelism made concrete ("ddp" or "fsdp") for the workers, and
-    the launcher's line saying what was chosen. gpu_memory_bytes is the smallest GPU's memory,
-    None on CPU workers (DDP unless the user chose FSDP, and no memory check). ConfigError
-    (check_fits) when the estimate does not fit the GPU."""
-    mode = choose_parallelism(config, world_size, gpu_memory_bytes)
-    planned = _with_training(config, parallelism=mode)
+def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None,
+                     host_memory_bytes: int | None = None, local_ranks: int | None = None) -> tuple[Config, str]:
+    """config with training.parallelism ("ddp" or "fsdp") and training.cpu_offload (true or false)
+    made concrete for the workers, and the launcher's line saying what was chosen.
+
+    gpu_memory_bytes is the smallest GPU's memory, None on CPU workers (DDP unless the user chose
+    FSDP). host_memory_bytes is the host memory available (None: no host check, and no automatic
+    offload), shared by local_ranks processes (default world_size). ConfigError, one line, when
+    the run fits neither the GPUs nor, with CPU offload, the GPUs and the host."""
+    local_ranks = local_ranks or world_size
     on_gpus = gpu_memory_bytes is not None
-    if world_size == 1:
-        line = f"parallelism: none, one {'GPU' if on_gpus else 'CPU worker'}"
+    if on_gpus:
+        mode, offload = _choose_on_gpus(config, world_size, gpu_memory_bytes, host_memory_bytes, local_ranks)
     else:
-        line = f"parallelism: {mode.upper()} over {world_size} {'GPUs' if on_gpus else 'CPU workers'}"
-    if gpu_memory_bytes is None:
+        mode, offload = choose_parallelism(config, world_size, None), bool(config.training.cpu_offload)
+        if offload:
+            mode = "fsdp"
+        if host_memory_bytes is not None:
+            check_host_fits(config, world_size, mode, host_memory_bytes, local_ranks, on_gpus=False)
+    planned = _with_training(config, parallelism=mode, cpu_offload=offload)
+    unit = ("GPU" if on_gpus else "CPU worker") + ("" if world_size == 1 else "s")
+    if offload:
+        line = f"parallelism: FSDP with CPU offload over {world_size} {unit}"
+    elif world_size == 1:
+        line = f"parallelism: none, one {unit}"
+    else:
+        line = f"parallelism: {mode.upper()} over {world_size} {unit}"
+    if not on_gpus:
         return planned, line
-    check_fits(config, world_size, gpu_memory_bytes, mode)
-    detail = f"estimated {gib(estimate(config, world_size, mode).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
-    if config.training.parallelism == "auto" and mode == "fsdp":
+    detail = f"estimated {gib(estimate(config, world_size, mode, offload).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
+    if offload:
+        _, host_needed = _host_need(config, world_size, mode, local_ranks, on_gpus=True)
+        detail += f" and {gib(host_needed)} GiB of host memory"
+        if host_memory_bytes is not None:
+            detail += f" of {gib(host_memory_bytes)} GiB available"
+        detail += f"; without offload ~{gib(estimate(config, world_size, choose_parallelism(config, world_size, gpu_memory_bytes)).total)} GiB per GPU"
+    elif config.training.parallelism == "auto" and mode == "fsdp":
         detail += f"; DDP would need ~{gib(estimate(config, world_size, 'ddp').total)} GiB"
     return planned, f"{line} ({detail})"
+
+
+def _choose_on_gpus(config: Config, world_size: int, gpu_memory_bytes: int, host_memory_bytes: int | None,
+                    local_ranks: int) -> tuple[str, bool]:
+    """(mode, offload): without offload when the run fits the GPUs or offload is off; with it
+    when asked for, or (null) when only it fits, the host's memory permitting."""
+    t = config.training
+    mode = choose_parallelism(config, world_size, gpu_memory_bytes)
+    if t.cpu_offload:
+        if t.parallelism == "ddp":
+            raise ConfigError("training.cpu_offload=true needs FSDP but training.parallelism is ddp; "
+                              "set training.parallelism=fsdp or auto")
+        check_fits(config, world_size, gpu_memory_bytes, "fsdp", offload=True)
+        if host_memory_bytes is not None:
+            check_host_fits(config, world_size, "fsdp", host_memory_bytes, local_ranks, on_gpus=True)
+        return "fsdp", True
+    fits = estimate(config, world_size, mode).total <= gpu_memory_bytes
+    if fits or t.cpu_offload is False or t.parallelism == "ddp" or host_memory_bytes is None:
+        check_fits(config, world_size, gpu_memory_bytes, mode)
+        return mode, False
+    if estimate(config, world_size, "fsdp", offload=True).total > gpu_memory_bytes:
+        check_fits(config, world_size, gpu_memory_bytes, mode)  # offload would not fit either: say what does
+    per, needed = _host_need(config, world_size, "fsdp", local_ranks, on_gpus=True)
+    if needed <= HOST_SHARE * host_memory_bytes:
+        return "fsdp", True
+    check_fits(config, world_size, gpu_memory_bytes, mode,
+               note=f", and CPU offload would need ~{gib(per.total)} GiB of host memory per GPU ({per.parts()}) "
+                    f"x {local_ranks} = {gib(needed)} GiB but this machine has {gib(host_memory_bytes)} GiB available")
+    raise AssertionError("check_fits raises when the run does not fit")  # unreachable: fits was False

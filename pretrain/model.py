@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig
@@ -115,7 +116,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+    """Built on the meta device (`with torch.device("meta")`), it has shapes but no storage and is
+    not initialised: pretrain/parallel.py shards it, allocates the shards (to_empty) and then calls
+    init_weights, so no process ever holds the whole model. Built anywhere else it is initialised
+    at once, from seed (None: a seed drawn from torch's global generator, so torch.manual_seed
+    decides). The same seed gives the same weights either way."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int | None = None) -> None:
         super().__init__()
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1 (got {max_seq_len})")
@@ -126,26 +133,50 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # The rotary tables are a function of the config, not learned state: keep them out of
         # checkpoints (persistent=False) so that a change of max_seq_len still loads them.
-        cos, sin = rotary_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim // 2)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        head_dim = cfg.dim // cfg.n_heads
+        shape = (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(shape), persistent=False)  # (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
+        if not self.output.weight.is_meta:
+            self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None, draw_device: torch.device | None = None) -> None:
+        """Every parameter from one generator seeded with seed, in a fixed order, and the rotary
+        tables recomputed (after to_empty they hold garbage).
+
+        Each parameter is drawn whole, one at a time, on draw_device (default: where the
+        parameters are), and each rank keeps its own part when the parameter is an FSDP shard
+        (a DTensor). Drawing per shard would give other numbers than drawing the whole tensor, so a
+        sharded model would start from other weights than a single-process one; drawing whole
+        costs one full tensor at a time (the largest is the embedding: vocab x dim), never the model.
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))  # from the global generator
+        device = draw_device or _local(self.output.weight).device
+        generator = torch.Generator(device=device).manual_seed(seed)
         std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
         # wo and w2 write into the residual stream, which sums 2 * n_layers such outputs (an
         # attention and a feed-forward one per layer). Scaling them by 1 / sqrt(2 * n_layers) keeps
         # the stream's variance at init independent of depth (GPT-2's residual scaling).
+        residual = {id(m) for layer in self.layers for m in (layer.attention.wo, layer.feed_forward.w2)}
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for layer in self.layers:
-            nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
+        for module in self.modules():  # a fixed order: the generator's draws follow it
+            if isinstance(module, nn.Linear | nn.Embedding):
+                full = torch.empty(module.weight.shape, device=device)
+                full.normal_(mean=0.0, std=residual_std if id(module) in residual else std, generator=generator)
+                _assign(module.weight, full)
+            elif isinstance(module, RMSNorm):
+                _local(module.weight).fill_(1.0)
+        self.reset_rotary()
+
+    @torch.no_grad()
+    def reset_rotary(self, device: torch.device | None = None) -> None:
+        """(Re)compute the rotary tables, on device (default: where they are)."""
+        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
+        device = device or self.rope_cos.device
+        self.rope_cos = cos.to(device)  # a buffer stays a buffer when assigned a tensor
+        self.rope_sin = sin.to(device)
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None, loss_chunk_tokens: int = 0) -> Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab_size); position t sees only tokens 0..t.
@@ -169,6 +200,34 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         """Every parameter, the embedding and the (untied) output projection included."""
         return sum(p.numel() for p in self.parameters())
+
+
+def _local(param: Tensor) -> Tensor:
+    """The tensor this process holds of param: its shard when param is an FSDP DTensor."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _assign(param: Tensor, full: Tensor) -> None:
+    """Copy full into param, or this rank's part of full when param is a DTensor shard."""
+    if not isinstance(param, DTensor):
+        param.copy_(full)
+        return
+    local = param.to_local()
+    mine = _shard_view(full, param)
+    if mine is None or mine.shape != local.shape:
+        # src_data_rank=None: every rank drew the same full tensor, so each just keeps its part
+        mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(mine)
+
+
+def _shard_view(full: Tensor, param: DTensor) -> Tensor | None:
+    """This rank's part of full as a view (no copy), for FSDP2's one placement: Shard(dim) over
+    a one-dimensional mesh, which splits as torch.chunk does. None for any other placement."""
+    if param.device_mesh.ndim != 1 or len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
+        return None
+    dim, rank = param.placements[0].dim, param.device_mesh.get_local_rank()
+    chunks = full.chunk(param.device_mesh.size(), dim=dim)
+    return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
 
 
 def _chunk_loss_sum(hidden: Tensor, output: nn.Linear, targets: Tensor) -> Tensor:

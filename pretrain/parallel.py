@@ -1,6 +1,9 @@
-"""How the model is spread over the ranks: activation checkpointing, torch.compile, DDP or FSDP2.
+"""How the model is spread over the ranks: activation checkpointing, torch.compile, DDP or FSDP2
+(with CPU offload when training.cpu_offload is true), and where its weights are first made.
 
-train.py builds a plain Transformer and hands it to parallelize(); everything else it needs
+train.py builds a Transformer on the meta device (shapes, no storage) and hands it to
+parallelize(), which shards it and only then allocates and initialises it, shard by shard
+(materialize), so that no rank ever holds the whole model. Everything else train.py needs
 to know about the wrapper (the module with the plain state_dict names, when gradients are
 synchronised during accumulation, the global gradient norm) goes through the functions here,
 so the training loop reads the same whichever mode runs. Which mode runs is decided once, by the
@@ -15,9 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -40,24 +44,61 @@ def compile_enabled(config: Config, device: torch.device) -> bool:
 def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str) -> nn.Module:
     """The model as trained: activation checkpointing and torch.compile per block when the
     config asks for them, then DDP or FSDP2 (mode "ddp" or "fsdp") when there is more than one
-    rank. One process gets the model itself, whatever the mode ("single" says so explicitly).
-    Parameter names and state_dict keys never change."""
+    rank, or FSDP2 with CPU offload (training.cpu_offload, mode "fsdp"), even for one rank. One
+    process otherwise gets the model itself, whatever the mode ("single" says so explicitly).
+    A model built on the meta device is materialised here, after sharding and before DDP
+    (which broadcasts rank 0's weights). Parameter names and state_dict keys never change."""
     if mode not in ("single", "ddp", "fsdp"):
         raise ValueError(f"mode must be single, ddp or fsdp (got {mode!r}); the launcher resolves training.parallelism")
     if mode == "single" and runtime.distributed:
         raise ValueError(f"mode single is for one process, but there are {runtime.world_size} ranks")
     t = config.training
+    offload = bool(t.cpu_offload)
+    if offload and mode != "fsdp":
+        raise ValueError(f"training.cpu_offload needs mode fsdp (got {mode!r})")
     if cfg.activation_checkpointing(config):
         for block in blocks(model):
             checkpoint_activations(block)
     if compile_enabled(config, runtime.device):
         for block in blocks(model):
             block.compile()  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
-    if not runtime.distributed:
-        return model
-    if mode == "fsdp":
-        return shard(model, init_device_mesh(runtime.device.type, (runtime.world_size,)), t.use_amp)
-    return replicate(model, runtime.device)
+    if mode == "fsdp" and (runtime.distributed or offload):
+        model = shard(model, device_mesh(runtime), t.use_amp, offload)
+    materialize(model, runtime.device, t.seed, offload)
+    if runtime.distributed and mode == "ddp":
+        return replicate(model, runtime.device)
+    return model
+
+
+def materialize(model: Transformer, device: torch.device, seed: int, offload: bool) -> None:
+    """Allocate a model built on the meta device (under FSDP: each rank's shards only) and
+    initialise it from seed (Transformer.init_weights: one whole parameter at a time, so the
+    weights are those of a model built whole with that seed). Under CPU offload the parameters
+    live in host memory and the rotary tables, which the forward pass reads directly, on the
+    device. A model that already has storage is left as it is."""
+    if not any(_is_meta(p) for p in model.parameters()):
+        return
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    model.reset_rotary(device)
+    model.init_weights(seed, draw_device=device)
+
+
+def _is_meta(param: Tensor) -> bool:
+    return (param.to_local() if isinstance(param, DTensor) else param).is_meta
+
+
+def device_mesh(runtime: Runtime) -> DeviceMesh:
+    """Every rank in one dimension. FSDP2 needs a process group even for one process (CPU
+    offload), so a lone process joins one of its own (torch.distributed's in-memory store);
+    pretrain/runtime.py's shutdown leaves it."""
+    if not dist.is_initialized():
+        if runtime.distributed:
+            raise RuntimeError("FSDP over several ranks needs the process group that init_runtime joins")
+        # gloo for the collectives on tensors in host memory (under offload, the shards')
+        backend = "cuda:nccl,cpu:gloo" if runtime.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=runtime.device if runtime.device.type == "cuda" else None)
+    return init_device_mesh(runtime.device.type, (runtime.world_size,))
 
 
 def blocks(model: Transformer) -> list[TransformerBlock]:
@@ -94,7 +135,7 @@ def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel
                                        broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
-def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool) -> Transformer:
+def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = False) -> Transformer:
     """FSDP2: parameters sharded over the ranks and gathered only while their group runs. The
     groups: the embedding, each block, and the root (the final norm and the output projection,
     gathered through the whole step, as it is needed again as soon as the backward pass starts).
@@ -106,13 +147,19 @@ def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool) -> Transformer:
     make the whole stream bf16), and no group casts its floating-point inputs to bf16
     (cast_forward_inputs=False): autocast still runs each matmul in bf16, as it does under DDP.
     The one difference left: the norms' weights are gathered as bf16 with their group, where
-    autocast leaves them fp32, so once trained the losses differ in the fifth digit or so."""
+    autocast leaves them fp32, so once trained the losses differ in the fifth digit or so.
+
+    With offload, each group's sharded parameters, gradients and so the optimizer's state live
+    in host memory; each group is copied to the device for its all-gather and its gradients back
+    after the reduce-scatter (pinned memory on CUDA, for asynchronous copies)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if use_amp else None,
                                   reduce_dtype=torch.float32 if use_amp else None, cast_forward_inputs=False)
-    fully_shard(model.tok_embed, mesh=mesh)  # no policy: fp32, like its output under autocast
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else None
+    placement = {"mesh": mesh} | ({"offload_policy": offload_policy} if offload else {})
+    fully_shard(model.tok_embed, **placement)  # no policy: fp32, like its output under autocast
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, **placement)
+    fully_shard(model, mp_policy=policy, **placement)
     return model
 
 
@@ -166,11 +213,22 @@ def grad_norm(model: nn.Module) -> Tensor:
     """The global norm of every gradient: a plain 0-d tensor on the device, the same on every
     rank. Under FSDP2 each rank holds a shard of every gradient, so the norm of the shards is
     reduced over the ranks (full_tensor)."""
+    device = compute_device(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:  # nothing was trained (every gradient None): the norm is 0
-        return torch.zeros((), device=next(model.parameters()).device)
+        return torch.zeros((), device=device)
     total = torch.nn.utils.get_total_norm(grads)
-    return total.full_tensor() if isinstance(total, DTensor) else total
+    if isinstance(total, DTensor):
+        # Under CPU offload the shards' norm is in host memory: reduce it on the device (NCCL
+        # reduces no host tensor), as FSDP's own collectives do.
+        total = DTensor.from_local(total.to_local().to(device), total.device_mesh, total.placements).full_tensor()
+    return total.to(device)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where the forward pass runs: the rotary tables' device (under CPU offload the
+    parameters are in host memory, the tables never are)."""
+    return unwrap(model).rope_cos.device
 
 
 def clip_gradients(model: nn.Module, max_norm: float, total: Tensor) -> None:

@@ -99,6 +99,10 @@ def init_runtime(config: Config) -> Runtime:
         torch.backends.cudnn.allow_tf32 = True
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and config.training.cpu_offload is not False:
+            # CPU offload keeps the shards in host memory; gloo carries any collective on them
+            # (null: the worker may still choose offload, pretrain/train.py parallel_mode).
+            backend = "cuda:nccl,cpu:gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=config.system.collective_timeout),
                                 device_id=device if device.type == "cuda" else None)
@@ -109,8 +113,8 @@ def shutdown(runtime: Runtime, peers_alive: bool) -> None:
     """Leave the process group. When every rank ends together (success, an agreed stop)
     each first waits for the others: gloo ranks that tear down while a peer still talks
     abort with SIGABRT. After a failure there is no barrier, since the peers may never arrive."""
-    if runtime.distributed and dist.is_initialized():
-        if peers_alive:
+    if dist.is_initialized():  # also the one-process group of FSDP with CPU offload (pretrain/parallel.py)
+        if peers_alive and runtime.distributed:
             dist.barrier()
         dist.destroy_process_group()
 

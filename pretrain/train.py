@@ -6,8 +6,10 @@ DDP group; alone, the same code trains a single process."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -93,41 +95,57 @@ class Trainer:
 # --- build ----------------------------------------------------------------------------
 
 def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
+    """AdamW with weight decay on matrices only (norm weights are not decayed). The fused
+    kernel runs where the parameters are on the GPU; under CPU offload they are in host memory,
+    where the plain implementation (foreach) updates them."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.beta1, training.beta2),
-                             fused=device.type == "cuda")
+                             fused=on_gpu)
 
 
 def gpu_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
-def parallel_mode(config: Config, runtime: Runtime) -> str:
-    """single for one process, else the configured mode ("auto" chooses by estimated memory).
-    A run that cannot fit the GPU fails here, before the model is built."""
-    if not runtime.distributed:
-        mode = "single"
+def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
+    """The config with training.parallelism and training.cpu_offload concrete, and the mode:
+    fsdp with CPU offload (even for one process), else single for one process, else the
+    configured mode ("auto" chooses by estimated memory). A run that cannot fit the GPU fails
+    here, before the model is built. The launcher has already decided offload (true or false);
+    run without it (null), this process decides as the launcher would, from the host memory
+    available now, shared by LOCAL_WORLD_SIZE ranks."""
+    gpu = gpu_memory(runtime.device)
+    t = config.training
+    if t.cpu_offload is None and gpu is not None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
+        config, _ = memory.plan_parallelism(config, runtime.world_size, gpu, memory.host_memory_bytes(), local_ranks)
     else:
-        mode = memory.choose_parallelism(config, runtime.world_size, gpu_memory(runtime.device))
-    if runtime.device.type == "cuda":
-        memory.check_fits(config, runtime.world_size, gpu_memory(runtime.device), "fsdp" if mode == "fsdp" else "ddp")
-    return mode
+        offload = bool(t.cpu_offload)
+        mode = "fsdp" if offload else memory.choose_parallelism(config, runtime.world_size, gpu)
+        if gpu is not None:
+            memory.check_fits(config, runtime.world_size, gpu, mode, offload=offload)
+        config = dataclasses.replace(config, training=dataclasses.replace(t, parallelism=mode, cpu_offload=offload))
+    if config.training.cpu_offload:
+        return config, "fsdp"
+    return config, config.training.parallelism if runtime.distributed else "single"
 
 
 def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
+    config, mode = parallel_mode(config, runtime)
     t = config.training
-    mode = parallel_mode(config, runtime)
-    torch.manual_seed(t.seed)  # the same initial weights on every rank
-    # Built on its device directly: an 8B model built on the CPU first would take 32 GB of host
-    # memory per rank (and minutes of CPU initialisation) before moving.
-    with torch.device(runtime.device):
+    torch.manual_seed(t.seed)
+    # Built on the meta device (shapes, no storage): parallelize shards it and only then
+    # allocates and initialises each rank's part from t.seed (the same weights whatever the
+    # number of ranks), so no rank ever holds the whole model: an 8B model takes 32 GB in fp32.
+    with torch.device("meta"):
         model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
     log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
              f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
-             + (f"; {mode.upper()}" if runtime.distributed else ""))
+             + (f"; {mode.upper()}" if mode != "single" else "")
+             + ("; CPU offload (weights, gradients and optimizer state in host memory)" if t.cpu_offload else ""))
     model = parallel.parallelize(model, config, runtime, mode)
     optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -68,6 +69,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_gloo_ranks(worker: str, out: Path, timeout: float, world_size: int = 2) -> list[dict]:
+    """Run tests/<worker> as world_size gloo ranks (one thread each); each writes
+    out/rank<r>.json, returned in rank order. A rank that fails fails the test with its output."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / worker), str(out)], cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world_size),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world_size)]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def launcher_env(**extra: str) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """One rank of tests/test_parallel.py's two-rank runs (gloo, CPU): the same tiny model trained
 for two optimizer steps under DDP, FSDP2, and FSDP2 with activation checkpointing, and under
 bf16 autocast with DDP and FSDP2, from the same seed on the same data; the dtypes FSDP2
-computes and keeps in under use_amp; and which models count as sharded. Writes what each run
-saw to <out>/rank<r>.json.
+computes and keeps in under use_amp; which models count as sharded; DDP and FSDP2 built on the
+meta device and materialised by parallelize; FSDP2 with CPU offload. Writes what each run saw to
+<out>/rank<r>.json.
 
 Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/parallel_worker.py OUT
 """
@@ -44,12 +45,14 @@ def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def grad_fingerprint(model: torch.nn.Module) -> float | None:
-    """Sum of the first block's wq gradient on this rank (None when it has none)."""
+def grad_fingerprint(model: torch.nn.Module, absolute: bool = False) -> float | None:
+    """Sum (absolute: of the absolute values) of the first block's wq gradient on this rank
+    (None when it has none)."""
     grad = unwrap(model).layers[0].attention.wq.weight.grad
     if grad is None:
         return None
-    return float(grad.full_tensor().sum() if hasattr(grad, "full_tensor") else grad.sum())
+    grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return float(grad.abs().sum() if absolute else grad.sum())
 
 
 def all_gather_floats(value: float | None) -> list[float | None]:
@@ -65,14 +68,19 @@ def full_state(model: torch.nn.Module) -> dict[str, list[float]]:
     return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).flatten().tolist() for name, t in state.items()}
 
 
-def train(config: cfg.Config, runtime, mode: str) -> dict:
-    torch.manual_seed(0)
-    model = parallelize(Transformer(config.model, CONTEXT), config, runtime, mode)
+def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
+    """Built whole from the config's seed, or (meta) on the meta device and materialised by parallelize."""
+    if meta:
+        with torch.device("meta"):
+            model = Transformer(config.model, CONTEXT)
+    else:
+        model = Transformer(config.model, CONTEXT, seed=config.training.seed)
+    model = parallelize(model, config, runtime, mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = iter(batches(runtime.rank))
     record: dict = {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model), "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
                     "keys": sorted(unwrap(model).state_dict()), "losses": [], "grad_norms": [],
-                    "inside_no_sync": [], "after_sync": []}
+                    "inside_no_sync": [], "inside_no_sync_l1": [], "after_sync": []}
     for _ in range(STEPS):
         loss_sum = torch.zeros(())
         for micro in range(ACCUM):
@@ -85,6 +93,7 @@ def train(config: cfg.Config, runtime, mode: str) -> dict:
             loss_sum += loss.detach()
             if not last:
                 record["inside_no_sync"].append(all_gather_floats(grad_fingerprint(model)))
+                record["inside_no_sync_l1"].append(all_gather_floats(grad_fingerprint(model, absolute=True)))
         record["after_sync"].append(all_gather_floats(grad_fingerprint(model)))
         dist.all_reduce(loss_sum)
         record["losses"].append(float(loss_sum) / runtime.world_size)
@@ -94,6 +103,8 @@ def train(config: cfg.Config, runtime, mode: str) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     record["state"] = full_state(model)
+    record["parameter_devices"] = sorted({str(p.device) for p in model.parameters()})
+    record["gradient_norm_device"] = str(norm.device)
     return record
 
 
@@ -134,7 +145,9 @@ def main(out: Path) -> None:
             "fsdp_checkpointed": train(tiny_config(activation_checkpointing=True), runtime, "fsdp"),
             "ddp_amp": train(tiny_config(use_amp=True), runtime, "ddp"),
             "fsdp_amp": train(tiny_config(use_amp=True), runtime, "fsdp"),
-            "amp_dtypes": amp_dtypes(runtime), "sharded_blocks_only": sharded_blocks_only(runtime)}
+            "amp_dtypes": amp_dtypes(runtime), "sharded_blocks_only": sharded_blocks_only(runtime),
+            "fsdp_meta": train(config, runtime, "fsdp", meta=True), "ddp_meta": train(config, runtime, "ddp", meta=True),
+            "fsdp_offload": train(tiny_config(cpu_offload=True), runtime, "fsdp", meta=True)}
     (out / f"rank{runtime.rank}.json").write_text(json.dumps(runs))
     shutdown(runtime, peers_alive=True)
 

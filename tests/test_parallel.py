@@ -4,7 +4,6 @@ activation checkpointing, compile and the single-process path."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, free_port
+from conftest import ROOT, run_gloo_ranks
 from pretrain import config as cfg
 from pretrain.model import Transformer
 from pretrain.parallel import (clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize,
@@ -47,15 +46,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 def two_ranks(tmp_path_factory) -> list[dict]:
     """What each of two gloo ranks saw in the DDP, FSDP2, checkpointed FSDP2 and bf16 autocast runs."""
     out = tmp_path_factory.mktemp("ranks")
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel_worker.py"), str(out)], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return run_gloo_ranks("parallel_worker.py", out, timeout=120)
 
 
 def flat(per_step: list[list[float]]) -> list[float]:
@@ -73,8 +64,12 @@ def test_fsdp_gives_the_losses_of_ddp_on_the_first_step_and_after_an_optimizer_s
 def test_fsdp_ends_with_the_weights_of_ddp(two_ranks):
     ddp, fsdp = two_ranks[0]["ddp"]["state"], two_ranks[0]["fsdp"]["state"]
     assert fsdp.keys() == ddp.keys()
+    # Adam moves each element by about lr a step whatever its gradient's size, so an element
+    # whose gradient nearly cancels between the ranks moves by an amount that depends on the
+    # summation order (all-reduce vs reduce-scatter): allow a thousandth of its possible travel.
+    travel = 1e-2 * 2  # the worker's lr x its steps
     for name in ddp:
-        assert fsdp[name] == pytest.approx(ddp[name], rel=1e-4, abs=1e-6), name
+        assert fsdp[name] == pytest.approx(ddp[name], rel=1e-4, abs=1e-3 * travel), name
 
 
 def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(two_ranks):
@@ -103,8 +98,9 @@ def test_fsdp_reduce_scatters_every_micro_batch_so_no_rank_keeps_a_full_gradient
     # Skipping the sync would keep each parameter's unsharded gradient until the last
     # micro-batch (no sharded gradient, None, until then): 4 bytes a parameter per GPU.
     ddp, fsdp = two_ranks[0]["ddp"], two_ranks[0]["fsdp"]
-    for local, synced in zip(ddp["inside_no_sync"], fsdp["inside_no_sync"]):
-        assert synced[0] == synced[1] == pytest.approx(sum(local) / 2, rel=1e-5)  # the mean over the ranks
+    for local, synced, l1 in zip(ddp["inside_no_sync"], fsdp["inside_no_sync"], ddp["inside_no_sync_l1"]):
+        # The sums cancel: their rounding is relative to the sum of the absolute values.
+        assert synced[0] == synced[1] == pytest.approx(sum(local) / 2, abs=1e-6 * sum(l1))  # the mean over the ranks
     assert flat(fsdp["after_sync"]) == pytest.approx(flat(ddp["after_sync"]), rel=1e-5)
 
 
@@ -245,3 +241,71 @@ def test_clip_grad_norm_scales_the_gradients_to_max_norm_and_returns_the_norm_be
 
 def test_clip_grad_norm_without_gradients_is_zero():
     assert float(clip_grad_norm(fresh_model(tiny()), 1.0)) == 0.0
+
+
+# --- meta-device initialisation and CPU offload -----------------------------------------
+
+def test_models_built_on_the_meta_device_train_exactly_as_models_built_whole(two_ranks):
+    for seen in two_ranks:
+        for mode in ("fsdp", "ddp"):
+            assert seen[f"{mode}_meta"]["losses"] == seen[mode]["losses"]  # bit for bit: the same weights
+            assert seen[f"{mode}_meta"]["grad_norms"] == seen[mode]["grad_norms"]
+    assert two_ranks[0]["fsdp_meta"]["state"] == two_ranks[0]["fsdp"]["state"]
+
+
+def test_fsdp_with_cpu_offload_keeps_the_parameters_in_host_memory_and_trains_as_fsdp(two_ranks):
+    # On CPU ranks the "device" is the CPU too: what this shows is that the offloaded path trains
+    # the same numbers; that on a GPU the shards stay in host memory is an acceptance row (README).
+    for seen in two_ranks:
+        offload, fsdp = seen["fsdp_offload"], seen["fsdp"]
+        assert offload["is_fsdp"] and offload["parameter_devices"] == ["cpu"]
+        assert offload["losses"] == pytest.approx(fsdp["losses"], rel=1e-6)
+        assert flat(offload["grad_norms"]) == pytest.approx(flat(fsdp["grad_norms"]), rel=1e-6)
+    for name, values in two_ranks[0]["fsdp_offload"]["state"].items():
+        assert values == pytest.approx(two_ranks[0]["fsdp"]["state"][name], rel=1e-5, abs=1e-7), name
+
+
+def test_one_process_with_cpu_offload_is_sharded_over_a_group_of_its_own(tmp_path):
+    probe = (
+        "import torch, torch.distributed as dist\n"
+        "from pretrain import config as cfg\n"
+        "from pretrain.model import Transformer\n"
+        "from pretrain.parallel import grad_norm, is_fsdp, parallelize\n"
+        "from pretrain.runtime import Runtime, shutdown\n"
+        "import dataclasses, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_parallel import tiny, batch\n"
+        "config = tiny(cpu_offload=True)\n"
+        "runtime = Runtime(rank=0, world_size=1, device=torch.device('cpu'), label='CPU 0')\n"
+        "with torch.device('meta'):\n"
+        "    model = Transformer(config.model, max_seq_len=16)\n"
+        "model = parallelize(model, config, runtime, 'fsdp')\n"
+        "x, y = batch()\n"
+        "loss = model(x, y); loss.backward()\n"
+        "eager = Transformer(config.model, max_seq_len=16, seed=config.training.seed)\n"
+        "assert is_fsdp(model) and dist.get_world_size() == 1\n"
+        "assert float(loss) == float(eager(x, y)), (float(loss), float(eager(x, y)))\n"
+        "print(float(grad_norm(model)) > 0)\n"
+        "shutdown(runtime, peers_alive=True)\n"
+        "assert not dist.is_initialized()\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True"
+
+
+def test_offload_is_refused_outside_fsdp():
+    with pytest.raises(ValueError, match="training.cpu_offload needs mode fsdp"):
+        parallelize(fresh_model(tiny(cpu_offload=True)), tiny(cpu_offload=True), SINGLE, "ddp")
+
+
+def test_a_model_built_on_the_meta_device_is_materialised_for_one_process_with_the_seeds_weights():
+    config = tiny()
+    with torch.device("meta"):
+        model = Transformer(config.model, max_seq_len=16)
+    model = parallelize(model, config, SINGLE, "single")
+    whole = Transformer(config.model, max_seq_len=16, seed=config.training.seed)
+    for (name, p), q in zip(model.state_dict().items(), whole.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert torch.equal(model.rope_sin, whole.rope_sin)
+    assert loss_and_grads(model)[0] == loss_and_grads(whole)[0]

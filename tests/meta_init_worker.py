@@ -1,0 +1,75 @@
+"""One rank of tests/test_meta_init.py: a Llama-3-8B-shaped model cut to two layers and a small
+vocabulary, built on the meta device and materialised under FSDP2 by pretrain/parallel.py, on
+two gloo ranks. Writes to <out>/rank<r>.json this rank's resident memory before building, its peak
+once the model is initialised, the model's whole fp32 size, and the loss of the first batch
+under FSDP and of the same model built whole (eagerly) from the same seed.
+
+Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/meta_init_worker.py OUT
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import resource
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+
+from pretrain import config as cfg
+from pretrain.model import Transformer
+from pretrain.parallel import parallelize
+from pretrain.runtime import init_runtime, shutdown
+
+CONTEXT, VOCAB, SEED = 16, 512, 1234
+
+
+def production_shaped() -> cfg.Config:
+    base = cfg.production()
+    model = dataclasses.replace(base.model, n_layers=2, vocab_size=VOCAB)  # dim 4096, 32/8 heads, ffn 14336
+    training = dataclasses.replace(base.training, use_amp=False, compile=False, activation_checkpointing=False,
+                                   seed=SEED, parallelism="fsdp", cpu_offload=False)
+    return dataclasses.replace(base, model=model, training=training,
+                               data=dataclasses.replace(base.data, context_length=CONTEXT),
+                               system=dataclasses.replace(base.system, device="cpu"))
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (1, CONTEXT + 1), generator=torch.Generator().manual_seed(rank))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def main(out: Path) -> None:
+    config = production_shaped()
+    runtime = init_runtime(config)
+    x, y = batch(runtime.rank)
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    with torch.device("meta"):
+        model = Transformer(config.model, CONTEXT)
+    full_bytes = 4 * model.num_params()
+    model = parallelize(model, config, runtime, "fsdp")
+    initialised_peak = peak_rss()  # before the forward pass gathers any block
+    with torch.no_grad():
+        sharded_loss = float(model(x, y))
+        rope = bool(torch.equal(model.rope_cos, Transformer(config.model, CONTEXT, seed=0).rope_cos))
+    del model
+    gc.collect()
+    eager = Transformer(config.model, CONTEXT, seed=SEED)  # the whole model, as one process builds it
+    with torch.no_grad():
+        eager_loss = float(eager(x, y))
+    (out / f"rank{runtime.rank}.json").write_text(json.dumps({
+        "rss_before": before, "initialised_peak": initialised_peak, "full_bytes": full_bytes,
+        "sharded_loss": sharded_loss, "eager_loss": eager_loss, "rope_recomputed": rope}))
+    shutdown(runtime, peers_alive=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

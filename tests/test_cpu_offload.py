@@ -1,0 +1,64 @@
+"""Training with FSDP2's CPU offload (training.cpu_offload) end to end on CPU: one process and two
+ranks under the launcher train the numbers the plain runs train, checkpoint, resume and export;
+the optimizer is not fused for parameters in host memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, launcher_env
+from pretrain import checkpoint
+from pretrain import config as cfg
+from pretrain.metrics import read_metrics
+from pretrain.model import Transformer
+from pretrain.train import build_optimizer
+
+SMALL_RUN = ["--debug", "--set", "data.context_length=64", "--set", "training.batch_size=4",
+             "--set", "logging.log_interval=1", "--max-steps", "4"]
+SINGLE = ["pretrain_main.py"]
+TWO_RANKS = ["-m", "launcher", "--device", "cpu", "--nproc", "2"]
+
+
+def run(tmp_path, command: list[str], name: str, *options: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *command, *SMALL_RUN, "--run-dir", str(tmp_path / name),
+                             "--set", f"data.cache_dir={tmp_path / 'cache'}", *options],
+                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def losses(tmp_path, name: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("command", [SINGLE, TWO_RANKS], ids=["one process", "two ranks"])
+def test_an_offloaded_run_trains_the_losses_of_a_plain_one_and_checkpoints_and_exports(tmp_path, command):
+    plain = run(tmp_path, command, "plain", "--set", "training.cpu_offload=false")
+    offloaded = run(tmp_path, command, "offloaded", "--set", "training.cpu_offload=true")
+    assert "CPU offload" not in plain.stdout
+    assert "FSDP; CPU offload (weights, gradients and optimizer state in host memory)" in offloaded.stdout
+    if command == TWO_RANKS:
+        assert "launcher: parallelism: FSDP with CPU offload over 2 CPU workers\n" in offloaded.stdout
+    assert losses(tmp_path, "offloaded") == pytest.approx(losses(tmp_path, "plain"), rel=1e-5)
+    assert len(losses(tmp_path, "plain")) == 4
+    final = tmp_path / "offloaded" / "checkpoints" / "step_4"
+    assert (final / "dcp").is_dir()  # sharded: the offloaded shards were saved where they live
+    exported = (tmp_path / "offloaded" / "export" / "model.safetensors")
+    assert exported.is_file()
+    resumed = run(tmp_path, command, "offloaded", "--set", "training.cpu_offload=true", "--max-steps", "5",
+                  "--resume", "auto")
+    assert f"Resumed from {final} at step 4" in resumed.stdout
+    assert checkpoint.load_model_state(tmp_path / "offloaded" / "checkpoints" / "step_5")["output.weight"].isfinite().all()
+
+
+def test_the_optimizer_is_fused_only_for_parameters_on_the_gpu():
+    model = Transformer(dataclasses.replace(cfg.debug().model, vocab_size=61), max_seq_len=8, seed=0)
+    training = cfg.debug().training
+    # A CUDA run whose parameters are in host memory (offload): the fused kernel is for GPU tensors.
+    assert build_optimizer(model, training, torch.device("cuda", 0)).defaults["fused"] is False
+    assert build_optimizer(model, training, torch.device("cpu")).defaults["fused"] is False
