@@ -117,7 +117,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_workers(placement: Placement, command: list[str]) -> list[Worker]:
+def make_workers(placement: Placement, command: list[str], training: bool = False) -> list[Worker]:
+    """One worker per rank. Training workers get HF_HUB_OFFLINE=1: the launcher has already
+    fetched what they read from the Hugging Face Hub (the dataset's files, pinned to a commit, and
+    the tokenizer), so none of them asks the Hub again, and N ranks never make N requests."""
     port, cpus = free_port(), os.cpu_count() or 1
     compile_cache = str(PROJECT_ROOT / "cache" / "inductor")
     workers = []
@@ -125,6 +128,8 @@ def make_workers(placement: Placement, command: list[str]) -> list[Worker]:
         gpu = placement.gpus[rank] if placement.device == "cuda" else None
         env = worker_env(dict(os.environ), rank=rank, world_size=placement.world_size, master_port=port,
                          gpu=gpu and gpu.cuda_visible_id, gpu_id=gpu and gpu.id, cpu_count=cpus, compile_cache=compile_cache)
+        if training:
+            env["HF_HUB_OFFLINE"] = "1"
         workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))
     return workers
 
@@ -140,17 +145,26 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     the workers will run it (training.parallelism "ddp" or "fsdp", never "auto")."""
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.cache import sigterm_as_exit
+    from pretrain.data.hub import choose_hub_files
     from pretrain.data.prepare import prepare
-    from pretrain.memory import plan_parallelism
+    from pretrain.memory import host_memory_bytes, plan_parallelism
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
+    # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
+    gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
+    host_memory = host_memory_bytes()
+    if config.model.vocab_size is not None:
+        # The model's size is known before the data: a run that fits neither the GPUs nor this
+        # machine's memory is refused now, not after a long download or tokenization.
+        plan_parallelism(config, placement.world_size, gpu_memory, host_memory)
+    # A Hub dataset's file count is fixed here, for this world size, and written into the config
+    # the workers get: every rank then prepares (finds) exactly these files.
+    config = choose_hub_files(config, placement.world_size, printer.launcher_line)
     with sigterm_as_exit():
         dataset_dir = prepare(config.data, log=printer.launcher_line)
     config, length = fit_to_dataset(config, dataset_dir, placement.world_size)
     printer.launcher_line(f"run length: {length.describe()}")
-    # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
-    gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
-    config, line = plan_parallelism(config, placement.world_size, gpu_memory)
+    config, line = plan_parallelism(config, placement.world_size, gpu_memory, host_memory)
     printer.launcher_line(line)
     return config
 
@@ -223,7 +237,7 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
     try:
         if not command:
             command = training_command(config, run_dir, printer)
-        workers = make_workers(placement, command)
+        workers = make_workers(placement, command, training=not generic)
         return Supervisor(workers, printer, kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
                           hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
                           stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,

@@ -94,6 +94,8 @@ class DataConfig:
     """Branch, tag or commit of hub_repo."""
     hub_files: str = "*.parquet"
     """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
+    hub_max_files: int | None = None
+    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
     max_samples: int = 0
     """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
     tokenizer: Literal["byte", "bpe", "huggingface", "tiktoken"] = "byte"
@@ -124,6 +126,9 @@ class DataConfig:
             _check(self.hub_repo.count("/") == 1 and all(self.hub_repo.split("/")), "data.hub_repo",
                    f"expected owner/name (got {self.hub_repo!r})")
         _check(self.hub_files != "", "data.hub_files", "must not be empty")
+        if self.hub_max_files is not None:
+            _check(self.hub_max_files >= 0, "data.hub_max_files",
+                   f"must not be negative (got {self.hub_max_files}); 0 uses all files, null as many as the run reads")
 
     def check_complete(self) -> None:
         """The keys the chosen source and tokenizer cannot work without. Checked once every
@@ -142,6 +147,8 @@ class DataConfig:
                        "llmc or megatron to use it")
         if self.source != "hub":
             _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
+            _check(self.hub_max_files is None, "data.hub_max_files",
+                   f'is set but data.source is "{self.source}"; set data.source=hub')
         if self.tokenizer in ("huggingface", "tiktoken"):
             what = "a tokenizer.json path or Hub repo id" if self.tokenizer == "huggingface" else "an encoding such as gpt2"
             _check(self.tokenizer_name != "", "data.tokenizer_name", f'tokenizer "{self.tokenizer}" needs {what}')
@@ -285,10 +292,19 @@ class Config:
 SECTIONS: dict[str, type] = {name: hint for name, hint in get_type_hints(Config).items() if name != "preset"}
 
 
+FINEWEB_EDU = {"source": "hub", "hub_repo": "HuggingFaceFW/fineweb-edu", "hub_files": "sample/10BT/*.parquet"}
+"""The real runs' data: FineWeb-Edu's 10B-token sample, 14 Parquet files of ~2 GB (~0.7B GPT-2
+tokens each), of which a run downloads only what it reads (data.hub_max_files)."""
+
+
 def production() -> Config:
-    """Llama-3-8B shape: 32 layers, dim 4096, 32 heads, 8 KV heads, vocab 128256. Activations of
-    8192 tokens through 32 such layers take ~60 GiB, so each block's are recomputed in the backward."""
-    return Config(preset="production", training=TrainingConfig(activation_checkpointing=True))
+    """Llama-3-8B shape: 32 layers, dim 4096, 32 heads, 8 KV heads, vocab 128256, with Llama-3's
+    tokenizer (from an ungated copy of the weights' repository: meta-llama's own is gated, and a
+    default must work without accepting terms). Activations of 8192 tokens through 32 such layers
+    take ~60 GiB, so each block's are recomputed in the backward."""
+    return Config(preset="production",
+                  data=DataConfig(**FINEWEB_EDU, tokenizer="huggingface", tokenizer_name="NousResearch/Meta-Llama-3-8B"),
+                  training=TrainingConfig(activation_checkpointing=True))
 
 
 def debug() -> Config:
@@ -298,7 +314,7 @@ def debug() -> Config:
         preset="debug",
         model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
                           vocab_size=None, rope_theta=10000.0, max_seq_len=None),
-        data=DataConfig(context_length=128),
+        data=DataConfig(source="builtin", tokenizer="byte", context_length=128),
         training=TrainingConfig(batch_size=8, grad_accum_nums=1, learning_rate=3e-3,
                                 warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2,
                                 checkpoint_interval=0, keep_checkpoints=2),
@@ -308,12 +324,17 @@ def debug() -> Config:
 
 
 def small() -> Config:
-    """About 124M parameters (GPT-2 small size) at context 1024: a real run on one GPU."""
+    """GPT-2 small's shape at context 1024 with GPT-2's tokenizer: 153M parameters (GPT-2's 124M
+    plus an output projection of its own, 39M), a real run on one GPU."""
     return Config(
         preset="small",
-        model=ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=None,
+        # GPT-2 has 50,257 ids; 50,304 = 64 x 786 rows (nanoGPT's choice) keeps the embedding and
+        # output matmuls on multiples of 64, which GPU kernels run markedly faster. The 47 extra
+        # rows are never a target, so they only learn to be unlikely.
+        model=ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=50304,
                           rope_theta=10000.0, max_seq_len=1024),
-        data=DataConfig(tokenizer="bpe", bpe_vocab_size=32768, context_length=1024),
+        data=DataConfig(**FINEWEB_EDU, tokenizer="huggingface", tokenizer_name="openai-community/gpt2",
+                        context_length=1024),
         training=TrainingConfig(batch_size=16, grad_accum_nums=4, learning_rate=6e-4, warmup_steps=200,
                                 max_steps=5000, eval_interval=250),
     )
@@ -434,15 +455,43 @@ def resolve(preset: str | None = None, config_file: Path | None = None,
     if name not in PRESETS:
         raise ConfigError(f"--preset {name}: unknown preset{_closest(name, list(PRESETS))}")
     config = PRESETS[name]()
+    user_data_keys = set(file_data["data"]) if isinstance(file_data.get("data"), dict) else set()
     if config_file is not None:
         config = apply_overrides(config, file_data, str(config_file))
     if max_steps is not None:
         config = apply_overrides(config, {"training": {"max_steps": max_steps}}, "--max-steps")
     for assignment in sets:
-        config = apply_overrides(config, parse_set(assignment), "--set")
+        overrides = parse_set(assignment)
+        user_data_keys |= set(overrides.get("data", {}))
+        config = apply_overrides(config, overrides, "--set")
+    config = drop_unused_preset_keys(config, PRESETS[name]().data, user_data_keys)
     config.data.check_complete()
     check_context(config)
     return config
+
+
+HUB_KEYS = ("hub_repo", "hub_revision", "hub_files", "hub_max_files")
+TOKENIZER_KEYS = ("tokenizer_name", "eot_token")
+
+
+def drop_unused_preset_keys(config: Config, preset: DataConfig, user_keys: set[str]) -> Config:
+    """config with the data keys that came from the preset, and that the user's choice of source
+    or tokenizer makes meaningless, back at their neutral defaults: `--preset small --set
+    data.source=jsonl` must not fail on the preset's data.hub_repo, nor `--set data.tokenizer=byte`
+    on its data.tokenizer_name; with pre-tokenized shards its tokenizer goes too. A key the user
+    set (file or --set) is kept, so check_complete still refuses it when it would be ignored."""
+    data, neutral = config.data, DataConfig()
+    unused = []
+    if data.source != "hub":
+        unused += HUB_KEYS
+    if data.source in SHARD_SOURCES and "tokenizer" not in user_keys:
+        # Shards are tokenized already; "byte" is what says nothing names their tokenizer.
+        data = dataclasses.replace(data, tokenizer=neutral.tokenizer)
+    if data.tokenizer != preset.tokenizer:  # another tokenizer: the preset's name is not its name
+        unused += TOKENIZER_KEYS
+    changes = {key: getattr(neutral, key) for key in unused
+               if key not in user_keys and getattr(data, key) == getattr(preset, key)}
+    return dataclasses.replace(config, data=dataclasses.replace(data, **changes))
 
 
 def check_context(config: Config) -> None:

@@ -26,6 +26,7 @@ from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
+from pretrain.data.hub import choose_hub_files
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.debug import FirstNonFinite, NonFinite, NumericalFailure
@@ -415,6 +416,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
+    config = choose_hub_files(config, runtime.world_size, log.info)
     dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
     log.debug(f"Run length: {length.describe()}")

@@ -17,6 +17,23 @@ from test_data_sources import TEXTS, config, documents_of, run, write_parquet
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def add_snapshot(home: Path, kind: str, repo: str, commit: str, files: dict[str, object]) -> Path:
+    """A snapshot of a dataset or model repo in the Hub cache home/hub, with its refs/main;
+    files maps names to Parquet columns (a dict), bytes or text."""
+    folder = home / "hub" / f"{kind}s--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(commit)  # no trailing newline, as the Hub writes it
+    snapshot = folder / "snapshots" / commit
+    for name, content in files.items():
+        path = snapshot / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, dict):
+            write_parquet(path, content)
+        else:
+            path.write_bytes(content if isinstance(content, bytes) else str(content).encode())
+    return snapshot
+
+
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An offline Hub cache in tmp_path; returns a function that adds a dataset snapshot to it."""
@@ -31,18 +48,7 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
     def add(repo: str, files: dict[str, object], commit: str = COMMIT) -> Path:
-        folder = cache / ("datasets--" + repo.replace("/", "--"))
-        (folder / "refs").mkdir(parents=True, exist_ok=True)
-        (folder / "refs" / "main").write_text(commit)  # no trailing newline, as the Hub writes it
-        snapshot = folder / "snapshots" / commit
-        for name, content in files.items():
-            path = snapshot / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, dict):
-                write_parquet(path, content)
-            else:
-                path.write_text(content, encoding="utf-8")
-        return snapshot
+        return add_snapshot(cache.parent, "dataset", repo, commit, files)
     return add
 
 

@@ -110,9 +110,11 @@ def test_plan_run_counts_whole_optimizer_steps_per_epoch_on_every_rank():
     run = plan_run(meta, context_length=128, batch_size=8, grad_accum=4, world_size=2, epochs=2, max_steps=999)
 
     assert run == RunLength(windows=4801, steps_per_epoch=75, total_steps=150, tokens_per_step=8 * 128 * 4 * 2,
-                            epochs=2.0, batch_size=8, context_length=128, grad_accum=4, world_size=2)
+                            epochs=2.0, batch_size=8, context_length=128, grad_accum=4, world_size=2,
+                            train_tokens=4801 * 128 + 1)
     assert run.describe() == ("75 optimizer steps per epoch of 4,801 windows; 2 epochs = 150 steps; "
-                              "8,192 tokens per step (batch 8 x context 128 x accum 4 x 2 ranks)")
+                              "8,192 tokens per step (batch 8 x context 128 x accum 4 x 2 ranks); "
+                              "reads 1,228,800 tokens of 614,529 prepared: repeats the data ~2.0 times")
 
 
 def test_plan_run_without_epochs_runs_max_steps_and_says_how_many_epochs_that_is():
@@ -121,7 +123,17 @@ def test_plan_run_without_epochs_runs_max_steps_and_says_how_many_epochs_that_is
 
     assert (run.steps_per_epoch, run.total_steps, run.epochs, run.tokens_per_step) == (100, 250, 2.5, 160)
     assert run.describe() == ("100 optimizer steps per epoch of 1,000 windows; 250 steps = 2.50 epochs; "
-                              "160 tokens per step (batch 10 x context 16 x accum 1 x 1 rank)")
+                              "160 tokens per step (batch 10 x context 16 x accum 1 x 1 rank); "
+                              "reads 40,000 tokens of 16,001 prepared: repeats the data ~2.5 times")
+
+
+def test_a_run_shorter_than_an_epoch_says_how_much_of_the_prepared_data_it_reads_and_no_repeat():
+    meta = meta_with(train=[6 * 10**9 // 1024 * 1024 + 1])  # a large train split: only counted
+    run = plan_run(meta, context_length=1024, batch_size=16, grad_accum=4, world_size=8, epochs=0, max_steps=10_000)
+
+    assert run.tokens == 10_000 * 16 * 1024 * 4 * 8
+    assert run.describe().endswith("; reads 5.24B tokens of 6.00B prepared")
+    assert "repeats" not in run.describe()
 
 
 def test_windows_left_over_after_the_last_whole_step_on_every_rank_are_not_a_step():

@@ -286,3 +286,14 @@ def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_p
     assert proc.wait(timeout=10) == 130  # long before the 60 s stop timeout
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
     assert "still running after" not in proc.stdout.read()
+
+
+def test_training_workers_never_ask_the_hub_but_generic_commands_keep_the_users_setting(monkeypatch):
+    from launcher.cli import make_workers
+    from launcher.placement import Placement
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    training = make_workers(Placement("cpu", 2), ["python3", "pretrain_main.py"], training=True)
+    generic = make_workers(Placement("cpu", 2), ["python3", "my_script.py"])
+    assert [w.env["HF_HUB_OFFLINE"] for w in training] == ["1", "1"]
+    assert [w.env["HF_HUB_OFFLINE"] for w in generic] == ["0", "0"]

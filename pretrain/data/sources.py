@@ -16,12 +16,12 @@ No torch here: the launcher prepares data before it starts any worker.
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import gzip
 import json
 import os
 import re
+import shlex
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -230,21 +230,22 @@ def hub_format(path: str) -> str | None:
 
 
 def hub_source(cfg: DataConfig) -> TextSource:
-    """A Hub dataset's files, downloaded into the Hub cache once and read from there."""
-    folder = hub_snapshot(cfg.hub_repo, cfg.hub_revision, cfg.hub_files)
-    commit = folder.name  # snapshots/<commit>/: the exact revision, also when hub_revision is a branch
-    matched = sorted(p for p in folder.rglob("*")
-                     if p.is_file() and fnmatch.fnmatch(p.relative_to(folder).as_posix(), cfg.hub_files))
-    usable = [p for p in matched if hub_format(p.name)]
+    """A Hub dataset's files (the first data.hub_max_files of those data.hub_files matches, see
+    hub.py), downloaded into the Hub cache once and read from there."""
+    from pretrain.data.hub import fetch, find_files, selected
+
+    found = find_files(cfg)
+    files = selected(cfg, found)
+    folder = fetch(cfg, found, files)
+    commit = found.commit  # the exact revision, also when hub_revision is a branch
+    usable = [folder / name for name, _ in files]
     where = f"{cfg.hub_repo}@{cfg.hub_revision}"
-    if not usable:
-        raise DataError(f"data.hub_files: no .parquet, .jsonl, .json or .txt file of {where} matches "
-                        f"{cfg.hub_files!r}; set data.hub_files to a pattern of its data files")
     kinds = {hub_format(p.name) for p in usable}
     if len(kinds) > 1:
         raise DataError(f"data.hub_files: {cfg.hub_files!r} matches files of several formats "
-                        f"({', '.join(sorted(kinds))}) in {where}; narrow it to one")
+                        f"({', '.join(sorted(k or '?' for k in kinds))}) in {where}; narrow it to one")
     (kind,) = kinds
+    assert kind is not None
     source = file_source(kind, usable, cfg.text_field)
     # The commit names the files' contents; sizes still guard against a damaged Hub cache.
     identity = {"source": "hub", "hub_repo": cfg.hub_repo, "commit": commit, "format": kind,
@@ -253,7 +254,7 @@ def hub_source(cfg: DataConfig) -> TextSource:
     return TextSource("hub-" + cfg.hub_repo.replace("/", "-"), identity, source.pieces, source.total_bytes)
 
 
-def hub_snapshot(repo: str, revision: str, pattern: str, repo_type: str = "dataset") -> Path:
+def hub_snapshot(repo: str, revision: str, pattern: str | list[str], repo_type: str = "dataset") -> Path:
     """Download (or find in the Hub cache) the files of repo matching pattern; their folder."""
     try:
         from huggingface_hub import errors, snapshot_download
@@ -266,22 +267,44 @@ def hub_snapshot(repo: str, revision: str, pattern: str, repo_type: str = "datas
         try:
             return Path(snapshot_download(repo, repo_type=repo_type, revision=revision,
                                           allow_patterns=pattern, local_files_only=True))
-        except errors.LocalEntryNotFoundError:
+        except errors.LocalEntryNotFoundError:  # also a snapshot that lacks some of the files
             pass
     try:
         return Path(snapshot_download(repo, repo_type=repo_type, revision=revision, allow_patterns=pattern))
     except errors.LocalEntryNotFoundError:
-        offline = ", or unset HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise DataError(f"{where} is not in the Hugging Face cache and the Hub cannot be reached "
-                        f"(offline); download it where there is network (`hf download {repo} --repo-type "
-                        f"{repo_type}`) and copy the cache (HF_HOME){offline}") from None
-    except errors.GatedRepoError:
-        raise DataError(f"{where} is gated: accept its terms on huggingface.co, then log in with "
-                        "`hf auth login` or set HF_TOKEN") from None
-    except errors.RepositoryNotFoundError:
-        raise DataError(f"{where} was not found, or it is private and you are not authorised: check the id, "
-                        "then log in with `hf auth login` or set HF_TOKEN") from None
-    except errors.RevisionNotFoundError:
-        raise DataError(f"{where}: no such revision; set a branch, tag or commit that exists") from None
+        raise not_cached_error(repo, pattern, repo_type) from None
     except (errors.HfHubHTTPError, OSError, ValueError) as error:
-        raise DataError(f"{where}: download failed ({first_line(error)})") from None
+        raise access_error(error, where) or DataError(f"{where}: download failed ({first_line(error)})") from None
+
+
+def access_error(error: Exception, where: str) -> DataError | None:
+    """The one-line error for a Hub repository that is gated, missing or private, or a revision
+    that does not exist; None for any other error."""
+    from huggingface_hub import errors
+
+    if isinstance(error, errors.GatedRepoError):  # before its base class, RepositoryNotFoundError
+        return DataError(f"{where} is gated: accept its terms on huggingface.co, then log in with "
+                         "`hf auth login` or set HF_TOKEN")
+    if isinstance(error, errors.RepositoryNotFoundError):
+        return DataError(f"{where} was not found, or it is private and you are not authorised: check the id, "
+                         "then log in with `hf auth login` or set HF_TOKEN")
+    if isinstance(error, errors.RevisionNotFoundError):
+        return DataError(f"{where}: no such revision; set a branch, tag or commit that exists")
+    return None
+
+
+def not_cached_error(repo: str, pattern: str | list[str], repo_type: str) -> DataError:
+    """Offline without the files: how to get them (for a tokenizer: or where else to point)."""
+    from huggingface_hub import constants
+
+    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
+    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else ("no connection", "")
+    files = " ".join(map(shlex.quote, [pattern] if isinstance(pattern, str) else pattern))
+    if repo_type == "model":
+        return DataError(f"tokenizer {repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub "
+                         f"cannot be reached (offline: {why}); on a machine with network run `hf download {repo} "
+                         f"{files}` and copy the cache (HF_HOME) here{unset}; or set "
+                         "data.tokenizer_name to a local tokenizer.json")
+    return DataError(f"{repo_type} {repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub "
+                     f"cannot be reached (offline: {why}); on a machine with network run `hf download {repo} "
+                     f"--repo-type {repo_type} --include {files}` and copy the cache (HF_HOME) here{unset}")

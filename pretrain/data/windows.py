@@ -147,6 +147,13 @@ class RunLength:
     context_length: int
     grad_accum: int
     world_size: int
+    train_tokens: int
+    """Tokens in the prepared train split."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the run reads."""
+        return self.total_steps * self.tokens_per_step
 
     def describe(self) -> str:
         """One line for the log."""
@@ -158,7 +165,24 @@ class RunLength:
         return (f"{self.steps_per_epoch:,} optimizer steps per epoch of {self.windows:,} windows; {length}; "
                 f"{self.tokens_per_step:,} tokens per step (batch {self.batch_size} x context "
                 f"{self.context_length} x accum {self.grad_accum} x {self.world_size} "
-                f"rank{'s' * (self.world_size != 1)})")
+                f"rank{'s' * (self.world_size != 1)}); reads {token_count(self.tokens)} tokens of "
+                f"{token_count(self.train_tokens)} prepared{self._repeats()}")
+
+    def _repeats(self) -> str:
+        """Said when the run sees its data more than once: with a max_steps run, a hint that the
+        data is too small for it."""
+        if self.total_steps <= self.steps_per_epoch:
+            return ""
+        return f": repeats the data ~{self.epochs:.1f} times"
+
+
+def token_count(n: int) -> str:
+    """A token count for people: 454,415, 61.2M, 5.24B."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 10**7:
+        return f"{n / 1e6:.1f}M"
+    return f"{n:,}"
 
 
 def plan_run(meta: dict[str, Any], context_length: int, batch_size: int, grad_accum: int, world_size: int,
@@ -173,4 +197,4 @@ def plan_run(meta: dict[str, Any], context_length: int, batch_size: int, grad_ac
         windows=split_window_count(meta, "train", context_length), steps_per_epoch=per_epoch,
         total_steps=total, tokens_per_step=batch_size * context_length * grad_accum * world_size,
         epochs=total / per_epoch, batch_size=batch_size, context_length=context_length,
-        grad_accum=grad_accum, world_size=world_size)
+        grad_accum=grad_accum, world_size=world_size, train_tokens=split_tokens(meta, "train"))

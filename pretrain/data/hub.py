@@ -1,0 +1,252 @@
+"""Hugging Face Hub datasets: which of a dataset's files a run uses, and fetching only those.
+
+A Hub dataset is often far larger than a run reads (FineWeb-Edu's sample/10BT: 14 Parquet files,
+28.5 GB, ~10B GPT-2 tokens). data.hub_max_files takes the first N files matching data.hub_files
+in name order. When it is null, choose_hub_files estimates N from the run's length and the files'
+sizes; the launcher calls it once, before any worker starts, and writes the number (and later
+the commit, see fitting.py) into the config the workers get, so every rank prepares exactly the
+same files.
+
+The files are listed by the Hub (names and sizes) when it can be reached, else read from the Hub
+cache: offline, a run can use only what is cached, and a dataset that is not cached at all stops
+the run with one line saying how to fetch it.
+
+No torch here; huggingface_hub is imported only when a Hub source is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pretrain.data import DataError, first_line
+from pretrain.data.windows import token_count
+
+if TYPE_CHECKING:
+    from pretrain.config import Config, DataConfig
+
+TOKENS_PER_BYTE = {"parquet": 0.3, "jsonl": 0.25, "text": 0.25, "gz": 0.3}
+"""Tokens per byte of file, low on purpose (a low value fetches more files, never too few), to
+estimate how many files a run reads. Parquet: FineWeb-Edu's sample/10BT holds 10B GPT-2 tokens in
+28.5 GB (0.35), and Llama-3's larger vocabulary makes ~15% fewer tokens of the same text. Plain
+text and JSON Lines: English is ~4 bytes per token. Gzipped files count as Parquet (compressed
+text; gzip packs more)."""
+MARGIN = 1.1
+"""The estimate of the tokens needed is raised by this much before counting files."""
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class HubFiles:
+    """The files of a Hub dataset that match a pattern, in name order."""
+
+    commit: str
+    files: list[tuple[str, int]]
+    """(path in the repository, bytes)."""
+    online: bool
+    """Listed by the Hub; False: found in the Hub cache (offline, or the Hub unreachable)."""
+    folder: Path | None
+    """The cached snapshot of the commit, when there is one."""
+
+
+# --- listing --------------------------------------------------------------------------------------
+
+def is_commit(revision: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{40}", revision) is not None
+
+
+def usable(path: str, pattern: str) -> bool:
+    """A data file (not a README or script) that the pattern matches."""
+    from pretrain.data.sources import hub_format
+
+    return fnmatch.fnmatch(path, pattern) and hub_format(path) is not None
+
+
+def cached_files(repo: str, revision: str, pattern: str) -> HubFiles | None:
+    """The matching files in the Hub cache's snapshot of revision (perhaps none); None when the
+    cache holds no snapshot of it."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="dataset")
+    commit = revision
+    if not is_commit(revision):
+        ref = storage / "refs" / revision
+        if not ref.is_file():
+            return None
+        commit = ref.read_text().strip()
+    folder = storage / "snapshots" / commit
+    if not folder.is_dir():
+        return None
+    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*")
+                   if p.is_file() and usable(p.relative_to(folder).as_posix(), pattern))
+    return HubFiles(commit, files, online=False, folder=folder)
+
+
+class Unreachable(Exception):
+    """The Hub could not be asked (offline, no network, an error on its side)."""
+
+
+def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
+    """The matching files as the Hub lists them, with sizes. Unreachable, or DataError for a
+    repository or revision that does not exist."""
+    from huggingface_hub import HfApi, errors
+    from huggingface_hub.hf_api import RepoFile
+
+    from pretrain.data.sources import access_error
+
+    where = f"dataset {repo}@{revision}"
+    # List only below the pattern's fixed directories: a large dataset holds thousands of files.
+    fixed = []
+    for part in pattern.split("/")[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    api = HfApi()
+    try:
+        commit = api.repo_info(repo, repo_type="dataset", revision=revision).sha
+        entries = api.list_repo_tree(repo, path_in_repo="/".join(fixed) or None, recursive=True,
+                                     revision=commit, repo_type="dataset")
+        files = sorted((e.path, e.size) for e in entries if isinstance(e, RepoFile) and usable(e.path, pattern))
+    except (errors.EntryNotFoundError, errors.RemoteEntryNotFoundError):  # the pattern's directory does not exist
+        files = []
+    except Exception as error:  # offline mode, no network, the Hub down: the caller falls back to the cache
+        raise access_error(error, where) or Unreachable(first_line(error)) from None
+    return HubFiles(commit, files, online=True, folder=None)
+
+
+def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) -> HubFiles:
+    """The files of cfg's Hub dataset matching data.hub_files: listed by the Hub, else (offline)
+    those in the Hub cache. A pinned commit whose cache already holds the files needed asks
+    nothing. DataError when there are none."""
+    repo, revision, pattern = cfg.hub_repo, cfg.hub_revision, cfg.hub_files
+    cached = cached_files(repo, revision, pattern)
+    if cached is not None and is_commit(revision) and cfg.hub_max_files and len(cached.files) >= cfg.hub_max_files:
+        return cached  # a commit never changes, and the workers of a run land here
+    try:
+        found = listed_files(repo, revision, pattern)
+    except Unreachable as error:
+        if cached is None:
+            raise not_cached_error(cfg, preset, world_size, str(error)) from None
+        found = cached
+    if not found.files:
+        where = "" if found.online else " in the Hugging Face cache (the Hub cannot be reached)"
+        raise DataError(f"data.hub_files: no .parquet, .jsonl, .json or .txt file of dataset {repo}@{revision}"
+                        f"{where} matches {pattern!r}; set data.hub_files to a pattern of its data files")
+    return found
+
+
+def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reason: str) -> DataError:
+    from huggingface_hub import constants
+
+    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
+    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else (reason, "")
+    ranks = f" --world-size {world_size}" if world_size > 1 else ""
+    prepare = (f"`python3 prepare_dataset.py --preset {preset}{ranks}` (with this run's other options: only the "
+               "files it needs, and the tokenizer) or ") if preset else ""
+    return DataError(
+        f"dataset {cfg.hub_repo} ({cfg.hub_files}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+        f"and the Hub cannot be reached (offline: {why}); on a machine with network run {prepare}"
+        f"`hf download {cfg.hub_repo} --repo-type dataset --include '{cfg.hub_files}'` and copy the cache "
+        f"(HF_HOME) here{unset}; or train on local files: "
+        "--set data.source=parquet --set data.path=DIR")
+
+
+# --- the files a run uses -------------------------------------------------------------------------
+
+def selected(cfg: DataConfig, found: HubFiles) -> list[tuple[str, int]]:
+    """The first data.hub_max_files files (all for 0 or None). Offline, DataError when the cache
+    holds fewer than that: a run must not quietly train on less than it was set up for."""
+    wanted = cfg.hub_max_files
+    if wanted and len(found.files) < wanted and not found.online:
+        raise DataError(f"data.hub_max_files is {wanted}, but the Hugging Face cache holds only {len(found.files)} "
+                        f"file(s) of dataset {cfg.hub_repo} matching {cfg.hub_files} and the Hub cannot be "
+                        f"reached; lower it, or fetch more where there is network (`hf download {cfg.hub_repo} "
+                        f"--repo-type dataset --include '{cfg.hub_files}'`)")
+    return found.files[:wanted] if wanted else list(found.files)
+
+
+def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]]) -> Path:
+    """The snapshot folder holding files, downloading those not in the Hub cache yet."""
+    if found.folder is not None and all((found.folder / name).is_file() for name, _ in files):
+        return found.folder
+    if not found.online:
+        missing = next(name for name, _ in files if not (found.folder / name).is_file())  # type: ignore[operator]
+        raise DataError(f"dataset {cfg.hub_repo}: {missing} is not in the Hugging Face cache and the Hub "
+                        f"cannot be reached; fetch it where there is network (`hf download {cfg.hub_repo} "
+                        f"--repo-type dataset --include '{missing}'`), or lower data.hub_max_files")
+    from pretrain.data.sources import hub_snapshot
+
+    # Exact names, escaped: only these files are downloaded, whatever else the pattern matches.
+    return hub_snapshot(cfg.hub_repo, found.commit, [glob.escape(name) for name, _ in files])
+
+
+def byte_count(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def run_tokens(config: Config, world_size: int) -> int | None:
+    """Tokens the run reads (steps x batch x context x accumulation x ranks); None when it is set
+    in epochs (it reads everything prepared, however much)."""
+    from pretrain.config import with_world_size
+
+    t = with_world_size(config, world_size).training
+    if t.epochs > 0:
+        return None
+    return t.max_steps * t.batch_size * config.data.context_length * t.grad_accum_nums * world_size
+
+
+def estimated_tokens(name: str, size: int) -> float:
+    from pretrain.data.sources import hub_format
+
+    kind = "gz" if name.endswith(".gz") else hub_format(name) or "text"
+    return size * TOKENS_PER_BYTE[kind]
+
+
+def files_for_tokens(files: list[tuple[str, int]], tokens: int, val_fraction: float) -> int:
+    """How many of files (in order) hold the tokens a run reads, its validation share and MARGIN
+    (all of them when even that is too few)."""
+    wanted = tokens / (1 - val_fraction) * MARGIN
+    held = 0.0
+    for count, (name, size) in enumerate(files, 1):
+        held += estimated_tokens(name, size)
+        if held >= wanted:
+            return count
+    return len(files)
+
+
+def choose_hub_files(config: Config, world_size: int, log: Log) -> Config:
+    """config with data.hub_max_files made concrete for a Hub source: the number of files this run
+    uses, every rank alike. Lists the files (Hub, else cache) but downloads nothing."""
+    data = config.data
+    if data.source != "hub" or data.hub_max_files:  # set by the user, or by the launcher for its workers
+        return config
+    found = find_files(data, config.preset, world_size)
+    where = f"dataset {data.hub_repo}: {len(found.files)} file(s) match {data.hub_files}"
+    if not found.online:
+        where += " in the Hugging Face cache (the Hub cannot be reached)"
+    if data.hub_max_files == 0 or (tokens := run_tokens(config, world_size)) is None:
+        count, why = len(found.files), "all of them (data.hub_max_files 0, or a run set in epochs)"
+    else:
+        count = files_for_tokens(found.files, tokens, data.val_fraction)
+        held = sum(estimated_tokens(*f) for f in found.files[:count])
+        why = (f"the run reads {token_count(tokens)} tokens, these hold ~{token_count(round(held))} (estimated "
+               "from their size); data.hub_max_files sets the count")
+        if held < tokens / (1 - data.val_fraction) * MARGIN:
+            why += "; too few for the run, which will repeat its data"
+            if not found.online:
+                why += (f" (fetch more where there is network: `python3 prepare_dataset.py --preset "
+                        f"{config.preset}` with this run's options, then copy the Hugging Face cache here)")
+    log(f"{where}; using the first {count} ({byte_count(sum(s for _, s in found.files[:count]))}): {why}")
+    return dataclasses.replace(config, data=dataclasses.replace(data, hub_max_files=count))
