@@ -1,0 +1,151 @@
+"""The child processes of the GPU checks: each runs under a timeout in a process group of its
+own, which is killed with it; a worker's JSON result; the step lines training prints; nvidia-smi's
+answers; and CheckFailed, how a check says it could not measure what it measures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRY = REPO / "benchmarks" / "gpu_check.py"
+"""The script the workers run in: `python benchmarks/gpu_check.py --worker NAME ARG...`."""
+RESULT_MARK = "GPU_CHECK_RESULT "
+"""Prefix of the one stdout line that carries a worker's JSON result."""
+LAST_LINES = 25
+"""Output lines kept for a failed check."""
+
+STEP_LINE = re.compile(
+    r"^(?P<prefix>GPU\d+):INFO \| \[GPU \d+\] Step \[(?P<step>\d+)/(?P<total>\d+)\] \| Loss: (?P<loss>\S+) \|"
+    r".*? Tokens/s: (?P<tps>[\d,]+)(?: \| MFU: (?P<mfu>[\d.]+)%)?(?: \| Mem: (?P<mem>[\d.]+) GiB)?")
+
+
+@dataclass
+class Proc:
+    argv: list[str]
+    returncode: int | None
+    """None: killed at the timeout."""
+    out: str
+    seconds: float
+    first_match_s: float | None = None
+    """Seconds from the start until the first line that matched (when one was asked for)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def how(self) -> str:
+        return "timed out" if self.returncode is None else f"exit {self.returncode}"
+
+    def tail(self, lines: int = LAST_LINES) -> str:
+        return "$ " + " ".join(self.argv) + "\n" + "\n".join(self.out.splitlines()[-lines:])
+
+
+class CheckFailed(Exception):
+    """A check could not measure what it measures: the message is the result, tail the evidence."""
+
+    def __init__(self, message: str, tail: str = "") -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+def failed(what: str, proc: Proc) -> CheckFailed:
+    return CheckFailed(f"{what}: {proc.how()} after {proc.seconds:.0f} s", proc.tail())
+
+# --- processes -------------------------------------------------------------------------
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1", **extra)
+    env.pop("NO_COLOR", None)
+    return env
+
+
+def run(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None,
+        first_match: re.Pattern[str] | None = None) -> Proc:
+    """argv in its own process group, output (stdout and stderr together) read as it comes;
+    the whole group is killed at the timeout."""
+    started = time.monotonic()
+    proc = subprocess.Popen(list(argv), cwd=REPO, env=env or child_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)
+    lines: list[str] = []
+    matched: list[float] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if first_match is not None and not matched and first_match.search(line):
+                matched.append(time.monotonic() - started)
+            lines.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        returncode: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        returncode = None
+        kill_group(proc)
+    reader.join(timeout=10)
+    return Proc(list(argv), returncode, "".join(lines), time.monotonic() - started, matched[0] if matched else None)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def worker(name: str, timeout: float, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one of the workers (benchmarks/gpu_workers.py) in a fresh Python process; its JSON result."""
+    proc = run([sys.executable, str(ENTRY), "--worker", name, *args], timeout, env)
+    results = [line[len(RESULT_MARK):] for line in proc.out.splitlines() if line.startswith(RESULT_MARK)]
+    if not proc.ok or not results:
+        raise failed(f"worker {name}", proc)
+    return json.loads(results[-1])
+
+
+def launcher(*args: str, timeout: float, env: dict[str, str] | None = None,
+             first_match: re.Pattern[str] | None = None) -> Proc:
+    return run([sys.executable, "-m", "launcher", *args], timeout, env, first_match)
+
+
+def step_lines(out: str) -> list[dict[str, Any]]:
+    steps = []
+    for line in out.splitlines():
+        if match := STEP_LINE.match(line):
+            steps.append({"prefix": match["prefix"], "step": int(match["step"]), "loss": float(match["loss"]),
+                          "tokens_per_s": float(match["tps"].replace(",", "")),
+                          "mfu": float(match["mfu"]) if match["mfu"] else None,
+                          "mem": float(match["mem"]) if match["mem"] else None})
+    return steps
+
+
+def losses_by_step(out: str, prefix: str | None = None) -> dict[int, float]:
+    return {s["step"]: s["loss"] for s in step_lines(out) if prefix is None or s["prefix"] == prefix}
+
+
+def falling(losses: dict[int, float]) -> bool:
+    steps = sorted(losses)
+    return len(steps) >= 2 and losses[steps[-1]] < losses[steps[0]]
+
+
+def smi_query(*fields: str, what: str = "gpu") -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", f"--query-{what}={','.join(fields)}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]

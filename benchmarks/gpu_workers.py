@@ -1,0 +1,228 @@
+"""The workers of the GPU checks: each worker_* runs in a fresh Python process, started as
+`python benchmarks/gpu_check.py --worker NAME ARG...` (gpu_procs.worker), and prints its result
+as one JSON line after RESULT_MARK (emit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu_procs import RESULT_MARK
+
+SYNC_WARNING = "synchronizing CUDA operation"
+"""What torch.cuda.set_sync_debug_mode("warn") says at each synchronizing call."""
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that block the host until the GPU catches up (cudaMemcpy: the blocking copy)."""
+DEVICE, BACKEND = "cuda", "nccl"
+"""Where the workers run (only a smoke test of the workers' own code changes them)."""
+POISONED = "layers.1.feed_forward.w1.weight"
+"""The weight of the debug model that the poison worker sets one NaN in (check_nan looks for it)."""
+TINY = ("training.batch_size=2", "data.context_length=32")
+"""The debug model's batch and context for the poisoned checkpoint and its resumed run."""
+
+
+def emit(result: dict[str, Any]) -> None:
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def worker_torch() -> None:
+    import platform
+
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(f"torch {torch.__version__} cannot use the GPU (CUDA {torch.version.cuda}); "
+                         "install a CUDA build of torch")
+    emit({"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": platform.python_version(),
+          "devices": torch.cuda.device_count()})
+
+
+def worker_hold(index: str) -> None:
+    """Hold 1 GiB on a GPU until stdin closes."""
+    import torch
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    held = torch.empty(2**30, dtype=torch.uint8, device=f"cuda:{int(index)}")
+    torch.cuda.synchronize()
+    print("ready", flush=True)
+    sys.stdin.read()
+    del held
+
+
+def worker_nvml() -> None:
+    from launcher import nvml
+    emit([{"index": g.index, "uuid": g.uuid, "mig": g.mig, "memory_total": g.memory_total,
+           "processes": [(p.pid, p.memory) for p in g.processes]} for g in nvml.discover(window=0.2, samples=2)])
+
+
+def worker_poison(run_dir: str) -> None:
+    """A step_0 checkpoint of the debug model (TINY) whose POISONED weight holds one NaN."""
+    import torch
+
+    from pretrain import checkpoint
+    from pretrain import config as cfg
+    from pretrain.data.fitting import fit_to_dataset
+    from pretrain.data.prepare import prepare
+    from pretrain.runtime import Runtime, setup_logging
+    from pretrain.train import build
+
+    config = cfg.resolve(preset="debug", sets=[*TINY, "system.device=cpu", "logging.tensorboard=false"])
+    dataset = prepare(config.data, log=lambda _: None)
+    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
+    trainer = build(config, runtime, dataset, Path(run_dir), setup_logging("CPU 0", "WARNING"))
+    with torch.no_grad():
+        trainer.model.get_parameter(POISONED)[3, 5] = float("nan")
+    emit({"checkpoint": str(checkpoint.save(trainer, 0, trainer.run_dir))})
+
+
+def worker_shape(layers: str, steps: str, data_sets: str) -> None:
+    """Step time of the production preset with this many layers on one GPU, bf16, compiled."""
+    import logging
+
+    import torch
+
+    from pretrain import config as cfg
+    from pretrain.data.fitting import fit_to_dataset
+    from pretrain.data.prepare import prepare
+    from pretrain.metrics import flops_per_token, peak_bf16_flops
+    from pretrain.runtime import Runtime
+    from pretrain.train import build, train_step
+
+    warmup, timed = 2, int(steps)
+    # The 8B vocabulary stays (byte ids are valid rows of it): only the layers are fewer.
+    sets = [*[s for s in json.loads(data_sets) if s != "model.vocab_size=null"], f"model.n_layers={layers}",
+            "training.batch_size=1", "training.grad_accum_nums=2", f"training.max_steps={warmup + timed}",
+            "training.warmup_steps=1", "training.eval_batches=1", "logging.tensorboard=false",
+            f"system.device={DEVICE}"]
+    config = cfg.resolve(preset="production", sets=sets)
+    dataset = prepare(config.data, log=lambda line: print(line, file=sys.stderr))
+    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    torch.cuda.set_device(0)
+    device = torch.device(DEVICE, 0)
+    runtime = Runtime(rank=0, world_size=1, device=device, label="GPU 0")
+    log = logging.getLogger("gpu_check")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-shape-") as run_dir:
+        trainer = build(config, runtime, dataset, Path(run_dir), log)
+        for step in range(warmup):
+            train_step(trainer, step)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        for step in range(warmup, warmup + timed):
+            train_step(trainer, step)
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - started) / timed
+    t, context = config.training, config.data.context_length
+    tokens = t.batch_size * context * t.grad_accum_nums
+    peak = peak_bf16_flops(torch.cuda.get_device_name(device))
+    per_token = flops_per_token(config.model, context)
+    one_layer = dataclasses.replace(config.model, n_layers=1)
+    two_layers = dataclasses.replace(config.model, n_layers=2)
+    layer_flops = flops_per_token(two_layers, context) - flops_per_token(one_layer, context)
+    emit({"params": sum(p.numel() for p in trainer.model.parameters()), "mode": trainer.mode, "step_s": step_s,
+          "tokens": tokens,
+          "tokens_per_s": tokens / step_s, "mfu": tokens / step_s * per_token / peak if peak else None,
+          "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "peak_flops": peak,
+          "layer_flops_per_step": layer_flops * tokens})
+
+
+def worker_syncs(mode: str, steps: str, compile_: str) -> None:
+    """Count the host synchronizations of each step of fit() that logs nothing.
+
+    Two counts, over the same steps (after warm-up steps that compile and create the NCCL
+    communicator): torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call
+    torch makes (stream/device/event synchronize, blocking copies, .item(), .tolist()); the
+    warnings between two step starts are that step's. The profiler's CUDA runtime trace counts
+    the cuda*Synchronize calls, and copies from pageable host memory, which block the host
+    without torch knowing. "group": a 1-rank NCCL process group, with the runtime marked
+    distributed so that every collective of a multi-GPU step runs."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import pretrain.train as train
+    from pretrain import config as cfg
+    from pretrain.data.fitting import fit_to_dataset
+    from pretrain.data.prepare import prepare
+    from pretrain.runtime import Runtime
+
+    warmup, counted = 3, int(steps)
+    total = warmup + counted + 1  # and a last step, which logs
+    sets = ["debug.trace_nonfinite=false",  # its hooks synchronize on purpose
+            "training.use_amp=true", f"training.compile={compile_}", f"training.max_steps={total}",
+            "logging.log_interval=1000000", "logging.level=INFO", "logging.tensorboard=false",
+            "training.eval_interval=0", "training.checkpoint_interval=0", f"system.device={DEVICE}",
+            f"debug.check_finite={'false' if mode == 'group-nocheck' else 'true'}"]
+    config = cfg.resolve(preset="debug", sets=sets)
+    dataset = prepare(config.data, log=lambda _: None)
+    config, _ = fit_to_dataset(config, dataset, world_size=1)
+    torch.cuda.set_device(0)
+    device = torch.device(DEVICE, 0)
+
+    @dataclass(frozen=True)
+    class Distributed(Runtime):
+        @property
+        def distributed(self) -> bool:
+            return True
+
+    log = logging.getLogger("gpu_check")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-syncs-") as run_dir:
+        trainer = train.build(config, Runtime(0, 1, device, "GPU 0"), dataset, Path(run_dir), log)
+        if mode != "single":
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group(BACKEND, rank=0, world_size=1, device_id=device if DEVICE == "cuda" else None)
+            trainer.runtime = Distributed(0, 1, device, "GPU 0")
+        marks: list[int] = []
+        caught: list[warnings.WarningMessage] = []
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+        step = train.train_step
+
+        def marked_step(trainer: train.Trainer, n: int):
+            if n == warmup:
+                torch.cuda.synchronize()
+                profiler.start()
+                torch.cuda.set_sync_debug_mode("warn")
+            if warmup <= n:
+                marks.append(len(caught))
+            if n == total - 1:  # the logging step: not counted
+                torch.cuda.set_sync_debug_mode(0)
+                profiler.stop()
+            return step(trainer, n)
+        train.train_step = marked_step
+        with warnings.catch_warnings(record=True) as caught_here:
+            warnings.simplefilter("always")
+            caught = caught_here
+            train.fit(trainer)
+        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.model.modules())
+    if mode != "single":
+        dist.destroy_process_group()
+    per_step = [sum(SYNC_WARNING in str(w.message) for w in caught[a:b]) for a, b in zip(marks, marks[1:])]
+    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for a, b in zip(marks, marks[1:]) for w in caught[a:b]
+                    if SYNC_WARNING in str(w.message)})
+    result: dict[str, Any] = {"steps": len(per_step), "max_syncs": max(per_step), "mean_syncs": sum(per_step) / len(per_step),
+                              "compiled": compiled, "where": ", ".join(where)}
+    try:
+        names = [e.name for e in profiler.events()]
+        result["profiler_syncs"] = sum(n in SYNC_CALLS for n in names) / len(per_step)
+        result["pageable_h2d"] = sum("HtoD" in n and "Pageable" in n for n in names) / len(per_step)
+    except Exception as error:  # the cross-check is optional; the sync debug count stands alone
+        result["profiler_error"] = f"{type(error).__name__}: {error}"[:120]
+    emit(result)
+
+
+WORKERS: dict[str, Callable[..., None]] = {"torch": worker_torch, "hold": worker_hold, "nvml": worker_nvml,
+                                           "poison": worker_poison, "shape": worker_shape, "syncs": worker_syncs}

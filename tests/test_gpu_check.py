@@ -1,0 +1,154 @@
+"""scripts/gpu_check.sh (benchmarks/gpu_check.py, and the gpu_checks, gpu_procs and gpu_workers
+modules it runs) on a machine without a GPU: its help, its one-line errors, its one-line refusal
+to run; and the parts of it that need no GPU: reading the step lines training prints, naming the
+results file, merging reruns into the table, starting a worker in a child process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT, alive, launcher_env, wait_until
+
+sys.path.insert(0, str(ROOT))
+from benchmarks import gpu_check, gpu_checks, gpu_procs  # noqa: E402
+from pretrain import config as cfg  # noqa: E402
+from pretrain.train import step_line  # noqa: E402
+
+HAS_NVIDIA_SMI = shutil.which("nvidia-smi") is not None
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=ROOT, env=launcher_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_names_every_option_and_every_check():
+    result = run_script("--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--quick", "--only", "--output", "--set"):
+        assert option in result.stdout
+    assert "--worker" not in result.stdout  # internal
+    assert ", ".join(gpu_checks.CHECKS) in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "gpu_check: error: unrecognized arguments: --bogus; see --help"),
+    (["--only", "small,smal"], "gpu_check: error: --only: unknown check smal; choose from gpus, nvml-test,"),
+    (["--only", ","], "gpu_check: error: --only: unknown check (none given)"),
+    (["--set", "data.sorce=text"], "gpu_check: error: --set: data.sorce: unknown key; did you mean data.source?"),
+    (["--output", "benchmarks"], "gpu_check: error: --output benchmarks is a directory; name a file"),
+])
+def test_a_bad_argument_is_one_line_and_exit_2(args, message):
+    result = run_script(*args)
+    assert result.returncode == 2
+    assert result.stdout == "" and result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.skipif(HAS_NVIDIA_SMI, reason="this machine has nvidia-smi")
+def test_without_a_gpu_it_says_so_in_one_line_exits_2_and_writes_nothing(tmp_path):
+    output = tmp_path / "table.md"
+    result = run_script("--quick", "--output", str(output))
+    assert result.returncode == 2
+    assert result.stderr == "gpu_check: error: no NVIDIA GPU here (nvidia-smi not found); run it on a machine with one\n"
+    assert result.stdout == "" and not output.exists() and not output.with_suffix(".json").exists()
+
+
+def test_the_step_lines_of_training_are_read_with_throughput_mfu_and_memory():
+    trainer = SimpleNamespace(config=cfg.debug())
+    line = step_line(trainer, 7, 3.25, 1e-3, 0.5, 12.0, 123456.0, 0.4567, 12.3)
+    other = step_line(trainer, 8, 3.0, 1e-3, 0.5, 11.0, 1000.0, None, None)
+    out = (f"launcher: run directory: x\nGPU3:INFO | [GPU 3] {line}\nGPU3:DEBUG | [GPU 3] Step [7/9] | Loss: 1\n"
+           f"GPU5:INFO | [GPU 5] {other}\n")
+    first, second = gpu_procs.step_lines(out)
+    assert first == {"prefix": "GPU3", "step": 7, "loss": 3.25, "tokens_per_s": 123456.0, "mfu": 45.7, "mem": 12.3}
+    assert (second["prefix"], second["step"], second["mfu"], second["mem"]) == ("GPU5", 8, None, None)
+    assert gpu_procs.losses_by_step(out, "GPU5") == {8: 3.0}
+
+
+def test_falling_loss_compares_the_last_step_with_the_first():
+    assert gpu_procs.falling({0: 5.0, 5: 6.0, 9: 4.0})
+    assert not gpu_procs.falling({0: 5.0, 9: 5.0}) and not gpu_procs.falling({0: 5.0})
+
+
+@pytest.mark.parametrize("name, short", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                         ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GH200 480GB", "gh200"),
+                                         ("NVIDIA L40S", "l40s"), ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090")])
+def test_the_results_file_is_named_after_the_gpu_model(name, short):
+    assert gpu_check.short_gpu_name(name) == short
+
+
+def test_a_rerun_of_some_checks_replaces_their_rows_and_keeps_the_others_in_check_order(tmp_path):
+    path, machine = tmp_path / "2026-01-01-h100.md", "Machine: 1 x NVIDIA H100; driver 1; 2026-01-01"
+    first = [gpu_checks.Row("syncs row", "max 2", "<= 1", "no", key="syncs"),
+             gpu_checks.Row("gpus row", "agree", "identical", "yes", key="gpus")]
+    gpu_check.write_report(path, machine, first, "note")
+    text = gpu_check.write_report(path, machine, [gpu_checks.Row("syncs row", "max 1", "<= 1", "yes", key="syncs",
+                                                                failure="")], "note")
+    assert text == path.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["| gpus row | agree | identical | yes |", "| syncs row | max 1 | <= 1 | yes |"]
+    assert text.index(machine) < text.index("| check | result | target | met? |")
+    assert len(json.loads(path.with_suffix(".json").read_text())["rows"]) == 2
+
+
+def test_rows_from_another_machine_are_not_merged(tmp_path):
+    path = tmp_path / "table.md"
+    gpu_check.write_report(path, "Machine: 1 x A; 2026-01-01", [gpu_checks.Row("a", "r", "t", "yes", key="gpus")], "")
+    text = gpu_check.write_report(path, "Machine: 8 x B; 2026-01-01", [gpu_checks.Row("b", "r", "t", "yes", key="nan")], "")
+    assert "| b |" in text and "| a |" not in text
+
+
+def test_a_failed_check_keeps_its_last_output_lines_under_the_table_and_cells_stay_one_line():
+    rows = [gpu_checks.Row("nan", "FAILED: a | b\nc", "-", "no", key="nan", failure="line 1\nline 2")]
+    text = gpu_check.render("Machine: x", rows, "note")
+    assert "| nan | FAILED: a \\| b c | - | no |" in text
+    assert text.index("## Output of what failed") > text.index("| nan |") and "line 1\nline 2" in text
+
+
+def test_a_check_that_raises_becomes_a_failed_row_and_the_next_check_still_runs(tmp_path, monkeypatch):
+    def broken(ctx):
+        raise gpu_procs.CheckFailed("worker nvml: exit 1 after 2 s", "Traceback ...\nNVMLError")
+
+    def fine(ctx):
+        return [gpu_checks.Row("nvml test", "1 passed", "1 passed", "yes")]
+    monkeypatch.setitem(gpu_checks.CHECKS, "gpus", broken)
+    monkeypatch.setitem(gpu_checks.CHECKS, "nvml-test", fine)
+    ctx = gpu_checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path, log=lambda _: None)
+    rows = [row for key in ("gpus", "nvml-test") for row in gpu_check.run_check(key, ctx)]
+    assert [(r.key, r.met) for r in rows] == [("gpus", "no"), ("nvml-test", "yes")]
+    assert rows[0].result == "FAILED: worker nvml: exit 1 after 2 s" and "NVMLError" in rows[0].failure
+
+
+def test_a_check_command_that_outlives_its_timeout_is_killed_with_its_children():
+    proc = gpu_procs.run(["bash", "-c", "sleep 60 & echo $!; wait"], timeout=2)
+    assert proc.returncode is None and proc.how() == "timed out"
+    sleeper = int(proc.out.split()[0])
+    assert wait_until(lambda: not alive(sleeper), timeout=10)
+
+
+def test_without_data_options_the_runs_use_the_offline_corpus_and_keep_the_presets_vocabulary(tmp_path):
+    offline = gpu_checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path)
+    small = cfg.resolve(preset="small", sets=offline.small_sets)
+    assert (small.data.source, small.data.tokenizer) == ("builtin", "byte")
+    assert small.model.vocab_size == (cfg.small().model.vocab_size or gpu_checks.SMALL_FALLBACK_VOCAB)
+    own = gpu_checks.Context(quick=True, sets=["data.source=text", "data.path=/data"], gpus=[0], tmp=tmp_path)
+    assert own.small_sets == own.data_sets == ["data.source=text", "data.path=/data"]
+
+
+def test_the_nvml_worker_run_as_a_script_reads_the_gpus_through_the_launchers_nvml(scripted_gpus):
+    # benchmarks/launcher.py must not shadow the launcher package when the script runs.
+    scripted_gpus([{"uuid": "GPU-aaaa", "memory_total_mib": 81559, "processes": [{"pid": 4242, "memory_mib": 1024}]},
+                   {"uuid": "GPU-bbbb"}])
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--worker", "nvml"], cwd=ROOT,
+                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    gpus = json.loads(result.stdout.split(gpu_procs.RESULT_MARK)[1])
+    assert [(g["index"], g["uuid"]) for g in gpus] == [(0, "GPU-aaaa"), (1, "GPU-bbbb")]
+    assert gpus[0]["memory_total"] == 81559 * 2**20 and gpus[0]["processes"] == [[4242, 1024 * 2**20]]
+    assert gpu_procs.worker("nvml", 60, env=launcher_env()) == gpus  # as the checks start their workers
