@@ -20,6 +20,8 @@ GIB = 1 << 30
 DEFAULT_MIN_FREE_MEMORY = "90%"
 DEFAULT_MAX_UTILIZATION = 10.0
 NO_GPU_FOUND = "no NVIDIA GPU found; use --device cpu"
+ONE_MIG_DEVICE = ("a run uses at most one MIG device: NCCL does not support MIG, and the MIG devices of "
+                  "one GPU share its PCI bus id, which NCCL refuses as a duplicate GPU")
 NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
 
 
@@ -231,14 +233,22 @@ def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
     """all: every free GPU, in NVML order; auto:N: the N freest. A GPU another launcher
     claims between the look and the claim is skipped like any claimed GPU."""
     _keep_mig_devices_apart(selection)
+    only_mig = any(v.gpu.mig and v.state in ("free", "busy") for v in selection.verdicts)
+    if only_mig and request.kind == "auto" and request.count > 1:
+        raise DeviceError(f"--gpus {request} needs {request.count} GPUs, but only MIG devices are usable here "
+                          f"and {ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs", table=_table(selection))
     free = [v for v in selection.verdicts if v.state == "free"]
     if request.kind == "auto":
         free.sort(key=freest_first)
-    wanted = request.count if request.kind == "auto" else len(free)
+    wanted = 1 if only_mig else request.count if request.kind == "auto" else len(free)
     for verdict in free:
         if len(selection.chosen) == wanted:
             break
         _claim_one(selection, verdict, claim)
+    if only_mig and selection.chosen:  # say why `all` left the other MIG devices out
+        selection.verdicts = [Verdict(v.gpu, "mig", ("MIG device: one per run (NCCL does not support MIG)",))
+                              if v.state in ("free", "busy") and v.gpu not in selection.chosen else v
+                              for v in selection.verdicts]
     if not selection.chosen or (request.kind == "auto" and len(selection.chosen) < wanted):
         usable = [v for v in selection.verdicts if v.state not in ("hidden", "mig", "error")]
         have = f"{len(selection.chosen)} of {len(usable)} GPU(s) are free" if selection.chosen else \
@@ -265,6 +275,10 @@ def _claim_listed(selection: Selection, gpus: list[Gpu], request: GpuRequest, st
     listed = [by_id[find(gpus, name, "--gpus names").id] for name in request.ids]
     if len({v.gpu.id for v in listed}) < len(listed):
         raise DeviceError(f"--gpus {request} names one GPU twice (by id and by UUID); one worker runs per GPU")
+    slices = [v.gpu.id for v in listed if v.gpu.mig]
+    if len(slices) > 1:
+        raise DeviceError(f"--gpus {request} names {len(slices)} MIG devices ({', '.join(slices)}), but "
+                          f"{ONE_MIG_DEVICE}; name one of them, or use whole GPUs")
     for verdict in listed:
         gpu = verdict.gpu
         if verdict.state == "hidden":

@@ -15,6 +15,11 @@ FRAMES_SHOWN = 3
 
 _NONFINITE_REPORT = re.compile(r"^(NaN|Inf) (GRADIENT|LOSS) DETECTED \[")
 """The banner of a training worker's report on a NaN or Inf (pretrain/debug.py)."""
+_NCCL_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(.*?\bOpType=(?P<op>\w+)"
+                           r".*?\bTimeout\(ms\)=(?P<ms>\d+)")
+"""torch's ProcessGroupNCCL watchdog on a collective past its timeout (system.collective_timeout)."""
+_NCCL_STUCK = re.compile(r"ProcessGroupNCCL's watchdog got stuck for (?P<seconds>\d+) seconds")
+"""Its heartbeat monitor: the watchdog thread itself stopped (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _FAULTHANDLER_FRAME = re.compile(r'^  File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
 
@@ -35,6 +40,26 @@ def is_cuda_oom(line: str) -> bool:
 def nonfinite_banner(line: str) -> str | None:
     """"NaN GRADIENT DETECTED" when line is the banner of a NaN/Inf report, else None."""
     return match.group(0).removesuffix(" [") if (match := _NONFINITE_REPORT.match(line)) else None
+
+
+def nccl_watchdog(line: str) -> str | None:
+    """What NCCL's watchdog reported on this line, as the hint words it, else None. By default
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) the watchdog then ends the process with SIGABRT: no
+    Python error follows, so this line is the only record of why."""
+    if "atchdog" not in line:  # most lines: skip the regular expressions
+        return None
+    if match := _NCCL_TIMEOUT.search(line):
+        return (f"NCCL's watchdog found a collective ({match['op']}) waiting longer than system.collective_timeout "
+                f"({int(match['ms']) / 1000:g} s) for the other ranks, and on NCCL that ends the process with "
+                f"SIGABRT (exit 134) rather than a Python error. One rank is frozen, gone or far behind (a slow "
+                f"checkpoint save or compilation, a data stall): the other workers' logs and stack dumps say which. "
+                f"Raise system.collective_timeout only if that rank is legitimately this slow.")
+    if match := _NCCL_STUCK.search(line):
+        return (f"NCCL's watchdog thread made no progress for {match['seconds']} s (a CUDA or NCCL call hung) and "
+                f"its monitor ended the process with SIGABRT (exit 134). system.collective_timeout does not bound "
+                f"this; TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC does. The other workers' logs and stack dumps show where "
+                f"each was.")
+    return None
 
 
 @dataclass
@@ -66,8 +91,9 @@ class StackDump:
 
 
 def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool,
-         nonfinite_reports: Mapping[str, str] | None = None) -> str | None:
-    """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf."""
+         nonfinite_reports: Mapping[str, str] | None = None, nccl_watchdog: str | None = None) -> str | None:
+    """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf.
+    nccl_watchdog: what nccl_watchdog() made of the failed worker's output, if anything."""
     if nonfinite_reports:
         banners = sorted(set(nonfinite_reports.values()))
         return (f"the loss or the gradients became NaN or Inf: {', '.join(nonfinite_reports)} logged "
@@ -80,6 +106,8 @@ def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool,
     if cuda_oom:
         return ("the GPU ran out of memory: lower training.batch_size (raise training.grad_accum_nums to keep "
                 "the tokens per step) or data.context_length.")
+    if nccl_watchdog:
+        return nccl_watchdog
     if returncode == -signal.SIGKILL:
         return ("SIGKILL came from outside the launcher, most often the kernel's out-of-memory killer "
                 "(check `dmesg | grep -i oom`): the host ran out of memory.")

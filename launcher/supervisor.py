@@ -82,6 +82,8 @@ class _Watch:
     returncode: int | None = None
     output_open: bool = True
     cuda_oom: bool = False
+    nccl_watchdog: str | None = None
+    """The hint for what NCCL's watchdog reported before it aborted the worker."""
     nonfinite_report: str | None = None
     """The banner of the NaN/Inf report the worker logged."""
     stacks: summary.StackDump = field(default_factory=summary.StackDump)
@@ -224,6 +226,7 @@ class Supervisor:
         watch.last_output = time.monotonic()
         watch.tail.append(text)
         watch.cuda_oom = watch.cuda_oom or summary.is_cuda_oom(text)
+        watch.nccl_watchdog = watch.nccl_watchdog or summary.nccl_watchdog(text)
         watch.nonfinite_report = watch.nonfinite_report or summary.nonfinite_banner(text)
         if self._stacks_requested and watch.stacks.feed(text):
             self._dump_done(worker)
@@ -420,6 +423,7 @@ class Supervisor:
             label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at, clock=first.clock,
             exit_code=code, how=how,
             hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom,
+                              nccl_watchdog=watch.nccl_watchdog,
                               nonfinite_reports={w.label: wa.nonfinite_report for w, wa in self._watch.items()
                                                  if wa.nonfinite_report and returncode in self.agreed_exit_codes}),
             tail=list(watch.tail), stopped=first.stopped,

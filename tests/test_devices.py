@@ -251,11 +251,31 @@ def mig_machine() -> list[Gpu]:
             gpu(1, util=None, total_gib=10, mig_of=0), gpu(1)]
 
 
-def test_on_a_machine_of_mig_devices_they_are_chosen_and_their_gpu_never_is():
+def test_on_a_machine_of_mig_devices_all_takes_one_of_them_and_says_why_not_the_others():
     selection = choose(mig_machine()[:3], "all")
-    assert ids(selection) == ["0.0", "0.1"]
-    assert [g.cuda_visible_id for g in selection.chosen] == ["MIG-00aa", "MIG-01aa"]
+    assert ids(selection) == ["0.0"]
+    assert [g.cuda_visible_id for g in selection.chosen] == ["MIG-00aa"]
     assert selection.verdicts[0].describe() == "MIG mode: use its MIG devices"
+    assert selection.verdicts[2].describe() == "MIG device: one per run (NCCL does not support MIG)"
+    assert ids(choose(mig_machine()[:3], "auto:1")) == ["0.0"]  # one alone still runs
+
+
+def test_auto_n_over_mig_devices_only_is_refused_with_the_reason_and_the_fix():
+    with pytest.raises(DeviceError) as error:
+        choose(mig_machine()[:3], "auto:2")
+    assert str(error.value) == (f"--gpus auto:2 needs 2 GPUs, but only MIG devices are usable here and "
+                                f"{devices.ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs")
+    assert "NCCL does not support MIG" in devices.ONE_MIG_DEVICE and "PCI bus id" in devices.ONE_MIG_DEVICE
+
+
+def test_a_list_naming_several_mig_devices_is_refused_before_any_is_claimed():
+    table = Claims()
+    for request in ("0.0,0.1", "0.1,MIG-00"):
+        with pytest.raises(DeviceError, match=r"names 2 MIG devices \(0\.[01], 0\.[01]\), but a run uses at most "
+                                              r"one MIG device: NCCL does not support MIG.*; name one of them, "
+                                              r"or use whole GPUs$"):
+            choose(mig_machine(), request, claimed=table)
+    assert table.released == []  # refused before claiming, so nothing to give back
 
 
 def test_all_and_auto_never_mix_mig_devices_with_whole_gpus():
@@ -269,7 +289,7 @@ def test_all_and_auto_never_mix_mig_devices_with_whole_gpus():
 def test_naming_a_gpu_in_mig_mode_points_to_its_mig_devices():
     with pytest.raises(DeviceError, match=r"GPU 0 is in MIG mode, .*choose its MIG devices \(0.0, 0.1\)"):
         choose(mig_machine(), "0")
-    assert ids(choose(mig_machine(), "0.1,MIG-00")) == ["0.0", "0.1"]
+    assert ids(choose(mig_machine(), "MIG-01")) == ["0.1"]
 
 
 # --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------

@@ -157,12 +157,22 @@ def test_the_chosen_gpus_stay_claimed_until_released(scripted_gpus):
     assert claims.holder_of("GPU-bbbb") is None
 
 
-def test_mig_devices_run_under_their_uuid_and_are_labelled_gpu_dot_slot(scripted_gpus):
+def test_a_mig_device_runs_alone_under_its_uuid_and_all_says_why_it_left_the_other_out(scripted_gpus):
     scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
-    placement, _ = placed(device="cuda")
-    assert labels(placement) == ["GPU0.0", "GPU0.1"]
-    assert [g.cuda_visible_id for g in placement.gpus] == ["MIG-one", "MIG-two"]
+    placement, said = placed(device="cuda")
+    assert labels(placement) == ["GPU0.0"]
+    assert [g.cuda_visible_id for g in placement.gpus] == ["MIG-one"]
+    assert said.splitlines() == ["launcher: using GPU 0.0; skipped 1:",
+                                 "launcher:   GPU 0.1: MIG device: one per run (NCCL does not support MIG)"]
     placement.release()
+
+
+@pytest.mark.parametrize("options", [{"gpus": "0.0,0.1"}, {"gpus": "auto:2"}, {"nproc": 2, "device": "cuda"}])
+def test_several_mig_devices_in_one_run_are_refused(scripted_gpus, options):
+    scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
+    with pytest.raises(DeviceError, match="a run uses at most one MIG device: NCCL does not support MIG"):
+        placed(**options)
+    assert claims.holder_of("MIG-one") is None and claims.holder_of("MIG-two") is None
 
 
 # --- end to end: real launchers -------------------------------------------------------
@@ -199,6 +209,19 @@ def test_a_worker_on_a_mig_device_gets_its_uuid_and_is_prefixed_gpu_dot_slot(scr
                             cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == ["GPU0.1:MIG-two 0.1 PCI_BUS_ID"]
+
+
+def test_a_launcher_asked_for_two_mig_devices_refuses_in_one_line_and_starts_nothing(scripted_gpus, tmp_path):
+    scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
+    started = tmp_path / "started"
+    result = subprocess.run([sys.executable, "-m", "launcher", "--gpus", "0.0,0.1", "--", "touch", str(started)],
+                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "launcher: error: --gpus 0.0,0.1 names 2 MIG devices (0.0, 0.1), but a run uses at most one MIG device: "
+        "NCCL does not support MIG, and the MIG devices of one GPU share its PCI bus id, which NCCL refuses "
+        "as a duplicate GPU; name one of them, or use whole GPUs"]
+    assert not started.exists()
 
 
 def test_a_killed_launcher_gives_its_gpu_back(scripted_gpus):

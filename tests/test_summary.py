@@ -71,3 +71,37 @@ def test_an_exit_code_with_a_meaning_is_not_repeated():
     lines = summary.render(summary.Failure("GPU6", 6, 1.0, "07:44:12", 3, "exit code 3 (numerical failure)", None,
                                            [], 1, 0.01, {}, None))
     assert lines[1].endswith("1.0 s after start: exit code 3 (numerical failure).")
+
+
+NCCL_TIMEOUT_LINE = ("[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective "
+                     "operation timeout: WorkNCCL(SeqNum=14863, OpType=ALLREDUCE, NumelIn=14845952, "
+                     "NumelOut=14845952, Timeout(ms)=90000) ran for 90048 milliseconds before timing out.")
+NCCL_STUCK_LINE = ("[rank1]:[E1111 17:10:53.000000000 ProcessGroupNCCL.cpp:1700] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+                   "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making progress in monitoring "
+                   "enqueued collectives.")
+
+
+def test_an_nccl_watchdog_timeout_names_the_collective_the_timeout_and_the_setting():
+    said = summary.nccl_watchdog(NCCL_TIMEOUT_LINE)
+    assert said.startswith("NCCL's watchdog found a collective (ALLREDUCE) waiting longer than "
+                           "system.collective_timeout (90 s) for the other ranks")
+    assert "SIGABRT (exit 134)" in said
+    assert summary.hint(-signal.SIGABRT, hung_for=None, cuda_oom=False, nccl_watchdog=said) == said
+
+
+def test_a_stuck_nccl_watchdog_points_to_the_heartbeat_timeout_not_the_collective_timeout():
+    said = summary.nccl_watchdog(NCCL_STUCK_LINE)
+    assert said.startswith("NCCL's watchdog thread made no progress for 480 s")
+    assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC does" in said
+
+
+def test_lines_that_only_mention_the_watchdog_give_no_nccl_hint():
+    for line in ("INFO | [GPU 0] Step [3/10] | Loss: 2.1", "a collective waited longer than system.collective_timeout",
+                 "Watchdog caught collective operation timeout: WorkGloo(OpType=ALLREDUCE)"):
+        assert summary.nccl_watchdog(line) is None
+    assert summary.hint(-signal.SIGABRT, hung_for=None, cuda_oom=False) is None
+
+
+def test_a_cuda_out_of_memory_in_the_same_log_outranks_an_nccl_timeout():
+    said = summary.nccl_watchdog(NCCL_TIMEOUT_LINE)
+    assert "training.batch_size" in summary.hint(-signal.SIGABRT, hung_for=None, cuda_oom=True, nccl_watchdog=said)
