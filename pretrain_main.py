@@ -17,6 +17,14 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
+# Also before torch (CUDA reads it once, when it starts): number GPUs in PCI bus order, as
+# NVML, nvidia-smi and system.device_id do. CUDA's default puts the fastest GPU first, so
+# on a mixed machine device_id 1 could be another GPU than nvidia-smi's GPU 1.
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+# As the launcher gives its workers (launcher/worker.py): segments that grow in place, for far
+# less fragmentation when allocation sizes vary (FSDP's gathered groups, the chunked loss).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 from pretrain.train import main  # noqa: E402
 
 if __name__ == "__main__":

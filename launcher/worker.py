@@ -153,4 +153,8 @@ def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port:
     # compiling the same ones. N ranks compiling at once would each start a pool as large as the machine.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
+    # Segments that grow in place instead of new blocks of fixed sizes: far less fragmentation
+    # when the sizes vary (FSDP's gathered groups, the chunked loss), so a run near the memory
+    # limit fits where it otherwise fails with memory reserved but unusable.
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env

@@ -1,6 +1,6 @@
 """Where this process runs: its rank, its device, its log label, its process group.
 
-Reads the worker contract's environment (RANK, WORLD_SIZE, GPU_RANK, MASTER_*), so the
+Reads the worker contract's environment (RANK, WORLD_SIZE, LOCAL_RANK, GPU_RANK, MASTER_*), so the
 same code runs under the launcher, under torchrun, or alone."""
 
 from __future__ import annotations
@@ -49,18 +49,37 @@ def _env_int(name: str, default: int) -> int:
 
 
 def choose_device(config: Config) -> torch.device:
-    """cuda:0 under the launcher (it exposes one GPU); cuda:device_id when run alone."""
+    """Which GPU this process uses. Under the launcher (GPU_RANK set) or with one GPU visible:
+    cuda:0, the one it was given. Under torchrun with several GPUs visible: cuda:LOCAL_RANK,
+    so the ranks of a node get different GPUs (NCCL refuses two ranks on one). Alone with
+    several visible: cuda:system.device_id (default 0)."""
     wanted = config.system.device
     if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeSetupError("system.device is cuda but no CUDA GPU is visible; use --set system.device=cpu")
-    launched_on_one_gpu = "GPU_RANK" in os.environ or torch.cuda.device_count() == 1
-    index = 0 if launched_on_one_gpu else (config.system.device_id or 0)
-    if index >= torch.cuda.device_count():
-        raise RuntimeSetupError(f"system.device_id {index} does not exist; "
-                                f"{torch.cuda.device_count()} GPU(s) are visible")
+    visible = torch.cuda.device_count()
+    if "GPU_RANK" in os.environ or visible == 1:
+        return torch.device("cuda", 0)
+    local_ranks = _env_int("LOCAL_WORLD_SIZE", 1) if "LOCAL_RANK" in os.environ else 1
+    if local_ranks > 1:
+        return _local_rank_device(config, visible)
+    index = config.system.device_id or 0
+    if index >= visible:
+        raise RuntimeSetupError(f"system.device_id {index} does not exist; {visible} GPU(s) are visible")
     return torch.device("cuda", index)
+
+
+def _local_rank_device(config: Config, visible: int) -> torch.device:
+    """torchrun started several processes on this node: one GPU each, by LOCAL_RANK."""
+    local_rank, local_ranks = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if config.system.device_id is not None:
+        raise RuntimeSetupError(f"system.device_id pins one GPU but {local_ranks} processes run on this node "
+                                f"(LOCAL_WORLD_SIZE); set system.device_id=null so each takes GPU LOCAL_RANK")
+    if local_rank >= visible:
+        raise RuntimeSetupError(f"LOCAL_RANK {local_rank} has no GPU of its own: {visible} GPU(s) are visible; "
+                                f"start at most {visible} processes per node (torchrun --nproc-per-node)")
+    return torch.device("cuda", local_rank)
 
 
 def device_label(device: torch.device, rank: int) -> str:
@@ -116,6 +135,10 @@ def shutdown(runtime: Runtime, peers_alive: bool) -> None:
     if dist.is_initialized():  # also the one-process group of FSDP with CPU offload (pretrain/parallel.py)
         if peers_alive and runtime.distributed:
             dist.barrier()
+        elif runtime.distributed and "nccl" in str(dist.get_backend()):
+            # After a failure NCCL's destroy can block on peers that will never come: leave the
+            # group to the process's exit (the launcher tears the other ranks down).
+            return
         dist.destroy_process_group()
 
 

@@ -160,6 +160,13 @@ def test_worker_environment_follows_the_contract(gpu, label):
         "TORCHINDUCTOR_COMPILE_THREADS": "2"}
     assert env["CUDA_VISIBLE_DEVICES"] == (gpu or "")
     assert env.get("GPU_RANK") == label
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_worker_environment_keeps_the_users_allocator_settings():
+    env = worker_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, rank=0, world_size=1, master_port=1,
+                     gpu="0", cpu_count=8, compile_cache="/c")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 LEAVES_ESCAPED_DESCENDANTS = """
@@ -246,10 +253,20 @@ def test_before_teardown_the_summary_shows_where_each_surviving_worker_was(scrip
      "raise SystemExit(1)", "the GPU ran out of memory: lower training.batch_size"),
     ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL came from outside the launcher, "
                                                                 "most often the kernel's out-of-memory killer"),
+    # NCCL's watchdog on a collective timeout: its line, then a long stack dump, then SIGABRT
+    ("import os, sys\n"
+     "print('[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective "
+     "operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
+     "600081 milliseconds before timing out.', file=sys.stderr, flush=True)\n"
+     "print('  frame\\n' * 200, file=sys.stderr, flush=True)\n"
+     "os.abort()", "NCCL's watchdog found a collective (ALLREDUCE) waiting longer than system.collective_timeout "
+                   "(600 s) for the other ranks, and on NCCL that ends the process with SIGABRT (exit 134)"),
 ])
 def test_the_summary_gives_a_hint_when_the_cause_is_known(script, tmp_path, source, hint):
     code, out, _ = supervise([make_worker(0, script(source, "oom.py")), make_worker(1, script(SLEEPS))], tmp_path)
     assert code != 0
+    if "os.abort()" in source:
+        assert code == 134 and "killed by SIGABRT, exit code 134." in out
     assert f"Hint: {hint}" in out.split("FAILED")[1]
 
 

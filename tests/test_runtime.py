@@ -1,0 +1,119 @@
+"""Which GPU a training process takes, under the launcher, under torchrun, or alone
+(CUDA faked: this machine has none)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain import config as cfg
+from pretrain.runtime import RuntimeSetupError, choose_device
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTRACT = ("GPU_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """gpus(n, **env): pretend n GPUs are visible and the process environment is env."""
+    def fake(count: int, **env: str) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        for name in CONTRACT:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+    return fake
+
+
+def config(*sets: str) -> cfg.Config:
+    return cfg.resolve(preset="debug", sets=["system.device=cuda", *sets])
+
+
+def test_under_the_launcher_a_worker_takes_the_one_gpu_it_was_given(gpus):
+    gpus(1, GPU_RANK="5", LOCAL_RANK="3", LOCAL_WORLD_SIZE="8", RANK="3", WORLD_SIZE="8")
+    assert choose_device(config()) == torch.device("cuda", 0)
+
+
+def test_under_torchrun_each_rank_of_a_node_takes_the_gpu_of_its_local_rank(gpus):
+    gpus(4, LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", RANK="5", WORLD_SIZE="8")
+    assert choose_device(config()) == torch.device("cuda", 1)
+    gpus(4, LOCAL_RANK="3", LOCAL_WORLD_SIZE="4", RANK="3", WORLD_SIZE="4")
+    assert choose_device(config()) == torch.device("cuda", 3)
+
+
+def test_alone_device_id_pins_the_process_to_that_gpu(gpus):
+    gpus(4)
+    assert choose_device(config("system.device_id=2")) == torch.device("cuda", 2)
+    assert choose_device(config("system.device_id=null")) == torch.device("cuda", 0)
+    gpus(4, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", RANK="0", WORLD_SIZE="1")  # torchrun --nproc-per-node 1
+    assert choose_device(config("system.device_id=3")) == torch.device("cuda", 3)
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_one_line_naming_the_fix(gpus):
+    gpus(4, LOCAL_RANK="4", LOCAL_WORLD_SIZE="8", RANK="4", WORLD_SIZE="8")
+    with pytest.raises(RuntimeSetupError) as error:
+        choose_device(config())
+    assert str(error.value) == ("LOCAL_RANK 4 has no GPU of its own: 4 GPU(s) are visible; "
+                                "start at most 4 processes per node (torchrun --nproc-per-node)")
+
+
+def test_device_id_with_several_ranks_on_a_node_is_refused_rather_than_shared(gpus):
+    gpus(4, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", RANK="1", WORLD_SIZE="2")
+    with pytest.raises(RuntimeSetupError, match=r"^system.device_id pins one GPU but 2 processes run on this "
+                                                r"node \(LOCAL_WORLD_SIZE\); set system.device_id=null"):
+        choose_device(config("system.device_id=0"))
+
+
+def test_a_device_id_that_does_not_exist_is_refused(gpus):
+    gpus(2)
+    with pytest.raises(RuntimeSetupError, match=r"^system.device_id 2 does not exist; 2 GPU\(s\) are visible$"):
+        choose_device(config("system.device_id=2"))
+
+
+# --- CUDA_DEVICE_ORDER ---------------------------------------------------------------
+
+ORDER_WHEN_TORCH_LOADS = """\
+import importlib.abc, os, sys
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("order when torch loads:", os.environ.get("CUDA_DEVICE_ORDER"), flush=True)
+            print("allocator when torch loads:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
+            sys.meta_path.remove(self)
+        return None
+sys.meta_path.insert(0, Watch())
+import pretrain_main
+"""
+
+
+def seen_by_torch(**env: str) -> list[str]:
+    unset = ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF")
+    environment = {k: v for k, v in os.environ.items() if k not in unset} | env
+    result = subprocess.run([sys.executable, "-c", ORDER_WHEN_TORCH_LOADS], cwd=ROOT, env=environment,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()
+
+
+def order_seen_by_torch(**env: str) -> str:
+    return seen_by_torch(**env)[0]
+
+
+def test_the_entry_point_numbers_gpus_in_pci_order_before_torch_loads():
+    assert order_seen_by_torch() == "order when torch loads: PCI_BUS_ID"
+
+
+def test_a_device_order_the_user_set_is_kept():
+    assert order_seen_by_torch(CUDA_DEVICE_ORDER="FASTEST_FIRST") == "order when torch loads: FASTEST_FIRST"
+
+
+def test_the_entry_point_asks_for_expandable_segments_unless_the_user_chose_an_allocator():
+    assert seen_by_torch()[1] == "allocator when torch loads: expandable_segments:True"
+    assert seen_by_torch(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")[1] == \
+        "allocator when torch loads: max_split_size_mb:512"
