@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,6 +295,16 @@ class Throughput:
     def step_done(self) -> None:
         self.window_steps += 1
 
+    @contextmanager
+    def paused(self, clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+        """Leave the block's time out of the window: evaluation and checkpoint saves are not
+        training, and would make tokens/s and MFU look worse than training runs."""
+        began = clock()
+        try:
+            yield
+        finally:
+            self.window_start += clock() - began
+
     def measure(self, now: float) -> tuple[float, float | None, float | None]:
         """(tokens/s over all ranks, MFU, peak memory GiB) of the window; starts the next one."""
         tokens_per_s = self.tokens_per_step * self.window_steps / max(now - self.window_start, 1e-9)
@@ -308,6 +320,7 @@ def throughput(trainer: Trainer) -> Throughput:
     peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if not trainer.config.training.use_amp:
         peak = None  # the table holds bf16 peaks; an fp32 run measured against them would mislead
+    reset_peak_memory(device)  # the first window's peak is training's, not the build's (init draws whole tensors)
     return Throughput(trainer.tokens_per_step, trainer.runtime.world_size,
                       flops_per_token(trainer.config.model, trainer.config.data.context_length), peak, device)
 
@@ -349,13 +362,15 @@ def fit(trainer: Trainer) -> None:
             trainer.metrics.log_train(step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization,
                                       memory_gib, now - start)
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
-            log_validation(trainer, step)
+            with speed.paused():
+                log_validation(trainer, step)
         if (signum := trainer.stop.agreed(trainer.runtime)) is not None:  # settled by train_step's check, if on
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
             raise Stopped(signum)
         if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 and not last:
-            path = checkpoint.save(trainer, step + 1, trainer.run_dir)
+            with speed.paused():
+                path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Checkpoint saved to {path}")
     val_loss = log_validation(trainer, t.max_steps - 1)
     path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
@@ -437,6 +452,16 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
         fit(trainer)
 
 
+def unexpected_error() -> int:
+    """Print the exception being handled with its traceback, now, and return ERROR. Printed
+    before shutdown: leaving a process group after a failure can block on peers that never come
+    (NCCL), and a traceback left to the interpreter's exit would then never appear, so an
+    out-of-memory error on one rank would look like a hang of them all."""
+    traceback.print_exc()
+    sys.stderr.flush()
+    return ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -459,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return NUMERICAL_FAILURE
     except RuntimeError as error:
         if not (runtime.distributed and "timed out" in str(error).lower()):
-            raise
+            return unexpected_error()
         # gloo's message says only which operation timed out; say what it means.
         log.error(f"a collective waited longer than system.collective_timeout "
                   f"({config.system.collective_timeout:g} s) for the other ranks: one of them is frozen or "
@@ -471,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:  # an unwritable run or cache directory, a full disk
         log.error(os_error_message(error))
         return BAD_INPUT
+    except Exception:
+        return unexpected_error()
     finally:
         shutdown(runtime, peers_alive)
     return 0

@@ -116,3 +116,55 @@ def test_a_second_stop_signal_ends_the_process_at_once_unless_it_is_the_same_req
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert result.returncode == -signal.SIGTERM
     assert result.stdout == "first SIGTERMs only recorded\n"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   ValueError("something unexpected")])
+def test_a_failing_rank_prints_its_traceback_before_it_leaves_the_process_group(monkeypatch, capsys, error):
+    import pretrain.train as train_module
+
+    def failing_train(*_args):
+        raise error
+
+    printed_before_shutdown = []
+    monkeypatch.setattr(train_module, "train", failing_train)
+    monkeypatch.setattr(train_module, "shutdown",
+                        lambda runtime, peers_alive: printed_before_shutdown.append((capsys.readouterr().err, peers_alive)))
+    assert train_module.main(["--debug", "--set", "system.device=cpu"]) == 1
+    ((stderr, peers_alive),) = printed_before_shutdown
+    assert "Traceback (most recent call last)" in stderr and str(error) in stderr.splitlines()[-1]
+    assert peers_alive is False  # no barrier: the peers may never arrive
+
+
+@pytest.mark.parametrize("backend, peers_alive, destroyed", [
+    ("nccl", False, False),  # could block on peers that never come
+    ("cuda:nccl,cpu:gloo", False, False),
+    ("gloo", False, True),
+    ("nccl", True, True),
+])
+def test_after_a_failure_a_rank_leaves_an_nccl_group_to_the_process_exit(monkeypatch, backend, peers_alive, destroyed):
+    import pretrain.runtime as runtime_module
+
+    calls = []
+    monkeypatch.setattr(runtime_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime_module.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(runtime_module.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(runtime_module.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    runtime_module.shutdown(Runtime(rank=0, world_size=2, device=torch.device("cpu"), label="GPU 0"), peers_alive)
+    assert ("destroy" in calls) is destroyed
+    assert ("barrier" in calls) is peers_alive
+
+
+def test_the_throughput_window_leaves_out_a_checkpoint_save_between_two_step_lines():
+    from pretrain.train import Throughput
+
+    speed = Throughput(tokens_per_step=1000, world_size=1, flops_per_token=1.0, peak_flops=None,
+                       device=torch.device("cpu"), window_start=0.0)
+    ticks = iter([3.0, 8.0])  # the save runs from t=3 s to t=8 s
+    speed.step_done()
+    with speed.paused(clock=lambda: next(ticks)):
+        pass
+    speed.step_done()
+    tokens_per_s, _, _ = speed.measure(now=10.0)  # 2 steps in 10 s, 5 of them saving
+    assert tokens_per_s == pytest.approx(2 * 1000 / 5)
+    assert (speed.window_start, speed.window_steps) == (10.0, 0)  # the next window starts clean
