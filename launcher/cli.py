@@ -145,7 +145,7 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     the workers will run it (training.parallelism "ddp" or "fsdp", never "auto")."""
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.cache import sigterm_as_exit
-    from pretrain.data.hub import choose_hub_files
+    from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
     from pretrain.memory import host_memory_bytes, plan_parallelism
 
@@ -159,7 +159,7 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
         plan_parallelism(config, placement.world_size, gpu_memory, host_memory)
     # A Hub dataset's file count is fixed here, for this world size, and written into the config
     # the workers get: every rank then prepares (finds) exactly these files.
-    config = choose_hub_files(config, placement.world_size, printer.launcher_line)
+    config = choose_hub_files(follow_checkpoint(config), placement.world_size, printer.launcher_line)
     with sigterm_as_exit():
         dataset_dir = prepare(config.data, log=printer.launcher_line)
     config, length = fit_to_dataset(config, dataset_dir, placement.world_size)
@@ -226,8 +226,9 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
     generic = bool(command)
     run_dir_arg = args.run_dir
     if not command:
-        config = prepare_training(config, placement, console)
+        # The checkpoint first: a resumed run reads the Hub files its checkpoint was trained on.
         run_dir_arg, config = resume_point(config, run_dir_arg, console)
+        config = prepare_training(config, placement, console)
     try:
         run_dir = create_run_dir(run_dir_arg)
     except OSError as error:

@@ -186,6 +186,7 @@ def restore(trainer: Trainer, path: Path) -> int:
     check_steps(path, state["steps_done"], trainer.config.training.max_steps)
     saved_config = load_config(path)
     check_same_model(path, saved_config.model, trainer.config.model)
+    check_same_hub_files(path, saved_config.data, trainer.config.data)
     metadata = read_dcp_metadata(path) if _is_sharded(path) else None  # refuses pickled values, unread
     rng = _read_rng(path, state, trainer.runtime.rank)
     position = _loader_position(path, state, saved_config, trainer)
@@ -220,6 +221,20 @@ def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfi
         if there != here:
             raise CheckpointError(f"checkpoint {path} is for a different model: model.{key} is {there} there, "
                                   f"{here} here; resume with the same model config or start fresh")
+
+
+def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataConfig) -> None:
+    """A Hub dataset read from other files or another commit is another token stream: the saved
+    data position would name other windows, so training would repeat or skip data silently.
+    (Local files are not compared: their identity includes modification times, which a copy
+    changes without changing a byte.)"""
+    if saved.source != "hub" or current.source != "hub":
+        return
+    for key in ("hub_repo", "hub_files", "hub_revision", "hub_max_files"):
+        there, here = getattr(saved, key), getattr(current, key)
+        if there != here:
+            raise CheckpointError(f"checkpoint {path} was trained on other Hub data: data.{key} is {there!r} there, "
+                                  f"{here!r} here; resume with --set data.{key}={json.dumps(there)} or start fresh")
 
 
 def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:

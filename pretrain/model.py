@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig
@@ -120,7 +120,8 @@ class Transformer(nn.Module):
     not initialised: pretrain/parallel.py shards it, allocates the shards (to_empty) and then calls
     init_weights, so no process ever holds the whole model. Built anywhere else it is initialised
     at once, from seed (None: a seed drawn from torch's global generator, so torch.manual_seed
-    decides). The same seed gives the same weights either way."""
+    decides). The same seed gives the same weights either way, on the same kind of device (a
+    CUDA generator draws other numbers than the CPU's, and may differ between GPU models)."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int | None = None) -> None:
         super().__init__()
@@ -214,9 +215,9 @@ def _assign(param: Tensor, full: Tensor) -> None:
         return
     local = param.to_local()
     mine = _shard_view(full, param)
-    if mine is None or mine.shape != local.shape:
-        # src_data_rank=None: every rank drew the same full tensor, so each just keeps its part
-        mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    if mine is None or mine.shape != local.shape:  # only FSDP2's placement is expected here
+        raise ValueError(f"cannot initialise a parameter placed as {param.placements} on a "
+                         f"{param.device_mesh.ndim}-D mesh (local shape {tuple(local.shape)}); FSDP2 shards dim 0")
     local.copy_(mine)
 
 

@@ -309,14 +309,19 @@ def test_prepare_dataset_prepares_what_a_one_rank_launch_would_and_says_it_assum
     assert any(str(prepare(config.data, log=lambda line: None)) in line for line in lines)  # the same dataset
 
 
-def test_the_small_preset_trains_on_its_default_data_through_the_launcher(tmp_path, fineweb):
-    result = subprocess.run(
+def train_small(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    """The small preset with a tiny model on 2 CPU workers through the launcher, 4,096 tokens a step."""
+    return subprocess.run(
         [sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--preset", "small",
-         "--run-dir", str(tmp_path / "run"), "--max-steps", "3", *TINY_MODEL,
+         "--run-dir", str(tmp_path / "run"), *TINY_MODEL,
          "--set", "training.batch_size=2", "--set", "training.grad_accum_nums=1", "--set", "training.warmup_steps=1",
          "--set", "training.use_amp=false", "--set", "logging.log_interval=1",
-         "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+         "--set", f"data.cache_dir={tmp_path / 'cache'}", *options],
         cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_the_small_preset_trains_on_its_default_data_through_the_launcher(tmp_path, fineweb):
+    result = train_small(tmp_path, "--max-steps", "3")
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "launcher: dataset HuggingFaceFW/fineweb-edu: 3 file(s) match" in result.stdout
@@ -325,3 +330,24 @@ def test_the_small_preset_trains_on_its_default_data_through_the_launcher(tmp_pa
     resolved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert (resolved["source"], resolved["tokenizer_name"]) == ("hub", TOKENIZER)
     assert resolved["hub_max_files"] == 1 and resolved["hub_revision"] == DATA_COMMIT
+
+
+def test_a_resumed_run_reads_the_hub_files_of_its_checkpoint_even_when_it_is_longer(tmp_path, fineweb):
+    assert train_small(tmp_path, "--max-steps", "2").returncode == 0
+    longer = -(-sized_for(3) // 4)  # steps of 4,096 tokens that, started afresh, would take 3 files
+    result = train_small(tmp_path, "--max-steps", str(longer), "--resume", "auto")
+
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "using the first 1 " not in result.stdout  # nothing chosen anew: the checkpoint's file
+    assert f"Step [{longer - 1}/{longer}]" in result.stdout
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    assert resolved["hub_max_files"] == 1 and resolved["hub_revision"] == DATA_COMMIT
+
+
+def test_resuming_on_other_hub_files_than_the_checkpoints_is_refused(tmp_path, fineweb):
+    assert train_small(tmp_path, "--max-steps", "2").returncode == 0
+    result = train_small(tmp_path, "--max-steps", "3", "--resume", "auto", "--set", "data.hub_max_files=2")
+
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "was trained on other Hub data: data.hub_max_files is 1 there, 2 here; resume with " \
+           "--set data.hub_max_files=1 or start fresh" in result.stdout

@@ -116,7 +116,10 @@ def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
         entries = api.list_repo_tree(repo, path_in_repo="/".join(fixed) or None, recursive=True,
                                      revision=commit, repo_type="dataset")
         files = sorted((e.path, e.size) for e in entries if isinstance(e, RepoFile) and usable(e.path, pattern))
-    except (errors.EntryNotFoundError, errors.RemoteEntryNotFoundError):  # the pattern's directory does not exist
+    # RemoteEntryNotFoundError is new in huggingface_hub 1.0 (requirements allow older): an
+    # attribute error here would hide every other failure, offline mode included.
+    except (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)):
+        # the pattern's directory does not exist
         files = []
     except Exception as error:  # offline mode, no network, the Hub down: the caller falls back to the cache
         raise access_error(error, where) or Unreachable(first_line(error)) from None
@@ -250,3 +253,28 @@ def choose_hub_files(config: Config, world_size: int, log: Log) -> Config:
                         f"{config.preset}` with this run's options, then copy the Hugging Face cache here)")
     log(f"{where}; using the first {count} ({byte_count(sum(s for _, s in found.files[:count]))}): {why}")
     return dataclasses.replace(config, data=dataclasses.replace(data, hub_max_files=count))
+
+
+def follow_checkpoint(config: Config) -> Config:
+    """config reading the same Hub files as the checkpoint it resumes (training.resume, a path
+    once resolved): data.hub_max_files and data.hub_revision come from the checkpoint's config
+    unless set here. Without this, a resume with more steps or another number of GPUs would size
+    the download anew, prepare other files, and continue at a data position that means other
+    windows (pretrain/checkpoint.py refuses such a resume)."""
+    from pretrain.config import ConfigError, DataConfig, load
+
+    data, resume = config.data, config.training.resume
+    if data.source != "hub" or not resume or resume == "auto" or not (Path(resume) / "config.json").is_file():
+        return config
+    try:
+        saved = load(Path(resume) / "config.json").data
+    except ConfigError:
+        return config  # restoring it says what is wrong with it
+    if (saved.source, saved.hub_repo, saved.hub_files) != (data.source, data.hub_repo, data.hub_files):
+        return config
+    changes: dict[str, object] = {}
+    if data.hub_max_files is None and saved.hub_max_files is not None:
+        changes["hub_max_files"] = saved.hub_max_files
+    if data.hub_revision == DataConfig().hub_revision and is_commit(saved.hub_revision):
+        changes["hub_revision"] = saved.hub_revision
+    return dataclasses.replace(config, data=dataclasses.replace(data, **changes)) if changes else config
