@@ -52,6 +52,8 @@ HOST_OVERHEAD_BYTES = GIB
 HOST_SHARE = 0.9
 """A run may plan on this share of the host memory available when it starts (the rest: the OS,
 the launcher, other processes' growth)."""
+PINNED_ROUNDING = 8 / 7
+"""Pinned host memory per byte asked for, at worst for Llama shapes (224 MiB rounded to 256 MiB)."""
 HOST_MEMORY_ENV = "LAUNCHER_HOST_MEMORY_GIB"
 """Tests (and users who know better) set the host memory available, in GiB, instead of psutil's figure."""
 
@@ -135,13 +137,13 @@ def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     pretrain/parallel.py), so each RMSNorm keeps its fp32 input and normalised value (2 x 2 dim).
     In the compute dtype: each matmul's input, which under autocast is a bf16 copy of the fp32
     norm output per consumer (wq, wk, wv, w1, w3: 5 dim) and in fp32 the norm output itself, shared
-    (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim) and its output, which wo
-    reads through a view (dim); w1's and w3's outputs, silu's output and the gated product, w2's
-    input (4 ffn_dim). Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one
+    (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim; in fp32 k and v are repeated
+    to every query head, dim + 2 dim: pretrain/model.py) and its output, which wo reads through a
+    view (dim); w1's and w3's outputs, silu's output and the gated product, w2's input (4 ffn_dim). Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one
     per head). The rotation keeps nothing: its tables are constants.
     """
     d, ffn = model.dim, model.ffn_dim
-    kv = model.n_kv_heads * (d // model.n_heads)
+    kv = model.n_kv_heads * (d // model.n_heads) if compute_bytes != FP32 else d
     norm_outputs = 5 * d if compute_bytes != FP32 else 2 * d
     return compute_bytes * (norm_outputs + 2 * d + 2 * kv + 4 * ffn) + FP32 * (4 * d + 2 + model.n_heads)
 
@@ -226,7 +228,10 @@ def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> 
     if mode != "fsdp":
         raise ValueError("on GPUs only FSDP with CPU offload keeps the model in host memory")
     shard = _ceil_div(FP32 * parameter_count(config.model), world_size)
-    return MemoryEstimate(mode=mode, world_size=world_size, weights=shard, gradients=shard, optimizer=2 * shard,
+    # The weights' and gradients' shards are pinned, through the caching host allocator, which
+    # rounds a block up to a power of two (a 224 MiB shard of a 14336 x 4096 matrix takes 256).
+    pinned = int(shard * PINNED_ROUNDING)
+    return MemoryEstimate(mode=mode, world_size=world_size, weights=pinned, gradients=pinned, optimizer=2 * shard,
                           activations=0, logits=0, overhead=HOST_OVERHEAD_BYTES)
 
 
@@ -324,14 +329,30 @@ def check_host_fits(config: Config, world_size: int, mode: str, host_memory_byte
     what = "GPU with CPU offload" if on_gpus else "CPU worker"
     ranks = "GPUs" if on_gpus else "workers"
     raise ConfigError(f"preset {config.preset} needs ~{gib(per.total)} GiB of host memory per {what} "
-                      f"({per.parts()}) x {local_ranks} {ranks} = {gib(needed)} GiB but this machine has "
+                      f"({per.parts()}) x {local_ranks} {ranks}{_export_part(config, world_size, mode, on_gpus)} "
+                      f"= {gib(needed)} GiB but this machine has "
                       f"{gib(host_memory_bytes)} GiB available (a run plans on {HOST_SHARE:.0%} of it); "
                       + _host_hint(config, world_size, mode, host_memory_bytes, on_gpus))
 
 
 def _host_need(config: Config, world_size: int, mode: str, local_ranks: int, on_gpus: bool) -> tuple[MemoryEstimate, int]:
+    """One process's host memory, and the host's: local_ranks processes, plus the export's copy."""
     per = host_estimate(config, world_size, mode, on_gpus)
-    return per, per.total * local_ranks
+    return per, per.total * local_ranks + export_copy_bytes(config, world_size, mode, offload=on_gpus)
+
+
+def _export_part(config: Config, world_size: int, mode: str, offload: bool) -> str:
+    copy = export_copy_bytes(config, world_size, mode, offload)
+    return f" + {gib(copy)} for the export's whole copy" if copy else ""
+
+
+def export_copy_bytes(config: Config, world_size: int, mode: str, offload: bool) -> int:
+    """At the end of a run rank 0 gathers the whole model in fp32 into host memory to export it
+    (pretrain/export.py), on top of its shards: 4P bytes, once per host, when the weights are
+    sharded (FSDP over several ranks, or offloaded). A full replica (DDP, one process) is
+    exported from the tensors it already holds."""
+    sharded = mode == "fsdp" and (world_size > 1 or offload)
+    return FP32 * parameter_count(config.model) if sharded else 0
 
 
 def _host_hint(config: Config, world_size: int, mode: str, host_memory_bytes: int, on_gpus: bool) -> str:
@@ -430,5 +451,6 @@ def _choose_on_gpus(config: Config, world_size: int, gpu_memory_bytes: int, host
         return "fsdp", True
     check_fits(config, world_size, gpu_memory_bytes, mode,
                note=f", and CPU offload would need ~{gib(per.total)} GiB of host memory per GPU ({per.parts()}) "
-                    f"x {local_ranks} = {gib(needed)} GiB but this machine has {gib(host_memory_bytes)} GiB available")
+                    f"x {local_ranks}{_export_part(config, world_size, 'fsdp', True)} = {gib(needed)} GiB but this "
+                    f"machine has {gib(host_memory_bytes)} GiB available")
     raise AssertionError("check_fits raises when the run does not fit")  # unreachable: fits was False

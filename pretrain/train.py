@@ -28,7 +28,7 @@ from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
 from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
-from pretrain.data.hub import choose_hub_files
+from pretrain.data.hub import choose_hub_files, follow_checkpoint
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.debug import FirstNonFinite, NonFinite, NumericalFailure
@@ -100,7 +100,7 @@ class Trainer:
 def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights are not decayed). The fused
     kernel runs where the parameters are on the GPU; under CPU offload they are in host memory,
-    where the plain implementation (foreach) updates them."""
+    where torch's plain per-tensor loop updates them (its foreach kernels are CUDA-only)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -124,7 +124,8 @@ def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
     t = config.training
     if t.cpu_offload is None and gpu is not None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
-        config, _ = memory.plan_parallelism(config, runtime.world_size, gpu, memory.host_memory_bytes(), local_ranks)
+        gpu, host = smallest_across_ranks(runtime, gpu, memory.host_memory_bytes())
+        config, _ = memory.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
     else:
         offload = bool(t.cpu_offload)
         mode = "fsdp" if offload else memory.choose_parallelism(config, runtime.world_size, gpu)
@@ -134,6 +135,17 @@ def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
     if config.training.cpu_offload:
         return config, "fsdp"
     return config, config.training.parallelism if runtime.distributed else "single"
+
+
+def smallest_across_ranks(runtime: Runtime, *values: int) -> tuple[int, ...]:
+    """Each value's minimum over the ranks, so that every rank makes the same choice: ranks read
+    the host's free memory at different moments, and GPUs may differ in size. (A CPU tensor: on
+    GPUs the group has gloo beside NCCL whenever offload may be chosen, pretrain/runtime.py.)"""
+    if not runtime.distributed:
+        return values
+    smallest = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return tuple(int(v) for v in smallest.tolist())
 
 
 def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
@@ -431,6 +443,9 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
+    if resume_from is not None:  # the Hub files the checkpoint was trained on
+        config = follow_checkpoint(dataclasses.replace(config, training=dataclasses.replace(
+            config.training, resume=str(resume_from))))
     config = choose_hub_files(config, runtime.world_size, log.info)
     dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
@@ -168,3 +168,23 @@ def test_the_throughput_window_leaves_out_a_checkpoint_save_between_two_step_lin
     tokens_per_s, _, _ = speed.measure(now=10.0)  # 2 steps in 10 s, 5 of them saving
     assert tokens_per_s == pytest.approx(2 * 1000 / 5)
     assert (speed.window_start, speed.window_steps) == (10.0, 0)  # the next window starts clean
+
+
+def test_ranks_plan_on_the_smallest_memory_any_of_them_reports(tmp_path):
+    probe = (
+        "import os, torch, torch.distributed as dist\n"
+        "from pretrain.runtime import Runtime\n"
+        "from pretrain.train import smallest_across_ranks\n"
+        "rank = int(os.environ['RANK'])\n"
+        "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
+        "runtime = Runtime(rank=rank, world_size=2, device=torch.device('cpu'), label=f'CPU {rank}')\n"
+        "print(smallest_across_ranks(runtime, *((80, 500) if rank == 0 else (40, 900))))\n"
+        "dist.destroy_process_group()\n")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", probe], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [out.strip().splitlines()[-1] for out in outputs] == ["(40, 500)", "(40, 500)"], outputs
