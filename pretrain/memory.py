@@ -4,7 +4,10 @@ The launcher imports this (no torch here) to choose between DDP and FSDP and to 
 config that cannot fit, with one line that says what would help, before any worker starts.
 The estimate is a model of the peak, not a measurement: parameters, gradients and AdamW state
 are exact counts; activations follow the per-layer formula in `_activation_bytes_per_token`;
-a fixed allowance covers the CUDA context and the caching allocator's fragmentation.
+the backward's temporaries are one block's activation gradients; the loss chunk counts three
+fp32 copies of its logits (measured); a fixed allowance covers the CUDA context, NCCL and the
+caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the GPU, for
+what the model still leaves out.
 
 What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4):
 
@@ -44,8 +47,14 @@ FP32 = 4
 BF16 = 2
 OVERHEAD_BYTES = 2 * GIB
 """The CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's fragmentation."""
-AUTO_DDP_SHARE = 0.9
-"""training.parallelism "auto" picks DDP when its estimate fits this share of the GPU."""
+GPU_SHARE = 0.9
+"""A run plans on this share of each GPU: the estimate is a model, and what it leaves out
+(fragmentation beyond the allowance, kernels' workspaces, a longer NCCL buffer) must still fit.
+"auto" picks DDP when DDP's estimate fits it, and a run whose estimate does not is refused."""
+LOGIT_COPIES = 3
+"""fp32 tensors of one loss chunk's size at the peak of its backward: the recomputed logits, the
+log-probabilities cross_entropy keeps, and their gradient. benchmarks/train.py measured 2.95 GiB
+for 2048 tokens x 128,256 ids, where two copies would be 1.96."""
 MODES = ("ddp", "fsdp")
 HOST_OVERHEAD_BYTES = GIB
 """Host memory of one training process besides its tensors: Python, torch's libraries, the data loader."""
@@ -69,12 +78,16 @@ class MemoryEstimate:
     activations: int
     """What autograd keeps for one micro-batch's backward pass, over every block."""
     logits: int
-    """The fp32 logits of one loss chunk and their gradient."""
+    """The fp32 logits of one loss chunk, their log-probabilities and gradient (LOGIT_COPIES)."""
     overhead: int
+    temporaries: int = 0
+    """The backward pass's short-lived buffers: the gradients of one block's activations, as large
+    as what the block saved."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.overhead
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.temporaries + self.logits
+                + self.overhead)
 
     def describe(self) -> str:
         """~61.3 GiB per GPU: weights 30.0, gradients 30.0, optimizer 60.0, ... GiB"""
@@ -82,7 +95,7 @@ class MemoryEstimate:
 
     def parts(self) -> str:
         """The parts that are not zero (host memory under CPU offload has no activations)."""
-        names = ("weights", "gradients", "optimizer", "activations", "logits", "overhead")
+        names = ("weights", "gradients", "optimizer", "activations", "temporaries", "logits", "overhead")
         return ", ".join(f"{name} {gib(getattr(self, name))}" for name in names if getattr(self, name)) + " GiB"
 
 
@@ -175,12 +188,19 @@ def activation_bytes(config: Config) -> int:
 
 
 def logits_bytes(config: Config) -> int:
-    """The fp32 logits of one loss chunk and their gradient (of the whole micro-batch when
+    """LOGIT_COPIES fp32 tensors of one loss chunk's logits (of the whole micro-batch when
     training.loss_chunk_tokens is 0 or larger than it)."""
     t = config.training
     tokens = t.batch_size * config.data.context_length
     chunk = min(tokens, t.loss_chunk_tokens) if t.loss_chunk_tokens > 0 else tokens
-    return chunk * _require_vocab(config.model) * FP32 * 2
+    return chunk * _require_vocab(config.model) * FP32 * LOGIT_COPIES
+
+
+def temporary_bytes(config: Config) -> int:
+    """The backward's buffers for one block at a time: the gradients of its saved activations."""
+    t = config.training
+    tokens = t.batch_size * config.data.context_length
+    return tokens * _activation_bytes_per_token(config.model, BF16 if t.use_amp else FP32)
 
 
 # --- the estimate -----------------------------------------------------------------------
@@ -212,7 +232,7 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         optimizer = 2 * FP32 * params
     return MemoryEstimate(mode=mode, world_size=world_size, weights=weights, gradients=gradients,
                           optimizer=optimizer, activations=activation_bytes(config),
-                          logits=logits_bytes(config), overhead=OVERHEAD_BYTES)
+                          logits=logits_bytes(config), overhead=OVERHEAD_BYTES, temporaries=temporary_bytes(config))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -252,15 +272,20 @@ def host_memory_bytes() -> int:
 
 def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> str:
     """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
-    memory limit (CPU: None), or when DDP's estimate fits AUTO_DDP_SHARE of the GPU (DDP
+    memory limit (CPU: None), or when DDP's estimate fits GPU_SHARE of the GPU (DDP
     communicates less); FSDP otherwise."""
     chosen = config.training.parallelism
     if chosen != "auto":
         return chosen
     if world_size == 1 or gpu_memory_bytes is None:
         return "ddp"
-    fits = estimate(config, world_size, "ddp").total <= AUTO_DDP_SHARE * gpu_memory_bytes
+    fits = fits_gpu(estimate(config, world_size, "ddp").total, gpu_memory_bytes)
     return "ddp" if fits else "fsdp"
+
+
+def fits_gpu(needed_bytes: int, gpu_memory_bytes: int) -> bool:
+    """Whether an estimate fits GPU_SHARE of the GPU, the margin every decision keeps."""
+    return needed_bytes <= GPU_SHARE * gpu_memory_bytes
 
 
 def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str, offload: bool = False,
@@ -268,7 +293,7 @@ def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str
     """ConfigError (one line: the estimate, the GPU's memory, what would help) when the
     estimate exceeds gpu_memory_bytes. note goes after the GPU's memory (why offload does not help)."""
     needed = estimate(config, world_size, mode, offload)
-    if needed.total <= gpu_memory_bytes:
+    if fits_gpu(needed.total, gpu_memory_bytes):
         return
     suggestions = _suggestions(config, world_size, mode, needed.total, gpu_memory_bytes)
     hint = "try " + _join_or(suggestions) if suggestions else "use a smaller model or a shorter data.context_length"
@@ -276,7 +301,7 @@ def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str
     if offload:
         where += " and CPU offload"
     raise ConfigError(f"preset {config.preset} needs ~{gib(needed.total)} GiB per GPU {where} ({needed.parts()}) "
-                      f"but the GPU has {gib(gpu_memory_bytes)} GiB{note}; {hint}")
+                      f"but the GPU has {gib(gpu_memory_bytes)} GiB (a run plans on {GPU_SHARE:.0%} of it){note}; {hint}")
 
 
 def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> list[str]:
@@ -313,7 +338,7 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_mem
 def _gpus_that_fit(config: Config, world_size: int, gpu_memory_bytes: int, most: int = 1024) -> int | None:
     """The fewest GPUs (more than world_size, at most `most`) over which FSDP fits, if any."""
     for gpus in range(world_size + 1, most + 1):
-        if estimate(config, gpus, "fsdp").total <= gpu_memory_bytes:
+        if fits_gpu(estimate(config, gpus, "fsdp").total, gpu_memory_bytes):
             return gpus
     return None
 
@@ -440,11 +465,11 @@ def _choose_on_gpus(config: Config, world_size: int, gpu_memory_bytes: int, host
         if host_memory_bytes is not None:
             check_host_fits(config, world_size, "fsdp", host_memory_bytes, local_ranks, on_gpus=True)
         return "fsdp", True
-    fits = estimate(config, world_size, mode).total <= gpu_memory_bytes
+    fits = fits_gpu(estimate(config, world_size, mode).total, gpu_memory_bytes)
     if fits or t.cpu_offload is False or t.parallelism == "ddp" or host_memory_bytes is None:
         check_fits(config, world_size, gpu_memory_bytes, mode)
         return mode, False
-    if estimate(config, world_size, "fsdp", offload=True).total > gpu_memory_bytes:
+    if not fits_gpu(estimate(config, world_size, "fsdp", offload=True).total, gpu_memory_bytes):
         check_fits(config, world_size, gpu_memory_bytes, mode)  # offload would not fit either: say what does
     per, needed = _host_need(config, world_size, "fsdp", local_ranks, on_gpus=True)
     if needed <= HOST_SHARE * host_memory_bytes:
