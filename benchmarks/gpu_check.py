@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -153,15 +154,22 @@ def write_report(path: Path, machine_line: str, rows: list[Row], note: str) -> s
 
 # --- command line ----------------------------------------------------------------------
 
+class Formatter(argparse.HelpFormatter):
+    def _fill_text(self, text: str, width: int, indent: str) -> str:  # check names are not split at a hyphen
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         raise UsageError(f"{message}; see --help")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = Parser(prog="bash scripts/gpu_check.sh",
+    parser = Parser(prog="bash scripts/gpu_check.sh", formatter_class=Formatter,
                     description="Run every GPU path of this project once (NVML, the launch scripts, a NaN run, "
-                                "throughput and MFU, compile cache, bf16, NCCL, host synchronizations) and write "
+                                "throughput and MFU, compile cache, bf16, NCCL and its failures, host synchronizations, "
+                                "torchrun, the allocator, fp32 attention, the memory estimate) and write "
                                 "one Markdown table of the results. Needs an NVIDIA GPU.",
                     epilog=f"checks: {', '.join(CHECKS)}")
     parser.add_argument("--quick", action="store_true", help="fewer steps everywhere (about half the time)")

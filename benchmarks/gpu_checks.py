@@ -11,68 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.gpu_procs import (ENTRY, LAST_LINES, REPO, CheckFailed, child_env, failed, falling, kill_group,
-                                  launcher, losses_by_step, run, smi_query, step_lines, worker)
+from benchmarks.gpu_context import (OFFLINE_DATA, SMALL_FALLBACK_VOCAB, Context, Row,  # noqa: F401  (re-exported)
+                                   sets_args)
+from benchmarks.gpu_checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
+from benchmarks.gpu_procs import (ENTRY, LAST_LINES, REPO, CheckFailed, GpuMemory, child_env, failed, falling,
+                                  kill_group, launcher, losses_by_step, run, smi_query, step_lines, worker)
 from benchmarks.gpu_workers import POISONED, TINY
-
-# Without --set data.*: the built-in corpus and the byte tokenizer, so that nothing needs the
-# network (the GPU machine may have none). The presets keep their vocabularies (byte ids are
-# valid rows of any of them), so the models, and their throughput, are the presets' own.
-OFFLINE_DATA = ("data.source=builtin", "data.hub_repo=", "data.tokenizer=byte", "data.tokenizer_name=",
-                "data.max_samples=0")
-SMALL_FALLBACK_VOCAB = 50304
-"""The small preset's vocabulary on the offline fallback when the preset has none of its own."""
-
-
-@dataclass
-class Row:
-    check: str
-    result: str
-    target: str
-    met: str
-    """yes, no or n.a."""
-    key: str = ""
-    """The --only name of the check that made it."""
-    failure: str = ""
-    """The last lines of the output of what failed (shown under the table)."""
-
-
-@dataclass
-class Context:
-    quick: bool
-    sets: list[str]
-    """--set options for the data of the small and production-shaped runs."""
-    gpus: list[int]
-    """NVML indices of the whole GPUs."""
-    tmp: Path
-    log: Callable[[str], None] = print
-    data_note: str = ""
-
-    @property
-    def data_sets(self) -> list[str]:
-        return self.sets if any(s.startswith("data.") for s in self.sets) else [*OFFLINE_DATA, *self.sets]
-
-    @property
-    def small_sets(self) -> list[str]:
-        """data_sets, and on the byte fallback the vocabulary of GPT-2's tokenizer (padded to
-        64) when the preset's follows the tokenizer: 257 rows would leave out most of the output
-        projection's work and make the throughput and MFU those of another model."""
-        from pretrain import config as cfg
-        sets = self.data_sets
-        if sets is not self.sets and cfg.resolve(preset="small", sets=sets).model.vocab_size is None:
-            sets = [*sets, f"model.vocab_size={SMALL_FALLBACK_VOCAB}"]
-        return sets
-
-    def run_dir(self, name: str) -> str:
-        return str(self.tmp / name)
-
-
-def sets_args(sets: Sequence[str]) -> list[str]:
-    return [item for assignment in sets for item in ("--set", assignment)]
 
 
 def check_gpus(ctx: Context) -> list[Row]:
@@ -200,12 +147,15 @@ def check_small(ctx: Context) -> list[Row]:
     steps, interval = (60, 20) if ctx.quick else (300, 50)
     rows = []
     for compiled in (True, False):
-        proc = launcher("--preset", "small", "--gpus", str(ctx.gpus[0]), "--max-steps", str(steps),
-                        "--run-dir", ctx.run_dir(f"small-{compiled}"),
-                        *sets_args([*ctx.small_sets, f"training.compile={str(compiled).lower()}",
-                                    "training.eval_interval=0", f"logging.log_interval={interval}",
-                                    "logging.tensorboard=false"]), timeout=600)
-        name = f"`small` preset, bf16, {'compiled' if compiled else 'not compiled'}, {steps} steps ({ctx.data_note})"
+        with GpuMemory(ctx.gpus[0]) as used:
+            proc = launcher("--preset", "small", "--gpus", str(ctx.gpus[0]), "--max-steps", str(steps),
+                            "--run-dir", ctx.run_dir(f"small-{compiled}"),
+                            *sets_args([*ctx.small_sets, f"training.compile={str(compiled).lower()}",
+                                        "training.eval_interval=0", f"logging.log_interval={interval}",
+                                        "logging.tensorboard=false"]), timeout=600)
+        how = "compiled" if compiled else "not compiled"
+        name = f"`small` preset, bf16, {how}, {steps} steps ({ctx.data_note})"
+        rows.append(estimate_row(f"memory estimate vs measured, `small`, {how}, 1 GPU", proc, used.peak_gib))
         lines = step_lines(proc.out)
         if not proc.ok or len(lines) < 3:
             rows.append(Row(name, f"FAILED: {proc.how()} after {proc.seconds:.0f} s, {len(lines)} step lines",
@@ -244,7 +194,7 @@ def check_production_shape(ctx: Context) -> list[Row]:
               f"(MFU of a layer {fmt_pct(r['layer_flops_per_step'] / per_layer / r['peak_flops'] if r['peak_flops'] and per_layer > 0 else None)}); "
               f"32 layers projected {projected:.2f} s/step")
     return [Row("8B shape, 1 GPU, 2 and 4 layers, bf16, compiled, activation checkpointing", result, "measured",
-                "n.a.")]
+                "n.a."), shape_estimate_row(r)]
 
 
 def fmt_pct(value: float | None) -> str:
@@ -427,5 +377,6 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     "offload": check_offload,
     "nccl": check_nccl,
     "syncs": check_syncs,
+    **RUNTIME_CHECKS,
 }
 """Every command a check runs has its own timeout (at most 10 minutes), so no check hangs."""

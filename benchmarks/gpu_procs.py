@@ -111,13 +111,63 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def emit(result: Any) -> None:
+    """A worker's result: one JSON line after RESULT_MARK."""
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def results(out: str) -> list[Any]:
+    """The results workers emitted, also from under the launcher's "GPU0:" prefixes."""
+    return [json.loads(line.split(RESULT_MARK, 1)[1]) for line in out.splitlines() if RESULT_MARK in line]
+
+
+def worker_argv(name: str, *args: str) -> list[str]:
+    return [sys.executable, str(ENTRY), "--worker", name, *args]
+
+
 def worker(name: str, timeout: float, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one of the workers (benchmarks/gpu_workers.py) in a fresh Python process; its JSON result."""
-    proc = run([sys.executable, str(ENTRY), "--worker", name, *args], timeout, env)
-    results = [line[len(RESULT_MARK):] for line in proc.out.splitlines() if line.startswith(RESULT_MARK)]
-    if not proc.ok or not results:
+    proc = run(worker_argv(name, *args), timeout, env)
+    found = results(proc.out)
+    if not proc.ok or not found:
         raise failed(f"worker {name}", proc)
-    return json.loads(results[-1])
+    return found[-1]
+
+
+class GpuMemory:
+    """nvidia-smi's memory.used of one GPU, sampled every interval_ms while a run goes on (with
+    GpuMemory(i) as used: ...; used.peak_gib): what the run takes as the driver counts it (torch's
+    reserved memory, the CUDA context, NCCL's buffers), above what was used when it started. By
+    GPU, not by PID: in a container nvidia-smi may show other PIDs, or none."""
+
+    def __init__(self, index: int, interval_ms: int = 200) -> None:
+        self.index, self.interval_ms = index, interval_ms
+        self.baseline_mib = self.peak_mib = None
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> GpuMemory:
+        self.baseline_mib = int(smi_query("memory.used", index=self.index)[0][0])
+        self._proc = subprocess.Popen(["nvidia-smi", "-i", str(self.index), "--query-gpu=memory.used",
+                                       "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                      start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            if line.strip().isdigit():
+                self.peak_mib = max(self.peak_mib or 0, int(line))
+
+    def __exit__(self, *exc: object) -> None:
+        kill_group(self._proc)
+        self._reader.join(timeout=5)
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_mib is None else max(0, self.peak_mib - self.baseline_mib) / 1024
 
 
 def launcher(*args: str, timeout: float, env: dict[str, str] | None = None,
@@ -145,7 +195,8 @@ def falling(losses: dict[int, float]) -> bool:
     return len(steps) >= 2 and losses[steps[-1]] < losses[steps[0]]
 
 
-def smi_query(*fields: str, what: str = "gpu") -> list[list[str]]:
-    out = subprocess.run(["nvidia-smi", f"--query-{what}={','.join(fields)}", "--format=csv,noheader,nounits"],
+def smi_query(*fields: str, what: str = "gpu", index: int | None = None) -> list[list[str]]:
+    only = [] if index is None else ["-i", str(index)]
+    out = subprocess.run(["nvidia-smi", *only, f"--query-{what}={','.join(fields)}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_procs import RESULT_MARK
+from benchmarks.gpu_procs import emit
+from benchmarks.gpu_workers_runtime import RUNTIME_WORKERS
 
 SYNC_WARNING = "synchronizing CUDA operation"
 """What torch.cuda.set_sync_debug_mode("warn") says at each synchronizing call."""
@@ -29,10 +30,6 @@ POISONED = "layers.1.feed_forward.w1.weight"
 """The weight of the debug model that the poison worker sets one NaN in (check_nan looks for it)."""
 TINY = ("training.batch_size=2", "data.context_length=32")
 """The debug model's batch and context for the poisoned checkpoint and its resumed run."""
-
-
-def emit(result: dict[str, Any]) -> None:
-    print(RESULT_MARK + json.dumps(result), flush=True)
 
 
 def worker_torch() -> None:
@@ -115,6 +112,7 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
         for step in range(warmup):
             train_step(trainer, step)
         torch.cuda.synchronize()
+        warmup_peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()  # build and compile
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         for step in range(warmup, warmup + timed):
@@ -132,7 +130,21 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
           "tokens": tokens,
           "tokens_per_s": tokens / step_s, "mfu": tokens / step_s * per_token / peak if peak else None,
           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "peak_flops": peak,
-          "layer_flops_per_step": layer_flops * tokens})
+          "layer_flops_per_step": layer_flops * tokens, **memory_against_estimate(trainer, warmup_peaks)})
+
+
+def memory_against_estimate(trainer: Any, warmup_peaks: tuple[int, int]) -> dict[str, Any]:
+    """pretrain.memory's estimate for this run's config and mode, and the peaks of the whole
+    run (warm-up steps included) in GiB: what the caching allocator handed out and reserved."""
+    import torch
+
+    from pretrain import memory
+    offload = bool(trainer.config.training.cpu_offload)
+    mode = "fsdp" if trainer.mode == "fsdp" else "ddp"  # "single" is the one-rank case of ddp's formula
+    estimate = memory.estimate(trainer.config, trainer.runtime.world_size, mode, offload)
+    return {"estimate_gib": estimate.total / 2**30, "estimate_parts": estimate.parts(),
+            "run_allocated_gib": max(warmup_peaks[0], torch.cuda.max_memory_allocated()) / 2**30,
+            "run_reserved_gib": max(warmup_peaks[1], torch.cuda.max_memory_reserved()) / 2**30}
 
 
 def worker_syncs(mode: str, steps: str, compile_: str) -> None:
@@ -225,4 +237,5 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
 
 
 WORKERS: dict[str, Callable[..., None]] = {"torch": worker_torch, "hold": worker_hold, "nvml": worker_nvml,
-                                           "poison": worker_poison, "shape": worker_shape, "syncs": worker_syncs}
+                                           "poison": worker_poison, "shape": worker_shape, "syncs": worker_syncs,
+                                           **RUNTIME_WORKERS}

@@ -5,6 +5,7 @@ results file, merging reruns into the table, starting a worker in a child proces
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -16,8 +17,10 @@ import pytest
 from conftest import ROOT, alive, launcher_env, wait_until
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import gpu_check, gpu_checks, gpu_procs  # noqa: E402
+from benchmarks import gpu_check, gpu_checks, gpu_checks_runtime, gpu_procs  # noqa: E402
+from benchmarks.gpu_workers_runtime import FAILURE, RAISING  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
+from pretrain import memory  # noqa: E402
 from pretrain.train import step_line  # noqa: E402
 
 HAS_NVIDIA_SMI = shutil.which("nvidia-smi") is not None
@@ -152,3 +155,85 @@ def test_the_nvml_worker_run_as_a_script_reads_the_gpus_through_the_launchers_nv
     assert [(g["index"], g["uuid"]) for g in gpus] == [(0, "GPU-aaaa"), (1, "GPU-bbbb")]
     assert gpus[0]["memory_total"] == 81559 * 2**20 and gpus[0]["processes"] == [[4242, 1024 * 2**20]]
     assert gpu_procs.worker("nvml", 60, env=launcher_env()) == gpus  # as the checks start their workers
+
+
+def test_the_two_gpu_runtime_checks_are_not_applicable_on_one_gpu_and_start_nothing(tmp_path, monkeypatch):
+    def no_process(*args, **kwargs):
+        raise AssertionError("a one-GPU machine must not start a two-GPU run")
+    monkeypatch.setattr(gpu_checks_runtime, "run", no_process)
+    monkeypatch.setattr(gpu_checks_runtime, "launcher", no_process)
+    monkeypatch.setattr(gpu_checks_runtime.subprocess, "Popen", no_process)
+    ctx = gpu_checks.Context(quick=True, sets=[], gpus=[3], tmp=tmp_path, log=lambda _: None)
+    for key in ("torchrun", "nccl-timeout", "nccl-error"):
+        (row,) = gpu_checks.CHECKS[key](ctx)
+        assert (row.result, row.met) == ("1 GPU", "n.a."), key
+
+
+def test_under_torchrun_the_row_reads_each_ranks_device_and_wants_two_different_gpus(tmp_path):
+    # A real 2-rank torchrun on CPU: the Model lines are read; both ranks on "cpu" is not a pass.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "pretrain_main.py",
+            "--debug", "--run-dir", str(tmp_path / "run"), "--set", "system.device=cpu",
+            "--set", "training.max_steps=1", "--set", "training.compile=false"]
+    proc = gpu_procs.run(argv, timeout=300, env=launcher_env())
+    assert proc.ok, proc.tail()
+    row = gpu_checks_runtime.torchrun_row("torchrun", "different GPUs", proc)
+    assert row.met == "no" and row.result.startswith("exit 0; ranks on cpu (CPU ") and row.result.count("cpu (") == 2
+    on_gpus = proc.out.replace("[CPU 0]", "[GPU 0]").replace("[CPU 1]", "[GPU 1]")
+    apart = dataclasses.replace(proc, out=on_gpus.replace("device cpu", "device cuda:0", 1).replace("device cpu",
+                                                                                                      "device cuda:1"))
+    assert gpu_checks_runtime.torchrun_row("torchrun", "t", apart).met == "yes"
+    together = dataclasses.replace(proc, out=on_gpus.replace("device cpu", "device cuda:0"))
+    assert gpu_checks_runtime.torchrun_row("torchrun", "t", together).met == "no"
+
+
+def test_a_rank_that_raises_under_the_launcher_prints_its_traceback_and_all_end_soon(tmp_path):
+    # The nccl-error worker on two gloo CPU ranks: the same code, the launcher's real summary.
+    proc = gpu_procs.launcher("--device", "cpu", "--nproc", "2", "--kill-grace", "1", "--run-dir", str(tmp_path / "r"),
+                              "--", *gpu_procs.worker_argv("nccl-error", "cpu"), timeout=120, env=launcher_env(),
+                              first_match=gpu_checks_runtime.re.compile(RAISING))
+    assert "FAILED: CPU" in gpu_checks_runtime.summary(proc.out), proc.tail()
+    row = gpu_checks_runtime.error_row("nccl-error", "t", proc)
+    assert row.met == "yes" and row.result.startswith("exit 1 ") and "rank 1's traceback printed" in row.result, row
+    assert "failed first" in row.result and "summary: ?" not in row.result
+    silent = dataclasses.replace(proc, out=proc.out.replace(f"RuntimeError: {FAILURE}", "RuntimeError: other"))
+    assert gpu_checks_runtime.error_row("nccl-error", "t", silent).met == "no"
+
+
+def memory_run(estimate_gib: float | None, mems: list[float | None]) -> gpu_procs.Proc:
+    """A launcher's output: its parallelism line (as pretrain.memory writes it) and step lines."""
+    config = cfg.resolve(preset="small", sets=["model.vocab_size=50304"])
+    _, line = memory.plan_parallelism(config, 1, 80 * 2**30)
+    if estimate_gib is not None:
+        line = gpu_checks_runtime.ESTIMATE.sub(f"estimated {estimate_gib:.1f} GiB of 80.0 GiB per GPU", line)
+    trainer = SimpleNamespace(config=cfg.debug())
+    steps = [f"GPU0:INFO | [GPU 0] {step_line(trainer, i, 3.0, 1e-3, 0.5, 1.0, 1000.0, None, mem)}"
+             for i, mem in enumerate(mems)]
+    out = "\n".join(([f"launcher: {line}"] if estimate_gib is not None else []) + steps)
+    return gpu_procs.Proc(["python", "-m", "launcher"], 0, out, 1.0)
+
+
+def test_the_memory_row_compares_the_launchers_estimate_with_what_the_run_used():
+    assert gpu_checks_runtime.ESTIMATE.search(memory_run(None, []).out) is None
+    assert gpu_checks_runtime.ESTIMATE.search(memory_run(9.5, []).out) is not None
+    fits = gpu_checks_runtime.estimate_row("m", memory_run(9.5, [3.0, 4.2, None]), used_gib=6.0)
+    assert fits.met == "yes"
+    assert fits.result.startswith("estimate 9.5 GiB; used 6.0 GiB (nvidia-smi); allocated peak 4.2")
+    assert gpu_checks_runtime.estimate_row("m", memory_run(9.5, [4.2]), used_gib=9.8).met == "no"  # estimate low
+    missed = gpu_checks_runtime.estimate_row("m", memory_run(9.5, [4.2]), used_gib=3.0)  # below what torch allocated
+    assert missed.met == "no" and missed.result.endswith("nvidia-smi's samples missed the peak")
+    missing = gpu_checks_runtime.estimate_row("m", memory_run(None, [4.2]), used_gib=6.0)
+    assert missing.met == "no" and "the launcher's estimate line" in missing.result
+
+
+def test_the_launchers_estimate_line_is_the_one_the_memory_row_reads():
+    config = cfg.resolve(preset="small", sets=["model.vocab_size=50304"])
+    _, line = memory.plan_parallelism(config, 1, 80 * 2**30)
+    found = gpu_checks_runtime.ESTIMATE.search(line)
+    assert found and float(found["gib"]) == float(memory.gib(memory.estimate(config, 1, "ddp").total))
+
+
+def test_the_8b_shape_memory_row_fails_when_the_reserved_peak_exceeds_the_estimate():
+    shape = {"estimate_gib": 60.0, "estimate_parts": "weights 1.0 GiB", "run_allocated_gib": 50.0}
+    assert gpu_checks_runtime.shape_estimate_row({**shape, "run_reserved_gib": 58.0}).met == "yes"
+    low = gpu_checks_runtime.shape_estimate_row({**shape, "run_reserved_gib": 61.5})
+    assert low.met == "no" and "peak reserved 61.5" in low.result and "(102% of the estimate)" in low.result
