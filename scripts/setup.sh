@@ -5,8 +5,11 @@
 #    nothing is installed and the network is not touched.
 # 2. Otherwise ROOT/.venv is created with --system-site-packages, so a torch that the
 #    machine already has (GPU machines usually do) is reused, never replaced.
-# 3. torch, when missing, is a CPU build on machines without an NVIDIA GPU: pip's default
-#    torch for Linux pulls several GB of CUDA packages.
+# 3. torch, when missing, is installed within the bounds of requirements.txt's torch line
+#    (the one place they are written), a CPU build on machines without an NVIDIA GPU: pip's
+#    default torch for Linux pulls several GB of CUDA packages.
+# 4. An importable torch below the floor is reported, never replaced; one above the upper
+#    bound is used with a warning line (GPU machines come with the torch their driver runs).
 # Later runs find everything in place and start in about a second.
 
 _setup_log() { echo "setup: $*" >&2; }
@@ -51,6 +54,23 @@ _has_requirements() {  # PY ROOT FILES...
   "$py" "$root/scripts/check_requirements.py" "$@" >/dev/null 2>&1
 }
 
+_torch_spec() {  # FILES...: the first torch line of the requirement files, without its comment
+  local spec
+  spec=$(grep -hoE '^torch([<>=!~][^#[:space:]]*)?' "$@" 2>/dev/null | head -n 1)
+  echo "${spec:-torch}"
+}
+
+_use_python() {  # PY ROOT FILES...: the chosen interpreter, warning once per package above its upper bound
+  local py=$1 root=$2 line; shift 2
+  PYTHON=$py
+  # Above the bound is used anyway: a GPU machine's torch matches its driver, and replacing it
+  # could pull a CUDA build the driver cannot run. The warning says what was tested.
+  while IFS= read -r line; do
+    [ -n "$line" ] && _setup_log "warning: $line"
+  done < <("$py" "$root/scripts/check_requirements.py" --newer "$@" 2>/dev/null)
+  return 0
+}
+
 setup_python() {
   local root=$1; shift
   local base=${PYTHON:-python3}
@@ -62,11 +82,11 @@ setup_python() {
     _setup_log "error: Python 3.10 or newer is needed, $base is $("$base" --version 2>&1); set PYTHON=/path/to/python3"
     return 1
   fi
-  if _has_requirements "$base" "$root" "$@"; then PYTHON=$base; return 0; fi
+  if _has_requirements "$base" "$root" "$@"; then _use_python "$base" "$root" "$@"; return 0; fi
 
   local venv=$root/.venv
   if [ -x "$venv/bin/python" ] && _has_requirements "$venv/bin/python" "$root" "$@"; then
-    PYTHON=$venv/bin/python; return 0
+    _use_python "$venv/bin/python" "$root" "$@"; return 0
   fi
   _setup_log "installing what is missing into $venv (once; later runs reuse it)"
   if [ ! -x "$venv/bin/python" ]; then
@@ -74,18 +94,25 @@ setup_python() {
   fi
   local py=$venv/bin/python
   local pip=("$py" -m pip install --quiet --disable-pip-version-check --progress-bar off)
-  local missing
+  local missing required torch_spec
+  required=$(_torch_spec "$@")
+  torch_spec=${TORCH_SPEC:-$required}  # what gets installed; the floor is always the requirement's
   missing=$("$py" "$root/scripts/check_requirements.py" "$@") || true  # exits 1 when any is missing
   if "$py" -c 'import torch' >/dev/null 2>&1; then
     if grep -qE '^torch([<>=!~ ]|$)' <<<"$missing"; then  # importable but too old: never replaced
-      _setup_log "error: the installed torch $("$py" -c 'import torch; print(torch.__version__)') is older than $(grep -E '^torch([<>=!~ ]|$)' <<<"$missing"); upgrade it, or set PYTHON=/path/to/another/python3"
+      _setup_log "error: the installed torch $("$py" -c 'import torch; print(torch.__version__)') is older than $(sed -nE 's/.*>=[[:space:]]*([0-9][0-9.]*).*/\1/p' <<<"$required"), the oldest this code runs on; upgrade it (pip install '$required'), or set PYTHON=/path/to/another/python3"
       return 1
     fi
   elif _has_nvidia_gpu; then
-    _setup_log "installing ${TORCH_SPEC:-torch>=2.5} (NVIDIA GPU found)"
-    "${pip[@]}" "${TORCH_SPEC:-torch>=2.5}" || return 1
+    # Bounded like the CPU build: an unbounded spec takes the newest CUDA build, which may need
+    # a newer driver than the machine has.
+    _setup_log "installing $torch_spec (NVIDIA GPU found)"
+    "${pip[@]}" "$torch_spec" || return 1
+    if ! "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1; then
+      _setup_log "warning: the installed torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null) cannot use this machine's GPU (a CUDA build newer than the driver?); reinstall the build for your driver (nvidia-smi shows its CUDA version), e.g. $py -m pip install --force-reinstall '$torch_spec' --index-url https://download.pytorch.org/whl/cu126"
+    fi
   else
-    _install_cpu_torch "$py" "${TORCH_SPEC:-torch>=2.5,<2.14}" || return 1
+    _install_cpu_torch "$py" "$torch_spec" || return 1
   fi
   missing=$("$py" "$root/scripts/check_requirements.py" "$@") || true
   if [ -n "$missing" ]; then
@@ -94,5 +121,5 @@ setup_python() {
     echo "$missing" | xargs -d '\n' "${pip[@]}" || return 1
   fi
   _has_requirements "$py" "$root" "$@" || { _setup_log "error: requirements still missing after install"; return 1; }
-  PYTHON=$py
+  _use_python "$py" "$root" "$@"
 }

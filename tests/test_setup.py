@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,14 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_requirements  # noqa: E402
+
+TORCH = next(line for name, _, line in check_requirements.requirements(ROOT / "requirements.txt") if name == "torch")
+FLOOR, BOUND = re.fullmatch(r"torch>=(\d+\.\d+),<(\d+\.\d+)", TORCH).groups()
+
+
+def minor_before(version: str) -> str:
+    major, minor = version.split(".")
+    return f"{major}.{int(minor) - 1}"
 
 
 def project_copy(tmp_path):
@@ -68,3 +78,114 @@ def test_versions_compare_by_their_numeric_release(version, release):
 
 def test_every_runtime_requirement_is_installed_here():
     assert check_requirements.unsatisfied([ROOT / "requirements.txt", ROOT / "requirements-dev.txt"]) == []
+
+
+def fake_torch(site, version: str):
+    """An importable `torch` with installed metadata of `version`, ahead of the real one on PYTHONPATH."""
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    info = site / f"torch-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    return site
+
+
+def setup_with(root, python: str, **env: str) -> subprocess.CompletedProcess:
+    script = f'source "{root}/scripts/setup.sh" && setup_python "{root}" "{root}/requirements.txt" && echo "$PYTHON"'
+    return subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "PYTHON": python} | env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_torch_requirement_has_a_floor_and_an_upper_bound_and_this_torch_is_within_them():
+    assert TORCH == "torch>=2.9,<2.14"
+    assert check_requirements.satisfied("torch", TORCH) and check_requirements.above_bound("torch", TORCH) is None
+
+
+@pytest.mark.parametrize("newest", [False, True])
+def test_a_torch_within_the_bounds_is_used_silently(tmp_path, newest):
+    root = project_copy(tmp_path / "project")
+    version = f"{minor_before(BOUND)}.9+cu126" if newest else f"{FLOOR}.0"
+    result = setup_with(root, sys.executable, PYTHONPATH=str(fake_torch(tmp_path / "site", version)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == sys.executable and result.stderr == ""
+
+
+def test_a_torch_above_the_upper_bound_is_used_with_one_warning_line(tmp_path):
+    root = project_copy(tmp_path / "project")
+    result = setup_with(root, sys.executable, PYTHONPATH=str(fake_torch(tmp_path / "site", f"{BOUND}.0")))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == sys.executable  # used, not replaced
+    assert result.stderr.splitlines() == [
+        f"setup: warning: torch {BOUND}.0 is newer than tested (below {BOUND}: {TORCH}); using it; "
+        f"if it fails, install a tested one: pip install '{TORCH}'"]
+
+
+def test_an_importable_torch_below_the_floor_is_reported_in_one_line_and_never_replaced(tmp_path):
+    root = project_copy(tmp_path / "project")
+    old = f"{minor_before(FLOOR)}.1"
+    result = setup_with(root, sys.executable, PYTHONPATH=str(fake_torch(tmp_path / "site", old)))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [f"setup: error: the installed torch {old} is older than {FLOOR}, the oldest this code runs on; "
+                      f"upgrade it (pip install '{TORCH}'), or set PYTHON=/path/to/another/python3"]
+    assert "installing torch" not in result.stderr
+
+
+def fake_pip(site, log, torch_without_cuda: bool = False):
+    """A `python -m pip` that records its arguments and fails, so nothing is installed; or, with
+    torch_without_cuda, "installs" torch as an importable torch that sees no GPU, then fails."""
+    (site / "pip").mkdir(parents=True)
+    (site / "pip" / "__init__.py").write_text("")
+    install_torch = ""
+    if torch_without_cuda:
+        install_torch = (f"if sys.argv[-1].startswith('torch'):\n"
+                         f"    import os; os.makedirs({str(site / 'torch')!r})\n"
+                         f"    open({str(site / 'torch' / '__init__.py')!r}, 'w').write(\n"
+                         f"        '__version__ = \"2.13.0+cu130\"\\nclass cuda:\\n    is_available = staticmethod(lambda: False)\\n')\n"
+                         f"    sys.exit(0)\n")
+    (site / "pip" / "__main__.py").write_text(
+        f"import sys\nwith open({str(log)!r}, 'a') as f:\n    f.write(' '.join(sys.argv[1:]) + '\\n')\n"
+        + install_torch + "sys.exit(1)\n")
+    return site
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_path, gpu):
+    if not gpu and pathlib.Path("/proc/driver/nvidia/version").exists():
+        pytest.skip("this machine has an NVIDIA driver, so setup takes the GPU branch")
+    base = pathlib.Path(sys.base_prefix) / "bin" / "python3"
+    if subprocess.run([base, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip(f"{base} has torch, so setup would not install one")
+    root = project_copy(tmp_path / "project")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if gpu:  # nvidia-smi -L succeeds: setup believes there is a GPU
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    log = tmp_path / "pip.log"
+    result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin",
+                        PYTHONPATH=str(fake_pip(tmp_path / "site", log)))
+    assert result.returncode != 0  # the fake pip installs nothing
+    installs = log.read_text().splitlines()
+    assert installs and installs[0].startswith("install ") and installs[0].endswith(f" {TORCH}")
+    branch = "(NVIDIA GPU found)" if gpu else "(CPU build: no NVIDIA GPU found)"
+    assert f"setup: installing {TORCH} {branch}" in result.stderr.splitlines()
+    if not gpu:  # torch alone first, so a CUDA build's GB of nvidia-* packages are never pulled
+        assert "--no-deps" in installs[0].split()
+
+
+def test_a_gpu_machine_whose_new_torch_cannot_use_the_gpu_is_told_how_to_install_a_matching_build(tmp_path):
+    base = pathlib.Path(sys.base_prefix) / "bin" / "python3"
+    if subprocess.run([base, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip(f"{base} has torch, so setup would not install one")
+    root = project_copy(tmp_path / "project")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    site = fake_pip(tmp_path / "site", tmp_path / "pip.log", torch_without_cuda=True)
+    result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin", PYTHONPATH=str(site))
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("setup: warning:")]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("setup: warning: the installed torch 2.13.0+cu130 cannot use this machine's GPU")
+    assert f"--force-reinstall '{TORCH}' --index-url https://download.pytorch.org/whl/cu" in warnings[0]
