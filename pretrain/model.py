@@ -79,10 +79,17 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Attention works per head, so heads go before time: (B, heads, T, head_dim).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # With enable_gqa, query head h reads key/value head h // (n_heads // n_kv_heads) without
-        # materialising repeated K/V copies (the same grouping as Llama's repeat_kv).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)  # (B, n_heads, T, head_dim)
+        # Query head h reads key/value head h // (n_heads // n_kv_heads) (Llama's repeat_kv grouping).
+        # enable_gqa does that without copies, but on CUDA only the flash kernel takes it, and flash
+        # refuses fp32: fp32 q/k/v (use_amp=false) would fall back to the math kernel, which builds
+        # the whole (B, n_heads, T, T) score matrix. So fp32 repeats K/V (n_heads / n_kv_heads
+        # times their size, far below T x T) for the memory-efficient kernel; bf16 keeps enable_gqa.
+        gqa = self.n_kv_heads != self.n_heads
+        if gqa and q.dtype == torch.float32:
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, n_heads, T, head_dim)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, n_heads, T, head_dim)
+            gqa = False
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, dim)
         return self.wo(y)
 

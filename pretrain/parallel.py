@@ -12,6 +12,9 @@ launcher (pretrain/memory.py), and written into training.parallelism.
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import types
 import warnings
 from collections.abc import Iterator
@@ -34,11 +37,33 @@ from pretrain.runtime import Runtime
 
 def compile_enabled(config: Config, device: torch.device) -> bool:
     """training.compile, or, when it is null, on CUDA only (a first compile on CPU is slow);
-    never with debug.trace_nonfinite."""
+    never with debug.trace_nonfinite, and never without the compiler torch.compile builds its
+    kernels with (then off, with one warning line)."""
     if config.debug.trace_nonfinite:
         return False  # compiled blocks hide their modules from the hooks
     chosen = config.training.compile
-    return device.type == "cuda" if chosen is None else chosen
+    if not (device.type == "cuda" if chosen is None else chosen):
+        return False
+    if missing := missing_compiler(device):
+        logging.getLogger("pretrain").warning(
+            f"training.compile is off: torch.compile needs {missing} on first use, and none was found; "
+            "install one (e.g. apt-get install gcc g++), or set training.compile=false to silence this")
+        return False
+    return True
+
+
+def missing_compiler(device: torch.device) -> str | None:
+    """The compiler torch.compile will look for on device and not find, or None when it is there.
+    Searched the way the compilers do, so a missing one is found before the first forward raises."""
+    if device.type == "cuda":
+        # Triton builds its kernel launcher with $CC, else gcc, else clang (triton/runtime/build.py).
+        if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
+            return None
+        return "a C compiler (gcc or clang on PATH, or CC)"
+    # Inductor's CPU kernels are C++, built with $CXX, else g++ (torch._inductor.config.cpp.cxx).
+    if shutil.which(os.environ.get("CXX") or "g++"):
+        return None
+    return "a C++ compiler (g++ on PATH, or CXX)"
 
 
 def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str) -> nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -116,6 +117,56 @@ def test_grouped_query_attention_equals_attention_over_repeated_key_value_heads(
         y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, T, cfg.dim)
         expected = attention.wo(y)
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2])
+def test_fp32_attention_with_repeated_key_value_heads_matches_the_gqa_kernel_path_in_value_and_gradient(
+        n_kv_heads: int) -> None:
+    cfg = dataclasses.replace(TINY, n_kv_heads=n_kv_heads)
+    torch.manual_seed(0)
+    attention = Transformer(cfg, max_seq_len=SEQ_LEN).layers[0].attention
+    reference = copy.deepcopy(attention).double()  # not fp32, so it keeps enable_gqa: the GQA path
+    x = torch.randn(2, SEQ_LEN, cfg.dim)
+    cos, sin = rotary_tables(cfg.dim // cfg.n_heads, SEQ_LEN, cfg.rope_theta)
+    actual = attention(x, cos, sin)
+    expected = reference(x.double(), cos.double(), sin.double())
+    weights = torch.randn_like(expected)
+    (actual * weights.float()).sum().backward()
+    (expected * weights).sum().backward()
+    # float32 rounding: each output sums dim products, each within eps of exact, relative to the output's scale.
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=cfg.dim * eps * expected.abs().max().item())
+    for name in ("wq", "wk", "wv", "wo"):
+        grad, grad64 = getattr(attention, name).weight.grad, getattr(reference, name).weight.grad
+        torch.testing.assert_close(grad.double(), grad64, rtol=0, atol=cfg.dim * eps * grad64.abs().max().item())
+
+
+def test_fp32_attention_repeats_key_value_heads_while_bf16_keeps_enable_gqa_and_weights_stay_grouped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    attention = Transformer(TINY, max_seq_len=SEQ_LEN).layers[0].attention
+    head_dim = TINY.dim // TINY.n_heads
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.dtype, k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    x = torch.randn(2, SEQ_LEN, TINY.dim)
+    cos, sin = rotary_tables(head_dim, SEQ_LEN, TINY.rope_theta)
+    attention(x, cos, sin)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention(x, cos, sin)
+    # fp32: every query head gets its own K/V copy (the memory-efficient kernel's input on CUDA);
+    # bf16: the K/V heads as stored, grouped by enable_gqa (flash's input).
+    assert calls == [(torch.float32, TINY.n_heads, TINY.n_heads, False),
+                     (torch.bfloat16, TINY.n_kv_heads, TINY.n_kv_heads, True)]
+    # The repeat happens on activations only: checkpoints keep Llama's grouped wk/wv.
+    assert {name: tuple(p.shape) for name, p in attention.state_dict().items()} == {
+        "wq.weight": (TINY.n_heads * head_dim, TINY.dim), "wk.weight": (TINY.n_kv_heads * head_dim, TINY.dim),
+        "wv.weight": (TINY.n_kv_heads * head_dim, TINY.dim), "wo.weight": (TINY.dim, TINY.n_heads * head_dim)}
 
 
 def test_rotary_attention_score_depends_only_on_the_relative_position() -> None:
