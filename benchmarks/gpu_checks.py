@@ -9,7 +9,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from benchmarks.gpu_context import (OFFLINE_DATA, SMALL_FALLBACK_VOCAB, Context,
                                    sets_args)
 from benchmarks.gpu_checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
 from benchmarks.gpu_procs import (ENTRY, LAST_LINES, REPO, CheckFailed, GpuMemory, child_env, failed, falling,
-                                  kill_group, launcher, losses_by_step, run, smi_query, step_lines, worker)
+                                  kill_group, launcher, losses_by_step, run, smi_query, step_lines, watch, worker)
 from benchmarks.gpu_workers import POISONED, TINY
 
 
@@ -287,20 +286,10 @@ def fail_fast(ctx: Context) -> Row:
     gpus = ",".join(map(str, ctx.gpus[:2]))
     argv = [sys.executable, "-m", "launcher", "--debug", "--gpus", gpus, "--max-steps", "100000", "--kill-grace", "1",
             "--run-dir", ctx.run_dir("fail-fast"), "--set", "logging.log_interval=1", "--set", "training.compile=false"]
-    proc = subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
+    watched = watch(argv)
+    proc, lines, training, reader = watched.proc, watched.lines, watched.seen, watched.reader
     name = "NCCL fail-fast: rank 1 SIGKILLed during training, 2 GPUs"
     target = "every process gone <= 2 s, exit 137"
-    lines: list[str] = []
-    training = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "] Step [5/" in line:
-                training.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
         if not training.wait(timeout=600):
             return Row(name, "the run ended or stalled before step 5", target, "no",

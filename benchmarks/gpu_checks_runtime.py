@@ -8,12 +8,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import (LAST_LINES, REPO, Proc, child_env, failed, kill_group, launcher,
-                                  results, run, step_lines, worker, worker_argv)
+from benchmarks.gpu_procs import (LAST_LINES, Proc, child_env, failed, kill_group, launcher,
+                                  results, run, step_lines, watch, worker, worker_argv)
 from benchmarks.gpu_workers_runtime import FAILURE, RAISING
 
 SUMMARY_RULE = "=" * 72
@@ -113,18 +112,8 @@ def check_nccl_timeout(ctx: Context) -> list[Row]:
             *[item for s in (f"system.collective_timeout={COLLECTIVE_TIMEOUT_S}", "training.cpu_offload=false",
                              "training.parallelism=ddp", "training.compile=false", "logging.log_interval=1")
               for item in ("--set", s)]]
-    proc = subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
-    lines: list[str] = []
-    training = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "] Step [5/" in line:
-                training.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    watched = watch(argv)
+    proc, lines, training, reader = watched.proc, watched.lines, watched.seen, watched.reader
     stopped: list[psutil.Process] = []
     try:
         if not training.wait(timeout=600):

@@ -200,3 +200,30 @@ def smi_query(*fields: str, what: str = "gpu", index: int | None = None) -> list
     out = subprocess.run(["nvidia-smi", *only, f"--query-{what}={','.join(fields)}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+@dataclass
+class Watched:
+    """A launch whose output a thread collects, and the moment a marker line appeared."""
+    proc: subprocess.Popen
+    lines: list[str]
+    seen: threading.Event
+    reader: threading.Thread
+
+
+def watch(argv: Sequence[str], marker: str = "] Step [5/") -> Watched:
+    """Start argv in a session of its own and collect its output; seen is set at the first line
+    holding marker (by default: training reached step 5)."""
+    proc = subprocess.Popen(list(argv), cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", start_new_session=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if marker in line:
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return Watched(proc, lines, seen, reader)

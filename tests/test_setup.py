@@ -149,19 +149,26 @@ def fake_pip(site, log, torch_without_cuda: bool = False):
     return site
 
 
-@pytest.mark.parametrize("gpu", [True, False])
-def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_path, gpu):
-    if not gpu and pathlib.Path("/proc/driver/nvidia/version").exists():
-        pytest.skip("this machine has an NVIDIA driver, so setup takes the GPU branch")
+def fresh_machine(tmp_path: pathlib.Path, gpu: bool) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """(a Python without torch, a copy of the project, a bin directory for PATH) of a machine
+    with or without an NVIDIA GPU (a stub nvidia-smi that succeeds makes setup believe in one)."""
     base = pathlib.Path(sys.base_prefix) / "bin" / "python3"
     if subprocess.run([base, "-c", "import torch"], capture_output=True).returncode == 0:
         pytest.skip(f"{base} has torch, so setup would not install one")
     root = project_copy(tmp_path / "project")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    if gpu:  # nvidia-smi -L succeeds: setup believes there is a GPU
+    if gpu:
         (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
         (bin_dir / "nvidia-smi").chmod(0o755)
+    return base, root, bin_dir
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_path, gpu):
+    if not gpu and pathlib.Path("/proc/driver/nvidia/version").exists():
+        pytest.skip("this machine has an NVIDIA driver, so setup takes the GPU branch")
+    base, root, bin_dir = fresh_machine(tmp_path, gpu)
     log = tmp_path / "pip.log"
     result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin",
                         PYTHONPATH=str(fake_pip(tmp_path / "site", log)))
@@ -175,14 +182,7 @@ def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_p
 
 
 def test_a_gpu_machine_whose_new_torch_cannot_use_the_gpu_is_told_how_to_install_a_matching_build(tmp_path):
-    base = pathlib.Path(sys.base_prefix) / "bin" / "python3"
-    if subprocess.run([base, "-c", "import torch"], capture_output=True).returncode == 0:
-        pytest.skip(f"{base} has torch, so setup would not install one")
-    root = project_copy(tmp_path / "project")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
+    base, root, bin_dir = fresh_machine(tmp_path, gpu=True)
     site = fake_pip(tmp_path / "site", tmp_path / "pip.log", torch_without_cuda=True)
     result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin", PYTHONPATH=str(site))
     warnings = [line for line in result.stderr.splitlines() if line.startswith("setup: warning:")]
