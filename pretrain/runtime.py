@@ -117,15 +117,20 @@ def init_runtime(config: Config) -> Runtime:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and config.training.cpu_offload is not False:
-            # CPU offload keeps the shards in host memory; gloo carries any collective on them
-            # (null: the worker may still choose offload, pretrain/train.py parallel_mode).
-            backend = "cuda:nccl,cpu:gloo"
+        # null: the worker may still choose offload (pretrain/train.py parallel_mode)
+        backend = process_group_backend(device, host_tensors=config.training.cpu_offload is not False)
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=config.system.collective_timeout),
                                 device_id=device if device.type == "cuda" else None)
     return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank))
+
+
+def process_group_backend(device: torch.device, host_tensors: bool) -> str:
+    """gloo on CPU; NCCL on GPUs, with gloo beside it when collectives may run on tensors in host
+    memory (CPU offload keeps the shards there, and NCCL reduces no host tensor)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_tensors else "nccl"
 
 
 def shutdown(runtime: Runtime, peers_alive: bool) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,19 +147,14 @@ def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) 
 
 
 def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reason: str) -> DataError:
-    from huggingface_hub import constants
+    from pretrain.data.sources import LOCAL_FILES_INSTEAD, offline_error
 
-    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
-    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else (reason, "")
     ranks = f" --world-size {world_size}" if world_size > 1 else ""
     prepare = (f"`python3 prepare_dataset.py --preset {preset}{ranks}` (with this run's other options: only the "
                "files it needs, and the tokenizer) or ") if preset else ""
-    return DataError(
-        f"dataset {cfg.hub_repo} ({cfg.hub_files}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-        f"and the Hub cannot be reached (offline: {why}); on a machine with network run {prepare}"
-        f"`hf download {cfg.hub_repo} --repo-type dataset --include '{cfg.hub_files}'` and copy the cache "
-        f"(HF_HOME) here{unset}; or train on local files: "
-        "--set data.source=parquet --set data.path=DIR")
+    return offline_error(f"dataset {cfg.hub_repo} ({cfg.hub_files})",
+                         f"{prepare}`hf download {cfg.hub_repo} --repo-type dataset --include '{cfg.hub_files}'`",
+                         LOCAL_FILES_INSTEAD, reason)
 
 
 # --- the files a run uses -------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import glob
 import gzip
 import json
 import os
-import re
 import shlex
 import zlib
 from collections.abc import Callable, Iterator
@@ -261,8 +260,10 @@ def hub_snapshot(repo: str, revision: str, pattern: str | list[str], repo_type: 
     except ImportError:
         raise DataError("the Hugging Face Hub needs the huggingface_hub package: pip install huggingface_hub") from None
 
+    from pretrain.data.hub import is_commit
+
     where = f"{repo_type} {repo}@{revision}"
-    if re.fullmatch(r"[0-9a-f]{40}", revision):
+    if is_commit(revision):
         # A commit never changes: when it is in the cache, no request to the Hub is needed.
         try:
             return Path(snapshot_download(repo, repo_type=repo_type, revision=revision,
@@ -294,17 +295,25 @@ def access_error(error: Exception, where: str) -> DataError | None:
 
 
 def not_cached_error(repo: str, pattern: str | list[str], repo_type: str) -> DataError:
-    """Offline without the files: how to get them (for a tokenizer: or where else to point)."""
+    """Offline without the files: how to get them, or where else to point."""
+    files = " ".join(map(shlex.quote, [pattern] if isinstance(pattern, str) else pattern))
+    if repo_type == "model":
+        return offline_error(f"tokenizer {repo}", f"`hf download {repo} {files}`",
+                             "set data.tokenizer_name to a local tokenizer.json")
+    return offline_error(f"{repo_type} {repo}", f"`hf download {repo} --repo-type {repo_type} --include {files}`",
+                         LOCAL_FILES_INSTEAD)
+
+
+LOCAL_FILES_INSTEAD = "train on local files: --set data.source=parquet --set data.path=DIR"
+
+
+def offline_error(what: str, fetch: str, instead: str, reason: str = "no connection") -> DataError:
+    """The one line for what the Hub cache lacks while the Hub cannot be reached: what, the
+    command(s) that fetch it where there is network (fetch), and what to do instead."""
     from huggingface_hub import constants
 
     offline = bool(os.environ.get("HF_HUB_OFFLINE"))
-    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else ("no connection", "")
-    files = " ".join(map(shlex.quote, [pattern] if isinstance(pattern, str) else pattern))
-    if repo_type == "model":
-        return DataError(f"tokenizer {repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub "
-                         f"cannot be reached (offline: {why}); on a machine with network run `hf download {repo} "
-                         f"{files}` and copy the cache (HF_HOME) here{unset}; or set "
-                         "data.tokenizer_name to a local tokenizer.json")
-    return DataError(f"{repo_type} {repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub "
-                     f"cannot be reached (offline: {why}); on a machine with network run `hf download {repo} "
-                     f"--repo-type {repo_type} --include {files}` and copy the cache (HF_HOME) here{unset}")
+    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else (reason, "")
+    return DataError(f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
+                     f"reached (offline: {why}); on a machine with network run {fetch} and copy the cache (HF_HOME) "
+                     f"here{unset}; or {instead}")
