@@ -147,7 +147,7 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
-    from pretrain.memory import host_memory_bytes, plan_parallelism
+    from pretrain.memory_plan import host_memory_bytes, plan_parallelism
 
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     # Every rank must agree on the mode, and the smallest GPU decides whether it fits.

@@ -7,7 +7,7 @@ parallelize(), which shards it and only then allocates and initialises it, shard
 to know about the wrapper (the module with the plain state_dict names, when gradients are
 synchronised during accumulation, the global gradient norm) goes through the functions here,
 so the training loop reads the same whichever mode runs. Which mode runs is decided once, by the
-launcher (pretrain/memory.py), and written into training.parallelism.
+launcher (pretrain/memory_plan.py), and written into training.parallelism.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.model import Transformer, TransformerBlock
-from pretrain.runtime import Runtime
+from pretrain.runtime import Runtime, process_group_backend
 
 
 def compile_enabled(config: Config, device: torch.device) -> bool:
@@ -119,8 +119,7 @@ def device_mesh(runtime: Runtime) -> DeviceMesh:
     if not dist.is_initialized():
         if runtime.distributed:
             raise RuntimeError("FSDP over several ranks needs the process group that init_runtime joins")
-        # gloo for the collectives on tensors in host memory (under offload, the shards')
-        backend = "cuda:nccl,cpu:gloo" if runtime.device.type == "cuda" else "gloo"
+        backend = process_group_backend(runtime.device, host_tensors=True)  # the offloaded shards'
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=runtime.device if runtime.device.type == "cuda" else None)
     return init_device_mesh(runtime.device.type, (runtime.world_size,))

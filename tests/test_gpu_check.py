@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import gpu_check, gpu_checks, gpu_checks_runtime, gpu_procs  # noqa: E402
 from benchmarks.gpu_workers_runtime import FAILURE, RAISING  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
-from pretrain import memory  # noqa: E402
-from pretrain.train import step_line  # noqa: E402
+from pretrain import memory, memory_plan  # noqa: E402
+from pretrain.step_line import step_line  # noqa: E402
 
 HAS_NVIDIA_SMI = shutil.which("nvidia-smi") is not None
 
@@ -200,9 +200,9 @@ def test_a_rank_that_raises_under_the_launcher_prints_its_traceback_and_all_end_
 
 
 def memory_run(estimate_gib: float | None, mems: list[float | None]) -> gpu_procs.Proc:
-    """A launcher's output: its parallelism line (as pretrain.memory writes it) and step lines."""
+    """A launcher's output: its parallelism line (as pretrain.memory_plan writes it) and step lines."""
     config = cfg.resolve(preset="small", sets=["model.vocab_size=50304"])
-    _, line = memory.plan_parallelism(config, 1, 80 * 2**30)
+    _, line = memory_plan.plan_parallelism(config, 1, 80 * 2**30)
     if estimate_gib is not None:
         line = gpu_checks_runtime.ESTIMATE.sub(f"estimated {estimate_gib:.1f} GiB of 80.0 GiB per GPU", line)
     trainer = SimpleNamespace(config=cfg.debug())
@@ -227,7 +227,7 @@ def test_the_memory_row_compares_the_launchers_estimate_with_what_the_run_used()
 
 def test_the_launchers_estimate_line_is_the_one_the_memory_row_reads():
     config = cfg.resolve(preset="small", sets=["model.vocab_size=50304"])
-    _, line = memory.plan_parallelism(config, 1, 80 * 2**30)
+    _, line = memory_plan.plan_parallelism(config, 1, 80 * 2**30)
     found = gpu_checks_runtime.ESTIMATE.search(line)
     assert found and float(found["gib"]) == float(memory.gib(memory.estimate(config, 1, "ddp").total))
 

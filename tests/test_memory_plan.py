@@ -1,0 +1,247 @@
+"""pretrain/memory_plan.py: host memory, CPU offload, and the launcher's plan: the mode and
+offload it chooses, and the launcher refusing a config that cannot fit before any worker starts."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, cache_leftovers, launcher_env, one_line_error
+from launcher import nvml
+from launcher.cli import prepare_training
+from launcher.placement import Placement
+from launcher.printer import Printer
+from memory_configs import GPU_80, small, with_model, with_training
+from pretrain import config as cfg
+from pretrain.config import ConfigError
+from pretrain.memory import GIB, OVERHEAD_BYTES, estimate
+from pretrain.memory_plan import (HOST_MEMORY_ENV, HOST_OVERHEAD_BYTES, PINNED_ROUNDING, export_copy_bytes,
+                                  host_estimate, host_memory_bytes, plan_parallelism)
+
+
+# --- the launcher ---------------------------------------------------------------------
+
+def test_the_launcher_resolves_fsdp_for_workers_and_says_why():
+    config, line = plan_parallelism(with_training(cfg.production(), activation_checkpointing=True), 8, GPU_80)
+    assert config.training.parallelism == "fsdp"
+    assert line.startswith("parallelism: FSDP over 8 GPUs (estimated ") and " GiB of 80.0 GiB per GPU; DDP would " \
+                                                                              "need ~" in line
+
+
+def test_on_cpu_workers_the_launcher_runs_ddp_unless_fsdp_was_chosen_and_checks_no_memory():
+    config, line = plan_parallelism(cfg.production(), 2, None)
+    assert (config.training.parallelism, line) == ("ddp", "parallelism: DDP over 2 CPU workers")
+    config, line = plan_parallelism(with_training(cfg.production(), parallelism="fsdp"), 2, None)
+    assert (config.training.parallelism, line) == ("fsdp", "parallelism: FSDP over 2 CPU workers")
+    assert plan_parallelism(cfg.production(), 1, None)[1] == "parallelism: none, one CPU worker"
+
+
+def gpu(memory_gib: float) -> nvml.Gpu:
+    return nvml.Gpu(id="0", index=0, uuid="GPU-0", name="scripted", pci_bus_id="0", memory_total=int(memory_gib * GIB),
+                    memory_used=0, utilization=0.0, processes=())
+
+
+def test_prepare_training_writes_the_concrete_mode_into_the_workers_config(tmp_path):
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}"])
+    console = io.StringIO()
+    prepared = prepare_training(config, Placement("cuda", 2, gpus=(gpu(80), gpu(40))), Printer(console, None))
+    assert prepared.training.parallelism == "ddp"
+    (line,) = [line for line in console.getvalue().splitlines() if "parallelism" in line]
+    assert line.startswith("launcher: parallelism: DDP over 2 GPUs (estimated ")
+    assert line.endswith(" GiB of 40.0 GiB per GPU)")  # the smaller GPU decides
+
+
+def test_prepare_training_on_cpu_keeps_ddp_without_a_memory_check(tmp_path):
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}"])
+    console = io.StringIO()
+    prepared = prepare_training(config, Placement("cpu", 2), Printer(console, None))
+    assert prepared.training.parallelism == "ddp"
+    assert "launcher: parallelism: DDP over 2 CPU workers\n" in console.getvalue()
+
+
+def launch(tmp_path, *args: str, host_gib: float) -> subprocess.CompletedProcess:
+    """The launcher with the production preset, this machine's host memory set to host_gib."""
+    return subprocess.run([sys.executable, "-m", "launcher", "--run-dir", str(tmp_path / "run"),
+                           "--set", f"data.cache_dir={tmp_path / 'cache'}", *args], cwd=ROOT,
+                          env=launcher_env(**{HOST_MEMORY_ENV: str(host_gib)}), capture_output=True, text=True,
+                          timeout=120)
+
+
+def assert_refused_before_anything(result: subprocess.CompletedProcess, tmp_path) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "GPU0:" not in result.stdout and "CPU0:" not in result.stdout  # no worker started
+    assert not (tmp_path / "run").exists()  # nothing written
+    assert cache_leftovers(tmp_path) == []  # refused before the dataset was prepared (or downloaded)
+
+
+def test_production_on_one_80_gib_gpu_and_too_little_host_memory_stops_before_anything_with_one_line(
+        scripted_gpus, tmp_path):
+    scripted_gpus([{"memory_total_mib": 80 * 1024}])
+    offload_host = host_estimate(cfg.production(), 1, "fsdp", on_gpus=True).total
+    result = launch(tmp_path, host_gib=offload_host / GIB / 2)
+    assert_refused_before_anything(result, tmp_path)
+    assert result.stderr.startswith("launcher: error: preset production needs ~")
+    assert "GiB per GPU on one GPU (weights " in result.stderr
+    # CPU offload would fit the GPU, but not this host; the preset already checkpoints
+    # activations: only more GPUs (sharding 8B parameters) help.
+    assert f"but the GPU has 80.0 GiB (a run plans on 90% of it), and CPU offload would need ~{offload_host / GIB:.1f} " \
+           "GiB of host memory per GPU (" \
+        in result.stderr
+    assert f"but this machine has {offload_host / GIB / 2:.1f} GiB available; try " in result.stderr
+    assert result.stderr.endswith(" or more GPUs (FSDP shards the model over them)\n")
+
+
+def test_production_on_cpu_workers_is_refused_in_seconds_with_the_host_memory_estimate(tmp_path):
+    per_worker = host_estimate(cfg.production(), 2, "ddp", on_gpus=False)
+    started = time.monotonic()
+    result = launch(tmp_path, "--device", "cpu", host_gib=64)
+    assert time.monotonic() - started < 30  # no worker built a model to find out
+    assert_refused_before_anything(result, tmp_path)
+    assert result.stderr == (
+        f"launcher: error: preset production needs ~{per_worker.total / GIB:.1f} GiB of host memory per CPU worker "
+        f"({per_worker.parts()}) x 2 workers = {2 * per_worker.total / GIB:.1f} GiB but this machine has 64.0 GiB "
+        "available (a run plans on 90% of it); use --preset small or --debug\n")
+
+
+def test_the_host_memory_of_cpu_workers_is_the_gpu_estimate_without_the_cuda_allowance():
+    gpu, host = estimate(small(), 2, "ddp"), host_estimate(small(), 2, "ddp", on_gpus=False)
+    assert host.total == gpu.total - OVERHEAD_BYTES + HOST_OVERHEAD_BYTES
+    assert (host.weights, host.activations) == (gpu.weights, gpu.activations)
+
+
+def test_cpu_workers_that_do_not_fit_are_told_what_would():
+    needed = host_estimate(small(), 2, "ddp", on_gpus=False).total
+    fsdp = host_estimate(small(), 2, "fsdp", on_gpus=False).total
+    assert fsdp < needed
+    with pytest.raises(ConfigError) as error:  # two DDP workers do not fit, two FSDP workers or one would
+        plan_parallelism(small(), 2, None, int(2 * fsdp / 0.9) + GIB)
+    assert one_line_error(error).endswith("; use --set training.parallelism=fsdp or --nproc 1")
+    config, line = plan_parallelism(small(), 2, None, int(2 * needed / 0.9) + GIB)
+    assert line == "parallelism: DDP over 2 CPU workers"
+
+
+def test_cpu_workers_keep_a_tenth_of_the_host_memory_spare():
+    needed = 2 * host_estimate(small(), 2, "ddp", on_gpus=False).total
+    plan_parallelism(small(), 2, None, int(needed / 0.9) + 1)
+    with pytest.raises(ConfigError, match="a run plans on 90% of it"):
+        plan_parallelism(small(), 2, None, int(needed / 0.9) - 1)
+
+
+def test_host_memory_comes_from_the_environment_when_set_and_bad_values_are_one_line(monkeypatch):
+    monkeypatch.setenv(HOST_MEMORY_ENV, "12.5")
+    assert host_memory_bytes() == int(12.5 * GIB)
+    for bad in ("lots", "-1", "nan", "inf"):
+        monkeypatch.setenv(HOST_MEMORY_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{HOST_MEMORY_ENV}=.* is not a positive number of GiB"):
+            host_memory_bytes()
+    monkeypatch.delenv(HOST_MEMORY_ENV)
+    assert 0 < host_memory_bytes()
+
+
+# --- CPU offload ------------------------------------------------------------------------
+
+def test_offload_keeps_only_what_is_in_flight_on_the_gpu_and_the_shards_on_the_host():
+    production = cfg.production()
+    on_gpu, plain = estimate(production, 1, "fsdp", offload=True), estimate(production, 1, "ddp")
+    assert on_gpu.optimizer == 0 and (on_gpu.activations, on_gpu.logits) == (plain.activations, plain.logits)
+    # Only two blocks and the head are ever on the GPU: a deeper model needs no more there.
+    deeper = with_model(production, n_layers=64)
+    assert estimate(deeper, 1, "fsdp", offload=True).weights == on_gpu.weights
+    assert estimate(deeper, 1, "fsdp", offload=True).gradients == on_gpu.gradients
+    assert estimate(deeper, 1, "ddp").weights > 1.5 * plain.weights  # the embedding and head do not double
+    host = host_estimate(production, 1, "fsdp", on_gpus=True)
+    pinned = int(4 * 8_030_261_248 * PINNED_ROUNDING)  # the caching host allocator's power-of-two blocks
+    assert (host.weights, host.gradients, host.optimizer) == (pinned, pinned, 8 * 8_030_261_248)
+    assert host_estimate(production, 4, "fsdp", on_gpus=True).optimizer == 2 * 8_030_261_248  # sharded over 4
+
+
+def test_production_on_one_80_gib_gpu_offloads_when_the_host_has_the_memory():
+    # rank 0's shards, and the whole model it gathers in host memory to export it at the end
+    export = export_copy_bytes(cfg.production(), 1, "fsdp", offload=True)
+    assert export == 4 * 8_030_261_248
+    needed = host_estimate(cfg.production(), 1, "fsdp", on_gpus=True).total + export
+    config, line = plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) + GIB)
+    assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", True)
+    assert line.startswith("parallelism: FSDP with CPU offload over 1 GPU (estimated ")
+    assert f" GiB of 80.0 GiB per GPU and {needed / GIB:.1f} GiB of host memory of " in line
+    assert line.endswith(f"; without offload ~{estimate(cfg.production(), 1, 'ddp').total / GIB:.1f} GiB per GPU)")
+    with pytest.raises(ConfigError, match="and CPU offload would need"):
+        plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) - GIB)
+
+
+def test_the_ranks_on_one_host_share_its_memory_under_offload():
+    per_rank = host_estimate(cfg.production(), 2, "fsdp", on_gpus=True).total
+    enough_for_one = int((per_rank + export_copy_bytes(cfg.production(), 2, "fsdp", offload=True)) / 0.9) + GIB
+    assert plan_parallelism(cfg.production(), 2, 40 * GIB, enough_for_one, local_ranks=1)[0].training.cpu_offload
+    with pytest.raises(ConfigError, match=r"x 2 \+ 29\.9 for the export's whole copy = "):
+        plan_parallelism(cfg.production(), 2, 40 * GIB, enough_for_one)  # both ranks on this host
+
+
+def test_eight_80_gib_gpus_run_production_with_fsdp_and_no_offload_whatever_the_host():
+    config, line = plan_parallelism(cfg.production(), 8, GPU_80, 1024 * GIB)
+    assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", False)
+    assert line.startswith("parallelism: FSDP over 8 GPUs (")
+
+
+def test_offload_off_or_unknown_host_memory_refuses_as_before():
+    off = with_training(cfg.production(), cpu_offload=False)
+    for config, host in ((off, 1024 * GIB), (cfg.production(), None)):
+        with pytest.raises(ConfigError) as error:
+            plan_parallelism(config, 1, GPU_80, host)
+        assert "offload" not in one_line_error(error)
+
+
+def test_offload_asked_for_is_used_even_where_the_model_fits_and_needs_fsdp():
+    config, line = plan_parallelism(with_training(small(), cpu_offload=True), 1, GPU_80, 1024 * GIB)
+    assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", True)
+    with pytest.raises(ConfigError, match="training.cpu_offload=true needs FSDP but training.parallelism is ddp"):
+        plan_parallelism(with_training(small(), cpu_offload=True, parallelism="ddp"), 2, GPU_80, 1024 * GIB)
+    with pytest.raises(ConfigError, match="of host memory per GPU with CPU offload .* use --set "
+                                          "training.cpu_offload=false with more GPUs or --preset small or --debug"):
+        plan_parallelism(with_training(cfg.production(), cpu_offload=True), 1, GPU_80, 8 * GIB)
+
+
+def test_a_launch_with_a_known_vocabulary_that_fits_nowhere_is_refused_before_the_data(scripted_gpus, tmp_path):
+    scripted_gpus([{"memory_total_mib": 80 * 1024}])
+    result = launch(tmp_path, "--debug", "--set", "model.vocab_size=128256", "--set", "model.dim=65536",
+                    "--set", "model.n_heads=64", "--set", "model.n_kv_heads=64", "--set", "model.ffn_dim=131072",
+                    host_gib=16)
+    assert_refused_before_anything(result, tmp_path)
+    assert result.stderr.startswith("launcher: error: preset debug needs ~")
+
+
+def deep_debug(tmp_path) -> cfg.Config:
+    """The debug preset made 40 layers deep and wide: ~9 GiB of fp32 weights, gradients and AdamW
+    state, of which FSDP with offload keeps two blocks on the GPU."""
+    sets = [f"data.cache_dir={tmp_path / 'cache'}", "model.n_layers=40", "model.dim=1024", "model.n_heads=8",
+            "model.n_kv_heads=2", "model.ffn_dim=4096", "training.batch_size=1", "debug.trace_nonfinite=false",
+            "training.activation_checkpointing=true"]
+    return cfg.resolve(preset="debug", sets=sets)
+
+
+def test_the_launcher_offloads_a_model_too_large_for_its_one_gpu_when_the_host_has_room(tmp_path, monkeypatch):
+    monkeypatch.setenv(HOST_MEMORY_ENV, "64")
+    console = io.StringIO()
+    prepared = prepare_training(deep_debug(tmp_path), Placement("cuda", 1, gpus=(gpu(3),)), Printer(console, None))
+    assert (prepared.training.parallelism, prepared.training.cpu_offload) == ("fsdp", True)
+    (line,) = [line for line in console.getvalue().splitlines() if "parallelism" in line]
+    assert line.startswith("launcher: parallelism: FSDP with CPU offload over 1 GPU (estimated ")
+    assert " GiB of 3.0 GiB per GPU and " in line and " GiB of host memory of 64.0 GiB available; without offload ~" in line
+
+
+def test_the_launcher_refuses_a_model_too_large_for_its_gpu_and_its_host_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(HOST_MEMORY_ENV, "4")
+    with pytest.raises(ConfigError) as error:
+        prepare_training(deep_debug(tmp_path), Placement("cuda", 1, gpus=(gpu(3),)), Printer(io.StringIO(), None))
+    assert "but the GPU has 3.0 GiB (a run plans on 90% of it), and CPU offload would need ~" in one_line_error(error)
+    assert "but this machine has 4.0 GiB available; try " in one_line_error(error)
+
+
+def test_the_launcher_can_plan_without_importing_torch():
+    probe = "import sys, pretrain.memory_plan; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=launcher_env()).returncode == 0
