@@ -13,7 +13,7 @@ workloads of benchmarks/train.py: `debug` is the debug preset's model, `10m` one
            host (one device sync; with more than one rank also one tiny all-reduce)
 3. trace:  debug.check_finite=true,  debug.trace_nonfinite=true (the debug preset): forward,
            backward and gradient hooks on every module and parameter, each a device sync
-How: `pretrain.train.build` then `train_step` on the built-in corpus (byte tokenizer), one rank,
+How: `pretrain.build.build` then `train_step` on the built-in corpus (byte tokenizer), one rank,
 one micro-batch per step, training.compile=false everywhere (trace_nonfinite turns compiling off,
 so the settings would otherwise differ in more than the checks; on the CPU compiling would also
 dominate). CUDA: bf16 autocast, as training does; CPU: fp32.
@@ -73,7 +73,8 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
     from pretrain.runtime import Runtime
-    from pretrain.train import build, train_step
+    from pretrain.build import build
+    from pretrain.train import train_step
 
     if job["threads"]:
         torch.set_num_threads(job["threads"])

@@ -69,7 +69,7 @@ def worker_poison(run_dir: str) -> None:
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
     from pretrain.runtime import Runtime, setup_logging
-    from pretrain.train import build
+    from pretrain.build import build
 
     config = cfg.resolve(preset="debug", sets=[*TINY, "system.device=cpu", "logging.tensorboard=false"])
     dataset = prepare(config.data, log=lambda _: None)
@@ -92,7 +92,8 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
     from pretrain.data.prepare import prepare
     from pretrain.metrics import flops_per_token, peak_bf16_flops
     from pretrain.runtime import Runtime
-    from pretrain.train import build, train_step
+    from pretrain.build import build
+    from pretrain.train import train_step
 
     warmup, timed = 2, int(steps)
     # The 8B vocabulary stays (byte ids are valid rows of it): only the layers are fewer.
@@ -164,6 +165,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
 
     import pretrain.train as train
     from pretrain import config as cfg
+    from pretrain.build import Trainer, build
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
     from pretrain.runtime import Runtime
@@ -189,7 +191,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
 
     log = logging.getLogger("gpu_check")
     with tempfile.TemporaryDirectory(prefix="gpu-check-syncs-") as run_dir:
-        trainer = train.build(config, Runtime(0, 1, device, "GPU 0"), dataset, Path(run_dir), log)
+        trainer = build(config, Runtime(0, 1, device, "GPU 0"), dataset, Path(run_dir), log)
         if mode != "single":
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
@@ -203,7 +205,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
                                                       torch.profiler.ProfilerActivity.CUDA])
         step = train.train_step
 
-        def marked_step(trainer: train.Trainer, n: int):
+        def marked_step(trainer: Trainer, n: int):
             if n == warmup:
                 torch.cuda.synchronize()
                 profiler.start()

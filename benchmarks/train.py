@@ -7,7 +7,7 @@ Run from the repository root:
 
 Measured, each in a fresh Python process, so that its memory, its compiled kernels and a
 failure (an out-of-memory error) are its own:
-1. training: `pretrain.train.build` then `train_step` on the built-in corpus (byte tokenizer;
+1. training: `pretrain.build.build` then `train_step` on the built-in corpus (byte tokenizer;
    a config whose vocabulary is larger only sizes the model bigger, every id stays valid), one
    rank, one micro-batch per step. The --warmup steps are timed apart (they include compiling)
    and left out of steps/s and tokens/s; CUDA is synchronized before each clock read. Peak
@@ -161,7 +161,8 @@ def measure_training(job: dict[str, Any]) -> dict[str, Any]:
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
     from pretrain.runtime import Runtime
-    from pretrain.train import build, train_step
+    from pretrain.build import build
+    from pretrain.train import train_step
 
     device = bench_device(job["device"])
     workload = WORKLOADS[job["config"]]

@@ -51,7 +51,7 @@ from pretrain.runfiles import atomic_write_text
 from pretrain.runtime import Runtime
 
 if TYPE_CHECKING:
-    from pretrain.train import Trainer
+    from pretrain.build import Trainer
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "latest", "load_config", "load_model_state", "load_tensors",
            "read_dcp_metadata", "read_state", "restore", "rng_states", "save", "set_rng_states"]

@@ -117,7 +117,7 @@ def init_runtime(config: Config) -> Runtime:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if world_size > 1:
-        # null: the worker may still choose offload (pretrain/train.py parallel_mode)
+        # null: the worker may still choose offload (pretrain/build.py parallel_mode)
         backend = process_group_backend(device, host_tensors=config.training.cpu_offload is not False)
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=config.system.collective_timeout),

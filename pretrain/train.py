@@ -1,7 +1,9 @@
 """The training loop, top-down: setup -> build -> fit.
 
 One process trains on one device. Under the launcher (or torchrun) the processes form a
-DDP group; alone, the same code trains a single process."""
+DDP group; alone, the same code trains a single process. The build phase (the Trainer, and
+how the ranks share the model) is pretrain/build.py; the step line's measurements are
+pretrain/step_line.py."""
 
 from __future__ import annotations
 
@@ -9,37 +11,33 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, debug, export, memory, parallel
+from pretrain import checkpoint, debug, export, parallel
 from pretrain import config as cfg
+from pretrain.build import Trainer, build
 from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
-from pretrain.data.loader import TrainBatches, validation_batches
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.hub import choose_hub_files, follow_checkpoint
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import TOKENIZER_FILE
-from pretrain.debug import FirstNonFinite, NonFinite, NumericalFailure
+from pretrain.debug import NonFinite, NumericalFailure
 from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE
-from pretrain.metrics import MetricsLog, flops_per_token, mfu, peak_bf16_flops, peak_memory_gib, reset_peak_memory
-from pretrain.model import Transformer
 from pretrain.model_state import whole_model_on_cpu
 from pretrain.resume import ResumeError, resolve_resume
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
-from pretrain.stopping import Stopped, StopRequest
+from pretrain.step_line import step_line, throughput
+from pretrain.stopping import Stopped
 
 
 def lr_at(step: int, training: TrainingConfig) -> float:
@@ -51,140 +49,6 @@ def lr_at(step: int, training: TrainingConfig) -> float:
     progress = min(1.0, (step - training.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return peak * (training.min_lr_ratio + (1.0 - training.min_lr_ratio) * cosine)
-
-
-def format_eta(seconds: float) -> str:
-    """5:30 under an hour, 2:05:30 above."""
-    minutes, secs = divmod(int(max(0.0, seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-@dataclass
-class Trainer:
-    config: Config
-    runtime: Runtime
-    model: torch.nn.Module
-    """The model as trained: wrapped in DDP or sharded by FSDP when there is more than one rank."""
-    mode: str
-    """How the ranks share the model: "single", "ddp" or "fsdp"."""
-    optimizer: torch.optim.Optimizer
-    loader: TrainBatches
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    """Iterates loader; loader.state_dict() names the next batch it yields."""
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    log: logging.Logger
-    run_dir: Path
-    metrics: MetricsLog
-    stop: StopRequest = field(default_factory=StopRequest)
-    start_step: int = 0
-    """The first step this process runs: 0, or the steps done by the checkpoint it resumed."""
-    tokenizer_file: Path | None = None
-    """The dataset's tokenizer.json, exported with the weights (None: a built-in tokenizer)."""
-    losses: list[float] = field(default_factory=list)
-    """Global mean loss of every logged step."""
-    tracer: FirstNonFinite | None = None
-    """With debug.trace_nonfinite: the hooks that name the first module to produce NaN or Inf."""
-    skipped_steps: int = 0
-    """Updates dropped for NaN or Inf (debug.on_nonfinite=skip)."""
-    skips_in_a_row: int = 0
-
-    @property
-    def tokens_per_step(self) -> int:
-        t = self.config.training
-        return t.batch_size * self.config.data.context_length * t.grad_accum_nums * self.runtime.world_size
-
-
-# --- build ----------------------------------------------------------------------------
-
-def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm weights are not decayed). The fused
-    kernel runs where the parameters are on the GPU; under CPU offload they are in host memory,
-    where torch's plain per-tensor loop updates them (its foreach kernels are CUDA-only)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.beta1, training.beta2),
-                             fused=on_gpu)
-
-
-def gpu_memory(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-
-
-def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
-    """The config with training.parallelism and training.cpu_offload concrete, and the mode:
-    fsdp with CPU offload (even for one process), else single for one process, else the
-    configured mode ("auto" chooses by estimated memory). A run that cannot fit the GPU fails
-    here, before the model is built. The launcher has already decided offload (true or false);
-    run without it (null), this process decides as the launcher would, from the host memory
-    available now, shared by LOCAL_WORLD_SIZE ranks."""
-    gpu = gpu_memory(runtime.device)
-    t = config.training
-    if t.cpu_offload is None and gpu is not None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
-        gpu, host = smallest_across_ranks(runtime, gpu, memory.host_memory_bytes())
-        config, _ = memory.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
-    else:
-        offload = bool(t.cpu_offload)
-        mode = "fsdp" if offload else memory.choose_parallelism(config, runtime.world_size, gpu)
-        if gpu is not None:
-            memory.check_fits(config, runtime.world_size, gpu, mode, offload=offload)
-        config = dataclasses.replace(config, training=dataclasses.replace(t, parallelism=mode, cpu_offload=offload))
-    if config.training.cpu_offload:
-        return config, "fsdp"
-    return config, config.training.parallelism if runtime.distributed else "single"
-
-
-def smallest_across_ranks(runtime: Runtime, *values: int) -> tuple[int, ...]:
-    """Each value's minimum over the ranks, so that every rank makes the same choice: ranks read
-    the host's free memory at different moments, and GPUs may differ in size. (A CPU tensor: on
-    GPUs the group has gloo beside NCCL whenever offload may be chosen, pretrain/runtime.py.)"""
-    if not runtime.distributed:
-        return values
-    smallest = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return tuple(int(v) for v in smallest.tolist())
-
-
-def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
-    config, mode = parallel_mode(config, runtime)
-    t = config.training
-    torch.manual_seed(t.seed)
-    # Built on the meta device (shapes, no storage): parallelize shards it and only then
-    # allocates and initialises each rank's part from t.seed (the same weights whatever the
-    # number of ranks), so no rank ever holds the whole model: an 8B model takes 32 GB in fp32.
-    with torch.device("meta"):
-        model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
-    log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
-             f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
-             + (f"; {mode.upper()}" if mode != "single" else "")
-             + ("; CPU offload (weights, gradients and optimizer state in host memory)" if t.cpu_offload else ""))
-    model = parallel.parallelize(model, config, runtime, mode)
-    optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
-    loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                          runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",
-                          grad_accum=t.grad_accum_nums)
-    try:
-        val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                                 runtime.world_size, t.eval_batches)
-    except DataError as error:
-        # Every rank sees the same split, so every rank skips alike and collectives stay matched.
-        log.warning(f"Validation skipped: {error}")
-        val = []
-    log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
-              f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
-              f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
-    metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log)
-    trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
-    if config.debug.trace_nonfinite:
-        trainer.tracer = FirstNonFinite(parallel.unwrap(model))
-        log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")
-        if t.activation_checkpointing or t.compile:
-            log.warning("debug.trace_nonfinite turns off training.activation_checkpointing and training.compile "
-                        "(the hooks must see every module); set debug.trace_nonfinite=false to keep them")
-    return trainer
 
 
 # --- fit ------------------------------------------------------------------------------
@@ -290,62 +154,6 @@ def evaluate(trainer: Trainer) -> float | None:
                                    trainer.config.training.loss_chunk_tokens)
     trainer.model.train()
     return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
-
-
-@dataclass
-class Throughput:
-    """Tokens/s, MFU and peak memory over the steps since the last step line."""
-    tokens_per_step: int
-    world_size: int
-    flops_per_token: float
-    peak_flops: float | None
-    """The device's bf16 peak (None: unknown device or CPU, so no MFU)."""
-    device: torch.device
-    window_start: float = field(default_factory=time.perf_counter)
-    window_steps: int = 0
-
-    def step_done(self) -> None:
-        self.window_steps += 1
-
-    @contextmanager
-    def paused(self, clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
-        """Leave the block's time out of the window: evaluation and checkpoint saves are not
-        training, and would make tokens/s and MFU look worse than training runs."""
-        began = clock()
-        try:
-            yield
-        finally:
-            self.window_start += clock() - began
-
-    def measure(self, now: float) -> tuple[float, float | None, float | None]:
-        """(tokens/s over all ranks, MFU, peak memory GiB) of the window; starts the next one."""
-        tokens_per_s = self.tokens_per_step * self.window_steps / max(now - self.window_start, 1e-9)
-        utilization = mfu(tokens_per_s / self.world_size, self.flops_per_token, self.peak_flops)
-        memory_gib = peak_memory_gib(self.device)
-        reset_peak_memory(self.device)
-        self.window_start, self.window_steps = now, 0
-        return tokens_per_s, utilization, memory_gib
-
-
-def throughput(trainer: Trainer) -> Throughput:
-    device = trainer.runtime.device
-    peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    if not trainer.config.training.use_amp:
-        peak = None  # the table holds bf16 peaks; an fp32 run measured against them would mislead
-    reset_peak_memory(device)  # the first window's peak is training's, not the build's (init draws whole tensors)
-    return Throughput(trainer.tokens_per_step, trainer.runtime.world_size,
-                      flops_per_token(trainer.config.model, trainer.config.data.context_length), peak, device)
-
-
-def step_line(trainer: Trainer, step: int, loss: float, lr: float, grad_norm: float, eta_s: float,
-              tokens_per_s: float, utilization: float | None, memory_gib: float | None) -> str:
-    line = (f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f} | LR: {lr:.2e} | "
-            f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}")
-    if utilization is not None:
-        line += f" | MFU: {100 * utilization:.1f}%"
-    if memory_gib is not None:
-        line += f" | Mem: {memory_gib:.1f} GiB"
-    return line
 
 
 def fit(trainer: Trainer) -> None:

@@ -13,7 +13,8 @@ from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.runtime import Runtime, setup_logging
-from pretrain.train import Trainer, build, train_step
+from pretrain.build import Trainer, build
+from pretrain.train import train_step
 
 TINY = ["training.batch_size=2", "data.context_length=32", "system.device=cpu", "logging.tensorboard=false",
         "debug.check_finite=false"]

@@ -19,7 +19,8 @@ from conftest import one_line_error
 from pretrain import checkpoint, checkpoint_files
 from pretrain.checkpoint import CheckpointError
 from pretrain.model import Transformer
-from pretrain.train import Trainer, lr_at, train_step
+from pretrain.build import Trainer
+from pretrain.train import lr_at, train_step
 from checkpointing import assert_same_tensors, draws, make_trainer, trained_trainer
 
 

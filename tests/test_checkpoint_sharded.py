@@ -28,7 +28,8 @@ from pretrain.model import Transformer
 from pretrain.model_state import named_optimizer_state
 from pretrain.parallel import is_fsdp
 from pretrain.runtime import setup_logging
-from pretrain.train import Trainer, build, train_step
+from pretrain.build import Trainer, build
+from pretrain.train import train_step
 from checkpointing import assert_same_tensors, make_trainer, resolved, trained_trainer
 
 

@@ -16,7 +16,7 @@ from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.metrics import read_metrics
 from pretrain.model import Transformer
-from pretrain.train import build_optimizer
+from pretrain.build import build_optimizer
 
 SMALL_RUN = ["--debug", "--set", "data.context_length=64", "--set", "training.batch_size=4",
              "--set", "logging.log_interval=1", "--max-steps", "4"]

@@ -25,7 +25,8 @@ from pretrain.data.prepare import prepare
 from pretrain.export import default_output, export, find_checkpoint, find_tokenizer_file, load_exported, main
 from pretrain.model import Transformer
 from pretrain.runtime import Runtime, setup_logging
-from pretrain.train import Trainer, build, train_step
+from pretrain.build import Trainer, build
+from pretrain.train import train_step
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pretrain.export import read_checkpoint
 from pretrain.generate import generate, load_model, main, next_token
 from pretrain.model import Transformer
 from pretrain.runtime import Runtime, setup_logging
-from pretrain.train import build
+from pretrain.build import build
 
 CONTEXT = 32
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from checkpointing import make_trainer
 from pretrain import debug, train
+from pretrain.build import Trainer
 from pretrain.runtime import Runtime
 from pretrain.stopping import Stopped
 
@@ -46,7 +47,7 @@ class Peer:
 def run_as_rank0(tmp_path, monkeypatch):
     """fit() a debug trainer as rank 0 of two; returns (events, the trainer). Events are
     ("step", n) when step n starts, then "all_reduce" for each collective."""
-    def run(*sets: str, stop_at: int | None = None, own_signal_at: int | None = None) -> tuple[list, train.Trainer]:
+    def run(*sets: str, stop_at: int | None = None, own_signal_at: int | None = None) -> tuple[list, Trainer]:
         trainer = make_trainer(tmp_path / "cache", tmp_path / "run", "logging.log_interval=100",
                                f"training.max_steps={STEPS}", "debug.trace_nonfinite=false", *sets)
         trainer.runtime = RANK0_OF_TWO  # the model stays unwrapped: the peer answers the collectives
@@ -56,7 +57,7 @@ def run_as_rank0(tmp_path, monkeypatch):
         monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
         step = train.train_step
 
-        def counted_step(trainer: train.Trainer, n: int):
+        def counted_step(trainer: Trainer, n: int):
             events.append(("step", n))
             peer.step = n
             if n == own_signal_at:

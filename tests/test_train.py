@@ -20,7 +20,9 @@ from pretrain.data.prepare import prepare
 from pretrain.runtime import Runtime, device_label, setup_logging
 from pretrain.stopping import Stopped
 from pretrain.debug import NumericalFailure
-from pretrain.train import build, fit, format_eta, lr_at, train_step
+from pretrain.build import build
+from pretrain.step_line import format_eta
+from pretrain.train import fit, lr_at, train_step
 
 
 def training(**changes) -> cfg.TrainingConfig:
@@ -156,7 +158,7 @@ def test_after_a_failure_a_rank_leaves_an_nccl_group_to_the_process_exit(monkeyp
 
 
 def test_the_throughput_window_leaves_out_a_checkpoint_save_between_two_step_lines():
-    from pretrain.train import Throughput
+    from pretrain.step_line import Throughput
 
     speed = Throughput(tokens_per_step=1000, world_size=1, flops_per_token=1.0, peak_flops=None,
                        device=torch.device("cpu"), window_start=0.0)
@@ -174,7 +176,7 @@ def test_ranks_plan_on_the_smallest_memory_any_of_them_reports(tmp_path):
     probe = (
         "import os, torch, torch.distributed as dist\n"
         "from pretrain.runtime import Runtime\n"
-        "from pretrain.train import smallest_across_ranks\n"
+        "from pretrain.build import smallest_across_ranks\n"
         "rank = int(os.environ['RANK'])\n"
         "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
         "runtime = Runtime(rank=rank, world_size=2, device=torch.device('cpu'), label=f'CPU {rank}')\n"

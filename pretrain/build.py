@@ -1,0 +1,153 @@
+"""The build phase: from a config to a Trainer, what a run trains with.
+
+It settles how the ranks share the model (parallel_mode: DDP, FSDP or one process, CPU
+offload, and whether the run fits the GPU at all), then builds the model on the meta
+device, shards it, and adds the optimizer, the data and the metrics log."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pretrain import memory, memory_plan, parallel
+from pretrain import config as cfg
+from pretrain.config import Config, TrainingConfig
+from pretrain.data import DataError
+from pretrain.data.loader import TrainBatches, validation_batches
+from pretrain.debug import FirstNonFinite
+from pretrain.metrics import MetricsLog
+from pretrain.model import Transformer
+from pretrain.runtime import Runtime
+from pretrain.stopping import StopRequest
+
+
+@dataclass
+class Trainer:
+    config: Config
+    runtime: Runtime
+    model: torch.nn.Module
+    """The model as trained: wrapped in DDP or sharded by FSDP when there is more than one rank."""
+    mode: str
+    """How the ranks share the model: "single", "ddp" or "fsdp"."""
+    optimizer: torch.optim.Optimizer
+    loader: TrainBatches
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    """Iterates loader; loader.state_dict() names the next batch it yields."""
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    log: logging.Logger
+    run_dir: Path
+    metrics: MetricsLog
+    stop: StopRequest = field(default_factory=StopRequest)
+    start_step: int = 0
+    """The first step this process runs: 0, or the steps done by the checkpoint it resumed."""
+    tokenizer_file: Path | None = None
+    """The dataset's tokenizer.json, exported with the weights (None: a built-in tokenizer)."""
+    losses: list[float] = field(default_factory=list)
+    """Global mean loss of every logged step."""
+    tracer: FirstNonFinite | None = None
+    """With debug.trace_nonfinite: the hooks that name the first module to produce NaN or Inf."""
+    skipped_steps: int = 0
+    """Updates dropped for NaN or Inf (debug.on_nonfinite=skip)."""
+    skips_in_a_row: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.config.training
+        return t.batch_size * self.config.data.context_length * t.grad_accum_nums * self.runtime.world_size
+
+
+def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm weights are not decayed). The fused
+    kernel runs where the parameters are on the GPU; under CPU offload they are in host memory,
+    where torch's plain per-tensor loop updates them (its foreach kernels are CUDA-only)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.beta1, training.beta2),
+                             fused=on_gpu)
+
+
+def gpu_memory(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
+    """The config with training.parallelism and training.cpu_offload concrete, and the mode:
+    fsdp with CPU offload (even for one process), else single for one process, else the
+    configured mode ("auto" chooses by estimated memory). A run that cannot fit the GPU fails
+    here, before the model is built. The launcher has already decided offload (true or false);
+    run without it (null), this process decides as the launcher would, from the host memory
+    available now, shared by LOCAL_WORLD_SIZE ranks."""
+    gpu = gpu_memory(runtime.device)
+    t = config.training
+    if t.cpu_offload is None and gpu is not None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
+        gpu, host = smallest_across_ranks(runtime, gpu, memory_plan.host_memory_bytes())
+        config, _ = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
+    else:
+        offload = bool(t.cpu_offload)
+        mode = "fsdp" if offload else memory.choose_parallelism(config, runtime.world_size, gpu)
+        if gpu is not None:
+            memory.check_fits(config, runtime.world_size, gpu, mode, offload=offload)
+        config = dataclasses.replace(config, training=dataclasses.replace(t, parallelism=mode, cpu_offload=offload))
+    if config.training.cpu_offload:
+        return config, "fsdp"
+    return config, config.training.parallelism if runtime.distributed else "single"
+
+
+def smallest_across_ranks(runtime: Runtime, *values: int) -> tuple[int, ...]:
+    """Each value's minimum over the ranks, so that every rank makes the same choice: ranks read
+    the host's free memory at different moments, and GPUs may differ in size. (A CPU tensor: on
+    GPUs the group has gloo beside NCCL whenever offload may be chosen, pretrain/runtime.py.)"""
+    if not runtime.distributed:
+        return values
+    smallest = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return tuple(int(v) for v in smallest.tolist())
+
+
+def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
+    config, mode = parallel_mode(config, runtime)
+    t = config.training
+    torch.manual_seed(t.seed)
+    # Built on the meta device (shapes, no storage): parallelize shards it and only then
+    # allocates and initialises each rank's part from t.seed (the same weights whatever the
+    # number of ranks), so no rank ever holds the whole model: an 8B model takes 32 GB in fp32.
+    with torch.device("meta"):
+        model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
+    log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
+             f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
+             + (f"; {mode.upper()}" if mode != "single" else "")
+             + ("; CPU offload (weights, gradients and optimizer state in host memory)" if t.cpu_offload else ""))
+    model = parallel.parallelize(model, config, runtime, mode)
+    optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
+    loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
+                          runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",
+                          grad_accum=t.grad_accum_nums)
+    try:
+        val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
+                                 runtime.world_size, t.eval_batches)
+    except DataError as error:
+        # Every rank sees the same split, so every rank skips alike and collectives stay matched.
+        log.warning(f"Validation skipped: {error}")
+        val = []
+    log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
+              f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
+              f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
+    metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log)
+    trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
+    if config.debug.trace_nonfinite:
+        trainer.tracer = FirstNonFinite(parallel.unwrap(model))
+        log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")
+        if t.activation_checkpointing or t.compile:
+            log.warning("debug.trace_nonfinite turns off training.activation_checkpointing and training.compile "
+                        "(the hooks must see every module); set debug.trace_nonfinite=false to keep them")
+    return trainer
