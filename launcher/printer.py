@@ -1,13 +1,21 @@
 """Where lines go: the console with a prefix per worker, a prefix-free log per worker, and
-one combined log. Only the supervisor's event loop calls this, so lines never interleave."""
+one combined log. Only the supervisor's event loop calls this, so lines never interleave.
+
+A destination that fails (a full disk: ENOSPC, EIO, EDQUOT; a hung-up terminal: EIO) is
+reported once and then left alone, and the others go on: a log file's failure is told on the
+console, the console's in the combined log. A run is never stopped, nor its summary lost,
+because a log could not be written. Only a closed pipe (`| head`) still ends the launcher:
+BrokenPipeError goes up to the command line, as the reader asked for no more."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TextIO
 
 LAUNCHER_PREFIX = "launcher"
+COMBINED_LOG = "combined.log"
 _COLOURS = ["36", "33", "35", "32", "34", "31", "96", "93"]  # cyan, yellow, magenta, ...
 
 
@@ -18,16 +26,15 @@ def use_colour(stream: TextIO) -> bool:
 
 class Printer:
     def __init__(self, console: TextIO, logs_dir: Path | None, colour: bool = False) -> None:
-        self._console = console
+        self._console: TextIO | None = console
         self._colour = colour
         self._logs_dir = logs_dir
         self._files: dict[str, TextIO] = {}
-        self._combined = self._open("combined.log") if logs_dir else None
+        self._failed: set[str] = set()
+        """Log files that could not be written: reported once, then no longer tried."""
         self._colour_of: dict[str, str] = {}
-
-    def _open(self, name: str) -> TextIO:
-        assert self._logs_dir is not None
-        return open(self._logs_dir / name, "a", encoding="utf-8", buffering=1)
+        if logs_dir is not None:
+            self._file(COMBINED_LOG)  # created at once, so it exists even for a run that prints nothing
 
     def _prefix(self, label: str) -> str:
         if not self._colour:
@@ -37,25 +44,85 @@ class Printer:
 
     def worker_line(self, label: str, line: str) -> None:
         """One line (without its newline) that the worker labelled `label` wrote."""
-        self._console.write(f"{self._prefix(label)}{line}\n")
-        self._console.flush()
-        if self._logs_dir is not None:
-            if label not in self._files:
-                self._files[label] = self._open(f"{label.lower()}.log")
-            self._files[label].write(line + "\n")
-        if self._combined is not None:
-            self._combined.write(f"{label}:{line}\n")
+        self._to_console(f"{self._prefix(label)}{line}\n")
+        self._to_log(f"{label.lower()}.log", line + "\n")
+        self._to_log(COMBINED_LOG, f"{label}:{line}\n")
 
     def launcher_line(self, message: str) -> None:
         """A line of the supervisor's own, under a prefix no worker uses."""
-        for line in message.splitlines() or [""]:
-            self._console.write(f"{self._prefix(LAUNCHER_PREFIX)} {line}\n")
-            if self._combined is not None:
-                self._combined.write(f"{LAUNCHER_PREFIX}: {line}\n")
-        self._console.flush()
+        lines = message.splitlines() or [""]
+        self._to_console("".join(f"{self._prefix(LAUNCHER_PREFIX)} {line}\n" for line in lines))
+        self._to_log(COMBINED_LOG, "".join(f"{LAUNCHER_PREFIX}: {line}\n" for line in lines))
 
     def close(self) -> None:
-        for handle in [*self._files.values(), *([self._combined] if self._combined else [])]:
-            handle.close()
+        for handle in self._files.values():
+            with contextlib.suppress(OSError):  # what a failed write left in its buffer
+                handle.close()
         self._files.clear()
-        self._combined = None
+        self._logs_dir = None  # nothing is written after close
+
+    # --- destinations ---------------------------------------------------------------------
+
+    def _to_console(self, text: str) -> None:
+        if self._console is None:
+            return
+        try:
+            self._console.write(text)
+            self._console.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            console, self._console = self._console, None
+            _silence(console)
+            self._to_log(COMBINED_LOG, f"{LAUNCHER_PREFIX}: warning: cannot write the console: {_reason(error)}; "
+                                       "it stops here, the logs keep everything\n")
+
+    def _to_log(self, name: str, text: str) -> None:
+        if self._logs_dir is None or name in self._failed:
+            return
+        try:
+            handle = self._file(name)
+            if handle is not None:
+                handle.write(text)  # line buffered: written now, or the error is raised now
+        except OSError as error:
+            self._give_up(name, error)
+
+    def _file(self, name: str) -> TextIO | None:
+        """The open log file logs/<name>, opened on first use; None when it has failed."""
+        if name in self._failed:
+            return None
+        if name not in self._files:
+            assert self._logs_dir is not None
+            try:
+                self._files[name] = open(self._logs_dir / name, "a", encoding="utf-8", buffering=1)
+            except OSError as error:
+                self._give_up(name, error)
+                return None
+        return self._files[name]
+
+    def _give_up(self, name: str, error: OSError) -> None:
+        """Stop writing logs/<name> and say so once, on the console (and in the combined log,
+        unless that is the one that failed)."""
+        assert self._logs_dir is not None
+        self._failed.add(name)  # first: the warning below must not come back here
+        handle = self._files.pop(name, None)
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                handle.close()
+        self.launcher_line(f"warning: cannot write {self._logs_dir / name}: {_reason(error)}; "
+                           "this log stops here, the console keeps everything")
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def _silence(console: TextIO) -> None:
+    """Point a console that failed at /dev/null: what it still holds in its buffer would
+    otherwise fail again when Python flushes it at exit (exit status 120)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, console.fileno())
+        finally:
+            os.close(devnull)

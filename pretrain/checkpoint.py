@@ -30,6 +30,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,6 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["FORMAT_VERSION", "CheckpointError", "latest", "load_config", "load_model_state", "load_tensors",
            "read_dcp_metadata", "read_state", "restore", "rng_states", "save", "set_rng_states"]
 
+NEARLY_FULL = 64 << 20
+"""Free bytes below which a failed write names the free space: more than one write's worth."""
+
 ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
 """The model keys that define its parameters. The others (norm_eps, rope_theta, max_seq_len,
 init_std) may change on resume: raising rope_theta with max_seq_len is how a context is extended."""
@@ -75,8 +79,28 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
         clean_unfinished(final.parent)  # a save that was killed left these
         tmp.mkdir(parents=True)
     _barrier(runtime)
-    # Each rank fsyncs what it writes (DCP fsyncs its shards), so after the barrier rank 0
-    # only has the directory entries left to make durable.
+    try:
+        _write_files(trainer, steps_done, tmp)
+    except CheckpointError:
+        if runtime.is_main:  # a full disk gets back the space of the unfinished save at once
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier(runtime)  # every rank's files are in tmp, on disk
+    if runtime.is_main:
+        for directory in (tmp / DIRECTORY, tmp):
+            if directory.is_dir():
+                fsync_dir(directory)
+        replace_dir(tmp, final)
+        prune(final.parent, trainer.config.training.keep_checkpoints, final)
+    _barrier(runtime)  # no rank returns before the checkpoint exists
+    return final
+
+
+def _write_files(trainer: Trainer, steps_done: int, tmp: Path) -> None:
+    """This rank's files of the checkpoint into tmp. Each rank fsyncs what it writes (DCP
+    fsyncs its shards), so after the next barrier rank 0 only has the directory entries left
+    to make durable."""
+    runtime = trainer.runtime
     _write_tensors(rng_states(runtime.device), tmp / f"rng_rank{runtime.rank}.pt")
     if has_fsdp(trainer.model):
         save_sharded(trainer.model, trainer.optimizer, tmp / DIRECTORY)
@@ -89,15 +113,6 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
             cfg.save(trainer.config, tmp / "config.json")
         with _writing(tmp / "state.json"):
             atomic_write_text(tmp / "state.json", json.dumps(_state(trainer, steps_done), indent=2) + "\n")
-    _barrier(runtime)  # every rank's files are in tmp, on disk
-    if runtime.is_main:
-        for directory in (tmp / DIRECTORY, tmp):
-            if directory.is_dir():
-                fsync_dir(directory)
-        replace_dir(tmp, final)
-        prune(final.parent, trainer.config.training.keep_checkpoints, final)
-    _barrier(runtime)  # no rank returns before the checkpoint exists
-    return final
 
 
 def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
@@ -125,8 +140,18 @@ def _writing(file: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError) as error:
-        raise CheckpointError(f"cannot write checkpoint file {file} ({first_line(error)}); make room on its disk "
-                              "(or make it writable) and resume from the latest checkpoint") from None
+        raise CheckpointError(f"cannot write checkpoint file {file} ({first_line(error)}{_space_left(file)}); make "
+                              "room on its disk (or make it writable) and resume from the latest checkpoint") from None
+
+
+def _space_left(file: Path) -> str:
+    """'; 12 KiB free on its disk' when the disk is (nearly) full: torch.save's error on a full
+    disk says only `unexpected pos 860672 vs 860560`, which does not tell the cause."""
+    try:
+        free = shutil.disk_usage(file.parent).free
+    except OSError:
+        return ""
+    return f"; {free // 1024} KiB free on its disk" if free < NEARLY_FULL else ""
 
 
 def _barrier(runtime: Runtime) -> None:

@@ -11,6 +11,7 @@ through this module and should not pay for importing torch (or need it installed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -173,6 +174,7 @@ class MetricsLog:
                  logger: logging.Logger | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self._logger = logger
         self._file = _open_for_append(self.path) if enabled else None
         self._writer = _tensorboard_writer(Path(run_dir) / "tensorboard", logger) if enabled and tensorboard else None
 
@@ -193,8 +195,22 @@ class MetricsLog:
             return
         record = {key: value if key in ("kind", "step") else _number(value) for key, value in record.items()}
         record["time"] = round(time.time(), 3)  # wall clock: tells the runs of a resumed file apart
-        self._file.write(json.dumps(record, allow_nan=False).encode() + b"\n")
-        self._file.flush()  # a reader (the plot command, tail -f) sees whole lines as they come
+        try:
+            self._file.write(json.dumps(record, allow_nan=False).encode() + b"\n")
+            self._file.flush()  # a reader (the plot command, tail -f) sees whole lines as they come
+        except OSError as error:
+            # A full disk (ENOSPC, EIO, EDQUOT) costs the metrics, not the run: its
+            # checkpoints are what matter, and their own write errors stop it.
+            self._stop_writing(error)
+
+    def _stop_writing(self, error: OSError) -> None:
+        """Close metrics.jsonl after a failed write, and say so once."""
+        file, self._file = self._file, None
+        with contextlib.suppress(OSError):  # close flushes the line that failed again
+            file.close()
+        if self._logger is not None:
+            self._logger.warning(f"cannot write {self.path}: {error.strerror or error}; metrics are no longer "
+                                 "recorded there; training goes on")
 
     def _scalars(self, section: str, step: int, values: dict[str, Any]) -> None:
         if self._writer is None:
@@ -206,7 +222,8 @@ class MetricsLog:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # every line was flushed as written (or reported)
+                self._file.close()
             self._file = None
         if self._writer is not None:
             self._writer.close()

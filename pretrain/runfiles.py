@@ -7,7 +7,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +25,19 @@ def os_error_message(error: OSError) -> str:
     return f"{error.filename}: {reason}" if error.filename else reason
 
 
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Within: an OSError that names no file gets path as its filename. A failed write or flush
+    (ENOSPC: a full disk, EIO, EDQUOT) raises one without it, and os_error_message then could
+    not say which file."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = str(path)
+        raise
+
+
 def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644) -> None:
     """Create or replace path so readers see the old file or the whole new one, never a part.
 
@@ -37,8 +50,9 @@ def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644)
     os.close(fd)
     tmp = Path(name)
     try:
-        write(tmp)
-        fsync(tmp)
+        with naming(path):  # the file meant, not its temporary name
+            write(tmp)
+            fsync(tmp)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
