@@ -5,9 +5,10 @@ Rules, in order:
 2. What is asked for: --gpus; else system.device_id (that one GPU); else --nproc N (the N
    freest GPUs, auto:N); else all (every free GPU).
 3. No NVIDIA driver, no GPU, or a CUDA_VISIBLE_DEVICES that hides them all: CPU workers
-   when falling back is allowed (the debug preset, or a generic `-- COMMAND`) with device
-   auto and no GPU named; otherwise "no NVIDIA GPU found; use --device cpu". A driver that
-   is there but broken is always an error (nvml.NvmlFailure).
+   (--nproc of them, default 2) when falling back is allowed (the debug preset, or a generic
+   `-- COMMAND`), with device auto, and no more asked for than --gpus all or --nproc N (not a
+   GPU id, auto:N or system.device_id); otherwise "no NVIDIA GPU found; use --device cpu". A
+   driver that is there but broken is always an error (nvml.NvmlFailure).
 4. Otherwise devices.select() chooses and claims; the claims last until release().
 """
 
@@ -97,11 +98,13 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
         gpus = []
     usable = devices.visible_ids(gpus, visible) if gpus else set()
     if not gpus or usable == set():
-        falls_back = (options.cpu_fallback and options.device == "auto" and request.kind == "all"
+        # --nproc N asks for N workers: on GPUs where there are some (auto:N), else on CPUs.
+        asked_for_any = request.kind == "all" or (options.gpus is None and options.nproc is not None)
+        falls_back = (options.cpu_fallback and options.device == "auto" and asked_for_any
                       and options.device_id is None)
         if falls_back:
-            printer.launcher_line(f"no NVIDIA GPU found; running {cpu_workers} CPU worker processes (gloo); "
-                                  f"--nproc N changes the count")
+            printer.launcher_line(f"no NVIDIA GPU found; running {cpu_workers} CPU worker "
+                                  f"process{'es' * (cpu_workers != 1)} (gloo); --nproc N changes the count")
             return Placement("cpu", cpu_workers)
         if gpus:
             raise DeviceError(f"CUDA_VISIBLE_DEVICES={visible} hides every GPU; unset it or use --device cpu")

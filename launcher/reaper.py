@@ -113,12 +113,26 @@ def members(processes: Iterable[ProcessInfo], *, groups: set[int], roots: set[in
     return belongs | descendants
 
 
-def kill(pid: int) -> bool:
+def send(pid: int, signum: int) -> bool:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signum)
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def kill(pid: int) -> bool:
+    return send(pid, signal.SIGKILL)
+
+
+def terminate_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int],
+                  signalled_groups: set[int]) -> set[int]:
+    """SIGTERM, once, every process of the run outside signalled_groups (the process groups
+    the caller has just sent SIGTERM itself, so no process gets it twice); return their pids."""
+    processes = scan(token)
+    pids = members(processes, groups=groups, roots=roots, exclude=exclude)
+    return {p.pid for p in processes
+            if p.pid in pids and p.pgid not in signalled_groups and send(p.pid, signal.SIGTERM)}
 
 
 def kill_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int],

@@ -5,19 +5,23 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
    death by signal n returns 128 + n). A worker that prints nothing for hang_timeout
    seconds has failed, with exit code 124. Success means every worker exited 0.
 2. On that first failure, workers that can dump their stacks are asked to (the summary
-   shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every running
-   worker's process group gets SIGTERM, and SIGKILL once kill_grace seconds have passed.
+   shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every process of
+   the run gets SIGTERM at once: every running worker's process group, the descendants that
+   left their group (found as in rule 4) and what is left of exited workers' groups. Those
+   still running kill_grace seconds later get SIGKILL, so the grace is spent only on
+   processes that ignore SIGTERM.
    An exit code the workers agree on (agreed_exit_codes: a numerical failure, which every
    rank stops for at the same step) gives the others AGREED_EXIT_GRACE seconds to exit on
    their own first.
-3. SIGINT or SIGTERM to the supervisor asks every worker to stop gracefully with SIGTERM:
-   to its process group, or, for training workers, to the worker process alone, so it can
-   finish its step and save while its helpers (data loaders) keep working. After
-   stop_timeout seconds they are killed; a second signal kills at once. A group that got
-   SIGTERM (rules 2 and 3) has until that deadline to finish, even once its worker has
-   exited: what a shell started is still printing its last words. Returns 130 or
-   143, unless a worker fails while stopping (an exit code other than 0 or a death by that
-   SIGTERM): that is a failure as in rule 1.
+3. SIGINT, SIGTERM or SIGHUP to the supervisor asks every worker to stop gracefully with
+   SIGTERM: to every process of the run as in rule 2, or, for training workers, to the worker
+   process alone, so it can finish its step and save while its helpers (data loaders) keep
+   working. After stop_timeout seconds they are killed; a second SIGINT or SIGTERM kills at
+   once (a second SIGHUP does not: a closing terminal can send it twice, and is no request to
+   hurry). A group that got SIGTERM (rules 2 and 3) has until that deadline to finish, even
+   once its worker has exited: what a shell started is still printing its last words.
+   Returns 130, 143 or 129, unless a worker fails while stopping (an exit code other than 0
+   or a death by that SIGTERM): that is a failure as in rule 1.
 4. When the loop ends, every process of the run is SIGKILLed: the workers' groups and
    the descendants that left them (setsid, double fork), found by the run's token in
    their environment and, with adopt_orphans, by being re-parented to the supervisor.
@@ -57,6 +61,8 @@ TAIL_LINES = 20
 EXIT_HANG = 124  # as timeout(1) reports it
 # How a worker ends when asked to stop: 0, or by (or after handling) SIGTERM.
 STOPPED_AS_ASKED = {0, -signal.SIGTERM, 128 + signal.SIGTERM}
+# What asks the supervisor to stop gracefully (rule 3): Ctrl-C, a scheduler, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def exit_code(returncode: int) -> int:
@@ -70,7 +76,7 @@ class StartError(OSError):
 
 @dataclass(frozen=True)
 class Interrupted:
-    """The supervisor itself received SIGINT or SIGTERM."""
+    """The supervisor itself received one of STOP_SIGNALS."""
     signum: int
 
 
@@ -153,7 +159,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Start every worker, watch them to the end, and return the exit code."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             self._start_all()
             while self._watching():
@@ -233,20 +239,23 @@ class Supervisor:
         self.printer.worker_line(worker.label, text)
 
     def _on_interrupt(self, signum: int) -> None:
+        if self._tearing_down and signum == signal.SIGHUP:
+            self.printer.launcher_line("received SIGHUP: already stopping; carrying on")
+            return
         if self._tearing_down:
             self.printer.launcher_line("second signal: killing every worker now")
             self._kill_running()
             return
         self._interrupted_by, self._interrupted_at = signum, time.monotonic()
+        again = "SIGINT or SIGTERM" if signum == signal.SIGHUP else "again"
         self.printer.launcher_line(
             f"received {signal.Signals(signum).name}: asking the workers to stop gracefully "
-            f"(at most {self.stop_timeout:g} s, --stop-timeout; again to kill them now)")
-        for worker in self._running():  # rule 3
-            if self.stop_leaders_only:
+            f"(at most {self.stop_timeout:g} s, --stop-timeout; {again} to kill them now)")
+        if self.stop_leaders_only:  # rule 3
+            for worker in self._running():
                 worker.signal(signal.SIGTERM)
-            else:
-                worker.signal_group(signal.SIGTERM)
-                self._groups_stopping.add(worker)
+        else:
+            self._terminate_groups(self._running())
         self._set_kill_deadline(self.stop_timeout, "--stop-timeout")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -333,10 +342,20 @@ class Supervisor:
             failure.unresponsive = True
         if failure is not None:  # those that outlived an agreed exit's grace are stopped now
             failure.stopped = max(failure.stopped, len([w for w in self._running() if w is not failure.worker]))
-        for worker in self._running():
+        self._terminate_groups(self._running())
+        self._set_kill_deadline(self.kill_grace, "--kill-grace")
+
+    def _terminate_groups(self, workers: list[Worker]) -> None:
+        """SIGTERM, all at once, to these workers' groups and to every other process of the run:
+        the descendants that left their worker's group (setsid, double fork) and what is left of
+        exited workers' groups. One of those that still holds a worker's output would otherwise
+        keep the teardown waiting for the whole deadline, though it ends at once when asked."""
+        for worker in workers:
             worker.signal_group(signal.SIGTERM)
             self._groups_stopping.add(worker)
-        self._set_kill_deadline(self.kill_grace, "--kill-grace")
+        groups, roots, exclude = self._scope()
+        reaper.terminate_run(self._token, groups=groups, roots=roots, exclude=exclude,
+                             signalled_groups={w.process.pid for w in workers if w.process is not None})
 
     def _set_kill_deadline(self, seconds: float, option: str) -> None:
         self._kill_at = time.monotonic() + seconds

@@ -177,7 +177,7 @@ class TrainingConfig:
     max_steps: int = 10000
     """Optimizer steps to train for (when epochs is 0)."""
     epochs: int = 0
-    """Passes over the train split; sets the run length instead of max_steps when above 0."""
+    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to weight matrices only."""
     beta1: float = 0.9
@@ -447,26 +447,56 @@ def parse_set(assignment: str) -> dict[str, Any]:
 
 
 def resolve(preset: str | None = None, config_file: Path | None = None,
-            max_steps: int | None = None, sets: Sequence[str] = ()) -> Config:
+            max_steps: int | None = None, sets: Sequence[str] = (), *, saved: bool = False) -> Config:
     """Build a config: preset (explicit, else the file's "preset", else production), then
-    the file, then --max-steps, then each --set in order."""
+    the file, then --max-steps, then each --set in order. saved: config_file was written by
+    save() (see one_run_length)."""
     file_data = read_config_file(config_file) if config_file is not None else {}
     name = preset or file_data.get("preset") or "production"
     if name not in PRESETS:
         raise ConfigError(f"--preset {name}: unknown preset{_closest(name, list(PRESETS))}")
     config = PRESETS[name]()
     user_data_keys = set(file_data["data"]) if isinstance(file_data.get("data"), dict) else set()
+    run_length_set_by: dict[str, str] = {}
     if config_file is not None:
         config = apply_overrides(config, file_data, str(config_file))
+        run_length_set_by |= run_length_keys(file_data, str(config_file))
     if max_steps is not None:
         config = apply_overrides(config, {"training": {"max_steps": max_steps}}, "--max-steps")
+        run_length_set_by["max_steps"] = "--max-steps"
     for assignment in sets:
         overrides = parse_set(assignment)
         user_data_keys |= set(overrides.get("data", {}))
         config = apply_overrides(config, overrides, "--set")
+        run_length_set_by |= run_length_keys(overrides, "--set")
+    if not saved:
+        config = one_run_length(config, run_length_set_by)
     config = drop_unused_preset_keys(config, PRESETS[name]().data, user_data_keys)
     config.data.check_complete()
     check_context(config)
+    return config
+
+
+def run_length_keys(overrides: dict[str, Any], layer: str) -> dict[str, str]:
+    """{key: layer} for training.epochs and training.max_steps, where overrides set them."""
+    training = overrides.get("training")
+    return {key: layer for key in ("epochs", "max_steps") if isinstance(training, dict) and key in training}
+
+
+def one_run_length(config: Config, set_by: dict[str, str]) -> Config:
+    """training.epochs (when above 0) sets the run length instead of training.max_steps, so
+    the user's layers (a file, --max-steps, --set; set_by names the last to set each) may set
+    only one of them: both is an error, never a silent choice. Where only one is the user's,
+    it wins over the preset's other. A config written by save() is exempt: its max_steps is
+    the one fit_to_dataset derived from its epochs (newer runs save epochs as 0)."""
+    t = config.training
+    if t.epochs == 0:
+        return config
+    if "epochs" in set_by and "max_steps" in set_by:
+        raise ConfigError(f"training.epochs={t.epochs} ({set_by['epochs']}) and training.max_steps={t.max_steps} "
+                          f"({set_by['max_steps']}) both set the run length; keep one of them")
+    if "max_steps" in set_by:  # the preset's epochs under the user's max_steps
+        return dataclasses.replace(config, training=dataclasses.replace(t, epochs=0))
     return config
 
 
@@ -540,7 +570,7 @@ def save(config: Config, path: Path) -> None:
 
 def load(path: Path) -> Config:
     """Load a resolved config written by save() (or any complete config file)."""
-    return resolve(config_file=path)
+    return resolve(config_file=path, saved=True)
 
 
 # --- command line ---------------------------------------------------------------------

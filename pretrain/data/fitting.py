@@ -21,7 +21,9 @@ from pretrain.data.windows import RunLength, plan_run
 
 def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> tuple[Config, RunLength]:
     """config with model.vocab_size and training.max_steps made concrete for this dataset and
-    world size, and the run's length. DataError when they do not fit; ConfigError when
+    world size, and the run's length. A run set in epochs gets them as max_steps, and epochs 0:
+    the config the workers read then sets the run length once (pretrain/config.py
+    one_run_length refuses both). DataError when they do not fit; ConfigError when
     training.global_batch_size does not divide over the ranks."""
     config = with_world_size(config, world_size)
     meta = read_meta(dataset_dir)
@@ -29,7 +31,7 @@ def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> 
     length = plan_run(meta, config.data.context_length, t.batch_size, t.grad_accum_nums, world_size,
                       t.epochs, t.max_steps)
     model = dataclasses.replace(config.model, vocab_size=model_vocab_size(config.model.vocab_size, meta))
-    training = dataclasses.replace(t, max_steps=length.total_steps)
+    training = dataclasses.replace(t, max_steps=length.total_steps, epochs=0)
     data = config.data
     if data.source == "hub":
         # Pin the branch to the commit prepared, so every worker finds this very dataset in the
