@@ -145,8 +145,13 @@ def _holder(pid: int, uid: int) -> Holder:
         user = f"uid {uid}"
     if pid <= 0:
         return Holder(user=user)
+    return Holder(pid=pid, user=user, since=started_at(pid))
+
+
+def started_at(pid: int) -> str | None:
+    """When the process started, in local time (2026-11-23 21:03:07); None when it is gone.
+    (Also how launcher/run_lock.py describes the holder of a run directory.)"""
     try:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(psutil.Process(pid).create_time()))
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(psutil.Process(pid).create_time()))
     except psutil.Error:
-        since = None
-    return Holder(pid=pid, user=user, since=since)
+        return None

@@ -14,19 +14,20 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from launcher import devices, gpu_table, nvml
+from launcher import devices, gpu_table, nvml, run_lock
 from launcher.claims import ClaimError
 from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
 from launcher.printer import Printer, use_colour
+from launcher.run_lock import LockHolder, RunDirLock
 from launcher.scripted_nvml import BadScript
 from launcher.supervisor import StartError, Supervisor
 from launcher.worker import Worker, worker_env
 from pretrain import config as cfg
 from pretrain import exit_codes
-from pretrain.runfiles import PROJECT_ROOT, create_run_dir, os_error_message
+from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
 
 MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
@@ -169,18 +170,76 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     return config
 
 
-def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) -> tuple[str | None, cfg.Config]:
-    """Resolve training.resume once, for every worker: the run directory to continue in and the
-    config naming the exact checkpoint ("" when starting fresh)."""
-    from pretrain.resume import resolve_resume
+def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) -> tuple[RunDirLock, cfg.Config]:
+    """Resolve training.resume once, for every worker, and take the run directory to train in
+    (held until the launcher exits): return it, and the config naming the exact checkpoint
+    ("" when starting fresh)."""
+    from pretrain.resume import resolve_resume, run_results
 
-    run_dir, checkpoint = resolve_resume(config.training.resume, run_dir_arg, PROJECT_ROOT / "runs")
+    resume = config.training.resume
+    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, PROJECT_ROOT / "runs")
+    run_dir = run_dir_path(run_dir)
+    if checkpoint is not None and resume != "auto":
+        refuse_live_checkpoint(resume, checkpoint)
+    owned = own_run_dir(run_dir, still_training(run_dir_arg) if resume == "auto" else None)
+    try:
+        # A fresh run where one has trained would replace its checkpoints and append to its metrics.
+        if not resume and (results := run_results(owned.path)):
+            raise UsageError(f"run directory {owned.path} already holds a run ({', '.join(results)}); continue it "
+                             "with --resume auto (or a checkpoint path), or choose another --run-dir for a new run")
+    except BaseException:
+        owned.abandon()
+        raise
     if checkpoint is not None:
         printer.launcher_line(f"resuming from {checkpoint}")
-    elif config.training.resume == "auto":
+    elif resume == "auto":
         printer.launcher_line("no checkpoint to resume from; starting at step 0")
     training = dataclasses.replace(config.training, resume=str(checkpoint) if checkpoint else "")
-    return (str(run_dir) if run_dir else None), dataclasses.replace(config, training=training)
+    return owned, dataclasses.replace(config, training=training)
+
+
+def run_dir_path(run_dir: str | Path | None) -> Path:
+    """The run directory, absolute: the one given, or a new runs/<run-id>/."""
+    return Path(run_dir).expanduser().resolve() if run_dir else PROJECT_ROOT / "runs" / new_run_id()
+
+
+def own_run_dir(run_dir: Path, refusal: Callable[[Path, LockHolder], str] | None = None) -> RunDirLock:
+    """Create the run directory if need be and lock it for this launcher's lifetime, before
+    anything is written into it; one line (UsageError) when another launcher holds it."""
+    try:
+        owned = run_lock.take(run_dir)
+    except OSError as error:
+        raise cannot_create(run_dir, error) from None
+    if isinstance(owned, LockHolder):
+        raise UsageError((refusal or in_use)(run_dir, owned))
+    return owned
+
+
+def cannot_create(run_dir: Path, error: OSError) -> UsageError:
+    reason = error.strerror or str(error)
+    if error.filename and Path(error.filename) != run_dir:  # its lock file, its logs/
+        reason = os_error_message(error)
+    return UsageError(f"cannot create run directory {run_dir}: {reason}; choose another with --run-dir")
+
+
+def in_use(run_dir: Path, holder: LockHolder) -> str:
+    return f"run directory {run_dir} is in use by {holder.describe()}; wait for it to end, or choose another with --run-dir"
+
+
+def still_training(run_dir_arg: str | None) -> Callable[[Path, LockHolder], str]:
+    """The refusal of --resume auto whose run is live: how to continue it, and how to start anew."""
+    new_run = "leave out --resume" + (" and choose another --run-dir" if run_dir_arg else "")
+    return lambda run_dir, holder: (f"run directory {run_dir} is still training under {holder.describe()}; "
+                                    f"continue it with --resume auto once that launcher ends, or for a new run {new_run}")
+
+
+def refuse_live_checkpoint(resume: str, checkpoint: Path) -> None:
+    """A live run may replace or prune the checkpoint while it is read, and its run directory is
+    not this launch's to write in."""
+    owner = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    if owner is not None and (holder := run_lock.holder_of(owner)) is not None:
+        raise UsageError(f"--resume {resume}: its run {owner} is still training under {holder.describe()}; "
+                         "resume it once that launcher ends, or from a copy of the checkpoint made outside that run")
 
 
 def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
@@ -222,18 +281,30 @@ def run(argv: Sequence[str]) -> int:
 
 def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement,
                console: Printer) -> int:
-    """Prepare, spawn and supervise, on devices already chosen (and claimed)."""
-    generic = bool(command)
-    run_dir_arg = args.run_dir
-    if not command:
+    """Take the run directory, prepare, spawn and supervise, on devices already chosen (and claimed)."""
+    if command:
+        owned = own_run_dir(run_dir_path(args.run_dir))
+    else:
         # The checkpoint first: a resumed run reads the Hub files its checkpoint was trained on.
-        run_dir_arg, config = resume_point(config, run_dir_arg, console)
+        owned, config = resume_point(config, args.run_dir, console)
+    try:
+        code = run_owned(args, config, command, placement, console, owned.path)
+    except BaseException:
+        owned.abandon()  # nothing left behind by a launch that ends in an error before it starts
+        raise
+    owned.release()
+    return code
+
+
+def run_owned(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement,
+              console: Printer, run_dir: Path) -> int:
+    generic = bool(command)
+    if not generic:
         config = prepare_training(config, placement, console)
     try:
-        run_dir = create_run_dir(run_dir_arg)
+        create_run_dir(run_dir)
     except OSError as error:
-        raise UsageError(f"cannot create run directory {args.run_dir or 'runs/'}: "
-                         f"{error.strerror or error}; choose another with --run-dir") from None
+        raise cannot_create(run_dir, error) from None
     printer = Printer(sys.stdout, run_dir / "logs", colour=use_colour(sys.stdout))
     try:
         if not command:

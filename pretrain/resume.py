@@ -9,7 +9,11 @@ from pathlib import Path
 
 from pretrain.checkpoint_files import UNFINISHED_SUFFIXES, StateError, is_unfinished, latest, read_state
 
-__all__ = ["UNFINISHED_SUFFIXES", "ResumeError", "checkpoint_at", "latest", "resolve_resume"]
+__all__ = ["UNFINISHED_SUFFIXES", "ResumeError", "checkpoint_at", "latest", "resolve_resume", "run_results"]
+
+# What a run leaves in its run directory that a new run started there would overwrite or mix
+# with its own. (logs/, config.json and workers.json are written before training starts.)
+RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "export", "debug")
 
 
 class ResumeError(ValueError):
@@ -82,3 +86,21 @@ def _written_at(checkpoint: Path) -> int:
         return (checkpoint / "state.json").stat().st_mtime_ns
     except OSError:
         return -1
+
+
+def run_results(run_dir: Path) -> list[str]:
+    """What of a run's results run_dir holds, by name ("checkpoints/step_10", "metrics.jsonl",
+    "export/"); empty when a new run may start there: a new or empty directory, or one a launch
+    wrote into but whose training never saved or logged a step."""
+    found = []
+    for name in RESULTS:
+        path = run_dir / name
+        try:
+            holds = any(path.iterdir()) if path.is_dir() else path.stat().st_size > 0
+        except FileNotFoundError:
+            continue
+        if holds and name == "checkpoints" and (newest := latest(path)) is not None:
+            found.append(f"checkpoints/{newest.name}")
+        elif holds:
+            found.append(name + ("/" if path.is_dir() else ""))
+    return found
