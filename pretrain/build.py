@@ -20,7 +20,7 @@ from pretrain import memory, memory_plan, parallel
 from pretrain import config as cfg
 from pretrain.config import Config, TrainingConfig
 from pretrain.data import DataError
-from pretrain.data.loader import TrainBatches, validation_batches
+from pretrain.data.loader import TokenIdError, TrainBatches, validation_batches
 from pretrain.debug import FirstNonFinite
 from pretrain.metrics import MetricsLog
 from pretrain.model import Transformer
@@ -131,10 +131,12 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                           runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",
-                          grad_accum=t.grad_accum_nums)
+                          grad_accum=t.grad_accum_nums, vocab_size=config.model.vocab_size)
     try:
         val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                                 runtime.world_size, t.eval_batches)
+                                 runtime.world_size, t.eval_batches, vocab_size=config.model.vocab_size)
+    except TokenIdError:
+        raise  # damaged data stops the run; only a val split too small to use is skipped
     except DataError as error:
         # Every rank sees the same split, so every rank skips alike and collectives stay matched.
         log.warning(f"Validation skipped: {error}")

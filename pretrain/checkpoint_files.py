@@ -68,13 +68,75 @@ def read_state(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise StateError(path, f"state.json is unreadable ({first_line(error)}); "
                                "use another checkpoint of the run") from None
-    if not isinstance(state, dict) or not isinstance(state.get("steps_done"), int):
-        raise StateError(path, "state.json has no steps_done; use another checkpoint of the run")
-    version = state.get("format_version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    version = state.get("format_version", 1) if isinstance(state, dict) else 1
+    if _is_int(version) and version > FORMAT_VERSION:
         raise StateError(path, f"format version {version} is newer than this code reads ({FORMAT_VERSION}); "
                                "update the code or start fresh")
+    if (problem := state_problem(state, path.name)) is not None:
+        raise StateError(path, f"state.json: {problem}; the checkpoint is damaged: resume from an earlier one "
+                               "with --resume <run dir>/checkpoints/step_<N>, or start fresh")
     return state
+
+
+# What state.json holds; checkpoint.py's _state writes it. Every key this code reads is checked
+# here, so a damaged or hand-edited file is one line naming the key instead of a traceback or,
+# worse, a resume "at step -1" that sets the run's checkpoints aside. Keys beyond these are
+# ignored: a later version may add informational ones (it bumps format_version to change these).
+LOADER_KEYS = ("epoch", "batch_index")
+PARALLELISM = ("single", "ddp", "fsdp")
+
+
+def state_problem(state: object, directory_name: str = "") -> str | None:
+    """What is wrong with a parsed state.json, as a phrase naming the key; None when usable.
+    directory_name: the checkpoint's; a step_<N> directory must hold N steps done."""
+    if not isinstance(state, dict):
+        return f"not a JSON object (got {_json_type(state)})"
+    version = state.get("format_version", 1)
+    if not _is_int(version) or version < 1:
+        return f"format_version must be an integer from 1 to {FORMAT_VERSION} (got {_show(version)})"
+    required = ["steps_done", "world_size", "loader"] + (["parallelism"] if version >= 2 else [])
+    if missing := [key for key in required if key not in state]:
+        return f"{missing[0]} is missing"
+    steps, world_size, loader = state["steps_done"], state["world_size"], state["loader"]
+    if not _is_int(steps) or steps < 0:
+        return f"steps_done must be a non-negative integer (got {_show(steps)})"
+    if not _is_int(world_size) or world_size < 1:
+        return f"world_size must be a positive integer (got {_show(world_size)})"
+    if not isinstance(loader, dict):
+        return f"loader must be an object with {' and '.join(LOADER_KEYS)} (got {_show(loader)})"
+    for key in LOADER_KEYS:
+        if key not in loader:
+            return f"loader.{key} is missing"
+        if not _is_int(loader[key]) or loader[key] < 0:
+            return f"loader.{key} must be a non-negative integer (got {_show(loader[key])})"
+    if "parallelism" in state and state["parallelism"] not in PARALLELISM:
+        return f"parallelism must be one of {', '.join(PARALLELISM)} (got {_show(state['parallelism'])})"
+    if "lr_schedule" in state:
+        schedule = state["lr_schedule"]
+        lr = schedule.get("lr") if isinstance(schedule, dict) else None
+        if not isinstance(schedule, dict) or not (lr is None or (isinstance(lr, (int, float))
+                                                                  and not isinstance(lr, bool) and lr >= 0)):
+            return f"lr_schedule must be an object whose lr is a non-negative number (got {_show(schedule)})"
+    name = directory_name.removesuffix(OLD)
+    if (match := STEP_NAME.fullmatch(name)) and int(match[1]) != steps:
+        # The number in the name is what latest() and pruning go by, steps_done what a resume does.
+        return f"steps_done is {steps}, but the directory is {name}"
+    return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # true is no count
+
+
+def _json_type(value: object) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _show(value: object) -> str:
+    """A value as JSON, shortened: it goes into a one-line message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def has_model_files(path: Path) -> bool:

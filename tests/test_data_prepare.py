@@ -187,7 +187,7 @@ def test_force_rebuilds_a_valid_cache_in_place(tmp_path):
     assert second == first and (second / "tokens.bin").stat().st_ino != inode
     assert lines[0] == f"dataset: rebuilding {first} (forced)"
     assert lines[1].startswith("dataset: prepared")
-    assert entries(tmp_path / "cache") == [first.name, first.name + ".lock"]
+    assert entries(tmp_path / "cache") == [first.name]  # the lock file goes with its build
 
 
 def truncate_tokens(path: Path) -> None:
@@ -335,7 +335,7 @@ def test_concurrent_preparers_build_once_and_both_get_the_same_path(tmp_path):
     assert len(paths) == 1
     path = Path(paths.pop().split(" ", 1)[1])
     prep.verify(path)
-    assert entries(tmp_path / "cache") == [path.name, path.name + ".lock"]
+    assert entries(tmp_path / "cache") == [path.name]  # no lock file left beside the entry
 
 
 # --- the builtin source and module boundaries ----------------------------------------------------
@@ -462,3 +462,33 @@ def test_document_ends_far_before_the_validation_cut_are_dropped_without_changin
     assert max(kept) < 800  # of 3000 document ends
     assert prep.read_meta(bounded)["splits"] == prep.read_meta(reference)["splits"]
     assert prep.read_meta(bounded)["documents"] == prep.read_meta(reference)["documents"]
+
+
+def test_the_build_lock_excludes_every_other_holder_although_each_holder_deletes_its_file(tmp_path):
+    """A waiter that gets the lock of a file its holder deleted must not count it as held:
+    otherwise it and a newcomer that created the next file would both build at once."""
+    import threading
+    from pretrain.data.cache import build_lock
+
+    final = tmp_path / "entry"
+    inside, most, waits = [0], [0], []
+    guard = threading.Lock()
+
+    def contend() -> None:
+        for _ in range(40):
+            with build_lock(final, waits.append):
+                with guard:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                time.sleep(0.0005)  # long enough for the others to queue up on the file
+                with guard:
+                    inside[0] -= 1
+
+    threads = [threading.Thread(target=contend) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert most[0] == 1
+    assert waits  # they did contend
+    assert entries(tmp_path) == []  # and left no lock file

@@ -240,7 +240,28 @@ def test_a_tokenizer_without_an_end_of_text_token_asks_for_data_eot_token(tmp_pa
 
     message = one_line_error(excinfo)
     assert "data.eot_token" in message and "<|endoftext|>" in message
+    assert "its special tokens are '<pad>':" in message  # what the file has, to choose from
     assert cache_leftovers(tmp_path) == []
+
+
+def test_a_tokenizer_without_any_special_token_says_so_when_asking_for_data_eot_token(tmp_path):
+    tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS, specials=[])
+
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
+
+    assert "; it has no special tokens: set data.eot_token to the one it uses" in one_line_error(excinfo)
+
+
+def test_a_missing_end_of_text_token_lists_only_the_first_few_special_tokens(tmp_path):
+    specials = [f"<|reserved_{i}|>" for i in range(20)]
+    tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS, specials=specials)
+
+    with pytest.raises(DataError) as excinfo:
+        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
+
+    shown = ", ".join(repr(name) for name in specials[:8])
+    assert f"its special tokens are {shown} and 12 more: set data.eot_token" in one_line_error(excinfo)
 
 
 def test_data_eot_token_picks_the_named_token(tmp_path):
@@ -265,7 +286,7 @@ def test_data_eot_token_naming_a_token_the_tokenizer_lacks_is_an_error(tmp_path)
             documents=["the"])
 
     message = one_line_error(excinfo)
-    assert "data.eot_token" in message and "'<eot>'" in message
+    assert "data.eot_token" in message and "'<eot>'" in message and "special tokens are '<|endoftext|>'" in message
 
 
 def test_a_vocabulary_with_unused_ids_is_sized_by_its_largest_id(tmp_path):

@@ -199,9 +199,10 @@ def test_an_unusable_checkpoint_is_one_line_and_exit_2(trained, tmp_path, capsys
 def test_a_run_directory_means_its_latest_complete_checkpoint(trained, tmp_path):
     path, _ = trained
     run_dir = shutil.copytree(path.parent.parent, tmp_path / "run")
-    shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_10")
-    shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_9")
-    shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_11.tmp")
+    for name in ("step_10", "step_9", "step_11.tmp"):
+        copy = shutil.copytree(run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / name)
+        state = json.loads((copy / "state.json").read_text())  # a step_<N> holds N steps done
+        (copy / "state.json").write_text(json.dumps(state | {"steps_done": int(name[5:].removesuffix(".tmp"))}))
     assert find_checkpoint(run_dir) == run_dir / "checkpoints" / "step_10"
     assert find_checkpoint(run_dir / "checkpoints" / "step_9") == run_dir / "checkpoints" / "step_9"
     for step in ("step_1", "step_9", "step_10"):

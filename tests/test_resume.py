@@ -22,9 +22,15 @@ def checkpoint_dir(run: Path, steps: int, complete: bool = True, name: str | Non
     return fill(path, steps) if complete else path
 
 
+def state(steps: int) -> dict:
+    """A valid state.json (pretrain/checkpoint_files.py state_problem) after `steps` steps."""
+    return {"format_version": 2, "steps_done": steps, "world_size": 1, "parallelism": "single",
+            "loader": {"epoch": 0, "batch_index": steps}}
+
+
 def fill(path: Path, steps: int) -> Path:
     """Make path a complete checkpoint of `steps` steps, as far as choosing one goes."""
-    (path / "state.json").write_text(json.dumps({"format_version": 2, "steps_done": steps}))
+    (path / "state.json").write_text(json.dumps(state(steps)))
     for file in ("model.pt", "optimizer.pt"):
         (path / file).write_bytes(b"")
     return path
@@ -65,7 +71,7 @@ def test_latest_is_the_highest_complete_step_ignoring_unfinished_saves(tmp_path)
 
 def test_a_sharded_checkpoint_is_complete_with_its_dcp_metadata(tmp_path):
     sharded = checkpoint_dir(tmp_path / "run", 4, complete=False)
-    (sharded / "state.json").write_text('{"steps_done": 4}')
+    (sharded / "state.json").write_text(json.dumps(state(4)))
     (sharded / "dcp").mkdir()
     assert latest(tmp_path / "run" / "checkpoints") is None  # shards, but DCP's metadata (written last) missing
     (sharded / "dcp" / ".metadata").write_bytes(b"")

@@ -3,10 +3,11 @@
 A prepared dataset is a directory holding meta.json (format FORMAT_VERSION) and the files it
 lists, each with its size and sha256. Checking one is cheap (inspect_dataset reads meta.json and
 stats the files); verify re-hashes them. Builds go into a temporary directory beside the final
-one, hold `<final>.lock` while they run, and are renamed into place (replace_dir), so the final
-name only ever holds a complete dataset. What goes into a dataset is prepare.py's business.
+one, hold `<final>.lock` while they run (deleted when let go: build_lock), and are renamed into
+place (replace_dir), so the final name only ever holds a complete dataset. What goes into a
+dataset is prepare.py's business.
 
-Standard library and filelock only: the launcher imports this and has to start fast.
+Standard library only: the launcher imports this and has to start fast.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from pretrain.data import DataError
 from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
-from pretrain.runfiles import fsync
+from pretrain.runfiles import fsync, naming
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")
@@ -35,17 +36,19 @@ Log = Callable[[str], None]
 
 @contextmanager
 def sigterm_as_exit() -> Iterator[None]:
-    """Within: SIGTERM raises SystemExit(143), so a build that is terminated removes its
-    temporary directory (possibly gigabytes) instead of leaving it in the cache. For entry
-    points, in the main thread; the previous handler comes back afterwards."""
+    """Within: SIGTERM or SIGHUP (a closed terminal) raises SystemExit(128 + signal: 143, 129),
+    so a build that is stopped removes its temporary directory (possibly gigabytes) instead of
+    leaving it in the cache. For entry points, in the main thread; the previous handlers come
+    back afterwards. (SIGINT already raises KeyboardInterrupt.)"""
     def leave(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, leave)
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 def verify(dataset_dir: str | Path) -> None:
     """Check a prepared dataset completely, the sha256 of every file it uses included.
@@ -74,19 +77,52 @@ def read_meta(dataset_dir: str | Path) -> dict[str, Any]:
 
 @contextmanager
 def build_lock(final: Path, log: Log) -> Iterator[None]:
-    """Hold `<final>.lock`; say so when waiting, or a waiting rank looks hung."""
-    from filelock import FileLock, Timeout  # imported here: a cache hit does not need it
+    """Hold `<final>.lock` (flock: the kernel frees it when the holder dies, however it dies);
+    say so when waiting, or a waiting rank looks hung.
 
-    lock = FileLock(f"{final}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log(f"dataset: waiting for another process to finish preparing {final}")
-        lock.acquire()
+    The holder deletes the file before it lets go, so no empty `.lock` stays beside every cache
+    entry. That is safe because a lock counts only while its file is still the one at the path:
+    a waiter that gets the lock of a file deleted meanwhile locks the path's new file instead
+    (below), so two processes never both hold `<final>.lock`. And a process that comes after the
+    deletion finds the entry complete: it appears by an atomic rename (replace_dir) before the
+    lock is let go, and every holder checks completeness again under the lock."""
+    import fcntl  # here: a cache hit does not need it
+
+    path = Path(f"{final}.lock")
+    waiting = False
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waiting:
+                    log(f"dataset: waiting for another process to finish preparing {final}")
+                    waiting = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if _is_file_at(fd, path):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # its holder deleted that file: lock the one at the path now
     try:
         yield
     finally:
-        lock.release()
+        try:
+            path.unlink()  # while still held: see above
+        except OSError:
+            pass  # gone already, or a read-only directory: a file left behind is harmless
+        os.close(fd)
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    try:
+        here = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (opened.st_dev, opened.st_ino)
 
 # --- checking a cache -------------------------------------------------------------------------
 
@@ -167,7 +203,7 @@ def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
 # --- files ------------------------------------------------------------------------------------
 
 def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
+    with naming(path), open(path, "wb") as file:  # a failed write's OSError names no file
         file.write(data)
         file.flush()
         os.fsync(file.fileno())

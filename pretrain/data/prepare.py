@@ -12,7 +12,8 @@ Pre-tokenized shards (llm.c, Megatron) are not copied: their directory holds onl
 whose segments point at the shards where they are.
 
 Validation is data.val_path when given, else the tail of the token stream: the last
-val_fraction of the tokens, moved to a document boundary when one is near (see split_point).
+val_fraction of the tokens, moved to a document boundary when one is near (see split_point; a
+Megatron index records its documents' ends, an llm.c shard does not: cut at the exact share).
 
 `hash12` hashes the key: every input that changes the bytes (format version, the source's
 identity: its files' paths, sizes and modification times, or content hash, or Hub commit; the
@@ -21,8 +22,9 @@ time, so one preparation serves every context length. A cache hit reads meta.jso
 files, nothing more (under 0.3 s whatever the size); `verify` re-hashes on request.
 
 A build writes into a temporary directory beside the final one and renames it into place, so the
-final name only ever holds a complete dataset. A lock file `<final>.lock` makes concurrent
-preparers build once: the others wait, then reuse. The mechanics of that are in cache.py.
+final name only ever holds a complete dataset. A lock file `<final>.lock` (present only while a
+build runs) makes concurrent preparers build once: the others wait, then reuse. The mechanics of
+that are in cache.py.
 
 This module must not import torch: the launcher imports it and has to start fast.
 """
@@ -55,7 +57,7 @@ from pretrain.data.sources import Piece, TextSource, documents_source, resolve_f
 from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, Tokenizer, file_sha256,
                                      load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe)
 from pretrain.data.windows import DTYPES, Segment
-from pretrain.runfiles import project_path
+from pretrain.runfiles import naming, project_path
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
@@ -220,8 +222,9 @@ def _build(final: Path, recipe: Recipe, log: Log) -> None:
         raise
     tokens = meta["tokens"]
     total = tokens["train"] + tokens["val"]
-    log(f"dataset: prepared {final} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens, "
-        f"{meta.get('documents', {}).get('total', '?')} documents) in {seconds:.1f}s "
+    documents = meta.get("documents", {}).get("total")  # llm.c shards do not record documents: None
+    log(f"dataset: prepared {final} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens"
+        + (f", {documents:,} documents" if documents is not None else "") + f") in {seconds:.1f}s "
         f"({total / max(seconds, 1e-9):,.0f} tokens/s)")
 
 
@@ -231,7 +234,8 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
     bpe_file = _trained_bpe(cfg, train, log, force) if cfg.tokenizer == "bpe" else None
     tokenizer = load_tokenizer(cfg, bpe_file)
     dtype = storage_dtype(tokenizer.vocab_size)
-    with open(directory / TOKENS_FILE, "wb") as file:
+    # naming: a write that fails (a full disk) raises an OSError that names no file.
+    with naming(directory / TOKENS_FILE), open(directory / TOKENS_FILE, "wb") as file:
         # With val_path the split is where validation starts: no boundary is needed at all.
         writer = _TokenWriter(file, DTYPES[dtype], tokenizer.vocab_size, 0.0 if val else cfg.val_fraction)
         pieces = _limited(train.pieces(), cfg.max_samples)
@@ -255,7 +259,8 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
     tokenizer_meta: dict[str, Any] = {"kind": cfg.tokenizer, "name": tokenizer.name,
                                       "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
     if cfg.tokenizer in ("bpe", "huggingface"):
-        shutil.copyfile(bpe_file or tokenizer.path, directory / TOKENIZER_FILE)  # type: ignore[attr-defined]
+        with naming(directory / TOKENIZER_FILE):
+            shutil.copyfile(bpe_file or tokenizer.path, directory / TOKENIZER_FILE)  # type: ignore[attr-defined]
         files[TOKENIZER_FILE] = {"bytes": (directory / TOKENIZER_FILE).stat().st_size,
                                  "sha256": file_sha256(directory / TOKENIZER_FILE)}
         tokenizer_meta["file"] = TOKENIZER_FILE
@@ -448,6 +453,10 @@ def _shard_recipe(cfg: DataConfig) -> Recipe:
     key = {"format_version": FORMAT_VERSION, "source": {"source": cfg.source, "files": stamps,
                                                         "val_files": len(val)},
            "val_fraction": None if val else cfg.val_fraction}
+    if cfg.source == "megatron" and not val:
+        # Datasets prepared before the cut moved to a document end were cut at the exact share:
+        # a key of their own, so they are not reused as if they were these.
+        key["val_cut"] = "document end"
     path = _dataset_path(cfg.cache_dir, cfg.source, key)
     return Recipe(key, path, lambda directory, log: _index_shards(train, val, cfg.val_fraction, log))
 
@@ -461,8 +470,9 @@ def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log
     train_segments = [Segment(str(s.path), s.offset, s.tokens, s.dtype) for s in train]
     val_segments = [Segment(str(s.path), s.offset, s.tokens, s.dtype) for s in val]
     if not val:
-        total = sum(s.tokens for s in train)  # document ends are not known: cut at the exact share
-        train_segments, val_segments = _tail_split(train_segments, total - split_point(total, [], val_fraction))
+        total = sum(s.tokens for s in train)
+        cut = int(split_point(total, _document_ends(train), val_fraction))
+        train_segments, val_segments = _tail_split(train_segments, total - cut)
     max_id = max(s.max_id for s in scans.values())
     count = {"train": sum(s.tokens for s in train_segments), "val": sum(s.tokens for s in val_segments)}
     known_documents = [s.documents for s in shards]
@@ -477,6 +487,16 @@ def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log
         "documents": {"total": sum(known_documents) if None not in known_documents else None},
         "files": {str(s.path): {"bytes": s.path.stat().st_size, "sha256": scans[s.path].sha256} for s in shards},
     }
+
+
+def _document_ends(shards: list[Shard]) -> Sequence[int]:
+    """Where documents end in the shards' joined tokens, when their index says (Megatron); else
+    none, and the validation cut is at the exact share (an llm.c shard records no documents, and
+    its end is no document's end: llm.c cuts shards mid-document)."""
+    if not shards or any(shard.document_ends is None for shard in shards):
+        return []
+    starts = np.cumsum([0] + [shard.tokens for shard in shards[:-1]])
+    return np.concatenate([shard.document_ends + start for shard, start in zip(shards, starts)])
 
 
 def _tail_split(segments: list[Segment], val_tokens: int) -> tuple[list[Segment], list[Segment]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,10 @@ class Shard:
     dtype: str
     documents: int | None = None
     """Documents in the shard when its format records them (Megatron)."""
+    document_ends: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Token offsets in the shard where a document ends, ascending, when its format records them
+    (Megatron): where the validation cut may move (prepare.split_point). Eight bytes a document,
+    held while a dataset is prepared."""
 
 
 def llmc_shard(path: Path) -> Shard:
@@ -81,14 +85,31 @@ def megatron_shard(prefix: Path) -> Shard:
             name = MEGATRON_UNSUPPORTED.get(code, f"code {code}")
             raise DataError(f"{index}: token type {name} is not supported (uint16 or int32 only)")
         # A damaged header could name any count: check it against the file before reading.
-        if sequences * 4 > index.stat().st_size - MEGATRON_HEADER.size:
-            raise DataError(f"{index}: truncated or damaged (its header lists {sequences} sequences)")
+        # After the header: int32 sizes and int64 pointers per sequence, int64 document indices.
+        if sequences * 12 + documents * 8 > index.stat().st_size - MEGATRON_HEADER.size:
+            raise DataError(f"{index}: truncated or damaged (its header lists {sequences} sequences "
+                            f"and {documents} document indices)")
         sizes = np.fromfile(file, dtype="<i4", count=sequences)
+        file.seek(sequences * 8, 1)  # the pointers: byte offsets that follow from the sizes
+        document_starts = np.fromfile(file, dtype="<i8", count=documents)
     if sizes.size != sequences or (sizes < 0).any():
         raise DataError(f"{index}: truncated or damaged (expected {sequences} sequence sizes)")
-    shard = Shard(data, 0, int(sizes.sum(dtype=np.int64)), MEGATRON_DTYPES[code], max(0, documents - 1))
+    shard = Shard(data, 0, int(sizes.sum(dtype=np.int64)), MEGATRON_DTYPES[code], max(0, documents - 1),
+                  _document_ends(index, sizes, document_starts))
     _check_size(shard, f"{index.name} lists {shard.tokens} tokens")
     return shard
+
+
+def _document_ends(index: Path, sizes: np.ndarray, document_starts: np.ndarray) -> np.ndarray:
+    """Token offsets where documents end. The index lists each document's first sequence (0
+    first, the sequence count last); a document ends where the next one's first sequence starts."""
+    if document_starts.size and (document_starts[0] != 0 or (np.diff(document_starts) < 0).any()
+                                 or document_starts[-1] > sizes.size):
+        raise DataError(f"{index}: truncated or damaged (its document indices are not ascending sequence "
+                        f"numbers from 0 to {sizes.size})")
+    sequence_ends = np.cumsum(sizes, dtype=np.int64)
+    starts = document_starts[1:]
+    return sequence_ends[starts[starts > 0] - 1]
 
 
 def _check_size(shard: Shard, promise: str) -> None:

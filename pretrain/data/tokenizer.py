@@ -137,7 +137,10 @@ def train_bpe(texts: Iterator[str], vocab_size: int, destination: Path) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.save(str(destination))
+    try:
+        tokenizer.save(str(destination))
+    except Exception as error:  # a plain Exception: "No space left on device (os error 28)"
+        raise DataError(f"cannot write {destination}: {first_line(error)}") from None
 
 
 class ByteTokenizer:
@@ -188,9 +191,19 @@ class HuggingFaceTokenizer:
             if token_id is not None:
                 return token_id
         if eot_token:
-            raise DataError(f"data.eot_token: {path} has no token {eot_token!r}")
+            raise DataError(f"data.eot_token: {path} has no token {eot_token!r}; {self._specials()}")
         raise DataError(f"{path} has none of the end-of-text tokens {', '.join(EOT_CANDIDATES)}; "
-                        "set data.eot_token to the one it uses")
+                        f"{self._specials()}: set data.eot_token to the one it uses")
+
+    def _specials(self, shown: int = 8) -> str:
+        """The file's special tokens, for an error that asks to pick one: the first few, in id
+        order (a Llama-3 file has 256 of them, mostly reserved)."""
+        added = sorted(self.tokenizer.get_added_tokens_decoder().items())
+        names = [token.content for _, token in added if token.special]
+        if not names:
+            return "it has no special tokens"
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        return f"its special tokens are {', '.join(repr(name) for name in names[:shown])}{more}"
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
