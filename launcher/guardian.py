@@ -37,8 +37,10 @@ def watch(token: str, commands: IO[str]) -> int:
 
 def main() -> None:
     # A terminal's Ctrl-C or hang-up reaches the launcher's group, never this one (it has a
-    # session of its own), but be sure: only the pipe decides when the guardian acts.
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    # session of its own), but be sure; a scheduler's SIGTERM does reach it (Slurm signals every
+    # process of a job), while the launcher still has a graceful stop to watch over. Only the
+    # pipe decides when the guardian acts.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     watch(sys.argv[1], sys.stdin)
 

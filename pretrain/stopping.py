@@ -1,7 +1,9 @@
-"""A graceful stop: SIGTERM or SIGINT asks the training loop to finish its current step,
-save a checkpoint and exit with 128 + the signal. A second signal, a second or more after
-the first, ends the process at once: one sooner is the same request arriving twice (Slurm
-signals every process of a job, and the launcher forwards its own SIGTERM as well).
+"""A graceful stop: SIGTERM, SIGINT or SIGHUP asks the training loop to finish its current
+step, save a checkpoint and exit with 128 + the signal. A second SIGTERM or SIGINT, a second or
+more after the first, ends the process at once: one sooner is the same request arriving twice
+(Slurm signals every process of a job, and the launcher forwards its own SIGTERM as well).
+A SIGHUP never ends it at once: a terminal that closes is no request to hurry, and its hang-up
+can arrive more than once.
 
 The launcher sends SIGTERM on Ctrl-C; a scheduler (Slurm, Kubernetes) sends it before a
 preemption. The signal can reach the ranks between two different steps, so every step the
@@ -24,7 +26,9 @@ import torch.distributed as dist
 
 from pretrain.runtime import Runtime
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+ESCALATING = frozenset({signal.SIGTERM, signal.SIGINT})
+"""The stop signals that, sent again later, end the process at once."""
 REPEAT_AFTER_SECONDS = 1.0
 
 
@@ -61,7 +65,8 @@ class StopRequest:
         now = time.monotonic()
         if self.signum is None:
             self.signum, self._received_at = signum, now
-        elif now - self._received_at >= REPEAT_AFTER_SECONDS:  # asked again: end now, as the signal would
+        elif signum in ESCALATING and now - self._received_at >= REPEAT_AFTER_SECONDS:
+            # Asked again: end now, as the signal would.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -271,7 +271,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
         log.info(f"Resumed from {resume_from} at step {trainer.start_step}")
     elif config.training.resume == "auto":
         log.info("No checkpoint to resume from; starting at step 0")
-    with trainer.stop.installed(), trainer.metrics:  # SIGTERM or SIGINT: finish the step, save, stop
+    with trainer.stop.installed(), trainer.metrics:  # SIGTERM, SIGINT or SIGHUP: finish the step, save, stop
         fit(trainer)
 
 

@@ -9,10 +9,22 @@ permutes all windows with `np.random.default_rng([seed, epoch])`, rank r takes e
 world_size-th window of that permutation, and consecutive batch_size slices of its share are its
 micro-batches. So (epoch, batch_index) is all a checkpoint needs to resume with exactly the next
 batch.
+
+DataLoader worker processes ignore the signals meant for the whole job (JOB_SIGNALS): Slurm
+sends SIGTERM to every process of a job, a terminal sends Ctrl-C and hang-ups to a whole process
+group. The training process decides how to stop (pretrain/stopping.py) and needs its workers for
+the step it finishes; a worker that died of the signal would fail that step instead. Workers
+still end with the training process: it shuts them down (at the latest at exit, _shut_down_at_exit),
+and they leave on their own when it dies (torch's worker watchdog).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import os
+import signal
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +40,18 @@ from pretrain.data.cache import read_meta
 from pretrain.data.windows import DTYPES, check_segment_file, open_segment, segments, steps_per_epoch
 
 Batch = tuple[Tensor, Tensor]
+
+
+class TokenIdError(DataError):
+    """A token id the model cannot embed: the prepared data is damaged (never a reason to go on
+    without validation, as a too-small val split is)."""
+
+
+CHECK_HINT = ("check it with `python3 prepare_dataset.py --verify` (with the run's --preset/--config/--set "
+              "options) and rebuild it with `--force`")
+
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What DataLoader worker processes ignore: a stop is the training process's decision."""
 
 
 class TokenWindows(Dataset):
@@ -109,6 +133,35 @@ class TokenWindows(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None, "_views": None}
 
+    def id_error(self, window: int, column: int, vocab_size: int) -> TokenIdError:
+        """The one-line error for an id beyond vocab_size at column of window (a global index):
+        it names the file and the byte, so the damage can be found."""
+        k = int(np.searchsorted(self.starts, window, side="right") - 1)
+        segment = self.segments[k]
+        position = (window - int(self.starts[k])) * self.context_length + column  # in the segment
+        token = int(self.maps[k][position])
+        offset = segment.offset + position * DTYPES[segment.dtype].itemsize
+        return TokenIdError(f"{segment.path(self.dataset_dir)}: token id {token:,} at byte {offset:,} is beyond "
+                            f"the model's vocabulary of {vocab_size:,}: the prepared dataset {self.dataset_dir} is "
+                            f"damaged; {CHECK_HINT}")
+
+
+def out_of_vocabulary(batch: Batch, vocab_size: int) -> tuple[int, int] | None:
+    """(row, column in its window of T + 1) of the first id >= vocab_size in batch, else None.
+
+    Checked on the host before a batch goes to the device, where an embedding lookup would fail
+    as an IndexError traceback (CPU) or a device-side assert (CUDA) naming neither the file nor
+    the fix. The cache's own check (sizes, meta.json) cannot see bytes damaged in place; the ids
+    are unsigned, so the max is all there is to check: one pass over the batch."""
+    x, y = (tensor.numpy() for tensor in batch)  # numpy's max: several times faster than torch's on CPU
+    if not x.size:
+        return None
+    # A window's ids are its inputs' first column and its targets.
+    if max(int(x[:, 0].max()), int(y.max())) < vocab_size:
+        return None
+    rows, columns = np.nonzero(np.concatenate([x[:, :1], y], axis=1) >= vocab_size)
+    return int(rows[0]), int(columns[0])
+
 
 def as_is(batch: Batch) -> Batch:
     """DataLoader collate_fn for a batch __getitems__ already built (module level: picklable)."""
@@ -126,7 +179,7 @@ class TrainBatches:
 
     def __init__(self, dataset_dir: str | Path, context_length: int, batch_size: int, rank: int,
                  world_size: int, seed: int, num_workers: int, pin_memory: bool = False,
-                 grad_accum: int = 1) -> None:
+                 grad_accum: int = 1, vocab_size: int | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         meta = read_meta(dataset_dir)
@@ -136,6 +189,8 @@ class TrainBatches:
         self.num_workers, self.pin_memory, self.grad_accum = num_workers, pin_memory, grad_accum
         self.batches_per_epoch = steps * grad_accum  # micro-batches, equal on every rank
         self.epoch, self.batch_index = 0, 0
+        self.vocab_size = vocab_size
+        """Every id handed out is checked to be below it (None: unchecked); see out_of_vocabulary."""
 
     def epoch_batches(self, epoch: int) -> np.ndarray:
         """This rank's window indices for epoch, shape (batches_per_epoch, batch_size)."""
@@ -157,6 +212,10 @@ class TrainBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         for batch in self._batches(_IndexStream(self, self.epoch, self.batch_index)):
+            if self.vocab_size is not None and (bad := out_of_vocabulary(batch, self.vocab_size)) is not None:
+                row, column = bad  # this batch's windows are the epoch's at the position not yet advanced
+                window = int(self.epoch_batches(self.epoch)[self.batch_index][row])
+                raise self.windows.id_error(window, column, self.vocab_size)
             # Advance before yielding: while the caller holds this batch, state_dict() names the next.
             self.batch_index += 1
             if self.batch_index == self.batches_per_epoch:
@@ -170,9 +229,70 @@ class TrainBatches:
             return (tuple(t.pin_memory() for t in batch) for batch in batches) if self.pin_memory else batches
         # With workers, batches are prefetched ahead of the caller. That is fine: the position
         # is counted in __iter__ as batches are handed out, not as workers produce them.
+        # Not persistent_workers: the stream never ends, so one iterator (one set of workers)
+        # serves every epoch, and each iter(self) starts a new one through start_workers.
         loader = DataLoader(self.windows, batch_sampler=stream, num_workers=self.num_workers,
-                            collate_fn=as_is, pin_memory=self.pin_memory)
-        return iter(loader)
+                            collate_fn=as_is, pin_memory=self.pin_memory,
+                            # fork (Linux's default up to Python 3.13, named so it stays): the
+                            # workers inherit start_workers's signal mask, and the dataset without pickling.
+                            multiprocessing_context="fork", worker_init_fn=ignore_job_signals)
+        return start_workers(loader)
+
+
+def start_workers(loader: DataLoader) -> Iterator[Batch]:
+    """iter(loader), its worker processes deaf to JOB_SIGNALS (their worker_init_fn must be
+    ignore_job_signals). The signals stay blocked while the workers are forked, and the workers
+    inherit the mask, so none can reach a worker before it ignores them; one that reaches this
+    process meanwhile is delivered to its handler when they are unblocked here."""
+    global _trainer_pid
+    _trainer_pid = os.getpid()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    try:
+        batches = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    _live_iterators.add(batches)
+    return batches
+
+
+def ignore_job_signals(worker_id: int) -> None:
+    """worker_init_fn: ignore JOB_SIGNALS, then unblock them (start_workers blocked them), and
+    die with the training process.
+
+    Dying with it matters beyond tidiness: a forked worker holds copies of the training process's
+    sockets, the collective's connections to its peers included. Were the training process
+    killed (SIGKILL, the OOM killer), its peers would learn of it only once these copies close:
+    when torch's watchdog notices, up to 5 s later, since SIGTERM no longer ends the workers."""
+    for sig in JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _trainer_pid:  # it died before prctl took effect
+        os._exit(1)
+
+
+_trainer_pid = os.getpid()
+"""The process that forks the DataLoader workers (set again in start_workers, before the fork)."""
+
+
+_live_iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
+
+
+@atexit.register  # after torch's own atexit hooks are registered, so it runs before them
+def _shut_down_at_exit() -> None:
+    """Shut down the workers of iterators still referenced at exit (a traceback or a cycle
+    keeps them). torch leaves those to multiprocessing's exit handler, which SIGTERMs its daemonic
+    children and waits for them: for workers that ignore SIGTERM, forever. One that does not
+    leave within torch's own wait is killed."""
+    for batches in list(_live_iterators):
+        try:
+            batches._shutdown_workers()  # type: ignore[attr-defined]  # what torch runs when one is deleted
+        finally:
+            for worker in batches._workers:  # type: ignore[attr-defined]
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join()
 
 
 class _IndexStream:
@@ -189,12 +309,13 @@ class _IndexStream:
 
 
 def validation_batches(dataset_dir: str | Path, context_length: int, batch_size: int, rank: int,
-                       world_size: int, num_batches: int) -> list[Batch]:
+                       world_size: int, num_batches: int, vocab_size: int | None = None) -> list[Batch]:
     """A fixed set of validation batches for this rank, the same on every call.
 
     The first num_batches * batch_size * world_size windows of val (fewer when val is smaller),
     every world_size-th one to this rank. Every rank gets the same number of batches, at least
-    one; when val cannot fill one full batch per rank, that one batch is smaller."""
+    one; when val cannot fill one full batch per rank, that one batch is smaller. Ids are
+    checked against vocab_size when given (see out_of_vocabulary)."""
     windows = TokenWindows(dataset_dir, "val", context_length)
     per_rank = min(num_batches * batch_size, len(windows) // world_size)
     if per_rank == 0:
@@ -204,4 +325,8 @@ def validation_batches(dataset_dir: str | Path, context_length: int, batch_size:
             "increase data.val_fraction, reduce data.context_length or use fewer ranks")
     size = min(batch_size, per_rank)
     mine = np.arange(rank, per_rank * world_size, world_size)
-    return [windows.batch(mine[i:i + size]) for i in range(0, per_rank // size * size, size)]
+    batches = [windows.batch(mine[i:i + size]) for i in range(0, per_rank // size * size, size)]
+    for i, batch in enumerate(batches):
+        if vocab_size is not None and (bad := out_of_vocabulary(batch, vocab_size)) is not None:
+            raise windows.id_error(int(mine[i * size + bad[0]]), bad[1], vocab_size)
+    return batches
