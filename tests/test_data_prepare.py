@@ -21,6 +21,8 @@ from pretrain.data.builtin import builtin_documents, content_digest
 from pretrain.data.tokenizer import BYTE_EOT, ByteTokenizer
 from pretrain.runfiles import PROJECT_ROOT
 
+from conftest import wait_until
+
 # Varied lengths and non-ASCII text, so a byte-level round trip means something.
 CORPUS = [f"Document {i}: " + "héllo wörld ✓ " * (i % 7 + 1) + "\n" * (i % 3) for i in range(40)]
 
@@ -426,21 +428,19 @@ TERMINATED_PREPARER = textwrap.dedent("""
 """)
 
 
-def test_a_terminated_build_removes_its_temporary_directory(tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminated_or_hung_up_build_removes_its_temporary_directory(tmp_path, stop_signal):
     script = tmp_path / "preparer.py"
     script.write_text(TERMINATED_PREPARER)
     cache = tmp_path / "cache"
     process = subprocess.Popen([sys.executable, str(script), str(cache)], env=env_with_project(),
                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    while not list(cache.glob(".*.tmp-*/tokens.bin")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert list(cache.glob(".*.tmp-*/tokens.bin")), "the build never started"
+    assert wait_until(lambda: bool(list(cache.glob(".*.tmp-*/tokens.bin"))), timeout=20), "the build never started"
 
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop_signal)  # a scheduler's SIGTERM; a closed terminal's SIGHUP
     _, stderr = process.communicate(timeout=20)
 
-    assert process.returncode == 143 and "Traceback" not in stderr
+    assert process.returncode == 128 + stop_signal and "Traceback" not in stderr
     assert [e for e in entries(cache) if not e.endswith(".lock")] == []
 
 

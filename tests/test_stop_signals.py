@@ -24,7 +24,6 @@ from conftest import ROOT, alive, launcher_env, wait_until
 from pretrain import checkpoint
 from pretrain.data import loader
 from test_data_loader import Part, write_dataset
-from test_data_prepare import TERMINATED_PREPARER, entries, env_with_project
 from test_supervised_training import read_until, start_training
 
 
@@ -198,19 +197,6 @@ def test_a_signal_that_arrives_while_the_workers_start_is_delivered_to_the_proce
         assert not set(loader.JOB_SIGNALS) & signal.pthread_sigmask(signal.SIG_BLOCK, [])
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def test_a_hung_up_dataset_build_removes_its_temporary_directory_and_exits_129(tmp_path):
-    script = tmp_path / "preparer.py"
-    script.write_text(TERMINATED_PREPARER)
-    cache = tmp_path / "cache"
-    process = subprocess.Popen([sys.executable, str(script), str(cache)], env=env_with_project(),
-                               stderr=subprocess.PIPE, text=True)
-    assert wait_until(lambda: bool(list(cache.glob(".*.tmp-*/tokens.bin"))), timeout=20), "the build never started"
-    process.send_signal(signal.SIGHUP)
-    _, stderr = process.communicate(timeout=20)
-    assert process.returncode == 129 and "Traceback" not in stderr
-    assert [e for e in entries(cache) if not e.endswith(".lock")] == []
 
 
 STOPS_WHEN_HUNG_UP_TWICE = """
