@@ -324,19 +324,27 @@ def test_a_worker_that_fails_while_stopping_is_a_failure_not_a_clean_stop(script
 
 
 def test_an_exited_worker_keeps_its_pid_until_teardown_so_no_other_process_can_take_it(script, tmp_path):
-    checks_sibling = script("""
-        import os, time, psutil
+    # Rank 1 waits for rank 0's exit (a handshake through a file, then its state), and says
+    # whether it is still a zombie of the supervisor's: reaped early, its pid could be reused.
+    checks_sibling = script(f"""
+        import os, sys, time, psutil
+        from pathlib import Path
+        handshake = Path({str(tmp_path / "rank0.pid")!r})
         if os.environ["RANK"] == "0":
-            print("exiting", os.getpid(), flush=True)
-        else:
-            time.sleep(0.5)
-            siblings = psutil.Process(os.getppid()).children()
-            print("zombie siblings", [p.pid for p in siblings if p.status() == psutil.STATUS_ZOMBIE], flush=True)
+            handshake.write_text(str(os.getpid()))
+            sys.exit(0)
+        deadline = time.monotonic() + 30
+        while not handshake.exists() or not handshake.read_text():
+            time.sleep(0.01)
+        sibling = psutil.Process(int(handshake.read_text()))
+        while sibling.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("sibling", sibling.pid, sibling.status(), sibling.ppid() == os.getppid(), flush=True)
     """)
     workers = [make_worker(0, checks_sibling), make_worker(1, checks_sibling)]
     code, out, _ = supervise(workers, tmp_path)
     assert code == 0
-    assert f"CPU1:zombie siblings [{workers[0].process.pid}]" in out.splitlines()
+    assert f"CPU1:sibling {workers[0].process.pid} zombie True" in out.splitlines(), out
     assert workers[0].process.returncode == 0  # reaped at the end
 
 
