@@ -174,7 +174,7 @@ def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) 
     """Resolve training.resume once, for every worker, and take the run directory to train in
     (held until the launcher exits): return it, and the config naming the exact checkpoint
     ("" when starting fresh)."""
-    from pretrain.resume import resolve_resume, run_results
+    from pretrain.resume import damaged_after, resolve_resume, run_results
 
     resume = config.training.resume
     run_dir, checkpoint = resolve_resume(resume, run_dir_arg, PROJECT_ROOT / "runs")
@@ -191,6 +191,9 @@ def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) 
         owned.abandon()
         raise
     if checkpoint is not None:
+        if resume == "auto":
+            for skipped in damaged_after(checkpoint):
+                printer.launcher_line(f"warning: not resuming from the later {skipped}")
         printer.launcher_line(f"resuming from {checkpoint}")
     elif resume == "auto":
         printer.launcher_line("no checkpoint to resume from; starting at step 0")

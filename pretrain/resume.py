@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.checkpoint_files import UNFINISHED_SUFFIXES, StateError, is_unfinished, latest, read_state
+from pretrain.checkpoint_files import (UNFINISHED_SUFFIXES, StateError, has_model_files, is_unfinished, latest, read_state,
+                                       step_checkpoints)
 
-__all__ = ["UNFINISHED_SUFFIXES", "ResumeError", "checkpoint_at", "latest", "resolve_resume", "run_results"]
+__all__ = ["UNFINISHED_SUFFIXES", "ResumeError", "checkpoint_at", "latest", "damaged_after", "resolve_resume", "run_results"]
 
 # What a run leaves in its run directory that a new run started there would overwrite or mix
 # with its own. (logs/, config.json and workers.json are written before training starts.)
@@ -104,3 +105,19 @@ def run_results(run_dir: Path) -> list[str]:
         elif holds:
             found.append(name + ("/" if path.is_dir() else ""))
     return found
+
+
+def damaged_after(checkpoint: Path) -> list[str]:
+    """The later checkpoints of checkpoint's run that --resume auto passed over because their
+    state.json is damaged, each as "step_<N>: <problem>": a user should hear why the latest
+    checkpoint was not taken. (Unfinished ones, cut short by a crash, are expected and not listed.)"""
+    step = int(checkpoint.name.removeprefix("step_"))
+    damaged = []
+    for n, path in step_checkpoints(checkpoint.parent):
+        if n <= step or not has_model_files(path):
+            continue
+        try:
+            read_state(path)
+        except StateError as error:
+            damaged.append(f"{path.name}: {error.problem}")
+    return damaged

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, launcher_env, one_line_error
 from pretrain.checkpoint_files import StateError, latest, read_state
-from pretrain.resume import ResumeError, resolve_resume
+from pretrain.resume import ResumeError, damaged_after, resolve_resume
 
 HINT = "the checkpoint is damaged: resume from an earlier one with --resume <run dir>/checkpoints/step_<N>"
 
@@ -110,6 +110,12 @@ def test_resume_auto_never_continues_a_checkpoint_whose_state_is_damaged(tmp_pat
     checkpoint_with(run, 10, changed(steps_done=-1))  # the highest number, but it would resume "at step -1"
     assert latest(run / "checkpoints") == five
     assert resolve_resume("auto", str(run), tmp_path / "runs") == (run, five.resolve())
+    # and says why it passed over the later one
+    (skipped,) = damaged_after(five)
+    assert skipped.startswith("step_10: state.json: steps_done must be a non-negative integer (got -1)")
+    (run / "checkpoints" / "step_12").mkdir()  # cut short by a crash before its model files: not listed
+    assert damaged_after(five) == [skipped]
+    assert damaged_after(run / "checkpoints" / "step_10") == []
 
 
 DEBUG_RUN = ["--debug", "--set", "data.context_length=64", "--set", "training.batch_size=4"]
