@@ -147,9 +147,13 @@ def run(work: Path, small_mb: int, large_mb: int) -> list[tuple[str, str, str, s
     log("raw tokenizers encode_batch_fast on the same documents ...")
     raw = child("raw_bpe", corpus=str(small), tokenizer=str(tokenizer))
     mb = small_bytes / 2**20
-    rows.append(("prepare, byte tokenizer", f"{mb / byte['seconds']:.0f} MB/s, {byte['tokens'] / byte['seconds'] / 1e6:.1f} M tokens/s", "", ""))
-    rows.append(("prepare, BPE 8192 (ours)", f"{mb / bpe['seconds']:.1f} MB/s, {bpe['tokens'] / bpe['seconds'] / 1e6:.2f} M tokens/s", "", ""))
-    rows.append(("raw encode_batch_fast, same BPE", f"{mb / raw['seconds']:.1f} MB/s, {raw['tokens'] / raw['seconds'] / 1e6:.2f} M tokens/s", "", ""))
+    def speed(run: dict, mb_digits: int, tokens_digits: int) -> str:
+        return (f"{mb / run['seconds']:.{mb_digits}f} MB/s, "
+                f"{run['tokens'] / run['seconds'] / 1e6:.{tokens_digits}f} M tokens/s")
+
+    rows.append(("prepare, byte tokenizer", speed(byte, 0, 1), "", ""))
+    rows.append(("prepare, BPE 8192 (ours)", speed(bpe, 1, 2), "", ""))
+    rows.append(("raw encode_batch_fast, same BPE", speed(raw, 1, 2), "", ""))
     ratio = raw["seconds"] / bpe["seconds"]
     rows.append(("ours / raw (BPE throughput)", f"{ratio:.2f}x", f">= {TARGETS['bpe_ratio']}x",
                  "yes" if ratio >= TARGETS["bpe_ratio"] else "no"))
@@ -162,7 +166,7 @@ def run(work: Path, small_mb: int, large_mb: int) -> list[tuple[str, str, str, s
                  f"< {TARGETS['peak_rss_mb']} MB", "yes" if big["peak_rss_mb"] < TARGETS["peak_rss_mb"] else "no"))
 
     log("cache hits ...")
-    for name, corpus, cache, tokens in (("small", small, "c-byte", byte["tokens"]), ("large", large, "c-large", big["tokens"])):
+    for corpus, cache, tokens in ((small, "c-byte", byte["tokens"]), (large, "c-large", big["tokens"])):
         hits = [child("prepare", corpus=str(corpus), cache=str(work / cache)) for _ in range(5)]
         worst = max(hit["seconds"] for hit in hits)
         process = max(hit["process_seconds"] for hit in hits)

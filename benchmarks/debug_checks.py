@@ -143,7 +143,7 @@ def config_rows(name: str, runs: list[dict[str, Any]]) -> list[list[str]]:
         times = [ms for r in runs for ms in r["ms_per_step"][setting]]
         median = statistics.median(times)
         ratio = statistics.median(ms / off for r in runs for ms, off in zip(r["ms_per_step"][setting],
-                                                                              r["ms_per_step"]["off"]))
+                                                                              r["ms_per_step"]["off"], strict=True))
         per_run = [statistics.median(r["ms_per_step"][setting]) for r in runs]
         losses = ", ".join(sorted({f"{r['loss'][setting]:.4f}" for r in runs}))
         rows.append([name, setting, f"{median:.1f}", f"{1000 / median:.2f}", f"{(ratio - 1) * 100:+.1f}%",

@@ -186,11 +186,12 @@ def check_production_shape(ctx: Context) -> list[Row]:
     per_layer = (results[4]["step_s"] - results[2]["step_s"]) / 2
     r = results[4]
     projected = r["step_s"] + 28 * per_layer
+    layer_mfu = r["layer_flops_per_step"] / per_layer / r["peak_flops"] if r["peak_flops"] and per_layer > 0 else None
     result = (f"4 layers ({r['params'] / 1e9:.2f} B params, {r.get('mode', '?')}): {r['step_s']:.3f} s/step "
               f"({r['tokens']} tokens), "
               f"{r['tokens_per_s']:,.0f} tokens/s, MFU {fmt_pct(r['mfu'])}, peak {r['peak_gib']:.1f} GiB; "
               f"2 layers {results[2]['step_s']:.3f} s/step; one layer {per_layer:.3f} s/step "
-              f"(MFU of a layer {fmt_pct(r['layer_flops_per_step'] / per_layer / r['peak_flops'] if r['peak_flops'] and per_layer > 0 else None)}); "
+              f"(MFU of a layer {fmt_pct(layer_mfu)}); "
               f"32 layers projected {projected:.2f} s/step")
     return [Row("8B shape, 1 GPU, 2 and 4 layers, bf16, compiled, activation checkpointing", result, "measured",
                 "n.a."), shape_estimate_row(r)]
@@ -261,7 +262,7 @@ def check_offload(ctx: Context) -> list[Row]:
         if not proc.ok or len(steps) != 10 or (offload and "with CPU offload over 1 GPU" not in proc.out):
             raise failed(f"cpu_offload={str(offload).lower()}", proc)
         runs[offload] = steps
-    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(runs[True], runs[False]))
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(runs[True], runs[False], strict=True))
     plain, offloaded = (max(s["mem"] or 0.0 for s in runs[o]) for o in (False, True))
     ok = worst <= 1e-2 and offloaded <= plain - 1.0
     return [Row("CPU offload, `small`, 1 GPU, 10 steps: peak GPU memory and losses against no offload",

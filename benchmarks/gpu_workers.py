@@ -13,6 +13,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from itertools import pairwise
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,8 +225,8 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
         compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.model.modules())
     if mode != "single":
         dist.destroy_process_group()
-    per_step = [sum(SYNC_WARNING in str(w.message) for w in caught[a:b]) for a, b in zip(marks, marks[1:])]
-    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for a, b in zip(marks, marks[1:]) for w in caught[a:b]
+    per_step = [sum(SYNC_WARNING in str(w.message) for w in caught[a:b]) for a, b in pairwise(marks)]
+    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for a, b in pairwise(marks) for w in caught[a:b]
                     if SYNC_WARNING in str(w.message)})
     result: dict[str, Any] = {"steps": len(per_step), "max_syncs": max(per_step), "mean_syncs": sum(per_step) / len(per_step),
                               "compiled": compiled, "where": ", ".join(where)}

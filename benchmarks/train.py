@@ -61,7 +61,8 @@ WORKLOADS = {
     # The built-in byte corpus (no network): the ids stay below 257, and the model keeps the
     # preset's 50304 rows (GPT-2's vocabulary padded), so the step costs what the preset's does.
     "small": Workload("small", ("data.source=builtin", "data.tokenizer=byte"), "small preset, vocab 50304", 16),
-    "1b": Workload("small", ("data.source=builtin", "data.tokenizer=byte", "model.dim=2048", "model.n_layers=18", "model.n_heads=16",
+    "1b": Workload("small", ("data.source=builtin", "data.tokenizer=byte", "model.dim=2048", "model.n_layers=18",
+                             "model.n_heads=16",
                              "model.n_kv_heads=8", "model.ffn_dim=5632", "model.vocab_size=32768",
                              "model.rope_theta=500000", "model.max_seq_len=2048", "data.context_length=2048"),
                    "dim 2048, 18 layers, 16/8 heads, ffn 5632, vocab 32768", 4),

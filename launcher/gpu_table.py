@@ -14,7 +14,7 @@ MAX_PROCESSES_SHOWN = 3
 def render(verdicts: Sequence[Verdict]) -> str:
     rows = [HEADER] + [_row(v) for v in verdicts]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
                      for row in rows)
 
 

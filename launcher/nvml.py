@@ -106,7 +106,7 @@ def discover(window: float | None = None, samples: int | None = None) -> list[Gp
         handles = _device_handles(nvml)
         utilization = _sample_utilization(nvml, [h for _, h, _ in handles], window, samples)
         return [_describe(nvml, gpu_id, handle, mig, util)
-                for (gpu_id, handle, mig), util in zip(handles, utilization)]
+                for (gpu_id, handle, mig), util in zip(handles, utilization, strict=True)]
     finally:
         nvml.nvmlShutdown()
 

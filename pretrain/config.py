@@ -17,6 +17,7 @@ import json
 import math
 import types
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -608,7 +609,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
             docs[node.target.id] = " ".join(str(following.value.value).split())

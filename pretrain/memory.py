@@ -142,8 +142,9 @@ def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     norm output per consumer (wq, wk, wv, w1, w3: 5 dim) and in fp32 the norm output itself, shared
     (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim; in fp32 k and v are repeated
     to every query head, dim + 2 dim: pretrain/model.py) and its output, which wo reads through a
-    view (dim); w1's and w3's outputs, silu's output and the gated product, w2's input (4 ffn_dim). Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one
-    per head). The rotation keeps nothing: its tables are constants.
+    view (dim); w1's and w3's outputs, silu's output and the gated product, w2's input (4 ffn_dim).
+    Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one per head). The
+    rotation keeps nothing: its tables are constants.
     """
     d, ffn = model.dim, model.ffn_dim
     kv = model.n_kv_heads * (d // model.n_heads) if compute_bytes != FP32 else d

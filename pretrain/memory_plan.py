@@ -160,7 +160,8 @@ def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | No
         detail += f" and {gib(host_needed)} GiB of host memory"
         if host_memory_bytes is not None:
             detail += f" of {gib(host_memory_bytes)} GiB available"
-        detail += f"; without offload ~{gib(estimate(config, world_size, choose_parallelism(config, world_size, gpu_memory_bytes)).total)} GiB per GPU"
+        without = estimate(config, world_size, choose_parallelism(config, world_size, gpu_memory_bytes))
+        detail += f"; without offload ~{gib(without.total)} GiB per GPU"
     elif config.training.parallelism == "auto" and mode == "fsdp":
         detail += f"; DDP would need ~{gib(estimate(config, world_size, 'ddp').total)} GiB"
     return planned, f"{line} ({detail})"

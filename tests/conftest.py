@@ -81,7 +81,7 @@ def run_gloo_ranks(worker: str, out: Path, timeout: float, world_size: int = 2) 
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world_size)]
     outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-    for proc, output in zip(procs, outputs):
+    for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 

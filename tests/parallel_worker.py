@@ -78,7 +78,8 @@ def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
     model = parallelize(model, config, runtime, mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = iter(batches(runtime.rank))
-    record: dict = {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model), "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
+    record: dict = {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model),
+                    "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
                     "keys": sorted(unwrap(model).state_dict()), "losses": [], "grad_norms": [],
                     "inside_no_sync": [], "inside_no_sync_l1": [], "after_sync": []}
     for _ in range(STEPS):

@@ -47,7 +47,7 @@ def test_a_restored_trainer_has_the_saved_weights_optimizer_state_data_position_
     assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
     assert_same_tensors(fresh.optimizer.state_dict()["state"], saved.optimizer.state_dict()["state"])
     assert fresh.loader.state_dict() == saved.loader.state_dict() == {"epoch": 0, "batch_index": 2}
-    assert all(torch.equal(a, b) for a, b in zip(next(fresh.batches), next(saved.batches)))
+    assert all(torch.equal(a, b) for a, b in zip(next(fresh.batches), next(saved.batches), strict=True))
 
 
 def test_four_steps_equal_two_then_a_save_and_restore_then_two_bit_for_bit(cache, tmp_path):

@@ -209,7 +209,8 @@ def test_keys_the_chosen_source_or_tokenizer_would_ignore_are_errors_not_silence
         error_of(preset="debug", sets=["data.source=hub", "data.hub_repo=a/b", "data.val_path=v.jsonl"])
     assert 'data.hub_repo: is set but data.source is "builtin"; set data.source=hub' in \
         error_of(preset="debug", sets=["data.hub_repo=a/b"])
-    assert 'data.tokenizer_name: is set but data.tokenizer is "byte"' in error_of(preset="debug", sets=["data.tokenizer_name=gpt2"])
+    assert 'data.tokenizer_name: is set but data.tokenizer is "byte"' in error_of(
+        preset="debug", sets=["data.tokenizer_name=gpt2"])
     assert "data.tokenizer_name: 'a/b' is not a tiktoken encoding name" in \
         error_of(preset="debug", sets=["data.tokenizer=tiktoken", "data.tokenizer_name=a/b"])
 

@@ -101,7 +101,7 @@ def indices_of(batch_x: torch.Tensor, windows: np.ndarray) -> list[int]:
 
 def assert_same_batches(a, b) -> None:
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

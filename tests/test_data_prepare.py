@@ -52,7 +52,7 @@ def split_documents(path: Path, split: str) -> list[str]:
     assert tokens[-1] == BYTE_EOT
     ends = np.flatnonzero(tokens == BYTE_EOT)
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [bytes(tokens[s:e].astype(np.uint8)).decode("utf-8") for s, e in zip(starts, ends)]
+    return [bytes(tokens[s:e].astype(np.uint8)).decode("utf-8") for s, e in zip(starts, ends, strict=True)]
 
 
 def entries(directory: Path) -> list[str]:

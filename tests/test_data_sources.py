@@ -46,7 +46,7 @@ def byte_documents(tokens: np.ndarray) -> list[str]:
     assert tokens[-1] == BYTE_EOT
     ends = np.flatnonzero(tokens == BYTE_EOT)
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [bytes(tokens[s:e].astype(np.uint8)).decode("utf-8") for s, e in zip(starts, ends)]
+    return [bytes(tokens[s:e].astype(np.uint8)).decode("utf-8") for s, e in zip(starts, ends, strict=True)]
 
 
 def documents_of(dataset: Path) -> list[str]:
@@ -102,7 +102,7 @@ def test_a_directory_gives_its_text_files_recursively_sorted_one_document_each(t
 
 
 def test_a_glob_gives_its_matches_sorted(tmp_path):
-    for name, text in zip(["x2.txt", "x1.txt", "y.txt"], TEXTS):
+    for name, text in zip(["x2.txt", "x1.txt", "y.txt"], TEXTS, strict=True):
         (tmp_path / name).write_text(text)
 
     dataset = run(config(tmp_path, source="text", path=str(tmp_path / "x*.txt")))

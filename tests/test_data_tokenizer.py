@@ -53,7 +53,7 @@ def documents(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
     assert tokens[-1] == eot_id
     ends = np.flatnonzero(tokens == eot_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [tokens[s:e] for s, e in zip(starts, ends)]
+    return [tokens[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
 # --- byte ----------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def word_level(path: Path, words: list[str], specials: list[str] = ("<|endoftext
     models = pytest.importorskip("tokenizers.models")
     from tokenizers import Tokenizer, pre_tokenizers
 
-    vocab = {"[UNK]": 0, **{w: i for i, w in zip(ids or range(1, len(words) + 1), words)}}
+    vocab = {"[UNK]": 0, **{w: i for i, w in zip(ids or range(1, len(words) + 1), words, strict=True)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(list(specials))

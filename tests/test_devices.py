@@ -51,9 +51,9 @@ class Claims:
 
 
 def choose(gpus: list[Gpu], request: str, claimed: Claims | None = None, visible: str | None = None,
-           strict: bool = False, criteria: Criteria = Criteria()) -> devices.Selection:
+           strict: bool = False, criteria: Criteria | None = None) -> devices.Selection:
     table = claimed or Claims()
-    return select(gpus, parse_request(request), criteria, strict=strict, cuda_visible_devices=visible,
+    return select(gpus, parse_request(request), criteria or Criteria(), strict=strict, cuda_visible_devices=visible,
                   claim=table.claim, holder=table.holder)
 
 

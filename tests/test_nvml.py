@@ -44,7 +44,7 @@ def test_eight_idle_gpus_are_eight_whole_devices_in_nvml_order(machine):
     machine({"gpus": specs})
     gpus = nvml.discover(window=0)
     assert [gpu.id for gpu in gpus] == [str(i) for i in range(8)]
-    for i, (gpu, spec) in enumerate(zip(gpus, specs)):
+    for i, (gpu, spec) in enumerate(zip(gpus, specs, strict=True)):
         assert gpu.index == i
         assert gpu.uuid == spec["uuid"]
         assert gpu.name == spec["name"]

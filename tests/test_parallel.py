@@ -81,7 +81,7 @@ def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(two_rank
 
 def test_clip_grad_norm_is_the_same_under_fsdp_as_under_ddp_and_on_every_rank(two_ranks):
     ddp, fsdp = two_ranks[0]["ddp"], two_ranks[0]["fsdp"]
-    for ddp_norms, fsdp_norms in zip(ddp["grad_norms"], fsdp["grad_norms"]):
+    for ddp_norms, fsdp_norms in zip(ddp["grad_norms"], fsdp["grad_norms"], strict=True):
         assert fsdp_norms[0] == fsdp_norms[1] and ddp_norms[0] == ddp_norms[1]  # [rank 0, rank 1]
         assert fsdp_norms[0] == pytest.approx(ddp_norms[0], rel=1e-5)
         assert ddp_norms[0] > 0.5  # above max_norm: the runs above compared clipped steps
@@ -90,7 +90,7 @@ def test_clip_grad_norm_is_the_same_under_fsdp_as_under_ddp_and_on_every_rank(tw
 
 def test_ddp_ranks_keep_their_own_gradients_until_the_synced_micro_batch(two_ranks):
     ddp = two_ranks[0]["ddp"]
-    for inside, after in zip(ddp["inside_no_sync"], ddp["after_sync"]):
+    for inside, after in zip(ddp["inside_no_sync"], ddp["after_sync"], strict=True):
         assert inside[0] != pytest.approx(inside[1])  # [rank 0, rank 1]: local data, local gradients
         assert after[0] == after[1]
 
@@ -99,7 +99,7 @@ def test_fsdp_reduce_scatters_every_micro_batch_so_no_rank_keeps_a_full_gradient
     # Skipping the sync would keep each parameter's unsharded gradient until the last
     # micro-batch (no sharded gradient, None, until then): 4 bytes a parameter per GPU.
     ddp, fsdp = two_ranks[0]["ddp"], two_ranks[0]["fsdp"]
-    for local, synced, l1 in zip(ddp["inside_no_sync"], fsdp["inside_no_sync"], ddp["inside_no_sync_l1"]):
+    for local, synced, l1 in zip(ddp["inside_no_sync"], fsdp["inside_no_sync"], ddp["inside_no_sync_l1"], strict=True):
         # The sums cancel: their rounding is relative to the sum of the absolute values.
         assert synced[0] == synced[1] == pytest.approx(sum(local) / 2, abs=1e-6 * sum(l1))  # the mean over the ranks
     assert flat(fsdp["after_sync"]) == pytest.approx(flat(ddp["after_sync"]), rel=1e-5)
@@ -307,7 +307,7 @@ def test_a_model_built_on_the_meta_device_is_materialised_for_one_process_with_t
         model = Transformer(config.model, max_seq_len=16)
     model = parallelize(model, config, SINGLE, "single")
     whole = Transformer(config.model, max_seq_len=16, seed=config.training.seed)
-    for (name, p), q in zip(model.state_dict().items(), whole.state_dict().values()):
+    for (name, p), q in zip(model.state_dict().items(), whole.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(model.rope_sin, whole.rope_sin)
     assert loss_and_grads(model)[0] == loss_and_grads(whole)[0]

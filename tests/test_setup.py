@@ -141,7 +141,8 @@ def fake_pip(site, log, torch_without_cuda: bool = False):
         install_torch = (f"if sys.argv[-1].startswith('torch'):\n"
                          f"    import os; os.makedirs({str(site / 'torch')!r})\n"
                          f"    open({str(site / 'torch' / '__init__.py')!r}, 'w').write(\n"
-                         f"        '__version__ = \"2.13.0+cu130\"\\nclass cuda:\\n    is_available = staticmethod(lambda: False)\\n')\n"
+                         f"        '__version__ = \"2.13.0+cu130\"\\n'\n"
+                         f"        'class cuda:\\n    is_available = staticmethod(lambda: False)\\n')\n"
                          f"    sys.exit(0)\n")
     (site / "pip" / "__main__.py").write_text(
         f"import sys\nwith open({str(log)!r}, 'a') as f:\n    f.write(' '.join(sys.argv[1:]) + '\\n')\n"

@@ -55,7 +55,7 @@ def test_the_report_says_who_failed_how_and_what_it_printed_last():
     assert "Stopped 7 other running worker(s); teardown took 0.12 s." in lines
     assert lines[0] == lines[-1] == summary.RULE
     plain = summary.render(summary.Failure("CPU1", 1, 0.3, "07:44:12", 7, "exit code 7", None, [], 1, 0.01, {}, None))
-    assert plain[1].endswith("0.3 s after start: exit code 7.") and not any(l.startswith("Hint") for l in plain)
+    assert plain[1].endswith("0.3 s after start: exit code 7.") and not any(line.startswith("Hint") for line in plain)
 
 
 def test_a_nan_report_banner_is_recognised_and_named_in_the_hint():

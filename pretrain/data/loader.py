@@ -93,7 +93,7 @@ class TokenWindows(Dataset):
             T = self.context_length
             self._views = [sliding_window_view(tokens.view(np.ndarray), T + 1)[::T][:count]
                            if (count := segment.window_count(T)) else np.empty((0, T + 1), tokens.dtype)
-                           for segment, tokens in zip(self.segments, self.maps)]
+                           for segment, tokens in zip(self.segments, self.maps, strict=True)]
         return self._views
 
     def __getitem__(self, index: int) -> Batch:
@@ -126,7 +126,7 @@ class TokenWindows(Dataset):
         windows = np.empty((len(indices), self.context_length + 1), self.dtype)
         # Row by row: one memcpy each, measured twice as fast as grouping rows by segment with
         # masks (numpy's per-call overhead exceeds copying a window; 50 shards, batch 8 or 64).
-        for row, (k, j) in enumerate(zip(segment.tolist(), local.tolist())):
+        for row, (k, j) in enumerate(zip(segment.tolist(), local.tolist(), strict=True)):
             windows[row] = views[k][j]
         return windows
 

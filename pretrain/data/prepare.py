@@ -311,7 +311,7 @@ class _TokenWriter:
         eot = np.array([eot_id], dtype=np.uint32)  # unsigned: joining it keeps the ids' narrow type
         parts = []
         offset = self.tokens
-        for piece_ids, ends_document in zip(ids, ends):
+        for piece_ids, ends_document in zip(ids, ends, strict=True):
             parts.append(piece_ids)
             offset += piece_ids.size
             if ends_document:
@@ -496,7 +496,7 @@ def _document_ends(shards: list[Shard]) -> Sequence[int]:
     if not shards or any(shard.document_ends is None for shard in shards):
         return []
     starts = np.cumsum([0] + [shard.tokens for shard in shards[:-1]])
-    return np.concatenate([shard.document_ends + start for shard, start in zip(shards, starts)])
+    return np.concatenate([shard.document_ends + start for shard, start in zip(shards, starts, strict=True)])
 
 
 def _tail_split(segments: list[Segment], val_tokens: int) -> tuple[list[Segment], list[Segment]]:
