@@ -50,6 +50,7 @@ from pretrain.parallel import has_fsdp
 from pretrain.rng import rng_states, seed_from, set_rng_states
 from pretrain.runfiles import atomic_write_text
 from pretrain.runtime import Runtime
+from pretrain.schedule import lr_at
 
 if TYPE_CHECKING:
     from pretrain.build import Trainer
@@ -116,7 +117,6 @@ def _write_files(trainer: Trainer, steps_done: int, tmp: Path) -> None:
 
 
 def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
-    from pretrain.train import lr_at  # train imports this module
     return {"format_version": FORMAT_VERSION, "steps_done": steps_done,
             "world_size": trainer.runtime.world_size, "parallelism": trainer.mode,
             "loader": trainer.loader.state_dict(),
@@ -314,7 +314,6 @@ def _seed_new_rank(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
 
 
 def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
-    from pretrain.train import lr_at  # train imports this module
     saved = state.get("lr_schedule", {}).get("lr")
     here = lr_at(state["steps_done"], trainer.config.training)
     if saved is not None and not math.isclose(saved, here, rel_tol=1e-9, abs_tol=1e-15):

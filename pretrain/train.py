@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from pretrain import checkpoint, debug, export, parallel
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
-from pretrain.config import Config, TrainingConfig
+from pretrain.config import Config
 from pretrain.data import DataError
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.hub import choose_hub_files, follow_checkpoint
@@ -37,18 +36,8 @@ from pretrain.resume import ResumeError, resolve_resume
 from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.step_line import step_line, throughput
+from pretrain.schedule import lr_at
 from pretrain.stopping import Stopped
-
-
-def lr_at(step: int, training: TrainingConfig) -> float:
-    """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
-    peak = training.learning_rate
-    if step < training.warmup_steps:
-        return peak * (step + 1) / training.warmup_steps
-    decay_steps = max(1, training.max_steps - 1 - training.warmup_steps)
-    progress = min(1.0, (step - training.warmup_steps) / decay_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return peak * (training.min_lr_ratio + (1.0 - training.min_lr_ratio) * cosine)
 
 
 # --- fit ------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from pretrain import checkpoint, checkpoint_files
 from pretrain.checkpoint import CheckpointError
 from pretrain.model import Transformer
 from pretrain.build import Trainer
-from pretrain.train import lr_at, train_step
+from pretrain.schedule import lr_at
+from pretrain.train import train_step
 from checkpointing import assert_same_tensors, draws, make_trainer, trained_trainer
 
 
