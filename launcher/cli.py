@@ -341,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = error.exit_code
     except devices.DeviceError as error:
         print(f"launcher: error: {error}", file=sys.stderr)
-        if error.table:
-            print(error.table, file=sys.stderr)
+        if error.verdicts:
+            print(gpu_table.render(error.verdicts), file=sys.stderr)
         code = EXIT_USAGE
     except (cfg.ConfigError, DataError, ResumeError, BadScript, ClaimError, nvml.NvmlFailure) as error:
         print(f"launcher: error: {error}", file=sys.stderr)

@@ -9,7 +9,7 @@ skipped by `all` and `auto:N`, a warning in an explicit list unless --strict); o
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -26,12 +26,13 @@ NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVIC
 
 
 class DeviceError(ValueError):
-    """The GPUs asked for cannot be had. The message is one line; `table` (when there is
-    one) shows every GPU and why it was refused."""
+    """The GPUs asked for cannot be had. The message is one line; `verdicts` (when there
+    are some) say of every GPU why it was refused: the command line shows them as the GPU
+    table (launcher/gpu_table.py)."""
 
-    def __init__(self, message: str, table: str | None = None) -> None:
+    def __init__(self, message: str, verdicts: Sequence[Verdict] = ()) -> None:
         super().__init__(message)
-        self.table = table
+        self.verdicts = tuple(verdicts)
 
 
 # --- what the user asks for ----------------------------------------------------------
@@ -236,7 +237,7 @@ def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
     only_mig = any(v.gpu.mig and v.state in ("free", "busy") for v in selection.verdicts)
     if only_mig and request.kind == "auto" and request.count > 1:
         raise DeviceError(f"--gpus {request} needs {request.count} GPUs, but only MIG devices are usable here "
-                          f"and {ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs", table=_table(selection))
+                          f"and {ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs", verdicts=selection.verdicts)
     free = [v for v in selection.verdicts if v.state == "free"]
     if request.kind == "auto":
         free.sort(key=freest_first)
@@ -257,7 +258,7 @@ def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
         raise DeviceError(f"{need}{have} (free: utilization <= {criteria.max_utilization:g}% and at least "
                           f"{criteria.describe_memory()} memory free, unclaimed); wait, loosen --max-utilization "
                           f"or --min-free-memory, or name GPUs with --gpus",
-                          table=_table(selection))
+                          verdicts=selection.verdicts)
 
 
 def _keep_mig_devices_apart(selection: Selection) -> None:
@@ -293,7 +294,7 @@ def _claim_listed(selection: Selection, gpus: list[Gpu], request: GpuRequest, st
         if verdict.state == "busy":
             problem = f"GPU {gpu.id} is busy ({'; '.join(verdict.reasons)})"
             if strict:
-                raise DeviceError(f"{problem}; --strict refuses busy GPUs", table=_table(selection))
+                raise DeviceError(f"{problem}; --strict refuses busy GPUs", verdicts=selection.verdicts)
             selection.warnings.append(f"{problem}; using it anyway as --gpus names it (--strict refuses)")
     for verdict in listed:
         if not _claim_one(selection, verdict, claim):
@@ -316,8 +317,3 @@ def _claim_one(selection: Selection, verdict: Verdict,
 
 def selection_reason(selection: Selection, gpu: Gpu) -> str:
     return next(v.describe() for v in selection.verdicts if v.gpu.id == gpu.id)
-
-
-def _table(selection: Selection) -> str:
-    from launcher.gpu_table import render
-    return render(selection.verdicts)

@@ -149,7 +149,7 @@ def test_all_with_nothing_free_is_an_error_with_the_table_of_reasons():
         choose(gpus, "all", Claims({gpus[0].uuid: 4242}))
     assert str(error.value).startswith("none of the 2 GPU(s) is free")
     assert "loosen --max-utilization or --min-free-memory" in str(error.value)
-    table = error.value.table.splitlines()
+    table = render(error.value.verdicts).splitlines()
     assert "claimed by launcher pid 4242 (bob)" in table[1] and "GiB free < 90%" in table[2]
 
 
@@ -198,7 +198,7 @@ def test_auto_asking_for_more_than_are_free_fails_and_releases_what_it_claimed()
     with pytest.raises(DeviceError, match=r"--gpus auto:3 needs 3, but 2 of 3 GPU\(s\) are free") as error:
         choose([gpu(0), gpu(1), gpu(2, util=50)], "auto:3", table)
     assert sorted(table.released) == sorted([gpu(0).uuid, gpu(1).uuid]) and not table.held
-    assert error.value.table is not None
+    assert [v.gpu.id for v in error.value.verdicts] == ["0", "1", "2"]
 
 
 # --- explicit lists -------------------------------------------------------------------
