@@ -19,7 +19,7 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
             block.append([cell.strip() for cell in line.strip("|").split("|")])
         elif block:
             header, _separator, *rows = block
-            tables.append([dict(zip(header, row)) for row in rows])
+            tables.append([dict(zip(header, row, strict=True)) for row in rows])
             block = []
     return tables
 

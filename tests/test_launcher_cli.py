@@ -130,8 +130,10 @@ def test_workers_and_everything_they_started_die_with_a_launcher_killed_by_sigki
     # Workers by their parent-death signal; the rest by the guardian: the setsid children
     # carry the run's token; the clean-environment daemons were in the launcher's reports.
     assert wait_until(lambda: not any(alive(pid) for pid in pids + escaped), timeout=3)
-    left = lambda: [(p.pid, p.status(), p.cmdline()) for p in psutil.process_iter(["environ"])
-                    if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == token]
+    def left() -> list:
+        return [(p.pid, p.status(), p.cmdline()) for p in psutil.process_iter(["environ"])
+                if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == token]
+
     assert wait_until(lambda: not left(), timeout=3), left()
 
 

@@ -186,7 +186,7 @@ LEAVES_ESCAPED_DESCENDANTS = """
 
 def escaped_pids(out: str, label: str) -> list[int]:
     """The setsid child's pid and the daemon's, found by their command lines."""
-    line = next(l for l in out.splitlines() if l.startswith(f"{label}:escaped"))
+    line = next(text for text in out.splitlines() if text.startswith(f"{label}:escaped"))
     setsid_pid = int(line.split()[-1])
     return [setsid_pid, *daemon_pids(line)]
 
@@ -201,7 +201,7 @@ def test_descendants_that_left_the_workers_group_do_not_survive_the_run(script, 
     leaver = make_worker(0, script(LEAVES_ESCAPED_DESCENDANTS, "leaver.py"))
     code, out, _ = supervise([leaver, make_worker(1, script("pass", "ok.py"))], tmp_path)
     assert code == 0
-    setsid_pid = int(next(l for l in out.splitlines() if l.startswith("CPU0:escaped")).split()[-1])
+    setsid_pid = int(next(text for text in out.splitlines() if text.startswith("CPU0:escaped")).split()[-1])
     assert wait_until(lambda: not alive(setsid_pid), timeout=2.0)
     assert wait_until(lambda: not [p for p in psutil.process_iter(["environ"])
                                    if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN")
