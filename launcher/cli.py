@@ -128,7 +128,8 @@ def make_workers(placement: Placement, command: list[str], training: bool = Fals
     for rank in range(placement.world_size):
         gpu = placement.gpus[rank] if placement.device == "cuda" else None
         env = worker_env(dict(os.environ), rank=rank, world_size=placement.world_size, master_port=port,
-                         gpu=gpu and gpu.cuda_visible_id, gpu_id=gpu and gpu.id, cpu_count=cpus, compile_cache=compile_cache)
+                         gpu=gpu.cuda_visible_id if gpu else None, gpu_id=gpu.id if gpu else None, cpu_count=cpus,
+                         compile_cache=compile_cache)
         if training:
             env["HF_HUB_OFFLINE"] = "1"
         workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))

@@ -419,8 +419,9 @@ class Supervisor:
             return failure.exit_code
         if self._interrupted_by is not None:
             killed = [w.label for w, watch in self._watch.items() if watch.returncode == -signal.SIGKILL]
+            took = (self._teardown_done or time.monotonic()) - self._interrupted_at
             self.printer.launcher_line(
-                f"stopped: every worker exited within {self._teardown_done - self._interrupted_at:.2f} s of "
+                f"stopped: every worker exited within {took:.2f} s of "
                 f"{signal.Signals(self._interrupted_by).name}" + (f"; {', '.join(killed)} had to be killed" if killed else ""))
             return 128 + self._interrupted_by
         return 0

@@ -96,7 +96,7 @@ def load_model(config: Config, state: dict[str, Tensor], device: torch.device) -
 
 def check_vocabulary(tokenizer: Tokenizer, config: Config) -> None:
     """A tokenizer with more ids than the model embeds is not the one it was trained with."""
-    if tokenizer.vocab_size > config.model.vocab_size:
+    if config.model.vocab_size is not None and tokenizer.vocab_size > config.model.vocab_size:
         raise GenerateError(f"the tokenizer found ({tokenizer.name}) has {tokenizer.vocab_size} ids but the model "
                             f"embeds only {config.model.vocab_size}: it is not the tokenizer the model was trained "
                             "with")

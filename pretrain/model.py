@@ -134,6 +134,8 @@ class Transformer(nn.Module):
         super().__init__()
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1 (got {max_seq_len})")
+        if cfg.vocab_size is None:  # the config's resolve() sets it from the tokenizer
+            raise ValueError("model.vocab_size is not set: resolve the config (pretrain.config.resolve) first")
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
