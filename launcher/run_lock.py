@@ -23,6 +23,7 @@ from pathlib import Path
 
 from launcher.claims import started_at
 from launcher.reaper import start_time
+from pretrain.runfiles import is_file_at
 
 LOCK_NAME = "launcher.lock"
 LOOK_TIMEOUT = 1.0  # seconds to wait for a new holder to write who it is
@@ -111,7 +112,7 @@ def take(run_dir: Path) -> RunDirLock | LockHolder:
         except BaseException:
             os.close(fd)
             raise
-        if not _same_file(fd, path):
+        if not is_file_at(fd, path):
             os.close(fd)  # its last holder removed it (abandon) after we opened it: lock the new one
             continue
         _write_self(fd)
@@ -152,15 +153,6 @@ def _make_dir(run_dir: Path) -> list[Path]:
         missing.append(path)
     run_dir.mkdir(parents=True, exist_ok=True)
     return missing[:1]  # parents (runs/, say) stay: other runs may go there at the same moment
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        on_disk = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _write_self(fd: int) -> None:

@@ -4,14 +4,14 @@ threads that turn its output and its exit into events for the supervisor."""
 from __future__ import annotations
 
 import codecs
-import ctypes
 import os
-import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from pretrain.parent_death import die_with_parent
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
 
@@ -42,15 +42,7 @@ Event = Line | Exited | OutputClosed
 def _die_with_parent(launcher_pid: int) -> Callable[[], None]:
     """A preexec_fn: the child asks Linux to SIGKILL it when the launcher dies, so even a
     SIGKILLed launcher leaves no worker behind."""
-    def arm() -> None:
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            return  # not Linux: teardown still kills the group
-        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-    return arm
+    return lambda: die_with_parent(launcher_pid)
 
 
 @dataclass(eq=False)

@@ -38,6 +38,18 @@ def naming(path: str | Path) -> Iterator[None]:
         raise
 
 
+def is_file_at(fd: int, path: Path) -> bool:
+    """Whether the open file fd is still the file at path. A lock file that its holder deletes
+    as it lets go (pretrain/data/cache.py build_lock, launcher/run_lock.py) counts only while it
+    is: a waiter that got the lock of a file deleted meanwhile must lock the path's new file."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (opened.st_dev, opened.st_ino)
+
+
 def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644) -> None:
     """Create or replace path so readers see the old file or the whole new one, never a part.
 

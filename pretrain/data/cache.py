@@ -25,7 +25,7 @@ from typing import Any
 from pretrain.data import DataError
 from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
-from pretrain.runfiles import fsync, naming
+from pretrain.runfiles import fsync, is_file_at, naming
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")
@@ -100,7 +100,7 @@ def build_lock(final: Path, log: Log) -> Iterator[None]:
                     log(f"dataset: waiting for another process to finish preparing {final}")
                     waiting = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            if _is_file_at(fd, path):
+            if is_file_at(fd, path):
                 break
         except BaseException:
             os.close(fd)
@@ -114,15 +114,6 @@ def build_lock(final: Path, log: Log) -> Iterator[None]:
         except OSError:
             pass  # gone already, or a read-only directory: a file left behind is harmless
         os.close(fd)
-
-
-def _is_file_at(fd: int, path: Path) -> bool:
-    try:
-        here = path.stat()
-    except FileNotFoundError:
-        return False
-    opened = os.fstat(fd)
-    return (here.st_dev, here.st_ino) == (opened.st_dev, opened.st_ino)
 
 # --- checking a cache -------------------------------------------------------------------------
 

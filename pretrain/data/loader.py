@@ -21,7 +21,6 @@ and they leave on their own when it dies (torch's worker watchdog).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import weakref
@@ -38,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from pretrain.data import DataError
 from pretrain.data.cache import read_meta
 from pretrain.data.windows import DTYPES, check_segment_file, open_segment, segments, steps_per_epoch
+from pretrain.parent_death import die_with_parent
 
 Batch = tuple[Tensor, Tensor]
 
@@ -266,10 +266,7 @@ def ignore_job_signals(worker_id: int) -> None:
     for sig in JOB_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != _trainer_pid:  # it died before prctl took effect
-        os._exit(1)
+    die_with_parent(_trainer_pid)
 
 
 _trainer_pid = os.getpid()
