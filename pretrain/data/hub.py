@@ -19,16 +19,19 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pretrain.data import DataError, first_line
+from pretrain.data.formats import file_format
+from pretrain.data.hub_client import LOCAL_FILES_INSTEAD, access_error, hub_snapshot, is_commit, offline_error
 from pretrain.data.windows import token_count
 
 if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
     from pretrain.config import Config, DataConfig
 
 TOKENS_PER_BYTE = {"parquet": 0.3, "jsonl": 0.25, "text": 0.25, "gz": 0.3}
@@ -58,15 +61,9 @@ class HubFiles:
 
 # --- listing --------------------------------------------------------------------------------------
 
-def is_commit(revision: str) -> bool:
-    return re.fullmatch(r"[0-9a-f]{40}", revision) is not None
-
-
 def usable(path: str, pattern: str) -> bool:
     """A data file (not a README or script) that the pattern matches."""
-    from pretrain.data.sources import hub_format
-
-    return fnmatch.fnmatch(path, pattern) and hub_format(path) is not None
+    return fnmatch.fnmatch(path, pattern) and file_format(path) is not None
 
 
 def cached_files(repo: str, revision: str, pattern: str) -> HubFiles | None:
@@ -100,8 +97,6 @@ def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
     from huggingface_hub import HfApi, errors
     from huggingface_hub.hf_api import RepoFile
 
-    from pretrain.data.sources import access_error
-
     where = f"dataset {repo}@{revision}"
     # List only below the pattern's fixed directories: a large dataset holds thousands of files.
     fixed = []
@@ -111,7 +106,7 @@ def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
         fixed.append(part)
     api = HfApi()
     try:
-        commit = api.repo_info(repo, repo_type="dataset", revision=revision).sha
+        commit = _commit_of(api, repo, revision)
         entries = api.list_repo_tree(repo, path_in_repo="/".join(fixed) or None, recursive=True,
                                      revision=commit, repo_type="dataset")
         files = sorted((e.path, e.size) for e in entries if isinstance(e, RepoFile) and usable(e.path, pattern))
@@ -123,6 +118,14 @@ def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
     except Exception as error:  # offline mode, no network, the Hub down: the caller falls back to the cache
         raise access_error(error, where) or Unreachable(first_line(error)) from None
     return HubFiles(commit, files, online=True, folder=None)
+
+
+def _commit_of(api: HfApi, repo: str, revision: str) -> str:
+    """The commit a revision of a dataset repository names now."""
+    commit = api.repo_info(repo, repo_type="dataset", revision=revision).sha
+    if commit is None:  # the Hub always names one; its client types it optional
+        raise Unreachable(f"the Hub named no commit for dataset {repo}@{revision}")
+    return commit
 
 
 def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) -> HubFiles:
@@ -147,8 +150,6 @@ def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) 
 
 
 def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reason: str) -> DataError:
-    from pretrain.data.sources import LOCAL_FILES_INSTEAD, offline_error
-
     ranks = f" --world-size {world_size}" if world_size > 1 else ""
     prepare = (f"`python3 prepare_dataset.py --preset {preset}{ranks}` (with this run's other options: only the "
                "files it needs, and the tokenizer) or ") if preset else ""
@@ -180,8 +181,6 @@ def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]]) -> Pat
         raise DataError(f"dataset {cfg.hub_repo}: {missing} is not in the Hugging Face cache and the Hub "
                         f"cannot be reached; fetch it where there is network (`hf download {cfg.hub_repo} "
                         f"--repo-type dataset --include '{missing}'`), or lower data.hub_max_files")
-    from pretrain.data.sources import hub_snapshot
-
     # Exact names, escaped: only these files are downloaded, whatever else the pattern matches.
     return hub_snapshot(cfg.hub_repo, found.commit, [glob.escape(name) for name, _ in files])
 
@@ -205,9 +204,7 @@ def run_tokens(config: Config, world_size: int) -> int | None:
 
 
 def estimated_tokens(name: str, size: int) -> float:
-    from pretrain.data.sources import hub_format
-
-    kind = "gz" if name.endswith(".gz") else hub_format(name) or "text"
+    kind = "gz" if name.endswith(".gz") else file_format(name) or "text"
     return size * TOKENS_PER_BYTE[kind]
 
 
@@ -266,7 +263,7 @@ def follow_checkpoint(config: Config) -> Config:
         return config  # restoring it says what is wrong with it
     if (saved.source, saved.hub_repo, saved.hub_files) != (data.source, data.hub_repo, data.hub_files):
         return config
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if data.hub_max_files is None and saved.hub_max_files is not None:
         changes["hub_max_files"] = saved.hub_max_files
     if data.hub_revision == DataConfig().hub_revision and is_commit(saved.hub_revision):

@@ -226,13 +226,16 @@ class TrainBatches:
         if self.num_workers == 0:
             # In process, without DataLoader: its per-batch machinery costs more than the gather.
             batches = map(self.windows.batch, stream)
-            return (tuple(t.pin_memory() for t in batch) for batch in batches) if self.pin_memory else batches
+            return ((x.pin_memory(), y.pin_memory()) for x, y in batches) if self.pin_memory else batches
         # With workers, batches are prefetched ahead of the caller. That is fine: the position
         # is counted in __iter__ as batches are handed out, not as workers produce them.
         # Not persistent_workers: the stream never ends, so one iterator (one set of workers)
         # serves every epoch, and each iter(self) starts a new one through start_workers.
-        loader = DataLoader(self.windows, batch_sampler=stream, num_workers=self.num_workers,
-                            collate_fn=as_is, pin_memory=self.pin_memory,
+        # torch's stubs want lists of indices and a collate over lists; the dataset's __getitems__
+        # takes the index arrays as they are, and hands back the finished batch.
+        loader = DataLoader(self.windows, batch_sampler=stream,  # type: ignore[arg-type]
+                            num_workers=self.num_workers, collate_fn=as_is,  # type: ignore[arg-type]
+                            pin_memory=self.pin_memory,
                             # fork (Linux's default up to Python 3.13, named so it stays): the
                             # workers inherit start_workers's signal mask, and the dataset without pickling.
                             multiprocessing_context="fork", worker_init_fn=ignore_job_signals)

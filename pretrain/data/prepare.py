@@ -128,7 +128,7 @@ def storage_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def split_point(total: int, boundaries: Sequence[int], val_fraction: float) -> int:
+def split_point(total: int, boundaries: Sequence[int] | np.ndarray, val_fraction: float) -> int:
     """Tokens that go to train; the rest, the tail, is validation.
 
     The cut is at total * (1 - val_fraction), moved to the next document boundary when that
@@ -141,9 +141,9 @@ def split_point(total: int, boundaries: Sequence[int], val_fraction: float) -> i
     cut = total - target
     after = bisect.bisect_left(boundaries, cut)
     if after < len(boundaries) and 0 < boundaries[after] < total and total - boundaries[after] >= (target + 1) // 2:
-        return boundaries[after]
+        return int(boundaries[after])
     if after > 0 and 0 < boundaries[after - 1] and total - boundaries[after - 1] <= 2 * target:
-        return boundaries[after - 1]
+        return int(boundaries[after - 1])
     return cut
 
 
@@ -489,7 +489,7 @@ def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log
     }
 
 
-def _document_ends(shards: list[Shard]) -> Sequence[int]:
+def _document_ends(shards: list[Shard]) -> Sequence[int] | np.ndarray:
     """Where documents end in the shards' joined tokens, when their index says (Megatron); else
     none, and the validation cut is at the exact share (an llm.c shard records no documents, and
     its end is no document's end: llm.c cuts shards mid-document)."""
@@ -501,7 +501,7 @@ def _document_ends(shards: list[Shard]) -> Sequence[int]:
 
 def _tail_split(segments: list[Segment], val_tokens: int) -> tuple[list[Segment], list[Segment]]:
     """Cut the last val_tokens tokens off a list of segments: (train segments, val segments)."""
-    train, val = list(segments), []
+    train, val = list(segments), list[Segment]()
     while val_tokens > 0:
         last = train.pop()
         if last.tokens <= val_tokens:

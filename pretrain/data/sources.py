@@ -19,8 +19,6 @@ from __future__ import annotations
 import glob
 import gzip
 import json
-import os
-import shlex
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,21 +27,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from pretrain.data import DataError, first_line
 from pretrain.data.builtin import builtin_documents, content_digest
+from pretrain.data.formats import FORMAT_SUFFIXES, file_format
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
 
 PIECE_CHARS = 4 << 20
 """A text file is handed on in pieces of about this many characters."""
-
-FORMAT_SUFFIXES = {
-    "text": (".txt", ".txt.gz", ".md", ".text"),
-    "jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"),
-    "parquet": (".parquet",),
-    "llmc": (".bin",),
-}
-"""Files a directory contributes for each format (a single file or a glob is taken as named)."""
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -109,7 +99,7 @@ def resolve_files(pattern: str, kind: str, key: str) -> list[Path]:
 
 def file_source(kind: str, files: list[Path], text_field: str) -> TextSource:
     """Local files of one format (text, jsonl or parquet)."""
-    stamps = []
+    stamps: list[list[Any]] = []  # [path, size, mtime_ns]: lists, as meta.json gives them back
     for path in files:
         stat = path.stat()
         stamps.append([str(path), stat.st_size, stat.st_mtime_ns])
@@ -220,14 +210,6 @@ def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
 
 # --- Hugging Face Hub -------------------------------------------------------------------------
 
-def hub_format(path: str) -> str | None:
-    """The format of a Hub file by its name, None for files to leave out (README, scripts)."""
-    for kind in ("parquet", "jsonl", "text"):
-        if path.endswith(FORMAT_SUFFIXES[kind]):
-            return kind
-    return None
-
-
 def hub_source(cfg: DataConfig) -> TextSource:
     """A Hub dataset's files (the first data.hub_max_files of those data.hub_files matches, see
     hub.py), downloaded into the Hub cache once and read from there."""
@@ -239,7 +221,7 @@ def hub_source(cfg: DataConfig) -> TextSource:
     commit = found.commit  # the exact revision, also when hub_revision is a branch
     usable = [folder / name for name, _ in files]
     where = f"{cfg.hub_repo}@{cfg.hub_revision}"
-    kinds = {hub_format(p.name) for p in usable}
+    kinds = {file_format(p.name) for p in usable}
     if len(kinds) > 1:
         raise DataError(f"data.hub_files: {cfg.hub_files!r} matches files of several formats "
                         f"({', '.join(sorted(k or '?' for k in kinds))}) in {where}; narrow it to one")
@@ -251,69 +233,3 @@ def hub_source(cfg: DataConfig) -> TextSource:
                 "files": [[p.relative_to(folder).as_posix(), p.stat().st_size] for p in usable],
                 **({"text_field": cfg.text_field} if kind != "text" else {})}
     return TextSource("hub-" + cfg.hub_repo.replace("/", "-"), identity, source.pieces, source.total_bytes)
-
-
-def hub_snapshot(repo: str, revision: str, pattern: str | list[str], repo_type: str = "dataset") -> Path:
-    """Download (or find in the Hub cache) the files of repo matching pattern; their folder."""
-    try:
-        from huggingface_hub import errors, snapshot_download
-    except ImportError:
-        raise DataError("the Hugging Face Hub needs the huggingface_hub package: pip install huggingface_hub") from None
-
-    from pretrain.data.hub import is_commit
-
-    where = f"{repo_type} {repo}@{revision}"
-    if is_commit(revision):
-        # A commit never changes: when it is in the cache, no request to the Hub is needed.
-        try:
-            return Path(snapshot_download(repo, repo_type=repo_type, revision=revision,
-                                          allow_patterns=pattern, local_files_only=True))
-        except errors.LocalEntryNotFoundError:  # also a snapshot that lacks some of the files
-            pass
-    try:
-        return Path(snapshot_download(repo, repo_type=repo_type, revision=revision, allow_patterns=pattern))
-    except errors.LocalEntryNotFoundError:
-        raise not_cached_error(repo, pattern, repo_type) from None
-    except (errors.HfHubHTTPError, OSError, ValueError) as error:
-        raise access_error(error, where) or DataError(f"{where}: download failed ({first_line(error)})") from None
-
-
-def access_error(error: Exception, where: str) -> DataError | None:
-    """The one-line error for a Hub repository that is gated, missing or private, or a revision
-    that does not exist; None for any other error."""
-    from huggingface_hub import errors
-
-    if isinstance(error, errors.GatedRepoError):  # before its base class, RepositoryNotFoundError
-        return DataError(f"{where} is gated: accept its terms on huggingface.co, then log in with "
-                         "`hf auth login` or set HF_TOKEN")
-    if isinstance(error, errors.RepositoryNotFoundError):
-        return DataError(f"{where} was not found, or it is private and you are not authorised: check the id, "
-                         "then log in with `hf auth login` or set HF_TOKEN")
-    if isinstance(error, errors.RevisionNotFoundError):
-        return DataError(f"{where}: no such revision; set a branch, tag or commit that exists")
-    return None
-
-
-def not_cached_error(repo: str, pattern: str | list[str], repo_type: str) -> DataError:
-    """Offline without the files: how to get them, or where else to point."""
-    files = " ".join(map(shlex.quote, [pattern] if isinstance(pattern, str) else pattern))
-    if repo_type == "model":
-        return offline_error(f"tokenizer {repo}", f"`hf download {repo} {files}`",
-                             "set data.tokenizer_name to a local tokenizer.json")
-    return offline_error(f"{repo_type} {repo}", f"`hf download {repo} --repo-type {repo_type} --include {files}`",
-                         LOCAL_FILES_INSTEAD)
-
-
-LOCAL_FILES_INSTEAD = "train on local files: --set data.source=parquet --set data.path=DIR"
-
-
-def offline_error(what: str, fetch: str, instead: str, reason: str = "no connection") -> DataError:
-    """The one line for what the Hub cache lacks while the Hub cannot be reached: what, the
-    command(s) that fetch it where there is network (fetch), and what to do instead."""
-    from huggingface_hub import constants
-
-    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
-    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else (reason, "")
-    return DataError(f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
-                     f"reached (offline: {why}); on a machine with network run {fetch} and copy the cache (HF_HOME) "
-                     f"here{unset}; or {instead}")

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from pretrain.data import DataError
 
 # Explicitly little-endian, the layout llm.c-style .bin files use, whatever machine reads it.
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 REBUILD_HINT = "rebuild it with `python3 prepare_dataset.py --force`"
 
 
@@ -74,13 +74,18 @@ def _segment(entry: Any, split: str, i: int) -> Segment:
     file, offset, tokens, dtype = (entry.get(key) for key in ("file", "offset", "tokens", "dtype"))
     if not isinstance(file, str) or not file:
         raise bad("has no file")
-    for name, value in (("offset", offset), ("tokens", tokens)):
-        # bool is an int to Python, but true is no byte count.
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise bad(f"has {name} {value!r}, not a count >= 0")
+    if not _is_count(offset):
+        raise bad(f"has offset {offset!r}, not a count >= 0")
+    if not _is_count(tokens):
+        raise bad(f"has tokens {tokens!r}, not a count >= 0")
     if dtype not in DTYPES:
         raise bad(f"has dtype {dtype!r}, not one of {', '.join(DTYPES)}")
     return Segment(file, offset, tokens, dtype)
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    """An int >= 0; bool is an int to Python, but true is no byte count."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def split_tokens(meta: dict[str, Any], split: str) -> int:
