@@ -27,7 +27,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 if __name__ == "__main__" and Path(sys.path[0]).resolve() == REPO / "benchmarks":
@@ -161,7 +161,7 @@ class Formatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage block
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
         raise UsageError(f"{message}; see --help")
 
 

@@ -26,6 +26,7 @@ def check_gpus(ctx: Context) -> list[Row]:
     holder = subprocess.Popen([sys.executable, str(ENTRY), "--worker", "hold", str(ctx.gpus[0])],
                               cwd=REPO, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
+    assert holder.stdin is not None and holder.stdout is not None  # pipes
     try:
         import select
         ready = holder.stdout.readline() if select.select([holder.stdout], [], [], 180)[0] else "(no answer in 180 s)"

@@ -83,6 +83,7 @@ def run(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None,
     matched: list[float] = []
 
     def read() -> None:
+        assert proc.stdout is not None  # opened as a pipe above
         for line in proc.stdout:
             if first_match is not None and not matched and first_match.search(line):
                 matched.append(time.monotonic() - started)
@@ -125,8 +126,9 @@ def worker_argv(name: str, *args: str) -> list[str]:
     return [sys.executable, str(ENTRY), "--worker", name, *args]
 
 
-def worker(name: str, timeout: float, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one of the workers (benchmarks/gpu_workers.py) in a fresh Python process; its JSON result."""
+def worker(name: str, timeout: float, *args: str, env: dict[str, str] | None = None) -> Any:
+    """Run one of the workers (benchmarks/gpu_workers.py) in a fresh Python process; its JSON result
+    (an object or a list, as the worker prints it)."""
     proc = run(worker_argv(name, *args), timeout, env)
     found = results(proc.out)
     if not proc.ok or not found:
@@ -142,7 +144,8 @@ class GpuMemory:
 
     def __init__(self, index: int, interval_ms: int = 200) -> None:
         self.index, self.interval_ms = index, interval_ms
-        self.baseline_mib = self.peak_mib = None
+        self.baseline_mib = 0
+        self.peak_mib: int | None = None
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
 
@@ -157,11 +160,13 @@ class GpuMemory:
         return self
 
     def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None  # started by __enter__, stdout a pipe
         for line in self._proc.stdout:
             if line.strip().isdigit():
                 self.peak_mib = max(self.peak_mib or 0, int(line))
 
     def __exit__(self, *exc: object) -> None:
+        assert self._proc is not None and self._reader is not None  # started by __enter__
         kill_group(self._proc)
         self._reader.join(timeout=5)
 
@@ -220,7 +225,8 @@ def watch(argv: Sequence[str], marker: str = "] Step [5/") -> Watched:
     seen = threading.Event()
 
     def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
+        assert proc.stdout is not None  # opened as a pipe above
+        for line in proc.stdout:
             lines.append(line)
             if marker in line:
                 seen.set()

@@ -204,19 +204,19 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
         caught: list[warnings.WarningMessage] = []
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
-        step = train.train_step
+        unmarked_step = train.train_step
 
-        def marked_step(trainer: Trainer, n: int):
-            if n == warmup:
+        def marked_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+            if step == warmup:
                 torch.cuda.synchronize()
                 profiler.start()
                 torch.cuda.set_sync_debug_mode("warn")
-            if warmup <= n:
+            if warmup <= step:
                 marks.append(len(caught))
-            if n == total - 1:  # the logging step: not counted
+            if step == total - 1:  # the logging step: not counted
                 torch.cuda.set_sync_debug_mode(0)
                 profiler.stop()
-            return step(trainer, n)
+            return unmarked_step(trainer, step)
         train.train_step = marked_step
         with warnings.catch_warnings(record=True) as caught_here:
             warnings.simplefilter("always")

@@ -218,6 +218,7 @@ def run_once(tool: str, mode: str, lines: int) -> RunResult:
             proc = subprocess.Popen(tool_argv(tool, worker, work), env=tool_env(marker, mode, work, lines),
                                     cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT)
+            assert proc.stdout is not None  # a pipe
             reader = LineReader(proc.stdout)
             if mode == "supervisor-killed":
                 if not reader.wait_for(b"BENCH ready", count=2, timeout=60):

@@ -185,7 +185,9 @@ def named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor, Tensor | None
     """(plain name, whole value, whole gradient or None) of every parameter, one at a time.
     Under FSDP every rank must iterate to the end: each tensor is gathered from all."""
     for name, param in model.named_parameters():
-        yield plain_name(name), _whole(param), _whole(param.grad)
+        value = _whole(param)
+        assert value is not None  # a parameter, never None
+        yield plain_name(name), value, _whole(param.grad)
 
 
 def bad_count(tensor: Tensor) -> str | None:

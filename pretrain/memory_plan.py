@@ -136,7 +136,7 @@ def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | No
     the run fits neither the GPUs nor, with CPU offload, the GPUs and the host."""
     local_ranks = local_ranks or world_size
     on_gpus = gpu_memory_bytes is not None
-    if on_gpus:
+    if gpu_memory_bytes is not None:
         mode, offload = _choose_on_gpus(config, world_size, gpu_memory_bytes, host_memory_bytes, local_ranks)
     else:
         mode, offload = choose_parallelism(config, world_size, None), bool(config.training.cpu_offload)
@@ -152,7 +152,7 @@ def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | No
         line = f"parallelism: none, one {unit}"
     else:
         line = f"parallelism: {mode.upper()} over {world_size} {unit}"
-    if not on_gpus:
+    if gpu_memory_bytes is None:
         return planned, line
     detail = f"estimated {gib(estimate(config, world_size, mode, offload).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
     if offload:

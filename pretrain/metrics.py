@@ -207,7 +207,8 @@ class MetricsLog:
         """Close metrics.jsonl after a failed write, and say so once."""
         file, self._file = self._file, None
         with contextlib.suppress(OSError):  # close flushes the line that failed again
-            file.close()
+            if file is not None:
+                file.close()
         if self._logger is not None:
             self._logger.warning(f"cannot write {self.path}: {error.strerror or error}; metrics are no longer "
                                  "recorded there; training goes on")

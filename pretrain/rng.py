@@ -18,7 +18,7 @@ def rng_states(device: torch.device) -> dict[str, Any]:
         "cpu": torch.get_rng_state(),
         "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
                    "gauss_next": gauss_next},
-        "numpy": {"bit_generator": bit_generator, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+        "numpy": {"bit_generator": bit_generator, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
     }
     if device.type == "cuda":
