@@ -16,6 +16,7 @@ import pytest
 
 from pretrain.config import DataConfig
 from pretrain.data import DataError
+from pretrain.data import encode as encoding
 from pretrain.data import prepare as prep
 from pretrain.data.builtin import builtin_documents, content_digest
 from pretrain.data.tokenizer import BYTE_EOT, ByteTokenizer
@@ -248,7 +249,7 @@ def test_a_failed_build_leaves_no_temporary_directory_and_the_next_one_succeeds(
         return encode(self, text)
 
     monkeypatch.setattr(ByteTokenizer, "encode", fail_on_the_tenth_document)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 100)  # several batches: the failure comes mid-file
+    monkeypatch.setattr(encoding, "BATCH_CHARS", 100)  # several batches: the failure comes mid-file
     with pytest.raises(RuntimeError, match="tokenizer exploded"):
         prepare_quietly(data_config(tmp_path))
     assert [e for e in entries(tmp_path / "cache") if not e.endswith(".lock")] == []
@@ -304,8 +305,8 @@ CONCURRENT_PREPARER = textwrap.dedent("""
         time.sleep(0.04)
         return encode(self, text)
     ByteTokenizer.encode = slow_encode
-    import pretrain.data.prepare as prep
-    prep.BATCH_CHARS = 1  # one document per batch
+    import pretrain.data.encode as encoding
+    encoding.BATCH_CHARS = 1  # one document per batch
     ready.touch()
     while not go.exists():
         time.sleep(0.002)
@@ -422,7 +423,8 @@ TERMINATED_PREPARER = textwrap.dedent("""
         time.sleep(0.05)
         return encode(self, text)
     ByteTokenizer.encode = slow_encode
-    prep.BATCH_CHARS = 1  # one document per batch: the build takes seconds
+    import pretrain.data.encode as encoding
+    encoding.BATCH_CHARS = 1  # one document per batch: the build takes seconds
     with prep.sigterm_as_exit():
         prep.prepare(DataConfig(cache_dir=sys.argv[1]), documents=[f"document {i}" for i in range(400)])
 """)
@@ -447,15 +449,15 @@ def test_a_terminated_or_hung_up_build_removes_its_temporary_directory(tmp_path,
 def test_document_ends_far_before_the_validation_cut_are_dropped_without_changing_the_split(tmp_path, monkeypatch):
     documents = [f"doc {i} " + "x" * (i % 13) for i in range(3000)]
     reference, _ = prepare_quietly(data_config(tmp_path / "a", val_fraction=0.1), documents=documents)
-    monkeypatch.setattr(prep, "BOUNDARIES_KEPT", 10)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 500)  # many batches, so dropping happens along the way
+    monkeypatch.setattr(encoding, "BOUNDARIES_KEPT", 10)
+    monkeypatch.setattr(encoding, "BATCH_CHARS", 500)  # many batches, so dropping happens along the way
     kept: list[int] = []
-    write = prep._TokenWriter.write
+    write = encoding.TokenWriter.write
 
     def spy(self, *args):
         write(self, *args)
         kept.append(len(self.boundaries))
-    monkeypatch.setattr(prep._TokenWriter, "write", spy)
+    monkeypatch.setattr(encoding.TokenWriter, "write", spy)
 
     bounded, _ = prepare_quietly(data_config(tmp_path / "b", val_fraction=0.1), documents=documents)
 

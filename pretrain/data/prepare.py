@@ -32,30 +32,28 @@ This module must not import torch: the launcher imports it and has to start fast
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import hashlib
 import json
 import os
 import secrets
 import shutil
-import sys
 import time
-from array import array
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from pretrain.data import DataError
 from pretrain.data.cache import (FORMAT_VERSION, META_FILE, build_lock, inspect_dataset, read_meta,
                                  remove_leftovers, replace_dir, sigterm_as_exit, verify, write_synced)
-from pretrain.data.shards import Shard, llmc_shard, megatron_shard, scan
-from pretrain.data.sources import Piece, TextSource, documents_source, resolve_files, text_source
-from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, Tokenizer, file_sha256,
+from pretrain.data.encode import TokenWriter, encode_into, limited
+from pretrain.data.shard_index import index_shards
+from pretrain.data.shards import Shard, llmc_shard, megatron_shard
+from pretrain.data.sources import TextSource, documents_source, resolve_files, text_source
+from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, file_sha256,
                                      load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe)
+from pretrain.data.splits import split_point, splits_meta
 from pretrain.data.windows import DTYPES, Segment
 from pretrain.runfiles import naming, project_path
 
@@ -67,14 +65,11 @@ __all__ = ["prepare", "read_meta", "verify", "sigterm_as_exit", "model_vocab_siz
 """read_meta, verify and sigterm_as_exit live in cache.py; they are here too, as the API of preparing."""
 
 TOKENS_FILE = "tokens.bin"
-BATCH_CHARS = 4 << 20
-"""Text handed to the tokenizer at once: large enough for its threads, small for memory."""
-
 MAX_FOLLOWED_VOCAB = 1 << 22
 """model.vocab_size null follows the data up to this (4M ids; the largest real tokenizers hold 256K)."""
 
 BOUNDARIES_KEPT = 1 << 16
-"""Document ends held before the ones that can no longer matter are dropped (see _TokenWriter)."""
+"""Document ends held before the ones that can no longer matter are dropped (see TokenWriter)."""
 
 Log = Callable[[str], None]
 
@@ -126,25 +121,6 @@ def model_vocab_size(configured: int | None, meta: dict[str, Any]) -> int:
 def storage_dtype(vocab_size: int) -> str:
     """Name of the narrowest unsigned type that holds every id of the vocabulary."""
     return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
-def split_point(total: int, boundaries: Sequence[int] | np.ndarray, val_fraction: float) -> int:
-    """Tokens that go to train; the rest, the tail, is validation.
-
-    The cut is at total * (1 - val_fraction), moved to the next document boundary when that
-    leaves validation at least half its share, else to the previous one when that leaves it at
-    most twice its share, else kept (one long document is cut inside). boundaries: sorted
-    offsets where a document ends."""
-    if total < 2:
-        raise DataError(f"the source has {total} token(s), too few to split into train and validation; add data")
-    target = min(max(1, round(total * val_fraction)), total - 1)
-    cut = total - target
-    after = bisect.bisect_left(boundaries, cut)
-    if after < len(boundaries) and 0 < boundaries[after] < total and total - boundaries[after] >= (target + 1) // 2:
-        return int(boundaries[after])
-    if after > 0 and 0 < boundaries[after - 1] and total - boundaries[after - 1] <= 2 * target:
-        return int(boundaries[after - 1])
-    return cut
 
 
 # --- the recipe: key, place and builder (cheap; no token is read) ----------------------------
@@ -237,13 +213,13 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
     # naming: a write that fails (a full disk) raises an OSError that names no file.
     with naming(directory / TOKENS_FILE), open(directory / TOKENS_FILE, "wb") as file:
         # With val_path the split is where validation starts: no boundary is needed at all.
-        writer = _TokenWriter(file, DTYPES[dtype], tokenizer.vocab_size, 0.0 if val else cfg.val_fraction)
-        pieces = _limited(train.pieces(), cfg.max_samples)
+        writer = TokenWriter(file, DTYPES[dtype], tokenizer.vocab_size, 0.0 if val else cfg.val_fraction)
+        pieces = limited(train.pieces(), cfg.max_samples)
         # With max_samples the share of the source that will be read is unknown: no ETA then.
-        _encode_into(writer, pieces, tokenizer, "dataset: tokenizing", None if cfg.max_samples else train.total_bytes)
+        encode_into(writer, pieces, tokenizer, "dataset: tokenizing", None if cfg.max_samples else train.total_bytes)
         train_tokens, train_documents = writer.tokens, writer.documents
         if val is not None:
-            _encode_into(writer, val.pieces(), tokenizer, "dataset: tokenizing validation", val.total_bytes)
+            encode_into(writer, val.pieces(), tokenizer, "dataset: tokenizing validation", val.total_bytes)
         writer.finish()
     if writer.documents == 0:
         raise DataError(f"the source ({train.name}) has no documents; check data.path, data.hub_files or the files")
@@ -271,126 +247,12 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
         "eot_id": tokenizer.eot_id,
         "dtype": dtype,
         "max_token_id": writer.max_id,
-        "splits": _splits([train_segment], [Segment(TOKENS_FILE, train_segment.nbytes, writer.tokens - split, dtype)]),
+        "splits": splits_meta([train_segment], [Segment(TOKENS_FILE, train_segment.nbytes, writer.tokens - split, dtype)]),
         "tokens": {"train": split, "val": writer.tokens - split},
         "documents": {"total": writer.documents, "train": train_documents,
                       "val": writer.documents - train_documents},
         "files": files,
     }
-
-
-def _splits(train: list[Segment], val: list[Segment]) -> dict[str, list[dict[str, Any]]]:
-    """The "splits" of meta.json, in the form windows.segments reads back."""
-    return {"train": [dataclasses.asdict(s) for s in train], "val": [dataclasses.asdict(s) for s in val]}
-
-
-def _limited(pieces: Iterator[Piece], max_samples: int) -> Iterator[Piece]:
-    """The pieces of the first max_samples documents (all when 0)."""
-    documents = 0
-    for piece in pieces:
-        yield piece
-        documents += piece.ends_document
-        if max_samples and documents >= max_samples:
-            return
-
-
-class _TokenWriter:
-    """Appends token arrays to tokens.bin, counting, hashing and checking ids as it goes."""
-
-    def __init__(self, file: BinaryIO, dtype: np.dtype, vocab_size: int, val_fraction: float) -> None:
-        self.file, self.dtype, self.vocab_size, self.val_fraction = file, dtype, vocab_size, val_fraction
-        self.sha256 = hashlib.sha256()
-        self.tokens = self.documents = self.max_id = 0
-        self.boundaries = array("q")
-        """Token offsets where a document ends (after its end-of-text), the recent ones only:
-        split_point never picks one before total * (1 - 2 * val_fraction), and the total only
-        grows, so older ones are dropped (counted in `dropped`) and memory stays bounded."""
-        self.dropped = 0
-
-    def write(self, ids: list[np.ndarray], ends: list[bool], eot_id: int) -> None:
-        eot = np.array([eot_id], dtype=np.uint32)  # unsigned: joining it keeps the ids' narrow type
-        parts = []
-        offset = self.tokens
-        for piece_ids, ends_document in zip(ids, ends, strict=True):
-            parts.append(piece_ids)
-            offset += piece_ids.size
-            if ends_document:
-                parts.append(eot)
-                offset += 1
-                self.boundaries.append(offset)
-                self.documents += 1
-        tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
-        if tokens.size:
-            largest = int(tokens.max())
-            # A tokenizer bug would otherwise wrap around silently in the narrow storage type.
-            if largest >= self.vocab_size or int(tokens.min()) < 0:
-                raise DataError(f"the tokenizer produced id {largest}, beyond its vocabulary of {self.vocab_size}")
-            self.max_id = max(self.max_id, largest)
-        data = tokens.astype(self.dtype, copy=False).tobytes()
-        self.file.write(data)
-        self.sha256.update(data)
-        self.tokens = offset
-        if len(self.boundaries) > BOUNDARIES_KEPT:
-            useless = bisect.bisect_left(self.boundaries, self.tokens * (1 - 2 * self.val_fraction) - 2)
-            del self.boundaries[:useless]
-            self.dropped += useless
-
-    def finish(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-
-def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
-    batch: list[Piece] = []
-    size = 0
-    for piece in pieces:
-        batch.append(piece)
-        size += len(piece.text)
-        if size >= BATCH_CHARS or len(batch) >= 4096:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _encode_into(writer: _TokenWriter, pieces: Iterator[Piece], tokenizer: Tokenizer, label: str,
-                 total_bytes: int | None) -> None:
-    """Tokenize pieces in batches and append them to writer, in order.
-
-    The next batch is read and parsed here while a helper thread encodes the current one (the
-    tokenizers release the GIL and use every core), so reading overlaps encoding; at most two
-    batches are in memory."""
-    progress = _progress(label, total_bytes, unit="B")
-    started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending: tuple[Future[list[np.ndarray]], list[Piece]] | None = None
-        for batch in _batches(pieces):
-            future = pool.submit(tokenizer.encode_batch, [piece.text for piece in batch])
-            if pending is not None:
-                _write_encoded(writer, *pending, tokenizer, progress, started)
-            pending = (future, batch)
-        if pending is not None:
-            _write_encoded(writer, *pending, tokenizer, progress, started)
-    progress.close()
-
-
-def _write_encoded(writer: _TokenWriter, future: Future, batch: list[Piece], tokenizer: Tokenizer,
-                   progress: Any, started: float) -> None:
-    writer.write(future.result(), [piece.ends_document for piece in batch], tokenizer.eot_id)
-    progress.update(sum(piece.size for piece in batch))
-    rate = writer.tokens / max(time.monotonic() - started, 1e-9)
-    progress.set_postfix_str(f"{writer.tokens:,} tokens, {rate:,.0f} tokens/s", refresh=False)
-
-
-def _progress(label: str, total: int | None, unit: str) -> Any:
-    from tqdm import tqdm  # imported here: only a build draws a progress bar
-
-    # No monitor thread: the launcher prepares data and then forks its workers, and forking
-    # while another thread runs can deadlock the child.
-    tqdm.monitor_interval = 0
-    # disable=None: silent when stderr is not a terminal (logs, pipes, tests).
-    return tqdm(desc=label, total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=None,
-                leave=False, mininterval=0.5)
 
 
 def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> Path:
@@ -411,7 +273,7 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            texts = (piece.text for piece in _limited(source.pieces(), cfg.max_samples))
+            texts = (piece.text for piece in limited(source.pieces(), cfg.max_samples))
             train_bpe(texts, cfg.bpe_vocab_size, tmp / TOKENIZER_FILE)
             replace_dir(tmp, final)
         except BaseException:
@@ -458,59 +320,6 @@ def _shard_recipe(cfg: DataConfig) -> Recipe:
         # a key of their own, so they are not reused as if they were these.
         key["val_cut"] = "document end"
     path = _dataset_path(cfg.cache_dir, cfg.source, key)
-    return Recipe(key, path, lambda directory, log: _index_shards(train, val, cfg.val_fraction, log))
+    return Recipe(key, path, lambda directory, log: index_shards(train, val, cfg.val_fraction, log))
 
-
-def _index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log: Log) -> dict[str, Any]:
-    """Scan shards once (largest id, sha256) and describe them as segments, in place."""
-    shards = train + val
-    progress = _progress("dataset: scanning shards", total=sum(s.tokens for s in shards), unit="tok")
-    scans = {shard.path: scan(shard, progress.update) for shard in shards}
-    progress.close()
-    train_segments = [Segment(str(s.path), s.offset, s.tokens, s.dtype) for s in train]
-    val_segments = [Segment(str(s.path), s.offset, s.tokens, s.dtype) for s in val]
-    if not val:
-        total = sum(s.tokens for s in train)
-        cut = int(split_point(total, _document_ends(train), val_fraction))
-        train_segments, val_segments = _tail_split(train_segments, total - cut)
-    max_id = max(s.max_id for s in scans.values())
-    count = {"train": sum(s.tokens for s in train_segments), "val": sum(s.tokens for s in val_segments)}
-    known_documents = [s.documents for s in shards]
-    return {
-        "tokenizer": None,
-        "vocab_size": max_id + 1,
-        "eot_id": None,
-        "dtype": shards[0].dtype,
-        "max_token_id": max_id,
-        "splits": _splits(train_segments, val_segments),
-        "tokens": count,
-        "documents": {"total": sum(known_documents) if None not in known_documents else None},
-        "files": {str(s.path): {"bytes": s.path.stat().st_size, "sha256": scans[s.path].sha256} for s in shards},
-    }
-
-
-def _document_ends(shards: list[Shard]) -> Sequence[int] | np.ndarray:
-    """Where documents end in the shards' joined tokens, when their index says (Megatron); else
-    none, and the validation cut is at the exact share (an llm.c shard records no documents, and
-    its end is no document's end: llm.c cuts shards mid-document)."""
-    if not shards or any(shard.document_ends is None for shard in shards):
-        return []
-    starts = np.cumsum([0] + [shard.tokens for shard in shards[:-1]])
-    return np.concatenate([shard.document_ends + start for shard, start in zip(shards, starts, strict=True)])
-
-
-def _tail_split(segments: list[Segment], val_tokens: int) -> tuple[list[Segment], list[Segment]]:
-    """Cut the last val_tokens tokens off a list of segments: (train segments, val segments)."""
-    train, val = list(segments), list[Segment]()
-    while val_tokens > 0:
-        last = train.pop()
-        if last.tokens <= val_tokens:
-            val.insert(0, last)
-            val_tokens -= last.tokens
-            continue
-        kept = dataclasses.replace(last, tokens=last.tokens - val_tokens)
-        train.append(kept)
-        val.insert(0, dataclasses.replace(last, offset=last.offset + kept.nbytes, tokens=val_tokens))
-        val_tokens = 0
-    return train, val
 
