@@ -293,7 +293,7 @@ class Config:
 SECTIONS: dict[str, type] = {name: hint for name, hint in get_type_hints(Config).items() if name != "preset"}
 
 
-FINEWEB_EDU = {"source": "hub", "hub_repo": "HuggingFaceFW/fineweb-edu", "hub_files": "sample/10BT/*.parquet"}
+FINEWEB_EDU: dict[str, Any] = {"source": "hub", "hub_repo": "HuggingFaceFW/fineweb-edu", "hub_files": "sample/10BT/*.parquet"}
 """The real runs' data: FineWeb-Edu's 10B-token sample, 14 Parquet files of ~2 GB (~0.7B GPT-2
 tokens each), of which a run downloads only what it reads (data.hub_max_files)."""
 
@@ -512,7 +512,7 @@ def drop_unused_preset_keys(config: Config, preset: DataConfig, user_keys: set[s
     on its data.tokenizer_name; with pre-tokenized shards its tokenizer goes too. A key the user
     set (file or --set) is kept, so check_complete still refuses it when it would be ignored."""
     data, neutral = config.data, DataConfig()
-    unused = []
+    unused: list[str] = []
     if data.source != "hub":
         unused += HUB_KEYS
     if data.source in SHARD_SOURCES and "tokenizer" not in user_keys:
