@@ -6,6 +6,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$ROOT/scripts/setup.sh"
 setup_python "$ROOT" "$ROOT/requirements.txt"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the launcher's own; its -- COMMAND workers do not get it
+# Runs and caches stay in the clone, from whichever directory this is started, unless set
+# (--runs-dir and --cache-dir win over both). The installed pretrain-launch uses ./runs and ./cache.
+export PRETRAIN_RUNS_DIR="${PRETRAIN_RUNS_DIR:-$ROOT/runs}"
+export PRETRAIN_CACHE_DIR="${PRETRAIN_CACHE_DIR:-$ROOT/cache}"
 # exec: signals (Ctrl-C, SIGTERM from a scheduler) reach the launcher directly.
 exec "$PYTHON" -m launcher "$@"

@@ -1,6 +1,6 @@
 """Command line of the launcher, and the only sys.exit.
 
-    python -m launcher [options]                 train: pretrain_main.py on every device
+    python -m launcher [options]                 train: `python -m pretrain` on every device
     python -m launcher [options] -- CMD [ARGS]   any command, supervised, one per device
     python -m launcher gpus [criteria]           the GPU table, with the verdict on each GPU
 """
@@ -23,15 +23,17 @@ from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
 from launcher.printer import Printer, use_colour
 from launcher.run_lock import LockHolder, RunDirLock
 from launcher.scripted_nvml import BadScript
-from launcher.supervisor import StartError, Supervisor
-from launcher.worker import Worker, worker_env
+from launcher.supervisor import StartError, Supervisor, SupervisorOptions
+from launcher.worker import Worker, with_package_root, without_package_root, worker_env
 from pretrain import config as cfg
 from pretrain import exit_codes
-from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
+from pretrain.runfiles import (CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_root, create_run_dir, new_run_id,
+                               os_error_message, runs_root)
 
 MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
-STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain_main.py dumps every thread's stack on it
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain/__main__.py dumps every thread's stack on it
+CONSOLE_COMMAND = "pretrain-launch"  # pyproject.toml [project.scripts]
 EXIT_USAGE = 2
 EXIT_CANNOT_EXECUTE = 126
 EXIT_COMMAND_NOT_FOUND = 127
@@ -47,12 +49,17 @@ class CommandNotFound(UsageError):
     exit_code = EXIT_COMMAND_NOT_FOUND
 
 
+def program() -> str:
+    """The name the user typed: the installed command, or `python -m launcher`."""
+    return CONSOLE_COMMAND if Path(sys.argv[0]).name == CONSOLE_COMMAND else "python -m launcher"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher",
+        prog=program(),
         description="Run one training process per device, prefix their output, stop them all on "
                     "the first failure. With `-- COMMAND ...`, supervise any command instead.",
-        epilog="`python -m launcher gpus` shows this machine's GPUs and the verdict on each.")
+        epilog=f"`{program()} gpus` shows this machine's GPUs and the verdict on each.")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
                         help="override system.device (auto: every GPU, else CPU workers)")
     parser.add_argument("--gpus", metavar="WHICH",
@@ -63,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_criteria_arguments(parser)
     parser.add_argument("--strict", action="store_true",
                         help="refuse a busy GPU named in --gpus instead of warning")
-    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
+    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: <runs dir>/<run-id>/)")
+    parser.add_argument("--runs-dir", metavar="DIR",
+                        help=f"where new run directories go (default: ${RUNS_DIR_VAR}, else ./runs)")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help=f"prepared datasets and compiled kernels (default: ${CACHE_DIR_VAR}, else ./cache)")
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
                         help="after a failure, seconds between SIGTERM and SIGKILL for the other workers "
                              "(default: 5)")
@@ -87,7 +98,7 @@ def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
 
 def show_gpus(argv: Sequence[str]) -> int:
     """`python -m launcher gpus`: every GPU and the verdict on it; claims nothing."""
-    parser = argparse.ArgumentParser(prog="python -m launcher gpus",
+    parser = argparse.ArgumentParser(prog=f"{program()} gpus",
                                      description="Show this machine's GPUs and which the launcher counts as free.")
     add_criteria_arguments(parser)
     args = parser.parse_args(argv)
@@ -121,17 +132,23 @@ def free_port() -> int:
 def make_workers(placement: Placement, command: list[str], training: bool = False) -> list[Worker]:
     """One worker per rank. Training workers get HF_HUB_OFFLINE=1: the launcher has already
     fetched what they read from the Hugging Face Hub (the dataset's files, pinned to a commit, and
-    the tokenizer), so none of them asks the Hub again, and N ranks never make N requests."""
+    the tokenizer), so none of them asks the Hub again, and N ranks never make N requests. They
+    also get the roots, absolute, so they find the dataset the launcher prepared, and this
+    project on PYTHONPATH when Python would not find it otherwise (a clone, not installed). The
+    user's own command gets the user's PYTHONPATH, without this project's packages."""
     port, cpus = free_port(), os.cpu_count() or 1
-    compile_cache = str(PROJECT_ROOT / "cache" / "inductor")
+    base = dict(os.environ)
+    if training:
+        base = with_package_root(base, PACKAGE_ROOT) | {
+            "HF_HUB_OFFLINE": "1", RUNS_DIR_VAR: str(runs_root()), CACHE_DIR_VAR: str(cache_root())}
+    else:
+        base = without_package_root(base, PACKAGE_ROOT)
     workers = []
     for rank in range(placement.world_size):
         gpu = placement.gpus[rank] if placement.device == "cuda" else None
-        env = worker_env(dict(os.environ), rank=rank, world_size=placement.world_size, master_port=port,
+        env = worker_env(base, rank=rank, world_size=placement.world_size, master_port=port,
                          gpu=gpu.cuda_visible_id if gpu else None, gpu_id=gpu.id if gpu else None, cpu_count=cpus,
-                         compile_cache=compile_cache)
-        if training:
-            env["HF_HUB_OFFLINE"] = "1"
+                         compile_cache=str(cache_root() / "inductor"))
         workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))
     return workers
 
@@ -178,7 +195,7 @@ def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) 
     from pretrain.resume import damaged_after, resolve_resume, run_results
 
     resume = config.training.resume
-    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, PROJECT_ROOT / "runs")
+    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, runs_root())
     run_dir = run_dir_path(run_dir)
     if checkpoint is not None and resume != "auto":
         refuse_live_checkpoint(resume, checkpoint)
@@ -203,8 +220,8 @@ def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) 
 
 
 def run_dir_path(run_dir: str | Path | None) -> Path:
-    """The run directory, absolute: the one given, or a new runs/<run-id>/."""
-    return Path(run_dir).expanduser().resolve() if run_dir else PROJECT_ROOT / "runs" / new_run_id()
+    """The run directory, absolute: the one given, or a new <runs root>/<run-id>/."""
+    return Path(run_dir).expanduser().resolve() if run_dir else runs_root() / new_run_id()
 
 
 def own_run_dir(run_dir: Path, refusal: Callable[[Path, LockHolder], str] | None = None) -> RunDirLock:
@@ -251,8 +268,17 @@ def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> lis
     config_path = run_dir / "config.json"
     cfg.save(config, config_path)
     printer.launcher_line(f"run directory: {run_dir}")
-    return [sys.executable, str(PROJECT_ROOT / "pretrain_main.py"),
-            "--config", str(config_path), "--run-dir", str(run_dir)]
+    return [sys.executable, "-m", "pretrain", "--config", str(config_path), "--run-dir", str(run_dir)]
+
+
+def set_roots(runs_dir: str | None, cache_dir: str | None) -> None:
+    """--runs-dir and --cache-dir: set for this launch as their environment variables would,
+    read by this process (the dataset is prepared here) and passed on to the workers."""
+    for option, variable, value in (("--runs-dir", RUNS_DIR_VAR, runs_dir), ("--cache-dir", CACHE_DIR_VAR, cache_dir)):
+        if value is not None:
+            if not value:
+                raise UsageError(f"{option} must not be empty; leave it out for the default")
+            os.environ[variable] = str(Path(value).expanduser().resolve())
 
 
 def check_seconds(option: str, value: float, low: float, high: float) -> None:
@@ -269,6 +295,7 @@ def run(argv: Sequence[str]) -> int:
     check_seconds("--stop-timeout", args.stop_timeout, 0, MAX_STOP_TIMEOUT)
     if args.hang_timeout is not None:
         check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
+    set_roots(args.runs_dir, args.cache_dir)
     config = cfg.from_args(args)
     if command:
         check_command(command)
@@ -314,12 +341,13 @@ def run_owned(args: argparse.Namespace, config: cfg.Config, command: list[str], 
         if not command:
             command = training_command(config, run_dir, printer)
         workers = make_workers(placement, command, training=not generic)
-        return Supervisor(workers, printer, kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
-                          hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
-                          stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
-                          stop_leaders_only=not generic,
-                          exit_meanings=None if generic else exit_codes.MEANINGS,
-                          agreed_exit_codes=frozenset() if generic else exit_codes.AGREED).run()
+        options = SupervisorOptions(kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
+                                    hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
+                                    stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
+                                    stop_leaders_only=not generic,
+                                    exit_meanings={} if generic else exit_codes.MEANINGS,
+                                    agreed_exit_codes=frozenset() if generic else exit_codes.AGREED)
+        return Supervisor(workers, printer, options).run()
     finally:
         printer.close()
 

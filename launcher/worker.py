@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import codecs
 import os
+import site
 import subprocess
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pretrain.parent_death import die_with_parent
 
@@ -92,6 +95,7 @@ class Worker:
             info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:  # reaped already: the supervisor is past teardown
             return
+        assert info is not None  # None only with WNOHANG
         killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
         emit(Exited(self, -info.si_status if killed else info.si_status))
 
@@ -150,3 +154,42 @@ def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port:
     # limit fits where it otherwise fails with memory reserved but unusable.
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
+
+
+def _entries(pythonpath: str | None) -> list[str]:
+    return [entry for entry in (pythonpath or "").split(os.pathsep) if entry]
+
+
+def _same_dir(entry: str, directory: Path) -> bool:
+    try:
+        return Path(entry).expanduser().resolve() == directory.resolve()
+    except OSError:
+        return False
+
+
+def _site_dirs() -> list[Path]:
+    paths = sysconfig.get_paths()
+    dirs = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [Path(d) for d in dirs]
+
+
+def with_package_root(env: dict[str, str], root: Path) -> dict[str, str]:
+    """env for a process of ours (`python -m pretrain`, the guardian) that imports this project:
+    root (where the packages are) joins PYTHONPATH unless Python finds them there anyway (an
+    installed copy, in site-packages) or PYTHONPATH names it already (a clone's run_training.sh)."""
+    entries = _entries(env.get("PYTHONPATH"))
+    if any(_same_dir(str(d), root) for d in _site_dirs()) or any(_same_dir(e, root) for e in entries):
+        return env
+    return env | {"PYTHONPATH": os.pathsep.join([str(root), *entries])}
+
+
+def without_package_root(env: dict[str, str], root: Path) -> dict[str, str]:
+    """env for the user's own command (`-- COMMAND`): PYTHONPATH without this project's packages,
+    which run_training.sh puts there for the launcher, so they never shadow the user's modules."""
+    if "PYTHONPATH" not in env:
+        return env
+    kept = [e for e in _entries(env["PYTHONPATH"]) if not _same_dir(e, root)]
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    return env | {"PYTHONPATH": os.pathsep.join(kept)} if kept else env

@@ -10,13 +10,38 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+"""The directory that holds the launcher and pretrain packages: a clone's root, or site-packages."""
+RUNS_DIR_VAR = "PRETRAIN_RUNS_DIR"
+"""Where new run directories go (runs/<run-id>/); default: runs/ in the current directory."""
+CACHE_DIR_VAR = "PRETRAIN_CACHE_DIR"
+"""Where prepared datasets and compiled kernels go; default: cache/ in the current directory."""
 
 
-def project_path(path: str | Path) -> Path:
-    """A path from the config: absolute as given, relative ones under the project root."""
+def runs_root() -> Path:
+    """The directory new runs go into: $PRETRAIN_RUNS_DIR, else ./runs (absolute)."""
+    return _root(RUNS_DIR_VAR, "runs")
+
+
+def cache_root() -> Path:
+    """The cache directory (datasets, tokenizers, compiled kernels): $PRETRAIN_CACHE_DIR, else ./cache."""
+    return _root(CACHE_DIR_VAR, "cache")
+
+
+def _root(variable: str, default: str) -> Path:
+    # Read at every call, not at import: the launcher's --runs-dir/--cache-dir set the variables.
+    return Path(os.environ.get(variable) or default).expanduser().resolve()
+
+
+def cache_path(path: str | Path) -> Path:
+    """A cache path from the config (data.cache_dir): absolute as given, a relative one under the
+    cache root. A leading cache/ names the root itself, so the default cache/datasets is
+    <cache root>/datasets (./cache/datasets when no root is set, as before roots existed)."""
     path = Path(path).expanduser()
-    return path if path.is_absolute() else PROJECT_ROOT / path
+    if path.is_absolute():
+        return path
+    parts = path.parts[1:] if path.parts[:1] == ("cache",) else path.parts
+    return cache_root().joinpath(*parts)
 
 
 def os_error_message(error: OSError) -> str:
@@ -100,10 +125,10 @@ def new_run_id() -> str:
 
 
 def create_run_dir(run_dir: str | Path | None) -> Path:
-    """Create the run directory (default runs/<run-id>/ under the project) and its logs/.
+    """Create the run directory (default <runs root>/<run-id>/) and its logs/.
 
     Raises OSError with the path when it cannot be created or written."""
-    path = Path(run_dir).expanduser().resolve() if run_dir else PROJECT_ROOT / "runs" / new_run_id()
+    path = Path(run_dir).expanduser().resolve() if run_dir else runs_root() / new_run_id()
     (path / "logs").mkdir(parents=True, exist_ok=True)
     if not os.access(path, os.W_OK):
         raise PermissionError(f"{path}: run directory is not writable")

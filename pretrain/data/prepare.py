@@ -55,7 +55,7 @@ from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, HuggingFaceTokeniz
                                      load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe)
 from pretrain.data.splits import split_point, splits_meta
 from pretrain.data.windows import DTYPES, Segment
-from pretrain.runfiles import naming, project_path
+from pretrain.runfiles import cache_path, naming
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
@@ -167,7 +167,7 @@ def _check_disjoint(train_files: list[list[Any]], val_files: list[list[Any]]) ->
 
 def _dataset_path(cache_dir: str, label: str, key: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
-    return project_path(cache_dir) / f"{label}-{digest[:12]}"
+    return cache_path(cache_dir) / f"{label}-{digest[:12]}"
 
 
 def _reuse(dataset_dir: Path, meta: dict[str, Any], log: Log, started: float) -> Path:
@@ -259,7 +259,7 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
     """The BPE tokenizer trained on source, from its own cache (trained once, under a lock;
     again when forced or when the cached file does not load)."""
     spec = tokenizer_spec(cfg, source.identity)
-    final = _dataset_path(str(project_path(cfg.cache_dir) / "tokenizers"), f"bpe{cfg.bpe_vocab_size}", spec)
+    final = _dataset_path(str(cache_path(cfg.cache_dir) / "tokenizers"), f"bpe{cfg.bpe_vocab_size}", spec)
     file = final / TOKENIZER_FILE
     final.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(final, log):

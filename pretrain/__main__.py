@@ -1,0 +1,38 @@
+"""One training process: what the launcher runs on every device, and what runs alone without it.
+
+    python -m pretrain --debug
+    CUDA_VISIBLE_DEVICES=3 GPU_RANK=3 python -m pretrain --debug   # lines labelled [GPU 3]
+"""
+
+import faulthandler
+import signal
+
+# First, before torch loads: on SIGUSR1 (the launcher sends it before tearing a run down)
+# print the Python stack of every thread to stderr, which is this worker's log. It works
+# even while the process is stuck in C code, such as a collective waiting for a peer.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+faulthandler.enable()  # and on a crash in native code (SIGSEGV, SIGFPE, SIGABRT, SIGBUS)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+# Also before torch (CUDA reads it once, when it starts): number GPUs in PCI bus order, as
+# NVML, nvidia-smi and system.device_id do. CUDA's default puts the fastest GPU first, so
+# on a mixed machine device_id 1 could be another GPU than nvidia-smi's GPU 1.
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+# As the launcher gives its workers (launcher/worker.py): segments that grow in place, for far
+# less fragmentation when allocation sizes vary (FSDP's gathered groups, the chunked loss).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+from pretrain.train import main  # noqa: E402
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: there, C++ threads of the distributed runtime (gloo)
+    # can be destroyed while joinable and abort a run that succeeded (seen in about 1 of 40
+    # two-rank CPU runs with torch 2.13, even after destroy_process_group).
+    os._exit(code)
