@@ -296,7 +296,7 @@ def fail_fast(ctx: Context) -> Row:
         if not training.wait(timeout=600):
             return Row(name, "the run ended or stalled before step 5", target, "no",
                        failure="".join(lines[-LAST_LINES:]))
-        workers = sorted((p for p in psutil.Process(proc.pid).children() if "pretrain_main.py" in " ".join(p.cmdline())),
+        workers = sorted((p for p in psutil.Process(proc.pid).children() if p.cmdline()[1:3] == ["-m", "pretrain"]),
                          key=lambda p: int(p.environ()["RANK"]))
         workers[1].kill()
         killed_at = time.monotonic()

@@ -120,7 +120,7 @@ def check_nccl_timeout(ctx: Context) -> list[Row]:
             return [Row(name, "the run ended or stalled before step 5", target, "no",
                         failure="".join(lines[-LAST_LINES:]))]
         workers = sorted((p for p in psutil.Process(proc.pid).children()
-                          if "pretrain_main.py" in " ".join(p.cmdline())), key=lambda p: int(p.environ()["RANK"]))
+                          if p.cmdline()[1:3] == ["-m", "pretrain"]), key=lambda p: int(p.environ()["RANK"]))
         workers[1].suspend()  # SIGSTOP: alive, silent, never reaching the next collective
         stopped.append(workers[1])
         stopped_at = time.monotonic()

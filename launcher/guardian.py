@@ -19,6 +19,8 @@ import sys
 from typing import IO
 
 from launcher import reaper
+from launcher.worker import with_package_root
+from pretrain.runfiles import PACKAGE_ROOT
 
 
 def watch(token: str, commands: IO[str]) -> int:
@@ -48,9 +50,8 @@ def main() -> None:
 class Guardian:
     """The launcher's end: start the guardian, tell it about groups, dismiss it."""
 
-    def __init__(self, token: str, env: dict[str, str], pythonpath: str) -> None:
-        env = {k: v for k, v in env.items() if k != reaper.TOKEN_VAR}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    def __init__(self, token: str, env: dict[str, str]) -> None:
+        env = with_package_root({k: v for k, v in env.items() if k != reaper.TOKEN_VAR}, PACKAGE_ROOT)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "launcher.guardian", token], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, env=env, text=True, start_new_session=True)

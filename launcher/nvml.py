@@ -140,7 +140,7 @@ def _mig_handles(nvml: Any, handle: Any) -> list[tuple[int, Any]] | None:
         return None
     if current != nvml.NVML_DEVICE_MIG_ENABLE:
         return None
-    devices = []
+    devices: list[tuple[int, Any]] = []
     try:
         slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
     except nvml.NVMLError:  # no permission: the GPU is listed in MIG mode, with no device to use

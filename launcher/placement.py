@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from launcher import devices, nvml
 from launcher.devices import DeviceError, GpuRequest
@@ -44,7 +45,7 @@ class GpuOptions:
 @dataclass
 class Placement:
     """Where the workers run: device "cuda" or "cpu", and the device of each rank."""
-    device: str
+    device: Literal["cpu", "cuda"]
     world_size: int
     gpus: tuple[Gpu, ...] = ()
     selection: devices.Selection | None = field(default=None, repr=False)

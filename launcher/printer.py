@@ -54,6 +54,11 @@ class Printer:
         self._to_console("".join(f"{self._prefix(LAUNCHER_PREFIX)} {line}\n" for line in lines))
         self._to_log(COMBINED_LOG, "".join(f"{LAUNCHER_PREFIX}: {line}\n" for line in lines))
 
+    def console_line(self, message: str) -> None:
+        """A line of the supervisor's for the console alone: where the run's files are, which the
+        combined log, one of them, need not say."""
+        self._to_console(f"{self._prefix(LAUNCHER_PREFIX)} {message}\n")
+
     def close(self) -> None:
         for handle in self._files.values():
             with contextlib.suppress(OSError):  # what a failed write left in its buffer

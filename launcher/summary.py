@@ -98,7 +98,7 @@ def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool,
         banners = sorted(set(nonfinite_reports.values()))
         return (f"the loss or the gradients became NaN or Inf: {', '.join(nonfinite_reports)} logged "
                 f"{' / '.join(banners)} with the tensors involved, and where the checkpoint of the state "
-                f"before that step and the tensor dump went. README Troubleshooting says what to change "
+                f"before that step and the tensor dump went. docs/numerics.md (Troubleshooting) says what to change "
                 f"(configs/config_stable.json).")
     if hung_for is not None:
         return (f"it printed nothing for {hung_for:g} s (--hang-timeout); the stack dumps show what each "

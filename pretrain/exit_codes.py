@@ -5,7 +5,7 @@ so the launcher can name them without importing torch).
     1    an unexpected error (a Python traceback says where), or a collective timed out
     2    bad input: config, data, resume point, an unwritable directory; one line says which
     3    numerical failure: the loss or the gradient norm became NaN or Inf (a report, a
-         checkpoint and a tensor dump were written; README "Troubleshooting")
+         checkpoint and a tensor dump were written; docs/numerics.md, "Troubleshooting")
     128+n  stopped by signal n after saving (129: SIGHUP, 130: SIGINT, 143: SIGTERM)
 """
 

@@ -1,0 +1,131 @@
+"""What a supervised run came to, once its workers are gone: the failure summary's facts, the
+line of a graceful stop, and workers.json. The supervisor (launcher/supervisor.py) gathers
+what it saw of each worker into a Watch while the run lasts; this module reads them after."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher import summary
+from launcher.worker import Worker
+from pretrain.runfiles import atomic_write_text, os_error_message
+
+TAIL_LINES = 20
+EXIT_HANG = 124  # as timeout(1) reports it
+NO_DUMP = "no stack dump: the process was stopped (SIGSTOP) or is stuck in the kernel"
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit status: a death by signal n becomes 128 + n."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass
+class Watch:
+    """What the supervisor knows about one running worker."""
+    last_output: float
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    returncode: int | None = None
+    output_open: bool = True
+    cuda_oom: bool = False
+    nccl_watchdog: str | None = None
+    """The hint for what NCCL's watchdog reported before it aborted the worker."""
+    nonfinite_report: str | None = None
+    """The banner of the NaN/Inf report the worker logged."""
+    stacks: summary.StackDump = field(default_factory=summary.StackDump)
+
+    def see(self, text: str, now: float) -> None:
+        """One line of the worker's output: what the summary may need of it."""
+        self.last_output = now
+        self.tail.append(text)
+        self.cuda_oom = self.cuda_oom or summary.is_cuda_oom(text)
+        self.nccl_watchdog = self.nccl_watchdog or summary.nccl_watchdog(text)
+        self.nonfinite_report = self.nonfinite_report or summary.nonfinite_banner(text)
+
+
+@dataclass
+class FirstFailure:
+    worker: Worker
+    at: float
+    clock: str
+    stopped: int
+    """Other workers still running at that moment, which the teardown stopped."""
+    hung_for: float | None = None
+    unresponsive: bool = False
+    """For a hang: the worker did not answer the stack-dump request either (it is frozen)."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Everything the outcome is made of, as the supervisor's loop left it."""
+    watches: dict[Worker, Watch]
+    failure: FirstFailure | None
+    no_dump: set[Worker]
+    """Workers asked for their stacks that neither dumped nor exited in time."""
+    teardown_done: float
+    exit_meanings: dict[int, str]
+    agreed_exit_codes: frozenset[int]
+    run_dir: Path | None
+
+
+def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
+    worker, watch = first.worker, ending.watches[first.worker]
+    returncode = watch.returncode if watch.returncode is not None else -signal.SIGKILL
+    if first.hung_for is not None:
+        code, how = EXIT_HANG, f"printed nothing for {first.hung_for:g} s"
+        if first.unresponsive:
+            how += " and did not answer the stack-dump request (frozen)"
+    else:
+        code, how = exit_code(returncode), summary.describe(returncode)
+        if returncode in ending.exit_meanings:
+            how += f" ({ending.exit_meanings[returncode]})"
+    where = {w.label: frames for w, wa in ending.watches.items() if (frames := wa.stacks.where())}
+    where |= {w.label: NO_DUMP for w in ending.no_dump}
+    nonfinite = {w.label: wa.nonfinite_report for w, wa in ending.watches.items()
+                 if wa.nonfinite_report and returncode in ending.agreed_exit_codes}
+    return summary.Failure(
+        label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at, clock=first.clock,
+        exit_code=code, how=how,
+        hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom,
+                          nccl_watchdog=watch.nccl_watchdog, nonfinite_reports=nonfinite),
+        tail=list(watch.tail), stopped=first.stopped, teardown_seconds=ending.teardown_done - first.at, where=where,
+        logs=ending.run_dir / "logs" if ending.run_dir is not None else None)
+
+
+def stopped_line(ending: Ending, signum: int, interrupted_at: float) -> str:
+    """After a graceful stop (rule 3): how long it took, and who had to be killed."""
+    killed = [w.label for w, watch in ending.watches.items() if watch.returncode == -signal.SIGKILL]
+    took = ending.teardown_done - interrupted_at
+    return (f"stopped: every worker exited within {took:.2f} s of {signal.Signals(signum).name}"
+            + (f"; {', '.join(killed)} had to be killed" if killed else ""))
+
+
+def exit_record(workers: list[Worker], ending: Ending) -> list[dict[str, object]]:
+    """workers.json: each worker's exit, and which failed first."""
+    failed = ending.failure.worker if ending.failure is not None else None
+    hung = ending.failure is not None and ending.failure.hung_for is not None
+    record: list[dict[str, object]] = []
+    for worker in workers:
+        returncode = ending.watches[worker].returncode if worker in ending.watches else None
+        record.append({
+            "rank": worker.rank, "label": worker.label,
+            "pid": worker.process.pid if worker.process else None,
+            "returncode": returncode,
+            "exit_code": exit_code(returncode) if returncode is not None else None,
+            "failed_first": worker is failed,
+            "hung": worker is failed and hung})
+    return record
+
+
+def write_exit_record(run_dir: Path, record: list[dict[str, object]]) -> str | None:
+    """Write workers.json; the warning to print when that fails (a full disk), so the exit code
+    and the summary survive it."""
+    try:
+        atomic_write_text(run_dir / "workers.json", json.dumps(record, indent=2) + "\n")
+    except OSError as error:
+        return f"warning: could not record exit codes: {os_error_message(error)}"
+    return None
