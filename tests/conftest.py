@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -23,6 +25,95 @@ def private_gpu_claims(monkeypatch):
     """No test claims a GPU of the machine it runs on, or meets another test's claims:
     each test has claim names of its own (launcher/claims.py)."""
     monkeypatch.setenv("LAUNCHER_CLAIMS_NAMESPACE", f"gpu-launcher-test-{uuid.uuid4().hex[:12]}")
+
+
+# Processes a test may leave running on purpose, shared by the tests after it.
+SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+
+
+def live_children() -> dict[int, psutil.Process]:
+    """This process's descendants that are running (a zombie is dead, only not yet reaped)."""
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(child.cmdline()) for h in SHARED_HELPERS):
+                found[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def describe(process: psutil.Process) -> str:
+    try:
+        return f"pid {process.pid}: {' '.join(process.cmdline())[:200]}"
+    except psutil.NoSuchProcess:
+        return f"pid {process.pid} (gone)"
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """A test that leaves a process of its own running fails here, at its teardown, rather than
+    a later test that counts processes; the leftovers are killed so that no later test sees them.
+    Set up before and torn down after every other function-scoped fixture, so processes of
+    longer-lived fixtures, and those a fixture of the test cleans up, are not counted."""
+    before = set(live_children())
+    yield
+    def leftovers() -> list[psutil.Process]:
+        return [p for pid, p in live_children().items() if pid not in before]
+    # A child killed at the test's very end may take a moment to become a zombie.
+    if wait_until(lambda: not leftovers(), timeout=5.0):
+        return
+    left = leftovers()
+    names = "; ".join(describe(p) for p in left)
+    for process in left:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=10)
+    pytest.fail(f"the test left {len(left)} process(es) running: {names}", pytrace=False)
+
+
+def stop_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started in a group of its own, its group and everything below it, then
+    reap it and wait for the rest to be gone (a launcher's workers and guardian included)."""
+    if proc.poll() is not None:  # reaped: its pid may be another process's now; what it left is not below us
+        tree = []
+    else:
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            tree = []
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=60)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    psutil.wait_procs(tree, timeout=30)
+
+
+@pytest.fixture
+def processes() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start a process the test owns: processes(argv, **Popen options). Each starts in a session
+    (so a process group) of its own unless own_group=False; when the test ends, passed or failed,
+    it, its group and everything below it are killed and waited for, so that a launcher a failing
+    test leaves running cannot leak into the next test."""
+    started: list[subprocess.Popen] = []
+
+    def start(argv: list[str], own_group: bool = True, **options) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, start_new_session=own_group, **options)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        stop_process_tree(proc)
 
 
 @pytest.fixture

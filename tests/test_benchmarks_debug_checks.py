@@ -6,8 +6,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from test_benchmarks_train import NUMBER, markdown_tables, number
+
+pytestmark = pytest.mark.slow  # a real (if short) benchmark run of every debug setting
 
 
 def test_the_quick_benchmark_prints_the_step_time_of_each_debug_setting_against_off(tmp_path):

@@ -183,6 +183,7 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
     shutdown(runtime, peers_alive=True)
 
 
+@pytest.mark.slow
 def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_process(cache, tmp_path):
     single = make_trainer(cache, tmp_path / "single")
     for step in range(2):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pretrain import config as cfg
+from pretrain import config_reference
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
@@ -161,9 +162,28 @@ def test_reference_table_lists_every_key_the_users_know():
         assert f"| `{key}` |" in table
 
 
-def test_the_readme_lists_every_key_as_the_code_declares_it():
-    readme = (CONFIG_DIR.parent / "README.md").read_text()
-    assert cfg.reference_table() in readme, "README is stale: paste the output of python -m pretrain.config"
+def test_docs_config_md_is_what_the_generator_makes_from_the_code():
+    on_disk = config_reference.REFERENCE.read_text(encoding="utf-8")
+    assert on_disk == config_reference.render(), \
+        f"docs/config.md is stale (a config field or its docstring changed): run {config_reference.COMMAND}"
+
+
+def test_the_config_reference_lists_every_key_with_its_docstring_in_each_preset_column():
+    page = config_reference.render()
+    for section, cls in cfg.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            row = next(line for line in page.splitlines() if line.startswith(f"| `{section}.{f.name}` |"))
+            assert row.count(" | ") == len(config_reference.PRESETS) + 1
+            assert row.endswith(f" {cfg.field_docs(cls)[f.name].replace('|', chr(92) + '|')} |")
+
+
+def test_the_check_mode_fails_on_a_stale_page_naming_the_command_and_passes_on_a_fresh_one(tmp_path, capsys):
+    page = tmp_path / "config.md"
+    page.write_text(config_reference.render().replace("Number of transformer blocks.", "Blocks."))
+    assert config_reference.main(["--check", str(page)]) == 1
+    assert config_reference.COMMAND in capsys.readouterr().err
+    page.write_text(config_reference.render())
+    assert config_reference.main(["--check", str(page)]) == 0
 
 
 def test_infinite_or_nan_numbers_are_refused():

@@ -10,7 +10,8 @@ import pytest
 from conftest import cache_leftovers, one_line_error
 from pretrain.data import DataError
 from pretrain.data.prepare import prepare, read_meta
-from test_data_sources import TEXTS, config, documents_of, run, write_parquet
+from helpers import data_config, prepared
+from test_data_sources import TEXTS, documents_of, write_parquet
 
 # --- Hugging Face Hub (offline, from a pre-populated Hub cache) ----------------------------------
 
@@ -60,7 +61,7 @@ def test_hub_reads_the_matching_files_of_a_cached_snapshot_and_keys_on_its_commi
         "README.md": "# a dataset card\n",
     })
 
-    dataset = run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="data/train-*.parquet"))
+    dataset = prepared(data_config(tmp_path, source="hub", hub_repo="owner/name", hub_files="data/train-*.parquet"))
 
     assert documents_of(dataset) == TEXTS
     key = read_meta(dataset)["key"]["source"]
@@ -71,12 +72,12 @@ def test_hub_reads_the_matching_files_of_a_cached_snapshot_and_keys_on_its_commi
 
 def test_hub_reads_jsonl_files_and_a_new_commit_is_a_new_dataset(tmp_path, hub_cache):
     hub_cache("owner/name", {"data/part.jsonl": json.dumps({"text": "old"}) + "\n"})
-    cfg = config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*.jsonl")
-    old = run(cfg)
+    cfg = data_config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*.jsonl")
+    old = prepared(cfg)
 
     new_commit = "f" * 40
     hub_cache("owner/name", {"data/part.jsonl": json.dumps({"text": "new"}) + "\n"}, commit=new_commit)
-    new = run(cfg)
+    new = prepared(cfg)
 
     assert documents_of(old) == ["old"] and documents_of(new) == ["new"]
     assert old != new and read_meta(new)["key"]["source"]["commit"] == new_commit
@@ -84,7 +85,7 @@ def test_hub_reads_jsonl_files_and_a_new_commit_is_a_new_dataset(tmp_path, hub_c
 
 def test_a_hub_repo_missing_from_the_cache_offline_says_how_to_get_it(tmp_path, hub_cache):
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="hub", hub_repo="owner/absent"))
+        prepared(data_config(tmp_path, source="hub", hub_repo="owner/absent"))
 
     message = one_line_error(excinfo)
     assert "owner/absent" in message and "offline" in message
@@ -96,7 +97,7 @@ def test_hub_files_matching_nothing_is_an_error_naming_the_setting(tmp_path, hub
     hub_cache("owner/name", {"data/train.parquet": {"text": ["x"]}, "README.md": "card"})
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*.jsonl"))
+        prepared(data_config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*.jsonl"))
 
     message = one_line_error(excinfo)
     assert "data.hub_files" in message and "*.jsonl" in message and "owner/name" in message
@@ -107,7 +108,7 @@ def test_hub_files_matching_several_formats_is_an_error(tmp_path, hub_cache):
     hub_cache("owner/name", {"a.parquet": {"text": ["x"]}, "b.jsonl": json.dumps({"text": "y"}) + "\n"})
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*"))
+        prepared(data_config(tmp_path, source="hub", hub_repo="owner/name", hub_files="*"))
 
     assert "several formats" in one_line_error(excinfo)
 

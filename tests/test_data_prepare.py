@@ -20,31 +20,18 @@ from pretrain.data import encode as encoding
 from pretrain.data import prepare as prep
 from pretrain.data.builtin import builtin_documents, content_digest
 from pretrain.data.tokenizer import BYTE_EOT, ByteTokenizer
-from pretrain.runfiles import PROJECT_ROOT
+from pretrain.runfiles import PACKAGE_ROOT as PROJECT_ROOT  # a clone: its root
 
 from conftest import wait_until
+from helpers import data_config, split_tokens
 
 # Varied lengths and non-ASCII text, so a byte-level round trip means something.
 CORPUS = [f"Document {i}: " + "héllo wörld ✓ " * (i % 7 + 1) + "\n" * (i % 3) for i in range(40)]
 
 
-def data_config(tmp_path: Path, **changes) -> DataConfig:
-    return DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
-
-
 def prepare_quietly(cfg: DataConfig, documents=CORPUS, **kwargs) -> tuple[Path, list[str]]:
     lines: list[str] = []
     return prep.prepare(cfg, log=lines.append, documents=documents, **kwargs), lines
-
-
-def split_tokens(path: Path, split: str) -> np.ndarray:
-    """The tokens of one split, read through its segments in meta.json."""
-    parts = []
-    for segment in prep.read_meta(path)["splits"][split]:
-        dtype = prep.DTYPES[segment["dtype"]]
-        parts.append(np.fromfile(path / segment["file"], dtype=dtype, count=segment["tokens"],
-                                 offset=segment["offset"]))
-    return np.concatenate(parts)
 
 
 def split_documents(path: Path, split: str) -> list[str]:
@@ -315,6 +302,7 @@ CONCURRENT_PREPARER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_concurrent_preparers_build_once_and_both_get_the_same_path(tmp_path):
     script = tmp_path / "preparer.py"
     script.write_text(CONCURRENT_PREPARER)

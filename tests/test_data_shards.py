@@ -9,22 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.config import DataConfig
 from pretrain.data import DataError
 from pretrain.data.prepare import prepare, read_meta, verify
 from conftest import cache_leftovers, one_line_error
+from helpers import data_config, prepared, split_tokens
 
 
 LLMC_MAGIC = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
 MEGATRON_CODES = {"uint16": 8, "int32": 4}
-
-
-def config(tmp_path: Path, **changes) -> DataConfig:
-    return DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
-
-
-def run(cfg: DataConfig, **kwargs) -> Path:
-    return prepare(cfg, log=lambda line: None, **kwargs)
 
 
 def write_llmc(path: Path, tokens, dtype: str = "uint16", *, magic: int | None = None,
@@ -53,19 +45,6 @@ def write_megatron(prefix: Path, documents: list[list[int]], dtype: str = "uint1
     return prefix
 
 
-def segment_tokens(dataset: Path, segments: list[dict]) -> np.ndarray:
-    parts = []
-    for segment in segments:
-        path = dataset / segment["file"]  # absolute for shards: the shard itself
-        dtype = np.dtype("<u2" if segment["dtype"] == "uint16" else "<u4")
-        parts.append(np.frombuffer(path.read_bytes(), dtype=dtype, count=segment["tokens"], offset=segment["offset"]))
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-
-def split_tokens(dataset: Path, split: str) -> np.ndarray:
-    return segment_tokens(dataset, read_meta(dataset)["splits"][split])
-
-
 def touch_later(path: Path, seconds: int = 5) -> None:
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + seconds * 1_000_000_000))
@@ -87,7 +66,7 @@ def shards(tmp_path):
 # --- llm.c ---------------------------------------------------------------------------------------
 
 def test_llmc_shards_are_used_in_place_with_the_tail_as_validation(tmp_path, shards):
-    dataset = run(config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "train_*.bin"), val_fraction=0.25))
+    dataset = prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "train_*.bin"), val_fraction=0.25))
 
     assert sorted(p.name for p in dataset.iterdir()) == ["meta.json"]  # nothing copied
     meta = read_meta(dataset)
@@ -109,8 +88,8 @@ def test_llmc_shards_are_used_in_place_with_the_tail_as_validation(tmp_path, sha
 
 def test_the_prepared_line_counts_documents_only_where_the_shards_record_them(tmp_path, shards):
     lines: list[str] = []
-    prepare(config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "train_*.bin")), log=lines.append)
-    prepare(config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS))),
+    prepare(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "train_*.bin")), log=lines.append)
+    prepare(data_config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS))),
             log=lines.append)
     llmc, megatron = (line for line in lines if line.startswith("dataset: prepared"))
     assert " val tokens) in " in llmc and "documents" not in llmc, llmc  # not "None documents"
@@ -120,7 +99,7 @@ def test_the_prepared_line_counts_documents_only_where_the_shards_record_them(tm
 def test_a_directory_of_llmc_shards_gives_its_bin_files_sorted(tmp_path, shards):
     (tmp_path / "shards" / "README.md").write_text("not a shard")
 
-    dataset = run(config(tmp_path, source="llmc", path=str(tmp_path / "shards")))
+    dataset = prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards")))
 
     assert np.array_equal(np.concatenate([split_tokens(dataset, "train"), split_tokens(dataset, "val")]),
                           np.concatenate(shards))
@@ -129,7 +108,7 @@ def test_a_directory_of_llmc_shards_gives_its_bin_files_sorted(tmp_path, shards)
 def test_llmc_val_path_is_exactly_the_validation_split(tmp_path, shards):
     val = write_llmc(tmp_path / "val_000000.bin", [5, 6, 7, 8])
 
-    dataset = run(config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "*.bin"), val_path=str(val)))
+    dataset = prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "*.bin"), val_path=str(val)))
 
     meta = read_meta(dataset)
     assert meta["splits"]["val"] == [{"file": str(val.resolve()), "offset": 1024, "tokens": 4, "dtype": "uint16"}]
@@ -143,7 +122,7 @@ def test_uint32_llmc_shards_are_read_with_their_wider_type(tmp_path):
     tokens = np.array([0, 70000, 128255, 3, 4, 5, 6, 7, 8, 9], dtype=np.uint32)
     write_llmc(tmp_path / "llama.bin", tokens, "uint32")
 
-    dataset = run(config(tmp_path, source="llmc", path=str(tmp_path / "llama.bin"), val_fraction=0.2))
+    dataset = prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "llama.bin"), val_fraction=0.2))
 
     meta = read_meta(dataset)
     assert {s["dtype"] for s in meta["splits"]["train"] + meta["splits"]["val"]} == {"uint32"}
@@ -153,8 +132,8 @@ def test_uint32_llmc_shards_are_read_with_their_wider_type(tmp_path):
 
 
 def test_verify_finds_a_changed_token_byte_in_a_shard(tmp_path, shards):
-    cfg = config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "*.bin"))
-    dataset = run(cfg)
+    cfg = data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "*.bin"))
+    dataset = prepared(cfg)
     verify(dataset)
 
     shard = tmp_path / "shards" / "train_000001.bin"
@@ -164,7 +143,7 @@ def test_verify_finds_a_changed_token_byte_in_a_shard(tmp_path, shards):
     shard.write_bytes(bytes(data))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same mtime: same key
 
-    assert run(cfg) == dataset  # a cache hit stats, it does not hash
+    assert prepared(cfg) == dataset  # a cache hit stats, it does not hash
     with pytest.raises(DataError) as excinfo:
         verify(dataset)
     message = one_line_error(excinfo)
@@ -172,14 +151,14 @@ def test_verify_finds_a_changed_token_byte_in_a_shard(tmp_path, shards):
 
 
 def test_a_modified_shard_makes_the_next_prepare_index_again(tmp_path, shards):
-    cfg = config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "*.bin"))
-    first = run(cfg)
-    assert run(cfg) == first
+    cfg = data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "*.bin"))
+    first = prepared(cfg)
+    assert prepared(cfg) == first
 
     shard = tmp_path / "shards" / "train_000002.bin"
     write_llmc(shard, np.full(100, 7, dtype=np.uint16))
     touch_later(shard)
-    second = run(cfg)
+    second = prepared(cfg)
 
     assert second != first
     assert split_tokens(second, "val").tolist()[-5:] == [7] * 5
@@ -190,7 +169,7 @@ def test_a_wrong_magic_number_is_a_one_line_error_naming_the_file(tmp_path):
     bad = write_llmc(tmp_path / "bad.bin", [1, 2, 3], magic=12345)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="llmc", path=str(bad)))
+        prepared(data_config(tmp_path, source="llmc", path=str(bad)))
 
     message = one_line_error(excinfo)
     assert str(bad) in message and "magic" in message and "12345" in message
@@ -201,7 +180,7 @@ def test_a_truncated_llmc_shard_is_an_error(tmp_path):
     short = write_llmc(tmp_path / "short.bin", [1, 2, 3], promised=10)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="llmc", path=str(short)))
+        prepared(data_config(tmp_path, source="llmc", path=str(short)))
 
     message = one_line_error(excinfo)
     assert str(short) in message and "10 tokens" in message and "truncated" in message
@@ -211,7 +190,7 @@ def test_a_shard_shorter_than_its_header_is_an_error(tmp_path):
     (tmp_path / "tiny.bin").write_bytes(b"\x00" * 100)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="llmc", path=str(tmp_path / "tiny.bin")))
+        prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "tiny.bin")))
 
     message = one_line_error(excinfo)
     assert "tiny.bin" in message and "100 bytes" in message and "1024" in message
@@ -221,14 +200,14 @@ def test_an_llmc_shard_without_tokens_is_an_error(tmp_path):
     write_llmc(tmp_path / "empty.bin", [])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="llmc", path=str(tmp_path / "empty.bin")))
+        prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "empty.bin")))
 
     assert "no tokens" in one_line_error(excinfo)
 
 
 def test_no_llmc_shard_matching_is_an_error(tmp_path):
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="llmc", path=str(tmp_path / "*.bin")))
+        prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "*.bin")))
 
     assert "no file matches" in one_line_error(excinfo)
 
@@ -244,7 +223,7 @@ def test_megatron_bin_idx_is_used_in_place_with_its_documents(tmp_path, dtype):
     documents[2][0] = 70000 if dtype == "int32" else 60000
     prefix = write_megatron(tmp_path / "corpus_text_document", documents, dtype)
 
-    dataset = run(config(tmp_path, source="megatron", path=str(prefix), val_fraction=0.25))
+    dataset = prepared(data_config(tmp_path, source="megatron", path=str(prefix), val_fraction=0.25))
 
     assert sorted(p.name for p in dataset.iterdir()) == ["meta.json"]
     meta = read_meta(dataset)
@@ -262,7 +241,7 @@ def test_megatron_bin_idx_is_used_in_place_with_its_documents(tmp_path, dtype):
 
 def test_the_megatron_validation_cut_moves_to_the_nearest_document_end_its_index_records(tmp_path):
     # 19 tokens, val_fraction 0.25: the exact cut (14) is inside [10..15]; the next end is 15.
-    dataset = run(config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS)),
+    dataset = prepared(data_config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS)),
                          val_fraction=0.25))
     assert split_tokens(dataset, "val").tolist() == [16, 17, 18, 19]
     assert read_meta(dataset)["tokens"] == {"train": 15, "val": 4}
@@ -272,7 +251,7 @@ def test_megatron_sequences_of_one_document_are_never_split_between_train_and_va
     # Sequences (sentences) of the same five sizes, grouped into two documents: [1..9] and [10..19].
     # The cut at 14 has no document end after it, so it moves back to the one before: 9.
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS, document_indices=[0, 3, 5])
-    dataset = run(config(tmp_path, source="megatron", path=str(prefix), val_fraction=0.25))
+    dataset = prepared(data_config(tmp_path, source="megatron", path=str(prefix), val_fraction=0.25))
     assert split_tokens(dataset, "val").tolist() == list(range(10, 20))
     assert read_meta(dataset)["documents"]["total"] == 2
 
@@ -280,7 +259,7 @@ def test_megatron_sequences_of_one_document_are_never_split_between_train_and_va
 def test_megatron_document_indices_that_are_not_ascending_are_an_error(tmp_path):
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS, document_indices=[0, 3, 2, 5])
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="megatron", path=str(prefix)))
+        prepared(data_config(tmp_path, source="megatron", path=str(prefix)))
     assert one_line_error(excinfo) == (f"{prefix}.idx: truncated or damaged (its document indices are not "
                                        "ascending sequence numbers from 0 to 5)")
 
@@ -289,7 +268,7 @@ def test_megatron_val_path_is_its_own_pair(tmp_path):
     train = write_megatron(tmp_path / "train", DOCUMENTS)
     val = write_megatron(tmp_path / "val", [[100, 101], [102]])
 
-    dataset = run(config(tmp_path, source="megatron", path=str(train), val_path=str(val)))
+    dataset = prepared(data_config(tmp_path, source="megatron", path=str(train), val_path=str(val)))
 
     assert split_tokens(dataset, "val").tolist() == [100, 101, 102]
     assert read_meta(dataset)["documents"]["total"] == 7
@@ -300,7 +279,7 @@ def test_a_megatron_pair_without_its_idx_is_an_error(tmp_path):
     Path(f"{prefix}.idx").unlink()
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="megatron", path=str(prefix)))
+        prepared(data_config(tmp_path, source="megatron", path=str(prefix)))
 
     message = one_line_error(excinfo)
     assert "corpus.idx" in message and "does not exist" in message
@@ -310,7 +289,7 @@ def test_a_megatron_path_given_with_its_suffix_says_to_leave_it_out(tmp_path):
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="megatron", path=f"{prefix}.bin"))
+        prepared(data_config(tmp_path, source="megatron", path=f"{prefix}.bin"))
 
     assert "without the suffix" in one_line_error(excinfo)
 
@@ -319,7 +298,7 @@ def test_a_megatron_index_with_a_bad_magic_is_an_error(tmp_path):
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS, magic=b"NOTMEGAT\x00")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="megatron", path=str(prefix)))
+        prepared(data_config(tmp_path, source="megatron", path=str(prefix)))
 
     message = one_line_error(excinfo)
     assert "corpus.idx" in message and "magic" in message
@@ -331,7 +310,7 @@ def test_a_megatron_index_with_an_unsupported_token_type_is_an_error(tmp_path, c
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS, code=code)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="megatron", path=str(prefix)))
+        prepared(data_config(tmp_path, source="megatron", path=str(prefix)))
 
     message = one_line_error(excinfo)
     assert "corpus.idx" in message and name in message and "not supported" in message
@@ -343,7 +322,7 @@ def test_a_megatron_bin_shorter_than_its_index_says_is_an_error(tmp_path):
     data.write_bytes(data.read_bytes()[:-4])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="megatron", path=str(prefix)))
+        prepared(data_config(tmp_path, source="megatron", path=str(prefix)))
 
     message = one_line_error(excinfo)
     assert "corpus.bin" in message and "truncated" in message
@@ -351,12 +330,12 @@ def test_a_megatron_bin_shorter_than_its_index_says_is_an_error(tmp_path):
 
 def test_a_modified_megatron_bin_makes_the_next_prepare_index_again(tmp_path):
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS)
-    cfg = config(tmp_path, source="megatron", path=str(prefix))
-    first = run(cfg)
+    cfg = data_config(tmp_path, source="megatron", path=str(prefix))
+    first = prepared(cfg)
 
     write_megatron(prefix, [[d + 1 for d in doc] for doc in DOCUMENTS])  # same sizes, new ids
     touch_later(Path(f"{prefix}.bin"))
-    second = run(cfg)
+    second = prepared(cfg)
 
     assert second != first
     assert read_meta(second)["max_token_id"] == 20
@@ -364,15 +343,15 @@ def test_a_modified_megatron_bin_makes_the_next_prepare_index_again(tmp_path):
 
 def test_a_rewritten_megatron_index_alone_makes_the_next_prepare_index_again(tmp_path):
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS)
-    cfg = config(tmp_path, source="megatron", path=str(prefix))
-    first = run(cfg)
+    cfg = data_config(tmp_path, source="megatron", path=str(prefix))
+    first = prepared(cfg)
     bin_stat = Path(f"{prefix}.bin").stat()
 
     merged = [sum(DOCUMENTS, [])]  # the same tokens as one document: only the .idx changes
     write_megatron(prefix, merged)
     os.utime(f"{prefix}.bin", ns=(bin_stat.st_atime_ns, bin_stat.st_mtime_ns))
     touch_later(Path(f"{prefix}.idx"))
-    second = run(cfg)
+    second = prepared(cfg)
 
     assert second != first
     assert read_meta(second)["documents"]["total"] == 1
@@ -383,7 +362,7 @@ def test_a_validation_shard_that_data_path_also_matches_is_refused(tmp_path):
     write_llmc(tmp_path / "shard_val_000.bin", range(50))
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="llmc", path=str(tmp_path), val_path=str(tmp_path / "shard_val_*.bin")))
+        prepared(data_config(tmp_path, source="llmc", path=str(tmp_path), val_path=str(tmp_path / "shard_val_*.bin")))
 
     message = one_line_error(excinfo)
     assert message.startswith(f"{tmp_path / 'shard_val_000.bin'} is in both data.path and data.val_path")

@@ -11,34 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.config import DataConfig
 from pretrain.data import DataError
 from pretrain.data import sources
-from pretrain.data.prepare import prepare, read_meta
+from pretrain.data.prepare import read_meta
 from pretrain.data.tokenizer import BYTE_EOT
 from conftest import cache_leftovers, one_line_error
-
-
-def config(tmp_path: Path, **changes) -> DataConfig:
-    return DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
-
-
-def run(cfg: DataConfig, **kwargs) -> Path:
-    return prepare(cfg, log=lambda line: None, **kwargs)
-
-
-def split_tokens(dataset: Path, split: str) -> np.ndarray:
-    meta = read_meta(dataset)
-    parts = []
-    for segment in meta["splits"][split]:
-        data = (dataset / segment["file"]).read_bytes()
-        dtype = np.dtype("<u2" if segment["dtype"] == "uint16" else "<u4")
-        parts.append(np.frombuffer(data, dtype=dtype, count=segment["tokens"], offset=segment["offset"]))
-    return np.concatenate(parts)
-
-
-def all_tokens(dataset: Path) -> np.ndarray:
-    return np.concatenate([split_tokens(dataset, "train"), split_tokens(dataset, "val")])
+from helpers import all_tokens, data_config, prepared, split_tokens
 
 
 def byte_documents(tokens: np.ndarray) -> list[str]:
@@ -75,7 +53,7 @@ TEXTS = ["héllo wörld ✓\nsecond line\n", "plain ascii text", "third\n\nwith 
 def test_a_text_file_is_one_document_followed_by_end_of_text(tmp_path):
     (tmp_path / "a.txt").write_text(TEXTS[0], encoding="utf-8")
 
-    dataset = run(config(tmp_path, source="text", path=str(tmp_path / "a.txt")))
+    dataset = prepared(data_config(tmp_path, source="text", path=str(tmp_path / "a.txt")))
 
     tokens = all_tokens(dataset)
     assert tokens.tolist() == list(TEXTS[0].encode("utf-8")) + [BYTE_EOT]
@@ -95,7 +73,7 @@ def test_a_directory_gives_its_text_files_recursively_sorted_one_document_each(t
     (root / "notes.csv").write_text("not, text\n")  # another format: left out
     (root / ".hidden.txt").write_text("hidden\n")  # hidden: left out
 
-    dataset = run(config(tmp_path, source="text", path=str(root)))
+    dataset = prepared(data_config(tmp_path, source="text", path=str(root)))
 
     assert documents_of(dataset) == [TEXTS[0], TEXTS[1], TEXTS[2]]  # a.txt, b.txt, sub/c.txt
     assert read_meta(dataset)["documents"]["total"] == 3
@@ -105,7 +83,7 @@ def test_a_glob_gives_its_matches_sorted(tmp_path):
     for name, text in zip(["x2.txt", "x1.txt", "y.txt"], TEXTS, strict=True):
         (tmp_path / name).write_text(text)
 
-    dataset = run(config(tmp_path, source="text", path=str(tmp_path / "x*.txt")))
+    dataset = prepared(data_config(tmp_path, source="text", path=str(tmp_path / "x*.txt")))
 
     assert documents_of(dataset) == [TEXTS[1], TEXTS[0]]  # x1.txt, x2.txt; y.txt does not match
 
@@ -114,7 +92,7 @@ def test_a_gzipped_text_file_is_read_unpacked(tmp_path):
     with gzip.open(tmp_path / "a.txt.gz", "wt", encoding="utf-8") as file:
         file.write(TEXTS[0])
 
-    dataset = run(config(tmp_path, source="text", path=str(tmp_path / "a.txt.gz")))
+    dataset = prepared(data_config(tmp_path, source="text", path=str(tmp_path / "a.txt.gz")))
 
     assert documents_of(dataset) == [TEXTS[0]]
 
@@ -123,12 +101,12 @@ def test_a_large_text_file_streams_in_pieces_and_gives_the_same_tokens_as_one_re
     lines = [f"line {i}: " + "wörd " * (i % 9) + "\n" for i in range(400)]
     big = tmp_path / "big.txt"
     big.write_text("".join(lines), encoding="utf-8")
-    whole = run(config(tmp_path / "one", source="text", path=str(big)))
+    whole = prepared(data_config(tmp_path / "one", source="text", path=str(big)))
 
     monkeypatch.setattr(sources, "PIECE_CHARS", 200)
-    cfg = config(tmp_path / "pieces", source="text", path=str(big))
+    cfg = data_config(tmp_path / "pieces", source="text", path=str(big))
     pieces = list(sources.text_source(cfg).pieces())
-    streamed = run(cfg)
+    streamed = prepared(cfg)
 
     assert len(pieces) > 10
     assert [p.ends_document for p in pieces] == [False] * (len(pieces) - 1) + [True]
@@ -142,20 +120,20 @@ def test_a_text_file_without_line_ends_still_streams_in_bounded_pieces(tmp_path,
     one_line = "abcdé" * 400  # 2000 characters, no newline
     (tmp_path / "flat.txt").write_text(one_line, encoding="utf-8")
     monkeypatch.setattr(sources, "PIECE_CHARS", 100)
-    cfg = config(tmp_path, source="text", path=str(tmp_path / "flat.txt"))
+    cfg = data_config(tmp_path, source="text", path=str(tmp_path / "flat.txt"))
 
     pieces = list(sources.text_source(cfg).pieces())
 
     assert max(len(p.text) for p in pieces) < 2 * 100  # a line longer than a piece is cut
     assert "".join(p.text for p in pieces) == one_line
-    assert documents_of(run(cfg)) == [one_line]
+    assert documents_of(prepared(cfg)) == [one_line]
 
 
 def test_a_text_file_that_is_not_utf8_is_a_one_line_error(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="text", path=str(tmp_path / "latin1.txt")))
+        prepared(data_config(tmp_path, source="text", path=str(tmp_path / "latin1.txt")))
 
     assert "latin1.txt" in one_line_error(excinfo) and "UTF-8" in str(excinfo.value)
     assert cache_leftovers(tmp_path) == []
@@ -168,7 +146,7 @@ def test_jsonl_reads_the_named_field_one_document_per_line_and_skips_blank_lines
     path.write_text(json.dumps({"body": TEXTS[0], "id": 1}) + "\n\n   \n" + json.dumps({"body": TEXTS[1], "id": 2})
                     + "\n", encoding="utf-8")
 
-    dataset = run(config(tmp_path, source="jsonl", path=str(path), text_field="body"))
+    dataset = prepared(data_config(tmp_path, source="jsonl", path=str(path), text_field="body"))
 
     assert documents_of(dataset) == [TEXTS[0], TEXTS[1]]
     assert read_meta(dataset)["documents"]["total"] == 2
@@ -179,7 +157,7 @@ def test_jsonl_without_the_field_names_file_line_field_the_fields_there_are_and_
     write_jsonl(path, [{"text": "fine"}, {"content": "x", "id": 3}])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="jsonl", path=str(path)))
+        prepared(data_config(tmp_path, source="jsonl", path=str(path)))
 
     message = one_line_error(excinfo)
     assert f"{path}:2" in message
@@ -193,7 +171,7 @@ def test_jsonl_with_an_invalid_line_names_file_and_line(tmp_path):
     path.write_text('{"text": "fine"}\n{"text": "broken\n', encoding="utf-8")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="jsonl", path=str(path)))
+        prepared(data_config(tmp_path, source="jsonl", path=str(path)))
 
     message = one_line_error(excinfo)
     assert f"{path}:2" in message and "JSON" in message
@@ -204,7 +182,7 @@ def test_jsonl_with_a_field_that_is_not_text_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "rows.jsonl", [{"text": ["a", "list"]}])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="jsonl", path=str(path)))
+        prepared(data_config(tmp_path, source="jsonl", path=str(path)))
 
     message = one_line_error(excinfo)
     assert f"{path}:1" in message and "list" in message and "data.text_field" in message
@@ -214,7 +192,7 @@ def test_jsonl_with_only_blank_lines_has_no_documents_and_leaves_nothing_half_wr
     (tmp_path / "empty.jsonl").write_text("\n\n  \n")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="jsonl", path=str(tmp_path / "empty.jsonl")))
+        prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "empty.jsonl")))
 
     assert "no documents" in one_line_error(excinfo)
     assert cache_leftovers(tmp_path) == []
@@ -225,7 +203,7 @@ def test_jsonl_with_only_blank_lines_has_no_documents_and_leaves_nothing_half_wr
 def test_parquet_reads_the_named_column(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", {"id": [1, 2, 3], "content": TEXTS})
 
-    dataset = run(config(tmp_path, source="parquet", path=str(path), text_field="content"))
+    dataset = prepared(data_config(tmp_path, source="parquet", path=str(path), text_field="content"))
 
     assert documents_of(dataset) == TEXTS
     assert read_meta(dataset)["documents"]["total"] == 3
@@ -235,7 +213,7 @@ def test_parquet_without_the_column_lists_the_columns(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", {"id": [1], "content": ["x"]})
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="parquet", path=str(path)))
+        prepared(data_config(tmp_path, source="parquet", path=str(path)))
 
     message = one_line_error(excinfo)
     assert str(path) in message and "'text'" in message and "id, content" in message
@@ -247,7 +225,7 @@ def test_parquet_column_that_is_not_text_is_an_error(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", {"text": [1, 2]})
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="parquet", path=str(path)))
+        prepared(data_config(tmp_path, source="parquet", path=str(path)))
 
     message = one_line_error(excinfo)
     assert str(path) in message and "int64" in message and "not text" in message
@@ -258,7 +236,7 @@ def test_a_file_that_is_not_parquet_is_a_one_line_error(tmp_path):
     (tmp_path / "fake.parquet").write_text("not parquet at all")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="parquet", path=str(tmp_path / "fake.parquet")))
+        prepared(data_config(tmp_path, source="parquet", path=str(tmp_path / "fake.parquet")))
 
     assert "fake.parquet" in one_line_error(excinfo)
 
@@ -269,7 +247,7 @@ def test_val_path_becomes_exactly_the_validation_split(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", TEXTS)
     write_jsonl(tmp_path / "val.jsonl", ["held out ✓", "also held out"])
 
-    dataset = run(config(tmp_path, source="jsonl", path=str(tmp_path / "train.jsonl"),
+    dataset = prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "train.jsonl"),
                          val_path=str(tmp_path / "val.jsonl")))
 
     assert byte_documents(split_tokens(dataset, "train")) == TEXTS
@@ -284,7 +262,7 @@ def test_an_empty_val_path_file_is_an_error(tmp_path):
     (tmp_path / "val.jsonl").write_text("\n")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="jsonl", path=str(tmp_path / "train.jsonl"), val_path=str(tmp_path / "val.jsonl")))
+        prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "train.jsonl"), val_path=str(tmp_path / "val.jsonl")))
 
     assert "data.val_path" in one_line_error(excinfo)
     assert cache_leftovers(tmp_path) == []
@@ -297,9 +275,9 @@ def test_max_samples_limits_the_documents_and_has_its_own_cache_directory(tmp_pa
     write_jsonl(tmp_path / "rows.jsonl", rows)
     cfg = dict(source="jsonl", path=str(tmp_path / "rows.jsonl"))
 
-    three = run(config(tmp_path, max_samples=3, **cfg))
-    five = run(config(tmp_path, max_samples=5, **cfg))
-    every = run(config(tmp_path, **cfg))
+    three = prepared(data_config(tmp_path, max_samples=3, **cfg))
+    five = prepared(data_config(tmp_path, max_samples=5, **cfg))
+    every = prepared(data_config(tmp_path, **cfg))
 
     assert read_meta(three)["documents"]["total"] == 3
     assert documents_of(three) == rows[:3]
@@ -316,7 +294,7 @@ def test_a_missing_path_is_a_one_line_error_naming_it(tmp_path, kind):
     missing = tmp_path / "nowhere" / "data.txt"
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source=kind, path=str(missing)))
+        prepared(data_config(tmp_path, source=kind, path=str(missing)))
 
     message = one_line_error(excinfo)
     assert "data.path" in message and str(missing) in message and "does not exist" in message
@@ -327,7 +305,7 @@ def test_a_missing_val_path_names_the_setting(tmp_path):
     (tmp_path / "a.txt").write_text("text")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="text", path=str(tmp_path / "a.txt"), val_path=str(tmp_path / "none.txt")))
+        prepared(data_config(tmp_path, source="text", path=str(tmp_path / "a.txt"), val_path=str(tmp_path / "none.txt")))
 
     assert "data.val_path" in one_line_error(excinfo)
 
@@ -336,7 +314,7 @@ def test_a_glob_matching_nothing_is_a_one_line_error(tmp_path):
     (tmp_path / "a.txt").write_text("text")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="text", path=str(tmp_path / "*.jsonl")))
+        prepared(data_config(tmp_path, source="text", path=str(tmp_path / "*.jsonl")))
 
     assert "no file matches" in one_line_error(excinfo) and "*.jsonl" in str(excinfo.value)
     assert cache_leftovers(tmp_path) == []
@@ -347,7 +325,7 @@ def test_a_directory_without_files_of_the_format_is_a_one_line_error(tmp_path):
     (tmp_path / "corpus" / "rows.jsonl").write_text('{"text": "x"}\n')  # jsonl, but text is asked for
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="text", path=str(tmp_path / "corpus")))
+        prepared(data_config(tmp_path, source="text", path=str(tmp_path / "corpus")))
 
     message = one_line_error(excinfo)
     assert "corpus" in message and ".txt" in message
@@ -358,7 +336,7 @@ def test_an_empty_directory_is_a_one_line_error(tmp_path):
     (tmp_path / "corpus").mkdir()
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="jsonl", path=str(tmp_path / "corpus")))
+        prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "corpus")))
 
     assert "holds no" in one_line_error(excinfo)
     assert cache_leftovers(tmp_path) == []
@@ -370,7 +348,7 @@ def test_a_source_with_zero_documents_fails_during_the_build_and_leaves_only_the
     write_parquet(tmp_path / "rows.parquet", {"text": pa.array([None, None], pa.string())})  # rows, no text
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="parquet", path=str(tmp_path / "rows.parquet")))
+        prepared(data_config(tmp_path, source="parquet", path=str(tmp_path / "rows.parquet")))
 
     assert "no documents" in one_line_error(excinfo)
     assert (tmp_path / "cache").is_dir()  # the build started (and took the lock) ...
@@ -381,7 +359,7 @@ def test_an_empty_text_file_is_a_one_line_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="text", path=str(tmp_path / "empty.txt")))
+        prepared(data_config(tmp_path, source="text", path=str(tmp_path / "empty.txt")))
 
     one_line_error(excinfo)
     assert cache_leftovers(tmp_path) == []
@@ -395,17 +373,17 @@ def test_the_cache_is_reused_and_changes_with_content_size_or_mtime_of_a_source_
     a, b = corpus / "a.txt", corpus / "b.txt"
     a.write_text("first text")
     b.write_text("second text")
-    cfg = config(tmp_path, source="text", path=str(corpus / "*.txt"))
-    first = run(cfg)
-    assert run(cfg) == first  # unchanged: reused
+    cfg = data_config(tmp_path, source="text", path=str(corpus / "*.txt"))
+    first = prepared(cfg)
+    assert prepared(cfg) == first  # unchanged: reused
 
     stat = a.stat()
     os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))  # touched: same bytes, new mtime
-    touched = run(cfg)
+    touched = prepared(cfg)
     assert touched != first
 
     a.write_text("first text, longer")
-    grown = run(cfg)
+    grown = prepared(cfg)
     assert grown not in (first, touched)
     assert documents_of(grown) == ["first text, longer", "second text"]
 
@@ -413,18 +391,18 @@ def test_the_cache_is_reused_and_changes_with_content_size_or_mtime_of_a_source_
     b.write_text("SECOND TEXT")  # same size, same mtime: only the content changed
     os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     # By design the key stats the files and reads no contents (a cache hit stays cheap): reused.
-    assert run(cfg) == grown
+    assert prepared(cfg) == grown
 
     (corpus / "unrelated.md").write_text("outside the pattern")
     (tmp_path / "other.txt").write_text("outside the directory")
-    assert run(cfg) == grown
+    assert prepared(cfg) == grown
 
 
 def test_context_length_does_not_change_the_dataset_directory(tmp_path):
     # Deliberate: windows are cut at load time, so one preparation serves every context length.
     (tmp_path / "a.txt").write_text("some text " * 20)
-    short = run(config(tmp_path, source="text", path=str(tmp_path / "a.txt"), context_length=16))
-    long = run(config(tmp_path, source="text", path=str(tmp_path / "a.txt"), context_length=4096))
+    short = prepared(data_config(tmp_path, source="text", path=str(tmp_path / "a.txt"), context_length=16))
+    long = prepared(data_config(tmp_path, source="text", path=str(tmp_path / "a.txt"), context_length=4096))
 
     assert short == long
     assert sorted(read_meta(short)["key"]) == ["format_version", "max_samples", "source", "tokenizer",
@@ -433,8 +411,8 @@ def test_context_length_does_not_change_the_dataset_directory(tmp_path):
 
 def test_the_text_field_is_part_of_the_key(tmp_path):
     write_jsonl(tmp_path / "rows.jsonl", [{"text": "a", "body": "b"}])
-    first = run(config(tmp_path, source="jsonl", path=str(tmp_path / "rows.jsonl")))
-    second = run(config(tmp_path, source="jsonl", path=str(tmp_path / "rows.jsonl"), text_field="body"))
+    first = prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "rows.jsonl")))
+    second = prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "rows.jsonl"), text_field="body"))
 
     assert first != second and documents_of(second) == ["b"]
 
@@ -445,7 +423,7 @@ def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):
     path.write_bytes(data[:40] + bytes(200) + data[240:])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, source="text", path=str(path)))
+        prepared(data_config(tmp_path, source="text", path=str(path)))
 
     assert f"{path}: cannot read" in one_line_error(excinfo)
     assert cache_leftovers(tmp_path) == []
@@ -455,6 +433,6 @@ def test_jsonl_nulls_are_skipped_and_lone_surrogates_replaced(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"text": "first"}\n{"text": null}\n{"text": "a\\ud800b"}\n', encoding="utf-8")
 
-    dataset = run(config(tmp_path, source="jsonl", path=str(path)))
+    dataset = prepared(data_config(tmp_path, source="jsonl", path=str(path)))
 
     assert documents_of(dataset) == ["first", "a?b"]

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.config import DataConfig
 from pretrain.data import DataError
 from pretrain.data import prepare as prep
 from pretrain.data.prepare import prepare, read_meta, verify
 from pretrain.data.tokenizer import BYTE_EOT, BYTE_VOCAB_SIZE, ByteTokenizer
 from conftest import cache_leftovers, one_line_error
+from helpers import all_tokens, data_config, prepared
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,28 +24,9 @@ CORPUS = [f"Document {i}: the quick brown fox jumps over the lazy dog. " * (i % 
           + "héllo wörld ✓ naïve café\n" * (i % 3) for i in range(30)]
 
 
-def config(tmp_path: Path, **changes) -> DataConfig:
-    return DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
-
-
-def run(cfg: DataConfig, **kwargs) -> Path:
-    return prepare(cfg, log=lambda line: None, **kwargs)
-
-
 def write_jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     return path
-
-
-def all_tokens(dataset: Path) -> np.ndarray:
-    meta = read_meta(dataset)
-    parts = []
-    for split in ("train", "val"):
-        for segment in meta["splits"][split]:
-            dtype = np.dtype("<u2" if segment["dtype"] == "uint16" else "<u4")
-            parts.append(np.frombuffer((dataset / segment["file"]).read_bytes(), dtype=dtype,
-                                       count=segment["tokens"], offset=segment["offset"]))
-    return np.concatenate(parts)
 
 
 def documents(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
@@ -71,7 +52,7 @@ def test_the_byte_tokenizer_round_trips_utf8_and_ends_documents_with_256():
 
 
 def test_byte_preparation_stores_uint16_ids_with_end_of_text_after_each_document(tmp_path):
-    dataset = run(config(tmp_path), documents=["héllo", "✓"])
+    dataset = prepared(data_config(tmp_path), documents=["héllo", "✓"])
 
     tokens = all_tokens(dataset)
     assert tokens.tolist() == list("héllo".encode()) + [256] + list("✓".encode()) + [256]
@@ -100,10 +81,10 @@ def test_bpe_is_trained_once_cached_with_the_data_and_round_trips(tmp_path, bpe_
     from tokenizers import Tokenizer
 
     source = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
-    cfg = config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300)
+    cfg = data_config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300)
 
-    dataset = run(cfg)
-    assert run(cfg) == dataset
+    dataset = prepared(cfg)
+    assert prepared(cfg) == dataset
     assert bpe_calls == [300]
 
     trained = list((tmp_path / "cache" / "tokenizers").glob("bpe300-*/tokenizer.json"))
@@ -127,28 +108,28 @@ def test_bpe_retrains_only_when_its_training_data_or_size_changes(tmp_path, bpe_
     source = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
     base = dict(source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300)
 
-    first = run(config(tmp_path, **base))
-    other_split = run(config(tmp_path, **base, val_fraction=0.2))  # new dataset, same tokenizer
-    longer_context = run(config(tmp_path, **base, context_length=64))  # same dataset
+    first = prepared(data_config(tmp_path, **base))
+    other_split = prepared(data_config(tmp_path, **base, val_fraction=0.2))  # new dataset, same tokenizer
+    longer_context = prepared(data_config(tmp_path, **base, context_length=64))  # same dataset
     assert bpe_calls == [300]
     assert other_split != first and longer_context == first
 
-    run(config(tmp_path, **base, max_samples=10))  # trained on fewer documents
+    prepared(data_config(tmp_path, **base, max_samples=10))  # trained on fewer documents
     assert bpe_calls == [300, 300]
-    run(config(tmp_path, **{**base, "bpe_vocab_size": 320}))
+    prepared(data_config(tmp_path, **{**base, "bpe_vocab_size": 320}))
     assert bpe_calls == [300, 300, 320]
 
     # A dataset deleted from the cache is rebuilt with the cached tokenizer.
     import shutil
     shutil.rmtree(first)
-    assert run(config(tmp_path, **base)) == first
+    assert prepared(data_config(tmp_path, **base)) == first
     assert bpe_calls == [300, 300, 320]
     assert len(list((tmp_path / "cache" / "tokenizers").glob("bpe*-*/tokenizer.json"))) == 3
 
 
 def test_bpe_with_max_samples_is_trained_and_tokenized_on_those_documents_only(tmp_path, bpe_calls):
     source = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
-    dataset = run(config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300,
+    dataset = prepared(data_config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300,
                          max_samples=5))
 
     meta = read_meta(dataset)
@@ -160,7 +141,7 @@ def test_text_that_spells_the_end_of_text_token_is_not_a_document_end(tmp_path, 
     from tokenizers import Tokenizer
 
     texts = ["before <|endoftext|> after, still one document", "second document"] * 5
-    dataset = run(config(tmp_path, tokenizer="bpe", bpe_vocab_size=300), documents=texts)
+    dataset = prepared(data_config(tmp_path, tokenizer="bpe", bpe_vocab_size=300), documents=texts)
 
     meta = read_meta(dataset)
     tokens = all_tokens(dataset)
@@ -193,8 +174,8 @@ def test_a_tokenizer_json_file_and_its_directory_both_work(tmp_path):
     tokenizer_file = word_level(tmp_path / "mytok" / "tokenizer.json", WORDS)
     texts = ["the cat sat", "on the mat dog"]
 
-    by_file = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=texts)
-    by_dir = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tmp_path / "mytok")), documents=texts)
+    by_file = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=texts)
+    by_dir = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tmp_path / "mytok")), documents=texts)
 
     eot = 6  # [UNK], five words, then the special token
     for dataset in (by_file, by_dir):
@@ -209,11 +190,11 @@ def test_a_tokenizer_json_file_and_its_directory_both_work(tmp_path):
 
 def test_a_changed_tokenizer_json_is_a_new_dataset(tmp_path):
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS)
-    cfg = config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file))
-    first = run(cfg, documents=["the cat", "sat"])
+    cfg = data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file))
+    first = prepared(cfg, documents=["the cat", "sat"])
 
     word_level(tokenizer_file, list(reversed(WORDS)))
-    second = run(cfg, documents=["the cat", "sat"])
+    second = prepared(cfg, documents=["the cat", "sat"])
 
     assert second != first and all_tokens(second).tolist() == [5, 4, 6, 3, 6]
 
@@ -225,7 +206,7 @@ def test_a_tokenizer_json_that_does_not_parse_is_a_one_line_error_naming_it(tmp_
     broken.write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(broken)), documents=["x y"])
+        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(broken)), documents=["x y"])
 
     message = one_line_error(excinfo)
     assert str(broken) in message and "tokenizer.json" in message
@@ -236,7 +217,7 @@ def test_a_tokenizer_without_an_end_of_text_token_asks_for_data_eot_token(tmp_pa
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS, specials=["<pad>"])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
+        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
 
     message = one_line_error(excinfo)
     assert "data.eot_token" in message and "<|endoftext|>" in message
@@ -248,7 +229,7 @@ def test_a_tokenizer_without_any_special_token_says_so_when_asking_for_data_eot_
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS, specials=[])
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
+        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
 
     assert "; it has no special tokens: set data.eot_token to the one it uses" in one_line_error(excinfo)
 
@@ -258,7 +239,7 @@ def test_a_missing_end_of_text_token_lists_only_the_first_few_special_tokens(tmp
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS, specials=specials)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
+        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat"])
 
     shown = ", ".join(repr(name) for name in specials[:8])
     assert f"its special tokens are {shown} and 12 more: set data.eot_token" in one_line_error(excinfo)
@@ -268,8 +249,8 @@ def test_data_eot_token_picks_the_named_token(tmp_path):
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS, specials=["</s>", "<sep>"])
     texts = ["the cat", "sat"]
 
-    default = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=texts)
-    named = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<sep>"),
+    default = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=texts)
+    named = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<sep>"),
                 documents=texts)
 
     assert read_meta(default)["eot_id"] == 6  # "</s>", one of the usual names
@@ -282,7 +263,7 @@ def test_data_eot_token_naming_a_token_the_tokenizer_lacks_is_an_error(tmp_path)
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<eot>"),
+        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<eot>"),
             documents=["the"])
 
     message = one_line_error(excinfo)
@@ -292,7 +273,7 @@ def test_data_eot_token_naming_a_token_the_tokenizer_lacks_is_an_error(tmp_path)
 def test_a_vocabulary_with_unused_ids_is_sized_by_its_largest_id(tmp_path):
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", ["the", "cat"], ids=[1, 40])
 
-    dataset = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)),
+    dataset = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)),
                   documents=["the cat", "cat"])
 
     meta = read_meta(dataset)
@@ -306,7 +287,7 @@ def test_a_tokenizer_path_that_does_not_exist_is_an_error(tmp_path, name):
         name = str(tmp_path / name)
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="huggingface", tokenizer_name=name), documents=["x"])
+        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=name), documents=["x"])
 
     assert "data.tokenizer_name" in one_line_error(excinfo) and "does not exist" in str(excinfo.value)
     assert cache_leftovers(tmp_path) == []
@@ -324,7 +305,7 @@ def test_tiktoken_offline_without_cached_files_says_what_to_do(tmp_path, monkeyp
     monkeypatch.setattr(requests, "get", offline)  # offline even on a machine with network
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="tiktoken", tokenizer_name="gpt2"), documents=["hello"])
+        prepared(data_config(tmp_path, tokenizer="tiktoken", tokenizer_name="gpt2"), documents=["hello"])
 
     message = one_line_error(excinfo)
     assert "'gpt2'" in message and "offline" in message and "TIKTOKEN_CACHE_DIR" in message
@@ -336,7 +317,7 @@ def test_an_unknown_tiktoken_encoding_lists_the_known_ones(tmp_path):
     pytest.importorskip("tiktoken")
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path, tokenizer="tiktoken", tokenizer_name="gpt5"), documents=["hello"])
+        prepared(data_config(tmp_path, tokenizer="tiktoken", tokenizer_name="gpt5"), documents=["hello"])
 
     message = one_line_error(excinfo)
     assert "'gpt5'" in message and "data.tokenizer_name" in message
@@ -353,7 +334,7 @@ def test_an_id_beyond_the_vocabulary_is_an_error_and_nothing_is_left_half_writte
     monkeypatch.setattr(prep, "load_tokenizer", lambda cfg, bpe_file=None: Broken())
 
     with pytest.raises(DataError) as excinfo:
-        run(config(tmp_path), documents=["hi", "there"])
+        prepared(data_config(tmp_path), documents=["hi", "there"])
 
     message = one_line_error(excinfo)
     assert "300" in message and "257" in message
@@ -383,7 +364,7 @@ def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_pa
     tokenizer.enable_padding(pad_id=7, pad_token="[PAD]")
     tokenizer.save(str(path))
 
-    dataset = run(config(tmp_path, tokenizer="huggingface", tokenizer_name=str(path)),
+    dataset = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(path)),
                   documents=["the cat sat on", "mat"])
 
     assert all_tokens(dataset).tolist() == [1, 2, 3, 4, 6, 5, 6]  # whole documents, no padding
@@ -391,8 +372,8 @@ def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_pa
 
 def test_a_damaged_cached_bpe_tokenizer_is_trained_again(tmp_path, bpe_calls):
     source = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
-    cfg = config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300)
-    dataset = run(cfg)
+    cfg = data_config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300)
+    dataset = prepared(cfg)
     (trained,) = (tmp_path / "cache" / "tokenizers").glob("bpe300-*/tokenizer.json")
     trained.write_text('{"truncated": ')
     lines: list[str] = []

@@ -320,6 +320,7 @@ def train_small(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
         cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_small_preset_trains_on_its_default_data_through_the_launcher(tmp_path, fineweb):
     result = train_small(tmp_path, "--max-steps", "3")
 
@@ -332,6 +333,7 @@ def test_the_small_preset_trains_on_its_default_data_through_the_launcher(tmp_pa
     assert resolved["hub_max_files"] == 1 and resolved["hub_revision"] == DATA_COMMIT
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reads_the_hub_files_of_its_checkpoint_even_when_it_is_longer(tmp_path, fineweb):
     assert train_small(tmp_path, "--max-steps", "2").returncode == 0
     longer = -(-sized_for(3) // 4)  # steps of 4,096 tokens that, started afresh, would take 3 files
@@ -344,6 +346,7 @@ def test_a_resumed_run_reads_the_hub_files_of_its_checkpoint_even_when_it_is_lon
     assert resolved["hub_max_files"] == 1 and resolved["hub_revision"] == DATA_COMMIT
 
 
+@pytest.mark.slow
 def test_resuming_on_other_hub_files_than_the_checkpoints_is_refused(tmp_path, fineweb):
     assert train_small(tmp_path, "--max-steps", "2").returncode == 0
     result = train_small(tmp_path, "--max-steps", "3", "--resume", "auto", "--set", "data.hub_max_files=2")

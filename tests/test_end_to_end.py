@@ -47,6 +47,7 @@ def step_lines(output: str) -> list[re.Match]:
     return [m for m in map(STEP_LINE.match, output.splitlines()) if m]
 
 
+@pytest.mark.slow
 def test_debug_run_exits_zero_with_step_lines_from_both_cpu_workers(two_runs):
     _, first, *_ = two_runs
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -60,6 +61,7 @@ def test_debug_run_exits_zero_with_step_lines_from_both_cpu_workers(two_runs):
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has an NVIDIA driver")
+@pytest.mark.slow
 def test_without_a_gpu_the_launcher_says_so_in_one_line_and_runs_two_cpu_workers(two_runs):
     _, first, *_ = two_runs
     said = [line for line in first.stdout.splitlines() if "no NVIDIA GPU found" in line]
@@ -67,6 +69,7 @@ def test_without_a_gpu_the_launcher_says_so_in_one_line_and_runs_two_cpu_workers
                     "--nproc N changes the count"]
 
 
+@pytest.mark.slow
 def test_the_loss_falls_and_is_the_global_mean_on_every_rank(two_runs):
     _, first, *_ = two_runs
     losses = {p: [float(m["loss"]) for m in step_lines(first.stdout) if m["prefix"] == p] for p in ("CPU0", "CPU1")}
@@ -74,6 +77,7 @@ def test_the_loss_falls_and_is_the_global_mean_on_every_rank(two_runs):
     assert losses["CPU0"][-1] < losses["CPU0"][0] - 0.5
 
 
+@pytest.mark.slow
 def test_every_output_line_is_prefixed_by_its_worker_or_the_launcher(two_runs):
     _, first, *_ = two_runs
     assert all(line.startswith(("CPU0:", "CPU1:", "launcher: ")) for line in first.stdout.splitlines())
@@ -81,6 +85,7 @@ def test_every_output_line_is_prefixed_by_its_worker_or_the_launcher(two_runs):
     assert "CPU1:INFO | [CPU 1] Training complete" in first.stdout
 
 
+@pytest.mark.slow
 def test_the_run_directory_holds_the_resolved_config_and_the_logs(two_runs):
     tmp_path, *_ = two_runs
     run = tmp_path / "run1"
@@ -94,6 +99,7 @@ def test_the_run_directory_holds_the_resolved_config_and_the_logs(two_runs):
     assert [w["exit_code"] for w in json.loads((run / "workers.json").read_text())] == [0, 0]
 
 
+@pytest.mark.slow
 def test_the_dataset_is_prepared_once_and_reused_by_the_next_run(two_runs):
     tmp_path, first, second, cache_after_first, cache_after_second = two_runs
     assert first.stdout.count("dataset: prepared") == 1  # by the launcher, by no worker
@@ -106,6 +112,7 @@ def test_the_dataset_is_prepared_once_and_reused_by_the_next_run(two_runs):
     assert {p.name for p in datasets[0].iterdir()} >= {"tokens.bin", "meta.json"}
 
 
+@pytest.mark.slow
 def test_max_steps_and_accumulation_on_the_command_line_shape_the_run(two_runs):
     _, _, second, *_ = two_runs
     assert second.returncode == 0, second.stdout[-3000:]
@@ -113,6 +120,7 @@ def test_max_steps_and_accumulation_on_the_command_line_shape_the_run(two_runs):
     assert "8 x 128 tokens per micro-batch, 2 micro-batches per step" in second.stdout
 
 
+@pytest.mark.slow
 def test_pretrain_main_trains_one_process_without_the_supervisor(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--max-steps", "3", "--run-dir", str(tmp_path / "r"),
@@ -130,6 +138,7 @@ def test_pretrain_main_config_error_is_one_line_without_traceback(tmp_path):
     assert result.stderr.strip() == "pretrain: error: --set: model.dim: 130 is not divisible by model.n_heads (4)"
 
 
+@pytest.mark.slow
 def test_a_malformed_rank_variable_is_a_one_line_error():
     result = subprocess.run([sys.executable, str(ROOT / "pretrain_main.py"), "--debug"],
                             env=launcher_env(RANK="abc"), capture_output=True, text=True, timeout=60)

@@ -217,6 +217,7 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.mark.slow
 def test_a_training_run_whose_metrics_file_is_on_a_full_disk_trains_to_the_end(cache, tmp_path):
     run_dir = tmp_path / "run"
     full(run_dir / "metrics.jsonl")

@@ -128,6 +128,7 @@ def test_a_check_that_raises_becomes_a_failed_row_and_the_next_check_still_runs(
     assert rows[0].result == "FAILED: worker nvml: exit 1 after 2 s" and "NVMLError" in rows[0].failure
 
 
+@pytest.mark.slow
 def test_a_check_command_that_outlives_its_timeout_is_killed_with_its_children():
     proc = gpu_procs.run(["bash", "-c", "sleep 60 & echo $!; wait"], timeout=2)
     assert proc.returncode is None and proc.how() == "timed out"
@@ -169,6 +170,7 @@ def test_the_two_gpu_runtime_checks_are_not_applicable_on_one_gpu_and_start_noth
         assert (row.result, row.met) == ("1 GPU", "n.a."), key
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_row_reads_each_ranks_device_and_wants_two_different_gpus(tmp_path):
     # A real 2-rank torchrun on CPU: the Model lines are read; both ranks on "cpu" is not a pass.
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "pretrain_main.py",
@@ -186,6 +188,7 @@ def test_under_torchrun_the_row_reads_each_ranks_device_and_wants_two_different_
     assert gpu_checks_runtime.torchrun_row("torchrun", "t", together).met == "no"
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_under_the_launcher_prints_its_traceback_and_all_end_soon(tmp_path):
     # The nccl-error worker on two gloo CPU ranks: the same code, the launcher's real summary.
     proc = gpu_procs.launcher("--device", "cpu", "--nproc", "2", "--kill-grace", "1", "--run-dir", str(tmp_path / "r"),

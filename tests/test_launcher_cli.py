@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from conftest import ROOT, alive, launcher_env, wait_until
-from launcher.supervisor import SNAPSHOT_INTERVAL
+from helpers import assert_one_line_error
+from launcher.reaper import TOKEN_VAR
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -21,10 +23,8 @@ def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, code: int, text: str) -> None:
-    assert result.returncode == code
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("launcher: error: ") and text in result.stderr
+# The launcher's refusals: `launcher: error: ...` on stderr (its stdout may already have said what it did).
+REFUSAL = {"prefix": "launcher: error: ", "quiet_stdout": False}
 
 
 @pytest.mark.parametrize("args, text", [
@@ -38,19 +38,19 @@ def assert_one_line_error(result: subprocess.CompletedProcess, code: int, text: 
     (["--config", "no/such.json"], "no/such.json: config file not found"),
 ])
 def test_bad_options_give_one_line_and_exit_2(args, text, tmp_path):
-    assert_one_line_error(launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), *args, "--", "true"), 2, text)
+    assert_one_line_error(launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), *args, "--", "true"), text, **REFUSAL)
 
 
 def test_a_command_that_does_not_exist_exits_127_with_one_line(tmp_path):
     result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", "no-such-command-xyz")
-    assert_one_line_error(result, 127, "command not found: no-such-command-xyz")
+    assert_one_line_error(result, "command not found: no-such-command-xyz", code=127, **REFUSAL)
 
 
 def test_an_unwritable_run_directory_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = launch("--device", "cpu", "--run-dir", str(blocker / "run"), "--", "true")
-    assert_one_line_error(result, 2, "cannot create run directory")
+    assert_one_line_error(result, "cannot create run directory", **REFUSAL)
 
 
 def test_generic_mode_runs_the_command_once_per_worker_with_the_contract_env(script, tmp_path):
@@ -72,13 +72,18 @@ def test_a_failing_worker_makes_the_launcher_exit_with_its_code(script, tmp_path
 SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
 
 
-def start_launcher_with_sleepers(script, tmp_path, source: str = SLEEPER,
+def start_launcher(processes, tmp_path, *args: str) -> subprocess.Popen:
+    """A launcher on the CPU (killed with all it started when the test ends, however it ends)."""
+    return processes([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"), *args],
+                     cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+
+
+def start_launcher_with_sleepers(processes, script, tmp_path, source: str = SLEEPER,
                                  *options: str) -> tuple[subprocess.Popen, list[int]]:
     """A launcher running 2 workers that print their pid and sleep; return it and the pids."""
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", *options,
-                             "--run-dir", str(tmp_path / "r"), "--", *script(source)],
-                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
-    pids = []
+    proc = start_launcher(processes, tmp_path, *options, "--", *script(source))
+    assert proc.stdout is not None
+    pids: list[int] = []
     while len(pids) < 2:
         line = proc.stdout.readline()
         assert line, "launcher ended before its workers started"
@@ -88,8 +93,8 @@ def start_launcher_with_sleepers(script, tmp_path, source: str = SLEEPER,
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_the_launcher_stops_every_worker_and_exits_128_plus_it(script, tmp_path, signum, code):
-    proc, pids = start_launcher_with_sleepers(script, tmp_path)
+def test_a_signal_to_the_launcher_stops_every_worker_and_exits_128_plus_it(processes, script, tmp_path, signum, code):
+    proc, pids = start_launcher_with_sleepers(processes, script, tmp_path)
     proc.send_signal(signum)
     assert proc.wait(timeout=10) == code
     assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout=3)
@@ -119,17 +124,32 @@ def run_tokens(token_owner_pids: list[int]) -> set[str]:
     return {psutil.Process(pid).environ().get("LAUNCHER_RUN_TOKEN") for pid in token_owner_pids}
 
 
-def test_workers_and_everything_they_started_die_with_a_launcher_killed_by_sigkill(script, tmp_path):
-    proc, pids = start_launcher_with_sleepers(script, tmp_path, ESCAPES_THEN_SLEEPS.replace(
+def told_the_guardian(processes, launcher: subprocess.Popen, log: Path, token: str) -> subprocess.Popen:
+    """Return once the launcher has told its guardian of every process that existed when its two
+    workers printed their pids, and return the new process of the run this starts to know it.
+    The launcher looks every SNAPSHOT_INTERVAL, between relaying lines, and reports only what is
+    new; once the pid lines are in the combined log (its last write of a line), anything it writes
+    is a report from a look that came after them. A newcomer carrying the run's token makes one."""
+    assert wait_until(lambda: log.read_text().count(":pid ") == 2, timeout=60)
+    io = psutil.Process(launcher.pid).io_counters
+    written = io().write_chars
+    newcomer = processes([sys.executable, "-c", "import time; time.sleep(60)"], env={**launcher_env(), TOKEN_VAR: token})
+    assert wait_until(lambda: io().write_chars > written, timeout=60)  # into the guardian's pipe: it will read it
+    return newcomer
+
+
+def test_workers_and_everything_they_started_die_with_a_launcher_killed_by_sigkill(processes, script, tmp_path):
+    proc, pids = start_launcher_with_sleepers(processes, script, tmp_path, ESCAPES_THEN_SLEEPS.replace(
         'if os.environ["RANK"] == "0":', "if True:"))
     escaped = escaped_descendants(tmp_path)
     (token,) = run_tokens(pids)
-    time.sleep(2 * SNAPSHOT_INTERVAL)  # the launcher has told its guardian what it saw
+    newcomer = told_the_guardian(processes, proc, tmp_path / "r" / "logs" / "combined.log", token)
     proc.kill()
     proc.wait(timeout=5)
-    # Workers by their parent-death signal; the rest by the guardian: the setsid children
-    # carry the run's token; the clean-environment daemons were in the launcher's reports.
-    assert wait_until(lambda: not any(alive(pid) for pid in pids + escaped), timeout=3)
+    # Workers by their parent-death signal; the rest by the guardian: the setsid children and
+    # the newcomer carry the run's token; the clean-environment daemons were in the launcher's reports.
+    assert wait_until(lambda: not any(alive(pid) for pid in pids + escaped + [newcomer.pid]), timeout=10)
+    newcomer.wait(timeout=10)  # reaped, so that it is not counted below
     def left() -> list:
         return [(p.pid, p.status(), p.cmdline()) for p in psutil.process_iter(["environ"])
                 if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == token]
@@ -152,7 +172,7 @@ def test_descendants_that_left_the_group_and_cleared_their_environment_do_not_ou
     assert wait_until(lambda: not any(alive(pid) for pid in escaped), timeout=3)
 
 
-def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(script, tmp_path):
+def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(processes, script, tmp_path):
     handles = script("""
         import os, signal, sys, time
         def stop(*_):
@@ -163,9 +183,7 @@ def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(script, tmp_pat
         print("pid", os.getpid(), flush=True)
         time.sleep(60)
     """, "child.py")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                             "--", "bash", "-c", f"{' '.join(handles)}; echo after"],
-                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    proc = start_launcher(processes, tmp_path, "--", "bash", "-c", f"{' '.join(handles)}; echo after")
     read = [proc.stdout.readline(), proc.stdout.readline()]
     assert all(":pid " in line for line in read), read
     proc.send_signal(signal.SIGINT)
@@ -173,16 +191,15 @@ def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(script, tmp_pat
     assert proc.stdout.read().count("child got SIGTERM") == 2  # the whole group was asked, and waited for
 
 
-def test_a_shell_commands_child_that_ignores_sigterm_is_killed_at_the_stop_timeout(script, tmp_path):
+def test_a_shell_commands_child_that_ignores_sigterm_is_killed_at_the_stop_timeout(processes, script, tmp_path):
     handles = script("""
         import os, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("pid", os.getpid(), flush=True)
         time.sleep(60)
     """, "child.py")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "1", "--stop-timeout", "1",
-                             "--run-dir", str(tmp_path / "r"), "--", "bash", "-c", f"{' '.join(handles)}; echo after"],
-                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    proc = start_launcher(processes, tmp_path, "--nproc", "1", "--stop-timeout", "1",
+                          "--", "bash", "-c", f"{' '.join(handles)}; echo after")
     child = int(proc.stdout.readline().split()[-1])
     started = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -192,9 +209,9 @@ def test_a_shell_commands_child_that_ignores_sigterm_is_killed_at_the_stop_timeo
     assert wait_until(lambda: not alive(child), timeout=3)
 
 
-def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(script, tmp_path):
+def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(processes, script, tmp_path):
     ignores_sigterm = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
-    proc, pids = start_launcher_with_sleepers(script, tmp_path, ignores_sigterm, "--stop-timeout", "0.5")
+    proc, pids = start_launcher_with_sleepers(processes, script, tmp_path, ignores_sigterm, "--stop-timeout", "0.5")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143
@@ -206,8 +223,8 @@ def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(script, tmp
 def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run_dir(tmp_path):
     result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
                     "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "training.batch_size=100000")
-    assert_one_line_error(result, 2, "fewer than one optimizer step needs: batch_size 100000 x grad_accum_nums 1 "
-                                     "x 2 rank(s) = 200,000; reduce training.batch_size")
+    assert_one_line_error(result, "fewer than one optimizer step needs: batch_size 100000 x grad_accum_nums 1 "
+                                  "x 2 rank(s) = 200,000; reduce training.batch_size", **REFUSAL)
     assert not (tmp_path / "r").exists()
     assert "CPU0:" not in result.stdout  # no worker started
 
@@ -215,8 +232,8 @@ def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run
 def test_token_ids_beyond_the_models_vocabulary_stop_before_spawning(tmp_path):
     result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
                     "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "model.vocab_size=100")
-    assert_one_line_error(result, 2, "the dataset's token ids go up to 256, beyond model.vocab_size 100; "
-                                     "set model.vocab_size to at least 257, or to null to follow the tokenizer")
+    assert_one_line_error(result, "the dataset's token ids go up to 256, beyond model.vocab_size 100; "
+                                  "set model.vocab_size to at least 257, or to null to follow the tokenizer", **REFUSAL)
     assert not (tmp_path / "r").exists() and "CPU0:" not in result.stdout
 
 
@@ -224,10 +241,11 @@ def test_a_missing_source_file_is_one_line_and_leaves_nothing_in_the_cache(tmp_p
     result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
                     "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.source=jsonl",
                     "--set", f"data.path={tmp_path / 'nowhere.jsonl'}")
-    assert_one_line_error(result, 2, f"data.path: {tmp_path / 'nowhere.jsonl'} does not exist")
+    assert_one_line_error(result, f"data.path: {tmp_path / 'nowhere.jsonl'} does not exist", **REFUSAL)
     assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_jsonl_source_with_a_trained_bpe_tokenizer_trains_for_whole_epochs(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     rng = random.Random(0)
@@ -257,7 +275,7 @@ def test_a_command_that_cannot_be_executed_exits_126_with_one_line(tmp_path):
     no_shebang.write_text("echo hi\n")
     no_shebang.chmod(0o755)
     result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", str(no_shebang))
-    assert_one_line_error(result, 126, f"cannot run {no_shebang}: Exec format error")
+    assert_one_line_error(result, f"cannot run {no_shebang}: Exec format error", code=126, **REFUSAL)
 
 
 def test_an_unwritable_cache_directory_is_a_one_line_error(tmp_path):
@@ -265,23 +283,23 @@ def test_an_unwritable_cache_directory_is_a_one_line_error(tmp_path):
     blocker.write_text("")
     result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
                     "--set", f"data.cache_dir={blocker / 'cache'}")
-    assert_one_line_error(result, 2, str(blocker))
+    assert_one_line_error(result, str(blocker), **REFUSAL)
 
 
-def test_a_reader_that_goes_away_ends_the_run_quietly_with_141(script, tmp_path):
+def test_a_reader_that_goes_away_ends_the_run_quietly_with_141(processes, script, tmp_path):
     endless = script("import os, time\nwhile True:\n    print('line', flush=True)\n    time.sleep(0.001)")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                             "--", *endless], cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = processes([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+                      "--", *endless], cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
     proc.stdout.readline()
     proc.stdout.close()  # like `| head -1`
     assert proc.wait(timeout=10) == 141
     assert "Traceback" not in proc.stderr.read()
 
 
-def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(script, tmp_path):
+def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(processes, script, tmp_path):
     ignores_sigterm = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEPER
-    proc, pids = start_launcher_with_sleepers(script, tmp_path, ignores_sigterm, "--stop-timeout", "60")
+    proc, pids = start_launcher_with_sleepers(processes, script, tmp_path, ignores_sigterm, "--stop-timeout", "60")
     proc.send_signal(signal.SIGINT)
     assert proc.stdout.readline().startswith("launcher: received SIGINT")
     proc.send_signal(signal.SIGINT)

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import run_gloo_ranks
 
+pytestmark = pytest.mark.slow  # two ranks build and train the cut-down 8B shape: about 30 s
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:

@@ -55,6 +55,7 @@ def test_nproc_without_a_driver_is_still_an_error_where_gpus_are_required(script
         placed(**options)
 
 
+@pytest.mark.slow
 def test_debug_with_nproc_1_trains_on_one_cpu_worker_on_a_machine_without_a_gpu(tmp_path):
     # No scripted GPUs: this machine's real NVML, which finds no driver here.
     result = subprocess.run([sys.executable, "-m", "launcher", "--debug", "--nproc", "1", "--max-steps", "2",

@@ -44,6 +44,7 @@ def failed_run(tmp_path_factory):
     return tmp_path / "run", result
 
 
+@pytest.mark.slow
 def test_the_run_exits_with_the_numerical_failure_code_and_the_summary_names_it(failed_run):
     run_dir, result = failed_run
     assert result.returncode == NUMERICAL_FAILURE == 3, result.stdout[-3000:]
@@ -51,6 +52,7 @@ def test_the_run_exits_with_the_numerical_failure_code_and_the_summary_names_it(
     assert "Hint: the loss or the gradients became NaN or Inf: CPU0, CPU1 logged NaN GRADIENT DETECTED with" in result.stdout
 
 
+@pytest.mark.slow
 def test_every_affected_rank_reports_the_poisoned_weight_and_the_first_module_that_went_bad(failed_run):
     _, result = failed_run
     for rank in (0, 1):
@@ -62,6 +64,7 @@ def test_every_affected_rank_reports_the_poisoned_weight_and_the_first_module_th
         assert "first non-finite: layers.1.feed_forward.w1, forward output" in report
 
 
+@pytest.mark.slow
 def test_the_dump_loads_without_pickle_and_holds_the_nans_the_report_counted(failed_run):
     run_dir, result = failed_run
     with np.load(run_dir / "debug" / "nan_debug_step_0.npz", allow_pickle=False) as dump:
@@ -73,6 +76,7 @@ def test_the_dump_loads_without_pickle_and_holds_the_nans_the_report_counted(fai
     assert f"CPU0:Total layers with NaN gradients: {len(grads_with_nan)}" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_checkpoint_holds_the_state_before_the_step_and_loads(failed_run):
     run_dir, _ = failed_run
     saved = run_dir / "checkpoints" / "nan_grad_step_0"
@@ -82,6 +86,7 @@ def test_the_checkpoint_holds_the_state_before_the_step_and_loads(failed_run):
     assert torch.isfinite(weights["output.weight"]).all()  # the bad update was never applied
 
 
+@pytest.mark.slow
 def test_no_worker_survives_a_numerical_failure(failed_run):
     run_dir, _ = failed_run
     record = json.loads((run_dir / "workers.json").read_text())
@@ -89,6 +94,7 @@ def test_no_worker_survives_a_numerical_failure(failed_run):
     assert not any(alive(r["pid"]) for r in record)
 
 
+@pytest.mark.slow
 def test_under_fsdp_the_shards_are_gathered_into_the_same_report_and_dump(tmp_path):
     # Also resumes a checkpoint saved before any update (no optimizer moments) into FSDP.
     result = launch_from(tmp_path, poisoned_checkpoint(tmp_path), "training.parallelism=fsdp")

@@ -177,19 +177,21 @@ def test_several_mig_devices_in_one_run_are_refused(scripted_gpus, options):
 
 # --- end to end: real launchers -------------------------------------------------------
 
-def launcher(*args: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launcher(processes, *args: str, **env: str) -> subprocess.Popen:
+    """A launcher the test owns: killed, with all it started, when the test ends."""
+    return processes([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(**env),
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(scripted_gpus, tmp_path):
+@pytest.mark.slow
+def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(processes, scripted_gpus, tmp_path):
     scripted_gpus([{}, {}])
     release = tmp_path / "release"  # the workers hold their GPUs until the test has looked
     worker = f"{PRINT_GPU}; import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
-    racers = [launcher("--gpus", "auto:1", "--", sys.executable, "-c", worker) for _ in range(2)]
+    racers = [launcher(processes, "--gpus", "auto:1", "--", sys.executable, "-c", worker) for _ in range(2)]
     try:
         assert wait_until(lambda: sum(claims.holder_of(uuid(i)) is not None for i in range(2)) == 2, timeout=15)
-        third = launcher("--gpus", "auto:1", "--", "true")
+        third = launcher(processes, "--gpus", "auto:1", "--", "true")
         _, refusal = third.communicate(timeout=30)
         assert third.returncode == 2
         assert refusal.startswith("launcher: error: --gpus auto:1 needs 1, but none of the 2 GPU(s) is free")
@@ -224,17 +226,13 @@ def test_a_launcher_asked_for_two_mig_devices_refuses_in_one_line_and_starts_not
     assert not started.exists()
 
 
-def test_a_killed_launcher_gives_its_gpu_back(scripted_gpus):
+def test_a_killed_launcher_gives_its_gpu_back(processes, scripted_gpus):
     scripted_gpus([{"uuid": "GPU-solo"}])
-    holder = launcher("--gpus", "0", "--", sys.executable, "-c", "import time; time.sleep(60)")
-    try:
-        assert wait_until(lambda: claims.holder_of("GPU-solo") is not None, timeout=15)
-        holder.kill()  # SIGKILL: no cleanup code of the launcher runs
-        holder.wait(timeout=10)
-        assert claims.holder_of("GPU-solo") is None
-    finally:
-        holder.kill()
-        holder.communicate()
+    holder = launcher(processes, "--gpus", "0", "--", sys.executable, "-c", "import time; time.sleep(60)")
+    assert wait_until(lambda: claims.holder_of("GPU-solo") is not None, timeout=15)
+    holder.kill()  # SIGKILL: no cleanup code of the launcher runs
+    holder.wait(timeout=10)
+    assert claims.holder_of("GPU-solo") is None
 
 
 def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpus):

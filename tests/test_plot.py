@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT
+from helpers import assert_one_line_error
 from pretrain.metrics import MetricsLog
 from pretrain.plot import latest_by_step, load_records, plot_metrics
 
@@ -39,15 +40,6 @@ def assert_valid_png(path: Path) -> None:
     assert path.stat().st_size > 20_000  # three panels of lines and labels, not an empty canvas
     height, width, channels = matplotlib.image.imread(path).shape
     assert height > 400 and width > 400 and channels in (3, 4)
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr
 
 
 def test_the_plot_is_written_into_the_run_directory_by_default(tmp_path):

@@ -34,13 +34,14 @@ def train(tmp_path: Path, run: Path, *options: str) -> subprocess.CompletedProce
                           cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
 
 
-def start_training(tmp_path: Path, run: Path, *options: str) -> subprocess.Popen:
-    """A debug run that goes on until killed; returns once it holds its run directory (the
-    launcher says `run directory:` after taking it and writing its config)."""
-    proc = subprocess.Popen(launcher_argv(run, "--debug", "--max-steps", "100000",
-                                          "--set", f"data.cache_dir={tmp_path / 'cache'}", *options),
-                            cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
-    lines = []
+def start_training(processes, tmp_path: Path, run: Path, *options: str) -> subprocess.Popen:
+    """A debug run that goes on until killed (at the latest when the test ends); returns once it
+    holds its run directory (the launcher says `run directory:` after taking it and writing its config)."""
+    proc = processes(launcher_argv(run, "--debug", "--max-steps", "100000",
+                                   "--set", f"data.cache_dir={tmp_path / 'cache'}", *options),
+                     cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
     while "launcher: run directory:" not in (line := proc.stdout.readline()):
         assert line, "the launcher ended before it took its run directory:\n" + "".join(lines[-20:])
         lines.append(line)
@@ -57,20 +58,10 @@ def assert_refused(result: subprocess.CompletedProcess, *texts: str) -> str:
     return result.stderr
 
 
-@pytest.fixture
-def running():
-    """Launchers a test started; each is SIGKILLed (and reaped) when the test ends."""
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-def test_a_second_launcher_on_a_run_directory_in_use_is_refused_in_one_line_naming_the_first(tmp_path, running):
+@pytest.mark.slow
+def test_a_second_launcher_on_a_run_directory_in_use_is_refused_in_one_line_naming_the_first(processes, tmp_path):
     run = tmp_path / "run"
-    first = start_training(tmp_path, run, "--set", "training.seed=1")
-    running.append(first)
+    first = start_training(processes, tmp_path, run, "--set", "training.seed=1")
     config = (run / "config.json").read_bytes()
     second = train(tmp_path, run, "--max-steps", "30", "--set", "training.seed=2")
     assert_refused(second, f"run directory {run} is in use by the launcher pid {first.pid} (started ",
@@ -81,10 +72,10 @@ def test_a_second_launcher_on_a_run_directory_in_use_is_refused_in_one_line_nami
     assert record["host"] == socket.gethostname() and record["started"] in second.stderr
 
 
-def test_resume_auto_or_a_checkpoint_of_a_run_that_is_still_training_is_refused(tmp_path, running):
+@pytest.mark.slow
+def test_resume_auto_or_a_checkpoint_of_a_run_that_is_still_training_is_refused(processes, tmp_path):
     run = tmp_path / "run"
-    first = start_training(tmp_path, run, "--set", "training.checkpoint_interval=2")
-    running.append(first)
+    first = start_training(processes, tmp_path, run, "--set", "training.checkpoint_interval=2")
     assert wait_until(lambda: latest(run / "checkpoints") is not None, timeout=60)
     auto = train(tmp_path, run, "--resume", "auto")
     assert_refused(auto, f"run directory {run} is still training under the launcher pid {first.pid} (started ",
@@ -96,6 +87,7 @@ def test_resume_auto_or_a_checkpoint_of_a_run_that_is_still_training_is_refused(
     assert not (tmp_path / "other").exists()  # a refused launch leaves no run directory behind
 
 
+@pytest.mark.slow
 def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_with_both_ways_out_and_resume_auto_continues_it(tmp_path):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)  # only logs (a launch that failed early, say): reused
@@ -115,12 +107,11 @@ def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_with_both_ways_ou
 SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
 
 
-def test_the_lock_dies_with_a_launcher_killed_by_sigkill_and_generic_commands_are_locked_too(tmp_path, running):
+def test_the_lock_dies_with_a_launcher_killed_by_sigkill_and_generic_commands_are_locked_too(processes, tmp_path):
     run, child = tmp_path / "run", tmp_path / "sleeper.py"
     child.write_text(SLEEPER)
-    first = subprocess.Popen(launcher_argv(run, "--", sys.executable, str(child)), cwd=ROOT, env=launcher_env(),
-                             stdout=subprocess.PIPE, text=True)
-    running.append(first)
+    first = processes(launcher_argv(run, "--", sys.executable, str(child)), cwd=ROOT, env=launcher_env(),
+                      stdout=subprocess.PIPE, text=True)
     assert ":pid " in first.stdout.readline()  # its worker runs: it holds the run directory
     true = launcher_argv(run, "--", "true")
     refused = subprocess.run(true, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
@@ -131,12 +122,13 @@ def test_the_lock_dies_with_a_launcher_killed_by_sigkill_and_generic_commands_ar
     assert after.returncode == 0, after.stderr
 
 
+@pytest.mark.slow
 def test_resume_auto_alone_refuses_the_newest_run_while_it_trains_and_takes_it_once_free(tmp_path, monkeypatch):
     finished = tmp_path / "finished"
     assert train(tmp_path, finished, "--max-steps", "2").returncode == 0
     live = tmp_path / "runs" / "live"
     shutil.copytree(finished, live)
-    monkeypatch.setattr(cli, "PROJECT_ROOT", tmp_path)  # runs/ is tmp_path/runs
+    monkeypatch.setenv("PRETRAIN_RUNS_DIR", str(tmp_path / "runs"))
     config = cfg.resolve("debug", sets=["training.resume=auto"])
     printer = Printer(io.StringIO(), None, colour=False)
     held = run_lock.take(live)  # as the launcher of that run would (another open file: a lock of its own)

@@ -123,6 +123,7 @@ DEBUG_RUN = ["--debug", "--set", "data.context_length=64", "--set", "training.ba
 
 @pytest.mark.parametrize("entry", [["pretrain_main.py"], ["-m", "launcher", "--device", "cpu"]],
                          ids=["training process", "launcher"])
+@pytest.mark.slow
 def test_resuming_a_checkpoint_without_its_loader_position_exits_2_with_one_line(tmp_path, entry):
     path = checkpoint_with(tmp_path / "run", 10, without("loader"))
     result = subprocess.run(

@@ -105,14 +105,17 @@ def order_seen_by_torch(**env: str) -> str:
     return seen_by_torch(**env)[0]
 
 
+@pytest.mark.slow
 def test_the_entry_point_numbers_gpus_in_pci_order_before_torch_loads():
     assert order_seen_by_torch() == "order when torch loads: PCI_BUS_ID"
 
 
+@pytest.mark.slow
 def test_a_device_order_the_user_set_is_kept():
     assert order_seen_by_torch(CUDA_DEVICE_ORDER="FASTEST_FIRST") == "order when torch loads: FASTEST_FIRST"
 
 
+@pytest.mark.slow
 def test_the_entry_point_asks_for_expandable_segments_unless_the_user_chose_an_allocator():
     assert seen_by_torch()[1] == "allocator when torch loads: expandable_segments:True"
     assert seen_by_torch(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")[1] == \

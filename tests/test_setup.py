@@ -120,6 +120,7 @@ def test_a_torch_above_the_upper_bound_is_used_with_one_warning_line(tmp_path):
         f"if it fails, install a tested one: pip install '{TORCH}'"]
 
 
+@pytest.mark.slow
 def test_an_importable_torch_below_the_floor_is_reported_in_one_line_and_never_replaced(tmp_path):
     root = project_copy(tmp_path / "project")
     old = f"{minor_before(FLOOR)}.1"
@@ -166,6 +167,7 @@ def fresh_machine(tmp_path: pathlib.Path, gpu: bool) -> tuple[pathlib.Path, path
 
 
 @pytest.mark.parametrize("gpu", [True, False])
+@pytest.mark.slow
 def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_path, gpu):
     if not gpu and pathlib.Path("/proc/driver/nvidia/version").exists():
         pytest.skip("this machine has an NVIDIA driver, so setup takes the GPU branch")
@@ -182,6 +184,7 @@ def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_p
         assert "--no-deps" in installs[0].split()
 
 
+@pytest.mark.slow
 def test_a_gpu_machine_whose_new_torch_cannot_use_the_gpu_is_told_how_to_install_a_matching_build(tmp_path):
     base, root, bin_dir = fresh_machine(tmp_path, gpu=True)
     site = fake_pip(tmp_path / "site", tmp_path / "pip.log", torch_without_cuda=True)

@@ -36,7 +36,7 @@ def family(proc: subprocess.Popen) -> list[psutil.Process]:
 def dataloader_workers(processes: list[psutil.Process]) -> list[psutil.Process]:
     """Of family(): the children of the training workers, their DataLoader workers."""
     launcher = processes[0].pid
-    trainers = {p.pid for p in processes if p.ppid() == launcher and "pretrain_main.py" in " ".join(p.cmdline())}
+    trainers = {p.pid for p in processes if p.ppid() == launcher and "RANK" in p.environ()}
     return [p for p in processes if p.ppid() in trainers]
 
 
@@ -54,25 +54,27 @@ def exit_codes(run_dir) -> list[int]:
 
 
 @pytest.mark.parametrize("num_workers", [2, 0])
-def test_sigterm_to_every_process_of_the_job_saves_a_checkpoint_and_exits_143(tmp_path, num_workers):
-    proc = start_training(tmp_path, "--set", f"training.num_workers={num_workers}")
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_the_job_saves_a_checkpoint_and_exits_143(processes, tmp_path, num_workers):
+    proc = start_training(processes, tmp_path, "--set", f"training.num_workers={num_workers}")
     read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
-    processes = family(proc)
-    assert len(dataloader_workers(processes)) == 2 * num_workers  # so the signal reaches them too
-    for process in processes:  # as Slurm's scancel or a preemption does
+    job = family(proc)
+    assert len(dataloader_workers(job)) == 2 * num_workers  # so the signal reaches them too
+    for process in job:  # as Slurm's scancel or a preemption does
         process.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     out = proc.stdout.read()
     saved_checkpoint(tmp_path / "run", out, "SIGTERM")
     assert "launcher: stopped: every worker exited within" in out and "had to be killed" not in out
     assert exit_codes(tmp_path / "run") == [143, 143]
-    assert wait_until(lambda: not any(alive(p.pid) for p in processes), timeout=5)
+    assert wait_until(lambda: not any(alive(p.pid) for p in job), timeout=5)
 
 
-def test_sighup_to_the_launcher_saves_a_checkpoint_and_exits_129(tmp_path):
-    proc = start_training(tmp_path, "--set", "training.num_workers=2")
+@pytest.mark.slow
+def test_sighup_to_the_launcher_saves_a_checkpoint_and_exits_129(processes, tmp_path):
+    proc = start_training(processes, tmp_path, "--set", "training.num_workers=2")
     read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
-    processes = family(proc)
+    job = family(proc)
     proc.send_signal(signal.SIGHUP)  # the terminal closed (ssh dropped)
     assert proc.wait(timeout=60) == 129
     out = proc.stdout.read()
@@ -80,26 +82,27 @@ def test_sighup_to_the_launcher_saves_a_checkpoint_and_exits_129(tmp_path):
     saved_checkpoint(tmp_path / "run", out, "SIGTERM")  # what the launcher sends its workers
     assert "launcher: stopped: every worker exited within" in out and "of SIGHUP" in out
     assert exit_codes(tmp_path / "run") == [143, 143]
-    assert wait_until(lambda: not any(alive(p.pid) for p in processes), timeout=5)
+    assert wait_until(lambda: not any(alive(p.pid) for p in job), timeout=5)
 
 
 @pytest.mark.skipif(shutil.which("setsid") is None, reason="needs setsid(1) (util-linux)")
-def test_closing_the_terminal_of_a_run_saves_a_checkpoint_and_exits_129(tmp_path):
+@pytest.mark.slow
+def test_closing_the_terminal_of_a_run_saves_a_checkpoint_and_exits_129(processes, tmp_path):
     # The launcher leads a session whose controlling terminal is a pseudo-terminal; closing its
     # master side is a hang-up: the kernel sends SIGHUP, and writes to the terminal fail (EIO).
     master, terminal = pty.openpty()
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = processes(  # setsid(1) forks unless it starts outside a group of its own
         ["setsid", "--ctty", sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--max-steps", "100000",
          "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}",
          "--set", "logging.log_interval=1", "--set", "training.num_workers=2"],
-        cwd=ROOT, env=launcher_env(), stdin=terminal, stdout=terminal, stderr=terminal)
+        cwd=ROOT, env=launcher_env(), stdin=terminal, stdout=terminal, stderr=terminal, own_group=False)
     os.close(terminal)
     try:
         seen = b""
         while b"[CPU 1] Step [2/" not in seen:
             seen += os.read(master, 65536)  # OSError (EIO) once the launcher has ended
-        processes = family(proc)
+        job = family(proc)
     finally:
         os.close(master)
     assert proc.wait(timeout=60) == 129
@@ -107,21 +110,21 @@ def test_closing_the_terminal_of_a_run_saves_a_checkpoint_and_exits_129(tmp_path
     assert "launcher: received SIGHUP: asking the workers to stop gracefully" in log
     saved_checkpoint(run_dir, log, "SIGTERM")
     assert exit_codes(run_dir) == [143, 143]
-    assert wait_until(lambda: not any(alive(p.pid) for p in processes), timeout=5)
+    assert wait_until(lambda: not any(alive(p.pid) for p in job), timeout=5)
 
 
-def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits_129(tmp_path):
+@pytest.mark.slow
+def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits_129(processes, tmp_path):
     # Without the launcher, in a session of its own, as a terminal's hang-up reaches a job.
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = processes(
         [sys.executable, "pretrain_main.py", "--debug", "--max-steps", "100000", "--set", "system.device=cpu",
          "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}",
          "--set", "logging.log_interval=1", "--set", "training.num_workers=2"],
-        cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     read_until(proc, "Step [2/")
-    processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    assert len(processes) == 3
+    job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert len(job) == 3
     os.killpg(proc.pid, signal.SIGHUP)
     assert proc.wait(timeout=60) == 129
     out = proc.stdout.read()
@@ -129,7 +132,7 @@ def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits
     assert len(stopped) == 1 and "Traceback" not in out, out[-3000:]
     saved = run_dir / "checkpoints" / stopped[0].rsplit("/", 1)[1]
     assert checkpoint.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
-    assert wait_until(lambda: not any(alive(p.pid) for p in processes), timeout=5)
+    assert wait_until(lambda: not any(alive(p.pid) for p in job), timeout=5)
 
 
 def test_a_training_process_stops_on_sighup_and_a_second_one_never_ends_it_at_once():
@@ -260,15 +263,15 @@ def test_the_guardian_outlives_a_sigterm_to_every_process_and_leaves_when_told_d
     assert proc.returncode == 0
 
 
-def test_a_killed_training_process_takes_its_dataloader_workers_and_its_peers_fail_at_once(tmp_path):
+@pytest.mark.slow
+def test_a_killed_training_process_takes_its_dataloader_workers_and_its_peers_fail_at_once(processes, tmp_path):
     """Its forked workers hold copies of its sockets to the other ranks: were they left for
     torch's watchdog (every MP_STATUS_CHECK_INTERVAL, 5 s), the peers would notice only then."""
     from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
-    proc = start_training(tmp_path, "--set", "training.num_workers=2")
+    proc = start_training(processes, tmp_path, "--set", "training.num_workers=2")
     read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
-    processes = family(proc)
-    trainer = next(p for p in processes if p.ppid() == proc.pid and "pretrain_main.py" in " ".join(p.cmdline()))
+    trainer = next(p for p in family(proc) if p.ppid() == proc.pid and "RANK" in p.environ())
     helpers = trainer.children()
     assert len(helpers) == 2
     trainer.kill()  # as the OOM killer does

@@ -13,24 +13,34 @@ import pytest
 
 from conftest import alive, wait_until
 from launcher.printer import Printer
-from launcher.supervisor import EXIT_HANG, Supervisor, exit_code
+from launcher.supervisor import EXIT_HANG, Supervisor, SupervisorOptions, exit_code
 from launcher.worker import Worker, worker_env
 
+# A handshake: the peer of FAILS_WITH_7 touches this file (next to the scripts) once it has set
+# itself up, so that the failure, and the teardown it starts, find it ready however slow its start.
+PEER_READY = 'Path(__file__).with_name("peer-ready").touch()'
 FAILS_WITH_7 = """
     import sys, time
+    from pathlib import Path
+    ready, deadline = Path(__file__).with_name("peer-ready"), time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     print("about to fail", flush=True)
-    time.sleep(0.3)
     sys.exit(7)
 """
-SLEEPS = """
+SLEEPS = f"""
     import os, time
-    print(f"sleeper {os.getpid()}", flush=True)
+    from pathlib import Path
+    print(f"sleeper {{os.getpid()}}", flush=True)
+    {PEER_READY}
     time.sleep(60)
 """
-IGNORES_SIGTERM = """
+IGNORES_SIGTERM = f"""
     import signal, time
+    from pathlib import Path
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("ignoring SIGTERM", flush=True)
+    {PEER_READY}
     time.sleep(60)
 """
 
@@ -46,7 +56,7 @@ def supervise(workers: list[Worker], tmp_path, kill_grace: float = 2.0, **option
     (tmp_path / "logs").mkdir(exist_ok=True)
     printer = Printer(console, tmp_path / "logs")
     started = time.monotonic()
-    code = Supervisor(workers, printer, kill_grace=kill_grace, run_dir=tmp_path, **options).run()
+    code = Supervisor(workers, printer, SupervisorOptions(kill_grace=kill_grace, run_dir=tmp_path, **options)).run()
     printer.close()
     return code, console.getvalue(), time.monotonic() - started
 
@@ -128,7 +138,7 @@ def test_per_worker_logs_are_prefix_free_and_the_combined_log_has_every_line(scr
     assert (tmp_path / "logs" / "cpu0.log").read_text() == "hello 0\n"
     assert (tmp_path / "logs" / "cpu1.log").read_text() == "hello 1\n"
     combined = (tmp_path / "logs" / "combined.log").read_text().splitlines()
-    assert sorted(combined) == ["CPU0:hello 0", "CPU1:hello 1"]
+    assert sorted(line for line in combined if not line.startswith("launcher")) == ["CPU0:hello 0", "CPU1:hello 1"]
 
 
 def test_a_very_long_line_is_passed_on_whole_in_bounded_pieces(script, tmp_path):
@@ -170,31 +180,20 @@ def test_worker_environment_keeps_the_users_allocator_settings():
 
 
 LEAVES_ESCAPED_DESCENDANTS = """
-    import os, subprocess, sys, time
+    import os, subprocess, sys
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    setsid = subprocess.Popen(sleep, start_new_session=True)
+    setsid = subprocess.Popen(sleep, start_new_session=True)  # returns once the child has exec'd
+    execed, told = os.pipe()  # close-on-exec: the write end closes when the daemon execs
     if os.fork() == 0:  # a daemon: fork, new session, fork again, the middle one exits
         os.setsid()
         if os.fork() == 0:
             os.execv(sys.executable, sleep)
         os._exit(0)
+    os.close(told)
+    os.read(execed, 1)  # end of file: the daemon has exec'd (and the middle one exited)
     os.wait()
-    time.sleep(0.3)  # let the daemon exec
     print("escaped", setsid.pid, flush=True)
 """
-
-
-def escaped_pids(out: str, label: str) -> list[int]:
-    """The setsid child's pid and the daemon's, found by their command lines."""
-    line = next(text for text in out.splitlines() if text.startswith(f"{label}:escaped"))
-    setsid_pid = int(line.split()[-1])
-    return [setsid_pid, *daemon_pids(line)]
-
-
-def daemon_pids(_line: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and p.info["cmdline"][-1] == "import time; time.sleep(60)"
-            and p.ppid() == 1]
 
 
 def test_descendants_that_left_the_workers_group_do_not_survive_the_run(script, tmp_path):
@@ -208,16 +207,19 @@ def test_descendants_that_left_the_workers_group_do_not_survive_the_run(script, 
                                    == leaver.env["LAUNCHER_RUN_TOKEN"]], timeout=2.0)
 
 
-SILENT_AFTER_ONE_LINE = """
+SILENT_AFTER_ONE_LINE = f"""
     import faulthandler, signal, time
+    from pathlib import Path
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     print("started", flush=True)
+    {PEER_READY}
     def wait_for_peer():
         time.sleep(60)
     wait_for_peer()
 """
 
 
+@pytest.mark.slow
 def test_a_silent_worker_counts_as_failed_after_the_hang_timeout_with_exit_124(script, tmp_path):
     chatty = script("import time\nfor i in range(800):\n    print(i, flush=True)\n    time.sleep(0.01)", "chatty.py")
     silent = make_worker(1, script(SILENT_AFTER_ONE_LINE, "silent.py"))
@@ -232,6 +234,7 @@ def test_a_silent_worker_counts_as_failed_after_the_hang_timeout_with_exit_124(s
     assert [r["hung"] for r in record] == [False, True]
 
 
+@pytest.mark.slow
 def test_a_hang_timeout_does_not_fire_while_workers_keep_printing(script, tmp_path):
     chatty = script("import time\nfor i in range(20):\n    print(i, flush=True)\n    time.sleep(0.1)", "chatty.py")
     code, out, elapsed = supervise([make_worker(0, chatty), make_worker(1, chatty)], tmp_path, hang_timeout=1.0)
@@ -287,17 +290,21 @@ def test_lines_of_workers_writing_at_once_never_mix(script, tmp_path):
 
 GRACEFUL = """
     import os, signal, subprocess, sys, time
+    from pathlib import Path
     helper = subprocess.Popen([sys.executable, "-c", "import signal, time\\n"
         "signal.signal(signal.SIGTERM, lambda *_: print('helper got SIGTERM', flush=True))\\n"
         "time.sleep(60)"])
     def finish_step_and_save(signum, frame):
-        time.sleep(0.5)
+        time.sleep(0.5)  # the step and the save take a while
         print("saved; helper alive:", helper.poll() is None, flush=True)
         sys.exit(0)
     signal.signal(signal.SIGTERM, finish_step_and_save)
     print("helper", helper.pid, flush=True)
+    Path(__file__).with_name(f"ready{os.environ['RANK']}").touch()
     if os.environ["RANK"] == "0":
-        time.sleep(0.5)  # rank 1 is ready too
+        deadline = time.monotonic() + 60
+        while not Path(__file__).with_name("ready1").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until rank 1 is ready too
         os.kill(os.getppid(), signal.SIGINT)  # Ctrl-C to the supervisor
     time.sleep(60)
 """
@@ -314,6 +321,7 @@ def test_a_graceful_stop_of_training_workers_signals_each_worker_alone_and_waits
     assert len(helpers) == 2 and not any(alive(pid) for pid in helpers)
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_while_stopping_is_a_failure_not_a_clean_stop(script, tmp_path):
     fails_to_save = script(GRACEFUL.replace("sys.exit(0)", "sys.exit(2 if os.environ['RANK'] == '1' else 0)"),
                            "fails.py")

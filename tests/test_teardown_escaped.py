@@ -12,7 +12,7 @@ import time
 
 from conftest import ROOT, alive, launcher_env
 from launcher.printer import Printer
-from launcher.supervisor import Supervisor
+from launcher.supervisor import Supervisor, SupervisorOptions
 from test_supervisor import make_worker
 
 # Rank 0 starts `sleep 1000` in a session of its own, which inherits (and so holds) its output;
@@ -91,7 +91,7 @@ def test_on_a_failure_a_child_that_left_the_workers_group_gets_sigterm_like_one_
     printer = Printer(io.StringIO(), tmp_path / "logs")
 
     # A grace long enough for both to record the SIGTERM before the SIGKILL of the end.
-    code = Supervisor(workers, printer, kill_grace=0.5, run_dir=tmp_path).run()
+    code = Supervisor(workers, printer, SupervisorOptions(kill_grace=0.5, run_dir=tmp_path)).run()
     printer.close()
 
     assert code == 7
@@ -123,7 +123,7 @@ def test_a_graceful_stop_of_a_command_does_not_wait_the_stop_timeout_for_an_esca
     console = io.StringIO()
     printer = Printer(console, tmp_path / "logs")
 
-    code = Supervisor(workers, printer, kill_grace=2, stop_timeout=3, run_dir=tmp_path).run()
+    code = Supervisor(workers, printer, SupervisorOptions(kill_grace=2, stop_timeout=3, run_dir=tmp_path)).run()
     printer.close()
     out = console.getvalue()
 

@@ -94,6 +94,7 @@ def prepared_debug_dataset(cache: Path) -> Path:
 
 
 @pytest.mark.parametrize("part", ["train", "val"])
+@pytest.mark.slow
 def test_training_on_a_token_file_damaged_in_place_exits_2_with_one_line_and_no_traceback(tmp_path, part):
     tokens = prepared_debug_dataset(tmp_path / "cache")
     size = tokens.stat().st_size

@@ -11,20 +11,12 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env
+from conftest import ROOT, free_port, launcher_env
+from helpers import run_debug_training
 from pretrain import checkpoint
 from pretrain.metrics import read_metrics
 
 SMALL_RUN = ["--set", "data.context_length=64", "--set", "training.batch_size=4", "--set", "logging.log_interval=1"]
-
-
-def run(tmp_path, command: list[str], run_dir, *options: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, *command, "--debug", "--run-dir", str(run_dir),
-         "--set", f"data.cache_dir={tmp_path / 'cache'}", *SMALL_RUN, *options],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 def train_losses(run_dir) -> dict[int, float]:
@@ -37,15 +29,16 @@ TWO_RANKS = ["-m", "launcher", "--device", "cpu", "--nproc", "2"]
 
 
 @pytest.mark.parametrize("command", [SINGLE, TWO_RANKS], ids=["single process", "two DDP ranks"])
+@pytest.mark.slow
 def test_twenty_steps_equal_ten_then_ten_resumed_from_the_checkpoint_at_every_step(tmp_path, command):
     whole = tmp_path / "whole"
-    run(tmp_path, command, whole, "--max-steps", "20", "--set", "training.checkpoint_interval=10")
+    run_debug_training(tmp_path, command, whole, "--max-steps", "20", "--set", "training.checkpoint_interval=10")
     # Resume from a copy of the step-10 checkpoint alone, in a fresh run directory: nothing but
     # the checkpoint carries over.
     saved = tmp_path / "saved" / "step_10"
     shutil.copytree(whole / "checkpoints" / "step_10", saved)
     resumed = tmp_path / "resumed"
-    out = run(tmp_path, command, resumed, "--max-steps", "20", "--resume", str(saved)).stdout
+    out = run_debug_training(tmp_path, command, resumed, "--max-steps", "20", "--resume", str(saved)).stdout
     assert f"Resumed from {saved} at step 10" in out
 
     first, second = train_losses(whole), train_losses(resumed)
@@ -55,31 +48,35 @@ def test_twenty_steps_equal_ten_then_ten_resumed_from_the_checkpoint_at_every_st
                        checkpoint.load_model_state(resumed / "checkpoints" / "step_20")["output.weight"])
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_the_latest_checkpoint_of_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    run(tmp_path, SINGLE, run_dir, "--max-steps", "6", "--set", "training.checkpoint_interval=3")
-    out = run(tmp_path, SINGLE, run_dir, "--max-steps", "9", "--resume", "auto").stdout
+    run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "6", "--set", "training.checkpoint_interval=3")
+    out = run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "9", "--resume", "auto").stdout
     assert f"Resumed from {run_dir / 'checkpoints' / 'step_6'} at step 6" in out
     records = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert records == list(range(6)) + [6, 7, 8]  # the same metrics file, continued
 
 
+@pytest.mark.slow
 def test_resume_auto_without_a_checkpoint_starts_at_step_zero(tmp_path):
-    out = run(tmp_path, SINGLE, tmp_path / "run", "--max-steps", "2", "--resume", "auto").stdout
+    out = run_debug_training(tmp_path, SINGLE, tmp_path / "run", "--max-steps", "2", "--resume", "auto").stdout
     assert "No checkpoint to resume from; starting at step 0" in out
 
 
+@pytest.mark.slow
 def test_the_loss_falls_on_the_builtin_corpus(tmp_path):
     run_dir = tmp_path / "run"
-    run(tmp_path, SINGLE, run_dir, "--max-steps", "30", "--set", "training.warmup_steps=3")
+    run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "30", "--set", "training.warmup_steps=3")
     losses = train_losses(run_dir)
     assert losses[0] == pytest.approx(5.55, abs=0.3)  # ln(257): uniform over the byte vocabulary
     assert losses[29] < losses[0] - 2.0  # bytes of English are far from uniform
 
 
+@pytest.mark.slow
 def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(tmp_path):
     run_dir = tmp_path / "run"
-    out = run(tmp_path, SINGLE, run_dir, "--max-steps", "8", "--set", "training.checkpoint_interval=2",
+    out = run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "8", "--set", "training.checkpoint_interval=2",
               "--set", "training.keep_checkpoints=2").stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_6", "step_8"]
     assert "Tokens/s:" in out and "MFU" not in out  # no MFU on a CPU: its peak is not known
@@ -116,13 +113,11 @@ def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_with_the_
     assert not (tmp_path / "run" / "logs" / "cpu0.log").exists()  # refused before any worker started
 
 
+@pytest.mark.slow
 def test_ranks_started_without_the_launcher_or_a_run_directory_share_one_run_directory(tmp_path):
     """As under torchrun: rank 0 names the run directory for every rank."""
     import re
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ranks = [subprocess.Popen(
         [sys.executable, "pretrain_main.py", "--debug", "--max-steps", "2", "--set", f"data.cache_dir={tmp_path / 'cache'}",
          *SMALL_RUN], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

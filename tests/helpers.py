@@ -1,0 +1,67 @@
+"""Helpers several test files share (fixtures and process helpers are in conftest.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conftest import ROOT, launcher_env
+from pretrain.config import DataConfig
+from pretrain.data.prepare import prepare, read_meta
+from pretrain.data.windows import DTYPES
+
+# --- prepared datasets ----------------------------------------------------------------
+
+
+def data_config(tmp_path: Path, **changes) -> DataConfig:
+    """A data config whose cache is the test's own."""
+    return DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
+
+
+def prepared(cfg: DataConfig, **kwargs) -> Path:
+    """Prepare (or find) the dataset, dropping the progress lines."""
+    return prepare(cfg, log=lambda line: None, **kwargs)
+
+
+def split_tokens(dataset: Path, split: str) -> np.ndarray:
+    """The tokens of one split, read through its segments in meta.json (a shard's file is absolute)."""
+    parts = [np.fromfile(dataset / segment["file"], dtype=DTYPES[segment["dtype"]], count=segment["tokens"],
+                         offset=segment["offset"])
+             for segment in read_meta(dataset)["splits"][split]]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def all_tokens(dataset: Path) -> np.ndarray:
+    """The training tokens, then the validation tokens."""
+    return np.concatenate([split_tokens(dataset, "train"), split_tokens(dataset, "val")])
+
+
+# --- commands -------------------------------------------------------------------------
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, code: int = 2, prefix: str = "",
+                          quiet_stdout: bool = True) -> None:
+    """A refusal: exit `code`, one line on stderr (starting with prefix, holding every fragment),
+    no traceback, and, where quiet_stdout, nothing on stdout."""
+    assert result.returncode == code, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(prefix), result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+    if quiet_stdout:
+        assert result.stdout == ""
+
+
+def run_debug_training(tmp_path: Path, command: list[str], run_dir: Path, *options: str) -> subprocess.CompletedProcess:
+    """A short debug-preset training run (`python <command> --debug ...`, a small batch and context,
+    a log line every step) into run_dir, with the test's own data cache; it must succeed."""
+    result = subprocess.run(
+        [sys.executable, *command, "--debug", "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}",
+         "--set", "data.context_length=64", "--set", "training.batch_size=4", "--set", "logging.log_interval=1",
+         *options],
+        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
