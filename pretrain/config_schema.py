@@ -1,0 +1,292 @@
+"""The config's shape: one frozen dataclass per section, each field's type, default and docstring,
+and the checks a section makes on its own values (ConfigError, one line naming the key).
+
+docs/config.md is generated from these classes and the docstring under each field
+(python -m pretrain.config_reference). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_type_hints
+
+from pretrain import registry
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message is one line."""
+
+
+def _check(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int = 4096
+    """Width of the residual stream (embedding size)."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Query heads per attention layer; dim must be divisible by it."""
+    n_kv_heads: int = 8
+    """Key/value heads (grouped-query attention); n_heads must be divisible by it."""
+    ffn: str = "swiglu"
+    """The feed-forward block of every layer, by its name in pretrain/registry.py (FEED_FORWARDS): "swiglu" (Llama's)."""
+    ffn_dim: int = 14336
+    """Hidden width of the feed-forward block."""
+    vocab_size: int | None = 128256
+    """Rows of the embedding and output projection: at least the tokenizer's vocabulary; null follows the tokenizer (set once the dataset is prepared)."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    rope_theta: float = 500000.0
+    """Base of the rotary position embedding frequencies."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+    max_seq_len: int | None = 8192
+    """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
+        _check(self.dim % self.n_heads == 0, "model.dim",
+               f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
+        _check((self.dim // self.n_heads) % 2 == 0, "model.dim",
+               f"head size {self.dim // self.n_heads} (dim / n_heads) must be even for rotary embeddings")
+        _check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
+               f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})")
+        _check(self.ffn in registry.FEED_FORWARDS, "model.ffn", registry.unknown_name(self.ffn, registry.FEED_FORWARDS))
+        if self.vocab_size is not None:
+            _check(self.vocab_size >= 2, "model.vocab_size", f"must be at least 2 or null (got {self.vocab_size})")
+        _check(self.norm_eps > 0, "model.norm_eps", f"must be positive (got {self.norm_eps})")
+        _check(self.rope_theta > 0, "model.rope_theta", f"must be positive (got {self.rope_theta})")
+        _check(self.init_std > 0, "model.init_std", f"must be positive (got {self.init_std})")
+        if self.max_seq_len is not None:
+            _check(self.max_seq_len >= 2, "model.max_seq_len", f"must be at least 2 or null (got {self.max_seq_len})")
+
+
+SOURCES_WITH_PATH = ("text", "jsonl", "parquet", "llmc", "megatron")
+SHARD_SOURCES = ("llmc", "megatron")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["builtin", "text", "jsonl", "parquet", "hub", "llmc", "megatron"] = "builtin"
+    """Where the text comes from: "builtin" (Python's own documentation, no network), local "text", "jsonl" or "parquet" files, a Hugging Face "hub" dataset, or pre-tokenized "llmc" (llm.c / modded-nanogpt .bin) or "megatron" (.bin + .idx) shards, used in place."""
+    path: str = ""
+    """Local source: a file, a directory or a glob pattern (text, jsonl, parquet, llmc); for megatron the path without .bin/.idx. Relative paths are from the current directory."""
+    val_path: str = ""
+    """Validation files, same form as path; empty holds out the last val_fraction of the tokens instead."""
+    text_field: str = "text"
+    """The JSON Lines field or Parquet column that holds the text (jsonl, parquet and hub sources)."""
+    hub_repo: str = ""
+    """Hugging Face dataset repository id (owner/name) for source "hub"."""
+    hub_revision: str = "main"
+    """Branch, tag or commit of hub_repo."""
+    hub_files: str = "*.parquet"
+    """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
+    hub_max_files: int | None = None
+    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
+    max_samples: int = 0
+    """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
+    tokenizer: Literal["byte", "bpe", "huggingface", "tiktoken"] = "byte"
+    """How text becomes token ids: "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
+    tokenizer_name: str = ""
+    """huggingface: a tokenizer.json path or a Hub model repo id; tiktoken: the encoding name (gpt2, cl100k_base, o200k_base)."""
+    bpe_vocab_size: int = 8192
+    """Vocabulary size of the trained "bpe" tokenizer, end-of-text included."""
+    eot_token: str = ""
+    """End-of-text token of a huggingface tokenizer; empty picks the first it has of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>`."""
+    context_length: int = 8192
+    """Tokens per training sequence."""
+    val_fraction: float = 0.05
+    """Share of the tokens held out for validation when val_path is empty."""
+    cache_dir: str = "cache/datasets"
+    """Where prepared datasets are cached; a relative path is under the cache root (PRETRAIN_CACHE_DIR or --cache-dir, default ./cache), whose name a leading cache/ stands for."""
+
+    def __post_init__(self) -> None:
+        _check(2 <= self.context_length <= 1 << 20, "data.context_length",
+               f"must be between 2 and 1048576 (got {self.context_length})")
+        _check(0 < self.val_fraction < 1, "data.val_fraction",
+               f"must be between 0 and 1, exclusive (got {self.val_fraction})")
+        _check(self.cache_dir != "", "data.cache_dir", "must not be empty")
+        _check(self.max_samples >= 0, "data.max_samples", f"must not be negative (got {self.max_samples}); 0 uses all")
+        _check(self.bpe_vocab_size >= 258, "data.bpe_vocab_size",
+               f"must be at least 258 (256 bytes, end-of-text and one merge; got {self.bpe_vocab_size})")
+        if self.hub_repo:
+            _check(self.hub_repo.count("/") == 1 and all(self.hub_repo.split("/")), "data.hub_repo",
+                   f"expected owner/name (got {self.hub_repo!r})")
+        _check(self.hub_files != "", "data.hub_files", "must not be empty")
+        if self.hub_max_files is not None:
+            _check(self.hub_max_files >= 0, "data.hub_max_files",
+                   f"must not be negative (got {self.hub_max_files}); 0 uses all files, null as many as the run reads")
+
+    def check_complete(self) -> None:
+        """The keys the chosen source and tokenizer cannot work without. Checked once every
+        layer is applied: a file may choose the source and a --set give its path."""
+        if self.source in SOURCES_WITH_PATH:
+            _check(self.path != "", "data.path", f'source "{self.source}" needs data.path (a file, directory or glob)')
+        if self.source == "hub":
+            _check(self.hub_repo != "", "data.hub_repo", 'source "hub" needs data.hub_repo=owner/name')
+        if self.source in SHARD_SOURCES:
+            _check(self.max_samples == 0, "data.max_samples",
+                   f'applies to text sources; "{self.source}" shards are used whole (set it to 0)')
+        if self.source not in SOURCES_WITH_PATH:  # keys that would be silently ignored are mistakes
+            for key in ("path", "val_path"):
+                _check(getattr(self, key) == "", f"data.{key}",
+                       f'source "{self.source}" reads no local files; set data.source to text, jsonl, parquet, '
+                       "llmc or megatron to use it")
+        if self.source != "hub":
+            _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
+            _check(self.hub_max_files is None, "data.hub_max_files",
+                   f'is set but data.source is "{self.source}"; set data.source=hub')
+        if self.tokenizer in ("huggingface", "tiktoken"):
+            what = "a tokenizer.json path or Hub repo id" if self.tokenizer == "huggingface" else "an encoding such as gpt2"
+            _check(self.tokenizer_name != "", "data.tokenizer_name", f'tokenizer "{self.tokenizer}" needs {what}')
+        else:
+            _check(self.tokenizer_name == "", "data.tokenizer_name",
+                   f'is set but data.tokenizer is "{self.tokenizer}"; set data.tokenizer to huggingface or tiktoken')
+        if self.tokenizer == "tiktoken":
+            _check(self.tokenizer_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
+                   "data.tokenizer_name", f"{self.tokenizer_name!r} is not a tiktoken encoding name (gpt2, cl100k_base, ...)")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    batch_size: int = 1
+    """Sequences per forward pass on each rank (the micro-batch)."""
+    grad_accum_nums: int = 8
+    """Micro-batches accumulated into one optimizer step."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank; 0 loads batches in the training process."""
+    optimizer: str = "adamw"
+    """The optimizer, by its name in pretrain/registry.py (OPTIMIZERS): "adamw" (decoupled weight decay on matrices only)."""
+    lr_schedule: str = "cosine"
+    """The learning-rate schedule, by its name in pretrain/registry.py (LR_SCHEDULES): "cosine" (linear warmup, then cosine decay to min_lr_ratio)."""
+    learning_rate: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """Learning rate at the last step, as a fraction of the peak (cosine decay)."""
+    warmup_steps: int = 2000
+    """Optimizer steps of linear warmup from zero to the peak learning rate."""
+    max_steps: int = 10000
+    """Optimizer steps to train for (when epochs is 0)."""
+    epochs: int = 0
+    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to weight matrices only."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    use_amp: bool = True
+    """Run the forward pass in bfloat16 autocast (weights and optimizer stay fp32)."""
+    seed: int = 1337
+    """Seed for initialisation and data order; identical on every rank."""
+    eval_interval: int = 0
+    """Compute validation loss every N steps; 0 only after the last step."""
+    eval_batches: int = 4
+    """Micro-batches per rank in one validation pass."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
+    parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
+    """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
+    cpu_offload: bool | None = None
+    """FSDP2 with CPU offload: sharded weights, gradients and AdamW state in host memory, the GPU holding only what is in flight (slower: every step copies them over PCIe); null uses it only when the model does not fit the GPUs but fits with it, within the host's memory (the launcher says so)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them: about a third more compute for much less memory."""
+    compile: bool | None = None
+    """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
+    loss_chunk_tokens: int = 2048
+    """Tokens per chunk of the output projection and cross-entropy, so the fp32 logits of the whole batch never exist at once; 0 computes them in one piece."""
+    checkpoint_interval: int = 1000
+    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
+    keep_checkpoints: int = 3
+    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
+    resume: str = ""
+    """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints"):
+            _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
+        for name in ("epochs", "num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval",
+                     "global_batch_size", "loss_chunk_tokens", "checkpoint_interval"):
+            _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
+        _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
+        _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
+        _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", f"must be between 0 and 1 (got {self.min_lr_ratio})")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, f"training.{name}", f"must be in [0, 1) (got {getattr(self, name)})")
+        _check(self.optimizer in registry.OPTIMIZERS, "training.optimizer",
+               registry.unknown_name(self.optimizer, registry.OPTIMIZERS))
+        _check(self.lr_schedule in registry.LR_SCHEDULES, "training.lr_schedule",
+               registry.unknown_name(self.lr_schedule, registry.LR_SCHEDULES))
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: "cuda", "cpu", or "auto" (every free GPU, else CPU workers)."""
+    device_id: int | None = None
+    """Pin the run to this one physical GPU index; null lets the launcher choose."""
+    collective_timeout: float = 600.0
+    """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes."""
+
+    def __post_init__(self) -> None:
+        if self.device_id is not None:
+            _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
+        _check(0 < self.collective_timeout <= 86400, "system.collective_timeout",
+               f"must be between 0 and 86400 seconds (got {self.collective_timeout:g})")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    """Lowest level of worker log lines printed."""
+    log_interval: int = 10
+    """Print a step line every N optimizer steps (the first and last step always)."""
+    tensorboard: bool = True
+    """Also write the metrics as TensorBoard events to <run dir>/tensorboard/ when the tensorboard package is installed."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_interval >= 1, "logging.log_interval", f"must be at least 1 (got {self.log_interval})")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    check_finite: bool = True
+    """Check every step's loss and gradient norm for NaN or Inf before the update (one small all-reduce); on_nonfinite says what then."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """stop: report the bad tensors, save checkpoint nan_grad_step_<N> and the dump, exit 3. skip: drop that update and go on."""
+    max_skips_in_a_row: int = 3
+    """With on_nonfinite=skip: skip at most this many updates in a row; the next non-finite step stops as with stop."""
+    trace_nonfinite: bool = False
+    """Hooks on every module name the first whose output or gradient is not finite (slow; turns off compile and activation checkpointing)."""
+    dump_tensors: bool = True
+    """On a stop for NaN/Inf, write every parameter and gradient (float32) to <run dir>/debug/nan_debug_step_<N>.npz."""
+    detect_anomaly: bool = False
+    """Run autograd anomaly detection (names the backward op that made a NaN; slow)."""
+
+    def __post_init__(self) -> None:
+        _check(self.on_nonfinite in ("stop", "skip"), "debug.on_nonfinite",
+               f"must be stop or skip (got {self.on_nonfinite!r})")
+        _check(self.max_skips_in_a_row >= 1, "debug.max_skips_in_a_row",
+               f"must be at least 1 (got {self.max_skips_in_a_row})")
+
+
+@dataclass(frozen=True)
+class Config:
+    preset: str = "production"
+    """Preset this config was built on (informational once resolved)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+SECTIONS: dict[str, type] = {name: hint for name, hint in get_type_hints(Config).items() if name != "preset"}
