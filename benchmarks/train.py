@@ -209,7 +209,7 @@ def measure_cross_entropy(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from pretrain.model import chunked_cross_entropy
+    from pretrain.loss import chunked_cross_entropy
 
     device = bench_device(job["device"])
     torch.manual_seed(0)  # the same inputs in every variant's process, so their losses must agree

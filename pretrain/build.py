@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from pretrain import memory, memory_plan, parallel
 from pretrain import config as cfg
-from pretrain.config import Config, TrainingConfig
+from pretrain.config import Config
 from pretrain.data import DataError
 from pretrain.data.loader import TokenIdError, TrainBatches, validation_batches
 from pretrain.debug import FirstNonFinite
 from pretrain.metrics import MetricsLog
 from pretrain.model import Transformer
+from pretrain.optim import build_optimizer
 from pretrain.runtime import Runtime
 from pretrain.stopping import StopRequest
 
@@ -61,18 +62,6 @@ class Trainer:
     def tokens_per_step(self) -> int:
         t = self.config.training
         return t.batch_size * self.config.data.context_length * t.grad_accum_nums * self.runtime.world_size
-
-
-def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm weights are not decayed). The fused
-    kernel runs where the parameters are on the GPU; under CPU offload they are in host memory,
-    where torch's plain per-tensor loop updates them (its foreach kernels are CUDA-only)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.beta1, training.beta2),
-                             fused=on_gpu)
 
 
 def gpu_memory(device: torch.device) -> int | None:
@@ -122,12 +111,12 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     # allocates and initialises each rank's part from t.seed (the same weights whatever the
     # number of ranks), so no rank ever holds the whole model: an 8B model takes 32 GB in fp32.
     with torch.device("meta"):
-        model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
-    log.info(f"Model: {model.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
+        transformer = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
+    log.info(f"Model: {transformer.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
              f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
              + (f"; {mode.upper()}" if mode != "single" else "")
              + ("; CPU offload (weights, gradients and optimizer state in host memory)" if t.cpu_offload else ""))
-    model = parallel.parallelize(model, config, runtime, mode)
+    model = parallel.parallelize(transformer, config, runtime, mode)  # as trained: under DDP a wrapper, not a Transformer
     optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
     loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
                           runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",

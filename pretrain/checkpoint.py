@@ -61,7 +61,7 @@ __all__ = ["FORMAT_VERSION", "CheckpointError", "latest", "load_config", "load_m
 NEARLY_FULL = 64 << 20
 """Free bytes below which a failed write names the free space: more than one write's worth."""
 
-ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn", "ffn_dim", "vocab_size")
 """The model keys that define its parameters. The others (norm_eps, rope_theta, max_seq_len,
 init_std) may change on resume: raising rope_theta with max_seq_len is how a context is extended."""
 
@@ -211,6 +211,7 @@ def restore(trainer: Trainer, path: Path) -> int:
     check_steps(path, state["steps_done"], trainer.config.training.max_steps)
     saved_config = load_config(path)
     check_same_model(path, saved_config.model, trainer.config.model)
+    check_same_optimizer(path, saved_config.training, trainer.config.training)
     check_same_hub_files(path, saved_config.data, trainer.config.data)
     metadata = read_dcp_metadata(path) if _is_sharded(path) else None  # refuses pickled values, unread
     rng = _read_rng(path, state, trainer.runtime.rank)
@@ -246,6 +247,13 @@ def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfi
         if there != here:
             raise CheckpointError(f"checkpoint {path} is for a different model: model.{key} is {there} there, "
                                   f"{here} here; resume with the same model config or start fresh")
+
+
+def check_same_optimizer(path: Path, saved: cfg.TrainingConfig, current: cfg.TrainingConfig) -> None:
+    """One optimizer's state does not load into another's."""
+    if saved.optimizer != current.optimizer:
+        raise CheckpointError(f"checkpoint {path} was trained with training.optimizer={saved.optimizer}, not "
+                              f"{current.optimizer}; resume with --set training.optimizer={saved.optimizer} or start fresh")
 
 
 def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataConfig) -> None:

@@ -30,13 +30,14 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypedDict
 
 import torch
 from torch import Tensor
 
 from pretrain import checkpoint
 from pretrain import config as cfg
+from pretrain import registry
 from pretrain.checkpoint import CheckpointError
 from pretrain.config import SHARD_SOURCES, Config
 from pretrain.data import DataError
@@ -51,7 +52,15 @@ FORMAT = "pretrain-llama"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-PARAMETER_NAMING = {
+class ParameterNaming(TypedDict):
+    """config.json's parameter_naming (PARAMETER_NAMING, or parameter_naming's variant of it)."""
+
+    convention: str
+    renamed: dict[str, str]
+    rotary: str
+
+
+PARAMETER_NAMING: ParameterNaming = {
     "convention": "Meta Llama (consolidated.*.pth): layers.{i}.attention.{wq,wk,wv,wo}, "
                   "layers.{i}.feed_forward.{w1,w2,w3}, layers.{i}.attention_norm, layers.{i}.ffn_norm, norm, output",
     "renamed": {"tok_embed": "tok_embeddings"},
@@ -242,6 +251,15 @@ def standalone_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return tensors
 
 
+def parameter_naming(config: Config) -> ParameterNaming:
+    """PARAMETER_NAMING, with the feed-forward names model.ffn's block uses where they are not Llama's."""
+    if registry.FEED_FORWARDS[config.model.ffn].llama_layout:
+        return PARAMETER_NAMING
+    ffn = f"layers.{{i}}.feed_forward.* of model.ffn={config.model.ffn!r} (pretrain/registry.py), not Llama's w1, w2, w3"
+    convention = PARAMETER_NAMING["convention"].replace("layers.{i}.feed_forward.{w1,w2,w3}", ffn)
+    return PARAMETER_NAMING | {"convention": convention}
+
+
 def export_config(config: Config, state: dict[str, Tensor], tokenizer_file: Path | None) -> dict[str, Any]:
     """What config.json says: enough to rebuild the model and to know its tokenizer."""
     max_seq_len = cfg.max_seq_len(config)
@@ -251,7 +269,7 @@ def export_config(config: Config, state: dict[str, Tensor], tokenizer_file: Path
         "format_version": FORMAT_VERSION,
         "model": cfg.to_dict(config)["model"] | {"max_seq_len": max_seq_len},
         "max_seq_len": max_seq_len,
-        "parameter_naming": PARAMETER_NAMING,
+        "parameter_naming": parameter_naming(config),
         "tokenizer": tokenizer_description(config, tokenizer_file),
         "torch_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "num_parameters": sum(t.numel() for t in state.values()),

@@ -67,7 +67,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_tokens: int, tempera
         # is for (a look at samples during or after a run) that costs little, and it uses exactly
         # the forward pass that was trained.
         window = torch.tensor(ids[-model.max_seq_len:], dtype=torch.long, device=device)[None]  # (1, T)
-        logits = model(window)[0, -1, :vocab_size].float().cpu()  # the last position's (vocab,)
+        logits = model(window).out[0, -1, :vocab_size].float().cpu()  # the last position's (vocab,)
         token = next_token(logits, temperature, top_k, generator)
         if token == eot_id:
             break

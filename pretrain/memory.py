@@ -10,15 +10,16 @@ fp32 copies of its logits (measured); a fixed allowance covers the CUDA context,
 caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the GPU, for
 what the model still leaves out.
 
-What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4):
+What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4,
+s bytes of optimizer state per parameter: AdamW's two fp32 moments, 8; pretrain/registry.py):
 
     DDP   weights 4P (+ 2P: autocast's bf16 copies of the matrices, kept for the backward)
-          gradients 4P (DDP's buckets hold them: gradient_as_bucket_view), AdamW 8P
+          gradients 4P (DDP's buckets hold them: gradient_as_bucket_view), optimizer state sP
     FSDP  weights 4P/W + a x (head + 2 blocks): the unsharded copies in flight (the root group,
           the final norm and output projection, stays gathered through the step; one block
           runs while the next is prefetched); gradients 4P/W + a x head (the root's, unsharded
           until the end of the backward pass) + (a + 4) x block (one block's unsharded
-          gradients and the fp32 buffer they are reduce-scattered from); AdamW 8P/W
+          gradients and the fp32 buffer they are reduce-scattered from); optimizer state sP/W
 
 FSDP with CPU offload (training.cpu_offload) keeps the sharded weights, gradients and AdamW
 state in host memory (counted in pretrain/memory_plan.py) and on the GPU only what is in flight:
@@ -37,8 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from pretrain import config as cfg
+from pretrain import registry
 from pretrain.config import Config, ConfigError, ModelConfig
 
 GIB = 1 << 30
@@ -102,10 +105,11 @@ def _require_vocab(model: ModelConfig) -> int:
 
 
 def block_parameter_count(model: ModelConfig) -> int:
-    """One TransformerBlock: two RMSNorm weights, wq/wk/wv/wo, and the SwiGLU w1/w2/w3."""
+    """One TransformerBlock: two RMSNorm weights, wq/wk/wv/wo, and the feed-forward block
+    (its own count, from pretrain/registry.py: SwiGLU's w1/w2/w3 are 3 x dim x ffn_dim)."""
     d, head_dim = model.dim, model.dim // model.n_heads
     attention = d * model.n_heads * head_dim * 2 + d * model.n_kv_heads * head_dim * 2  # wq, wo; wk, wv
-    return 2 * d + attention + 3 * d * model.ffn_dim
+    return 2 * d + attention + registry.FEED_FORWARDS[model.ffn].parameters(model)
 
 
 def embedding_parameter_count(model: ModelConfig) -> int:
@@ -142,14 +146,15 @@ def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     norm output per consumer (wq, wk, wv, w1, w3: 5 dim) and in fp32 the norm output itself, shared
     (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim; in fp32 k and v are repeated
     to every query head, dim + 2 dim: pretrain/model.py) and its output, which wo reads through a
-    view (dim); w1's and w3's outputs, silu's output and the gated product, w2's input (4 ffn_dim).
+    view (dim); and what the feed-forward block keeps (its own count, from pretrain/registry.py:
+    for SwiGLU, w1's and w3's outputs, silu's output and the gated product, w2's input: 4 ffn_dim).
     Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one per head). The
     rotation keeps nothing: its tables are constants.
     """
-    d, ffn = model.dim, model.ffn_dim
+    d, ffn = model.dim, registry.FEED_FORWARDS[model.ffn].saved_per_token(model)
     kv = model.n_kv_heads * (d // model.n_heads) if compute_bytes != FP32 else d
     norm_outputs = 5 * d if compute_bytes != FP32 else 2 * d
-    return compute_bytes * (norm_outputs + 2 * d + 2 * kv + 4 * ffn) + FP32 * (4 * d + 2 + model.n_heads)
+    return compute_bytes * (norm_outputs + 2 * d + 2 * kv + ffn) + FP32 * (4 * d + 2 + model.n_heads)
 
 
 def _head_bytes_per_token(config: Config, compute_bytes: int) -> int:
@@ -216,14 +221,19 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         head, block = head_parameter_count(model), block_parameter_count(model)
         weights = ceil_div(FP32 * params, world_size) + unsharded * (head + 2 * block)
         gradients = ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
-        optimizer = ceil_div(2 * FP32 * params, world_size)
+        optimizer = ceil_div(optimizer_state_bytes(config.training) * params, world_size)
     else:
         weights = FP32 * params + (BF16 * _matrix_parameter_count(model) if amp else 0)
         gradients = FP32 * params
-        optimizer = 2 * FP32 * params
+        optimizer = optimizer_state_bytes(config.training) * params
     return MemoryEstimate(mode=mode, world_size=world_size, weights=weights, gradients=gradients,
                           optimizer=optimizer, activations=activation_bytes(config),
                           logits=logits_bytes(config), overhead=OVERHEAD_BYTES, temporaries=temporary_bytes(config))
+
+
+def optimizer_state_bytes(training: cfg.TrainingConfig) -> int:
+    """Bytes of state per parameter of training.optimizer (pretrain/registry.py; AdamW: 8)."""
+    return registry.OPTIMIZERS[training.optimizer].state_bytes_per_param
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -233,7 +243,7 @@ def ceil_div(a: int, b: int) -> int:
 
 # --- choosing and checking --------------------------------------------------------------
 
-def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> str:
+def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> Literal["ddp", "fsdp"]:
     """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
     memory limit (CPU: None), or when DDP's estimate fits GPU_SHARE of the GPU (DDP
     communicates less); FSDP otherwise."""
@@ -306,8 +316,9 @@ def _gpus_that_fit(config: Config, world_size: int, gpu_memory_bytes: int, most:
     return None
 
 
-def with_training(config: Config, **changes: object) -> Config:
-    """config with training's fields changed."""
+def with_training(config: Config, **changes: Any) -> Config:
+    """config with training's fields changed. (Any: a TypedDict of TrainingConfig's fields would
+    repeat them; dataclasses.replace checks the names when it runs.)"""
     return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
 
 

@@ -23,7 +23,7 @@ import os
 
 from pretrain.config import Config, ConfigError
 from pretrain.memory import (FP32, GIB, MemoryEstimate, ceil_div, check_fits, choose_parallelism, estimate, fits_gpu,
-                             gib, join_or, parameter_count, with_training)
+                             gib, join_or, optimizer_state_bytes, parameter_count, with_training)
 
 HOST_OVERHEAD_BYTES = GIB
 """Host memory of one training process besides its tensors: Python, torch's libraries, the data loader."""
@@ -50,7 +50,8 @@ def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> 
     # The weights' and gradients' shards are pinned, through the caching host allocator, which
     # rounds a block up to a power of two (a 224 MiB shard of a 14336 x 4096 matrix takes 256).
     pinned = int(shard * PINNED_ROUNDING)
-    return MemoryEstimate(mode=mode, world_size=world_size, weights=pinned, gradients=pinned, optimizer=2 * shard,
+    return MemoryEstimate(mode=mode, world_size=world_size, weights=pinned, gradients=pinned,
+                          optimizer=ceil_div(optimizer_state_bytes(config.training) * parameter_count(config.model), world_size),
                           activations=0, logits=0, overhead=HOST_OVERHEAD_BYTES)
 
 

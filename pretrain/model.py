@@ -4,22 +4,26 @@ tokens -> embedding -> n_layers x [x + attention(norm(x)), x + feed_forward(norm
 
 Llama choices: RMSNorm before each block (pre-norm), rotary position embeddings on queries and
 keys, grouped-query attention (fewer key/value heads than query heads), a SwiGLU feed-forward
-block, no biases, and an output projection that is not tied to the embedding. Parameter names
-follow Meta's Llama layout (`layers.0.attention.wq.weight`, ...), and the rotary embedding uses
-Meta's convention (it rotates adjacent pairs of channels), so such checkpoints map onto this model
-by renaming only `tok_embeddings` to `tok_embed`.
+block (model.ffn chooses another: pretrain/feed_forward.py), no biases, and an output projection
+that is not tied to the embedding. Parameter names follow Meta's Llama layout
+(`layers.0.attention.wq.weight`, ...), and the rotary embedding uses Meta's convention (it rotates
+adjacent pairs of channels), so such checkpoints map onto this model by renaming only
+`tok_embeddings` to `tok_embed`. The model returns logits (or what an output head makes of its
+last hidden states) and the blocks' auxiliary losses; the loss is pretrain/loss.py's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.checkpoint import checkpoint
 
+from pretrain import registry
 from pretrain.config import ModelConfig
 
 
@@ -94,32 +98,39 @@ class Attention(nn.Module):
         return self.wo(y)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); w3 x is a learned gate on the activation."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, ffn_dim) inside, (B, T, dim) out
-
-
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: the residual stream itself is never normalised."""
+    """Pre-norm residual block: the residual stream itself is never normalised. The feed-forward
+    block is the one model.ffn names (pretrain/feed_forward.py; SwiGLU for Llama)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = registry.load(registry.FEED_FORWARDS[cfg.ffn].module)(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """(B, T, dim) -> (B, T, dim), and the feed-forward block's auxiliary losses (usually none)."""
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        out = self.feed_forward(self.ffn_norm(x))
+        out, aux_losses = out if isinstance(out, tuple) else (out, {})
+        return x + out, aux_losses
+
+
+class ModelOutput(NamedTuple):
+    out: Tensor
+    """The logits (B, T, vocab_size), or what the forward's head made of the final hidden states
+    (pretrain/loss.py's head: the loss, so the logits of the whole batch never exist together)."""
+    aux_losses: dict[str, Tensor]
+    """Every block's auxiliary losses, weighted, by name ("layers.3.<name>"); empty for dense blocks."""
+
+
+OutputHead = Callable[[Tensor, nn.Linear], Tensor]
+"""(final hidden states (B, T, dim), the output projection) -> what forward returns as out."""
+
+
+def project_logits(hidden: Tensor, output: nn.Linear) -> Tensor:
+    return output(hidden)  # (B, T, vocab_size)
 
 
 class Transformer(nn.Module):
@@ -129,6 +140,10 @@ class Transformer(nn.Module):
     at once, from seed (None: a seed drawn from torch's global generator, so torch.manual_seed
     decides). The same seed gives the same weights either way, on the same kind of device (a
     CUDA generator draws other numbers than the CPU's, and may differ between GPU models)."""
+
+    # The rotary tables' buffers (register_buffer in __init__), declared so that their type is known.
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int | None = None) -> None:
         super().__init__()
@@ -166,10 +181,14 @@ class Transformer(nn.Module):
         device = draw_device or _local(self.output.weight).device
         generator = torch.Generator(device=device).manual_seed(seed)
         std = self.cfg.init_std
-        # wo and w2 write into the residual stream, which sums 2 * n_layers such outputs (an
-        # attention and a feed-forward one per layer). Scaling them by 1 / sqrt(2 * n_layers) keeps
-        # the stream's variance at init independent of depth (GPT-2's residual scaling).
-        residual = {id(m) for layer in self.layers for m in (layer.attention.wo, layer.feed_forward.w2)}
+        # wo and the feed-forward's output (SwiGLU's w2) write into the residual stream, which sums
+        # 2 * n_layers such outputs (an attention and a feed-forward one per layer). Scaling them by
+        # 1 / sqrt(2 * n_layers) keeps the stream's variance at init independent of depth (GPT-2's
+        # residual scaling).
+        # self.layers holds only TransformerBlocks (__init__ builds them; FSDP2 only subclasses them
+        # in place), though to the type checker an nn.ModuleList holds plain Modules.
+        blocks = [cast(TransformerBlock, layer) for layer in self.layers]
+        residual = {id(m) for block in blocks for m in (block.attention.wo, *block.feed_forward.residual_outputs())}
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for module in self.modules():  # a fixed order: the generator's draws follow it
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -188,24 +207,20 @@ class Transformer(nn.Module):
         self.rope_cos = cos.to(device)  # a buffer stays a buffer when assigned a tensor
         self.rope_sin = sin.to(device)
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None, loss_chunk_tokens: int = 0) -> Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab_size); position t sees only tokens 0..t.
-
-        With targets (B, T): the mean next-token cross-entropy instead, computed loss_chunk_tokens
-        positions at a time (0: all at once) so the logits of the whole batch never exist together.
-        """
+    def forward(self, tokens: Tensor, head: OutputHead = project_logits) -> ModelOutput:
+        """tokens (B, T) int64 -> the logits (B, T, vocab_size) (or head's result) and the blocks'
+        auxiliary losses; position t sees only tokens 0..t. The loss is pretrain/loss.py's."""
         B, T = tokens.shape
         if T > self.max_seq_len:
             raise ValueError(f"input sequence length {T} exceeds the model's max_seq_len {self.max_seq_len}; "
                              f"shorten the input or build the model with max_seq_len >= {T}")
         cos, sin = self.rope_cos[:T].float(), self.rope_sin[:T].float()  # (T, head_dim // 2)
         x = self.tok_embed(tokens)  # (B, T, dim)
-        for layer in self.layers:
-            x = layer(x, cos, sin)  # (B, T, dim)
-        x = self.norm(x)
-        if targets is None:
-            return self.output(x)  # (B, T, vocab_size)
-        return chunked_cross_entropy(x.flatten(0, 1), self.output, targets.flatten(0, 1), loss_chunk_tokens)
+        aux_losses: dict[str, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x, block_losses = layer(x, cos, sin)  # (B, T, dim)
+            aux_losses.update((f"layers.{i}.{name}", loss) for name, loss in block_losses.items())
+        return ModelOutput(head(self.norm(x), self.output), aux_losses)
 
     def num_params(self) -> int:
         """Every parameter, the embedding and the (untied) output projection included."""
@@ -238,37 +253,3 @@ def _shard_view(full: Tensor, param: DTensor) -> Tensor | None:
     dim, rank = param.placements[0].dim, param.device_mesh.get_local_rank()
     chunks = full.chunk(param.device_mesh.size(), dim=dim)
     return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
-
-
-def _chunk_loss_sum(hidden: Tensor, output: nn.Linear, targets: Tensor) -> Tensor:
-    """Summed cross-entropy of one chunk: hidden (N, dim), targets (N,)."""
-    return F.cross_entropy(output(hidden).float(), targets, reduction="sum")
-
-
-def chunked_cross_entropy(hidden: Tensor, output: nn.Linear, targets: Tensor, chunk_tokens: int) -> Tensor:
-    """Mean cross-entropy of output(hidden) (N, vocab) against targets (N,), chunk_tokens rows at a time.
-
-    At Llama-3's vocabulary of 128256, the fp32 logits of 8192 tokens take 4 GiB, and autograd
-    would keep them (as log-probabilities) until the backward pass. Each chunk is checkpointed
-    instead: only its input is kept, and its logits are recomputed in the backward pass, one
-    chunk at a time. The price is one more output-projection matmul per step.
-    """
-    n = hidden.shape[0]
-    if chunk_tokens <= 0 or n <= chunk_tokens:
-        return _chunk_loss_sum(hidden, output, targets) / n
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, n, chunk_tokens):
-        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss_sum, h, output, t, use_reentrant=False)
-        else:
-            total = total + _chunk_loss_sum(h, output, t)
-    return total / n
-
-
-def cross_entropy_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy of logits (B, T, V) against targets (B, T), in float32.
-
-    Logits may be bf16 under autocast; log-softmax over a large vocabulary needs float32.
-    """
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))

@@ -9,7 +9,7 @@ and loads only its shards, through torch.distributed.checkpoint (pretrain/dcp_fi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -17,6 +17,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from pretrain.checkpoint_files import CheckpointError
 from pretrain.dcp_files import dcp_load, dcp_save, tensor_entries
 from pretrain.parallel import has_fsdp, unwrap
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 """Name components that wrappers (DDP, torch.compile, activation checkpointing, FSDP1) insert;
@@ -58,7 +61,9 @@ def whole_model_on_cpu(model: torch.nn.Module, wanted_here: bool) -> dict[str, t
     if has_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if wanted_here else None
+        # Typed as any DCP value, but a model's state dict holds only tensors, and full_state_dict
+        # gathers each DTensor into a whole one (on the CPU: cpu_offload).
+        return cast(dict[str, torch.Tensor], state) if wanted_here else None
     if not wanted_here:
         return None
     return {plain_name(key): value.detach().cpu() for key, value in model.state_dict().items()}
@@ -82,11 +87,12 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_st
         # Every rank holds the full tensors (memory-mapped) and keeps its own shard of each.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
         options = StateDictOptions(full_state_dict=True)
+        dcp_model_state: dict[str, ValueType] = dict(model_state)  # what DCP takes (dict is invariant: a copy, not a cast)
         if not named:  # saved before the first update (a step_0 or nan_grad_step_0): no moments yet
-            set_model_state_dict(model, model_state, options=options)
+            set_model_state_dict(model, dcp_model_state, options=options)
             return
         groups = named_optimizer_state(optimizer, model)["param_groups"]
-        set_state_dict(model, optimizer, model_state_dict=model_state,
+        set_state_dict(model, optimizer, model_state_dict=dcp_model_state,
                        optim_state_dict={"state": named, "param_groups": groups}, options=options)
         return
     unwrap(model).load_state_dict(model_state)

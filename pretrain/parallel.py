@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -138,12 +138,13 @@ def checkpoint_activations(block: TransformerBlock) -> None:
     gathered for its backward, as the hooks of a call would not run twice."""
     plain_forward = type(block).forward
 
-    def forward(self: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         if not torch.is_grad_enabled():  # evaluation: nothing is kept anyway
             return plain_forward(self, x, cos, sin)
         return checkpoint(plain_forward, self, x, cos, sin, use_reentrant=False)
 
-    block.forward = types.MethodType(forward, block)
+    # Replacing a method on an instance is what mypy's method-assign flags; here it is the point.
+    block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
 
 
 def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -178,12 +179,12 @@ def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = F
     after the reduce-scatter (pinned memory on CUDA, for asynchronous copies)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if use_amp else None,
                                   reduce_dtype=torch.float32 if use_amp else None, cast_forward_inputs=False)
-    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else None
-    placement = {"mesh": mesh} | ({"offload_policy": offload_policy} if offload else {})
-    fully_shard(model.tok_embed, **placement)  # no policy: fp32, like its output under autocast
+    # Without offload, OffloadPolicy(): fully_shard's own default, which offloads nothing.
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    fully_shard(model.tok_embed, mesh=mesh, offload_policy=offload_policy)  # no mp_policy: fp32, like its output under autocast
     for block in blocks(model):
-        fully_shard(block, mp_policy=policy, **placement)
-    fully_shard(model, mp_policy=policy, **placement)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
 
 

@@ -1,14 +1,23 @@
-"""The learning-rate schedule: the rate at each optimizer step. The training loop sets it every
-step; a checkpoint records it, and a resume checks it (pretrain/checkpoint.py)."""
+"""The learning-rate schedules (training.lr_schedule; pretrain/registry.py names them): the rate
+at each optimizer step. The training loop sets it every step; a checkpoint records it, and a
+resume checks it (pretrain/checkpoint.py)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+from pretrain import registry
 from pretrain.config import TrainingConfig
 
 
 def lr_at(step: int, training: TrainingConfig) -> float:
+    """The rate at step under training.lr_schedule."""
+    schedule: Callable[[int, TrainingConfig], float] = registry.load(registry.LR_SCHEDULES[training.lr_schedule])
+    return schedule(step, training)
+
+
+def warmup_cosine(step: int, training: TrainingConfig) -> float:
     """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at the last step."""
     peak = training.learning_rate
     if step < training.warmup_steps:

@@ -3,7 +3,8 @@
 One process trains on one device. Under the launcher (or torchrun) the processes form a
 DDP group; alone, the same code trains a single process. The build phase (the Trainer, and
 how the ranks share the model) is pretrain/build.py; the step line's measurements are
-pretrain/step_line.py."""
+pretrain/step_line.py; what a step with NaN or Inf does is pretrain/nonfinite.py; the optimizer
+and the loss are pretrain/optim.py and pretrain/loss.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, debug, export, parallel
+from pretrain import checkpoint, debug, export, nonfinite, parallel
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
 from pretrain.config import Config
@@ -29,11 +30,12 @@ from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.hub import choose_hub_files, follow_checkpoint
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import TOKENIZER_FILE
-from pretrain.debug import NonFinite, NumericalFailure
+from pretrain.debug import NumericalFailure
 from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE
+from pretrain.loss import next_token_loss
 from pretrain.model_state import whole_model_on_cpu
 from pretrain.resume import ResumeError, resolve_resume
-from pretrain.runfiles import PROJECT_ROOT, create_run_dir, new_run_id, os_error_message
+from pretrain.runfiles import create_run_dir, new_run_id, os_error_message, runs_root
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.step_line import step_line, throughput
 from pretrain.schedule import lr_at
@@ -58,16 +60,16 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     position = trainer.loader.state_dict()  # where this step's batches start
     if trainer.tracer is not None:
         trainer.tracer.reset()
-    loss_sum = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=device)  # the cross-entropy; auxiliary losses only train
     for micro in range(t.grad_accum_nums):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
         # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
         # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
         with parallel.gradient_sync(trainer.model, enabled=micro == t.grad_accum_nums - 1):
             with autocast(trainer):
-                loss = trainer.model(x, y, t.loss_chunk_tokens) / t.grad_accum_nums
-            loss.backward()
-        loss_sum += loss.detach()
+                loss = next_token_loss(trainer.model, x, y, t.loss_chunk_tokens)
+            (loss.total / t.grad_accum_nums).backward()
+        loss_sum += loss.cross_entropy.detach() / t.grad_accum_nums
     grad_norm = parallel.grad_norm(trainer.model)
     if trainer.config.debug.check_finite:
         seen = trainer.tracer is not None and trainer.tracer.first is not None
@@ -75,59 +77,13 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         agreement = debug.agree_on_step(step, loss_sum, grad_norm, trainer.runtime, seen, trainer.stop.signum)
         trainer.stop.settle(agreement.stop_signum)
         if agreement.nonfinite is not None:
-            skip_or_stop(trainer, agreement.nonfinite, position)
+            nonfinite.skip_or_stop(trainer, agreement.nonfinite, position)
             return loss_sum, grad_norm, lr
     trainer.skips_in_a_row = 0
     parallel.clip_gradients(trainer.model, t.max_grad_norm, grad_norm)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, lr
-
-
-def skip_or_stop(trainer: Trainer, event: NonFinite, position: dict[str, int]) -> None:
-    """Drop the step's update (on_nonfinite=skip, within max_skips_in_a_row), else stop."""
-    d = trainer.config.debug
-    if d.on_nonfinite == "skip" and trainer.skips_in_a_row < d.max_skips_in_a_row:
-        trainer.skips_in_a_row += 1
-        trainer.skipped_steps += 1
-        trainer.optimizer.zero_grad(set_to_none=True)
-        first = trainer.tracer.first if trainer.tracer is not None else None
-        trainer.log.warning(
-            f"Step {event.step}: loss {event.loss:.4f}, gradient norm {event.grad_norm:.4f}: update skipped "
-            f"({trainer.skips_in_a_row} in a row, {trainer.skipped_steps} in all; debug.max_skips_in_a_row "
-            f"is {d.max_skips_in_a_row})" + (f"; first non-finite: {first}" if first else ""))
-        return
-    stop_for_nonfinite(trainer, event, position)
-
-
-def stop_for_nonfinite(trainer: Trainer, event: NonFinite, position: dict[str, int]) -> None:
-    """Every rank, in this order (the most useful evidence first): say so at once; report the
-    tensors (the affected ranks); save checkpoint nan_grad_step_<N> with the state before the
-    step; write the tensor dump (the reporting rank); raise NumericalFailure."""
-    runtime, log, d = trainer.runtime, trainer.log, trainer.config.debug
-    what = "gradient norm" if event.what == "GRADIENT" else "loss"
-    log.error(f"Step {event.step}: {event.kind} {what} (loss here {event.loss:.4f}, gradient norm "
-              f"{event.grad_norm:.4f}); no update made; writing the report, a checkpoint"
-              + (" and a tensor dump" if d.dump_tensors else ""))
-    findings = debug.inspect_all(trainer.model)
-    reports = event.affected_here or runtime.rank == event.reporter
-    if reports:
-        first = trainer.tracer.first if trainer.tracer is not None else None
-        log.error(debug.report(event, runtime.label, findings, first, tracing=trainer.tracer is not None))
-    else:
-        log.error(f"Step {event.step}: this rank's loss is finite; rank {event.reporter} reports the tensors")
-    trainer.loader.load_state_dict(position)  # so that resuming the checkpoint replays this step
-    path = checkpoint.save(trainer, event.step, trainer.run_dir, name=f"nan_grad_step_{event.step}")
-    log.info(f"Checkpoint with the state before step {event.step}: {path} (resuming it replays the step)")
-    dump_path = trainer.run_dir / "debug" / f"nan_debug_step_{event.step}.npz"
-    dumped = d.dump_tensors and debug.write_dump(trainer.model, dump_path, runtime, event.reporter, log)
-    if dumped:
-        log.info(f"Tensor dump: {dump_path} (numpy.load(path, allow_pickle=False); README: NaN and Inf)")
-    raise NumericalFailure(
-        f"step {event.step}: {event.kind} {what}; stopped ("
-        + ("the report above names the tensors" if reports else f"rank {event.reporter}'s report names the tensors")
-        + f"; checkpoint {path}" + (f"; dump {dump_path}" if dumped else "")
-        + "); README Troubleshooting and configs/config_stable.json say what to change")
 
 
 @torch.no_grad()
@@ -139,8 +95,8 @@ def evaluate(trainer: Trainer) -> float | None:
     total = torch.zeros((), device=trainer.runtime.device)
     for x, y in trainer.val_batches:
         with autocast(trainer):
-            total += trainer.model(x.to(trainer.runtime.device), y.to(trainer.runtime.device),
-                                   trainer.config.training.loss_chunk_tokens)
+            total += next_token_loss(trainer.model, x.to(trainer.runtime.device), y.to(trainer.runtime.device),
+                                     trainer.config.training.loss_chunk_tokens).cross_entropy
     trainer.model.train()
     return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
 
@@ -212,7 +168,7 @@ def log_validation(trainer: Trainer, step: int) -> float | None:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="pretrain_main.py",
+        prog="python -m pretrain",
         description="Run one training process (no supervisor). Under the launcher, or torchrun, "
                     "RANK/WORLD_SIZE/MASTER_* make the processes one DDP group.")
     cfg.add_arguments(parser)
@@ -226,7 +182,7 @@ def shared_run_dir(run_dir: Path | None, runtime: Runtime) -> Path:
     otherwise invent its own)."""
     if run_dir is not None:
         return run_dir
-    chosen = [str(PROJECT_ROOT / "runs" / new_run_id())]
+    chosen = [str(runs_root() / new_run_id())]
     if runtime.distributed:
         dist.broadcast_object_list(chosen, src=0)  # a str from rank 0 of this very job
     return Path(chosen[0])
@@ -236,7 +192,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     """Set up the run directory and data, build, fit. Everything it built, the DDP wrapper
     included, is released when it returns: a process group destroyed while DDP still holds
     it is torn down at interpreter exit instead, where gloo's threads abort the process."""
-    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, PROJECT_ROOT / "runs")
+    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, runs_root())
     run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from pretrain import config as cfg
+from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import parallelize
 from pretrain.runtime import init_runtime, shutdown
@@ -58,13 +59,13 @@ def main(out: Path) -> None:
     model = parallelize(model, config, runtime, "fsdp")
     initialised_peak = peak_rss()  # before the forward pass gathers any block
     with torch.no_grad():
-        sharded_loss = float(model(x, y))
+        sharded_loss = float(next_token_loss(model, x, y).total)
         rope = bool(torch.equal(model.rope_cos, Transformer(config.model, CONTEXT, seed=0).rope_cos))
     del model
     gc.collect()
     eager = Transformer(config.model, CONTEXT, seed=SEED)  # the whole model, as one process builds it
     with torch.no_grad():
-        eager_loss = float(eager(x, y))
+        eager_loss = float(next_token_loss(eager, x, y).total)
     (out / f"rank{runtime.rank}.json").write_text(json.dumps({
         "rss_before": before, "initialised_peak": initialised_peak, "full_bytes": full_bytes,
         "sharded_loss": sharded_loss, "eager_loss": eager_loss, "rope_recomputed": rope}))

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from pretrain import config as cfg
+from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
 from pretrain.runtime import init_runtime, shutdown
@@ -89,7 +90,7 @@ def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
             last = micro == ACCUM - 1
             with gradient_sync(model, last):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.training.use_amp):
-                    loss = model(x, y) / ACCUM
+                    loss = next_token_loss(model, x, y).total / ACCUM
                 loss.backward()
             loss_sum += loss.detach()
             if not last:
@@ -126,7 +127,7 @@ def amp_dtypes(runtime) -> dict[str, str | list[str]]:
         norm.register_forward_pre_hook(lambda module, args: residual.append(str(args[0].dtype)))
     x, y = batches(runtime.rank)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(x, y)
+        loss = next_token_loss(model, x, y).total
     loss.backward()
     return seen | {"master": str(wq.weight.dtype), "gradient": str(wq.weight.grad.dtype), "residual": residual}
 

@@ -6,30 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env
+from helpers import run_debug_training
 from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.metrics import read_metrics
 from pretrain.model import Transformer
-from pretrain.build import build_optimizer
+from pretrain.optim import build_optimizer
 
-SMALL_RUN = ["--debug", "--set", "data.context_length=64", "--set", "training.batch_size=4",
-             "--set", "logging.log_interval=1", "--max-steps", "4"]
 SINGLE = ["pretrain_main.py"]
 TWO_RANKS = ["-m", "launcher", "--device", "cpu", "--nproc", "2"]
 
 
 def run(tmp_path, command: list[str], name: str, *options: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *command, *SMALL_RUN, "--run-dir", str(tmp_path / name),
-                             "--set", f"data.cache_dir={tmp_path / 'cache'}", *options],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return run_debug_training(tmp_path, command, tmp_path / name, "--max-steps", "4", *options)
 
 
 def losses(tmp_path, name: str) -> list[float]:
@@ -37,6 +30,7 @@ def losses(tmp_path, name: str) -> list[float]:
 
 
 @pytest.mark.parametrize("command", [SINGLE, TWO_RANKS], ids=["one process", "two ranks"])
+@pytest.mark.slow
 def test_an_offloaded_run_trains_the_losses_of_a_plain_one_and_checkpoints_and_exports(tmp_path, command):
     plain = run(tmp_path, command, "plain", "--set", "training.cpu_offload=false")
     offloaded = run(tmp_path, command, "offloaded", "--set", "training.cpu_offload=true")

@@ -14,6 +14,7 @@ from conftest import ROOT, launcher_env, one_line_error
 from memory_configs import GPU_80, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
+from pretrain.loss import next_token_loss
 from pretrain.memory import (GIB, LOGIT_COPIES, activation_bytes, check_fits, choose_parallelism, estimate,
                              logits_bytes, parameter_count)
 
@@ -135,7 +136,7 @@ def saved_bytes(config: cfg.Config) -> int:
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # two tensors, as the loader gives them
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.training.use_amp):
-            loss = model(inputs, targets, config.training.loss_chunk_tokens)
+            loss = next_token_loss(model, inputs, targets, config.training.loss_chunk_tokens).total
     del loss
     return sum(saved.values())
 

@@ -15,9 +15,9 @@ from pretrain.model import (
     RMSNorm,
     Transformer,
     apply_rotary,
-    cross_entropy_loss,
     rotary_tables,
 )
+from pretrain.loss import cross_entropy_loss
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257,
                    rope_theta=10000.0, init_std=0.02)
@@ -66,11 +66,11 @@ def test_state_dict_holds_only_parameters_and_round_trips_without_the_rotary_tab
     fresh = Transformer(TINY, max_seq_len=SEQ_LEN)
     fresh.load_state_dict(state, strict=True)
     tokens = random_tokens()
-    torch.testing.assert_close(fresh(tokens), model(tokens), rtol=0, atol=0)
+    torch.testing.assert_close(fresh(tokens).out, model(tokens).out, rtol=0, atol=0)
 
 
 def test_forward_gives_float32_logits_of_shape_batch_time_vocab(model: Transformer) -> None:
-    logits = model(random_tokens(batch=3, length=17))
+    logits = model(random_tokens(batch=3, length=17)).out
     assert logits.shape == (3, 17, TINY.vocab_size)
     assert logits.dtype == torch.float32
 
@@ -89,7 +89,7 @@ def test_changing_a_token_changes_logits_at_and_after_it_but_never_before(model:
     changed = tokens.clone()
     changed[0, t] = (tokens[0, t] + 1) % TINY.vocab_size
     with torch.no_grad():
-        before, after = model(tokens), model(changed)
+        before, after = model(tokens).out, model(changed).out
     torch.testing.assert_close(after[:, :t], before[:, :t], rtol=0, atol=1e-6)
     assert (after[0, t] - before[0, t]).abs().max() > 1e-3
     assert (after[0, t + 1:] - before[0, t + 1:]).abs().amax(dim=-1).min() > 1e-4
@@ -221,7 +221,7 @@ def test_input_longer_than_max_seq_len_raises_value_error_naming_both_lengths(mo
 def test_loss_at_initialisation_is_close_to_log_vocab_size(model: Transformer) -> None:
     tokens = random_tokens(batch=4, length=SEQ_LEN + 1)
     with torch.no_grad():
-        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss = cross_entropy_loss(model(tokens[:, :-1]).out, tokens[:, 1:])
     assert loss.item() == pytest.approx(math.log(TINY.vocab_size), abs=0.1)
 
 
@@ -229,17 +229,17 @@ def test_one_optimizer_step_on_a_fixed_batch_lowers_the_loss(model: Transformer)
     tokens = random_tokens(batch=4, length=SEQ_LEN + 1)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = cross_entropy_loss(model(inputs), targets)
+    loss = cross_entropy_loss(model(inputs).out, targets)
     loss.backward()
     optimizer.step()
     with torch.no_grad():
-        new_loss = cross_entropy_loss(model(inputs), targets)
+        new_loss = cross_entropy_loss(model(inputs).out, targets)
     assert new_loss.item() < loss.item() - 0.05
 
 
 def test_every_parameter_gets_a_gradient_so_ddp_needs_no_unused_parameter_search(model: Transformer) -> None:
     tokens = random_tokens(batch=2, length=9)
-    cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    cross_entropy_loss(model(tokens[:, :-1]).out, tokens[:, 1:]).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
@@ -248,9 +248,9 @@ def test_bf16_autocast_forward_on_cpu_gives_a_finite_float32_loss_near_the_fp32_
     tokens = random_tokens(batch=2, length=SEQ_LEN + 1)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with torch.no_grad():
-        fp32_loss = cross_entropy_loss(model(inputs), targets)
+        fp32_loss = cross_entropy_loss(model(inputs).out, targets)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(inputs)
+        logits = model(inputs).out
         loss = cross_entropy_loss(logits, targets)
     assert logits.dtype == torch.bfloat16  # autocast really ran the projections in bf16
     assert loss.dtype == torch.float32
