@@ -16,21 +16,23 @@ from conftest import ROOT, launcher_env
 from launcher import cli
 from launcher.placement import Placement
 from launcher.worker import with_package_root, without_package_root
-from pretrain.runfiles import (CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_path, cache_root, create_run_dir,
-                               runs_root)
+from pretrain.runfiles import CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_path, cache_root, create_run_dir, runs_root
 
 CONSOLE_COMMANDS = ["pretrain-launch", "pretrain-prepare", "pretrain-generate", "pretrain-export", "pretrain-plot"]
 # A generic worker's report: its PYTHONPATH, and whether this project's packages are importable.
-WHAT_THE_USER_SEES = ("import importlib.util, os; print('pythonpath', os.environ.get('PYTHONPATH'));"
-                      "print('importable', importlib.util.find_spec('launcher') is not None)")
+WHAT_THE_USER_SEES = (
+    "import importlib.util, os; print('pythonpath', os.environ.get('PYTHONPATH'));"
+    "print('importable', importlib.util.find_spec('launcher') is not None)"
+)
 
 
 @pytest.fixture
 def no_roots(monkeypatch, tmp_path):
     """A current directory of the test's own and neither root variable set (restored after the
     test even where the launcher's options set them: setenv records what to restore, delenv of a
-    variable that is not set records nothing)."""
-    for variable in (RUNS_DIR_VAR, CACHE_DIR_VAR):
+    variable that is not set records nothing). TORCHINDUCTOR_CACHE_DIR too: a user's value wins
+    over the cache root's, and torch sets it in this process once an earlier test compiles."""
+    for variable in (RUNS_DIR_VAR, CACHE_DIR_VAR, "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.setenv(variable, "")
         monkeypatch.delenv(variable)
     monkeypatch.chdir(tmp_path)
@@ -75,8 +77,14 @@ def test_launcher_options_set_the_roots_its_training_workers_get_absolute(no_roo
 
 
 def test_an_empty_root_option_is_a_one_line_usage_error(no_roots):
-    result = subprocess.run([sys.executable, "-m", "launcher", "--runs-dir", "", "--", "true"], cwd=ROOT,
-                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--runs-dir", "", "--", "true"],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr == "launcher: error: --runs-dir must not be empty; leave it out for the default\n"
 
@@ -87,7 +95,8 @@ def test_an_empty_root_option_is_a_one_line_usage_error(no_roots):
 def test_the_users_command_gets_their_pythonpath_without_this_project(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "mine"), str(PACKAGE_ROOT), str(tmp_path / "theirs")])}
     assert without_package_root(env, PACKAGE_ROOT) == {
-        "PYTHONPATH": os.pathsep.join([str(tmp_path / "mine"), str(tmp_path / "theirs")])}
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "mine"), str(tmp_path / "theirs")])
+    }
     assert without_package_root({"PYTHONPATH": str(PACKAGE_ROOT) + "/"}, PACKAGE_ROOT) == {}
 
 
@@ -99,10 +108,28 @@ def test_our_training_workers_find_a_clone_on_pythonpath_once(tmp_path):
 
 
 def test_generic_workers_from_a_clone_do_not_see_its_packages(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "1", "--run-dir",
-                             str(tmp_path / "run"), "--", sys.executable, "-c", WHAT_THE_USER_SEES],
-                            cwd=tmp_path, env=launcher_env() | {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'mine'}"},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--device",
+            "cpu",
+            "--nproc",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--",
+            sys.executable,
+            "-c",
+            WHAT_THE_USER_SEES,
+        ],
+        cwd=tmp_path,
+        env=launcher_env() | {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'mine'}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert f"CPU0:pythonpath {tmp_path / 'mine'}" in result.stdout.splitlines()
     assert "CPU0:importable False" in result.stdout.splitlines()
@@ -113,9 +140,28 @@ def test_generic_workers_from_a_clone_do_not_see_its_packages(tmp_path):
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_generic_run_ends_with_a_line_naming_its_run_directory(tmp_path, code):
-    result = subprocess.run([sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--run-dir",
-                             str(tmp_path / "run"), "--", sys.executable, "-c", f"raise SystemExit({code})"],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--",
+            sys.executable,
+            "-c",
+            f"raise SystemExit({code})",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == code, result.stderr
     assert last_line(result.stdout) == f"launcher: run directory: {tmp_path / 'run'}"
 
@@ -134,8 +180,9 @@ def test_run_training_sh_from_another_directory_keeps_runs_in_the_clone_unless_t
         assert run_dir.parent == ROOT / "runs"
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    told = subprocess.run(argv, cwd=tmp_path, env=env | {RUNS_DIR_VAR: str(tmp_path / "mine")}, capture_output=True,
-                          text=True, timeout=120)
+    told = subprocess.run(
+        argv, cwd=tmp_path, env=env | {RUNS_DIR_VAR: str(tmp_path / "mine")}, capture_output=True, text=True, timeout=120
+    )
     assert told.returncode == 0, told.stderr
     assert Path(last_line(told.stdout).removeprefix("launcher: run directory: ")).parent == tmp_path / "mine"
 
@@ -164,9 +211,13 @@ def new_environment(where: Path) -> Path:
 
 
 def pip_install(bin_dir: Path, *args: str) -> None:
-    result = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-                             "--no-index", "--quiet", *args], capture_output=True, text=True, timeout=300,
-                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    result = subprocess.run(
+        [str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -182,8 +233,7 @@ def installed(tmp_path_factory) -> Path:
 def run_installed(bin_dir: Path, command: str, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", RUNS_DIR_VAR, CACHE_DIR_VAR)}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # as an activated environment has it
-    return subprocess.run([str(bin_dir / command), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([str(bin_dir / command), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -210,8 +260,20 @@ def test_the_installed_launcher_trains_the_debug_preset_from_another_directory(i
 @pytest.mark.slow
 def test_the_installed_launcher_runs_a_generic_command_without_this_projects_packages(installed, tmp_path):
     python = installed / "python"  # the installed environment's own: the project is importable there
-    result = run_installed(installed, "pretrain-launch", "--device", "cpu", "--nproc", "1", "--",
-                           str(python), "-c", WHAT_THE_USER_SEES, cwd=tmp_path, timeout=120)
+    result = run_installed(
+        installed,
+        "pretrain-launch",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--",
+        str(python),
+        "-c",
+        WHAT_THE_USER_SEES,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "CPU0:pythonpath None" in lines and "CPU0:importable True" in lines  # installed: site-packages, not us
@@ -230,7 +292,9 @@ def test_the_installed_preparation_command_caches_in_the_current_directory(insta
 @pytest.mark.slow
 def test_the_installed_launchers_guardian_runs_from_another_directory(installed, tmp_path):
     # The guardian reads `done` and exits 0; one that could not import launcher.guardian exits 1.
-    probe = ("import os; from launcher.guardian import Guardian; g = Guardian('t', dict(os.environ)); g.dismiss();"
-             "print('guardian exit', g._process.returncode)")
+    probe = (
+        "import os; from launcher.guardian import Guardian; g = Guardian('t', dict(os.environ)); g.dismiss();"
+        "print('guardian exit', g._process.returncode)"
+    )
     result = run_installed(installed, "python", "-c", probe, cwd=tmp_path, timeout=60)
     assert result.stdout == "guardian exit 0\n", result.stderr
