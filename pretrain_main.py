@@ -1,7 +1,7 @@
 """One training process, without the supervisor, from a clone: the same as `python -m pretrain`.
 
-    python3 pretrain_main.py --debug
-    CUDA_VISIBLE_DEVICES=3 GPU_RANK=3 python3 pretrain_main.py --debug   # lines labelled [GPU 3]
+python3 pretrain_main.py --debug
+CUDA_VISIBLE_DEVICES=3 GPU_RANK=3 python3 pretrain_main.py --debug   # lines labelled [GPU 3]
 """
 
 import runpy

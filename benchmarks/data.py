@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"bpe_ratio": 0.9, "peak_rss_mb": 1024, "cache_hit_s": 0.3, "batches_per_s": 20_000}
 
-CHILD = r'''
+CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 task, args = sys.argv[2], json.loads(sys.argv[3])
@@ -73,13 +73,17 @@ elif task == "loader":
     seconds = time.perf_counter() - started
     assert x.shape == (8, 1024) and y.shape == (8, 1024)
     print(json.dumps({"batches_per_s": args["batches"] / seconds}))
-'''
+"""
 
 
 def child(task: str, **args) -> dict:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", CHILD, str(REPO), task, json.dumps(args)],
-                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(REPO), task, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if result.returncode != 0:
         sys.exit(f"benchmark step {task} failed:\n{result.stderr[-3000:]}")
     return {**json.loads(result.stdout.strip().splitlines()[-1]), "process_seconds": time.perf_counter() - started}
@@ -142,43 +146,76 @@ def run(work: Path, small_mb: int, large_mb: int) -> list[tuple[str, str, str, s
     log("preparing the small corpus: byte tokenizer ...")
     byte = child("prepare", corpus=str(small), cache=str(work / "c-byte"))
     log("preparing the small corpus: BPE tokenizer ...")
-    bpe = child("prepare", corpus=str(small), cache=str(work / "c-bpe"),
-                extra={"tokenizer": "huggingface", "tokenizer_name": str(tokenizer)})
+    bpe = child(
+        "prepare",
+        corpus=str(small),
+        cache=str(work / "c-bpe"),
+        extra={"tokenizer": "huggingface", "tokenizer_name": str(tokenizer)},
+    )
     log("raw tokenizers encode_batch_fast on the same documents ...")
     raw = child("raw_bpe", corpus=str(small), tokenizer=str(tokenizer))
     mb = small_bytes / 2**20
+
     def speed(run: dict, mb_digits: int, tokens_digits: int) -> str:
-        return (f"{mb / run['seconds']:.{mb_digits}f} MB/s, "
-                f"{run['tokens'] / run['seconds'] / 1e6:.{tokens_digits}f} M tokens/s")
+        return f"{mb / run['seconds']:.{mb_digits}f} MB/s, {run['tokens'] / run['seconds'] / 1e6:.{tokens_digits}f} M tokens/s"
 
     rows.append(("prepare, byte tokenizer", speed(byte, 0, 1), "", ""))
     rows.append(("prepare, BPE 8192 (ours)", speed(bpe, 1, 2), "", ""))
     rows.append(("raw encode_batch_fast, same BPE", speed(raw, 1, 2), "", ""))
     ratio = raw["seconds"] / bpe["seconds"]
-    rows.append(("ours / raw (BPE throughput)", f"{ratio:.2f}x", f">= {TARGETS['bpe_ratio']}x",
-                 "yes" if ratio >= TARGETS["bpe_ratio"] else "no"))
+    rows.append(
+        (
+            "ours / raw (BPE throughput)",
+            f"{ratio:.2f}x",
+            f">= {TARGETS['bpe_ratio']}x",
+            "yes" if ratio >= TARGETS["bpe_ratio"] else "no",
+        )
+    )
 
     log(f"preparing the {large_mb} MB corpus from scratch (peak memory) ...")
     big = child("prepare", corpus=str(large), cache=str(work / "c-large"))
-    rows.append((f"prepare {large_bytes / 2**20:.0f} MB, byte tokenizer", f"{big['seconds']:.1f} s "
-                 f"({large_bytes / 2**20 / big['seconds']:.0f} MB/s)", "", ""))
-    rows.append((f"peak RSS preparing {large_bytes / 2**20:.0f} MB", f"{big['peak_rss_mb']:.0f} MB",
-                 f"< {TARGETS['peak_rss_mb']} MB", "yes" if big["peak_rss_mb"] < TARGETS["peak_rss_mb"] else "no"))
+    rows.append(
+        (
+            f"prepare {large_bytes / 2**20:.0f} MB, byte tokenizer",
+            f"{big['seconds']:.1f} s ({large_bytes / 2**20 / big['seconds']:.0f} MB/s)",
+            "",
+            "",
+        )
+    )
+    rows.append(
+        (
+            f"peak RSS preparing {large_bytes / 2**20:.0f} MB",
+            f"{big['peak_rss_mb']:.0f} MB",
+            f"< {TARGETS['peak_rss_mb']} MB",
+            "yes" if big["peak_rss_mb"] < TARGETS["peak_rss_mb"] else "no",
+        )
+    )
 
     log("cache hits ...")
     for corpus, cache, tokens in ((small, "c-byte", byte["tokens"]), (large, "c-large", big["tokens"])):
         hits = [child("prepare", corpus=str(corpus), cache=str(work / cache)) for _ in range(5)]
         worst = max(hit["seconds"] for hit in hits)
         process = max(hit["process_seconds"] for hit in hits)
-        rows.append((f"cache hit, {tokens / 1e6:,.0f} M-token dataset (max of 5)",
-                     f"{worst * 1000:.1f} ms (whole process {process * 1000:.0f} ms)",
-                     f"< {TARGETS['cache_hit_s'] * 1000:.0f} ms", "yes" if worst < TARGETS["cache_hit_s"] else "no"))
+        rows.append(
+            (
+                f"cache hit, {tokens / 1e6:,.0f} M-token dataset (max of 5)",
+                f"{worst * 1000:.1f} ms (whole process {process * 1000:.0f} ms)",
+                f"< {TARGETS['cache_hit_s'] * 1000:.0f} ms",
+                "yes" if worst < TARGETS["cache_hit_s"] else "no",
+            )
+        )
 
     log("loader ...")
     subprocess.run(["cat", str(next(Path(big["path"]).glob("tokens.bin")))], stdout=subprocess.DEVNULL, check=True)
     loader = child("loader", dataset=big["path"], batches=50_000)
-    rows.append(("loader, 8 x 1025 windows, page cache", f"{loader['batches_per_s']:,.0f} batches/s",
-                 f">= {TARGETS['batches_per_s']:,}", "yes" if loader["batches_per_s"] >= TARGETS["batches_per_s"] else "no"))
+    rows.append(
+        (
+            "loader, 8 x 1025 windows, page cache",
+            f"{loader['batches_per_s']:,.0f} batches/s",
+            f">= {TARGETS['batches_per_s']:,}",
+            "yes" if loader["batches_per_s"] >= TARGETS["batches_per_s"] else "no",
+        )
+    )
     return rows
 
 

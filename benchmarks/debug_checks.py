@@ -48,8 +48,19 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: benchmarks.train and pretrain import from the repository
     sys.path.insert(0, str(REPO))
 
-from benchmarks.train import (RESULT_MARK, WORKLOADS, Outcome, bench_device, config_list, run_job,  # noqa: E402
-                              cuda_available, machine_line, print_table, progress, synchronize)
+from benchmarks.train import (  # noqa: E402
+    RESULT_MARK,
+    WORKLOADS,
+    Outcome,
+    bench_device,
+    config_list,
+    run_job,
+    cuda_available,
+    machine_line,
+    print_table,
+    progress,
+    synchronize,
+)
 
 SETTINGS: dict[str, tuple[bool, bool]] = {"off": (False, False), "checks": (True, False), "trace": (True, True)}
 """Setting: (debug.check_finite, debug.trace_nonfinite)."""
@@ -63,6 +74,7 @@ QUICK: dict[str, Any] = {"configs": "debug", "warmup": 1, "steps": 4, "block": 1
 
 
 # --- child side: one run, the three settings taking turns in this fresh process -------------------
+
 
 def measure(job: dict[str, Any]) -> dict[str, Any]:
     import logging
@@ -88,13 +100,20 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     trainers = {}
     with tempfile.TemporaryDirectory(prefix="debug-checks-bench-run-") as run_dirs:
         for setting, (check_finite, trace) in SETTINGS.items():
-            sets = [*workload.sets, f"data.cache_dir={json.dumps(job['cache_dir'])}",
-                    f"training.batch_size={workload.batch_size}", "training.grad_accum_nums=1",
-                    f"training.max_steps={(warmup + rounds) * block}", "training.compile=false",
-                    "training.activation_checkpointing=false",
-                    f"training.use_amp={json.dumps(device.type == 'cuda')}", f"system.device={device.type}",
-                    "logging.tensorboard=false", f"debug.check_finite={json.dumps(check_finite)}",
-                    f"debug.trace_nonfinite={json.dumps(trace)}"]
+            sets = [
+                *workload.sets,
+                f"data.cache_dir={json.dumps(job['cache_dir'])}",
+                f"training.batch_size={workload.batch_size}",
+                "training.grad_accum_nums=1",
+                f"training.max_steps={(warmup + rounds) * block}",
+                "training.compile=false",
+                "training.activation_checkpointing=false",
+                f"training.use_amp={json.dumps(device.type == 'cuda')}",
+                f"system.device={device.type}",
+                "logging.tensorboard=false",
+                f"debug.check_finite={json.dumps(check_finite)}",
+                f"debug.trace_nonfinite={json.dumps(trace)}",
+            ]
             config = cfg.resolve(preset=workload.preset, sets=sets)
             dataset = prepare(config.data, log=progress)
             config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -117,23 +136,43 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
                 if round_ >= warmup:
                     times[name].append((time.perf_counter() - started) / block * 1000)
                 losses[name] = float(loss)
-        return {"ms_per_step": times, "loss": losses, "gpu": torch.cuda.get_device_name(device)
-                if device.type == "cuda" else None, "cuda": torch.version.cuda, "threads": torch.get_num_threads()}
+        return {
+            "ms_per_step": times,
+            "loss": losses,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "cuda": torch.version.cuda,
+            "threads": torch.get_num_threads(),
+        }
 
 
 # --- parent side: run the children, print the table ----------------------------------------------
 
+
 def run_all(args: argparse.Namespace) -> list[Outcome]:
-    jobs = [{"device": args.device, "config": config, "repeat": repeat, "warmup": args.warmup, "steps": args.steps,
-             "block": args.block, "threads": args.threads, "cache_dir": str(args.cache_dir)}
-            for repeat in range(args.repeats) for config in args.configs]
+    jobs = [
+        {
+            "device": args.device,
+            "config": config,
+            "repeat": repeat,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "block": args.block,
+            "threads": args.threads,
+            "cache_dir": str(args.cache_dir),
+        }
+        for repeat in range(args.repeats)
+        for config in args.configs
+    ]
     outcomes = []
     for i, job in enumerate(jobs, 1):
         progress(f"[{i}/{len(jobs)}] {job['config']}, run {job['repeat'] + 1} ...")
         outcomes.append(outcome := run_job(job, Path(__file__)))
         if outcome.result:
-            progress("  " + ", ".join(f"{name} {statistics.median(ms):.1f}"
-                                      for name, ms in outcome.result["ms_per_step"].items()) + " ms/step")
+            progress(
+                "  "
+                + ", ".join(f"{name} {statistics.median(ms):.1f}" for name, ms in outcome.result["ms_per_step"].items())
+                + " ms/step"
+            )
     return outcomes
 
 
@@ -142,12 +181,22 @@ def config_rows(name: str, runs: list[dict[str, Any]]) -> list[list[str]]:
     for setting in SETTINGS:
         times = [ms for r in runs for ms in r["ms_per_step"][setting]]
         median = statistics.median(times)
-        ratio = statistics.median(ms / off for r in runs for ms, off in zip(r["ms_per_step"][setting],
-                                                                              r["ms_per_step"]["off"], strict=True))
+        ratio = statistics.median(
+            ms / off for r in runs for ms, off in zip(r["ms_per_step"][setting], r["ms_per_step"]["off"], strict=True)
+        )
         per_run = [statistics.median(r["ms_per_step"][setting]) for r in runs]
         losses = ", ".join(sorted({f"{r['loss'][setting]:.4f}" for r in runs}))
-        rows.append([name, setting, f"{median:.1f}", f"{1000 / median:.2f}", f"{(ratio - 1) * 100:+.1f}%",
-                     f"{min(per_run):.1f}–{max(per_run):.1f}", losses])
+        rows.append(
+            [
+                name,
+                setting,
+                f"{median:.1f}",
+                f"{1000 / median:.2f}",
+                f"{(ratio - 1) * 100:+.1f}%",
+                f"{min(per_run):.1f}–{max(per_run):.1f}",
+                losses,
+            ]
+        )
     return rows
 
 
@@ -167,15 +216,27 @@ def rows(args: argparse.Namespace, outcomes: list[Outcome]) -> list[list[str]]:
 def print_report(args: argparse.Namespace, outcomes: list[Outcome], elapsed: float) -> None:
     print(machine_line(args.device, outcomes))
     precision = "bf16 autocast" if args.device == "cuda" else "fp32"
-    print(f"\nStep time of `train_step` with the numerical checks off, on (`checks`: every preset's default) and "
-          f"tracing (`trace`: the debug preset): built-in corpus, byte tokenizer, 1 rank, 1 micro-batch per step, "
-          f"{precision}, training.compile=false. {args.repeats} run(s) per config, each a fresh process in which "
-          f"the three settings take turns, {args.block} step(s) at a time in rotated order, {args.steps} timed "
-          f"step(s) each after {args.warmup} warm-up step(s). ms/step: median over all timed blocks; "
-          f"overhead: median over rounds of the time against `off`'s in the same round; spread: the fastest and "
-          f"slowest run's median.\n")
-    print_table(["config", "setting", "ms/step (median)", "steps/s", "overhead vs off", "spread (ms/step)",
-                 f"loss after step {args.warmup + args.steps}"], rows(args, outcomes))
+    print(
+        f"\nStep time of `train_step` with the numerical checks off, on (`checks`: every preset's default) and "
+        f"tracing (`trace`: the debug preset): built-in corpus, byte tokenizer, 1 rank, 1 micro-batch per step, "
+        f"{precision}, training.compile=false. {args.repeats} run(s) per config, each a fresh process in which "
+        f"the three settings take turns, {args.block} step(s) at a time in rotated order, {args.steps} timed "
+        f"step(s) each after {args.warmup} warm-up step(s). ms/step: median over all timed blocks; "
+        f"overhead: median over rounds of the time against `off`'s in the same round; spread: the fastest and "
+        f"slowest run's median.\n"
+    )
+    print_table(
+        [
+            "config",
+            "setting",
+            "ms/step (median)",
+            "steps/s",
+            "overhead vs off",
+            "spread (ms/step)",
+            f"loss after step {args.warmup + args.steps}",
+        ],
+        rows(args, outcomes),
+    )
     print(f"\nTotal {elapsed:.0f} s.")
 
 
@@ -187,22 +248,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(DEFAULTS), default="cpu", help="where to measure (default cpu)")
-    parser.add_argument("--configs", type=config_list, help=f"comma-separated, from {', '.join(WORKLOADS)} "
-                                                            f"({default('configs')})")
-    parser.add_argument("--steps", type=int, help=f"timed steps per setting and run, a multiple of --block "
-                                                  f"({default('steps')})")
-    parser.add_argument("--warmup", type=int, help=f"untimed steps per setting first, a multiple of --block "
-                                                   f"({default('warmup')})")
-    parser.add_argument("--block", type=int, help=f"steps a setting runs before the next takes its turn, timed "
-                                                  f"as one ({default('block')})")
+    parser.add_argument(
+        "--configs", type=config_list, help=f"comma-separated, from {', '.join(WORKLOADS)} ({default('configs')})"
+    )
+    parser.add_argument("--steps", type=int, help=f"timed steps per setting and run, a multiple of --block ({default('steps')})")
+    parser.add_argument(
+        "--warmup", type=int, help=f"untimed steps per setting first, a multiple of --block ({default('warmup')})"
+    )
+    parser.add_argument(
+        "--block", type=int, help=f"steps a setting runs before the next takes its turn, timed as one ({default('block')})"
+    )
     parser.add_argument("--repeats", type=int, help=f"runs (fresh processes) per config ({default('repeats')})")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch.set_num_threads in each run (default 0: torch's own choice, one per core); "
-                             "1 makes a CPU that other work shares far less noisy")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "cache" / "datasets",
-                        help="data.cache_dir for the prepared corpus (default: the project cache)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads in each run (default 0: torch's own choice, one per core); "
+        "1 makes a CPU that other work shares far less noisy",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=REPO / "cache" / "datasets",
+        help="data.cache_dir for the prepared corpus (default: the project cache)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke test: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -210,10 +280,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in {**DEFAULTS[args.device], **(QUICK if args.quick else {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, config_list(value) if name == "configs" else value)
-    if (args.block < 1 or args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.threads < 0
-            or args.steps % args.block or args.warmup % args.block):
-        parser.error("--block, --repeats and --steps must be at least 1, --warmup and --threads not negative, and "
-                     "--steps and --warmup multiples of --block")
+    if (
+        args.block < 1
+        or args.repeats < 1
+        or args.steps < 1
+        or args.warmup < 0
+        or args.threads < 0
+        or args.steps % args.block
+        or args.warmup % args.block
+    ):
+        parser.error(
+            "--block, --repeats and --steps must be at least 1, --warmup and --threads not negative, and "
+            "--steps and --warmup multiples of --block"
+        )
     if args.device == "cuda" and not cuda_available():
         parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
     args.cache_dir = args.cache_dir.resolve()

@@ -47,6 +47,7 @@ class UsageError(Exception):
 
 # --- the machine -----------------------------------------------------------------------
 
+
 def no_gpu_reason() -> str | None:
     """Why this machine cannot run the checks (one line), else None."""
     smi = shutil.which("nvidia-smi")
@@ -68,8 +69,7 @@ def machine() -> dict[str, Any]:
     header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60).stdout
     cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
     torch_info = worker("torch", 180)
-    return {"gpus": [name for _, name, _ in gpus], "driver": gpus[0][2], "driver_cuda": cuda[1] if cuda else "?",
-            **torch_info}
+    return {"gpus": [name for _, name, _ in gpus], "driver": gpus[0][2], "driver_cuda": cuda[1] if cuda else "?", **torch_info}
 
 
 def short_gpu_name(name: str) -> str:
@@ -82,12 +82,15 @@ def short_gpu_name(name: str) -> str:
 
 def describe_machine(info: dict[str, Any]) -> str:
     names = sorted(set(info["gpus"]))
-    return (f"Machine: {len(info['gpus'])} x {', '.join(names)}; driver {info['driver']} (CUDA {info['driver_cuda']}); "
-            f"torch {info['torch']} (CUDA {info['torch_cuda']}); Python {info['python']}; "
-            f"{datetime.date.today().isoformat()}")
+    return (
+        f"Machine: {len(info['gpus'])} x {', '.join(names)}; driver {info['driver']} (CUDA {info['driver_cuda']}); "
+        f"torch {info['torch']} (CUDA {info['torch_cuda']}); Python {info['python']}; "
+        f"{datetime.date.today().isoformat()}"
+    )
 
 
 # --- running the checks ----------------------------------------------------------------
+
 
 def run_check(key: str, ctx: Context) -> list[Row]:
     """One check's rows; whatever goes wrong in it becomes a failed row."""
@@ -102,20 +105,19 @@ def run_check(key: str, ctx: Context) -> list[Row]:
         rows = [Row(key, f"FAILED: {type(error).__name__}: {error}"[:300], "-", "no")]
     for row in rows:
         row.key = key
-    ctx.log(f"{PROG}: {key} done in {time.monotonic() - started:.0f} s: "
-            + "; ".join(f"{r.met}" for r in rows))
+    ctx.log(f"{PROG}: {key} done in {time.monotonic() - started:.0f} s: " + "; ".join(f"{r.met}" for r in rows))
     return rows
 
 
 # --- the report ------------------------------------------------------------------------
+
 
 def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
 def render(machine_line: str, rows: list[Row], note: str) -> str:
-    lines = ["# GPU acceptance", "", machine_line, "", note, "",
-             "| check | result | target | met? |", "|---|---|---|---|"]
+    lines = ["# GPU acceptance", "", machine_line, "", note, "", "| check | result | target | met? |", "|---|---|---|---|"]
     lines += [f"| {cell(r.check)} | {cell(r.result)} | {cell(r.target)} | {r.met} |" for r in rows]
     failures = [r for r in rows if r.failure]
     if failures:
@@ -146,18 +148,21 @@ def write_report(path: Path, machine_line: str, rows: list[Row], note: str) -> s
     rows = merge(previous, rows)
     text = render(machine_line, rows, note)
     path.parent.mkdir(parents=True, exist_ok=True)
-    sidecar.write_text(json.dumps({"machine": machine_line.rsplit(";", 1)[0],
-                                   "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    sidecar.write_text(
+        json.dumps({"machine": machine_line.rsplit(";", 1)[0], "rows": [dataclasses.asdict(r) for r in rows]}, indent=1)
+    )
     path.write_text(text)
     return text
 
 
 # --- command line ----------------------------------------------------------------------
 
+
 class Formatter(argparse.HelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:  # check names are not split at a hyphen
-        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False)
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
 
 
 class Parser(argparse.ArgumentParser):
@@ -166,21 +171,34 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = Parser(prog="bash scripts/gpu_check.sh", formatter_class=Formatter,
-                    description="Run every GPU path of this project once (NVML, the launch scripts, a NaN run, "
-                                "throughput and MFU, compile cache, bf16, NCCL and its failures, host synchronizations, "
-                                "torchrun, the allocator, fp32 attention, the memory estimate) and write "
-                                "one Markdown table of the results. Needs an NVIDIA GPU.",
-                    epilog=f"checks: {', '.join(CHECKS)}")
+    parser = Parser(
+        prog="bash scripts/gpu_check.sh",
+        formatter_class=Formatter,
+        description="Run every GPU path of this project once (NVML, the launch scripts, a NaN run, "
+        "throughput and MFU, compile cache, bf16, NCCL and its failures, host synchronizations, "
+        "torchrun, the allocator, fp32 attention, the memory estimate) and write "
+        "one Markdown table of the results. Needs an NVIDIA GPU.",
+        epilog=f"checks: {', '.join(CHECKS)}",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps everywhere (about half the time)")
-    parser.add_argument("--only", metavar="ROW[,ROW]", help="run only these checks (names below); their rows "
-                        "replace the same rows of an earlier run in the same file")
-    parser.add_argument("--output", metavar="FILE", type=Path,
-                        help="write the table here (default: benchmarks/results/<date>-<gpu>.md)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="config override for the small and 8B-shaped runs, e.g. --set data.source=text "
-                             "--set data.path=/data/fineweb; without any data.* the built-in corpus and the byte "
-                             "tokenizer are used (no network needed)")
+    parser.add_argument(
+        "--only",
+        metavar="ROW[,ROW]",
+        help="run only these checks (names below); their rows replace the same rows of an earlier run in the same file",
+    )
+    parser.add_argument(
+        "--output", metavar="FILE", type=Path, help="write the table here (default: benchmarks/results/<date>-<gpu>.md)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override for the small and 8B-shaped runs, e.g. --set data.source=text "
+        "--set data.path=/data/fineweb; without any data.* the built-in corpus and the byte "
+        "tokenizer are used (no network needed)",
+    )
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -198,6 +216,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def check_sets(sets: list[str]) -> None:
     from pretrain import config as cfg
+
     try:
         cfg.resolve(preset="small", sets=sets)
     except cfg.ConfigError as error:
@@ -231,14 +250,25 @@ def run_checks(args: argparse.Namespace, info: dict[str, Any]) -> int:
     print(machine_line, flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         uses_own_data = any(s.startswith("data.") for s in args.sets)
-        ctx = Context(quick=args.quick, sets=args.sets, gpus=gpus, tmp=Path(tmp),
-                      log=lambda line: print(line, file=sys.stderr, flush=True),
-                      data_note="data from --set" if uses_own_data else "built-in corpus, byte tokenizer: no network")
+        ctx = Context(
+            quick=args.quick,
+            sets=args.sets,
+            gpus=gpus,
+            tmp=Path(tmp),
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+            data_note="data from --set" if uses_own_data else "built-in corpus, byte tokenizer: no network",
+        )
         rows = [row for key in args.checks for row in run_check(key, ctx)]
-    note = (f"`bash scripts/gpu_check.sh{' --quick' if args.quick else ''}"
-            + (f" --only {','.join(args.checks)}" if args.only else "") + "`; "
-            + ("small and 8B-shaped runs on the built-in corpus with the byte tokenizer (no network)"
-               if not any(s.startswith("data.") for s in args.sets) else f"data: {' '.join(args.sets)}"))
+    note = (
+        f"`bash scripts/gpu_check.sh{' --quick' if args.quick else ''}"
+        + (f" --only {','.join(args.checks)}" if args.only else "")
+        + "`; "
+        + (
+            "small and 8B-shaped runs on the built-in corpus with the byte tokenizer (no network)"
+            if not any(s.startswith("data.") for s in args.sets)
+            else f"data: {' '.join(args.sets)}"
+        )
+    )
     text = write_report(output, machine_line, rows, note)
     print(text)
     print(f"{PROG}: table written to {output}", file=sys.stderr)

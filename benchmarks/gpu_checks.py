@@ -13,31 +13,63 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.gpu_context import (OFFLINE_DATA, SMALL_FALLBACK_VOCAB, Context, Row,  # noqa: F401  (re-exported)
-                                   sets_args)
+from benchmarks.gpu_context import (
+    OFFLINE_DATA,  # noqa: F401  (re-exported)
+    SMALL_FALLBACK_VOCAB,  # noqa: F401  (re-exported)
+    Context,
+    Row,  # noqa: F401  (re-exported)
+    sets_args,
+)
 from benchmarks.gpu_checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
-from benchmarks.gpu_procs import (ENTRY, LAST_LINES, REPO, CheckFailed, GpuMemory, child_env, failed, falling,
-                                  kill_group, launcher, losses_by_step, run, smi_query, step_lines, watch, worker)
+from benchmarks.gpu_procs import (
+    ENTRY,
+    LAST_LINES,
+    REPO,
+    CheckFailed,
+    GpuMemory,
+    child_env,
+    failed,
+    falling,
+    kill_group,
+    launcher,
+    losses_by_step,
+    run,
+    smi_query,
+    step_lines,
+    watch,
+    worker,
+)
 from benchmarks.gpu_workers import POISONED, TINY
 
 
 def check_gpus(ctx: Context) -> list[Row]:
     """The launcher's GPU list against nvidia-smi's, with a process of ours holding memory."""
-    holder = subprocess.Popen([sys.executable, str(ENTRY), "--worker", "hold", str(ctx.gpus[0])],
-                              cwd=REPO, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    holder = subprocess.Popen(
+        [sys.executable, str(ENTRY), "--worker", "hold", str(ctx.gpus[0])],
+        cwd=REPO,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert holder.stdin is not None and holder.stdout is not None  # pipes
     try:
         import select
+
         ready = holder.stdout.readline() if select.select([holder.stdout], [], [], 180)[0] else "(no answer in 180 s)"
         if "ready" not in ready:
             raise CheckFailed("the process that holds 1 GiB on the GPU did not start", ready)
         ours = worker("nvml", 120)
-        smi = {int(i): (uuid, int(total), int(used)) for i, uuid, total, used in
-               smi_query("index", "uuid", "memory.total", "memory.used")}
-        apps = {(row[0], int(row[1])): int(row[2]) if row[2].isdigit() else None
-                for row in smi_query("gpu_uuid", "pid", "used_memory", what="compute-apps")
-                if len(row) == 3 and row[1].isdigit()}
+        smi = {
+            int(i): (uuid, int(total), int(used))
+            for i, uuid, total, used in smi_query("index", "uuid", "memory.total", "memory.used")
+        }
+        apps = {
+            (row[0], int(row[1])): int(row[2]) if row[2].isdigit() else None
+            for row in smi_query("gpu_uuid", "pid", "used_memory", what="compute-apps")
+            if len(row) == 3 and row[1].isdigit()
+        }
         table = launcher("gpus", timeout=120)
     finally:
         holder.stdin.close()
@@ -50,8 +82,7 @@ def check_gpus(ctx: Context) -> list[Row]:
         gpu = mine.get(index)
         if gpu and (gpu["uuid"] != uuid or gpu["memory_total"] // 2**20 != total):
             problems.append(f"GPU {index}: {gpu['uuid']} {gpu['memory_total'] // 2**20} MiB vs {uuid} {total} MiB")
-    processes = {(g["uuid"], pid): None if memory is None else memory // 2**20
-                 for g in ours for pid, memory in g["processes"]}
+    processes = {(g["uuid"], pid): None if memory is None else memory // 2**20 for g in ours for pid, memory in g["processes"]}
     if processes != apps:
         problems.append(f"processes (GPU, PID): MiB {sorted(processes.items())} vs nvidia-smi {sorted(apps.items())}")
     if holder.pid not in {pid for _, pid in processes}:
@@ -63,19 +94,49 @@ def check_gpus(ctx: Context) -> list[Row]:
         problems.append(f"the table shows GPUs {shown}")
     if str(holder.pid) not in table.out:
         problems.append("the table does not show our process")
-    result = (f"{len(smi)} GPU(s): index, UUID, memory and {len(apps)} process(es) with their memory agree" if not problems
-              else "; ".join(problems))
-    return [Row("`launcher gpus` = nvidia-smi (index, UUID, memory, processes)", result, "identical",
-                "no" if problems else "yes", failure="" if not problems else table.tail())]
+    result = (
+        f"{len(smi)} GPU(s): index, UUID, memory and {len(apps)} process(es) with their memory agree"
+        if not problems
+        else "; ".join(problems)
+    )
+    return [
+        Row(
+            "`launcher gpus` = nvidia-smi (index, UUID, memory, processes)",
+            result,
+            "identical",
+            "no" if problems else "yes",
+            failure="" if not problems else table.tail(),
+        )
+    ]
 
 
 def check_nvml_test(ctx: Context) -> list[Row]:
-    proc = run([sys.executable, "-m", "pytest", "tests/test_nvml.py", "-q", "-rs", "-p", "no:cacheprovider",
-                "-k", "real_nvml_describes_every_gpu"], timeout=300)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/test_nvml.py",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "real_nvml_describes_every_gpu",
+        ],
+        timeout=300,
+    )
     passed = proc.ok and re.search(r"\b1 passed\b", proc.out) is not None
     summary = proc.out.strip().splitlines()[-1] if proc.out.strip() else proc.how()
-    return [Row("real-driver NVML test (tests/test_nvml.py)", summary, "1 passed", "yes" if passed else "no",
-                failure="" if passed else proc.tail())]
+    return [
+        Row(
+            "real-driver NVML test (tests/test_nvml.py)",
+            summary,
+            "1 passed",
+            "yes" if passed else "no",
+            failure="" if passed else proc.tail(),
+        )
+    ]
 
 
 def debug_run_row(name: str, argv: list[str], ctx: Context, timeout: float) -> Row:
@@ -87,30 +148,47 @@ def debug_run_row(name: str, argv: list[str], ctx: Context, timeout: float) -> R
     losses = losses_by_step(proc.out, prefixes[0] if prefixes else None)
     ok = proc.ok and bool(prefixes) and not unprefixed and falling(losses)
     first, last = (losses[min(losses)], losses[max(losses)]) if losses else (None, None)
-    result = (f"{proc.how()}; prefixes {', '.join(prefixes) or 'none'}; loss {first} -> {last} "
-              f"over {len(losses)} step lines" + (f"; {len(unprefixed)} unprefixed worker lines" if unprefixed else ""))
-    return Row(f"`{name}`", result, "exit 0, GPU<n>: on every worker line, loss falls", "yes" if ok else "no",
-               failure="" if ok else proc.tail())
+    result = f"{proc.how()}; prefixes {', '.join(prefixes) or 'none'}; loss {first} -> {last} over {len(losses)} step lines" + (
+        f"; {len(unprefixed)} unprefixed worker lines" if unprefixed else ""
+    )
+    return Row(
+        f"`{name}`",
+        result,
+        "exit 0, GPU<n>: on every worker line, loss falls",
+        "yes" if ok else "no",
+        failure="" if ok else proc.tail(),
+    )
 
 
 def check_train_gpu(ctx: Context) -> list[Row]:
     gpu = str(ctx.gpus[0])
-    return [debug_run_row(f"./train_gpu.sh {gpu} --debug", ["bash", "train_gpu.sh", gpu, "--debug", "--run-dir",
-                                                             ctx.run_dir("train_gpu")], ctx, 600)]
+    return [
+        debug_run_row(
+            f"./train_gpu.sh {gpu} --debug",
+            ["bash", "train_gpu.sh", gpu, "--debug", "--run-dir", ctx.run_dir("train_gpu")],
+            ctx,
+            600,
+        )
+    ]
 
 
 def check_train_auto(ctx: Context) -> list[Row]:
-    return [debug_run_row("./train_auto_gpu.sh --debug", ["bash", "train_auto_gpu.sh", "--debug", "--run-dir",
-                                                          ctx.run_dir("train_auto")], ctx, 600)]
+    return [
+        debug_run_row(
+            "./train_auto_gpu.sh --debug",
+            ["bash", "train_auto_gpu.sh", "--debug", "--run-dir", ctx.run_dir("train_auto")],
+            ctx,
+            600,
+        )
+    ]
 
 
 def check_run_training(ctx: Context) -> list[Row]:
-    row = debug_run_row("bash run_training.sh --debug", ["bash", "run_training.sh", "--debug", "--run-dir",
-                                                         ctx.run_dir("run_training")], ctx, 600)
+    row = debug_run_row(
+        "bash run_training.sh --debug", ["bash", "run_training.sh", "--debug", "--run-dir", ctx.run_dir("run_training")], ctx, 600
+    )
     row.check += f" ({len(ctx.gpus)} GPU(s))"
     return [row]
-
-
 
 
 def check_nan(ctx: Context) -> list[Row]:
@@ -118,8 +196,19 @@ def check_nan(ctx: Context) -> list[Row]:
     does), resumed on one GPU through the launcher."""
     run_dir = ctx.run_dir("nan")
     checkpoint = worker("poison", 300, run_dir)["checkpoint"]
-    proc = launcher("--debug", "--gpus", str(ctx.gpus[0]), "--max-steps", "3", "--run-dir", run_dir,
-                    "--resume", checkpoint, *sets_args(TINY), timeout=600)
+    proc = launcher(
+        "--debug",
+        "--gpus",
+        str(ctx.gpus[0]),
+        "--max-steps",
+        "3",
+        "--run-dir",
+        run_dir,
+        "--resume",
+        checkpoint,
+        *sets_args(TINY),
+        timeout=600,
+    )
     banner = f"NaN GRADIENT DETECTED [GPU {ctx.gpus[0]}]"
     dump = Path(run_dir) / "debug" / "nan_debug_step_0.npz"
     problems = []
@@ -131,16 +220,23 @@ def check_nan(ctx: Context) -> list[Row]:
         problems.append(f"the report does not name {POISONED}")
     try:
         import numpy as np
+
         with np.load(dump, allow_pickle=False) as saved:
             nans = int(np.isnan(saved[f"param/{POISONED}"]).sum())
         if nans != 1:
             problems.append(f"the dump holds {nans} NaN in {POISONED}, not 1")
     except (OSError, KeyError, ValueError) as error:
         problems.append(f"dump {dump.name}: {error}")
-    result = "exit 3, report names the poisoned weight, dump loads (allow_pickle=False)" if not problems \
-        else "; ".join(problems)
-    return [Row("NaN run on 1 GPU (poisoned weight via checkpoint)", result, "exit 3, report, loadable dump",
-                "no" if problems else "yes", failure=proc.tail() if problems else "")]
+    result = "exit 3, report names the poisoned weight, dump loads (allow_pickle=False)" if not problems else "; ".join(problems)
+    return [
+        Row(
+            "NaN run on 1 GPU (poisoned weight via checkpoint)",
+            result,
+            "exit 3, report, loadable dump",
+            "no" if problems else "yes",
+            failure=proc.tail() if problems else "",
+        )
+    ]
 
 
 def check_small(ctx: Context) -> list[Row]:
@@ -148,18 +244,40 @@ def check_small(ctx: Context) -> list[Row]:
     rows = []
     for compiled in (True, False):
         with GpuMemory(ctx.gpus[0]) as used:
-            proc = launcher("--preset", "small", "--gpus", str(ctx.gpus[0]), "--max-steps", str(steps),
-                            "--run-dir", ctx.run_dir(f"small-{compiled}"),
-                            *sets_args([*ctx.small_sets, f"training.compile={str(compiled).lower()}",
-                                        "training.eval_interval=0", f"logging.log_interval={interval}",
-                                        "logging.tensorboard=false"]), timeout=600)
+            proc = launcher(
+                "--preset",
+                "small",
+                "--gpus",
+                str(ctx.gpus[0]),
+                "--max-steps",
+                str(steps),
+                "--run-dir",
+                ctx.run_dir(f"small-{compiled}"),
+                *sets_args(
+                    [
+                        *ctx.small_sets,
+                        f"training.compile={str(compiled).lower()}",
+                        "training.eval_interval=0",
+                        f"logging.log_interval={interval}",
+                        "logging.tensorboard=false",
+                    ]
+                ),
+                timeout=600,
+            )
         how = "compiled" if compiled else "not compiled"
         name = f"`small` preset, bf16, {how}, {steps} steps ({ctx.data_note})"
         rows.append(estimate_row(f"memory estimate vs measured, `small`, {how}, 1 GPU", proc, used.peak_gib))
         lines = step_lines(proc.out)
         if not proc.ok or len(lines) < 3:
-            rows.append(Row(name, f"FAILED: {proc.how()} after {proc.seconds:.0f} s, {len(lines)} step lines",
-                            "MFU >= 45%" if compiled else "loss falls", "no", failure=proc.tail()))
+            rows.append(
+                Row(
+                    name,
+                    f"FAILED: {proc.how()} after {proc.seconds:.0f} s, {len(lines)} step lines",
+                    "MFU >= 45%" if compiled else "loss falls",
+                    "no",
+                    failure=proc.tail(),
+                )
+            )
             continue
         timed = lines[2:]  # the first windows hold the compile and the warm-up
         tps = statistics.median(s["tokens_per_s"] for s in timed)
@@ -167,8 +285,10 @@ def check_small(ctx: Context) -> list[Row]:
         mfu = statistics.median(mfus) if mfus else None
         mem = max((s["mem"] for s in lines if s["mem"] is not None), default=None)
         losses = {s["step"]: s["loss"] for s in lines}
-        result = (f"{tps:,.0f} tokens/s, MFU {'n.a.' if mfu is None else f'{mfu:.1f}%'}, peak {mem} GiB, "
-                  f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}")
+        result = (
+            f"{tps:,.0f} tokens/s, MFU {'n.a.' if mfu is None else f'{mfu:.1f}%'}, peak {mem} GiB, "
+            f"loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}"
+        )
         good_loss = falling(losses)
         if compiled:
             met = "yes" if good_loss and mfu is not None and mfu >= 45 else "no"
@@ -188,14 +308,18 @@ def check_production_shape(ctx: Context) -> list[Row]:
     r = results[4]
     projected = r["step_s"] + 28 * per_layer
     layer_mfu = r["layer_flops_per_step"] / per_layer / r["peak_flops"] if r["peak_flops"] and per_layer > 0 else None
-    result = (f"4 layers ({r['params'] / 1e9:.2f} B params, {r.get('mode', '?')}): {r['step_s']:.3f} s/step "
-              f"({r['tokens']} tokens), "
-              f"{r['tokens_per_s']:,.0f} tokens/s, MFU {fmt_pct(r['mfu'])}, peak {r['peak_gib']:.1f} GiB; "
-              f"2 layers {results[2]['step_s']:.3f} s/step; one layer {per_layer:.3f} s/step "
-              f"(MFU of a layer {fmt_pct(layer_mfu)}); "
-              f"32 layers projected {projected:.2f} s/step")
-    return [Row("8B shape, 1 GPU, 2 and 4 layers, bf16, compiled, activation checkpointing", result, "measured",
-                "n.a."), shape_estimate_row(r)]
+    result = (
+        f"4 layers ({r['params'] / 1e9:.2f} B params, {r.get('mode', '?')}): {r['step_s']:.3f} s/step "
+        f"({r['tokens']} tokens), "
+        f"{r['tokens_per_s']:,.0f} tokens/s, MFU {fmt_pct(r['mfu'])}, peak {r['peak_gib']:.1f} GiB; "
+        f"2 layers {results[2]['step_s']:.3f} s/step; one layer {per_layer:.3f} s/step "
+        f"(MFU of a layer {fmt_pct(layer_mfu)}); "
+        f"32 layers projected {projected:.2f} s/step"
+    )
+    return [
+        Row("8B shape, 1 GPU, 2 and 4 layers, bf16, compiled, activation checkpointing", result, "measured", "n.a."),
+        shape_estimate_row(r),
+    ]
 
 
 def fmt_pct(value: float | None) -> str:
@@ -210,32 +334,50 @@ def check_compile_cache(ctx: Context) -> list[Row]:
     cache = ctx.tmp / "inductor-cache"
     env = child_env(TORCHINDUCTOR_CACHE_DIR=str(cache))
     env.pop("TRITON_CACHE_DIR", None)  # inductor then keeps Triton's kernels in its own cache too
-    base = ["--preset", "small", "--gpus", str(ctx.gpus[0]), "--max-steps", "2",
-            *sets_args([*ctx.small_sets, "training.compile=true", "training.eval_interval=0",
-                        "logging.tensorboard=false"])]
+    base = [
+        "--preset",
+        "small",
+        "--gpus",
+        str(ctx.gpus[0]),
+        "--max-steps",
+        "2",
+        *sets_args([*ctx.small_sets, "training.compile=true", "training.eval_interval=0", "logging.tensorboard=false"]),
+    ]
     prepared = run([sys.executable, "prepare_dataset.py", "--preset", "small", *sets_args(ctx.small_sets)], 600)
     if not prepared.ok:
         raise failed("prepare_dataset.py", prepared)
     times = []
     for attempt in ("first", "second"):
-        proc = launcher(*base, "--run-dir", ctx.run_dir(f"compile-{attempt}"), timeout=600, env=env,
-                        first_match=FIRST_STEP)
+        proc = launcher(*base, "--run-dir", ctx.run_dir(f"compile-{attempt}"), timeout=600, env=env, first_match=FIRST_STEP)
         if not proc.ok or proc.first_match_s is None:
             raise failed(f"{attempt} launch", proc)
         times.append(proc.first_match_s)
     ratio = times[1] / times[0]
-    return [Row("time to first step, `small` compiled: second launch (shared compile cache) vs first (fresh)",
-                f"{times[0]:.1f} s -> {times[1]:.1f} s ({ratio:.2f}x)", "second <= half the first",
-                "yes" if ratio <= 0.5 else "no")]
+    return [
+        Row(
+            "time to first step, `small` compiled: second launch (shared compile cache) vs first (fresh)",
+            f"{times[0]:.1f} s -> {times[1]:.1f} s ({ratio:.2f}x)",
+            "second <= half the first",
+            "yes" if ratio <= 0.5 else "no",
+        )
+    ]
 
 
 def check_bf16(ctx: Context) -> list[Row]:
     """The debug model for 20 steps, bf16 autocast and fp32 (TF32 matmuls), same seed and data."""
     runs = {}
     for amp in (True, False):
-        proc = launcher("--debug", "--gpus", str(ctx.gpus[0]), "--max-steps", "20",
-                        "--run-dir", ctx.run_dir(f"amp-{amp}"),
-                        *sets_args([f"training.use_amp={str(amp).lower()}", "training.compile=false"]), timeout=600)
+        proc = launcher(
+            "--debug",
+            "--gpus",
+            str(ctx.gpus[0]),
+            "--max-steps",
+            "20",
+            "--run-dir",
+            ctx.run_dir(f"amp-{amp}"),
+            *sets_args([f"training.use_amp={str(amp).lower()}", "training.compile=false"]),
+            timeout=600,
+        )
         losses = losses_by_step(proc.out, f"GPU{ctx.gpus[0]}")
         if not proc.ok or len(losses) != 20:
             raise failed(f"use_amp={amp}", proc)
@@ -243,9 +385,14 @@ def check_bf16(ctx: Context) -> list[Row]:
     relative = [abs(runs[True][s] - runs[False][s]) / abs(runs[False][s]) for s in runs[False]]
     worst = max(relative)
     ok = 0 < worst <= 0.05
-    return [Row("bf16 vs fp32 loss, debug model, 20 steps", f"max relative difference {worst:.2e} "
-                f"(final {runs[True][19]:.4f} vs {runs[False][19]:.4f})", "close (<= 5e-2), not identical (> 0)",
-                "yes" if ok else "no")]
+    return [
+        Row(
+            "bf16 vs fp32 loss, debug model, 20 steps",
+            f"max relative difference {worst:.2e} (final {runs[True][19]:.4f} vs {runs[False][19]:.4f})",
+            "close (<= 5e-2), not identical (> 0)",
+            "yes" if ok else "no",
+        )
+    ]
 
 
 def check_offload(ctx: Context) -> list[Row]:
@@ -254,11 +401,27 @@ def check_offload(ctx: Context) -> list[Row]:
     host memory, so the peak GPU memory is lower, and the losses are those of the plain run."""
     runs = {}
     for offload in (False, True):
-        proc = launcher("--preset", "small", "--gpus", str(ctx.gpus[0]), "--max-steps", "10",
-                        "--run-dir", ctx.run_dir(f"offload-{offload}"),
-                        *sets_args([*ctx.small_sets, f"training.cpu_offload={str(offload).lower()}",
-                                    "training.compile=false", "logging.log_interval=1", "training.eval_interval=0",
-                                    "logging.tensorboard=false"]), timeout=600)
+        proc = launcher(
+            "--preset",
+            "small",
+            "--gpus",
+            str(ctx.gpus[0]),
+            "--max-steps",
+            "10",
+            "--run-dir",
+            ctx.run_dir(f"offload-{offload}"),
+            *sets_args(
+                [
+                    *ctx.small_sets,
+                    f"training.cpu_offload={str(offload).lower()}",
+                    "training.compile=false",
+                    "logging.log_interval=1",
+                    "training.eval_interval=0",
+                    "logging.tensorboard=false",
+                ]
+            ),
+            timeout=600,
+        )
         steps = [s for s in step_lines(proc.out) if s["prefix"] == f"GPU{ctx.gpus[0]}"]
         if not proc.ok or len(steps) != 10 or (offload and "with CPU offload over 1 GPU" not in proc.out):
             raise failed(f"cpu_offload={str(offload).lower()}", proc)
@@ -266,17 +429,22 @@ def check_offload(ctx: Context) -> list[Row]:
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(runs[True], runs[False], strict=True))
     plain, offloaded = (max(s["mem"] or 0.0 for s in runs[o]) for o in (False, True))
     ok = worst <= 1e-2 and offloaded <= plain - 1.0
-    return [Row("CPU offload, `small`, 1 GPU, 10 steps: peak GPU memory and losses against no offload",
-                f"peak {plain:.1f} -> {offloaded:.1f} GiB; max relative loss difference {worst:.1e}",
-                "peak >= 1 GiB lower (16 B x 153M parameters leave the GPU); losses within 1e-2",
-                "yes" if ok else "no")]
+    return [
+        Row(
+            "CPU offload, `small`, 1 GPU, 10 steps: peak GPU memory and losses against no offload",
+            f"peak {plain:.1f} -> {offloaded:.1f} GiB; max relative loss difference {worst:.1e}",
+            "peak >= 1 GiB lower (16 B x 153M parameters leave the GPU); losses within 1e-2",
+            "yes" if ok else "no",
+        )
+    ]
 
 
 def check_nccl(ctx: Context) -> list[Row]:
     if len(ctx.gpus) < 2:
-        return [Row("NCCL fail-fast: a rank killed during training", "1 GPU", "every process gone <= 2 s, exit 137",
-                    "n.a."),
-                Row("DDP vs FSDP loss at step 1 (2 GPUs)", "1 GPU", "relative difference <= 1e-3", "n.a.")]
+        return [
+            Row("NCCL fail-fast: a rank killed during training", "1 GPU", "every process gone <= 2 s, exit 137", "n.a."),
+            Row("DDP vs FSDP loss at step 1 (2 GPUs)", "1 GPU", "relative difference <= 1e-3", "n.a."),
+        ]
     return [fail_fast(ctx), ddp_vs_fsdp(ctx)]
 
 
@@ -286,25 +454,43 @@ def fail_fast(ctx: Context) -> Row:
     import psutil
 
     gpus = ",".join(map(str, ctx.gpus[:2]))
-    argv = [sys.executable, "-m", "launcher", "--debug", "--gpus", gpus, "--max-steps", "100000", "--kill-grace", "1",
-            "--run-dir", ctx.run_dir("fail-fast"), "--set", "logging.log_interval=1", "--set", "training.compile=false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "--debug",
+        "--gpus",
+        gpus,
+        "--max-steps",
+        "100000",
+        "--kill-grace",
+        "1",
+        "--run-dir",
+        ctx.run_dir("fail-fast"),
+        "--set",
+        "logging.log_interval=1",
+        "--set",
+        "training.compile=false",
+    ]
     watched = watch(argv)
     proc, lines, training, reader = watched.proc, watched.lines, watched.seen, watched.reader
     name = "NCCL fail-fast: rank 1 SIGKILLed during training, 2 GPUs"
     target = "every process gone <= 2 s, exit 137"
     try:
         if not training.wait(timeout=600):
-            return Row(name, "the run ended or stalled before step 5", target, "no",
-                       failure="".join(lines[-LAST_LINES:]))
-        workers = sorted((p for p in psutil.Process(proc.pid).children() if p.cmdline()[1:3] == ["-m", "pretrain"]),
-                         key=lambda p: int(p.environ()["RANK"]))
+            return Row(name, "the run ended or stalled before step 5", target, "no", failure="".join(lines[-LAST_LINES:]))
+        workers = sorted(
+            (p for p in psutil.Process(proc.pid).children() if p.cmdline()[1:3] == ["-m", "pretrain"]),
+            key=lambda p: int(p.environ()["RANK"]),
+        )
         workers[1].kill()
         killed_at = time.monotonic()
         try:
             code = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            return Row(name, "the launcher was still running 60 s after the kill", target, "no",
-                       failure="".join(lines[-LAST_LINES:]))
+            return Row(
+                name, "the launcher was still running 60 s after the kill", target, "no", failure="".join(lines[-LAST_LINES:])
+            )
         exited = time.monotonic() - killed_at
         while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers):
             if time.monotonic() - killed_at > 30:
@@ -315,23 +501,41 @@ def fail_fast(ctx: Context) -> Row:
         kill_group(proc)
         reader.join(timeout=10)
     ok = code == 128 + signal.SIGKILL and gone <= 2
-    return Row(name, f"exit {code}; launcher exited {exited:.2f} s, every worker gone {gone:.2f} s after the kill",
-               target, "yes" if ok else "no", failure="" if ok else "".join(lines[-LAST_LINES:]))
+    return Row(
+        name,
+        f"exit {code}; launcher exited {exited:.2f} s, every worker gone {gone:.2f} s after the kill",
+        target,
+        "yes" if ok else "no",
+        failure="" if ok else "".join(lines[-LAST_LINES:]),
+    )
 
 
 def ddp_vs_fsdp(ctx: Context) -> Row:
     gpus = ",".join(map(str, ctx.gpus[:2]))
     losses = {}
     for mode in ("ddp", "fsdp"):
-        proc = launcher("--debug", "--gpus", gpus, "--max-steps", "2", "--run-dir", ctx.run_dir(f"mode-{mode}"),
-                        *sets_args([f"training.parallelism={mode}", "training.compile=false"]), timeout=600)
+        proc = launcher(
+            "--debug",
+            "--gpus",
+            gpus,
+            "--max-steps",
+            "2",
+            "--run-dir",
+            ctx.run_dir(f"mode-{mode}"),
+            *sets_args([f"training.parallelism={mode}", "training.compile=false"]),
+            timeout=600,
+        )
         found = losses_by_step(proc.out, f"GPU{ctx.gpus[0]}")
         if not proc.ok or 1 not in found:
             raise failed(mode, proc)
         losses[mode] = found[1]
     diff = abs(losses["ddp"] - losses["fsdp"]) / abs(losses["ddp"])
-    return Row("DDP vs FSDP loss at step 1, 2 GPUs, debug model", f"{losses['ddp']:.5f} vs {losses['fsdp']:.5f} "
-               f"(relative {diff:.1e})", "relative difference <= 1e-3", "yes" if diff <= 1e-3 else "no")
+    return Row(
+        "DDP vs FSDP loss at step 1, 2 GPUs, debug model",
+        f"{losses['ddp']:.5f} vs {losses['fsdp']:.5f} (relative {diff:.1e})",
+        "relative difference <= 1e-3",
+        "yes" if diff <= 1e-3 else "no",
+    )
 
 
 def check_syncs(ctx: Context) -> list[Row]:
@@ -340,17 +544,28 @@ def check_syncs(ctx: Context) -> list[Row]:
     without the finite check (the stop agreement's own all-reduce)."""
     steps = "6" if ctx.quick else "12"
     rows = []
-    for mode, about in (("single", "1 process"), ("group", "1-rank NCCL group"),
-                        ("group-nocheck", "1-rank NCCL group, debug.check_finite=false")):
+    for mode, about in (
+        ("single", "1 process"),
+        ("group", "1-rank NCCL group"),
+        ("group-nocheck", "1-rank NCCL group, debug.check_finite=false"),
+    ):
         r = worker("syncs", 600, mode, steps, "false" if ctx.quick else "true")
-        profiled = (f"profiler: {r['profiler_syncs']:.2f} sync calls, {r['pageable_h2d']:.2f} pageable H2D copies per step"
-                    if r.get("profiler_syncs") is not None else f"profiler: n.a. ({r.get('profiler_error', '?')})")
+        profiled = (
+            f"profiler: {r['profiler_syncs']:.2f} sync calls, {r['pageable_h2d']:.2f} pageable H2D copies per step"
+            if r.get("profiler_syncs") is not None
+            else f"profiler: n.a. ({r.get('profiler_error', '?')})"
+        )
         ok = r["max_syncs"] <= 1  # a pageable copy to the GPU stages the data and returns: no sync
-        rows.append(Row(f"host synchronizations per non-logging step, {about}, debug model, "
-                        f"{'compiled' if r['compiled'] else 'not compiled'}",
-                        f"max {r['max_syncs']}, mean {r['mean_syncs']:.2f} over {r['steps']} steps (sync debug mode); "
-                        f"{profiled}" + (f"; where: {r['where']}" if r.get("where") else ""),
-                        "<= 1", "yes" if ok else "no"))
+        rows.append(
+            Row(
+                f"host synchronizations per non-logging step, {about}, debug model, "
+                f"{'compiled' if r['compiled'] else 'not compiled'}",
+                f"max {r['max_syncs']}, mean {r['mean_syncs']:.2f} over {r['steps']} steps (sync debug mode); "
+                f"{profiled}" + (f"; where: {r['where']}" if r.get("where") else ""),
+                "<= 1",
+                "yes" if ok else "no",
+            )
+        )
     return rows
 
 

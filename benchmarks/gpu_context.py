@@ -10,8 +10,7 @@ from pathlib import Path
 # Without --set data.*: the built-in corpus and the byte tokenizer, so that nothing needs the
 # network (the GPU machine may have none). The presets keep their vocabularies (byte ids are
 # valid rows of any of them), so the models, and their throughput, are the presets' own.
-OFFLINE_DATA = ("data.source=builtin", "data.hub_repo=", "data.tokenizer=byte", "data.tokenizer_name=",
-                "data.max_samples=0")
+OFFLINE_DATA = ("data.source=builtin", "data.hub_repo=", "data.tokenizer=byte", "data.tokenizer_name=", "data.max_samples=0")
 SMALL_FALLBACK_VOCAB = 50304
 """The small preset's vocabulary on the offline fallback when the preset has none of its own."""
 
@@ -50,6 +49,7 @@ class Context:
         64) when the preset's follows the tokenizer: 257 rows would leave out most of the output
         projection's work and make the throughput and MFU those of another model."""
         from pretrain import config as cfg
+
         sets = self.data_sets
         if sets is not self.sets and cfg.resolve(preset="small", sets=sets).model.vocab_size is None:
             sets = [*sets, f"model.vocab_size={SMALL_FALLBACK_VOCAB}"]
@@ -61,5 +61,3 @@ class Context:
 
 def sets_args(sets: Sequence[str]) -> list[str]:
     return [item for assignment in sets for item in ("--set", assignment)]
-
-

@@ -27,7 +27,8 @@ LAST_LINES = 25
 
 STEP_LINE = re.compile(
     r"^(?P<prefix>GPU\d+):INFO \| \[GPU \d+\] Step \[(?P<step>\d+)/(?P<total>\d+)\] \| Loss: (?P<loss>\S+) \|"
-    r".*? Tokens/s: (?P<tps>[\d,]+)(?: \| MFU: (?P<mfu>[\d.]+)%)?(?: \| Mem: (?P<mem>[\d.]+) GiB)?")
+    r".*? Tokens/s: (?P<tps>[\d,]+)(?: \| MFU: (?P<mfu>[\d.]+)%)?(?: \| Mem: (?P<mem>[\d.]+) GiB)?"
+)
 
 
 @dataclass
@@ -62,23 +63,38 @@ class CheckFailed(Exception):
 def failed(what: str, proc: Proc) -> CheckFailed:
     return CheckFailed(f"{what}: {proc.how()} after {proc.seconds:.0f} s", proc.tail())
 
+
 # --- processes -------------------------------------------------------------------------
 
+
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1", **extra)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
     env.pop("NO_COLOR", None)
     return env
 
 
-def run(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None,
-        first_match: re.Pattern[str] | None = None) -> Proc:
+def run(
+    argv: Sequence[str], timeout: float, env: dict[str, str] | None = None, first_match: re.Pattern[str] | None = None
+) -> Proc:
     """argv in its own process group, output (stdout and stderr together) read as it comes;
     the whole group is killed at the timeout."""
     started = time.monotonic()
-    proc = subprocess.Popen(list(argv), cwd=REPO, env=env or child_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=REPO,
+        env=env or child_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     lines: list[str] = []
     matched: list[float] = []
 
@@ -88,6 +104,7 @@ def run(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None,
             if first_match is not None and not matched and first_match.search(line):
                 matched.append(time.monotonic() - started)
             lines.append(line)
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
@@ -151,10 +168,21 @@ class GpuMemory:
 
     def __enter__(self) -> GpuMemory:
         self.baseline_mib = int(smi_query("memory.used", index=self.index)[0][0])
-        self._proc = subprocess.Popen(["nvidia-smi", "-i", str(self.index), "--query-gpu=memory.used",
-                                       "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                      start_new_session=True)
+        self._proc = subprocess.Popen(
+            [
+                "nvidia-smi",
+                "-i",
+                str(self.index),
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                str(self.interval_ms),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         return self
@@ -175,8 +203,7 @@ class GpuMemory:
         return None if self.peak_mib is None else max(0, self.peak_mib - self.baseline_mib) / 1024
 
 
-def launcher(*args: str, timeout: float, env: dict[str, str] | None = None,
-             first_match: re.Pattern[str] | None = None) -> Proc:
+def launcher(*args: str, timeout: float, env: dict[str, str] | None = None, first_match: re.Pattern[str] | None = None) -> Proc:
     return run([sys.executable, "-m", "launcher", *args], timeout, env, first_match)
 
 
@@ -184,10 +211,16 @@ def step_lines(out: str) -> list[dict[str, Any]]:
     steps = []
     for line in out.splitlines():
         if match := STEP_LINE.match(line):
-            steps.append({"prefix": match["prefix"], "step": int(match["step"]), "loss": float(match["loss"]),
-                          "tokens_per_s": float(match["tps"].replace(",", "")),
-                          "mfu": float(match["mfu"]) if match["mfu"] else None,
-                          "mem": float(match["mem"]) if match["mem"] else None})
+            steps.append(
+                {
+                    "prefix": match["prefix"],
+                    "step": int(match["step"]),
+                    "loss": float(match["loss"]),
+                    "tokens_per_s": float(match["tps"].replace(",", "")),
+                    "mfu": float(match["mfu"]) if match["mfu"] else None,
+                    "mem": float(match["mem"]) if match["mem"] else None,
+                }
+            )
     return steps
 
 
@@ -202,14 +235,20 @@ def falling(losses: dict[int, float]) -> bool:
 
 def smi_query(*fields: str, what: str = "gpu", index: int | None = None) -> list[list[str]]:
     only = [] if index is None else ["-i", str(index)]
-    out = subprocess.run(["nvidia-smi", *only, f"--query-{what}={','.join(fields)}", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", *only, f"--query-{what}={','.join(fields)}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
 @dataclass
 class Watched:
     """A launch whose output a thread collects, and the moment a marker line appeared."""
+
     proc: subprocess.Popen
     lines: list[str]
     seen: threading.Event
@@ -219,8 +258,16 @@ class Watched:
 def watch(argv: Sequence[str], marker: str = "] Step [5/") -> Watched:
     """Start argv in a session of its own and collect its output; seen is set at the first line
     holding marker (by default: training reached step 5)."""
-    proc = subprocess.Popen(list(argv), cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     lines: list[str] = []
     seen = threading.Event()
 
@@ -230,6 +277,7 @@ def watch(argv: Sequence[str], marker: str = "] Step [5/") -> Watched:
             lines.append(line)
             if marker in line:
                 seen.set()
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return Watched(proc, lines, seen, reader)

@@ -37,16 +37,25 @@ def worker_torch() -> None:
     import platform
 
     import torch
+
     if not torch.cuda.is_available():
-        raise SystemExit(f"torch {torch.__version__} cannot use the GPU (CUDA {torch.version.cuda}); "
-                         "install a CUDA build of torch")
-    emit({"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": platform.python_version(),
-          "devices": torch.cuda.device_count()})
+        raise SystemExit(
+            f"torch {torch.__version__} cannot use the GPU (CUDA {torch.version.cuda}); install a CUDA build of torch"
+        )
+    emit(
+        {
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "devices": torch.cuda.device_count(),
+        }
+    )
 
 
 def worker_hold(index: str) -> None:
     """Hold 1 GiB on a GPU until stdin closes."""
     import torch
+
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     held = torch.empty(2**30, dtype=torch.uint8, device=f"cuda:{int(index)}")
     torch.cuda.synchronize()
@@ -57,8 +66,19 @@ def worker_hold(index: str) -> None:
 
 def worker_nvml() -> None:
     from launcher import nvml
-    emit([{"index": g.index, "uuid": g.uuid, "mig": g.mig, "memory_total": g.memory_total,
-           "processes": [(p.pid, p.memory) for p in g.processes]} for g in nvml.discover(window=0.2, samples=2)])
+
+    emit(
+        [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "mig": g.mig,
+                "memory_total": g.memory_total,
+                "processes": [(p.pid, p.memory) for p in g.processes],
+            }
+            for g in nvml.discover(window=0.2, samples=2)
+        ]
+    )
 
 
 def worker_poison(run_dir: str) -> None:
@@ -98,10 +118,17 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
 
     warmup, timed = 2, int(steps)
     # The 8B vocabulary stays (byte ids are valid rows of it): only the layers are fewer.
-    sets = [*[s for s in json.loads(data_sets) if s != "model.vocab_size=null"], f"model.n_layers={layers}",
-            "training.batch_size=1", "training.grad_accum_nums=2", f"training.max_steps={warmup + timed}",
-            "training.warmup_steps=1", "training.eval_batches=1", "logging.tensorboard=false",
-            f"system.device={DEVICE}"]
+    sets = [
+        *[s for s in json.loads(data_sets) if s != "model.vocab_size=null"],
+        f"model.n_layers={layers}",
+        "training.batch_size=1",
+        "training.grad_accum_nums=2",
+        f"training.max_steps={warmup + timed}",
+        "training.warmup_steps=1",
+        "training.eval_batches=1",
+        "logging.tensorboard=false",
+        f"system.device={DEVICE}",
+    ]
     config = cfg.resolve(preset="production", sets=sets)
     dataset = prepare(config.data, log=lambda line: print(line, file=sys.stderr))
     config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -128,11 +155,20 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
     one_layer = dataclasses.replace(config.model, n_layers=1)
     two_layers = dataclasses.replace(config.model, n_layers=2)
     layer_flops = flops_per_token(two_layers, context) - flops_per_token(one_layer, context)
-    emit({"params": sum(p.numel() for p in trainer.model.parameters()), "mode": trainer.mode, "step_s": step_s,
-          "tokens": tokens,
-          "tokens_per_s": tokens / step_s, "mfu": tokens / step_s * per_token / peak if peak else None,
-          "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "peak_flops": peak,
-          "layer_flops_per_step": layer_flops * tokens, **memory_against_estimate(trainer, warmup_peaks)})
+    emit(
+        {
+            "params": sum(p.numel() for p in trainer.model.parameters()),
+            "mode": trainer.mode,
+            "step_s": step_s,
+            "tokens": tokens,
+            "tokens_per_s": tokens / step_s,
+            "mfu": tokens / step_s * per_token / peak if peak else None,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_flops": peak,
+            "layer_flops_per_step": layer_flops * tokens,
+            **memory_against_estimate(trainer, warmup_peaks),
+        }
+    )
 
 
 def memory_against_estimate(trainer: Any, warmup_peaks: tuple[int, int]) -> dict[str, Any]:
@@ -141,12 +177,16 @@ def memory_against_estimate(trainer: Any, warmup_peaks: tuple[int, int]) -> dict
     import torch
 
     from pretrain import memory
+
     offload = bool(trainer.config.training.cpu_offload)
     mode = "fsdp" if trainer.mode == "fsdp" else "ddp"  # "single" is the one-rank case of ddp's formula
     estimate = memory.estimate(trainer.config, trainer.runtime.world_size, mode, offload)
-    return {"estimate_gib": estimate.total / 2**30, "estimate_parts": estimate.parts(),
-            "run_allocated_gib": max(warmup_peaks[0], torch.cuda.max_memory_allocated()) / 2**30,
-            "run_reserved_gib": max(warmup_peaks[1], torch.cuda.max_memory_reserved()) / 2**30}
+    return {
+        "estimate_gib": estimate.total / 2**30,
+        "estimate_parts": estimate.parts(),
+        "run_allocated_gib": max(warmup_peaks[0], torch.cuda.max_memory_allocated()) / 2**30,
+        "run_reserved_gib": max(warmup_peaks[1], torch.cuda.max_memory_reserved()) / 2**30,
+    }
 
 
 def worker_syncs(mode: str, steps: str, compile_: str) -> None:
@@ -173,11 +213,19 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
 
     warmup, counted = 3, int(steps)
     total = warmup + counted + 1  # and a last step, which logs
-    sets = ["debug.trace_nonfinite=false",  # its hooks synchronize on purpose
-            "training.use_amp=true", f"training.compile={compile_}", f"training.max_steps={total}",
-            "logging.log_interval=1000000", "logging.level=INFO", "logging.tensorboard=false",
-            "training.eval_interval=0", "training.checkpoint_interval=0", f"system.device={DEVICE}",
-            f"debug.check_finite={'false' if mode == 'group-nocheck' else 'true'}"]
+    sets = [
+        "debug.trace_nonfinite=false",  # its hooks synchronize on purpose
+        "training.use_amp=true",
+        f"training.compile={compile_}",
+        f"training.max_steps={total}",
+        "logging.log_interval=1000000",
+        "logging.level=INFO",
+        "logging.tensorboard=false",
+        "training.eval_interval=0",
+        "training.checkpoint_interval=0",
+        f"system.device={DEVICE}",
+        f"debug.check_finite={'false' if mode == 'group-nocheck' else 'true'}",
+    ]
     config = cfg.resolve(preset="debug", sets=sets)
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -202,8 +250,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
             trainer.runtime = Distributed(0, 1, device, "GPU 0")
         marks: list[int] = []
         caught: list[warnings.WarningMessage] = []
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA])
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
         unmarked_step = train.train_step
 
         def marked_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -217,6 +264,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
                 torch.cuda.set_sync_debug_mode(0)
                 profiler.stop()
             return unmarked_step(trainer, step)
+
         train.train_step = marked_step
         with warnings.catch_warnings(record=True) as caught_here:
             warnings.simplefilter("always")
@@ -226,10 +274,16 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
     if mode != "single":
         dist.destroy_process_group()
     per_step = [sum(SYNC_WARNING in str(w.message) for w in caught[a:b]) for a, b in pairwise(marks)]
-    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for a, b in pairwise(marks) for w in caught[a:b]
-                    if SYNC_WARNING in str(w.message)})
-    result: dict[str, Any] = {"steps": len(per_step), "max_syncs": max(per_step), "mean_syncs": sum(per_step) / len(per_step),
-                              "compiled": compiled, "where": ", ".join(where)}
+    where = sorted(
+        {f"{Path(w.filename).name}:{w.lineno}" for a, b in pairwise(marks) for w in caught[a:b] if SYNC_WARNING in str(w.message)}
+    )
+    result: dict[str, Any] = {
+        "steps": len(per_step),
+        "max_syncs": max(per_step),
+        "mean_syncs": sum(per_step) / len(per_step),
+        "compiled": compiled,
+        "where": ", ".join(where),
+    }
     try:
         names = [e.name for e in profiler.events()]
         result["profiler_syncs"] = sum(n in SYNC_CALLS for n in names) / len(per_step)
@@ -239,6 +293,12 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
     emit(result)
 
 
-WORKERS: dict[str, Callable[..., None]] = {"torch": worker_torch, "hold": worker_hold, "nvml": worker_nvml,
-                                           "poison": worker_poison, "shape": worker_shape, "syncs": worker_syncs,
-                                           **RUNTIME_WORKERS}
+WORKERS: dict[str, Callable[..., None]] = {
+    "torch": worker_torch,
+    "hold": worker_hold,
+    "nvml": worker_nvml,
+    "poison": worker_poison,
+    "shape": worker_shape,
+    "syncs": worker_syncs,
+    **RUNTIME_WORKERS,
+}

@@ -41,14 +41,29 @@ def worker_attention(dtype: str = "float32") -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
             layer(x, cos, sin).sum().backward()
             torch.cuda.synchronize()
-        kernels = sorted({e.name for e in profiler.events() if any(
-            word in e.name.lower() for word in ("fmha", "flash", "attention", "efficient", "cudnn", "softmax"))})
+        kernels = sorted(
+            {
+                e.name
+                for e in profiler.events()
+                if any(word in e.name.lower() for word in ("fmha", "flash", "attention", "efficient", "cudnn", "softmax"))
+            }
+        )
         peak: float | None = (torch.cuda.max_memory_allocated() - before) / 2**30
     except torch.OutOfMemoryError:
         peak = None
-    emit({"dtype": dtype, "batch": batch, "heads": model.n_heads, "kv_heads": model.n_kv_heads, "context": context,
-          "peak_gib": peak, "scores_gib": batch * model.n_heads * context * context * 4 / 2**30,
-          "kernels": kernels[:4], "torch": torch.__version__})
+    emit(
+        {
+            "dtype": dtype,
+            "batch": batch,
+            "heads": model.n_heads,
+            "kv_heads": model.n_kv_heads,
+            "context": context,
+            "peak_gib": peak,
+            "scores_gib": batch * model.n_heads * context * context * 4 / 2**30,
+            "kernels": kernels[:4],
+            "torch": torch.__version__,
+        }
+    )
 
 
 def worker_alloc_conf() -> None:
@@ -60,8 +75,15 @@ def worker_alloc_conf() -> None:
     held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     segments = torch.cuda.memory._snapshot().get("segments", [])
     flags = [s["is_expandable"] for s in segments if "is_expandable" in s]
-    emit({"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "device_order": os.environ.get("CUDA_DEVICE_ORDER"),
-          "expandable": all(flags) if flags else None, "segments": len(segments), "torch": torch.__version__})
+    emit(
+        {
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "device_order": os.environ.get("CUDA_DEVICE_ORDER"),
+            "expandable": all(flags) if flags else None,
+            "segments": len(segments),
+            "torch": torch.__version__,
+        }
+    )
     del held
 
 
@@ -102,5 +124,8 @@ def worker_nccl_error(device: str = "cuda") -> None:
     os._exit(code)
 
 
-RUNTIME_WORKERS: dict[str, Callable[..., None]] = {"attention": worker_attention, "alloc-conf": worker_alloc_conf,
-                                                   "nccl-error": worker_nccl_error}
+RUNTIME_WORKERS: dict[str, Callable[..., None]] = {
+    "attention": worker_attention,
+    "alloc-conf": worker_alloc_conf,
+    "nccl-error": worker_nccl_error,
+}

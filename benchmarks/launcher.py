@@ -53,7 +53,7 @@ LATENCY_TARGET_MS = 5.0
 SURVIVOR_POLL_S = 1.0
 LINE_PACE = (5, 0.005)  # the printing worker sleeps 5 ms after every 5 lines (~1000 lines/s)
 
-WORKER_SOURCE = r'''
+WORKER_SOURCE = r"""
 import os, signal, subprocess, sys, time
 
 rank, mode = int(os.environ["RANK"]), os.environ["BENCH_MODE"]
@@ -102,15 +102,20 @@ if mode.startswith("crash") and rank == 1:
         os._exit(3)
     sys.exit(7)
 time.sleep(60)
-'''
+"""
 
-CRASHES = {"crash-raise": ("(a) rank 1 raises", 1), "crash-exit": ("(b) rank 1 os._exit(3)", 3),
-           "crash-ignore-term": ("(c) exit 7, peer ignores SIGTERM", 7)}
+CRASHES = {
+    "crash-raise": ("(a) rank 1 raises", 1),
+    "crash-exit": ("(b) rank 1 os._exit(3)", 3),
+    "crash-ignore-term": ("(c) exit 7, peer ignores SIGTERM", 7),
+}
 # Tools: "ours" (python -m launcher), "torchrun" (--tee 3), "torchrun-notee" (reference rows only).
-SCENARIO_TOOLS = {"first-line": ["ours", "torchrun", "torchrun-notee"],
-                  **{mode: ["ours", "torchrun"] for mode in CRASHES},
-                  "lines": ["ours", "torchrun", "torchrun-notee"],
-                  "supervisor-killed": ["ours", "torchrun"]}
+SCENARIO_TOOLS = {
+    "first-line": ["ours", "torchrun", "torchrun-notee"],
+    **{mode: ["ours", "torchrun"] for mode in CRASHES},
+    "lines": ["ours", "torchrun", "torchrun-notee"],
+    "supervisor-killed": ["ours", "torchrun"],
+}
 # torchrun's failure path stops the other workers with a hard-coded 30 s timeout
 # (--shutdown-timeout only applies when torchrun itself is signalled): cap those runs.
 SLOW_RUN = ("crash-ignore-term", "torchrun")
@@ -143,8 +148,7 @@ class LineReader:
 
     def wait_for(self, token: bytes, count: int, timeout: float) -> bool:
         with self._changed:
-            return self._changed.wait_for(
-                lambda: sum(token in line for _, line in self.lines) >= count, timeout)
+            return self._changed.wait_for(lambda: sum(token in line for _, line in self.lines) >= count, timeout)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -159,22 +163,55 @@ def free_port() -> int:
 def tool_argv(tool: str, worker: Path, work: Path) -> list[str]:
     python = sys.executable
     if tool == "ours":
-        return [python, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--kill-grace",
-                str(KILL_GRACE_S), "--run-dir", str(work / "run"), "--", python, str(worker)]
+        return [
+            python,
+            "-m",
+            "launcher",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--kill-grace",
+            str(KILL_GRACE_S),
+            "--run-dir",
+            str(work / "run"),
+            "--",
+            python,
+            str(worker),
+        ]
     tee = ["--tee", "3"] if tool == "torchrun" else []
-    return [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", *tee,
-            "--log-dir", str(work / "torchrun-logs"), "--master-port", str(free_port()),
-            "--shutdown-timeout", f"{KILL_GRACE_S:g}", str(worker)]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        *tee,
+        "--log-dir",
+        str(work / "torchrun-logs"),
+        "--master-port",
+        str(free_port()),
+        "--shutdown-timeout",
+        f"{KILL_GRACE_S:g}",
+        str(worker),
+    ]
 
 
 def tool_env(marker: str, mode: str, work: Path, lines: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({MARKER_VAR: marker, "BENCH_MODE": mode, "BENCH_CRASH_FILE": str(work / "crash"),
-                "BENCH_LINES": str(lines), "BENCH_PACE_EVERY": str(LINE_PACE[0]),
-                "BENCH_PACE_SLEEP": str(LINE_PACE[1]),
-                # torchrun's own stdout is block-buffered on a pipe without this
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
+    env.update(
+        {
+            MARKER_VAR: marker,
+            "BENCH_MODE": mode,
+            "BENCH_CRASH_FILE": str(work / "crash"),
+            "BENCH_LINES": str(lines),
+            "BENCH_PACE_EVERY": str(LINE_PACE[0]),
+            "BENCH_PACE_SLEEP": str(LINE_PACE[1]),
+            # torchrun's own stdout is block-buffered on a pipe without this
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        }
+    )
     return env
 
 
@@ -215,9 +252,14 @@ def run_once(tool: str, mode: str, lines: int) -> RunResult:
         proc, reader = None, None
         try:
             started = time.monotonic()
-            proc = subprocess.Popen(tool_argv(tool, worker, work), env=tool_env(marker, mode, work, lines),
-                                    cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                tool_argv(tool, worker, work),
+                env=tool_env(marker, mode, work, lines),
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             assert proc.stdout is not None  # a pipe
             reader = LineReader(proc.stdout)
             if mode == "supervisor-killed":
@@ -266,8 +308,10 @@ def run_all(repeat: int, lines: int, slow_runs: int) -> Results:
                     continue
                 result = run_once(tool, mode, lines)
                 results.setdefault((mode, tool), []).append(result)
-                print(f"[{i + 1}/{repeat}] {mode:18} {tool:15} exit={result.exit_code} "
-                      f"survivors={result.survivors}", file=sys.stderr)
+                print(
+                    f"[{i + 1}/{repeat}] {mode:18} {tool:15} exit={result.exit_code} survivors={result.survivors}",
+                    file=sys.stderr,
+                )
     return results
 
 
@@ -289,8 +333,7 @@ def yes_no(ok: bool) -> str:
     return "yes" if ok else "no"
 
 
-def comparison_row(name: str, ours: list[float], theirs: list[float], fmt: str, target: str,
-                   met: bool | None) -> list[str]:
+def comparison_row(name: str, ours: list[float], theirs: list[float], fmt: str, target: str, met: bool | None) -> list[str]:
     ok = "—" if met is None else yes_no(bool(ours) and met)
     return [name, cell(ours, fmt), cell(theirs, fmt), ratio(ours, theirs), target, ok]
 
@@ -301,8 +344,7 @@ def first_line_rows(results: Results) -> list[list[str]]:
     for other, suffix in (("torchrun", ""), ("torchrun-notee", ", vs torchrun no --tee")):
         theirs = values(results, "first-line", other, lambda r: r.first_line_s)
         met = bool(ours and theirs) and statistics.median(ours) <= statistics.median(theirs)
-        rows.append(comparison_row(f"launch → first worker line (s){suffix}", ours, theirs, ".3f",
-                                   "≤ torchrun", met))
+        rows.append(comparison_row(f"launch → first worker line (s){suffix}", ours, theirs, ".3f", "≤ torchrun", met))
     return rows
 
 
@@ -313,26 +355,35 @@ def crash_rows(results: Results) -> list[list[str]]:
         limit = KILL_GRACE_S + 0.5 if ignores_term else CRASH_TARGET_S
         target = f"≤ grace {KILL_GRACE_S:g} + 0.5 s" if ignores_term else f"≤ {limit} s"
         ours, theirs = (values(results, mode, tool, lambda r: r.crash_to_exit_s) for tool in ("ours", "torchrun"))
-        rows.append(comparison_row(f"crash → exit {label} (s)", ours, theirs, ".3f", target,
-                                   bool(ours) and max(ours) <= limit))
+        rows.append(comparison_row(f"crash → exit {label} (s)", ours, theirs, ".3f", target, bool(ours) and max(ours) <= limit))
         codes = {tool: sorted({r.exit_code for r in results[(mode, tool)]}) for tool in ("ours", "torchrun")}
-        rows.append([f"exit code {label}", ", ".join(map(str, codes["ours"])),
-                     ", ".join(map(str, codes["torchrun"])), "—", f"{code} (worker's)",
-                     yes_no(codes["ours"] == [code])])
+        rows.append(
+            [
+                f"exit code {label}",
+                ", ".join(map(str, codes["ours"])),
+                ", ".join(map(str, codes["torchrun"])),
+                "—",
+                f"{code} (worker's)",
+                yes_no(codes["ours"] == [code]),
+            ]
+        )
     return rows
 
 
 def latency_rows(results: Results) -> list[list[str]]:
     rows = []
     for q in (50, 99):
+
         def pick(r: RunResult, q: int = q) -> float | None:
             return percentile(r.latencies_ms, q) if len(r.latencies_ms) > 1 else None
+
         ours = values(results, "lines", "ours", pick)
         target = f"< {LATENCY_TARGET_MS:g} ms" if q == 99 else "—"
         met = (bool(ours) and max(ours) < LATENCY_TARGET_MS) if q == 99 else None
         for other, suffix in (("torchrun", ""), ("torchrun-notee", ", vs torchrun no --tee")):
-            rows.append(comparison_row(f"line latency p{q} (ms){suffix}", ours,
-                                       values(results, "lines", other, pick), ".2f", target, met))
+            rows.append(
+                comparison_row(f"line latency p{q} (ms){suffix}", ours, values(results, "lines", other, pick), ".2f", target, met)
+            )
     return rows
 
 
@@ -340,26 +391,37 @@ def survivor_rows(results: Results) -> list[list[str]]:
     rows = []
     for mode in SCENARIO_TOOLS:
         ours, theirs = (values(results, mode, tool, lambda r: r.survivors) for tool in ("ours", "torchrun"))
-        rows.append([f"survivors after {mode} (processes)", cell(ours, ".0f"), cell(theirs, ".0f"), "—",
-                     "0", yes_no(bool(ours) and max(ours) == 0)])
+        rows.append(
+            [
+                f"survivors after {mode} (processes)",
+                cell(ours, ".0f"),
+                cell(theirs, ".0f"),
+                "—",
+                "0",
+                yes_no(bool(ours) and max(ours) == 0),
+            ]
+        )
     return rows
 
 
 def print_table(results: Results, repeat: int, lines: int, elapsed: float) -> None:
     slow_runs = len(results[SLOW_RUN])
-    print(f"Machine: {os.cpu_count()} CPUs, {platform.platform()}; Python {platform.python_version()}; "
-          f"torch {importlib.metadata.version('torch')}")
-    print(f"{repeat} repeats per cell, shown as median / max; `met?` judges the max, except first line "
-          f"(median vs torchrun's median). Line latency: {lines} lines from rank 0, "
-          f"{LINE_PACE[1] * 1000:g} ms sleep every {LINE_PACE[0]} lines. Grace: --kill-grace "
-          f"{KILL_GRACE_S:g} (ours), --shutdown-timeout {KILL_GRACE_S:g} (torchrun; its failure path ignores it "
-          f"and waits 30 s, so torchrun (c) ran {slow_runs} time(s)). "
-          f"Total {elapsed:.0f} s.\n")
+    print(
+        f"Machine: {os.cpu_count()} CPUs, {platform.platform()}; Python {platform.python_version()}; "
+        f"torch {importlib.metadata.version('torch')}"
+    )
+    print(
+        f"{repeat} repeats per cell, shown as median / max; `met?` judges the max, except first line "
+        f"(median vs torchrun's median). Line latency: {lines} lines from rank 0, "
+        f"{LINE_PACE[1] * 1000:g} ms sleep every {LINE_PACE[0]} lines. Grace: --kill-grace "
+        f"{KILL_GRACE_S:g} (ours), --shutdown-timeout {KILL_GRACE_S:g} (torchrun; its failure path ignores it "
+        f"and waits 30 s, so torchrun (c) ran {slow_runs} time(s)). "
+        f"Total {elapsed:.0f} s.\n"
+    )
     header = ["metric", "this launcher", "torchrun", "ratio (ours/torchrun)", "target", "met?"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for row in (first_line_rows(results) + crash_rows(results) + latency_rows(results)
-                + survivor_rows(results)):
+    for row in first_line_rows(results) + crash_rows(results) + latency_rows(results) + survivor_rows(results):
         print("| " + " | ".join(row) + " |")
 
 

@@ -55,32 +55,86 @@ class Workload:
 
 WORKLOADS = {
     "debug": Workload("debug", (), "debug preset", 8),
-    "10m": Workload("debug", ("model.dim=256", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
-                              "model.ffn_dim=1344", "data.context_length=256"),
-                    "dim 256, 8 layers, 8/4 heads, ffn 1344", 4),
+    "10m": Workload(
+        "debug",
+        (
+            "model.dim=256",
+            "model.n_layers=8",
+            "model.n_heads=8",
+            "model.n_kv_heads=4",
+            "model.ffn_dim=1344",
+            "data.context_length=256",
+        ),
+        "dim 256, 8 layers, 8/4 heads, ffn 1344",
+        4,
+    ),
     # The built-in byte corpus (no network): the ids stay below 257, and the model keeps the
     # preset's 50304 rows (GPT-2's vocabulary padded), so the step costs what the preset's does.
     "small": Workload("small", ("data.source=builtin", "data.tokenizer=byte"), "small preset, vocab 50304", 16),
-    "1b": Workload("small", ("data.source=builtin", "data.tokenizer=byte", "model.dim=2048", "model.n_layers=18",
-                             "model.n_heads=16",
-                             "model.n_kv_heads=8", "model.ffn_dim=5632", "model.vocab_size=32768",
-                             "model.rope_theta=500000", "model.max_seq_len=2048", "data.context_length=2048"),
-                   "dim 2048, 18 layers, 16/8 heads, ffn 5632, vocab 32768", 4),
+    "1b": Workload(
+        "small",
+        (
+            "data.source=builtin",
+            "data.tokenizer=byte",
+            "model.dim=2048",
+            "model.n_layers=18",
+            "model.n_heads=16",
+            "model.n_kv_heads=8",
+            "model.ffn_dim=5632",
+            "model.vocab_size=32768",
+            "model.rope_theta=500000",
+            "model.max_seq_len=2048",
+            "data.context_length=2048",
+        ),
+        "dim 2048, 18 layers, 16/8 heads, ffn 5632, vocab 32768",
+        4,
+    ),
 }
 
 
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"configs": "debug,10m", "warmup": 2, "steps": 5, "compile": "off", "ce_tokens": 8192, "ce_dim": 128,
-            "ce_vocab": 128256, "ce_chunks": "0,2048,1024", "ce_warmup": 0, "ce_repeats": 1},
-    "cuda": {"configs": "small,1b", "warmup": 3, "steps": 10, "compile": "both", "ce_tokens": 8192, "ce_dim": 4096,
-             "ce_vocab": 128256, "ce_chunks": "0,4096,2048,1024", "ce_warmup": 2, "ce_repeats": 10},
+    "cpu": {
+        "configs": "debug,10m",
+        "warmup": 2,
+        "steps": 5,
+        "compile": "off",
+        "ce_tokens": 8192,
+        "ce_dim": 128,
+        "ce_vocab": 128256,
+        "ce_chunks": "0,2048,1024",
+        "ce_warmup": 0,
+        "ce_repeats": 1,
+    },
+    "cuda": {
+        "configs": "small,1b",
+        "warmup": 3,
+        "steps": 10,
+        "compile": "both",
+        "ce_tokens": 8192,
+        "ce_dim": 4096,
+        "ce_vocab": 128256,
+        "ce_chunks": "0,4096,2048,1024",
+        "ce_warmup": 2,
+        "ce_repeats": 10,
+    },
 }
 """Every option left unset takes its device's value here (or --quick's)."""
-QUICK: dict[str, Any] = {"configs": "debug", "warmup": 1, "steps": 2, "compile": "off", "ce_tokens": 512,
-                         "ce_dim": 64, "ce_vocab": 8192, "ce_chunks": "0,128", "ce_warmup": 0, "ce_repeats": 1}
+QUICK: dict[str, Any] = {
+    "configs": "debug",
+    "warmup": 1,
+    "steps": 2,
+    "compile": "off",
+    "ce_tokens": 512,
+    "ce_dim": 64,
+    "ce_vocab": 8192,
+    "ce_chunks": "0,128",
+    "ce_warmup": 0,
+    "ce_repeats": 1,
+}
 
 
 # --- child side: one measurement in this fresh process ------------------------------------------
+
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -140,7 +194,8 @@ def bench_device(name: str) -> Any:
 def is_compiled(model: Any) -> bool:
     """Whether build() compiled the model: torch.compile(model) or module.compile() on any part."""
     return hasattr(model, "_orig_mod") or any(  # _orig_mod: torch.compile's OptimizedModule wrapper
-        getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
+        getattr(module, "_compiled_call_impl", None) is not None for module in model.modules()
+    )
 
 
 def mfu(model_cfg: Any, seq_len: int, tokens_per_s: float, device_name: str) -> float | None:
@@ -168,12 +223,20 @@ def measure_training(job: dict[str, Any]) -> dict[str, Any]:
     device = bench_device(job["device"])
     workload = WORKLOADS[job["config"]]
     warmup, steps = job["warmup"], job["steps"]
-    sets = [*workload.sets, f"data.cache_dir={json.dumps(job['cache_dir'])}",
-            f"training.batch_size={workload.batch_size}", "training.grad_accum_nums=1",
-            f"training.max_steps={warmup + steps}", "training.eval_batches=1",
-            f"training.compile={json.dumps(job['compile'])}", f"training.use_amp={json.dumps(job['amp'])}",
-            f"training.loss_chunk_tokens={job['loss_chunk_tokens']}", f"system.device={device.type}",
-            "logging.tensorboard=false", "debug.trace_nonfinite=false"]  # the debug preset's hooks: debug_checks.py
+    sets = [
+        *workload.sets,
+        f"data.cache_dir={json.dumps(job['cache_dir'])}",
+        f"training.batch_size={workload.batch_size}",
+        "training.grad_accum_nums=1",
+        f"training.max_steps={warmup + steps}",
+        "training.eval_batches=1",
+        f"training.compile={json.dumps(job['compile'])}",
+        f"training.use_amp={json.dumps(job['amp'])}",
+        f"training.loss_chunk_tokens={job['loss_chunk_tokens']}",
+        f"system.device={device.type}",
+        "logging.tensorboard=false",
+        "debug.trace_nonfinite=false",
+    ]  # the debug preset's hooks: debug_checks.py
     config = cfg.resolve(preset=workload.preset, sets=sets)
     dataset = prepare(config.data, log=progress)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -197,12 +260,22 @@ def measure_training(job: dict[str, Any]) -> dict[str, Any]:
         t, context = config.training, config.data.context_length
         tokens_per_s = steps * t.batch_size * context * t.grad_accum_nums / elapsed
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return {"params": sum(p.numel() for p in trainer.model.parameters()), "compiled": is_compiled(trainer.model),
-                "batch_size": t.batch_size, "context": context, "steps_per_s": steps / elapsed,
-                "tokens_per_s": tokens_per_s, "warmup_s": timed_from - started, "peak_bytes": peak,
-                "peak_exact": exact, "loss": float(loss),
-                "mfu": mfu(config.model, context, tokens_per_s, gpu) if gpu else None,
-                "gpu": gpu, "cuda": torch.version.cuda, "threads": torch.get_num_threads()}
+        return {
+            "params": sum(p.numel() for p in trainer.model.parameters()),
+            "compiled": is_compiled(trainer.model),
+            "batch_size": t.batch_size,
+            "context": context,
+            "steps_per_s": steps / elapsed,
+            "tokens_per_s": tokens_per_s,
+            "warmup_s": timed_from - started,
+            "peak_bytes": peak,
+            "peak_exact": exact,
+            "loss": float(loss),
+            "mfu": mfu(config.model, context, tokens_per_s, gpu) if gpu else None,
+            "gpu": gpu,
+            "cuda": torch.version.cuda,
+            "threads": torch.get_num_threads(),
+        }
 
 
 def measure_cross_entropy(job: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +304,7 @@ def measure_cross_entropy(job: dict[str, Any]) -> dict[str, Any]:
         synchronize(device)
         times.append(time.perf_counter() - started)
     peak, exact = memory.read()
-    timed = sorted(times[job["warmup"]:])
+    timed = sorted(times[job["warmup"] :])
     return {"seconds": timed[len(timed) // 2], "peak_bytes": peak, "peak_exact": exact, "loss": float(loss)}
 
 
@@ -243,6 +316,7 @@ def run_child(job_json: str) -> None:
 
 # --- parent side: run the children, print the tables ---------------------------------------------
 
+
 @dataclass
 class Outcome:
     job: dict[str, Any]
@@ -253,9 +327,15 @@ class Outcome:
 def run_job(job: dict[str, Any], script: Path = Path(__file__)) -> Outcome:
     """Run `script --child JOB` in a fresh Python process and read its result line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.run([sys.executable, str(script.resolve()), "--child", json.dumps(job)],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results = [line[len(RESULT_MARK):] for line in process.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    process = subprocess.run(
+        [sys.executable, str(script.resolve()), "--child", json.dumps(job)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    results = [line[len(RESULT_MARK) :] for line in process.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if process.returncode != 0 or not results:
         lines = process.stderr.strip().splitlines() or [f"exit status {process.returncode}"]
         progress(f"  failed ({process.returncode}); its last output:\n" + "\n".join(lines[-15:]))
@@ -268,23 +348,48 @@ def compile_settings(choice: str) -> list[bool]:
 
 
 def training_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return [{"task": "training", "device": args.device, "config": name, "compile": compiled,
-             "amp": args.device == "cuda", "warmup": args.warmup, "steps": args.steps,
-             "loss_chunk_tokens": args.loss_chunk_tokens, "cache_dir": str(args.cache_dir)}
-            for name in args.configs for compiled in compile_settings(args.compile)]
+    return [
+        {
+            "task": "training",
+            "device": args.device,
+            "config": name,
+            "compile": compiled,
+            "amp": args.device == "cuda",
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "loss_chunk_tokens": args.loss_chunk_tokens,
+            "cache_dir": str(args.cache_dir),
+        }
+        for name in args.configs
+        for compiled in compile_settings(args.compile)
+    ]
 
 
 def cross_entropy_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return [{"task": "cross_entropy", "device": args.device, "tokens": args.ce_tokens, "dim": args.ce_dim,
-             "vocab": args.ce_vocab, "chunk": chunk, "amp": args.device == "cuda", "warmup": args.ce_warmup,
-             "repeats": args.ce_repeats} for chunk in args.ce_chunks]
+    return [
+        {
+            "task": "cross_entropy",
+            "device": args.device,
+            "tokens": args.ce_tokens,
+            "dim": args.ce_dim,
+            "vocab": args.ce_vocab,
+            "chunk": chunk,
+            "amp": args.device == "cuda",
+            "warmup": args.ce_warmup,
+            "repeats": args.ce_repeats,
+        }
+        for chunk in args.ce_chunks
+    ]
 
 
 def run_all(jobs: list[dict[str, Any]], what: str) -> list[Outcome]:
     outcomes = []
     for i, job in enumerate(jobs, 1):
-        detail = (f"{job['config']}, compile {'on' if job['compile'] else 'off'}" if job["task"] == "training"
-                  else f"chunk {job['chunk']}")
+        detail = (
+            f"{job['config']}, compile {'on' if job['compile'] else 'off'}"
+            if job["task"] == "training"
+            else f"chunk {job['chunk']}"
+        )
         progress(f"[{i}/{len(jobs)}] {what}: {detail} ...")
         outcomes.append(run_job(job))
     return outcomes
@@ -310,10 +415,18 @@ def training_row(outcome: Outcome) -> list[str]:
     compiled = "on" if r["compiled"] else "off"
     if compiled != wanted:  # build() did not honour training.compile: say so rather than mislabel the row
         compiled = f"{compiled} (asked {wanted})"
-    return [name, params(r["params"]), f"{r['batch_size']} x {r['context']}", precision, compiled,
-            f"{r['steps_per_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
-            "" if r["mfu"] is None else f"{r['mfu'] * 100:.1f}%", size(r["peak_bytes"], r["peak_exact"]),
-            f"{r['warmup_s']:.1f}"]
+    return [
+        name,
+        params(r["params"]),
+        f"{r['batch_size']} x {r['context']}",
+        precision,
+        compiled,
+        f"{r['steps_per_s']:.2f}",
+        f"{r['tokens_per_s']:,.0f}",
+        "" if r["mfu"] is None else f"{r['mfu'] * 100:.1f}%",
+        size(r["peak_bytes"], r["peak_exact"]),
+        f"{r['warmup_s']:.1f}",
+    ]
 
 
 def cross_entropy_row(outcome: Outcome, whole: Outcome | None) -> list[str]:
@@ -337,8 +450,10 @@ def machine_line(device: str, outcomes: list[Outcome]) -> str:
         # Timings on a shared CPU depend on what else runs: say how busy it was.
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         where = f"CPU {cpu_model()}, {os.cpu_count()} cores{threads}, load average {load} at the end"
-    return (f"Machine: {where}; {platform.platform()}; Python {platform.python_version()}; "
-            f"torch {importlib.metadata.version('torch')}; {datetime.date.today().isoformat()}")
+    return (
+        f"Machine: {where}; {platform.platform()}; Python {platform.python_version()}; "
+        f"torch {importlib.metadata.version('torch')}; {datetime.date.today().isoformat()}"
+    )
 
 
 def cpu_model() -> str:
@@ -361,21 +476,42 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
 def print_report(args: argparse.Namespace, training: list[Outcome], ce: list[Outcome], elapsed: float) -> None:
     print(machine_line(args.device, training))
     memory = "max_memory_allocated" if args.device == "cuda" else "peak RSS growth over the RSS before build()"
-    print(f"\nTraining: built-in corpus, byte tokenizer, 1 rank, 1 micro-batch per step, loss_chunk_tokens "
-          f"{args.loss_chunk_tokens}; {args.steps} timed step(s) after {args.warmup} warm-up step(s) (warm-up time "
-          f"shown apart, compiling included); peak memory: {memory}.\n")
-    print_table(["config", "parameters", "batch x context", "precision", "compile", "steps/s", "tokens/s", "MFU",
-                 "peak memory", "warm-up (s)"], [training_row(o) for o in training])
+    print(
+        f"\nTraining: built-in corpus, byte tokenizer, 1 rank, 1 micro-batch per step, loss_chunk_tokens "
+        f"{args.loss_chunk_tokens}; {args.steps} timed step(s) after {args.warmup} warm-up step(s) (warm-up time "
+        f"shown apart, compiling included); peak memory: {memory}.\n"
+    )
+    print_table(
+        [
+            "config",
+            "parameters",
+            "batch x context",
+            "precision",
+            "compile",
+            "steps/s",
+            "tokens/s",
+            "MFU",
+            "peak memory",
+            "warm-up (s)",
+        ],
+        [training_row(o) for o in training],
+    )
     whole = next((o for o in ce if o.job["chunk"] == 0 and not o.error), None)
     logits = args.ce_tokens * args.ce_vocab * 4
-    memory = ("max_memory_allocated minus memory_allocated before, bf16 autocast" if args.device == "cuda"
-              else "peak RSS growth (ru_maxrss) over the RSS before, fresh process per row, fp32")
-    print(f"\nOutput projection + cross-entropy, forward + backward: N={args.ce_tokens} tokens, dim {args.ce_dim}, "
-          f"vocab {args.ce_vocab} (fp32 logits of all N: {size(logits)}); peak memory above inputs and weights "
-          f"({memory}; weight and input gradients included); time: median of {args.ce_repeats} after "
-          f"{args.ce_warmup} warm-up. Same inputs in every row, so the losses agree.\n")
-    print_table(["chunk (tokens)", "peak memory", "vs whole", "time per fwd+bwd", "loss"],
-                [cross_entropy_row(o, whole) for o in ce])
+    memory = (
+        "max_memory_allocated minus memory_allocated before, bf16 autocast"
+        if args.device == "cuda"
+        else "peak RSS growth (ru_maxrss) over the RSS before, fresh process per row, fp32"
+    )
+    print(
+        f"\nOutput projection + cross-entropy, forward + backward: N={args.ce_tokens} tokens, dim {args.ce_dim}, "
+        f"vocab {args.ce_vocab} (fp32 logits of all N: {size(logits)}); peak memory above inputs and weights "
+        f"({memory}; weight and input gradients included); time: median of {args.ce_repeats} after "
+        f"{args.ce_warmup} warm-up. Same inputs in every row, so the losses agree.\n"
+    )
+    print_table(
+        ["chunk (tokens)", "peak memory", "vs whole", "time per fwd+bwd", "loss"], [cross_entropy_row(o, whole) for o in ce]
+    )
     print(f"\nTotal {elapsed:.0f} s.")
 
 
@@ -393,8 +529,7 @@ def config_list(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in WORKLOADS]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown) or text!r}; "
-                                         f"choose from {', '.join(WORKLOADS)}")
+        raise argparse.ArgumentTypeError(f"unknown config {', '.join(unknown) or text!r}; choose from {', '.join(WORKLOADS)}")
     return names
 
 
@@ -406,22 +541,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(DEFAULTS), default="cpu", help="where to measure (default cpu)")
-    parser.add_argument("--configs", type=config_list, help=f"comma-separated, from {', '.join(WORKLOADS)} "
-                                                            f"({default('configs')})")
+    parser.add_argument(
+        "--configs", type=config_list, help=f"comma-separated, from {', '.join(WORKLOADS)} ({default('configs')})"
+    )
     parser.add_argument("--steps", type=int, help=f"timed training steps ({default('steps')})")
     parser.add_argument("--warmup", type=int, help=f"untimed warm-up steps before them ({default('warmup')})")
     parser.add_argument("--compile", choices=["both", "on", "off"], help=f"training.compile ({default('compile')})")
     parser.add_argument("--loss-chunk-tokens", type=int, default=2048, help="training.loss_chunk_tokens (default 2048)")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "cache" / "datasets",
-                        help="data.cache_dir for the prepared corpus (default: the project cache)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=REPO / "cache" / "datasets",
+        help="data.cache_dir for the prepared corpus (default: the project cache)",
+    )
     parser.add_argument("--ce-tokens", type=int, help=f"cross-entropy rows N ({default('ce_tokens')})")
     parser.add_argument("--ce-dim", type=int, help=f"cross-entropy hidden size ({default('ce_dim')})")
     parser.add_argument("--ce-vocab", type=int, help=f"cross-entropy vocabulary ({default('ce_vocab')})")
     parser.add_argument("--ce-chunks", type=int_list, help=f"chunk sizes, 0 = whole batch ({default('ce_chunks')})")
     parser.add_argument("--ce-warmup", type=int, help=f"untimed cross-entropy passes first ({default('ce_warmup')})")
     parser.add_argument("--ce-repeats", type=int, help=f"timed cross-entropy passes ({default('ce_repeats')})")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is None:
@@ -438,8 +579,7 @@ def fill_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.steps < 1 or args.warmup < 0 or args.ce_repeats < 1 or args.ce_warmup < 0:
         parser.error("--steps and --ce-repeats must be at least 1; --warmup and --ce-warmup not negative")
     if args.ce_tokens < 1 or args.ce_dim < 1 or args.ce_vocab < 2 or args.loss_chunk_tokens < 0:
-        parser.error("--ce-tokens and --ce-dim must be at least 1, --ce-vocab at least 2, "
-                     "--loss-chunk-tokens not negative")
+        parser.error("--ce-tokens and --ce-dim must be at least 1, --ce-vocab at least 2, --loss-chunk-tokens not negative")
     if args.device == "cuda" and not cuda_available():
         parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
     args.cache_dir = args.cache_dir.resolve()

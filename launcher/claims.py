@@ -40,6 +40,7 @@ class ClaimError(OSError):
 @dataclass(frozen=True)
 class Holder:
     """Who holds a claim, as the kernel reports it; None where it cannot say."""
+
     pid: int | None = None
     user: str | None = None
     since: str | None = None
@@ -130,8 +131,7 @@ def holder_of(uuid: str) -> Holder | None:
                 if time.monotonic() > deadline:
                     return Holder()
                 time.sleep(0.01)
-        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                              struct.calcsize("3i")))
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         return _holder(pid, uid)
     finally:
         sock.close()

@@ -1,8 +1,8 @@
 """Command line of the launcher, and the only sys.exit.
 
-    python -m launcher [options]                 train: `python -m pretrain` on every device
-    python -m launcher [options] -- CMD [ARGS]   any command, supervised, one per device
-    python -m launcher gpus [criteria]           the GPU table, with the verdict on each GPU
+python -m launcher [options]                 train: `python -m pretrain` on every device
+python -m launcher [options] -- CMD [ARGS]   any command, supervised, one per device
+python -m launcher gpus [criteria]           the GPU table, with the verdict on each GPU
 """
 
 from __future__ import annotations
@@ -27,8 +27,16 @@ from launcher.supervisor import StartError, Supervisor, SupervisorOptions
 from launcher.worker import Worker, with_package_root, without_package_root, worker_env
 from pretrain import config as cfg
 from pretrain import exit_codes
-from pretrain.runfiles import (CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_root, create_run_dir, new_run_id,
-                               os_error_message, runs_root)
+from pretrain.runfiles import (
+    CACHE_DIR_VAR,
+    PACKAGE_ROOT,
+    RUNS_DIR_VAR,
+    cache_root,
+    create_run_dir,
+    new_run_id,
+    os_error_message,
+    runs_root,
+)
 
 MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
@@ -42,6 +50,7 @@ EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, as a shell pipeline reports it
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit 2."""
+
     exit_code = EXIT_USAGE
 
 
@@ -58,48 +67,75 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=program(),
         description="Run one training process per device, prefix their output, stop them all on "
-                    "the first failure. With `-- COMMAND ...`, supervise any command instead.",
-        epilog=f"`{program()} gpus` shows this machine's GPUs and the verdict on each.")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
-                        help="override system.device (auto: every GPU, else CPU workers)")
-    parser.add_argument("--gpus", metavar="WHICH",
-                        help="all (default: every free GPU), auto:N (the N freest), a list of GPU ids or "
-                             "UUIDs such as 0,3, or none (CPU workers)")
-    parser.add_argument("--nproc", type=int, metavar="N",
-                        help=f"CPU worker processes (default {DEFAULT_CPU_WORKERS}); on GPUs, same as --gpus auto:N")
+        "the first failure. With `-- COMMAND ...`, supervise any command instead.",
+        epilog=f"`{program()} gpus` shows this machine's GPUs and the verdict on each.",
+    )
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="override system.device (auto: every GPU, else CPU workers)"
+    )
+    parser.add_argument(
+        "--gpus",
+        metavar="WHICH",
+        help="all (default: every free GPU), auto:N (the N freest), a list of GPU ids or "
+        "UUIDs such as 0,3, or none (CPU workers)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help=f"CPU worker processes (default {DEFAULT_CPU_WORKERS}); on GPUs, same as --gpus auto:N",
+    )
     add_criteria_arguments(parser)
-    parser.add_argument("--strict", action="store_true",
-                        help="refuse a busy GPU named in --gpus instead of warning")
+    parser.add_argument("--strict", action="store_true", help="refuse a busy GPU named in --gpus instead of warning")
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: <runs dir>/<run-id>/)")
-    parser.add_argument("--runs-dir", metavar="DIR",
-                        help=f"where new run directories go (default: ${RUNS_DIR_VAR}, else ./runs)")
-    parser.add_argument("--cache-dir", metavar="DIR",
-                        help=f"prepared datasets and compiled kernels (default: ${CACHE_DIR_VAR}, else ./cache)")
-    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
-                        help="after a failure, seconds between SIGTERM and SIGKILL for the other workers "
-                             "(default: 5)")
-    parser.add_argument("--stop-timeout", type=float, default=120.0, metavar="S",
-                        help="on Ctrl-C or SIGTERM, seconds the workers get to finish their step and save "
-                             "a checkpoint before they are killed (default: 120)")
-    parser.add_argument("--hang-timeout", type=float, metavar="S",
-                        help="a worker that prints nothing for S seconds has failed (default: off)")
+    parser.add_argument("--runs-dir", metavar="DIR", help=f"where new run directories go (default: ${RUNS_DIR_VAR}, else ./runs)")
+    parser.add_argument(
+        "--cache-dir", metavar="DIR", help=f"prepared datasets and compiled kernels (default: ${CACHE_DIR_VAR}, else ./cache)"
+    )
+    parser.add_argument(
+        "--kill-grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="after a failure, seconds between SIGTERM and SIGKILL for the other workers (default: 5)",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="on Ctrl-C or SIGTERM, seconds the workers get to finish their step and save "
+        "a checkpoint before they are killed (default: 120)",
+    )
+    parser.add_argument(
+        "--hang-timeout", type=float, metavar="S", help="a worker that prints nothing for S seconds has failed (default: off)"
+    )
     cfg.add_arguments(parser)
     return parser
 
 
 def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--min-free-memory", default=devices.DEFAULT_MIN_FREE_MEMORY, metavar="AMOUNT",
-                        help="a GPU is free with at least this much memory free: a share of its memory "
-                             "(90%%) or an amount (20GiB) (default: " + devices.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")")
-    parser.add_argument("--max-utilization", default=f"{devices.DEFAULT_MAX_UTILIZATION:g}", metavar="PERCENT",
-                        help="a GPU is free when busy at most this share of the time, averaged over "
-                             f"{nvml.UTILIZATION_WINDOW:g} s (default: {devices.DEFAULT_MAX_UTILIZATION:g})")
+    parser.add_argument(
+        "--min-free-memory",
+        default=devices.DEFAULT_MIN_FREE_MEMORY,
+        metavar="AMOUNT",
+        help="a GPU is free with at least this much memory free: a share of its memory "
+        "(90%%) or an amount (20GiB) (default: " + devices.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")",
+    )
+    parser.add_argument(
+        "--max-utilization",
+        default=f"{devices.DEFAULT_MAX_UTILIZATION:g}",
+        metavar="PERCENT",
+        help="a GPU is free when busy at most this share of the time, averaged over "
+        f"{nvml.UTILIZATION_WINDOW:g} s (default: {devices.DEFAULT_MAX_UTILIZATION:g})",
+    )
 
 
 def show_gpus(argv: Sequence[str]) -> int:
     """`python -m launcher gpus`: every GPU and the verdict on it; claims nothing."""
-    parser = argparse.ArgumentParser(prog=f"{program()} gpus",
-                                     description="Show this machine's GPUs and which the launcher counts as free.")
+    parser = argparse.ArgumentParser(
+        prog=f"{program()} gpus", description="Show this machine's GPUs and which the launcher counts as free."
+    )
     add_criteria_arguments(parser)
     args = parser.parse_args(argv)
     criteria = devices.Criteria.parse(args.min_free_memory, args.max_utilization)
@@ -119,7 +155,7 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     argv = list(argv)
     if "--" in argv:
         at = argv.index("--")
-        return argv[:at], argv[at + 1:]
+        return argv[:at], argv[at + 1 :]
     return argv, []
 
 
@@ -140,15 +176,25 @@ def make_workers(placement: Placement, command: list[str], training: bool = Fals
     base = dict(os.environ)
     if training:
         base = with_package_root(base, PACKAGE_ROOT) | {
-            "HF_HUB_OFFLINE": "1", RUNS_DIR_VAR: str(runs_root()), CACHE_DIR_VAR: str(cache_root())}
+            "HF_HUB_OFFLINE": "1",
+            RUNS_DIR_VAR: str(runs_root()),
+            CACHE_DIR_VAR: str(cache_root()),
+        }
     else:
         base = without_package_root(base, PACKAGE_ROOT)
     workers = []
     for rank in range(placement.world_size):
         gpu = placement.gpus[rank] if placement.device == "cuda" else None
-        env = worker_env(base, rank=rank, world_size=placement.world_size, master_port=port,
-                         gpu=gpu.cuda_visible_id if gpu else None, gpu_id=gpu.id if gpu else None, cpu_count=cpus,
-                         compile_cache=str(cache_root() / "inductor"))
+        env = worker_env(
+            base,
+            rank=rank,
+            world_size=placement.world_size,
+            master_port=port,
+            gpu=gpu.cuda_visible_id if gpu else None,
+            gpu_id=gpu.id if gpu else None,
+            cpu_count=cpus,
+            compile_cache=str(cache_root() / "inductor"),
+        )
         workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))
     return workers
 
@@ -203,8 +249,10 @@ def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) 
     try:
         # A fresh run where one has trained would replace its checkpoints and append to its metrics.
         if not resume and (results := run_results(owned.path)):
-            raise UsageError(f"run directory {owned.path} already holds a run ({', '.join(results)}); continue it "
-                             "with --resume auto (or a checkpoint path), or choose another --run-dir for a new run")
+            raise UsageError(
+                f"run directory {owned.path} already holds a run ({', '.join(results)}); continue it "
+                "with --resume auto (or a checkpoint path), or choose another --run-dir for a new run"
+            )
     except BaseException:
         owned.abandon()
         raise
@@ -250,8 +298,10 @@ def in_use(run_dir: Path, holder: LockHolder) -> str:
 def still_training(run_dir_arg: str | None) -> Callable[[Path, LockHolder], str]:
     """The refusal of --resume auto whose run is live: how to continue it, and how to start anew."""
     new_run = "leave out --resume" + (" and choose another --run-dir" if run_dir_arg else "")
-    return lambda run_dir, holder: (f"run directory {run_dir} is still training under {holder.describe()}; "
-                                    f"continue it with --resume auto once that launcher ends, or for a new run {new_run}")
+    return lambda run_dir, holder: (
+        f"run directory {run_dir} is still training under {holder.describe()}; "
+        f"continue it with --resume auto once that launcher ends, or for a new run {new_run}"
+    )
 
 
 def refuse_live_checkpoint(resume: str, checkpoint: Path) -> None:
@@ -259,8 +309,10 @@ def refuse_live_checkpoint(resume: str, checkpoint: Path) -> None:
     not this launch's to write in."""
     owner = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
     if owner is not None and (holder := run_lock.holder_of(owner)) is not None:
-        raise UsageError(f"--resume {resume}: its run {owner} is still training under {holder.describe()}; "
-                         "resume it once that launcher ends, or from a copy of the checkpoint made outside that run")
+        raise UsageError(
+            f"--resume {resume}: its run {owner} is still training under {holder.describe()}; "
+            "resume it once that launcher ends, or from a copy of the checkpoint made outside that run"
+        )
 
 
 def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
@@ -300,18 +352,26 @@ def run(argv: Sequence[str]) -> int:
     if command:
         check_command(command)
     console = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
-    placement = place(GpuOptions(device=args.device or config.system.device, gpus=args.gpus, nproc=args.nproc,
-                                 device_id=config.system.device_id, min_free_memory=args.min_free_memory,
-                                 max_utilization=args.max_utilization, strict=args.strict,
-                                 cpu_fallback=bool(command) or config.preset == "debug"), console)
+    placement = place(
+        GpuOptions(
+            device=args.device or config.system.device,
+            gpus=args.gpus,
+            nproc=args.nproc,
+            device_id=config.system.device_id,
+            min_free_memory=args.min_free_memory,
+            max_utilization=args.max_utilization,
+            strict=args.strict,
+            cpu_fallback=bool(command) or config.preset == "debug",
+        ),
+        console,
+    )
     try:
         return run_placed(args, config, command, placement, console)
     finally:
         placement.release()
 
 
-def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement,
-               console: Printer) -> int:
+def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement, console: Printer) -> int:
     """Take the run directory, prepare, spawn and supervise, on devices already chosen (and claimed)."""
     if command:
         owned = own_run_dir(run_dir_path(args.run_dir))
@@ -327,8 +387,9 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
     return code
 
 
-def run_owned(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement,
-              console: Printer, run_dir: Path) -> int:
+def run_owned(
+    args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement, console: Printer, run_dir: Path
+) -> int:
     generic = bool(command)
     if not generic:
         config = prepare_training(config, placement, console)
@@ -341,12 +402,17 @@ def run_owned(args: argparse.Namespace, config: cfg.Config, command: list[str], 
         if not command:
             command = training_command(config, run_dir, printer)
         workers = make_workers(placement, command, training=not generic)
-        options = SupervisorOptions(kill_grace=args.kill_grace, stop_timeout=args.stop_timeout,
-                                    hang_timeout=args.hang_timeout, run_dir=run_dir, adopt_orphans=True,
-                                    stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
-                                    stop_leaders_only=not generic,
-                                    exit_meanings={} if generic else exit_codes.MEANINGS,
-                                    agreed_exit_codes=frozenset() if generic else exit_codes.AGREED)
+        options = SupervisorOptions(
+            kill_grace=args.kill_grace,
+            stop_timeout=args.stop_timeout,
+            hang_timeout=args.hang_timeout,
+            run_dir=run_dir,
+            adopt_orphans=True,
+            stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
+            stop_leaders_only=not generic,
+            exit_meanings={} if generic else exit_codes.MEANINGS,
+            agreed_exit_codes=frozenset() if generic else exit_codes.AGREED,
+        )
         return Supervisor(workers, printer, options).run()
     finally:
         printer.close()

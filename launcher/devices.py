@@ -20,8 +20,10 @@ GIB = 1 << 30
 DEFAULT_MIN_FREE_MEMORY = "90%"
 DEFAULT_MAX_UTILIZATION = 10.0
 NO_GPU_FOUND = "no NVIDIA GPU found; use --device cpu"
-ONE_MIG_DEVICE = ("a run uses at most one MIG device: NCCL does not support MIG, and the MIG devices of "
-                  "one GPU share its PCI bus id, which NCCL refuses as a duplicate GPU")
+ONE_MIG_DEVICE = (
+    "a run uses at most one MIG device: NCCL does not support MIG, and the MIG devices of "
+    "one GPU share its PCI bus id, which NCCL refuses as a duplicate GPU"
+)
 NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
 
 
@@ -36,6 +38,7 @@ class DeviceError(ValueError):
 
 
 # --- what the user asks for ----------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class GpuRequest:
@@ -61,8 +64,9 @@ def parse_request(text: str) -> GpuRequest:
         return GpuRequest("auto", count=int(count))
     ids = tuple(str(int(part)) if part.strip().isdigit() else part.strip() for part in value.split(","))
     if not value or not all(re.fullmatch(r"\d+(\.\d+)?|(GPU|MIG)-[0-9A-Za-z-]+", i) for i in ids):
-        raise DeviceError(f"--gpus {text!r} is not all, auto:N, none, or a list of GPU ids like 0,3 "
-                          f"(`python -m launcher gpus` lists them)")
+        raise DeviceError(
+            f"--gpus {text!r} is not all, auto:N, none, or a list of GPU ids like 0,3 (`python -m launcher gpus` lists them)"
+        )
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise DeviceError(f"--gpus {text} names GPU {', '.join(duplicates)} twice; one worker runs per GPU")
@@ -72,6 +76,7 @@ def parse_request(text: str) -> GpuRequest:
 @dataclass(frozen=True)
 class Criteria:
     """When a GPU counts as free."""
+
     min_free_memory: float = 0.9
     """Free memory needed: bytes when above 1, else a fraction of the device's total."""
     max_utilization: float = DEFAULT_MAX_UTILIZATION
@@ -121,6 +126,7 @@ def parse_max_utilization(text: str) -> float:
 
 # --- what each GPU is ----------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Verdict:
     gpu: Gpu
@@ -133,8 +139,9 @@ class Verdict:
         return ("busy: " if self.state == "busy" else "") + "; ".join(self.reasons)
 
 
-def judge(gpu: Gpu, criteria: Criteria, visible: set[str] | None,
-          holder: Callable[[str], claims.Holder | None] = claims.holder_of) -> Verdict:
+def judge(
+    gpu: Gpu, criteria: Criteria, visible: set[str] | None, holder: Callable[[str], claims.Holder | None] = claims.holder_of
+) -> Verdict:
     if gpu.error is not None:
         return Verdict(gpu, "error", (f"NVML cannot read it: {gpu.error}",))
     if visible is not None and gpu.id not in visible:
@@ -181,11 +188,11 @@ def find(gpus: list[Gpu], name: str, context: str) -> Gpu:
     known = ", ".join(g.id for g in gpus if not g.mig_enabled) or "none"
     if matches:
         raise DeviceError(f"{context} {name}, which matches {len(matches)} GPUs; give more of the UUID")
-    raise DeviceError(f"{context} GPU {name}, which does not exist; GPUs here: {known} "
-                      f"(`python -m launcher gpus` shows them)")
+    raise DeviceError(f"{context} GPU {name}, which does not exist; GPUs here: {known} (`python -m launcher gpus` shows them)")
 
 
 # --- choosing and claiming -----------------------------------------------------------
+
 
 @dataclass
 class Selection:
@@ -206,10 +213,16 @@ def freest_first(verdict: Verdict) -> tuple:
     return (gpu.utilization is None, gpu.utilization or 0.0, -gpu.memory_free, gpu.index, gpu.id)
 
 
-def select(gpus: list[Gpu], request: GpuRequest, criteria: Criteria, *, strict: bool = False,
-           cuda_visible_devices: str | None = None,
-           claim: Callable[[str], claims.Claim | claims.Holder] = claims.try_claim,
-           holder: Callable[[str], claims.Holder | None] = claims.holder_of) -> Selection:
+def select(
+    gpus: list[Gpu],
+    request: GpuRequest,
+    criteria: Criteria,
+    *,
+    strict: bool = False,
+    cuda_visible_devices: str | None = None,
+    claim: Callable[[str], claims.Claim | claims.Holder] = claims.try_claim,
+    holder: Callable[[str], claims.Holder | None] = claims.holder_of,
+) -> Selection:
     """Choose and claim the GPUs `request` asks for. The claims are held on return;
     on error none is."""
     visible = visible_ids(gpus, cuda_visible_devices)
@@ -229,15 +242,19 @@ def select(gpus: list[Gpu], request: GpuRequest, criteria: Criteria, *, strict: 
     return selection
 
 
-def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
-                claim: Callable[[str], claims.Claim | claims.Holder]) -> None:
+def _claim_free(
+    selection: Selection, request: GpuRequest, criteria: Criteria, claim: Callable[[str], claims.Claim | claims.Holder]
+) -> None:
     """all: every free GPU, in NVML order; auto:N: the N freest. A GPU another launcher
     claims between the look and the claim is skipped like any claimed GPU."""
     _keep_mig_devices_apart(selection)
     only_mig = any(v.gpu.mig and v.state in ("free", "busy") for v in selection.verdicts)
     if only_mig and request.kind == "auto" and request.count > 1:
-        raise DeviceError(f"--gpus {request} needs {request.count} GPUs, but only MIG devices are usable here "
-                          f"and {ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs", verdicts=selection.verdicts)
+        raise DeviceError(
+            f"--gpus {request} needs {request.count} GPUs, but only MIG devices are usable here "
+            f"and {ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs",
+            verdicts=selection.verdicts,
+        )
     free = [v for v in selection.verdicts if v.state == "free"]
     if request.kind == "auto":
         free.sort(key=freest_first)
@@ -247,18 +264,26 @@ def _claim_free(selection: Selection, request: GpuRequest, criteria: Criteria,
             break
         _claim_one(selection, verdict, claim)
     if only_mig and selection.chosen:  # say why `all` left the other MIG devices out
-        selection.verdicts = [Verdict(v.gpu, "mig", ("MIG device: one per run (NCCL does not support MIG)",))
-                              if v.state in ("free", "busy") and v.gpu not in selection.chosen else v
-                              for v in selection.verdicts]
+        selection.verdicts = [
+            Verdict(v.gpu, "mig", ("MIG device: one per run (NCCL does not support MIG)",))
+            if v.state in ("free", "busy") and v.gpu not in selection.chosen
+            else v
+            for v in selection.verdicts
+        ]
     if not selection.chosen or (request.kind == "auto" and len(selection.chosen) < wanted):
         usable = [v for v in selection.verdicts if v.state not in ("hidden", "mig", "error")]
-        have = f"{len(selection.chosen)} of {len(usable)} GPU(s) are free" if selection.chosen else \
-            f"none of the {len(usable)} GPU(s) is free"
+        have = (
+            f"{len(selection.chosen)} of {len(usable)} GPU(s) are free"
+            if selection.chosen
+            else f"none of the {len(usable)} GPU(s) is free"
+        )
         need = "" if request.kind == "all" else f"--gpus {request} needs {request.count}, but "
-        raise DeviceError(f"{need}{have} (free: utilization <= {criteria.max_utilization:g}% and at least "
-                          f"{criteria.describe_memory()} memory free, unclaimed); wait, loosen --max-utilization "
-                          f"or --min-free-memory, or name GPUs with --gpus",
-                          verdicts=selection.verdicts)
+        raise DeviceError(
+            f"{need}{have} (free: utilization <= {criteria.max_utilization:g}% and at least "
+            f"{criteria.describe_memory()} memory free, unclaimed); wait, loosen --max-utilization "
+            f"or --min-free-memory, or name GPUs with --gpus",
+            verdicts=selection.verdicts,
+        )
 
 
 def _keep_mig_devices_apart(selection: Selection) -> None:
@@ -266,31 +291,41 @@ def _keep_mig_devices_apart(selection: Selection) -> None:
     pace an 80 GB GPU); MIG devices are theirs only on a machine with no whole GPU to use."""
     whole = [v for v in selection.verdicts if not v.gpu.mig and v.state not in ("hidden", "mig", "error")]
     if whole:
-        selection.verdicts = [Verdict(v.gpu, "mig", ("MIG device: not mixed with whole GPUs; name it in --gpus",))
-                              if v.gpu.mig and v.state in ("free", "busy") else v for v in selection.verdicts]
+        selection.verdicts = [
+            Verdict(v.gpu, "mig", ("MIG device: not mixed with whole GPUs; name it in --gpus",))
+            if v.gpu.mig and v.state in ("free", "busy")
+            else v
+            for v in selection.verdicts
+        ]
 
 
-def _claim_listed(selection: Selection, gpus: list[Gpu], request: GpuRequest, strict: bool,
-                  claim: Callable[[str], claims.Claim | claims.Holder]) -> None:
+def _claim_listed(
+    selection: Selection, gpus: list[Gpu], request: GpuRequest, strict: bool, claim: Callable[[str], claims.Claim | claims.Holder]
+) -> None:
     by_id = {v.gpu.id: v for v in selection.verdicts}
     listed = [by_id[find(gpus, name, "--gpus names").id] for name in request.ids]
     if len({v.gpu.id for v in listed}) < len(listed):
         raise DeviceError(f"--gpus {request} names one GPU twice (by id and by UUID); one worker runs per GPU")
     slices = [v.gpu.id for v in listed if v.gpu.mig]
     if len(slices) > 1:
-        raise DeviceError(f"--gpus {request} names {len(slices)} MIG devices ({', '.join(slices)}), but "
-                          f"{ONE_MIG_DEVICE}; name one of them, or use whole GPUs")
+        raise DeviceError(
+            f"--gpus {request} names {len(slices)} MIG devices ({', '.join(slices)}), but "
+            f"{ONE_MIG_DEVICE}; name one of them, or use whole GPUs"
+        )
     for verdict in listed:
         gpu = verdict.gpu
         if verdict.state == "hidden":
-            raise DeviceError(f"GPU {gpu.id} is not in CUDA_VISIBLE_DEVICES; choose among "
-                              f"{', '.join(v.gpu.id for v in selection.verdicts if v.state not in ('hidden', 'mig'))}")
+            raise DeviceError(
+                f"GPU {gpu.id} is not in CUDA_VISIBLE_DEVICES; choose among "
+                f"{', '.join(v.gpu.id for v in selection.verdicts if v.state not in ('hidden', 'mig'))}"
+            )
         if verdict.state == "error":
             raise DeviceError(f"GPU {gpu.id}: {verdict.reasons[0]}; check `nvidia-smi`, or choose another GPU")
         if verdict.state == "mig":
             migs = ", ".join(g.id for g in gpus if g.mig and g.index == gpu.index) or "none configured"
-            raise DeviceError(f"GPU {gpu.id} is in MIG mode, so CUDA cannot use it whole; choose its MIG "
-                              f"devices ({migs}) or their UUIDs")
+            raise DeviceError(
+                f"GPU {gpu.id} is in MIG mode, so CUDA cannot use it whole; choose its MIG devices ({migs}) or their UUIDs"
+            )
         if verdict.state == "busy":
             problem = f"GPU {gpu.id} is busy ({'; '.join(verdict.reasons)})"
             if strict:
@@ -298,12 +333,13 @@ def _claim_listed(selection: Selection, gpus: list[Gpu], request: GpuRequest, st
             selection.warnings.append(f"{problem}; using it anyway as --gpus names it (--strict refuses)")
     for verdict in listed:
         if not _claim_one(selection, verdict, claim):
-            raise DeviceError(f"GPU {verdict.gpu.id} is {selection_reason(selection, verdict.gpu)}; "
-                              f"choose another GPU or wait for that run to end")
+            raise DeviceError(
+                f"GPU {verdict.gpu.id} is {selection_reason(selection, verdict.gpu)}; "
+                f"choose another GPU or wait for that run to end"
+            )
 
 
-def _claim_one(selection: Selection, verdict: Verdict,
-               claim: Callable[[str], claims.Claim | claims.Holder]) -> bool:
+def _claim_one(selection: Selection, verdict: Verdict, claim: Callable[[str], claims.Claim | claims.Holder]) -> bool:
     """Claim verdict's GPU; on losing the race, record who holds it."""
     result = claim(verdict.gpu.uuid)
     if isinstance(result, claims.Claim):

@@ -14,16 +14,20 @@ MAX_PROCESSES_SHOWN = 3
 def render(verdicts: Sequence[Verdict]) -> str:
     rows = [HEADER] + [_row(v) for v in verdicts]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
-                     for row in rows)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows)
 
 
 def _row(verdict: Verdict) -> tuple[str, ...]:
     gpu = verdict.gpu
-    return (("  " if gpu.mig else "") + gpu.id, gpu.name, gpu.pci_bus_id,
-            f"{gpu.memory_used / GIB:.1f} / {gpu.memory_total / GIB:.1f} GiB",
-            "n/a" if gpu.mig_enabled else "?" if gpu.utilization is None else f"{gpu.utilization:.0f}%",
-            _processes(gpu), verdict.describe())
+    return (
+        ("  " if gpu.mig else "") + gpu.id,
+        gpu.name,
+        gpu.pci_bus_id,
+        f"{gpu.memory_used / GIB:.1f} / {gpu.memory_total / GIB:.1f} GiB",
+        "n/a" if gpu.mig_enabled else "?" if gpu.utilization is None else f"{gpu.utilization:.0f}%",
+        _processes(gpu),
+        verdict.describe(),
+    )
 
 
 def _processes(gpu: Gpu) -> str:

@@ -53,8 +53,13 @@ class Guardian:
     def __init__(self, token: str, env: dict[str, str]) -> None:
         env = with_package_root({k: v for k, v in env.items() if k != reaper.TOKEN_VAR}, PACKAGE_ROOT)
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "launcher.guardian", token], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, env=env, text=True, start_new_session=True)
+            [sys.executable, "-m", "launcher.guardian", token],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
 
     @property
     def pid(self) -> int:

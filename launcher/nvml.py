@@ -41,6 +41,7 @@ class GpuProcess:
 @dataclass(frozen=True)
 class Gpu:
     """One device a worker can be given: a whole GPU, or one MIG device of a GPU."""
+
     id: str
     """How users and logs name it: the NVML index ("3"), or index.slot for a MIG device ("0.1")."""
     index: int
@@ -77,6 +78,7 @@ def nvml_library() -> Any:
     script = os.environ.get(SCRIPTED_GPUS_VAR)
     if script:
         from launcher.scripted_nvml import ScriptedNvml
+
         return ScriptedNvml.from_file(script)
     try:
         import pynvml
@@ -105,8 +107,9 @@ def discover(window: float | None = None, samples: int | None = None) -> list[Gp
     try:
         handles = _device_handles(nvml)
         utilization = _sample_utilization(nvml, [h for _, h, _ in handles], window, samples)
-        return [_describe(nvml, gpu_id, handle, mig, util)
-                for (gpu_id, handle, mig), util in zip(handles, utilization, strict=True)]
+        return [
+            _describe(nvml, gpu_id, handle, mig, util) for (gpu_id, handle, mig), util in zip(handles, utilization, strict=True)
+        ]
     finally:
         nvml.nvmlShutdown()
 
@@ -178,18 +181,37 @@ def _describe(nvml: Any, gpu_id: str, handle: Any, kind: str, utilization: float
             return _read(nvml, gpu_id, index, handle, kind, utilization)
         except nvml.NVMLError as error:
             kind = str(error)
-    return Gpu(id=gpu_id, index=index, uuid="", name="?", pci_bus_id="?", memory_total=0, memory_used=0,
-               utilization=None, processes=(), mig="." in gpu_id, error=kind)
+    return Gpu(
+        id=gpu_id,
+        index=index,
+        uuid="",
+        name="?",
+        pci_bus_id="?",
+        memory_total=0,
+        memory_used=0,
+        utilization=None,
+        processes=(),
+        mig="." in gpu_id,
+        error=kind,
+    )
 
 
 def _read(nvml: Any, gpu_id: str, index: int, handle: Any, kind: str, utilization: float | None) -> Gpu:
     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     parent = nvml.nvmlDeviceGetHandleByIndex(index) if kind == "mig" else handle
-    return Gpu(id=gpu_id, index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-               name=_text(nvml.nvmlDeviceGetName(handle)),
-               pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(parent).busId),
-               memory_total=int(memory.total), memory_used=int(memory.used), utilization=utilization,
-               processes=_processes(nvml, handle), mig=kind == "mig", mig_enabled=kind == "mig-parent")
+    return Gpu(
+        id=gpu_id,
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(parent).busId),
+        memory_total=int(memory.total),
+        memory_used=int(memory.used),
+        utilization=utilization,
+        processes=_processes(nvml, handle),
+        mig=kind == "mig",
+        mig_enabled=kind == "mig-parent",
+    )
 
 
 def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
@@ -197,8 +219,9 @@ def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
         running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
     except nvml.NVMLError:  # NoPermission, NotSupported
         return ()
-    return tuple(GpuProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory),
-                            _owner(int(p.pid))) for p in running)
+    return tuple(
+        GpuProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory), _owner(int(p.pid))) for p in running
+    )
 
 
 def _owner(pid: int) -> str | None:
@@ -212,4 +235,3 @@ def _owner(pid: int) -> str | None:
 
 def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
-

@@ -27,6 +27,7 @@ def exit_code(returncode: int) -> int:
 @dataclass
 class Watch:
     """What the supervisor knows about one running worker."""
+
     last_output: float
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     returncode: int | None = None
@@ -62,6 +63,7 @@ class FirstFailure:
 @dataclass(frozen=True)
 class Ending:
     """Everything the outcome is made of, as the supervisor's loop left it."""
+
     watches: dict[Worker, Watch]
     failure: FirstFailure | None
     no_dump: set[Worker]
@@ -85,23 +87,40 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
             how += f" ({ending.exit_meanings[returncode]})"
     where = {w.label: frames for w, wa in ending.watches.items() if (frames := wa.stacks.where())}
     where |= {w.label: NO_DUMP for w in ending.no_dump}
-    nonfinite = {w.label: wa.nonfinite_report for w, wa in ending.watches.items()
-                 if wa.nonfinite_report and returncode in ending.agreed_exit_codes}
+    nonfinite = {
+        w.label: wa.nonfinite_report
+        for w, wa in ending.watches.items()
+        if wa.nonfinite_report and returncode in ending.agreed_exit_codes
+    }
     return summary.Failure(
-        label=worker.label, rank=worker.rank, after_start=first.at - worker.started_at, clock=first.clock,
-        exit_code=code, how=how,
-        hint=summary.hint(returncode, hung_for=first.hung_for, cuda_oom=watch.cuda_oom,
-                          nccl_watchdog=watch.nccl_watchdog, nonfinite_reports=nonfinite),
-        tail=list(watch.tail), stopped=first.stopped, teardown_seconds=ending.teardown_done - first.at, where=where,
-        logs=ending.run_dir / "logs" if ending.run_dir is not None else None)
+        label=worker.label,
+        rank=worker.rank,
+        after_start=first.at - worker.started_at,
+        clock=first.clock,
+        exit_code=code,
+        how=how,
+        hint=summary.hint(
+            returncode,
+            hung_for=first.hung_for,
+            cuda_oom=watch.cuda_oom,
+            nccl_watchdog=watch.nccl_watchdog,
+            nonfinite_reports=nonfinite,
+        ),
+        tail=list(watch.tail),
+        stopped=first.stopped,
+        teardown_seconds=ending.teardown_done - first.at,
+        where=where,
+        logs=ending.run_dir / "logs" if ending.run_dir is not None else None,
+    )
 
 
 def stopped_line(ending: Ending, signum: int, interrupted_at: float) -> str:
     """After a graceful stop (rule 3): how long it took, and who had to be killed."""
     killed = [w.label for w, watch in ending.watches.items() if watch.returncode == -signal.SIGKILL]
     took = ending.teardown_done - interrupted_at
-    return (f"stopped: every worker exited within {took:.2f} s of {signal.Signals(signum).name}"
-            + (f"; {', '.join(killed)} had to be killed" if killed else ""))
+    return f"stopped: every worker exited within {took:.2f} s of {signal.Signals(signum).name}" + (
+        f"; {', '.join(killed)} had to be killed" if killed else ""
+    )
 
 
 def exit_record(workers: list[Worker], ending: Ending) -> list[dict[str, object]]:
@@ -111,13 +130,17 @@ def exit_record(workers: list[Worker], ending: Ending) -> list[dict[str, object]
     record: list[dict[str, object]] = []
     for worker in workers:
         returncode = ending.watches[worker].returncode if worker in ending.watches else None
-        record.append({
-            "rank": worker.rank, "label": worker.label,
-            "pid": worker.process.pid if worker.process else None,
-            "returncode": returncode,
-            "exit_code": exit_code(returncode) if returncode is not None else None,
-            "failed_first": worker is failed,
-            "hung": worker is failed and hung})
+        record.append(
+            {
+                "rank": worker.rank,
+                "label": worker.label,
+                "pid": worker.process.pid if worker.process else None,
+                "returncode": returncode,
+                "exit_code": exit_code(returncode) if returncode is not None else None,
+                "failed_first": worker is failed,
+                "hung": worker is failed and hung,
+            }
+        )
     return record
 
 

@@ -30,6 +30,7 @@ DEFAULT_CPU_WORKERS = 2
 @dataclass(frozen=True)
 class GpuOptions:
     """The launcher's device options, as given."""
+
     device: str = "auto"
     """auto, cpu or cuda (--device, else system.device)."""
     gpus: str | None = None
@@ -45,6 +46,7 @@ class GpuOptions:
 @dataclass
 class Placement:
     """Where the workers run: device "cuda" or "cpu", and the device of each rank."""
+
     device: Literal["cpu", "cuda"]
     world_size: int
     gpus: tuple[Gpu, ...] = ()
@@ -67,12 +69,16 @@ def gpu_request(options: GpuOptions) -> GpuRequest:
         if options.device == "cpu" and request.kind != "none":
             raise DeviceError(f"--device cpu conflicts with --gpus {options.gpus}; drop one of them")
         if options.nproc is not None and request.kind != "none":
-            raise DeviceError(f"--nproc sets the number of CPU workers; with --gpus {options.gpus} the GPUs "
-                              f"decide it (auto:N for N GPUs); drop --nproc")
-        if (options.device_id is not None and request.kind != "none"
-                and request != GpuRequest("list", ids=(str(options.device_id),))):
-            raise DeviceError(f"system.device_id pins GPU {options.device_id} but --gpus is {options.gpus}; "
-                              f"drop one of them")
+            raise DeviceError(
+                f"--nproc sets the number of CPU workers; with --gpus {options.gpus} the GPUs "
+                f"decide it (auto:N for N GPUs); drop --nproc"
+            )
+        if (
+            options.device_id is not None
+            and request.kind != "none"
+            and request != GpuRequest("list", ids=(str(options.device_id),))
+        ):
+            raise DeviceError(f"system.device_id pins GPU {options.device_id} but --gpus is {options.gpus}; drop one of them")
         return request
     if options.device == "cpu":
         return GpuRequest("none")
@@ -101,11 +107,12 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
     if not gpus or usable == set():
         # --nproc N asks for N workers: on GPUs where there are some (auto:N), else on CPUs.
         asked_for_any = request.kind == "all" or (options.gpus is None and options.nproc is not None)
-        falls_back = (options.cpu_fallback and options.device == "auto" and asked_for_any
-                      and options.device_id is None)
+        falls_back = options.cpu_fallback and options.device == "auto" and asked_for_any and options.device_id is None
         if falls_back:
-            printer.launcher_line(f"no NVIDIA GPU found; running {cpu_workers} CPU worker "
-                                  f"process{'es' * (cpu_workers != 1)} (gloo); --nproc N changes the count")
+            printer.launcher_line(
+                f"no NVIDIA GPU found; running {cpu_workers} CPU worker "
+                f"process{'es' * (cpu_workers != 1)} (gloo); --nproc N changes the count"
+            )
             return Placement("cpu", cpu_workers)
         if gpus:
             raise DeviceError(f"CUDA_VISIBLE_DEVICES={visible} hides every GPU; unset it or use --device cpu")

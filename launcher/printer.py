@@ -79,8 +79,11 @@ class Printer:
         except OSError as error:
             console, self._console = self._console, None
             _silence(console)
-            self._to_log(COMBINED_LOG, f"{LAUNCHER_PREFIX}: warning: cannot write the console: {_reason(error)}; "
-                                       "it stops here, the logs keep everything\n")
+            self._to_log(
+                COMBINED_LOG,
+                f"{LAUNCHER_PREFIX}: warning: cannot write the console: {_reason(error)}; "
+                "it stops here, the logs keep everything\n",
+            )
 
     def _to_log(self, name: str, text: str) -> None:
         if self._logs_dir is None or name in self._failed:
@@ -114,8 +117,9 @@ class Printer:
         if handle is not None:
             with contextlib.suppress(OSError):
                 handle.close()
-        self.launcher_line(f"warning: cannot write {self._logs_dir / name}: {_reason(error)}; "
-                           "this log stops here, the console keeps everything")
+        self.launcher_line(
+            f"warning: cannot write {self._logs_dir / name}: {_reason(error)}; this log stops here, the console keeps everything"
+        )
 
 
 def _reason(error: OSError) -> str:

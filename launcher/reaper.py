@@ -61,7 +61,7 @@ def _read_stat(pid: int) -> tuple[int, int, int, int, bool] | None:
         return None
     # The command name is in parentheses and may itself contain spaces and parentheses;
     # after it come the fields from the third on (proc(5)): state, ppid, pgrp, session, ...
-    fields = stat[stat.rfind(b")") + 2:].split()
+    fields = stat[stat.rfind(b")") + 2 :].split()
     state, ppid, pgid, sid, started = fields[0], int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
     return ppid, pgid, sid, started, state in (b"Z", b"X")
 
@@ -95,8 +95,7 @@ def scan(token: str | None) -> list[ProcessInfo]:
     return found
 
 
-def members(processes: Iterable[ProcessInfo], *, groups: set[int], roots: set[int],
-            exclude: set[int]) -> set[int]:
+def members(processes: Iterable[ProcessInfo], *, groups: set[int], roots: set[int], exclude: set[int]) -> set[int]:
     """Pids of the live processes that belong to the run (see the module docstring)."""
     processes = [p for p in processes if not p.zombie and p.pid not in exclude and p.pid != os.getpid()]
     children: dict[int, list[int]] = {}
@@ -125,22 +124,18 @@ def kill(pid: int) -> bool:
     return send(pid, signal.SIGKILL)
 
 
-def terminate_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int],
-                  signalled_groups: set[int]) -> set[int]:
+def terminate_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int], signalled_groups: set[int]) -> set[int]:
     """SIGTERM, once, every process of the run outside signalled_groups (the process groups
     the caller has just sent SIGTERM itself, so no process gets it twice); return their pids."""
     processes = scan(token)
     pids = members(processes, groups=groups, roots=roots, exclude=exclude)
-    return {p.pid for p in processes
-            if p.pid in pids and p.pgid not in signalled_groups and send(p.pid, signal.SIGTERM)}
+    return {p.pid for p in processes if p.pid in pids and p.pgid not in signalled_groups and send(p.pid, signal.SIGTERM)}
 
 
-def kill_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int],
-             known: dict[int, int] | None = None) -> int:
+def kill_run(token: str, *, groups: set[int], roots: set[int], exclude: set[int], known: dict[int, int] | None = None) -> int:
     """SIGKILL every process of the run, and each of known (pid -> start time) that is
     still that same process; return how many were killed."""
-    killed = {pid for pid, started in (known or {}).items()
-              if pid not in exclude and start_time(pid) == started and kill(pid)}
+    killed = {pid for pid, started in (known or {}).items() if pid not in exclude and start_time(pid) == started and kill(pid)}
     for _ in range(KILL_PASSES):
         pids = members(scan(token), groups=groups, roots=roots, exclude=exclude)
         if not pids:

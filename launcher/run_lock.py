@@ -32,6 +32,7 @@ LOOK_TIMEOUT = 1.0  # seconds to wait for a new holder to write who it is
 @dataclass(frozen=True)
 class LockHolder:
     """Who holds a run directory, as its lock file says; None where it does not say."""
+
     pid: int | None = None
     started: str | None = None
     start_ticks: int | None = None
@@ -171,7 +172,11 @@ def _read(fd: int) -> LockHolder:
         if not isinstance(pid, int) or not (ticks is None or isinstance(ticks, int)):
             return LockHolder()
         started, host = record.get("started"), record.get("host")
-        return LockHolder(pid=pid, start_ticks=ticks, started=started if isinstance(started, str) else None,
-                          host=host if isinstance(host, str) else None)
+        return LockHolder(
+            pid=pid,
+            start_ticks=ticks,
+            started=started if isinstance(started, str) else None,
+            host=host if isinstance(host, str) else None,
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return LockHolder()

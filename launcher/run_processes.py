@@ -57,8 +57,13 @@ class RunProcesses:
     def terminate(self, signalled: list[Worker]) -> None:
         """SIGTERM to every process of the run outside the groups of signalled (those got theirs)."""
         groups, roots, exclude = self.scope()
-        reaper.terminate_run(self.token, groups=groups, roots=roots, exclude=exclude,
-                             signalled_groups={w.process.pid for w in signalled if w.process is not None})
+        reaper.terminate_run(
+            self.token,
+            groups=groups,
+            roots=roots,
+            exclude=exclude,
+            signalled_groups={w.process.pid for w in signalled if w.process is not None},
+        )
 
     def kill_all(self) -> None:
         """SIGKILL to every process of the run, then reap the workers."""

@@ -38,6 +38,7 @@ class BadScript(ValueError):
 @dataclass(frozen=True)
 class _Reading:
     """What nvmlDeviceGetUtilizationRates, GetMemoryInfo, GetPciInfo and the process list return."""
+
     gpu: int = 0
     memory: int = 0
     total: int = 0
@@ -67,6 +68,7 @@ class ScriptedNvml:
 
     def __init__(self, machine: dict) -> None:
         import pynvml  # here, not at the top: the launcher imports this module on CPU-only setups too
+
         self._pynvml = pynvml
         self.NVMLError = pynvml.NVMLError
         for constant in ("NVML_DEVICE_MIG_ENABLE", "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"):
@@ -111,8 +113,7 @@ class ScriptedNvml:
         return _Reading(busId=device.pci_bus_id)
 
     def nvmlDeviceGetMemoryInfo(self, device: _Device) -> _Reading:
-        return _Reading(total=device.memory_total, used=device.memory_used,
-                        free=max(0, device.memory_total - device.memory_used))
+        return _Reading(total=device.memory_total, used=device.memory_used, free=max(0, device.memory_total - device.memory_used))
 
     def nvmlDeviceGetUtilizationRates(self, device: _Device) -> _Reading:
         if device.utilization is None or device.mig_mode:
@@ -120,8 +121,10 @@ class ScriptedNvml:
         return _Reading(gpu=next(device.utilization))
 
     def nvmlDeviceGetComputeRunningProcesses(self, device: _Device) -> list[_Reading]:
-        return [_Reading(pid=int(p["pid"]), usedGpuMemory=None if p.get("memory_mib") is None
-                         else int(p["memory_mib"] * MIB)) for p in device.processes]
+        return [
+            _Reading(pid=int(p["pid"]), usedGpuMemory=None if p.get("memory_mib") is None else int(p["memory_mib"] * MIB))
+            for p in device.processes
+        ]
 
     def nvmlDeviceGetMigMode(self, device: _Device) -> list[int]:
         if not device.migs and not device.mig_mode:
@@ -147,9 +150,13 @@ def _gpu(index: int, spec: dict) -> _Device:
         name=str(spec.get("name", "NVIDIA H100 80GB HBM3")),
         uuid=str(spec.get("uuid", f"GPU-{index:08x}-0000-0000-0000-000000000000")),
         pci_bus_id=str(spec.get("pci_bus_id", f"00000000:{0x18 + 0x10 * index:02X}:00.0")),
-        memory_total=_mib(spec, "memory_total_mib", 81559, where), memory_used=_mib(spec, "memory_used_mib", 0, where),
+        memory_total=_mib(spec, "memory_total_mib", 81559, where),
+        memory_used=_mib(spec, "memory_used_mib", 0, where),
         utilization=None if utilization is None else itertools.cycle([int(u) for u in utilization] or [0]),
-        processes=_process_list(spec, where), mig_mode="mig" in spec, lost=spec.get("lost") is True)
+        processes=_process_list(spec, where),
+        mig_mode="mig" in spec,
+        lost=spec.get("lost") is True,
+    )
     for mig_spec in spec.get("mig", []):
         mig_where = f"{where}.mig[]"
         _check_keys(mig_spec, MIG_KEYS, mig_where)
@@ -159,9 +166,12 @@ def _gpu(index: int, spec: dict) -> _Device:
         device.migs[slot] = _Device(
             name=str(mig_spec.get("name", f"{device.name} MIG 1g.10gb")),
             uuid=str(mig_spec.get("uuid", f"MIG-{index:08x}-{slot:04x}-0000-0000-000000000000")),
-            pci_bus_id=device.pci_bus_id, memory_total=_mib(mig_spec, "memory_total_mib", 9856, mig_where),
-            memory_used=_mib(mig_spec, "memory_used_mib", 0, mig_where), utilization=None,
-            processes=_process_list(mig_spec, mig_where))
+            pci_bus_id=device.pci_bus_id,
+            memory_total=_mib(mig_spec, "memory_total_mib", 9856, mig_where),
+            memory_used=_mib(mig_spec, "memory_used_mib", 0, mig_where),
+            utilization=None,
+            processes=_process_list(mig_spec, mig_where),
+        )
     return device
 
 
@@ -179,9 +189,13 @@ def _mib(spec: dict, key: str, default: float, where: str) -> int:
 def _process_list(spec: dict, where: str) -> list[dict]:
     processes = spec.get("processes", [])
     for process in processes if isinstance(processes, list) else [None]:
-        if not (isinstance(process, dict) and isinstance(process.get("pid"), int) and process["pid"] > 0
-                and (process.get("memory_mib") is None or _is_number(process["memory_mib"]))):
-            raise ValueError(f"{where}.processes must be a list of {{\"pid\": N, \"memory_mib\": M}}")
+        if not (
+            isinstance(process, dict)
+            and isinstance(process.get("pid"), int)
+            and process["pid"] > 0
+            and (process.get("memory_mib") is None or _is_number(process["memory_mib"]))
+        ):
+            raise ValueError(f'{where}.processes must be a list of {{"pid": N, "memory_mib": M}}')
     return processes
 
 

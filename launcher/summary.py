@@ -15,8 +15,10 @@ FRAMES_SHOWN = 3
 
 _NONFINITE_REPORT = re.compile(r"^(NaN|Inf) (GRADIENT|LOSS) DETECTED \[")
 """The banner of a training worker's report on a NaN or Inf (pretrain/debug.py)."""
-_NCCL_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(.*?\bOpType=(?P<op>\w+)"
-                           r".*?\bTimeout\(ms\)=(?P<ms>\d+)")
+_NCCL_TIMEOUT = re.compile(
+    r"Watchdog caught collective operation timeout: WorkNCCL\(.*?\bOpType=(?P<op>\w+)"
+    r".*?\bTimeout\(ms\)=(?P<ms>\d+)"
+)
 """torch's ProcessGroupNCCL watchdog on a collective past its timeout (system.collective_timeout)."""
 _NCCL_STUCK = re.compile(r"ProcessGroupNCCL's watchdog got stuck for (?P<seconds>\d+) seconds")
 """Its heartbeat monitor: the watchdog thread itself stopped (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
@@ -38,7 +40,7 @@ def is_cuda_oom(line: str) -> bool:
 
 
 def nonfinite_banner(line: str) -> str | None:
-    """"NaN GRADIENT DETECTED" when line is the banner of a NaN/Inf report, else None."""
+    """ "NaN GRADIENT DETECTED" when line is the banner of a NaN/Inf report, else None."""
     return match.group(0).removesuffix(" [") if (match := _NONFINITE_REPORT.match(line)) else None
 
 
@@ -49,22 +51,27 @@ def nccl_watchdog(line: str) -> str | None:
     if "atchdog" not in line:  # most lines: skip the regular expressions
         return None
     if match := _NCCL_TIMEOUT.search(line):
-        return (f"NCCL's watchdog found a collective ({match['op']}) waiting longer than system.collective_timeout "
-                f"({int(match['ms']) / 1000:g} s) for the other ranks, and on NCCL that ends the process with "
-                f"SIGABRT (exit 134) rather than a Python error. One rank is frozen, gone or far behind (a slow "
-                f"checkpoint save or compilation, a data stall): the other workers' logs and stack dumps say which. "
-                f"Raise system.collective_timeout only if that rank is legitimately this slow.")
+        return (
+            f"NCCL's watchdog found a collective ({match['op']}) waiting longer than system.collective_timeout "
+            f"({int(match['ms']) / 1000:g} s) for the other ranks, and on NCCL that ends the process with "
+            f"SIGABRT (exit 134) rather than a Python error. One rank is frozen, gone or far behind (a slow "
+            f"checkpoint save or compilation, a data stall): the other workers' logs and stack dumps say which. "
+            f"Raise system.collective_timeout only if that rank is legitimately this slow."
+        )
     if match := _NCCL_STUCK.search(line):
-        return (f"NCCL's watchdog thread made no progress for {match['seconds']} s (a CUDA or NCCL call hung) and "
-                f"its monitor ended the process with SIGABRT (exit 134). system.collective_timeout does not bound "
-                f"this; TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC does. The other workers' logs and stack dumps show where "
-                f"each was.")
+        return (
+            f"NCCL's watchdog thread made no progress for {match['seconds']} s (a CUDA or NCCL call hung) and "
+            f"its monitor ended the process with SIGABRT (exit 134). system.collective_timeout does not bound "
+            f"this; TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC does. The other workers' logs and stack dumps show where "
+            f"each was."
+        )
     return None
 
 
 @dataclass
 class StackDump:
     """Reads faulthandler's output (all threads, most recent call first) line by line."""
+
     threads: list[list[str]] = field(default_factory=list)
     _in_thread: bool = False
 
@@ -90,27 +97,41 @@ class StackDump:
         return " <- ".join(deepest[:FRAMES_SHOWN])
 
 
-def hint(returncode: int, *, hung_for: float | None, cuda_oom: bool,
-         nonfinite_reports: Mapping[str, str] | None = None, nccl_watchdog: str | None = None) -> str | None:
+def hint(
+    returncode: int,
+    *,
+    hung_for: float | None,
+    cuda_oom: bool,
+    nonfinite_reports: Mapping[str, str] | None = None,
+    nccl_watchdog: str | None = None,
+) -> str | None:
     """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf.
     nccl_watchdog: what nccl_watchdog() made of the failed worker's output, if anything."""
     if nonfinite_reports:
         banners = sorted(set(nonfinite_reports.values()))
-        return (f"the loss or the gradients became NaN or Inf: {', '.join(nonfinite_reports)} logged "
-                f"{' / '.join(banners)} with the tensors involved, and where the checkpoint of the state "
-                f"before that step and the tensor dump went. docs/numerics.md (Troubleshooting) says what to change "
-                f"(configs/config_stable.json).")
+        return (
+            f"the loss or the gradients became NaN or Inf: {', '.join(nonfinite_reports)} logged "
+            f"{' / '.join(banners)} with the tensors involved, and where the checkpoint of the state "
+            f"before that step and the tensor dump went. docs/numerics.md (Troubleshooting) says what to change "
+            f"(configs/config_stable.json)."
+        )
     if hung_for is not None:
-        return (f"it printed nothing for {hung_for:g} s (--hang-timeout); the stack dumps show what each "
-                f"worker was waiting for. Raise --hang-timeout if start-up or compilation is this slow.")
+        return (
+            f"it printed nothing for {hung_for:g} s (--hang-timeout); the stack dumps show what each "
+            f"worker was waiting for. Raise --hang-timeout if start-up or compilation is this slow."
+        )
     if cuda_oom:
-        return ("the GPU ran out of memory: lower training.batch_size (raise training.grad_accum_nums to keep "
-                "the tokens per step) or data.context_length.")
+        return (
+            "the GPU ran out of memory: lower training.batch_size (raise training.grad_accum_nums to keep "
+            "the tokens per step) or data.context_length."
+        )
     if nccl_watchdog:
         return nccl_watchdog
     if returncode == -signal.SIGKILL:
-        return ("SIGKILL came from outside the launcher, most often the kernel's out-of-memory killer "
-                "(check `dmesg | grep -i oom`): the host ran out of memory.")
+        return (
+            "SIGKILL came from outside the launcher, most often the kernel's out-of-memory killer "
+            "(check `dmesg | grep -i oom`): the host ran out of memory."
+        )
     return None
 
 
@@ -136,10 +157,16 @@ class Failure:
 
 
 def render(failure: Failure) -> list[str]:
-    how = failure.how if failure.how.startswith(f"exit code {failure.exit_code}") else \
-        f"{failure.how}, exit code {failure.exit_code}"
-    lines = [RULE, f"FAILED: {failure.label} (rank {failure.rank}) failed first "
-                   f"at {failure.clock}, {failure.after_start:.1f} s after start: {how}."]
+    how = (
+        failure.how
+        if failure.how.startswith(f"exit code {failure.exit_code}")
+        else f"{failure.how}, exit code {failure.exit_code}"
+    )
+    lines = [
+        RULE,
+        f"FAILED: {failure.label} (rank {failure.rank}) failed first "
+        f"at {failure.clock}, {failure.after_start:.1f} s after start: {how}.",
+    ]
     if failure.hint:
         lines.append(f"Hint: {failure.hint}")
     if failure.tail:

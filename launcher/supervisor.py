@@ -68,6 +68,7 @@ class StartError(OSError):
 @dataclass(frozen=True)
 class Interrupted:
     """The supervisor itself received one of STOP_SIGNALS."""
+
     signum: int
 
 
@@ -135,8 +136,7 @@ class Supervisor:
         return bool(self._running() or self._kill_at is not None and self._stopping_groups())
 
     def _next_event(self) -> Event | Interrupted | None:
-        deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot)
-                     if d is not None]
+        deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
             return self._events.get(timeout=timeout)
@@ -154,7 +154,8 @@ class Supervisor:
                 self._dump_done(worker)
                 if self._is_first_failure(worker, returncode):
                     self.printer.launcher_line(
-                        f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers")
+                        f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers"
+                    )
                     self._fail(worker)
             case Interrupted(signum):
                 self._on_interrupt(signum)
@@ -183,7 +184,8 @@ class Supervisor:
         again = "SIGINT or SIGTERM" if signum == signal.SIGHUP else "again"
         self.printer.launcher_line(
             f"received {signal.Signals(signum).name}: asking the workers to stop gracefully "
-            f"(at most {self.options.stop_timeout:g} s, --stop-timeout; {again} to kill them now)")
+            f"(at most {self.options.stop_timeout:g} s, --stop-timeout; {again} to kill them now)"
+        )
         if self.options.stop_leaders_only:  # rule 3
             for worker in self._running():
                 worker.signal(signal.SIGTERM)
@@ -205,19 +207,21 @@ class Supervisor:
             running = self._running()
             if running:
                 self.printer.launcher_line(
-                    f"{', '.join(w.label for w in running)} still running after {self._kill_reason}; "
-                    f"sending SIGKILL")
+                    f"{', '.join(w.label for w in running)} still running after {self._kill_reason}; sending SIGKILL"
+                )
             elif lingering := self._stopping_groups():
                 self.printer.launcher_line(
                     f"processes started by {', '.join(w.label for w in lingering)} still running after "
-                    f"{self._kill_reason}; sending SIGKILL")
+                    f"{self._kill_reason}; sending SIGKILL"
+                )
             self._kill_running()
         deadline = self._hang_deadline()
         if deadline is not None and now >= deadline:
             worker = min(self._running(), key=lambda w: self._watch[w].last_output)
             self.printer.launcher_line(
                 f"{worker.label} printed nothing for {self.options.hang_timeout:g} s (--hang-timeout); "
-                f"it has failed; stopping every worker")
+                f"it has failed; stopping every worker"
+            )
             self._fail(worker, hung_for=self.options.hang_timeout)
 
     @property
@@ -243,8 +247,9 @@ class Supervisor:
     def _fail(self, worker: Worker, hung_for: float | None = None) -> None:
         """Rules 1 and 2: remember the first failure, ask for stacks, stop the others."""
         running = self._running()
-        self._failure = FirstFailure(worker, time.monotonic(), time.strftime("%H:%M:%S"),
-                                      len([w for w in running if w is not worker]), hung_for)
+        self._failure = FirstFailure(
+            worker, time.monotonic(), time.strftime("%H:%M:%S"), len([w for w in running if w is not worker]), hung_for
+        )
         if hung_for is None and self._watch[worker].returncode in self.options.agreed_exit_codes and running:
             self._failure.stopped = 0  # so far: they are on their way out too
             self._terminate_at = time.monotonic() + AGREED_EXIT_GRACE
@@ -314,8 +319,15 @@ class Supervisor:
     # --- outcome ------------------------------------------------------------------------
 
     def _ending(self) -> outcome.Ending:
-        return outcome.Ending(self._watch, self._failure, self._no_dump, self._teardown_done or time.monotonic(),
-                              self.options.exit_meanings, self.options.agreed_exit_codes, self.options.run_dir)
+        return outcome.Ending(
+            self._watch,
+            self._failure,
+            self._no_dump,
+            self._teardown_done or time.monotonic(),
+            self.options.exit_meanings,
+            self.options.agreed_exit_codes,
+            self.options.run_dir,
+        )
 
     def _outcome(self) -> int:
         """Print the summary of a failure, or the line of a graceful stop; return the exit code."""

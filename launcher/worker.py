@@ -22,6 +22,7 @@ MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory st
 @dataclass(frozen=True)
 class Line:
     """The worker wrote one line (decoded, newline stripped)."""
+
     worker: Worker
     text: str
 
@@ -29,6 +30,7 @@ class Line:
 @dataclass(frozen=True)
 class Exited:
     """The worker's process ended with this returncode (negative: killed by that signal)."""
+
     worker: Worker
     returncode: int
 
@@ -36,6 +38,7 @@ class Exited:
 @dataclass(frozen=True)
 class OutputClosed:
     """The worker's output pipe reached end of file (every writer has closed it)."""
+
     worker: Worker
 
 
@@ -61,9 +64,13 @@ class Worker:
     def start(self) -> None:
         """Spawn the process. Raises FileNotFoundError/PermissionError for a bad command."""
         self.process = subprocess.Popen(
-            list(self.argv), env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,  # one pipe keeps their order
-            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+            list(self.argv),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one pipe keeps their order
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
         )
         self.started_at = time.monotonic()
 
@@ -122,8 +129,17 @@ class Worker:
             pass  # the group is already gone
 
 
-def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port: int,
-               gpu: str | None, cpu_count: int, compile_cache: str, gpu_id: str | None = None) -> dict[str, str]:
+def worker_env(
+    base: dict[str, str],
+    *,
+    rank: int,
+    world_size: int,
+    master_port: int,
+    gpu: str | None,
+    cpu_count: int,
+    compile_cache: str,
+    gpu_id: str | None = None,
+) -> dict[str, str]:
     """The worker contract (DESIGN.md): torchrun's variables, one GPU, bounded threads.
 
     gpu is the physical GPU as CUDA_VISIBLE_DEVICES names it (the launcher gives its UUID)
@@ -131,15 +147,21 @@ def worker_env(base: dict[str, str], *, rank: int, world_size: int, master_port:
     prefix shows. Thread counts the user set explicitly are kept."""
     threads = str(max(1, cpu_count // world_size))
     env = dict(base)
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.
-        "CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.
+            "CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if gpu is not None:
         env["GPU_RANK"] = gpu_id or gpu
     else:

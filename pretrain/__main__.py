@@ -1,7 +1,7 @@
 """One training process: what the launcher runs on every device, and what runs alone without it.
 
-    python -m pretrain --debug
-    CUDA_VISIBLE_DEVICES=3 GPU_RANK=3 python -m pretrain --debug   # lines labelled [GPU 3]
+python -m pretrain --debug
+CUDA_VISIBLE_DEVICES=3 GPU_RANK=3 python -m pretrain --debug   # lines labelled [GPU 3]
 """
 
 import faulthandler

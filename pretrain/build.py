@@ -112,33 +112,55 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     # number of ranks), so no rank ever holds the whole model: an 8B model takes 32 GB in fp32.
     with torch.device("meta"):
         transformer = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
-    log.info(f"Model: {transformer.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
-             f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
-             + (f"; {mode.upper()}" if mode != "single" else "")
-             + ("; CPU offload (weights, gradients and optimizer state in host memory)" if t.cpu_offload else ""))
+    log.info(
+        f"Model: {transformer.num_params() / 1e6:.2f}M parameters, {config.model.n_layers} layers, "
+        f"dim {config.model.dim}; device {runtime.device}; world size {runtime.world_size}"
+        + (f"; {mode.upper()}" if mode != "single" else "")
+        + ("; CPU offload (weights, gradients and optimizer state in host memory)" if t.cpu_offload else "")
+    )
     model = parallel.parallelize(transformer, config, runtime, mode)  # as trained: under DDP a wrapper, not a Transformer
     optimizer = build_optimizer(model, t, runtime.device)  # after sharding: it holds the shards
-    loader = TrainBatches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                          runtime.world_size, t.seed, t.num_workers, pin_memory=runtime.device.type == "cuda",
-                          grad_accum=t.grad_accum_nums, vocab_size=config.model.vocab_size)
+    loader = TrainBatches(
+        dataset_dir,
+        config.data.context_length,
+        t.batch_size,
+        runtime.rank,
+        runtime.world_size,
+        t.seed,
+        t.num_workers,
+        pin_memory=runtime.device.type == "cuda",
+        grad_accum=t.grad_accum_nums,
+        vocab_size=config.model.vocab_size,
+    )
     try:
-        val = validation_batches(dataset_dir, config.data.context_length, t.batch_size, runtime.rank,
-                                 runtime.world_size, t.eval_batches, vocab_size=config.model.vocab_size)
+        val = validation_batches(
+            dataset_dir,
+            config.data.context_length,
+            t.batch_size,
+            runtime.rank,
+            runtime.world_size,
+            t.eval_batches,
+            vocab_size=config.model.vocab_size,
+        )
     except TokenIdError:
         raise  # damaged data stops the run; only a val split too small to use is skipped
     except DataError as error:
         # Every rank sees the same split, so every rank skips alike and collectives stay matched.
         log.warning(f"Validation skipped: {error}")
         val = []
-    log.debug(f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
-              f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
-              f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step")
+    log.debug(
+        f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
+        f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
+        f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step"
+    )
     metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log)
     trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
     if config.debug.trace_nonfinite:
         trainer.tracer = FirstNonFinite(parallel.unwrap(model))
         log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")
         if t.activation_checkpointing or t.compile:
-            log.warning("debug.trace_nonfinite turns off training.activation_checkpointing and training.compile "
-                        "(the hooks must see every module); set debug.trace_nonfinite=false to keep them")
+            log.warning(
+                "debug.trace_nonfinite turns off training.activation_checkpointing and training.compile "
+                "(the hooks must see every module); set debug.trace_nonfinite=false to keep them"
+            )
     return trainer

@@ -40,12 +40,30 @@ import torch
 import torch.distributed as dist
 
 from pretrain import config as cfg
-from pretrain.checkpoint_files import (FORMAT_VERSION, CheckpointError, clean_unfinished, first_line, fsync_dir,
-                                       latest, prune, read_state, replace_dir, supersede_after)
+from pretrain.checkpoint_files import (
+    FORMAT_VERSION,
+    CheckpointError,
+    clean_unfinished,
+    first_line,
+    fsync_dir,
+    latest,
+    prune,
+    read_state,
+    replace_dir,
+    supersede_after,
+)
 from pretrain.config import Config
 from pretrain.dcp_files import DIRECTORY, read_dcp_metadata
-from pretrain.model_state import (full_states, load_full, load_sharded, model_shapes, plain_name, read_sharded_model,
-                                  save_sharded, sharded_model_shapes)
+from pretrain.model_state import (
+    full_states,
+    load_full,
+    load_sharded,
+    model_shapes,
+    plain_name,
+    read_sharded_model,
+    save_sharded,
+    sharded_model_shapes,
+)
 from pretrain.parallel import has_fsdp
 from pretrain.rng import rng_states, seed_from, set_rng_states
 from pretrain.runfiles import atomic_write_text
@@ -55,8 +73,20 @@ from pretrain.schedule import lr_at
 if TYPE_CHECKING:
     from pretrain.build import Trainer
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "latest", "load_config", "load_model_state", "load_tensors",
-           "read_dcp_metadata", "read_state", "restore", "rng_states", "save", "set_rng_states"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "latest",
+    "load_config",
+    "load_model_state",
+    "load_tensors",
+    "read_dcp_metadata",
+    "read_state",
+    "restore",
+    "rng_states",
+    "save",
+    "set_rng_states",
+]
 
 NEARLY_FULL = 64 << 20
 """Free bytes below which a failed write names the free space: more than one write's worth."""
@@ -67,6 +97,7 @@ init_std) may change on resume: raising rope_theta with max_seq_len is how a con
 
 
 # --- save -----------------------------------------------------------------------------
+
 
 def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = None) -> Path:
     """Write a checkpoint after steps_done optimizer steps to <run_dir>/checkpoints/step_<steps_done>
@@ -117,12 +148,16 @@ def _write_files(trainer: Trainer, steps_done: int, tmp: Path) -> None:
 
 
 def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
-    return {"format_version": FORMAT_VERSION, "steps_done": steps_done,
-            "world_size": trainer.runtime.world_size, "parallelism": trainer.mode,
-            "loader": trainer.loader.state_dict(),
-            # The schedule is a pure function of the step; the rate is for people, and for
-            # noticing on resume that the schedule changed.
-            "lr_schedule": {"steps_done": steps_done, "lr": lr_at(steps_done, trainer.config.training)}}
+    return {
+        "format_version": FORMAT_VERSION,
+        "steps_done": steps_done,
+        "world_size": trainer.runtime.world_size,
+        "parallelism": trainer.mode,
+        "loader": trainer.loader.state_dict(),
+        # The schedule is a pure function of the step; the rate is for people, and for
+        # noticing on resume that the schedule changed.
+        "lr_schedule": {"steps_done": steps_done, "lr": lr_at(steps_done, trainer.config.training)},
+    }
 
 
 def _write_tensors(value: Any, file: Path) -> None:
@@ -140,8 +175,10 @@ def _writing(file: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError) as error:
-        raise CheckpointError(f"cannot write checkpoint file {file} ({first_line(error)}{_space_left(file)}); make "
-                              "room on its disk (or make it writable) and resume from the latest checkpoint") from None
+        raise CheckpointError(
+            f"cannot write checkpoint file {file} ({first_line(error)}{_space_left(file)}); make "
+            "room on its disk (or make it writable) and resume from the latest checkpoint"
+        ) from None
 
 
 def _space_left(file: Path) -> str:
@@ -161,11 +198,11 @@ def _barrier(runtime: Runtime) -> None:
 
 # --- reading --------------------------------------------------------------------------
 
+
 def load_config(path: Path) -> Config:
     """The resolved config the checkpoint was written with."""
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: it has no config.json; "
-                              "use another checkpoint of the run")
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no config.json; use another checkpoint of the run")
     try:
         return cfg.load(path / "config.json")
     except cfg.ConfigError as error:
@@ -177,13 +214,13 @@ def load_tensors(path: Path, name: str, mmap: bool = False) -> Any:
     mmap the tensors are views of the file: ranks reading the same file share its pages."""
     file = path / name
     if not file.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing; "
-                              "use another checkpoint of the run")
+        raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing; use another checkpoint of the run")
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {path}: cannot read {name} ({first_line(error)}); "
-                              "use another checkpoint of the run") from None
+        raise CheckpointError(
+            f"checkpoint {path}: cannot read {name} ({first_line(error)}); use another checkpoint of the run"
+        ) from None
 
 
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -200,6 +237,7 @@ def _is_sharded(path: Path) -> bool:
 
 
 # --- restore --------------------------------------------------------------------------
+
 
 def restore(trainer: Trainer, path: Path) -> int:
     """Load model, optimizer, data position and this rank's random generators from the
@@ -237,23 +275,29 @@ def restore(trainer: Trainer, path: Path) -> int:
 def check_steps(path: Path, steps_done: int, max_steps: int) -> None:
     """A checkpoint past the end of this run would train backwards (equal: nothing left to train)."""
     if steps_done > max_steps:
-        raise CheckpointError(f"checkpoint {path} has {steps_done} steps done, more than training.max_steps "
-                              f"{max_steps}; raise --max-steps or resume an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} has {steps_done} steps done, more than training.max_steps "
+            f"{max_steps}; raise --max-steps or resume an earlier checkpoint"
+        )
 
 
 def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfig) -> None:
     for key in ARCHITECTURE_KEYS:
         there, here = getattr(saved, key), getattr(current, key)
         if there != here:
-            raise CheckpointError(f"checkpoint {path} is for a different model: model.{key} is {there} there, "
-                                  f"{here} here; resume with the same model config or start fresh")
+            raise CheckpointError(
+                f"checkpoint {path} is for a different model: model.{key} is {there} there, "
+                f"{here} here; resume with the same model config or start fresh"
+            )
 
 
 def check_same_optimizer(path: Path, saved: cfg.TrainingConfig, current: cfg.TrainingConfig) -> None:
     """One optimizer's state does not load into another's."""
     if saved.optimizer != current.optimizer:
-        raise CheckpointError(f"checkpoint {path} was trained with training.optimizer={saved.optimizer}, not "
-                              f"{current.optimizer}; resume with --set training.optimizer={saved.optimizer} or start fresh")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with training.optimizer={saved.optimizer}, not "
+            f"{current.optimizer}; resume with --set training.optimizer={saved.optimizer} or start fresh"
+        )
 
 
 def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataConfig) -> None:
@@ -266,8 +310,10 @@ def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataCon
     for key in ("hub_repo", "hub_files", "hub_revision", "hub_max_files"):
         there, here = getattr(saved, key), getattr(current, key)
         if there != here:
-            raise CheckpointError(f"checkpoint {path} was trained on other Hub data: data.{key} is {there!r} there, "
-                                  f"{here!r} here; resume with --set data.{key}={json.dumps(there)} or start fresh")
+            raise CheckpointError(
+                f"checkpoint {path} was trained on other Hub data: data.{key} is {there!r} there, "
+                f"{here!r} here; resume with --set data.{key}={json.dumps(there)} or start fresh"
+            )
 
 
 def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:
@@ -276,10 +322,14 @@ def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.
     for key in sorted(saved.keys() | current.keys()):
         there, here = saved.get(key), current.get(key)
         if there != here:
+
             def show(shape: tuple[int, ...] | None) -> str:
                 return "absent" if shape is None else f"of shape {list(shape)}"
-            raise CheckpointError(f"checkpoint {path} is for a different model: {key} is {show(there)} there, "
-                                  f"{show(here)} here; resume with the same model config or start fresh")
+
+            raise CheckpointError(
+                f"checkpoint {path} is for a different model: {key} is {show(there)} there, "
+                f"{show(here)} here; resume with the same model config or start fresh"
+            )
 
 
 def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, trainer: Trainer) -> dict[str, int]:
@@ -297,12 +347,15 @@ def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, tr
         raise CheckpointError(
             f"checkpoint {path} stopped {consumed} windows into epoch {position['epoch']} "
             f"({saved_ranks} rank(s) x batch {saved_batch}), not a whole number of batches of {ranks} rank(s) x "
-            f"batch {batch}; resume with {saved_ranks} rank(s) and training.batch_size {saved_batch}")
+            f"batch {batch}; resume with {saved_ranks} rank(s) and training.batch_size {saved_batch}"
+        )
     batch_index = consumed // (batch * ranks)
     if batch_index >= trainer.loader.batches_per_epoch:  # the rest is the tail this run drops
         return {"epoch": position["epoch"] + 1, "batch_index": 0}
-    trainer.log.info(f"Checkpoint written by {saved_ranks} rank(s) with batch {saved_batch}; continuing on "
-                     f"{ranks} with batch {batch} at batch {batch_index} of epoch {position['epoch']}")
+    trainer.log.info(
+        f"Checkpoint written by {saved_ranks} rank(s) with batch {saved_batch}; continuing on "
+        f"{ranks} with batch {batch} at batch {batch_index} of epoch {position['epoch']}"
+    )
     return {"epoch": position["epoch"], "batch_index": batch_index}
 
 
@@ -316,9 +369,11 @@ def _read_rng(path: Path, state: dict[str, Any], rank: int) -> dict[str, Any] | 
 def _seed_new_rank(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
     rank, steps_done = trainer.runtime.rank, state["steps_done"]
     seed_from(trainer.config.training.seed, steps_done, rank)
-    trainer.log.warning(f"Checkpoint {path} was written by {state['world_size']} rank(s) and has no random "
-                        f"state for rank {rank}; its generators are seeded from (training.seed, step "
-                        f"{steps_done}, rank {rank}) instead")
+    trainer.log.warning(
+        f"Checkpoint {path} was written by {state['world_size']} rank(s) and has no random "
+        f"state for rank {rank}; its generators are seeded from (training.seed, step "
+        f"{steps_done}, rank {rank}) instead"
+    )
 
 
 def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
@@ -328,7 +383,8 @@ def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any
         trainer.log.warning(
             f"The learning-rate schedule changed: step {state['steps_done']} runs at {here:.3e} now, "
             f"{saved:.3e} in the run that saved {path} (training.learning_rate, warmup_steps, max_steps or "
-            "min_lr_ratio differ)")
+            "min_lr_ratio differ)"
+        )
 
 
 def _supersede_later(trainer: Trainer, path: Path, steps_done: int) -> None:
@@ -340,7 +396,9 @@ def _supersede_later(trainer: Trainer, path: Path, steps_done: int) -> None:
     if trainer.runtime.is_main and checkpoints_dir.is_dir() and os.path.samefile(checkpoints_dir, path.parent):
         renamed = supersede_after(checkpoints_dir, steps_done)
         if renamed:
-            trainer.log.warning(f"Resuming {path.name} abandons the run's later checkpoints; renamed "
-                                f"{', '.join(p.name for p in renamed)} in {checkpoints_dir} (kept, but never "
-                                "resumed or pruned automatically)")
+            trainer.log.warning(
+                f"Resuming {path.name} abandons the run's later checkpoints; renamed "
+                f"{', '.join(p.name for p in renamed)} in {checkpoints_dir} (kept, but never "
+                "resumed or pruned automatically)"
+            )
     _barrier(trainer.runtime)

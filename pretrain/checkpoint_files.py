@@ -58,6 +58,7 @@ def first_line(error: BaseException) -> str:
 
 # --- reading --------------------------------------------------------------------------
 
+
 def read_state(path: Path) -> dict:
     """The checkpoint's state.json; StateError when path is not a checkpoint this code reads."""
     try:
@@ -66,15 +67,18 @@ def read_state(path: Path) -> dict:
         what = "no such directory" if not path.exists() else "no state.json (not a checkpoint, or an unfinished save)"
         raise StateError(path, f"{what}; give a <run dir>/checkpoints/step_<N> directory") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise StateError(path, f"state.json is unreadable ({first_line(error)}); "
-                               "use another checkpoint of the run") from None
+        raise StateError(path, f"state.json is unreadable ({first_line(error)}); use another checkpoint of the run") from None
     version = state.get("format_version", 1) if isinstance(state, dict) else 1
     if _is_int(version) and version > FORMAT_VERSION:
-        raise StateError(path, f"format version {version} is newer than this code reads ({FORMAT_VERSION}); "
-                               "update the code or start fresh")
+        raise StateError(
+            path, f"format version {version} is newer than this code reads ({FORMAT_VERSION}); update the code or start fresh"
+        )
     if (problem := state_problem(state, path.name)) is not None:
-        raise StateError(path, f"state.json: {problem}; the checkpoint is damaged: resume from an earlier one "
-                               "with --resume <run dir>/checkpoints/step_<N>, or start fresh")
+        raise StateError(
+            path,
+            f"state.json: {problem}; the checkpoint is damaged: resume from an earlier one "
+            "with --resume <run dir>/checkpoints/step_<N>, or start fresh",
+        )
     return state
 
 
@@ -114,8 +118,9 @@ def state_problem(state: object, directory_name: str = "") -> str | None:
     if "lr_schedule" in state:
         schedule = state["lr_schedule"]
         lr = schedule.get("lr") if isinstance(schedule, dict) else None
-        if not isinstance(schedule, dict) or not (lr is None or (isinstance(lr, (int, float))
-                                                                  and not isinstance(lr, bool) and lr >= 0)):
+        if not isinstance(schedule, dict) or not (
+            lr is None or (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0)
+        ):
             return f"lr_schedule must be an object whose lr is a non-negative number (got {_show(schedule)})"
     name = directory_name.removesuffix(OLD)
     if (match := STEP_NAME.fullmatch(name)) and int(match[1]) != steps:
@@ -140,8 +145,7 @@ def _show(value: object) -> str:
 
 
 def has_model_files(path: Path) -> bool:
-    return ((path / "model.pt").is_file() and (path / "optimizer.pt").is_file()) or \
-        (path / "dcp" / ".metadata").is_file()
+    return ((path / "model.pt").is_file() and (path / "optimizer.pt").is_file()) or (path / "dcp" / ".metadata").is_file()
 
 
 def is_unfinished(path: Path) -> bool:
@@ -183,6 +187,7 @@ def latest(checkpoints_dir: Path) -> Path | None:
 
 # --- changing ---------------------------------------------------------------------------
 
+
 def remove(path: Path) -> None:
     """Delete a checkpoint directory: first renamed to .deleting, so a delete cut short leaves
     nothing that looks like a checkpoint. Never raises: a leftover must not end a run."""
@@ -217,7 +222,7 @@ def prune(checkpoints_dir: Path, keep: int, just_written: Path) -> list[Path]:
     steps = [path for _, path in step_checkpoints(checkpoints_dir)]
     others = [path for path in steps if path != just_written]
     room = keep - 1 if just_written in steps else keep
-    doomed = others[:max(0, len(others) - room)]
+    doomed = others[: max(0, len(others) - room)]
     for path in doomed:
         remove(path)
     return doomed

@@ -62,16 +62,45 @@ from pretrain.config_schema import (
 
 __all__ = [
     # config_schema
-    "ConfigError", "Config", "ModelConfig", "DataConfig", "TrainingConfig", "SystemConfig", "LoggingConfig",
-    "DebugConfig", "SECTIONS", "SOURCES_WITH_PATH", "SHARD_SOURCES",
+    "ConfigError",
+    "Config",
+    "ModelConfig",
+    "DataConfig",
+    "TrainingConfig",
+    "SystemConfig",
+    "LoggingConfig",
+    "DebugConfig",
+    "SECTIONS",
+    "SOURCES_WITH_PATH",
+    "SHARD_SOURCES",
     # config_presets
-    "FINEWEB_EDU", "PRESETS", "production", "small", "debug",
+    "FINEWEB_EDU",
+    "PRESETS",
+    "production",
+    "small",
+    "debug",
     # config_loading
-    "apply_overrides", "read_config_file", "parse_set", "resolve", "run_length_keys", "one_run_length",
-    "HUB_KEYS", "TOKENIZER_KEYS", "drop_unused_preset_keys", "check_context", "activation_checkpointing",
-    "max_seq_len", "with_world_size", "to_dict", "save", "load", "add_arguments", "from_args",
+    "apply_overrides",
+    "read_config_file",
+    "parse_set",
+    "resolve",
+    "run_length_keys",
+    "one_run_length",
+    "HUB_KEYS",
+    "TOKENIZER_KEYS",
+    "drop_unused_preset_keys",
+    "check_context",
+    "activation_checkpointing",
+    "max_seq_len",
+    "with_world_size",
+    "to_dict",
+    "save",
+    "load",
+    "add_arguments",
+    "from_args",
     # config_reference
-    "field_docs", "reference_table",
+    "field_docs",
+    "reference_table",
 ]
 
 

@@ -25,14 +25,22 @@ from pretrain.runfiles import atomic_write_text
 
 # --- strict loading -------------------------------------------------------------------
 
+
 def _closest(word: str, choices: Sequence[str]) -> str:
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f"; did you mean {match[0]}?" if match else f"; valid: {', '.join(sorted(choices))}"
 
 
 def _describe(value: Any) -> str:
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    kind = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
     return f"{json.dumps(value)} ({kind})"
 
 
@@ -126,8 +134,14 @@ def parse_set(assignment: str) -> dict[str, Any]:
     return {section: {key: value}}
 
 
-def resolve(preset: str | None = None, config_file: Path | None = None,
-            max_steps: int | None = None, sets: Sequence[str] = (), *, saved: bool = False) -> Config:
+def resolve(
+    preset: str | None = None,
+    config_file: Path | None = None,
+    max_steps: int | None = None,
+    sets: Sequence[str] = (),
+    *,
+    saved: bool = False,
+) -> Config:
     """Build a config: preset (explicit, else the file's "preset", else production), then
     the file, then --max-steps, then each --set in order. saved: config_file was written by
     save() (see one_run_length)."""
@@ -173,8 +187,10 @@ def one_run_length(config: Config, set_by: dict[str, str]) -> Config:
     if t.epochs == 0:
         return config
     if "epochs" in set_by and "max_steps" in set_by:
-        raise ConfigError(f"training.epochs={t.epochs} ({set_by['epochs']}) and training.max_steps={t.max_steps} "
-                          f"({set_by['max_steps']}) both set the run length; keep one of them")
+        raise ConfigError(
+            f"training.epochs={t.epochs} ({set_by['epochs']}) and training.max_steps={t.max_steps} "
+            f"({set_by['max_steps']}) both set the run length; keep one of them"
+        )
     if "max_steps" in set_by:  # the preset's epochs under the user's max_steps
         return dataclasses.replace(config, training=dataclasses.replace(t, epochs=0))
     return config
@@ -199,8 +215,9 @@ def drop_unused_preset_keys(config: Config, preset: DataConfig, user_keys: set[s
         data = dataclasses.replace(data, tokenizer=neutral.tokenizer)
     if data.tokenizer != preset.tokenizer:  # another tokenizer: the preset's name is not its name
         unused += TOKENIZER_KEYS
-    changes = {key: getattr(neutral, key) for key in unused
-               if key not in user_keys and getattr(data, key) == getattr(preset, key)}
+    changes = {
+        key: getattr(neutral, key) for key in unused if key not in user_keys and getattr(data, key) == getattr(preset, key)
+    }
     return dataclasses.replace(config, data=dataclasses.replace(data, **changes))
 
 
@@ -208,8 +225,10 @@ def check_context(config: Config) -> None:
     """The training sequences must fit the model's positions."""
     limit = config.model.max_seq_len
     if limit is not None and config.data.context_length > limit:
-        raise ConfigError(f"data.context_length {config.data.context_length} is longer than the model supports "
-                          f"(model.max_seq_len {limit}); lower data.context_length or raise model.max_seq_len")
+        raise ConfigError(
+            f"data.context_length {config.data.context_length} is longer than the model supports "
+            f"(model.max_seq_len {limit}); lower data.context_length or raise model.max_seq_len"
+        )
 
 
 def activation_checkpointing(config: Config) -> bool:
@@ -233,8 +252,10 @@ def with_world_size(config: Config, world_size: int) -> Config:
     if t.global_batch_size % per_step:
         lower = t.global_batch_size // per_step * per_step
         options = " or ".join(str(n) for n in (lower, lower + per_step) if n > 0)
-        raise ConfigError(f"training.global_batch_size {t.global_batch_size} is not a multiple of training.batch_size "
-                          f"{t.batch_size} x {world_size} rank(s) = {per_step}; use {options}, or change batch_size")
+        raise ConfigError(
+            f"training.global_batch_size {t.global_batch_size} is not a multiple of training.batch_size "
+            f"{t.batch_size} x {world_size} rank(s) = {per_step}; use {options}, or change batch_size"
+        )
     training = dataclasses.replace(t, grad_accum_nums=t.global_batch_size // per_step)
     return dataclasses.replace(config, training=training)
 
@@ -255,6 +276,7 @@ def load(path: Path) -> Config:
 
 # --- command line ---------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The config options shared by the launcher and pretrain_main.py."""
     group = parser.add_argument_group("config")
@@ -262,11 +284,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--debug", action="store_true", help="same as --preset debug")
     group.add_argument("--config", type=Path, metavar="FILE.json", help="JSON file overriding the preset")
     group.add_argument("--max-steps", type=int, metavar="N", help="override training.max_steps")
-    group.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one key (value as JSON, else a string); repeatable")
-    group.add_argument("--resume", metavar="auto|PATH",
-                       help="continue from a checkpoint: auto (the latest one) or a checkpoint or run directory; "
-                            "same as --set training.resume=...")
+    group.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key (value as JSON, else a string); repeatable",
+    )
+    group.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue from a checkpoint: auto (the latest one) or a checkpoint or run directory; "
+        "same as --set training.resume=...",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Config:
@@ -277,5 +308,4 @@ def from_args(args: argparse.Namespace) -> Config:
         if not args.resume.strip():
             raise ConfigError("--resume: expected auto or a checkpoint path")
         sets.append(f"training.resume={json.dumps(args.resume)}")
-    return resolve(preset="debug" if args.debug else args.preset, config_file=args.config,
-                   max_steps=args.max_steps, sets=sets)
+    return resolve(preset="debug" if args.debug else args.preset, config_file=args.config, max_steps=args.max_steps, sets=sets)

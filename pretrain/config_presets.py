@@ -18,9 +18,11 @@ def production() -> Config:
     tokenizer (from an ungated copy of the weights' repository: meta-llama's own is gated, and a
     default must work without accepting terms). Activations of 8192 tokens through 32 such layers
     take ~60 GiB, so each block's are recomputed in the backward."""
-    return Config(preset="production",
-                  data=DataConfig(**FINEWEB_EDU, tokenizer="huggingface", tokenizer_name="NousResearch/Meta-Llama-3-8B"),
-                  training=TrainingConfig(activation_checkpointing=True))
+    return Config(
+        preset="production",
+        data=DataConfig(**FINEWEB_EDU, tokenizer="huggingface", tokenizer_name="NousResearch/Meta-Llama-3-8B"),
+        training=TrainingConfig(activation_checkpointing=True),
+    )
 
 
 def debug() -> Config:
@@ -28,12 +30,21 @@ def debug() -> Config:
     to produce a NaN or Inf: runs in seconds on a CPU."""
     return Config(
         preset="debug",
-        model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                          vocab_size=None, rope_theta=10000.0, max_seq_len=None),
+        model=ModelConfig(
+            dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=None, rope_theta=10000.0, max_seq_len=None
+        ),
         data=DataConfig(source="builtin", tokenizer="byte", context_length=128),
-        training=TrainingConfig(batch_size=8, grad_accum_nums=1, learning_rate=3e-3,
-                                warmup_steps=2, max_steps=10, use_amp=False, eval_batches=2,
-                                checkpoint_interval=0, keep_checkpoints=2),
+        training=TrainingConfig(
+            batch_size=8,
+            grad_accum_nums=1,
+            learning_rate=3e-3,
+            warmup_steps=2,
+            max_steps=10,
+            use_amp=False,
+            eval_batches=2,
+            checkpoint_interval=0,
+            keep_checkpoints=2,
+        ),
         logging=LoggingConfig(level="DEBUG", log_interval=1),
         debug=DebugConfig(trace_nonfinite=True),
     )
@@ -47,12 +58,13 @@ def small() -> Config:
         # GPT-2 has 50,257 ids; 50,304 = 64 x 786 rows (nanoGPT's choice) keeps the embedding and
         # output matmuls on multiples of 64, which GPU kernels run markedly faster. The 47 extra
         # rows are never a target, so they only learn to be unlikely.
-        model=ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=50304,
-                          rope_theta=10000.0, max_seq_len=1024),
-        data=DataConfig(**FINEWEB_EDU, tokenizer="huggingface", tokenizer_name="openai-community/gpt2",
-                        context_length=1024),
-        training=TrainingConfig(batch_size=16, grad_accum_nums=4, learning_rate=6e-4, warmup_steps=200,
-                                max_steps=5000, eval_interval=250),
+        model=ModelConfig(
+            dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=50304, rope_theta=10000.0, max_seq_len=1024
+        ),
+        data=DataConfig(**FINEWEB_EDU, tokenizer="huggingface", tokenizer_name="openai-community/gpt2", context_length=1024),
+        training=TrainingConfig(
+            batch_size=16, grad_accum_nums=4, learning_rate=6e-4, warmup_steps=200, max_steps=5000, eval_interval=250
+        ),
     )
 
 

@@ -50,8 +50,12 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, following in pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+        ):
             docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
 
@@ -64,8 +68,10 @@ def reference_table() -> str:
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             meaning = docs.get(f.name, "").replace("|", r"\|")  # a bare | would end the table cell
-            rows.append(f"| `{section}.{f.name}` | `{json.dumps(prod[section][f.name])}` "
-                        f"| `{json.dumps(dbg[section][f.name])}` | {meaning} |")
+            rows.append(
+                f"| `{section}.{f.name}` | `{json.dumps(prod[section][f.name])}` "
+                f"| `{json.dumps(dbg[section][f.name])}` | {meaning} |"
+            )
     return "\n".join(rows)
 
 
@@ -107,8 +113,14 @@ def check(path: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.config_reference", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", nargs="?", const=REFERENCE, type=Path, metavar="FILE",
-                        help=f"exit 1 if FILE (default {REFERENCE.parent.name}/{REFERENCE.name}) is not the generated page")
+    parser.add_argument(
+        "--check",
+        nargs="?",
+        const=REFERENCE,
+        type=Path,
+        metavar="FILE",
+        help=f"exit 1 if FILE (default {REFERENCE.parent.name}/{REFERENCE.name}) is not the generated page",
+    )
     args = parser.parse_args(argv)
     if args.check is None:
         sys.stdout.write(render())

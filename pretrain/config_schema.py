@@ -50,12 +50,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
-        _check(self.dim % self.n_heads == 0, "model.dim",
-               f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
-        _check((self.dim // self.n_heads) % 2 == 0, "model.dim",
-               f"head size {self.dim // self.n_heads} (dim / n_heads) must be even for rotary embeddings")
-        _check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
-               f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})")
+        _check(self.dim % self.n_heads == 0, "model.dim", f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
+        _check(
+            (self.dim // self.n_heads) % 2 == 0,
+            "model.dim",
+            f"head size {self.dim // self.n_heads} (dim / n_heads) must be even for rotary embeddings",
+        )
+        _check(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_heads",
+            f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})",
+        )
         _check(self.ffn in registry.FEED_FORWARDS, "model.ffn", registry.unknown_name(self.ffn, registry.FEED_FORWARDS))
         if self.vocab_size is not None:
             _check(self.vocab_size >= 2, "model.vocab_size", f"must be at least 2 or null (got {self.vocab_size})")
@@ -106,21 +111,32 @@ class DataConfig:
     """Where prepared datasets are cached; a relative path is under the cache root (PRETRAIN_CACHE_DIR or --cache-dir, default ./cache), whose name a leading cache/ stands for."""
 
     def __post_init__(self) -> None:
-        _check(2 <= self.context_length <= 1 << 20, "data.context_length",
-               f"must be between 2 and 1048576 (got {self.context_length})")
-        _check(0 < self.val_fraction < 1, "data.val_fraction",
-               f"must be between 0 and 1, exclusive (got {self.val_fraction})")
+        _check(
+            2 <= self.context_length <= 1 << 20,
+            "data.context_length",
+            f"must be between 2 and 1048576 (got {self.context_length})",
+        )
+        _check(0 < self.val_fraction < 1, "data.val_fraction", f"must be between 0 and 1, exclusive (got {self.val_fraction})")
         _check(self.cache_dir != "", "data.cache_dir", "must not be empty")
         _check(self.max_samples >= 0, "data.max_samples", f"must not be negative (got {self.max_samples}); 0 uses all")
-        _check(self.bpe_vocab_size >= 258, "data.bpe_vocab_size",
-               f"must be at least 258 (256 bytes, end-of-text and one merge; got {self.bpe_vocab_size})")
+        _check(
+            self.bpe_vocab_size >= 258,
+            "data.bpe_vocab_size",
+            f"must be at least 258 (256 bytes, end-of-text and one merge; got {self.bpe_vocab_size})",
+        )
         if self.hub_repo:
-            _check(self.hub_repo.count("/") == 1 and all(self.hub_repo.split("/")), "data.hub_repo",
-                   f"expected owner/name (got {self.hub_repo!r})")
+            _check(
+                self.hub_repo.count("/") == 1 and all(self.hub_repo.split("/")),
+                "data.hub_repo",
+                f"expected owner/name (got {self.hub_repo!r})",
+            )
         _check(self.hub_files != "", "data.hub_files", "must not be empty")
         if self.hub_max_files is not None:
-            _check(self.hub_max_files >= 0, "data.hub_max_files",
-                   f"must not be negative (got {self.hub_max_files}); 0 uses all files, null as many as the run reads")
+            _check(
+                self.hub_max_files >= 0,
+                "data.hub_max_files",
+                f"must not be negative (got {self.hub_max_files}); 0 uses all files, null as many as the run reads",
+            )
 
     def check_complete(self) -> None:
         """The keys the chosen source and tokenizer cannot work without. Checked once every
@@ -130,26 +146,41 @@ class DataConfig:
         if self.source == "hub":
             _check(self.hub_repo != "", "data.hub_repo", 'source "hub" needs data.hub_repo=owner/name')
         if self.source in SHARD_SOURCES:
-            _check(self.max_samples == 0, "data.max_samples",
-                   f'applies to text sources; "{self.source}" shards are used whole (set it to 0)')
+            _check(
+                self.max_samples == 0,
+                "data.max_samples",
+                f'applies to text sources; "{self.source}" shards are used whole (set it to 0)',
+            )
         if self.source not in SOURCES_WITH_PATH:  # keys that would be silently ignored are mistakes
             for key in ("path", "val_path"):
-                _check(getattr(self, key) == "", f"data.{key}",
-                       f'source "{self.source}" reads no local files; set data.source to text, jsonl, parquet, '
-                       "llmc or megatron to use it")
+                _check(
+                    getattr(self, key) == "",
+                    f"data.{key}",
+                    f'source "{self.source}" reads no local files; set data.source to text, jsonl, parquet, '
+                    "llmc or megatron to use it",
+                )
         if self.source != "hub":
             _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
-            _check(self.hub_max_files is None, "data.hub_max_files",
-                   f'is set but data.source is "{self.source}"; set data.source=hub')
+            _check(
+                self.hub_max_files is None,
+                "data.hub_max_files",
+                f'is set but data.source is "{self.source}"; set data.source=hub',
+            )
         if self.tokenizer in ("huggingface", "tiktoken"):
             what = "a tokenizer.json path or Hub repo id" if self.tokenizer == "huggingface" else "an encoding such as gpt2"
             _check(self.tokenizer_name != "", "data.tokenizer_name", f'tokenizer "{self.tokenizer}" needs {what}')
         else:
-            _check(self.tokenizer_name == "", "data.tokenizer_name",
-                   f'is set but data.tokenizer is "{self.tokenizer}"; set data.tokenizer to huggingface or tiktoken')
+            _check(
+                self.tokenizer_name == "",
+                "data.tokenizer_name",
+                f'is set but data.tokenizer is "{self.tokenizer}"; set data.tokenizer to huggingface or tiktoken',
+            )
         if self.tokenizer == "tiktoken":
-            _check(self.tokenizer_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
-                   "data.tokenizer_name", f"{self.tokenizer_name!r} is not a tiktoken encoding name (gpt2, cl100k_base, ...)")
+            _check(
+                self.tokenizer_name.replace("_", "").replace("-", "").replace(".", "").isalnum(),
+                "data.tokenizer_name",
+                f"{self.tokenizer_name!r} is not a tiktoken encoding name (gpt2, cl100k_base, ...)",
+            )
 
 
 @dataclass(frozen=True)
@@ -212,18 +243,33 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints"):
             _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
-        for name in ("epochs", "num_workers", "warmup_steps", "weight_decay", "max_grad_norm", "eval_interval",
-                     "global_batch_size", "loss_chunk_tokens", "checkpoint_interval"):
+        for name in (
+            "epochs",
+            "num_workers",
+            "warmup_steps",
+            "weight_decay",
+            "max_grad_norm",
+            "eval_interval",
+            "global_batch_size",
+            "loss_chunk_tokens",
+            "checkpoint_interval",
+        ):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
         _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", f"must be between 0 and 1 (got {self.min_lr_ratio})")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, f"training.{name}", f"must be in [0, 1) (got {getattr(self, name)})")
-        _check(self.optimizer in registry.OPTIMIZERS, "training.optimizer",
-               registry.unknown_name(self.optimizer, registry.OPTIMIZERS))
-        _check(self.lr_schedule in registry.LR_SCHEDULES, "training.lr_schedule",
-               registry.unknown_name(self.lr_schedule, registry.LR_SCHEDULES))
+        _check(
+            self.optimizer in registry.OPTIMIZERS,
+            "training.optimizer",
+            registry.unknown_name(self.optimizer, registry.OPTIMIZERS),
+        )
+        _check(
+            self.lr_schedule in registry.LR_SCHEDULES,
+            "training.lr_schedule",
+            registry.unknown_name(self.lr_schedule, registry.LR_SCHEDULES),
+        )
 
 
 @dataclass(frozen=True)
@@ -238,8 +284,11 @@ class SystemConfig:
     def __post_init__(self) -> None:
         if self.device_id is not None:
             _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
-        _check(0 < self.collective_timeout <= 86400, "system.collective_timeout",
-               f"must be between 0 and 86400 seconds (got {self.collective_timeout:g})")
+        _check(
+            0 < self.collective_timeout <= 86400,
+            "system.collective_timeout",
+            f"must be between 0 and 86400 seconds (got {self.collective_timeout:g})",
+        )
 
 
 @dataclass(frozen=True)
@@ -271,10 +320,8 @@ class DebugConfig:
     """Run autograd anomaly detection (names the backward op that made a NaN; slow)."""
 
     def __post_init__(self) -> None:
-        _check(self.on_nonfinite in ("stop", "skip"), "debug.on_nonfinite",
-               f"must be stop or skip (got {self.on_nonfinite!r})")
-        _check(self.max_skips_in_a_row >= 1, "debug.max_skips_in_a_row",
-               f"must be at least 1 (got {self.max_skips_in_a_row})")
+        _check(self.on_nonfinite in ("stop", "skip"), "debug.on_nonfinite", f"must be stop or skip (got {self.on_nonfinite!r})")
+        _check(self.max_skips_in_a_row >= 1, "debug.max_skips_in_a_row", f"must be at least 1 (got {self.max_skips_in_a_row})")
 
 
 @dataclass(frozen=True)

@@ -34,18 +34,30 @@ DIRECTORY = "dcp"
 # Unpickling runs whatever the file names, so only the classes DCP's own metadata is made of
 # are admitted.
 _METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                    torch.dtype)):
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
 
@@ -55,14 +67,14 @@ def read_dcp_metadata(path: Path) -> Metadata:
     code; CheckpointError when it declares anything but tensors in files of dcp/."""
     file = path / DIRECTORY / ".metadata"
     if not file.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: dcp/.metadata is missing; "
-                              "use another checkpoint of the run")
+        raise CheckpointError(f"checkpoint {path} is incomplete: dcp/.metadata is missing; use another checkpoint of the run")
     try:
         with open(file, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {path}: cannot read dcp/.metadata ({first_line(error)}); "
-                              "use another checkpoint of the run") from None
+        raise CheckpointError(
+            f"checkpoint {path}: cannot read dcp/.metadata ({first_line(error)}); use another checkpoint of the run"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path}: dcp/.metadata is not DCP metadata; use another checkpoint")
     _check_tensors_only(path, metadata)
@@ -74,8 +86,10 @@ def _check_tensors_only(path: Path, metadata: Metadata) -> None:
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             kind = "pickled bytes" if isinstance(item, BytesStorageMetadata) else type(item).__name__
-            raise CheckpointError(f"checkpoint {path}: dcp/.metadata declares {key} as {kind}, which this code never "
-                                  "writes (only tensors) and will not unpickle; use another checkpoint of the run")
+            raise CheckpointError(
+                f"checkpoint {path}: dcp/.metadata declares {key} as {kind}, which this code never "
+                "writes (only tensors) and will not unpickle; use another checkpoint of the run"
+            )
 
 
 def _check_files_inside(path: Path, metadata: Metadata) -> None:
@@ -83,19 +97,25 @@ def _check_files_inside(path: Path, metadata: Metadata) -> None:
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise CheckpointError(f"checkpoint {path}: dcp/.metadata names the file {name!r}, not one in dcp/; "
-                                  "use another checkpoint of the run")
+            raise CheckpointError(
+                f"checkpoint {path}: dcp/.metadata names the file {name!r}, not one in dcp/; use another checkpoint of the run"
+            )
 
 
 def tensor_entries(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:
     """The tensors whose keys start with prefix ("model."), keyed without it."""
-    return {key.removeprefix(prefix): item for key, item in metadata.state_dict_metadata.items()
-            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+    return {
+        key.removeprefix(prefix): item
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
 
 
 def _refuse_bytes(what: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {what}: a DCP entry is pickled bytes, which this code never writes (only "
-                           "tensors) and will not unpickle; use another checkpoint of the run")
+    return CheckpointError(
+        f"checkpoint {what}: a DCP entry is pickled bytes, which this code never writes (only "
+        "tensors) and will not unpickle; use another checkpoint of the run"
+    )
 
 
 class SafeReader(FileSystemReader):
@@ -131,15 +151,16 @@ def dcp_load(state: dict[str, Any], path: Path, alone: bool | None = None) -> No
     with _one_line_errors(f"checkpoint {path}: cannot read dcp/", "use another checkpoint of the run"):
         with warnings.catch_warnings():  # it warns whenever it runs alone, even when asked to
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, storage_reader=SafeReader(path / DIRECTORY), planner=TensorsOnlyPlanner(),
-                     no_dist=alone)
+            dcp.load(state, storage_reader=SafeReader(path / DIRECTORY), planner=TensorsOnlyPlanner(), no_dist=alone)
 
 
 def dcp_save(content: dict[str, Any], directory: Path) -> None:
     """dcp.save of content into directory: every rank writes (and fsyncs) its own shards, rank 0
     the metadata last. A collective."""
-    with _one_line_errors(f"cannot write the sharded checkpoint {directory}",
-                          "check that its disk has space and is writable, then resume from the latest checkpoint"):
+    with _one_line_errors(
+        f"cannot write the sharded checkpoint {directory}",
+        "check that its disk has space and is writable, then resume from the latest checkpoint",
+    ):
         dcp.save(content, storage_writer=FileSystemWriter(directory))
 
 

@@ -53,9 +53,11 @@ class NumericalFailure(RuntimeError):
 
 # --- detection ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class NonFinite:
     """A step that was not finite, as every rank agrees on it."""
+
     step: int
     loss: float
     """This rank's loss (the mean over its micro-batches)."""
@@ -80,14 +82,16 @@ class NonFinite:
 @dataclass(frozen=True)
 class StepAgreement:
     """What every rank agrees on after a step's backward pass, from one all-reduce."""
+
     nonfinite: NonFinite | None
     """None when every rank's loss and the gradient norm are finite."""
     stop_signum: int | None
     """The stop signal any rank had received when it checked (the highest number), else None."""
 
 
-def agree_on_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False,
-                  stop_signum: int | None = None) -> StepAgreement:
+def agree_on_step(
+    step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False, stop_signum: int | None = None
+) -> StepAgreement:
     """Whether the step is finite on every rank, and whether any rank was asked to stop
     (stop_signum: this rank's pending signal). What the hooks saw only decides which ranks
     count as affected: an Inf that does not reach the loss or the gradients (a masked score,
@@ -101,9 +105,14 @@ def agree_on_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, 
     affected = loss_bad | seen_by_hooks
     # Under MIN: the lowest affected rank; 0 for "bad", so that any one rank's bad wins; and
     # a stop request as minus its signal number, so that any request wins (the highest signal).
-    flags = torch.stack([torch.where(affected, runtime.rank, runtime.world_size).long(),
-                         (~loss_bad).long(), torch.isfinite(grad_norm).long(),
-                         torch.full((), -(stop_signum or 0), dtype=torch.long, device=device)])
+    flags = torch.stack(
+        [
+            torch.where(affected, runtime.rank, runtime.world_size).long(),
+            (~loss_bad).long(),
+            torch.isfinite(grad_norm).long(),
+            torch.full((), -(stop_signum or 0), dtype=torch.long, device=device),
+        ]
+    )
     if runtime.distributed:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     first_affected, every_loss_finite, norm_finite, stop = flags.tolist()
@@ -121,6 +130,7 @@ def check_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, see
 
 
 # --- where it started (debug mode) ----------------------------------------------------
+
 
 def _not_finite(value: object) -> bool:
     if isinstance(value, Tensor):
@@ -174,6 +184,7 @@ class FirstNonFinite:
 
 # --- the report and the dump ----------------------------------------------------------
 
+
 def _whole(tensor: Tensor | None) -> Tensor | None:
     """The full tensor, detached, where it is (under FSDP a collective)."""
     if tensor is None:
@@ -207,6 +218,7 @@ def first_values(tensor: Tensor) -> str:
 @dataclass
 class TensorFindings:
     """What the report lists: every parameter with NaN or Inf in its gradient or value."""
+
     lines: list[str]
     bad_gradients: list[str]
     affected: list[str]
@@ -227,19 +239,31 @@ def inspect(name: str, value: Tensor, grad: Tensor | None, findings: TensorFindi
 
 def report(event: NonFinite, label: str, findings: TensorFindings, first: str | None, tracing: bool) -> str:
     """The banner and the tables the affected rank logs."""
-    lines = [RULE, f"{event.kind} {event.what} DETECTED [{label}]", RULE,
-             f"Step: {event.step}", f"Loss: {event.loss:.4f}", f"Gradient Norm: {event.grad_norm:.4f}",
-             "PROBLEMATIC TENSORS (name, shape, where: bad elements of all; first values):"]
-    why = "this rank's loss was not" if not math.isfinite(event.loss) else \
-        "the loss of another rank was not" if math.isfinite(event.grad_norm) else "only their norm overflowed"
+    lines = [
+        RULE,
+        f"{event.kind} {event.what} DETECTED [{label}]",
+        RULE,
+        f"Step: {event.step}",
+        f"Loss: {event.loss:.4f}",
+        f"Gradient Norm: {event.grad_norm:.4f}",
+        "PROBLEMATIC TENSORS (name, shape, where: bad elements of all; first values):",
+    ]
+    why = (
+        "this rank's loss was not"
+        if not math.isfinite(event.loss)
+        else "the loss of another rank was not"
+        if math.isfinite(event.grad_norm)
+        else "only their norm overflowed"
+    )
     lines += findings.lines or [f"  none: every parameter and gradient is finite ({why})"]
-    lines += [f"Total layers with NaN gradients: {len(findings.bad_gradients)}",
-              f"Affected layers: {findings.affected}"]
+    lines += [f"Total layers with NaN gradients: {len(findings.bad_gradients)}", f"Affected layers: {findings.affected}"]
     if tracing:
         lines.append(f"first non-finite: {first or 'not seen by the hooks on this rank'}")
     else:
-        lines.append("first non-finite: set debug.trace_nonfinite=true (on in --debug) to name the first "
-                     "module, for example by resuming from the nan_grad_step checkpoint")
+        lines.append(
+            "first non-finite: set debug.trace_nonfinite=true (on in --debug) to name the first "
+            "module, for example by resuming from the nan_grad_step checkpoint"
+        )
     lines.append(RULE)
     return "\n".join(lines)
 
@@ -295,8 +319,9 @@ def write_dump(model: nn.Module, path: Path, runtime: Runtime, reporter: int, lo
             log.warning(f"Tensor dump skipped: {error.strerror or error}: {error.filename}")
         else:
             if not fits:
-                log.warning(f"Tensor dump skipped: it needs {size / 2**30:.1f} GiB, more than the disk has "
-                            f"free under {path.parent}")
+                log.warning(
+                    f"Tensor dump skipped: it needs {size / 2**30:.1f} GiB, more than the disk has free under {path.parent}"
+                )
         writes = fits
     written, gathered = False, False
 

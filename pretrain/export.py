@@ -42,8 +42,16 @@ from pretrain.checkpoint import CheckpointError
 from pretrain.config import SHARD_SOURCES, Config
 from pretrain.data import DataError
 from pretrain.data.prepare import recipe_for
-from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, ByteTokenizer, HuggingFaceTokenizer, TiktokenTokenizer,
-                                     Tokenizer, huggingface_file, tokenizer_label)
+from pretrain.data.tokenizer import (
+    BPE_EOT,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    huggingface_file,
+    tokenizer_label,
+)
 from pretrain.model import Transformer
 from pretrain.resume import ResumeError, checkpoint_at
 from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
@@ -52,6 +60,8 @@ FORMAT = "pretrain-llama"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+
+
 class ParameterNaming(TypedDict):
     """config.json's parameter_naming (PARAMETER_NAMING, or parameter_naming's variant of it)."""
 
@@ -62,10 +72,10 @@ class ParameterNaming(TypedDict):
 
 PARAMETER_NAMING: ParameterNaming = {
     "convention": "Meta Llama (consolidated.*.pth): layers.{i}.attention.{wq,wk,wv,wo}, "
-                  "layers.{i}.feed_forward.{w1,w2,w3}, layers.{i}.attention_norm, layers.{i}.ffn_norm, norm, output",
+    "layers.{i}.feed_forward.{w1,w2,w3}, layers.{i}.attention_norm, layers.{i}.ffn_norm, norm, output",
     "renamed": {"tok_embed": "tok_embeddings"},
     "rotary": "adjacent channel pairs (2i, 2i+1), Meta's layout; Hugging Face transformers' Llama permutes "
-              "wq and wk to rotate halves instead",
+    "wq and wk to rotate halves instead",
 }
 """How the names in model.safetensors map onto other Llama code: config.json carries this."""
 
@@ -86,6 +96,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # --- reading a checkpoint ---------------------------------------------------------------------
+
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint directory path names (absolute): path itself, or a run directory's latest
@@ -123,11 +134,13 @@ def check_weights(config: Config, state: dict[str, Tensor], where: str) -> None:
     if unexpected := sorted(got.keys() - expected.keys()):
         problems.append(f"{len(unexpected)} unexpected ({_some(unexpected)})")
     if wrong := sorted(name for name in expected.keys() & got.keys() if expected[name] != got[name]):
-        problems.append("wrong shape: " + ", ".join(f"{name} {list(got[name])} instead of {list(expected[name])}"
-                                                    for name in wrong[:2]) + (" ..." if len(wrong) > 2 else ""))
+        problems.append(
+            "wrong shape: "
+            + ", ".join(f"{name} {list(got[name])} instead of {list(expected[name])}" for name in wrong[:2])
+            + (" ..." if len(wrong) > 2 else "")
+        )
     if problems:
-        raise CheckpointError(f"{where}: the weights do not fit the model its config.json describes: "
-                              f"{'; '.join(problems)}")
+        raise CheckpointError(f"{where}: the weights do not fit the model its config.json describes: {'; '.join(problems)}")
 
 
 def _some(names: list[str]) -> str:
@@ -135,6 +148,7 @@ def _some(names: list[str]) -> str:
 
 
 # --- the tokenizer a checkpoint was trained with -----------------------------------------------
+
 
 def find_tokenizer_file(config: Config, checkpoint_dir: Path) -> Path | None:
     """The tokenizer.json the model was trained with (None for byte and tiktoken, which have none).
@@ -155,13 +169,13 @@ def find_tokenizer_file(config: Config, checkpoint_dir: Path) -> Path | None:
         try:
             return huggingface_file(data.tokenizer_name)
         except DataError as error:
-            raise TokenizerNotFound(f"the model's tokenizer (huggingface {data.tokenizer_name}) is not here: "
-                                    f"{error}") from None
+            raise TokenizerNotFound(f"the model's tokenizer (huggingface {data.tokenizer_name}) is not here: {error}") from None
     raise TokenizerNotFound(
         f"the model's tokenizer (bpe, {data.bpe_vocab_size} ids, trained on its data) is not in "
         f"{' or '.join(map(str, candidates))}; prepare the dataset again with the run's config "
         f"(python3 prepare_dataset.py --config {checkpoint_dir / 'config.json'}), or copy the run's "
-        f"tokenizer.json into {checkpoint_dir}")
+        f"tokenizer.json into {checkpoint_dir}"
+    )
 
 
 def _dataset_dir(config: Config) -> Path | None:
@@ -182,9 +196,11 @@ def open_tokenizer(config: Config, tokenizer_file: Path | None) -> Tokenizer:
     TokenizerNotFound when it is unknown or not available here."""
     data = config.data
     if shards_without_tokenizer(config):
-        raise TokenizerNotFound(f"the model was trained on pre-tokenized {data.source} shards, and its config does "
-                                "not say which tokenizer made them; set data.tokenizer and data.tokenizer_name "
-                                "in the checkpoint's config.json (for example tiktoken and gpt2)")
+        raise TokenizerNotFound(
+            f"the model was trained on pre-tokenized {data.source} shards, and its config does "
+            "not say which tokenizer made them; set data.tokenizer and data.tokenizer_name "
+            "in the checkpoint's config.json (for example tiktoken and gpt2)"
+        )
     try:
         if data.tokenizer == "byte":
             return ByteTokenizer()
@@ -203,8 +219,13 @@ def tokenizer_description(config: Config, tokenizer_file: Path | None) -> dict[s
     data = config.data
     kind = None if shards_without_tokenizer(config) else data.tokenizer
     name = {"byte": "byte", "bpe": f"bpe{data.bpe_vocab_size}"}.get(data.tokenizer, data.tokenizer_name)
-    description = {"kind": kind, "name": name if kind else None, "eot_id": None, "vocab_size": None,
-                   "file": TOKENIZER_FILE if tokenizer_file else None}
+    description = {
+        "kind": kind,
+        "name": name if kind else None,
+        "eot_id": None,
+        "vocab_size": None,
+        "file": TOKENIZER_FILE if tokenizer_file else None,
+    }
     try:
         tokenizer = open_tokenizer(config, tokenizer_file)
     except TokenizerNotFound:
@@ -214,8 +235,15 @@ def tokenizer_description(config: Config, tokenizer_file: Path | None) -> dict[s
 
 # --- export -----------------------------------------------------------------------------------
 
-def export(state: dict[str, Tensor], config: Config, out_dir: Path, tokenizer_file: Path | None = None,
-           *, source: dict[str, Any] | None = None) -> Path:
+
+def export(
+    state: dict[str, Tensor],
+    config: Config,
+    out_dir: Path,
+    tokenizer_file: Path | None = None,
+    *,
+    source: dict[str, Any] | None = None,
+) -> Path:
     """Write model.safetensors, config.json and, given tokenizer_file, a copy of it as
     tokenizer.json into out_dir; return it.
 
@@ -286,6 +314,7 @@ def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 # --- command line -----------------------------------------------------------------------------
 
+
 def default_output(checkpoint_dir: Path) -> Path:
     """<run dir>/export for a checkpoint in <run dir>/checkpoints/, else <checkpoint>/export."""
     if checkpoint_dir.parent.name == "checkpoints":
@@ -294,14 +323,22 @@ def default_output(checkpoint_dir: Path) -> Path:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(prog="python -m pretrain.export", error_prefix="export",
-                           description="Export a checkpoint's model as safetensors, with a config.json "
-                                       "and its tokenizer.json, for use outside training.")
-    parser.add_argument("--checkpoint", type=Path, required=True, metavar="PATH",
-                        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory "
-                             "for its latest checkpoint")
-    parser.add_argument("--output", type=Path, metavar="DIR",
-                        help="where to write (default: <run dir>/export, or <checkpoint>/export)")
+    parser = OneLineParser(
+        prog="python -m pretrain.export",
+        error_prefix="export",
+        description="Export a checkpoint's model as safetensors, with a config.json "
+        "and its tokenizer.json, for use outside training.",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
+    )
+    parser.add_argument(
+        "--output", type=Path, metavar="DIR", help="where to write (default: <run dir>/export, or <checkpoint>/export)"
+    )
     return parser.parse_args(argv)
 
 

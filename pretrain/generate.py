@@ -35,6 +35,7 @@ class GenerateError(Exception):
 
 # --- sampling ---------------------------------------------------------------------------------
 
+
 def next_token(logits: Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> int:
     """Pick the next id from the last position's logits (vocab,), float32 on the CPU."""
     if temperature == 0:
@@ -49,16 +50,24 @@ def next_token(logits: Tensor, temperature: float, top_k: int, generator: torch.
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt_ids: list[int], max_tokens: int, temperature: float, top_k: int,
-             eot_id: int, generator: torch.Generator | None = None, *, vocab_size: int | None = None) -> list[int]:
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    eot_id: int,
+    generator: torch.Generator | None = None,
+    *,
+    vocab_size: int | None = None,
+) -> list[int]:
     """The ids the model continues prompt_ids with: max_tokens of them, fewer when it ends the
     text (the end-of-text id itself is not returned). An empty prompt starts a new text (from
     end-of-text). Only the last max_seq_len ids are shown to the model: a sliding window.
     vocab_size, when smaller than the model's, keeps ids the tokenizer cannot decode from being
     drawn (a model's vocabulary may be rounded up beyond its tokenizer's)."""
     if max_tokens < 1 or temperature < 0 or top_k < 0:
-        raise ValueError(f"need max_tokens >= 1, temperature >= 0, top_k >= 0 "
-                         f"(got {max_tokens}, {temperature}, {top_k})")
+        raise ValueError(f"need max_tokens >= 1, temperature >= 0, top_k >= 0 (got {max_tokens}, {temperature}, {top_k})")
     device = next(model.parameters()).device
     ids = list(prompt_ids) or [eot_id]
     new: list[int] = []
@@ -66,7 +75,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_tokens: int, tempera
         # No KV cache: every token runs the model over the whole window again. At the sizes this
         # is for (a look at samples during or after a run) that costs little, and it uses exactly
         # the forward pass that was trained.
-        window = torch.tensor(ids[-model.max_seq_len:], dtype=torch.long, device=device)[None]  # (1, T)
+        window = torch.tensor(ids[-model.max_seq_len :], dtype=torch.long, device=device)[None]  # (1, T)
         logits = model(window).out[0, -1, :vocab_size].float().cpu()  # the last position's (vocab,)
         token = next_token(logits, temperature, top_k, generator)
         if token == eot_id:
@@ -77,6 +86,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_tokens: int, tempera
 
 
 # --- loading ----------------------------------------------------------------------------------
+
 
 def pick_device(name: str) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
@@ -97,9 +107,11 @@ def load_model(config: Config, state: dict[str, Tensor], device: torch.device) -
 def check_vocabulary(tokenizer: Tokenizer, config: Config) -> None:
     """A tokenizer with more ids than the model embeds is not the one it was trained with."""
     if config.model.vocab_size is not None and tokenizer.vocab_size > config.model.vocab_size:
-        raise GenerateError(f"the tokenizer found ({tokenizer.name}) has {tokenizer.vocab_size} ids but the model "
-                            f"embeds only {config.model.vocab_size}: it is not the tokenizer the model was trained "
-                            "with")
+        raise GenerateError(
+            f"the tokenizer found ({tokenizer.name}) has {tokenizer.vocab_size} ids but the model "
+            f"embeds only {config.model.vocab_size}: it is not the tokenizer the model was trained "
+            "with"
+        )
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -119,21 +131,35 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 # --- command line -----------------------------------------------------------------------------
 
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(prog="python -m pretrain.generate", error_prefix="generate",
-                           description="Print a prompt and the text a checkpoint's model continues it with.")
-    parser.add_argument("--checkpoint", type=Path, required=True, metavar="PATH",
-                        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory "
-                             "for its latest checkpoint")
+    parser = OneLineParser(
+        prog="python -m pretrain.generate",
+        error_prefix="generate",
+        description="Print a prompt and the text a checkpoint's model continues it with.",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
+    )
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (may be empty)")
     parser.add_argument("--max-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="0 is greedy; higher is more random (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=50, metavar="K",
-                        help="draw from the K most likely tokens only; 0 from all (default 50)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, metavar="T", help="0 is greedy; higher is more random (default 0.8)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=50, metavar="K", help="draw from the K most likely tokens only; 0 from all (default 50)"
+    )
     parser.add_argument("--seed", type=int, metavar="N", help="make the sample reproducible")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: the first CUDA GPU when there is one, else the CPU")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: the first CUDA GPU when there is one, else the CPU",
+    )
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
@@ -157,8 +183,16 @@ def run(args: argparse.Namespace) -> str:
     del state  # the model holds its own copy
     amp = device.type == "cuda" and config.training.use_amp
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-        new_ids = generate(model, encode(tokenizer, args.prompt), args.max_tokens, args.temperature, args.top_k,
-                           tokenizer.eot_id, make_generator(args.seed), vocab_size=tokenizer.vocab_size)
+        new_ids = generate(
+            model,
+            encode(tokenizer, args.prompt),
+            args.max_tokens,
+            args.temperature,
+            args.top_k,
+            tokenizer.eot_id,
+            make_generator(args.seed),
+            vocab_size=tokenizer.vocab_size,
+        )
     return args.prompt + tokenizer.decode(new_ids)
 
 

@@ -57,7 +57,7 @@ def chunked_cross_entropy(hidden: Tensor, output: nn.Linear, targets: Tensor, ch
         return _chunk_loss_sum(hidden, output, targets) / n
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_tokens):
-        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss_sum, h, output, t, use_reentrant=False)
         else:

@@ -63,6 +63,7 @@ MODES = ("ddp", "fsdp")
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per GPU at the peak of a training step (the start of the backward pass)."""
+
     mode: str
     world_size: int
     weights: int
@@ -79,8 +80,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.temporaries + self.logits
-                + self.overhead)
+        return self.weights + self.gradients + self.optimizer + self.activations + self.temporaries + self.logits + self.overhead
 
     def describe(self) -> str:
         """~61.3 GiB per GPU: weights 30.0, gradients 30.0, optimizer 60.0, ... GiB"""
@@ -97,6 +97,7 @@ def gib(n_bytes: float) -> str:
 
 
 # --- parameters -------------------------------------------------------------------------
+
 
 def _require_vocab(model: ModelConfig) -> int:
     if model.vocab_size is None:
@@ -125,8 +126,7 @@ def head_parameter_count(model: ModelConfig) -> int:
 def parameter_count(model: ModelConfig) -> int:
     """Every parameter of Transformer(model); equals Transformer.num_params(). The one count:
     pretrain/metrics.py counts FLOPs from it."""
-    return (embedding_parameter_count(model) + model.n_layers * block_parameter_count(model)
-            + head_parameter_count(model))
+    return embedding_parameter_count(model) + model.n_layers * block_parameter_count(model) + head_parameter_count(model)
 
 
 def _matrix_parameter_count(model: ModelConfig) -> int:
@@ -136,6 +136,7 @@ def _matrix_parameter_count(model: ModelConfig) -> int:
 
 
 # --- activations ------------------------------------------------------------------------
+
 
 def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     """What one block keeps per token for its backward pass (flash attention: nothing of T x T).
@@ -201,6 +202,7 @@ def temporary_bytes(config: Config) -> int:
 
 # --- the estimate -----------------------------------------------------------------------
 
+
 def estimate(config: Config, world_size: int, mode: str, offload: bool = False) -> MemoryEstimate:
     """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"
     (offload: FSDP with CPU offload, the shards in host memory: see memory_plan.host_estimate)."""
@@ -226,9 +228,17 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         weights = FP32 * params + (BF16 * _matrix_parameter_count(model) if amp else 0)
         gradients = FP32 * params
         optimizer = optimizer_state_bytes(config.training) * params
-    return MemoryEstimate(mode=mode, world_size=world_size, weights=weights, gradients=gradients,
-                          optimizer=optimizer, activations=activation_bytes(config),
-                          logits=logits_bytes(config), overhead=OVERHEAD_BYTES, temporaries=temporary_bytes(config))
+    return MemoryEstimate(
+        mode=mode,
+        world_size=world_size,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activation_bytes(config),
+        logits=logits_bytes(config),
+        overhead=OVERHEAD_BYTES,
+        temporaries=temporary_bytes(config),
+    )
 
 
 def optimizer_state_bytes(training: cfg.TrainingConfig) -> int:
@@ -242,6 +252,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 # --- choosing and checking --------------------------------------------------------------
+
 
 def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> Literal["ddp", "fsdp"]:
     """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
@@ -261,8 +272,7 @@ def fits_gpu(needed_bytes: int, gpu_memory_bytes: int) -> bool:
     return needed_bytes <= GPU_SHARE * gpu_memory_bytes
 
 
-def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str, offload: bool = False,
-               note: str = "") -> None:
+def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str, offload: bool = False, note: str = "") -> None:
     """ConfigError (one line: the estimate, the GPU's memory, what would help) when the
     estimate exceeds gpu_memory_bytes. note goes after the GPU's memory (why offload does not help)."""
     needed = estimate(config, world_size, mode, offload)
@@ -273,8 +283,10 @@ def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str
     where = "with FSDP" if mode == "fsdp" and world_size > 1 else "with DDP" if world_size > 1 else "on one GPU"
     if offload:
         where += " and CPU offload"
-    raise ConfigError(f"preset {config.preset} needs ~{gib(needed.total)} GiB per GPU {where} ({needed.parts()}) "
-                      f"but the GPU has {gib(gpu_memory_bytes)} GiB (a run plans on {GPU_SHARE:.0%} of it){note}; {hint}")
+    raise ConfigError(
+        f"preset {config.preset} needs ~{gib(needed.total)} GiB per GPU {where} ({needed.parts()}) "
+        f"but the GPU has {gib(gpu_memory_bytes)} GiB (a run plans on {GPU_SHARE:.0%} of it){note}; {hint}"
+    )
 
 
 def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> list[str]:
@@ -287,8 +299,11 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_mem
 
     if mode == "ddp" and world_size > 1 and helps(config, as_mode="fsdp"):
         found.append("--set training.parallelism=fsdp")
-    if t.activation_checkpointing and not cfg.activation_checkpointing(config) and \
-            helps(dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))):
+    if (
+        t.activation_checkpointing
+        and not cfg.activation_checkpointing(config)
+        and helps(dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False)))
+    ):
         found.append("--set debug.trace_nonfinite=false (its hooks turn activation checkpointing off)")
     if not t.activation_checkpointing and helps(with_training(config, activation_checkpointing=True)):
         found.append("--set training.activation_checkpointing=true")
@@ -296,15 +311,21 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_mem
     if whole_batch and helps(with_training(config, loss_chunk_tokens=2048)):
         found.append("--set training.loss_chunk_tokens=2048")
     if t.batch_size > 1:
-        found.append("a smaller training.batch_size" if t.global_batch_size
-                     else "a smaller training.batch_size with a larger training.grad_accum_nums")
+        found.append(
+            "a smaller training.batch_size"
+            if t.global_batch_size
+            else "a smaller training.batch_size with a larger training.grad_accum_nums"
+        )
     if mode == "fsdp" or world_size == 1:
         if helps(config, ranks=max(2, 2 * world_size), as_mode="fsdp"):
             # "auto" picks FSDP by itself once there are GPUs to shard over
             gpus = _gpus_that_fit(config, world_size, gpu_memory_bytes)
             more = f"{gpus} or more GPUs" if gpus else "more GPUs"
-            found.append(f"{more} (FSDP shards the model over them)" if mode == "fsdp" or t.parallelism == "auto"
-                         else f"{more} with --set training.parallelism=fsdp")
+            found.append(
+                f"{more} (FSDP shards the model over them)"
+                if mode == "fsdp" or t.parallelism == "auto"
+                else f"{more} with --set training.parallelism=fsdp"
+            )
     return found
 
 
@@ -327,4 +348,3 @@ def join_or(items: list[str]) -> str:
     if len(items) <= 2:
         return " or ".join(items)
     return ", ".join(items[:-1]) + ", or " + items[-1]
-

@@ -22,8 +22,21 @@ import dataclasses
 import os
 
 from pretrain.config import Config, ConfigError
-from pretrain.memory import (FP32, GIB, MemoryEstimate, ceil_div, check_fits, choose_parallelism, estimate, fits_gpu,
-                             gib, join_or, optimizer_state_bytes, parameter_count, with_training)
+from pretrain.memory import (
+    FP32,
+    GIB,
+    MemoryEstimate,
+    ceil_div,
+    check_fits,
+    choose_parallelism,
+    estimate,
+    fits_gpu,
+    gib,
+    join_or,
+    optimizer_state_bytes,
+    parameter_count,
+    with_training,
+)
 
 HOST_OVERHEAD_BYTES = GIB
 """Host memory of one training process besides its tensors: Python, torch's libraries, the data loader."""
@@ -38,6 +51,7 @@ HOST_MEMORY_ENV = "LAUNCHER_HOST_MEMORY_GIB"
 
 # --- host memory ---------------------------------------------------------------------
 
+
 def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> MemoryEstimate:
     """Host memory per process: on GPUs, FSDP with CPU offload's shards of the weights,
     gradients and AdamW state (mode "fsdp" only); on CPU workers, everything the GPU estimate
@@ -50,9 +64,16 @@ def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> 
     # The weights' and gradients' shards are pinned, through the caching host allocator, which
     # rounds a block up to a power of two (a 224 MiB shard of a 14336 x 4096 matrix takes 256).
     pinned = int(shard * PINNED_ROUNDING)
-    return MemoryEstimate(mode=mode, world_size=world_size, weights=pinned, gradients=pinned,
-                          optimizer=ceil_div(optimizer_state_bytes(config.training) * parameter_count(config.model), world_size),
-                          activations=0, logits=0, overhead=HOST_OVERHEAD_BYTES)
+    return MemoryEstimate(
+        mode=mode,
+        world_size=world_size,
+        weights=pinned,
+        gradients=pinned,
+        optimizer=ceil_div(optimizer_state_bytes(config.training) * parameter_count(config.model), world_size),
+        activations=0,
+        logits=0,
+        overhead=HOST_OVERHEAD_BYTES,
+    )
 
 
 def host_memory_bytes() -> int:
@@ -67,11 +88,11 @@ def host_memory_bytes() -> int:
             raise ConfigError(f"{HOST_MEMORY_ENV}={given!r} is not a positive number of GiB; unset it or give one")
         return int(value * GIB)
     import psutil  # here: only the launcher's memory checks need it
+
     return psutil.virtual_memory().available
 
 
-def check_host_fits(config: Config, world_size: int, mode: str, host_memory_bytes: int, local_ranks: int,
-                    on_gpus: bool) -> None:
+def check_host_fits(config: Config, world_size: int, mode: str, host_memory_bytes: int, local_ranks: int, on_gpus: bool) -> None:
     """ConfigError (one line: the estimate per process and for this machine, its memory, what
     would help) when local_ranks processes need more than HOST_SHARE of the host's memory: CPU
     workers (on_gpus False) or GPU ranks with CPU offload."""
@@ -80,11 +101,13 @@ def check_host_fits(config: Config, world_size: int, mode: str, host_memory_byte
         return
     what = "GPU with CPU offload" if on_gpus else "CPU worker"
     ranks = "GPUs" if on_gpus else "workers"
-    raise ConfigError(f"preset {config.preset} needs ~{gib(per.total)} GiB of host memory per {what} "
-                      f"({per.parts()}) x {local_ranks} {ranks}{_export_part(config, world_size, mode, on_gpus)} "
-                      f"= {gib(needed)} GiB but this machine has "
-                      f"{gib(host_memory_bytes)} GiB available (a run plans on {HOST_SHARE:.0%} of it); "
-                      + _host_hint(config, world_size, mode, host_memory_bytes, on_gpus))
+    raise ConfigError(
+        f"preset {config.preset} needs ~{gib(per.total)} GiB of host memory per {what} "
+        f"({per.parts()}) x {local_ranks} {ranks}{_export_part(config, world_size, mode, on_gpus)} "
+        f"= {gib(needed)} GiB but this machine has "
+        f"{gib(host_memory_bytes)} GiB available (a run plans on {HOST_SHARE:.0%} of it); "
+        + _host_hint(config, world_size, mode, host_memory_bytes, on_gpus)
+    )
 
 
 def _host_need(config: Config, world_size: int, mode: str, local_ranks: int, on_gpus: bool) -> tuple[MemoryEstimate, int]:
@@ -126,8 +149,14 @@ def _host_hint(config: Config, world_size: int, mode: str, host_memory_bytes: in
 
 # --- the launcher's decision ------------------------------------------------------------
 
-def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None,
-                     host_memory_bytes: int | None = None, local_ranks: int | None = None) -> tuple[Config, str]:
+
+def plan_parallelism(
+    config: Config,
+    world_size: int,
+    gpu_memory_bytes: int | None,
+    host_memory_bytes: int | None = None,
+    local_ranks: int | None = None,
+) -> tuple[Config, str]:
     """config with training.parallelism ("ddp" or "fsdp") and training.cpu_offload (true or false)
     made concrete for the workers, and the launcher's line saying what was chosen.
 
@@ -168,16 +197,18 @@ def plan_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | No
     return planned, f"{line} ({detail})"
 
 
-def _choose_on_gpus(config: Config, world_size: int, gpu_memory_bytes: int, host_memory_bytes: int | None,
-                    local_ranks: int) -> tuple[str, bool]:
+def _choose_on_gpus(
+    config: Config, world_size: int, gpu_memory_bytes: int, host_memory_bytes: int | None, local_ranks: int
+) -> tuple[str, bool]:
     """(mode, offload): without offload when the run fits the GPUs or offload is off; with it
     when asked for, or (null) when only it fits, the host's memory permitting."""
     t = config.training
     mode = choose_parallelism(config, world_size, gpu_memory_bytes)
     if t.cpu_offload:
         if t.parallelism == "ddp":
-            raise ConfigError("training.cpu_offload=true needs FSDP but training.parallelism is ddp; "
-                              "set training.parallelism=fsdp or auto")
+            raise ConfigError(
+                "training.cpu_offload=true needs FSDP but training.parallelism is ddp; set training.parallelism=fsdp or auto"
+            )
         check_fits(config, world_size, gpu_memory_bytes, "fsdp", offload=True)
         if host_memory_bytes is not None:
             check_host_fits(config, world_size, "fsdp", host_memory_bytes, local_ranks, on_gpus=True)
@@ -191,8 +222,13 @@ def _choose_on_gpus(config: Config, world_size: int, gpu_memory_bytes: int, host
     per, needed = _host_need(config, world_size, "fsdp", local_ranks, on_gpus=True)
     if needed <= HOST_SHARE * host_memory_bytes:
         return "fsdp", True
-    check_fits(config, world_size, gpu_memory_bytes, mode,
-               note=f", and CPU offload would need ~{gib(per.total)} GiB of host memory per GPU ({per.parts()}) "
-                    f"x {local_ranks}{_export_part(config, world_size, 'fsdp', True)} = {gib(needed)} GiB but this "
-                    f"machine has {gib(host_memory_bytes)} GiB available")
+    check_fits(
+        config,
+        world_size,
+        gpu_memory_bytes,
+        mode,
+        note=f", and CPU offload would need ~{gib(per.total)} GiB of host memory per GPU ({per.parts()}) "
+        f"x {local_ranks}{_export_part(config, world_size, 'fsdp', True)} = {gib(needed)} GiB but this "
+        f"machine has {gib(host_memory_bytes)} GiB available",
+    )
     raise AssertionError("check_fits raises when the run does not fit")  # unreachable: fits was False

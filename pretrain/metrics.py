@@ -77,6 +77,7 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 # --- FLOPs ------------------------------------------------------------------------------
 
+
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length seq_len.
 
@@ -100,12 +101,14 @@ def mfu(tokens_per_second_per_gpu: float, flops_per_token: float, peak: float | 
 
 # --- memory -----------------------------------------------------------------------------
 
+
 def peak_memory_gib(device: torch.device) -> float | None:
     """Most memory allocated by tensors on a CUDA device since the last reset, in GiB
     (the caching allocator reserves more); None on CPU, where torch does not track it."""
     if device.type != "cuda":
         return None
     import torch
+
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
@@ -113,10 +116,12 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new window for peak_memory_gib (a no-op on CPU)."""
     if device.type == "cuda":
         import torch
+
         torch.cuda.reset_peak_memory_stats(device)
 
 
 # --- the metrics log --------------------------------------------------------------------
+
 
 def _number(value: Any) -> float | None:
     """A JSON-safe float: NaN and Inf become null (strict JSON has neither; jq and pandas
@@ -170,19 +175,33 @@ class MetricsLog:
     appends to the same file, so a step may appear twice; readers keep the later record.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, logger: logging.Logger | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._logger = logger
         self._file = _open_for_append(self.path) if enabled else None
         self._writer = _tensorboard_writer(Path(run_dir) / "tensorboard", logger) if enabled and tensorboard else None
 
-    def log_train(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens_per_s: float | None,
-                  mfu: float | None, peak_memory_gib: float | None, elapsed_s: float | None) -> None:
+    def log_train(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        tokens_per_s: float | None,
+        mfu: float | None,
+        peak_memory_gib: float | None,
+        elapsed_s: float | None,
+    ) -> None:
         """One optimizer step; mfu is a fraction, elapsed_s the seconds since training started."""
-        scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                   "peak_memory_gib": peak_memory_gib}
+        scalars = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_memory_gib": peak_memory_gib,
+        }
         self._write({"kind": "train", "step": int(step), **scalars, "elapsed_s": elapsed_s})
         self._scalars("train", step, scalars)
 
@@ -210,8 +229,9 @@ class MetricsLog:
             if file is not None:
                 file.close()
         if self._logger is not None:
-            self._logger.warning(f"cannot write {self.path}: {error.strerror or error}; metrics are no longer "
-                                 "recorded there; training goes on")
+            self._logger.warning(
+                f"cannot write {self.path}: {error.strerror or error}; metrics are no longer recorded there; training goes on"
+            )
 
     def _scalars(self, section: str, step: int, values: dict[str, Any]) -> None:
         if self._writer is None:
@@ -233,8 +253,7 @@ class MetricsLog:
     def __enter__(self) -> MetricsLog:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None) -> None:
         self.close()
 
 
@@ -263,8 +282,7 @@ def _parse_line(line: str, path: Path, number: int) -> dict[str, Any]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: line {number} is not valid JSON ({error.msg}); "
-                         f"delete or fix that line") from None
+        raise ValueError(f"{path}: line {number} is not valid JSON ({error.msg}); delete or fix that line") from None
     if not isinstance(record, dict):
         raise ValueError(f"{path}: line {number} is not a JSON object; delete or fix that line")
     return record

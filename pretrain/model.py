@@ -212,8 +212,10 @@ class Transformer(nn.Module):
         auxiliary losses; position t sees only tokens 0..t. The loss is pretrain/loss.py's."""
         B, T = tokens.shape
         if T > self.max_seq_len:
-            raise ValueError(f"input sequence length {T} exceeds the model's max_seq_len {self.max_seq_len}; "
-                             f"shorten the input or build the model with max_seq_len >= {T}")
+            raise ValueError(
+                f"input sequence length {T} exceeds the model's max_seq_len {self.max_seq_len}; "
+                f"shorten the input or build the model with max_seq_len >= {T}"
+            )
         cos, sin = self.rope_cos[:T].float(), self.rope_sin[:T].float()  # (T, head_dim // 2)
         x = self.tok_embed(tokens)  # (B, T, dim)
         aux_losses: dict[str, Tensor] = {}
@@ -240,8 +242,10 @@ def _assign(param: Tensor, full: Tensor) -> None:
     local = param.to_local()
     mine = _shard_view(full, param)
     if mine is None or mine.shape != local.shape:  # only FSDP2's placement is expected here
-        raise ValueError(f"cannot initialise a parameter placed as {param.placements} on a "
-                         f"{param.device_mesh.ndim}-D mesh (local shape {tuple(local.shape)}); FSDP2 shards dim 0")
+        raise ValueError(
+            f"cannot initialise a parameter placed as {param.placements} on a "
+            f"{param.device_mesh.ndim}-D mesh (local shape {tuple(local.shape)}); FSDP2 shards dim 0"
+        )
     local.copy_(mine)
 
 

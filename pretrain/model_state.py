@@ -42,9 +42,10 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
     torch.distributed.checkpoint.state_dict uses), so it loads whatever wraps the model."""
     order = _parameter_order(optimizer, model)
     raw = optimizer.state_dict()
-    return {"state": {order[index]: state for index, state in raw["state"].items()},
-            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                             for group in raw["param_groups"]]}
+    return {
+        "state": {order[index]: state for index, state in raw["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in raw["param_groups"]],
+    }
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -55,11 +56,13 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 # --- full state dicts -------------------------------------------------------------------
 
+
 def whole_model_on_cpu(model: torch.nn.Module, wanted_here: bool) -> dict[str, torch.Tensor] | None:
     """Every weight, whole, on the CPU, under its plain name, where wanted_here (None elsewhere).
     Under FSDP a collective: every rank must call it, as each holds a shard of every weight."""
     if has_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # Typed as any DCP value, but a model's state dict holds only tensors, and full_state_dict
         # gathers each DTensor into a whole one (on the CPU: cpu_offload).
@@ -69,15 +72,18 @@ def whole_model_on_cpu(model: torch.nn.Module, wanted_here: bool) -> dict[str, t
     return {plain_name(key): value.detach().cpu() for key, value in model.state_dict().items()}
 
 
-def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor],
-                                                                                     dict[str, Any]]:
+def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's state dict and the optimizer's, both keyed by plain parameter name (not FSDP)."""
     model_state = {plain_name(key): value.detach() for key, value in model.state_dict().items()}
     return model_state, named_optimizer_state(optimizer, model)
 
 
-def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, torch.Tensor],
-              optimizer_state: dict[str, Any]) -> None:
+def load_full(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+) -> None:
     """Full state dicts (as full_states gives them, or format 1's numbered optimizer state)
     into whatever model is; the optimizer's hyperparameters stay its own."""
     model_state = {plain_name(key): value for key, value in model_state.items()}
@@ -86,23 +92,32 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_st
     if has_fsdp(model):
         # Every rank holds the full tensors (memory-mapped) and keeps its own shard of each.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
         options = StateDictOptions(full_state_dict=True)
         dcp_model_state: dict[str, ValueType] = dict(model_state)  # what DCP takes (dict is invariant: a copy, not a cast)
         if not named:  # saved before the first update (a step_0 or nan_grad_step_0): no moments yet
             set_model_state_dict(model, dcp_model_state, options=options)
             return
         groups = named_optimizer_state(optimizer, model)["param_groups"]
-        set_state_dict(model, optimizer, model_state_dict=dcp_model_state,
-                       optim_state_dict={"state": named, "param_groups": groups}, options=options)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=dcp_model_state,
+            optim_state_dict={"state": named, "param_groups": groups},
+            options=options,
+        )
         return
     unwrap(model).load_state_dict(model_state)
     index = {name: i for i, name in enumerate(order)}
     unknown = sorted(named.keys() - index.keys())
     if unknown:
-        raise CheckpointError(f"the optimizer state has parameter {unknown[0]}, which the model does not; "
-                              "resume with the same model config or start fresh")
-    optimizer.load_state_dict({"state": {index[name]: value for name, value in named.items()},
-                               "param_groups": optimizer.state_dict()["param_groups"]})
+        raise CheckpointError(
+            f"the optimizer state has parameter {unknown[0]}, which the model does not; "
+            "resume with the same model config or start fresh"
+        )
+    optimizer.load_state_dict(
+        {"state": {index[name]: value for name, value in named.items()}, "param_groups": optimizer.state_dict()["param_groups"]}
+    )
 
 
 def _by_name(optimizer_state: dict[str, Any], order: list[str]) -> dict[str, Any]:
@@ -113,9 +128,11 @@ def _by_name(optimizer_state: dict[str, Any], order: list[str]) -> dict[str, Any
 
 # --- sharded (DCP) ------------------------------------------------------------------------
 
+
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """FSDP: every rank writes its shards of the model and of the optimizer's state. A collective."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     if optimizer.state:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         content = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
@@ -129,8 +146,8 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, metadata: Metadata) -> None:
     """Checkpoint path's DCP shards into whatever model is: DCP reads each rank's part of every
     tensor (all of it for an unsharded model), whatever the world size that wrote it."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                         set_model_state_dict, set_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+
     has_optimizer = any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
     if not has_optimizer:  # saved before the first step: the fresh optimizer is right
         model_state = get_model_state_dict(model)
@@ -145,8 +162,10 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
 def read_sharded_model(path: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
     """The model part of checkpoint path's DCP shards, assembled into full tensors in this
     process alone (no process group needed)."""
-    state = {f"model.{key}": torch.empty(item.size, dtype=item.properties.dtype)
-             for key, item in tensor_entries(metadata, "model.").items()}
+    state = {
+        f"model.{key}": torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in tensor_entries(metadata, "model.").items()
+    }
     dcp_load(state, path, alone=True)
     return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 

@@ -25,7 +25,8 @@ def skip_or_stop(trainer: Trainer, event: NonFinite, position: dict[str, int]) -
         trainer.log.warning(
             f"Step {event.step}: loss {event.loss:.4f}, gradient norm {event.grad_norm:.4f}: update skipped "
             f"({trainer.skips_in_a_row} in a row, {trainer.skipped_steps} in all; debug.max_skips_in_a_row "
-            f"is {d.max_skips_in_a_row})" + (f"; first non-finite: {first}" if first else ""))
+            f"is {d.max_skips_in_a_row})" + (f"; first non-finite: {first}" if first else "")
+        )
         return
     stop_for_nonfinite(trainer, event, position)
 
@@ -36,9 +37,11 @@ def stop_for_nonfinite(trainer: Trainer, event: NonFinite, position: dict[str, i
     step; write the tensor dump (the reporting rank); raise NumericalFailure."""
     runtime, log, d = trainer.runtime, trainer.log, trainer.config.debug
     what = "gradient norm" if event.what == "GRADIENT" else "loss"
-    log.error(f"Step {event.step}: {event.kind} {what} (loss here {event.loss:.4f}, gradient norm "
-              f"{event.grad_norm:.4f}); no update made; writing the report, a checkpoint"
-              + (" and a tensor dump" if d.dump_tensors else ""))
+    log.error(
+        f"Step {event.step}: {event.kind} {what} (loss here {event.loss:.4f}, gradient norm "
+        f"{event.grad_norm:.4f}); no update made; writing the report, a checkpoint"
+        + (" and a tensor dump" if d.dump_tensors else "")
+    )
     findings = debug.inspect_all(trainer.model)
     reports = event.affected_here or runtime.rank == event.reporter
     if reports:
@@ -56,5 +59,7 @@ def stop_for_nonfinite(trainer: Trainer, event: NonFinite, position: dict[str, i
     raise NumericalFailure(
         f"step {event.step}: {event.kind} {what}; stopped ("
         + ("the report above names the tensors" if reports else f"rank {event.reporter}'s report names the tensors")
-        + f"; checkpoint {path}" + (f"; dump {dump_path}" if dumped else "")
-        + "); docs/numerics.md (Troubleshooting) and configs/config_stable.json say what to change")
+        + f"; checkpoint {path}"
+        + (f"; dump {dump_path}" if dumped else "")
+        + "); docs/numerics.md (Troubleshooting) and configs/config_stable.json say what to change"
+    )

@@ -20,8 +20,10 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, device: to
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two param groups: the matrices, decayed, and the rest (norm weights), not decayed."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def build_adamw(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -29,5 +31,9 @@ def build_adamw(model: torch.nn.Module, training: TrainingConfig, device: torch.
     on the GPU; under CPU offload they are in host memory, where torch's plain per-tensor loop
     updates them (its foreach kernels are CUDA-only)."""
     on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in model.parameters())
-    return torch.optim.AdamW(decay_groups(model, training.weight_decay), lr=training.learning_rate,
-                             betas=(training.beta1, training.beta2), fused=on_gpu)
+    return torch.optim.AdamW(
+        decay_groups(model, training.weight_decay),
+        lr=training.learning_rate,
+        betas=(training.beta1, training.beta2),
+        fused=on_gpu,
+    )

@@ -47,7 +47,8 @@ def compile_enabled(config: Config, device: torch.device) -> bool:
     if missing := missing_compiler(device):
         logging.getLogger("pretrain").warning(
             f"training.compile is off: torch.compile needs {missing} on first use, and none was found; "
-            "install one (e.g. apt-get install gcc g++), or set training.compile=false to silence this")
+            "install one (e.g. apt-get install gcc g++), or set training.compile=false to silence this"
+        )
         return False
     return True
 
@@ -120,8 +121,13 @@ def device_mesh(runtime: Runtime) -> DeviceMesh:
         if runtime.distributed:
             raise RuntimeError("FSDP over several ranks needs the process group that init_runtime joins")
         backend = process_group_backend(runtime.device, host_tensors=True)  # the offloaded shards'
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=runtime.device if runtime.device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=runtime.device if runtime.device.type == "cuda" else None,
+        )
     return init_device_mesh(runtime.device.type, (runtime.world_size,))
 
 
@@ -156,8 +162,12 @@ def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel
     # that broadcast_buffers is deprecated, but its replacement still syncs at init.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       broadcast_buffers=False, gradient_as_bucket_view=True)
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+        )
 
 
 def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = False) -> Transformer:
@@ -177,8 +187,11 @@ def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = F
     With offload, each group's sharded parameters, gradients and so the optimizer's state live
     in host memory; each group is copied to the device for its all-gather and its gradients back
     after the reduce-scatter (pinned memory on CUDA, for asynchronous copies)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if use_amp else None,
-                                  reduce_dtype=torch.float32 if use_amp else None, cast_forward_inputs=False)
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if use_amp else None,
+        reduce_dtype=torch.float32 if use_amp else None,
+        cast_forward_inputs=False,
+    )
     # Without offload, OffloadPolicy(): fully_shard's own default, which offloads nothing.
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     fully_shard(model.tok_embed, mesh=mesh, offload_policy=offload_policy)  # no mp_policy: fp32, like its output under autocast

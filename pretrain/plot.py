@@ -24,8 +24,7 @@ class PlotError(Exception):
 def latest_by_step(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     """The records of one kind, one per step, in step order. A resumed run re-logs the
     steps after its checkpoint, so when a step repeats, the later record wins."""
-    by_step = {record["step"]: record for record in records
-               if record.get("kind") == kind and isinstance(record.get("step"), int)}
+    by_step = {record["step"]: record for record in records if record.get("kind") == kind and isinstance(record.get("step"), int)}
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -90,8 +89,9 @@ def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.plot",
-                                     description="Plot loss, gradient norm and learning rate of a run.")
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.plot", description="Plot loss, gradient norm and learning rate of a run."
+    )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     parser.add_argument("--output", type=Path, metavar="PATH", help="the PNG to write (default: RUN_DIR/metrics.png)")
     return parser.parse_args(argv)

@@ -51,8 +51,12 @@ LR_SCHEDULES: dict[str, str] = {
 FEED_FORWARDS: dict[str, FeedForwardKind] = {
     # SwiGLU: w1, w3 (dim -> ffn_dim) and w2 (ffn_dim -> dim); it keeps w1's and w3's outputs,
     # silu's output and the gated product (w2's input) for the backward pass.
-    "swiglu": FeedForwardKind("pretrain.feed_forward:SwiGLU", parameters=lambda m: 3 * m.dim * m.ffn_dim,
-                              saved_per_token=lambda m: 4 * m.ffn_dim, llama_layout=True),
+    "swiglu": FeedForwardKind(
+        "pretrain.feed_forward:SwiGLU",
+        parameters=lambda m: 3 * m.dim * m.ffn_dim,
+        saved_per_token=lambda m: 4 * m.ffn_dim,
+        llama_layout=True,
+    ),
 }
 
 

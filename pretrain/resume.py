@@ -7,8 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.checkpoint_files import (UNFINISHED_SUFFIXES, StateError, has_model_files, is_unfinished, latest, read_state,
-                                       step_checkpoints)
+from pretrain.checkpoint_files import (
+    UNFINISHED_SUFFIXES,
+    StateError,
+    has_model_files,
+    is_unfinished,
+    latest,
+    read_state,
+    step_checkpoints,
+)
 
 __all__ = ["UNFINISHED_SUFFIXES", "ResumeError", "checkpoint_at", "latest", "damaged_after", "resolve_resume", "run_results"]
 
@@ -51,8 +58,10 @@ def checkpoint_at(path: Path) -> Path:
         what = "not a directory" if path.exists() else "no such directory"
         raise ResumeError(f"{path}: {what}; give a checkpoint (<run dir>/checkpoints/step_<N>) or a run directory")
     if is_unfinished(path):
-        raise ResumeError(f"{path}: an unfinished checkpoint save (renamed or removed when the save finishes); "
-                          "use a complete step_<N> directory beside it")
+        raise ResumeError(
+            f"{path}: an unfinished checkpoint save (renamed or removed when the save finishes); "
+            "use a complete step_<N> directory beside it"
+        )
     if (path / "state.json").exists():  # (a run directory has a config.json too)
         try:
             read_state(path)
@@ -60,8 +69,10 @@ def checkpoint_at(path: Path) -> Path:
             raise ResumeError(f"{path}: {error.problem}") from None
         return path.resolve()
     if not (path / "checkpoints").is_dir():
-        raise ResumeError(f"{path}: neither a checkpoint (no state.json) nor a run directory (no checkpoints/); "
-                          "give <run dir>/checkpoints/step_<N> or a run directory")
+        raise ResumeError(
+            f"{path}: neither a checkpoint (no state.json) nor a run directory (no checkpoints/); "
+            "give <run dir>/checkpoints/step_<N> or a run directory"
+        )
     if (found := latest(path / "checkpoints")) is None:
         raise ResumeError(f"{path}: the run has no complete checkpoint yet; give a checkpoint directory")
     return found.resolve()

@@ -16,10 +16,14 @@ def rng_states(device: torch.device) -> dict[str, Any]:
     bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     states: dict[str, Any] = {
         "cpu": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"bit_generator": bit_generator, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {
+            "bit_generator": bit_generator,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
     }
     if device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
@@ -37,8 +41,15 @@ def set_rng_states(states: dict[str, Any], device: torch.device) -> None:
         random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
     if "numpy" in states:
         numpy = states["numpy"]
-        np.random.set_state((numpy["bit_generator"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                             numpy["has_gauss"], numpy["cached_gaussian"]))
+        np.random.set_state(
+            (
+                numpy["bit_generator"],
+                numpy["keys"].numpy().astype(np.uint32),
+                numpy["pos"],
+                numpy["has_gauss"],
+                numpy["cached_gaussian"],
+            )
+        )
 
 
 def seed_from(seed: int, steps_done: int, rank: int) -> None:

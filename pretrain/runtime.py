@@ -74,11 +74,15 @@ def _local_rank_device(config: Config, visible: int) -> torch.device:
     """torchrun started several processes on this node: one GPU each, by LOCAL_RANK."""
     local_rank, local_ranks = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     if config.system.device_id is not None:
-        raise RuntimeSetupError(f"system.device_id pins one GPU but {local_ranks} processes run on this node "
-                                f"(LOCAL_WORLD_SIZE); set system.device_id=null so each takes GPU LOCAL_RANK")
+        raise RuntimeSetupError(
+            f"system.device_id pins one GPU but {local_ranks} processes run on this node "
+            f"(LOCAL_WORLD_SIZE); set system.device_id=null so each takes GPU LOCAL_RANK"
+        )
     if local_rank >= visible:
-        raise RuntimeSetupError(f"LOCAL_RANK {local_rank} has no GPU of its own: {visible} GPU(s) are visible; "
-                                f"start at most {visible} processes per node (torchrun --nproc-per-node)")
+        raise RuntimeSetupError(
+            f"LOCAL_RANK {local_rank} has no GPU of its own: {visible} GPU(s) are visible; "
+            f"start at most {visible} processes per node (torchrun --nproc-per-node)"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -119,9 +123,13 @@ def init_runtime(config: Config) -> Runtime:
     if world_size > 1:
         # null: the worker may still choose offload (pretrain/build.py parallel_mode)
         backend = process_group_backend(device, host_tensors=config.training.cpu_offload is not False)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=config.system.collective_timeout),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=config.system.collective_timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
     return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank))
 
 

@@ -28,6 +28,7 @@ def format_eta(seconds: float) -> str:
 @dataclass
 class Throughput:
     """Tokens/s, MFU and peak memory over the steps since the last step line."""
+
     tokens_per_step: int
     world_size: int
     flops_per_token: float
@@ -66,14 +67,30 @@ def throughput(trainer: Trainer) -> Throughput:
     if not trainer.config.training.use_amp:
         peak = None  # the table holds bf16 peaks; an fp32 run measured against them would mislead
     reset_peak_memory(device)  # the first window's peak is training's, not the build's (init draws whole tensors)
-    return Throughput(trainer.tokens_per_step, trainer.runtime.world_size,
-                      flops_per_token(trainer.config.model, trainer.config.data.context_length), peak, device)
+    return Throughput(
+        trainer.tokens_per_step,
+        trainer.runtime.world_size,
+        flops_per_token(trainer.config.model, trainer.config.data.context_length),
+        peak,
+        device,
+    )
 
 
-def step_line(trainer: Trainer, step: int, loss: float, lr: float, grad_norm: float, eta_s: float,
-              tokens_per_s: float, utilization: float | None, memory_gib: float | None) -> str:
-    line = (f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f} | LR: {lr:.2e} | "
-            f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}")
+def step_line(
+    trainer: Trainer,
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    eta_s: float,
+    tokens_per_s: float,
+    utilization: float | None,
+    memory_gib: float | None,
+) -> str:
+    line = (
+        f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f} | LR: {lr:.2e} | "
+        f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}"
+    )
     if utilization is not None:
         line += f" | MFU: {100 * utilization:.1f}%"
     if memory_gib is not None:

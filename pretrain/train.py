@@ -44,9 +44,9 @@ from pretrain.stopping import Stopped
 
 # --- fit ------------------------------------------------------------------------------
 
+
 def autocast(trainer: Trainer):
-    return torch.autocast(trainer.runtime.device.type, dtype=torch.bfloat16,
-                          enabled=trainer.config.training.use_amp)
+    return torch.autocast(trainer.runtime.device.type, dtype=torch.bfloat16, enabled=trainer.config.training.use_amp)
 
 
 def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -95,8 +95,12 @@ def evaluate(trainer: Trainer) -> float | None:
     total = torch.zeros((), device=trainer.runtime.device)
     for x, y in trainer.val_batches:
         with autocast(trainer):
-            total += next_token_loss(trainer.model, x.to(trainer.runtime.device), y.to(trainer.runtime.device),
-                                     trainer.config.training.loss_chunk_tokens).cross_entropy
+            total += next_token_loss(
+                trainer.model,
+                x.to(trainer.runtime.device),
+                y.to(trainer.runtime.device),
+                trainer.config.training.loss_chunk_tokens,
+            ).cross_entropy
     trainer.model.train()
     return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
 
@@ -122,10 +126,20 @@ def fit(trainer: Trainer) -> None:
             # The first step includes warm-up costs; the ETA uses the steps after it.
             per_step = (now - first_step_done) / steps_run if steps_run > 0 else now - start
             tokens_per_s, utilization, memory_gib = speed.measure(now)
-            log.info(step_line(trainer, step, mean_loss, lr, float(grad_norm), per_step * (t.max_steps - 1 - step),
-                               tokens_per_s, utilization, memory_gib))
-            trainer.metrics.log_train(step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization,
-                                      memory_gib, now - start)
+            log.info(
+                step_line(
+                    trainer,
+                    step,
+                    mean_loss,
+                    lr,
+                    float(grad_norm),
+                    per_step * (t.max_steps - 1 - step),
+                    tokens_per_s,
+                    utilization,
+                    memory_gib,
+                )
+            )
+            trainer.metrics.log_train(step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start)
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
             with speed.paused():
                 log_validation(trainer, step)
@@ -140,11 +154,14 @@ def fit(trainer: Trainer) -> None:
     val_loss = log_validation(trainer, t.max_steps - 1)
     path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
     exported = export_final(trainer)
-    log.info(f"Training complete: {t.max_steps - trainer.start_step} steps in {time.perf_counter() - start:.1f}s, "
-             + (f"final loss {trainer.losses[-1]:.4f}" if trainer.losses else "nothing left to train")
-             + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
-             + (f", {trainer.skipped_steps} update(s) skipped for NaN/Inf" if trainer.skipped_steps else "")
-             + f"; checkpoint {path}" + (f"; weights exported to {exported}" if exported else ""))
+    log.info(
+        f"Training complete: {t.max_steps - trainer.start_step} steps in {time.perf_counter() - start:.1f}s, "
+        + (f"final loss {trainer.losses[-1]:.4f}" if trainer.losses else "nothing left to train")
+        + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
+        + (f", {trainer.skipped_steps} update(s) skipped for NaN/Inf" if trainer.skipped_steps else "")
+        + f"; checkpoint {path}"
+        + (f"; weights exported to {exported}" if exported else "")
+    )
 
 
 def export_final(trainer: Trainer) -> Path | None:
@@ -166,11 +183,13 @@ def log_validation(trainer: Trainer, step: int) -> float | None:
 
 # --- entry point ----------------------------------------------------------------------
 
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m pretrain",
         description="Run one training process (no supervisor). Under the launcher, or torchrun, "
-                    "RANK/WORLD_SIZE/MASTER_* make the processes one DDP group.")
+        "RANK/WORLD_SIZE/MASTER_* make the processes one DDP group.",
+    )
     cfg.add_arguments(parser)
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
     return parser.parse_args(argv)
@@ -197,8 +216,9 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
     if resume_from is not None:  # the Hub files the checkpoint was trained on
-        config = follow_checkpoint(dataclasses.replace(config, training=dataclasses.replace(
-            config.training, resume=str(resume_from))))
+        config = follow_checkpoint(
+            dataclasses.replace(config, training=dataclasses.replace(config.training, resume=str(resume_from)))
+        )
     config = choose_hub_files(config, runtime.world_size, log.info)
     dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
@@ -254,9 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (runtime.distributed and "timed out" in str(error).lower()):
             return unexpected_error()
         # gloo's message says only which operation timed out; say what it means.
-        log.error(f"a collective waited longer than system.collective_timeout "
-                  f"({config.system.collective_timeout:g} s) for the other ranks: one of them is frozen or "
-                  f"gone (its log says which); {str(error).splitlines()[0]}")
+        log.error(
+            f"a collective waited longer than system.collective_timeout "
+            f"({config.system.collective_timeout:g} s) for the other ranks: one of them is frozen or "
+            f"gone (its log says which); {str(error).splitlines()[0]}"
+        )
         return ERROR
     except (DataError, cfg.ConfigError, ResumeError, checkpoint.CheckpointError) as error:
         log.error(str(error))

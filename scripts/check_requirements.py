@@ -83,8 +83,10 @@ def newer_than_tested(paths: list[Path]) -> list[str]:
     for path in paths:
         for name, spec, line in requirements(path):
             if bound := above_bound(name, spec):
-                lines.append(f"{name} {installed_version(name)} is newer than tested (below {bound}: {line}); "
-                             f"using it; if it fails, install a tested one: pip install '{line}'")
+                lines.append(
+                    f"{name} {installed_version(name)} is newer than tested (below {bound}: {line}); "
+                    f"using it; if it fails, install a tested one: pip install '{line}'"
+                )
     return lines
 
 

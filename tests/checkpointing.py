@@ -16,8 +16,13 @@ from pretrain.runtime import Runtime, setup_logging
 from pretrain.build import Trainer, build
 from pretrain.train import train_step
 
-TINY = ["training.batch_size=2", "data.context_length=32", "system.device=cpu", "logging.tensorboard=false",
-        "debug.check_finite=false"]
+TINY = [
+    "training.batch_size=2",
+    "data.context_length=32",
+    "system.device=cpu",
+    "logging.tensorboard=false",
+    "debug.check_finite=false",
+]
 
 
 def resolved(cache: Path, *sets: str, world_size: int = 1) -> tuple[cfg.Config, Path]:

@@ -58,8 +58,10 @@ def no_process_outlives_its_test():
     longer-lived fixtures, and those a fixture of the test cleans up, are not counted."""
     before = set(live_children())
     yield
+
     def leftovers() -> list[psutil.Process]:
         return [p for pid, p in live_children().items() if pid not in before]
+
     # A child killed at the test's very end may take a moment to become a zombie.
     if wait_until(lambda: not leftovers(), timeout=5.0):
         return
@@ -120,21 +122,25 @@ def processes() -> Iterator[Callable[..., subprocess.Popen]]:
 def scripted_gpus(tmp_path, monkeypatch):
     """Make NVML see a scripted machine (launcher/scripted_nvml.py), here and in the
     launchers a test starts: scripted_gpus([{}, {"utilization": [90]}]) is two H100s, one busy."""
+
     def make(gpus: list[dict], driver: bool = True) -> Path:
         path = tmp_path / "machine.json"
         path.write_text(json.dumps({"driver": driver, "gpus": gpus}))
         monkeypatch.setenv("LAUNCHER_SCRIPTED_GPUS", str(path))
         return path
+
     return make
 
 
 @pytest.fixture
 def script(tmp_path):
     """Write a Python child script; return the argv that runs it."""
+
     def make(source: str, name: str = "child.py") -> list[str]:
         path = tmp_path / name
         path.write_text(textwrap.dedent(source))
         return [sys.executable, str(path)]
+
     return make
 
 
@@ -166,11 +172,25 @@ def run_gloo_ranks(worker: str, out: Path, timeout: float, world_size: int = 2) 
     """Run tests/<worker> as world_size gloo ranks (one thread each); each writes
     out/rank<r>.json, returned in rank order. A rank that fails fails the test with its output."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / worker), str(out)], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world_size),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world_size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / worker), str(out)],
+            cwd=ROOT,
+            env=dict(
+                os.environ,
+                PYTHONPATH=str(ROOT),
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
     outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-3000:]
@@ -196,5 +216,8 @@ def cache_leftovers(tmp_path: Path) -> list[str]:
     cache = tmp_path / "cache"
     if not cache.exists():
         return []
-    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*")
-                  if not p.name.endswith(".lock") and not (p.is_dir() and p.name == "tokenizers"))
+    return sorted(
+        str(p.relative_to(cache))
+        for p in cache.rglob("*")
+        if not p.name.endswith(".lock") and not (p.is_dir() and p.name == "tokenizers")
+    )

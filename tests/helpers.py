@@ -28,9 +28,10 @@ def prepared(cfg: DataConfig, **kwargs) -> Path:
 
 def split_tokens(dataset: Path, split: str) -> np.ndarray:
     """The tokens of one split, read through its segments in meta.json (a shard's file is absolute)."""
-    parts = [np.fromfile(dataset / segment["file"], dtype=DTYPES[segment["dtype"]], count=segment["tokens"],
-                         offset=segment["offset"])
-             for segment in read_meta(dataset)["splits"][split]]
+    parts = [
+        np.fromfile(dataset / segment["file"], dtype=DTYPES[segment["dtype"]], count=segment["tokens"], offset=segment["offset"])
+        for segment in read_meta(dataset)["splits"][split]
+    ]
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
@@ -42,8 +43,9 @@ def all_tokens(dataset: Path) -> np.ndarray:
 # --- commands -------------------------------------------------------------------------
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, code: int = 2, prefix: str = "",
-                          quiet_stdout: bool = True) -> None:
+def assert_one_line_error(
+    result: subprocess.CompletedProcess, *fragments: str, code: int = 2, prefix: str = "", quiet_stdout: bool = True
+) -> None:
     """A refusal: exit `code`, one line on stderr (starting with prefix, holding every fragment),
     no traceback, and, where quiet_stdout, nothing on stdout."""
     assert result.returncode == code, result.stdout + result.stderr
@@ -59,9 +61,27 @@ def run_debug_training(tmp_path: Path, command: list[str], run_dir: Path, *optio
     """A short debug-preset training run (`python <command> --debug ...`, a small batch and context,
     a log line every step) into run_dir, with the test's own data cache; it must succeed."""
     result = subprocess.run(
-        [sys.executable, *command, "--debug", "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         "--set", "data.context_length=64", "--set", "training.batch_size=4", "--set", "logging.log_interval=1",
-         *options],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            *command,
+            "--debug",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "data.context_length=64",
+            "--set",
+            "training.batch_size=4",
+            "--set",
+            "logging.log_interval=1",
+            *options,
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

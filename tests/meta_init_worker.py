@@ -31,11 +31,22 @@ CONTEXT, VOCAB, SEED = 16, 512, 1234
 def production_shaped() -> cfg.Config:
     base = cfg.production()
     model = dataclasses.replace(base.model, n_layers=2, vocab_size=VOCAB)  # dim 4096, 32/8 heads, ffn 14336
-    training = dataclasses.replace(base.training, use_amp=False, compile=False, activation_checkpointing=False,
-                                   seed=SEED, parallelism="fsdp", cpu_offload=False)
-    return dataclasses.replace(base, model=model, training=training,
-                               data=dataclasses.replace(base.data, context_length=CONTEXT),
-                               system=dataclasses.replace(base.system, device="cpu"))
+    training = dataclasses.replace(
+        base.training,
+        use_amp=False,
+        compile=False,
+        activation_checkpointing=False,
+        seed=SEED,
+        parallelism="fsdp",
+        cpu_offload=False,
+    )
+    return dataclasses.replace(
+        base,
+        model=model,
+        training=training,
+        data=dataclasses.replace(base.data, context_length=CONTEXT),
+        system=dataclasses.replace(base.system, device="cpu"),
+    )
 
 
 def peak_rss() -> int:
@@ -66,9 +77,18 @@ def main(out: Path) -> None:
     eager = Transformer(config.model, CONTEXT, seed=SEED)  # the whole model, as one process builds it
     with torch.no_grad():
         eager_loss = float(next_token_loss(eager, x, y).total)
-    (out / f"rank{runtime.rank}.json").write_text(json.dumps({
-        "rss_before": before, "initialised_peak": initialised_peak, "full_bytes": full_bytes,
-        "sharded_loss": sharded_loss, "eager_loss": eager_loss, "rope_recomputed": rope}))
+    (out / f"rank{runtime.rank}.json").write_text(
+        json.dumps(
+            {
+                "rss_before": before,
+                "initialised_peak": initialised_peak,
+                "full_bytes": full_bytes,
+                "sharded_loss": sharded_loss,
+                "eager_loss": eager_loss,
+                "rope_recomputed": rope,
+            }
+        )
+    )
     shutdown(runtime, peers_alive=True)
 
 

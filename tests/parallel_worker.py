@@ -31,12 +31,16 @@ CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 2
 
 def tiny_config(**training: object) -> cfg.Config:
     base = cfg.debug()
-    model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61,
-                                max_seq_len=CONTEXT)
-    return dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, context_length=CONTEXT),
-                               training=dataclasses.replace(base.training, **({"use_amp": False, "compile": False,
-                                                                               "grad_accum_nums": ACCUM} | training)),
-                               system=dataclasses.replace(base.system, device="cpu"))
+    model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=CONTEXT)
+    return dataclasses.replace(
+        base,
+        model=model,
+        data=dataclasses.replace(base.data, context_length=CONTEXT),
+        training=dataclasses.replace(
+            base.training, **({"use_amp": False, "compile": False, "grad_accum_nums": ACCUM} | training)
+        ),
+        system=dataclasses.replace(base.system, device="cpu"),
+    )
 
 
 def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,10 +83,17 @@ def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
     model = parallelize(model, config, runtime, mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = iter(batches(runtime.rank))
-    record: dict = {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model),
-                    "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
-                    "keys": sorted(unwrap(model).state_dict()), "losses": [], "grad_norms": [],
-                    "inside_no_sync": [], "inside_no_sync_l1": [], "after_sync": []}
+    record: dict = {
+        "is_fsdp": is_fsdp(model),
+        "has_fsdp": has_fsdp(model),
+        "unwraps_to_transformer": isinstance(unwrap(model), Transformer),
+        "keys": sorted(unwrap(model).state_dict()),
+        "losses": [],
+        "grad_norms": [],
+        "inside_no_sync": [],
+        "inside_no_sync_l1": [],
+        "after_sync": [],
+    }
     for _ in range(STEPS):
         loss_sum = torch.zeros(())
         for micro in range(ACCUM):
@@ -121,6 +132,7 @@ def amp_dtypes(runtime) -> dict[str, str | list[str]]:
 
     def record(module: torch.nn.Module, args: tuple) -> None:
         seen.setdefault("forward", str(module.weight.dtype))
+
     wq.register_forward_pre_hook(record)
     residual = []
     for norm in [block.attention_norm for block in unwrap(model).layers] + [unwrap(model).norm]:
@@ -143,13 +155,18 @@ def sharded_blocks_only(runtime) -> dict[str, bool]:
 def main(out: Path) -> None:
     config = tiny_config()
     runtime = init_runtime(config)
-    runs = {"ddp": train(config, runtime, "ddp"), "fsdp": train(config, runtime, "fsdp"),
-            "fsdp_checkpointed": train(tiny_config(activation_checkpointing=True), runtime, "fsdp"),
-            "ddp_amp": train(tiny_config(use_amp=True), runtime, "ddp"),
-            "fsdp_amp": train(tiny_config(use_amp=True), runtime, "fsdp"),
-            "amp_dtypes": amp_dtypes(runtime), "sharded_blocks_only": sharded_blocks_only(runtime),
-            "fsdp_meta": train(config, runtime, "fsdp", meta=True), "ddp_meta": train(config, runtime, "ddp", meta=True),
-            "fsdp_offload": train(tiny_config(cpu_offload=True), runtime, "fsdp", meta=True)}
+    runs = {
+        "ddp": train(config, runtime, "ddp"),
+        "fsdp": train(config, runtime, "fsdp"),
+        "fsdp_checkpointed": train(tiny_config(activation_checkpointing=True), runtime, "fsdp"),
+        "ddp_amp": train(tiny_config(use_amp=True), runtime, "ddp"),
+        "fsdp_amp": train(tiny_config(use_amp=True), runtime, "fsdp"),
+        "amp_dtypes": amp_dtypes(runtime),
+        "sharded_blocks_only": sharded_blocks_only(runtime),
+        "fsdp_meta": train(config, runtime, "fsdp", meta=True),
+        "ddp_meta": train(config, runtime, "ddp", meta=True),
+        "fsdp_offload": train(tiny_config(cpu_offload=True), runtime, "fsdp", meta=True),
+    }
     (out / f"rank{runtime.rank}.json").write_text(json.dumps(runs))
     shutdown(runtime, peers_alive=True)
 

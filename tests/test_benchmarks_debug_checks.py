@@ -15,8 +15,13 @@ pytestmark = pytest.mark.slow  # a real (if short) benchmark run of every debug 
 
 
 def test_the_quick_benchmark_prints_the_step_time_of_each_debug_setting_against_off(tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/debug_checks.py", "--quick", "--cache-dir", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/debug_checks.py", "--quick", "--cache-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("Machine: CPU ") and "; torch " in result.stdout.splitlines()[0]
     (table,) = markdown_tables(result.stdout)

@@ -40,8 +40,13 @@ def rounding(cell: str) -> float:
 
 
 def test_the_quick_benchmark_prints_a_throughput_table_and_a_cross_entropy_memory_table(tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/train.py", "--quick", "--cache-dir", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/train.py", "--quick", "--cache-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("Machine: CPU ")
     training, cross_entropy = markdown_tables(result.stdout)

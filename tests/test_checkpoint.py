@@ -35,8 +35,7 @@ def trained(cache, tmp_path) -> tuple[Trainer, Path]:
     return trained_trainer(cache, tmp_path)
 
 
-def test_a_restored_trainer_has_the_saved_weights_optimizer_state_data_position_and_random_streams(
-        trained, cache, tmp_path):
+def test_a_restored_trainer_has_the_saved_weights_optimizer_state_data_position_and_random_streams(trained, cache, tmp_path):
     saved, path = trained
     expected = draws()  # what the saving process draws next
     fresh = make_trainer(cache, tmp_path / "fresh")  # build() reseeds torch; scramble the others too
@@ -66,12 +65,16 @@ def test_four_steps_equal_two_then_a_save_and_restore_then_two_bit_for_bit(cache
 
 def test_the_checkpoint_holds_the_run_state_and_every_tensor_file_loads_with_weights_only(trained):
     trainer, path = trained
-    assert sorted(p.name for p in path.iterdir()) == \
-        ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
     state = checkpoint.read_state(path)
-    assert state == {"format_version": checkpoint.FORMAT_VERSION, "steps_done": 2, "world_size": 1,
-                     "parallelism": "single", "loader": {"epoch": 0, "batch_index": 2},
-                     "lr_schedule": {"steps_done": 2, "lr": lr_at(2, trainer.config.training)}}
+    assert state == {
+        "format_version": checkpoint.FORMAT_VERSION,
+        "steps_done": 2,
+        "world_size": 1,
+        "parallelism": "single",
+        "loader": {"epoch": 0, "batch_index": 2},
+        "lr_schedule": {"steps_done": 2, "lr": lr_at(2, trainer.config.training)},
+    }
     assert checkpoint.load_config(path) == trainer.config
     for file in path.glob("*.pt"):
         assert torch.load(file, weights_only=True), file  # raises on any pickled object
@@ -126,8 +129,10 @@ def test_a_model_of_another_width_is_refused_naming_the_key(trained, cache, tmp_
     narrower = make_trainer(cache, tmp_path / "other", "model.dim=64", "model.ffn_dim=192")
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(narrower, path)
-    assert one_line_error(error) == (f"checkpoint {path} is for a different model: model.dim is 128 there, 64 "
-                                     "here; resume with the same model config or start fresh")
+    assert one_line_error(error) == (
+        f"checkpoint {path} is for a different model: model.dim is 128 there, 64 "
+        "here; resume with the same model config or start fresh"
+    )
 
 
 def test_tensors_that_do_not_fit_the_model_are_refused_naming_the_first_one(trained, cache, tmp_path):
@@ -137,9 +142,11 @@ def test_tensors_that_do_not_fit_the_model_are_refused_naming_the_first_one(trai
     torch.save(weights, path / "model.pt")
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(make_trainer(cache, tmp_path / "other"), path)
-    assert one_line_error(error) == (f"checkpoint {path} is for a different model: output.weight is of shape "
-                                     "[100, 128] there, of shape [257, 128] here; resume with the same model config "
-                                     "or start fresh")
+    assert one_line_error(error) == (
+        f"checkpoint {path} is for a different model: output.weight is of shape "
+        "[100, 128] there, of shape [257, 128] here; resume with the same model config "
+        "or start fresh"
+    )
 
 
 def test_a_directory_that_is_not_a_complete_checkpoint_is_refused_with_what_is_wrong(trained, cache, tmp_path):
@@ -151,8 +158,9 @@ def test_a_directory_that_is_not_a_complete_checkpoint_is_refused_with_what_is_w
     (path / "optimizer.pt").unlink()
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(trainer, path)
-    assert one_line_error(error) == (f"checkpoint {path} is incomplete: optimizer.pt is missing; use "
-                                     "another checkpoint of the run")
+    assert one_line_error(error) == (
+        f"checkpoint {path} is incomplete: optimizer.pt is missing; use another checkpoint of the run"
+    )
 
 
 def test_a_pickled_object_in_a_tensor_file_is_refused_not_run(trained, cache, tmp_path):
@@ -175,8 +183,10 @@ def test_dcp_metadata_naming_anything_but_checkpoint_classes_is_refused_unread(t
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode()))
     with pytest.raises(CheckpointError) as error:
         checkpoint.read_dcp_metadata(tmp_path)
-    assert one_line_error(error) == (f"checkpoint {tmp_path}: cannot read dcp/.metadata (posix.system is not part "
-                                     "of checkpoint metadata); use another checkpoint of the run")
+    assert one_line_error(error) == (
+        f"checkpoint {tmp_path}: cannot read dcp/.metadata (posix.system is not part "
+        "of checkpoint metadata); use another checkpoint of the run"
+    )
 
 
 def test_a_bigger_batch_continues_after_the_windows_already_read(trained, cache, tmp_path):
@@ -186,8 +196,7 @@ def test_a_bigger_batch_continues_after_the_windows_already_read(trained, cache,
     checkpoint.restore(bigger, path)
     assert bigger.loader.state_dict() == {"epoch": 0, "batch_index": 1}
     x, y = next(bigger.batches)
-    assert torch.equal(x, torch.cat([halves[0][0], halves[1][0]])) and torch.equal(y, torch.cat([halves[0][1],
-                                                                                                 halves[1][1]]))
+    assert torch.equal(x, torch.cat([halves[0][0], halves[1][0]])) and torch.equal(y, torch.cat([halves[0][1], halves[1][1]]))
 
 
 def test_a_data_position_that_is_not_a_whole_batch_of_the_new_run_is_refused(trained, cache, tmp_path):
@@ -196,7 +205,8 @@ def test_a_data_position_that_is_not_a_whole_batch_of_the_new_run_is_refused(tra
         checkpoint.restore(make_trainer(cache, tmp_path / "other", "training.batch_size=8"), path)
     assert one_line_error(error) == (
         f"checkpoint {path} stopped 4 windows into epoch 0 (1 rank(s) x batch 2), not a whole number of batches "
-        "of 1 rank(s) x batch 8; resume with 1 rank(s) and training.batch_size 2")
+        "of 1 rank(s) x batch 8; resume with 1 rank(s) and training.batch_size 2"
+    )
 
 
 def test_a_format_1_checkpoint_restores_its_weights_and_adam_moments(trained, cache, tmp_path):
@@ -216,6 +226,7 @@ def test_a_format_1_checkpoint_restores_its_weights_and_adam_moments(trained, ca
 
 # --- resuming, saving and pruning in a run's own directory --------------------------------
 
+
 def test_resuming_an_earlier_checkpoint_of_the_same_run_sets_its_later_ones_aside(cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
     first = make_trainer(cache, run_dir, "training.keep_checkpoints=3")
@@ -228,8 +239,10 @@ def test_resuming_an_earlier_checkpoint_of_the_same_run_sets_its_later_ones_asid
     again = make_trainer(cache, run_dir, "training.keep_checkpoints=3")
     assert checkpoint.restore(again, directory / "step_1") == 1
     assert sorted(p.name for p in directory.iterdir()) == ["step_1", "step_2.superseded", "step_3.superseded"]
-    assert (f"Resuming step_1 abandons the run's later checkpoints; renamed step_2.superseded, step_3.superseded "
-            f"in {directory} (kept, but never resumed or pruned automatically)") in capsys.readouterr().out
+    assert (
+        f"Resuming step_1 abandons the run's later checkpoints; renamed step_2.superseded, step_3.superseded "
+        f"in {directory} (kept, but never resumed or pruned automatically)"
+    ) in capsys.readouterr().out
     checkpoint.save(again, 2, run_dir)
     assert checkpoint.latest(directory) == directory / "step_2"  # --resume auto continues the new run
     assert checkpoint.read_state(directory / "step_3.superseded")["steps_done"] == 3  # the user's data, intact
@@ -246,8 +259,9 @@ def test_a_checkpoint_past_the_runs_last_step_is_refused(trained, cache, tmp_pat
     _, path = trained  # 2 steps done
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(make_trainer(cache, tmp_path / "shorter", "training.max_steps=1"), path)
-    assert one_line_error(error) == (f"checkpoint {path} has 2 steps done, more than training.max_steps 1; raise "
-                                     "--max-steps or resume an earlier checkpoint")
+    assert one_line_error(error) == (
+        f"checkpoint {path} has 2 steps done, more than training.max_steps 1; raise --max-steps or resume an earlier checkpoint"
+    )
     assert checkpoint.restore(make_trainer(cache, tmp_path / "done", "training.max_steps=2"), path) == 2
 
 
@@ -274,8 +288,10 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(cache, tmp_path, 
     trainer = make_trainer(cache, tmp_path / "run")
 
     def full(*args, **kwargs):
-        raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
-                           "data/0: file write failed\nException raised from write_record at ...")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file "
+            "data/0: file write failed\nException raised from write_record at ..."
+        )
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(CheckpointError) as error:
@@ -284,5 +300,6 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_file(cache, tmp_path, 
     assert one_line_error(error) == (
         f"cannot write checkpoint file {file} ([enforce fail at inline_container.cc:626] . PytorchStreamWriter "
         "failed writing file data/0: file write failed); make room on its disk (or make it writable) and resume "
-        "from the latest checkpoint")
+        "from the latest checkpoint"
+    )
     assert checkpoint.latest(trainer.run_dir / "checkpoints") is None

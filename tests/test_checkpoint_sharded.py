@@ -45,6 +45,7 @@ def trained(cache, tmp_path) -> tuple[Trainer, Path]:
 
 # --- hostile DCP checkpoints ------------------------------------------------------------
 
+
 class TouchesFile:
     """Unpickling this creates marker: proof that reading a checkpoint ran its code."""
 
@@ -64,8 +65,7 @@ def make_hostile(path: Path, marker: Path) -> None:
     state[next(iter(state))]["step"] = TouchesFile(marker)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": model, "optimizer": {"state": state}}, storage_writer=FileSystemWriter(path / "dcp"),
-                 no_dist=True)
+        dcp.save({"model": model, "optimizer": {"state": state}}, storage_writer=FileSystemWriter(path / "dcp"), no_dist=True)
     (path / "model.pt").unlink()
     (path / "optimizer.pt").unlink()
 
@@ -86,30 +86,38 @@ def test_a_dcp_checkpoint_holding_a_pickled_value_is_refused_before_anything_loa
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(fresh, path)
     assert one_line_error(error).startswith(f"checkpoint {path}: dcp/.metadata declares optimizer.state.")
-    assert one_line_error(error).endswith(".step as pickled bytes, which this code never writes (only tensors) and "
-                                          "will not unpickle; use another checkpoint of the run")
+    assert one_line_error(error).endswith(
+        ".step as pickled bytes, which this code never writes (only tensors) and "
+        "will not unpickle; use another checkpoint of the run"
+    )
     assert_same_tensors(fresh.model.state_dict(), before)
     with pytest.raises(CheckpointError):
         checkpoint.load_model_state(path)  # generate and export read it too
     assert not marker.exists()
 
 
-def test_the_dcp_reader_refuses_a_pickled_value_that_gets_past_the_metadata_check(hostile, cache, tmp_path,
-                                                                                  monkeypatch):
+def test_the_dcp_reader_refuses_a_pickled_value_that_gets_past_the_metadata_check(hostile, cache, tmp_path, monkeypatch):
     path, marker = hostile
     monkeypatch.setattr(dcp_files, "_check_tensors_only", lambda *_: None)
     with pytest.raises(CheckpointError) as error:
         checkpoint.restore(make_trainer(cache, tmp_path / "fresh"), path)
-    assert one_line_error(error) == (f"checkpoint {path}: a DCP entry is pickled bytes, which this code never "
-                                     "writes (only tensors) and will not unpickle; use another checkpoint of the run")
+    assert one_line_error(error) == (
+        f"checkpoint {path}: a DCP entry is pickled bytes, which this code never "
+        "writes (only tensors) and will not unpickle; use another checkpoint of the run"
+    )
     assert not marker.exists()
 
 
 def test_the_dcp_load_planner_never_unpickles_a_value(tmp_path):
     marker = tmp_path / "code-ran"
-    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("optimizer.state.w.step"),
-                    dest_offsets=torch.Size([0]), storage_index=MetadataIndex("optimizer.state.w.step"),
-                    storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+    item = ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=MetadataIndex("optimizer.state.w.step"),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex("optimizer.state.w.step"),
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([0]),
+    )
     payload = io.BytesIO()
     torch.save(TouchesFile(marker), payload)
     payload.seek(0)
@@ -119,6 +127,7 @@ def test_the_dcp_load_planner_never_unpickles_a_value(tmp_path):
 
 
 # --- FSDP2: two gloo ranks ------------------------------------------------------------
+
 
 def gathered(tensors: dict) -> dict[str, torch.Tensor]:
     """Full tensors of a state dict whose values may be DTensors (a collective under FSDP)."""
@@ -147,6 +156,7 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
     the save and trains the same 2; a third restores the single-process checkpoint. Writes what
     it saw to out/rank<r>.json and, on rank 0, full tensors to out/*.pt."""
     from pretrain.runtime import init_runtime, shutdown
+
     config, dataset = resolved(Path(cache), "training.parallelism=fsdp", world_size=2)
     runtime = init_runtime(config)
     log = setup_logging(runtime.label, "WARNING")
@@ -172,14 +182,16 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
     third = fresh("third")
     checkpoint.restore(third, Path(single_checkpoint))
     from_single = gathered(third.model.state_dict())
-    moments = {name: gathered(state)["exp_avg"] for name, state in
-               named_optimizer_state(third.optimizer, third.model)["state"].items()}
+    moments = {
+        name: gathered(state)["exp_avg"] for name, state in named_optimizer_state(third.optimizer, third.model)["state"].items()
+    }
     draw = torch.rand(2).tolist()
     if runtime.is_main:
         torch.save(saved_weights, out_dir / "saved_weights.pt")
         torch.save({"weights": from_single, "exp_avg": moments}, out_dir / "from_single.pt")
-    (out_dir / f"rank{runtime.rank}.json").write_text(json.dumps(
-        {"checkpoint": str(path), "continued": continued, "resumed": resumed, "draw": draw, "synced": synced}))
+    (out_dir / f"rank{runtime.rank}.json").write_text(
+        json.dumps({"checkpoint": str(path), "continued": continued, "resumed": resumed, "draw": draw, "synced": synced})
+    )
     shutdown(runtime, peers_alive=True)
 
 
@@ -191,12 +203,30 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
     single_path = checkpoint.save(single, 2, single.run_dir)
     after_save = torch.rand(2).tolist()  # the draw rank 0 must repeat after restoring single_path
     port = free_port()
-    workers = [subprocess.Popen(
-        [sys.executable, "-c", f"import test_checkpoint_sharded; test_checkpoint_sharded.fsdp_worker({str(cache)!r}, "
-                               f"{str(tmp_path)!r}, {str(single_path)!r})"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import test_checkpoint_sharded; test_checkpoint_sharded.fsdp_worker({str(cache)!r}, "
+                f"{str(tmp_path)!r}, {str(single_path)!r})",
+            ],
+            cwd=ROOT,
+            env=dict(
+                os.environ,
+                PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = [worker.communicate(timeout=120)[0] for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0], "\n".join(outputs)[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -213,11 +243,12 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
     for seen in ranks:
         assert seen["resumed"] == seen["continued"]
     path = Path(ranks[0]["checkpoint"])
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "dcp", "rng_rank0.pt", "rng_rank1.pt",
-                                                      "state.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "dcp", "rng_rank0.pt", "rng_rank1.pt", "state.json"]
     assert checkpoint.read_state(path)["parallelism"] == "fsdp"
-    assert not any(isinstance(item, BytesStorageMetadata)  # nothing DCP would unpickle
-                   for item in checkpoint.read_dcp_metadata(path).state_dict_metadata.values())
+    assert not any(
+        isinstance(item, BytesStorageMetadata)  # nothing DCP would unpickle
+        for item in checkpoint.read_dcp_metadata(path).state_dict_metadata.values()
+    )
 
     # One process, no process group: the whole model, plain names, the gathered weights.
     saved_weights = torch.load(tmp_path / "saved_weights.pt", weights_only=True)

@@ -80,8 +80,9 @@ def children() -> Iterator[list[subprocess.Popen]]:
 
 def claim_elsewhere(uuid: str = UUID) -> dict:
     """try_claim from another process, which exits (and so releases) right after."""
-    done = subprocess.run([sys.executable, "-c", CLAIM_ONCE, uuid], env=launcher_env(),
-                          capture_output=True, text=True, timeout=20, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CLAIM_ONCE, uuid], env=launcher_env(), capture_output=True, text=True, timeout=20, check=True
+    )
     return json.loads(done.stdout)
 
 
@@ -119,6 +120,7 @@ def claim_threads(uuid: str = UUID) -> list[threading.Thread]:
 
 # --- holding and looking ------------------------------------------------------------------
 
+
 def test_another_process_is_told_our_pid_user_and_start_time_until_we_release():
     claim = claimed()
     try:
@@ -132,8 +134,14 @@ def test_another_process_is_told_our_pid_user_and_start_time_until_we_release():
 def test_of_six_processes_claiming_at_once_exactly_one_wins_and_the_others_name_it(tmp_path, children):
     go, stop = tmp_path / "go", tmp_path / "stop"
     for _ in range(6):
-        children.append(subprocess.Popen([sys.executable, "-c", CLAIM_ON_GO, str(go), str(stop), UUID],
-                                         env=launcher_env(), stdout=subprocess.PIPE, text=True))
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-c", CLAIM_ON_GO, str(go), str(stop), UUID],
+                env=launcher_env(),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     for child in children:
         assert child.stdout.readline() == "ready\n"
     go.touch()
@@ -143,8 +151,9 @@ def test_of_six_processes_claiming_at_once_exactly_one_wins_and_the_others_name_
         stop.touch()  # winners held their claims until every report was in
     winners = [r for r in reports if r["type"] == "Claim"]
     assert len(winners) == 1, reports
-    assert [r for r in reports if r is not winners[0]] == \
-        [{"pid": r["pid"], "type": "Holder", "holder": winners[0]["pid"]} for r in reports if r is not winners[0]]
+    assert [r for r in reports if r is not winners[0]] == [
+        {"pid": r["pid"], "type": "Holder", "holder": winners[0]["pid"]} for r in reports if r is not winners[0]
+    ]
     for child in children:
         assert child.wait(timeout=10) == 0
 
@@ -221,6 +230,7 @@ def test_a_look_waits_for_a_holder_too_busy_to_answer():
 
 # --- freeing ------------------------------------------------------------------------------
 
+
 def test_a_claim_is_freed_when_its_holder_is_killed(children):
     child = start_holder(children)
     os.kill(child.pid, signal.SIGKILL)
@@ -235,8 +245,12 @@ def test_a_child_process_does_not_inherit_the_claim(children):
         # close_fds=False: only the socket's close-on-exec keeps it out of the child. Released
         # once the child runs Python: until its exec has finished, the child still shares the
         # descriptor for an instant, whatever the flags.
-        child = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(30)"],
-                                 close_fds=False, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(30)"],
+            close_fds=False,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         children.append(child)
         assert child.stdout.readline() == "ready\n"
     finally:
@@ -286,6 +300,7 @@ def test_the_gpu_can_be_claimed_again_as_soon_as_release_returns(look):
 
 # --- what conflicts -----------------------------------------------------------------------
 
+
 def test_claims_on_different_gpus_do_not_conflict():
     first = claimed(UUID)
     try:
@@ -332,6 +347,7 @@ def test_an_empty_namespace_means_the_default_one(monkeypatch):
 
 # --- names refused ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("uuid", ["", "GPU/../x", "a b", "\0x", "GPU-x\n"])
 def test_a_uuid_that_is_not_a_plain_name_is_refused(uuid):
     with pytest.raises(claims.ClaimError) as excinfo:
@@ -377,6 +393,7 @@ def test_holder_of_refuses_a_name_too_long_naming_the_variable_to_shorten(monkey
 
 
 # --- describing a holder ------------------------------------------------------------------
+
 
 def test_a_holder_with_a_pid_is_described_with_user_and_start_time():
     holder = claims._holder(os.getpid(), os.getuid())

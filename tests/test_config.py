@@ -82,8 +82,10 @@ def test_layers_apply_in_order_preset_file_max_steps_set(tmp_path):
 
 
 def test_set_parses_json_values_and_falls_back_to_strings():
-    c = cfg.resolve(preset="debug", sets=["training.use_amp=true", "system.device=cpu",
-                                          "training.learning_rate=1e-4", "system.device_id=null"])
+    c = cfg.resolve(
+        preset="debug",
+        sets=["training.use_amp=true", "system.device=cpu", "training.learning_rate=1e-4", "system.device_id=null"],
+    )
     assert c.training.use_amp is True and c.system.device == "cpu"
     assert c.training.learning_rate == 1e-4 and c.system.device_id is None
 
@@ -95,8 +97,7 @@ def test_integer_is_accepted_where_a_float_is_expected():
 
 def test_unknown_key_names_the_file_the_key_and_the_closest_key(tmp_path):
     path = write(tmp_path, {"training": {"batchsize": 8}})
-    assert error_of(config_file=path) == \
-        f"{path}: training.batchsize: unknown key; did you mean training.batch_size?"
+    assert error_of(config_file=path) == f"{path}: training.batchsize: unknown key; did you mean training.batch_size?"
 
 
 def test_unknown_section_suggests_the_closest_section(tmp_path):
@@ -105,8 +106,7 @@ def test_unknown_section_suggests_the_closest_section(tmp_path):
 
 
 def test_wrong_types_are_errors_that_say_what_was_expected():
-    assert error_of(sets=['training.batch_size="8"']) == \
-        '--set: training.batch_size: expected an integer, got "8" (a string)'
+    assert error_of(sets=['training.batch_size="8"']) == '--set: training.batch_size: expected an integer, got "8" (a string)'
     assert "expected true or false, got 1" in error_of(sets=["training.use_amp=1"])
     assert "expected an integer, got 2.5" in error_of(sets=["training.batch_size=2.5"])
     assert 'system.device: "gpu" (a string) is not one of "auto", "cpu", "cuda"' in error_of(sets=["system.device=gpu"])
@@ -114,8 +114,7 @@ def test_wrong_types_are_errors_that_say_what_was_expected():
 
 def test_impossible_values_are_errors_naming_the_key():
     assert "training.batch_size: must be at least 1 (got 0)" in error_of(sets=["training.batch_size=0"])
-    assert "model.n_heads: 4 is not divisible by model.n_kv_heads (3)" in \
-        error_of(preset="debug", sets=["model.n_kv_heads=3"])
+    assert "model.n_heads: 4 is not divisible by model.n_kv_heads (3)" in error_of(preset="debug", sets=["model.n_kv_heads=3"])
     assert "model.vocab_size: must be at least 2 or null (got 1)" in error_of(sets=["model.vocab_size=1"])
     assert "training.learning_rate: must be positive" in error_of(sets=["training.learning_rate=0"])
 
@@ -155,17 +154,28 @@ def test_every_field_has_a_one_line_docstring():
 
 def test_reference_table_lists_every_key_the_users_know():
     table = cfg.reference_table()
-    for key in ["training.batch_size", "training.grad_accum_nums", "training.num_workers",
-                "training.learning_rate", "training.max_steps", "training.max_grad_norm", "training.use_amp",
-                "model.init_std", "data.context_length", "system.device", "system.device_id",
-                "logging.log_interval"]:
+    for key in [
+        "training.batch_size",
+        "training.grad_accum_nums",
+        "training.num_workers",
+        "training.learning_rate",
+        "training.max_steps",
+        "training.max_grad_norm",
+        "training.use_amp",
+        "model.init_std",
+        "data.context_length",
+        "system.device",
+        "system.device_id",
+        "logging.log_interval",
+    ]:
         assert f"| `{key}` |" in table
 
 
 def test_docs_config_md_is_what_the_generator_makes_from_the_code():
     on_disk = config_reference.REFERENCE.read_text(encoding="utf-8")
-    assert on_disk == config_reference.render(), \
+    assert on_disk == config_reference.render(), (
         f"docs/config.md is stale (a config field or its docstring changed): run {config_reference.COMMAND}"
+    )
 
 
 def test_the_config_reference_lists_every_key_with_its_docstring_in_each_preset_column():
@@ -196,8 +206,9 @@ def test_a_seed_beyond_64_bits_is_refused():
 
 
 def test_preset_must_be_a_name_and_is_not_a_section(tmp_path):
-    assert 'preset: expected a preset name, got ["debug"] (a list)' in \
-        error_of(config_file=write(tmp_path, {"preset": ["debug"]}))
+    assert 'preset: expected a preset name, got ["debug"] (a list)' in error_of(
+        config_file=write(tmp_path, {"preset": ["debug"]})
+    )
     assert "the preset is not a section; use --preset NAME" in error_of(sets=["preset.foo=1"])
 
 
@@ -212,10 +223,12 @@ def test_each_data_source_demands_the_keys_it_cannot_work_without():
     assert 'data.path: source "megatron" needs data.path' in error_of(preset="debug", sets=["data.source=megatron"])
     assert 'data.hub_repo: source "hub" needs data.hub_repo=owner/name' in error_of(preset="debug", sets=["data.source=hub"])
     assert "data.hub_repo: expected owner/name (got 'nameonly')" in error_of(preset="debug", sets=["data.hub_repo=nameonly"])
-    assert 'data.tokenizer_name: tokenizer "tiktoken" needs an encoding such as gpt2' in \
-        error_of(preset="debug", sets=["data.tokenizer=tiktoken"])
-    assert "data.max_samples: applies to text sources" in \
-        error_of(preset="debug", sets=["data.source=llmc", "data.path=x.bin", "data.max_samples=5"])
+    assert 'data.tokenizer_name: tokenizer "tiktoken" needs an encoding such as gpt2' in error_of(
+        preset="debug", sets=["data.tokenizer=tiktoken"]
+    )
+    assert "data.max_samples: applies to text sources" in error_of(
+        preset="debug", sets=["data.source=llmc", "data.path=x.bin", "data.max_samples=5"]
+    )
     assert "data.bpe_vocab_size: must be at least 258" in error_of(preset="debug", sets=["data.bpe_vocab_size=100"])
     assert "data.max_samples: must not be negative" in error_of(preset="debug", sets=["data.max_samples=-1"])
     assert "training.epochs: must not be negative" in error_of(preset="debug", sets=["training.epochs=-1"])
@@ -223,16 +236,21 @@ def test_each_data_source_demands_the_keys_it_cannot_work_without():
 
 
 def test_keys_the_chosen_source_or_tokenizer_would_ignore_are_errors_not_silence():
-    assert 'data.path: source "builtin" reads no local files; set data.source to text' in \
-        error_of(preset="debug", sets=["data.path=corpus.jsonl"])
-    assert 'data.val_path: source "hub" reads no local files' in \
-        error_of(preset="debug", sets=["data.source=hub", "data.hub_repo=a/b", "data.val_path=v.jsonl"])
-    assert 'data.hub_repo: is set but data.source is "builtin"; set data.source=hub' in \
-        error_of(preset="debug", sets=["data.hub_repo=a/b"])
+    assert 'data.path: source "builtin" reads no local files; set data.source to text' in error_of(
+        preset="debug", sets=["data.path=corpus.jsonl"]
+    )
+    assert 'data.val_path: source "hub" reads no local files' in error_of(
+        preset="debug", sets=["data.source=hub", "data.hub_repo=a/b", "data.val_path=v.jsonl"]
+    )
+    assert 'data.hub_repo: is set but data.source is "builtin"; set data.source=hub' in error_of(
+        preset="debug", sets=["data.hub_repo=a/b"]
+    )
     assert 'data.tokenizer_name: is set but data.tokenizer is "byte"' in error_of(
-        preset="debug", sets=["data.tokenizer_name=gpt2"])
-    assert "data.tokenizer_name: 'a/b' is not a tiktoken encoding name" in \
-        error_of(preset="debug", sets=["data.tokenizer=tiktoken", "data.tokenizer_name=a/b"])
+        preset="debug", sets=["data.tokenizer_name=gpt2"]
+    )
+    assert "data.tokenizer_name: 'a/b' is not a tiktoken encoding name" in error_of(
+        preset="debug", sets=["data.tokenizer=tiktoken", "data.tokenizer_name=a/b"]
+    )
 
 
 def test_a_source_chosen_in_a_file_may_get_its_path_from_a_set(tmp_path):
@@ -242,8 +260,17 @@ def test_a_source_chosen_in_a_file_may_get_its_path_from_a_set(tmp_path):
 
 
 def test_a_complete_data_source_config_resolves():
-    config = cfg.resolve(preset="debug", sets=["data.source=jsonl", "data.path=data/*.jsonl", "data.text_field=body",
-                                               "data.tokenizer=bpe", "data.bpe_vocab_size=4096", "training.epochs=2"])
+    config = cfg.resolve(
+        preset="debug",
+        sets=[
+            "data.source=jsonl",
+            "data.path=data/*.jsonl",
+            "data.text_field=body",
+            "data.tokenizer=bpe",
+            "data.bpe_vocab_size=4096",
+            "training.epochs=2",
+        ],
+    )
     assert (config.data.source, config.data.path, config.data.text_field) == ("jsonl", "data/*.jsonl", "body")
     assert (config.data.tokenizer, config.data.bpe_vocab_size, config.training.epochs) == ("bpe", 4096, 2)
 
@@ -272,19 +299,24 @@ def test_a_global_batch_size_that_does_not_divide_names_the_nearest_that_do():
     c = cfg.resolve(preset="debug", sets=["training.batch_size=4", "training.global_batch_size=32"])
     with pytest.raises(cfg.ConfigError) as caught:
         cfg.with_world_size(c, 3)
-    assert str(caught.value) == ("training.global_batch_size 32 is not a multiple of training.batch_size 4 x 3 "
-                                "rank(s) = 12; use 24 or 36, or change batch_size")
+    assert str(caught.value) == (
+        "training.global_batch_size 32 is not a multiple of training.batch_size 4 x 3 "
+        "rank(s) = 12; use 24 or 36, or change batch_size"
+    )
 
 
 def test_a_context_longer_than_the_models_positions_is_refused():
     message = error_of(preset="small", sets=["data.context_length=2048"])
-    assert message == ("data.context_length 2048 is longer than the model supports (model.max_seq_len 1024); "
-                       "lower data.context_length or raise model.max_seq_len")
+    assert message == (
+        "data.context_length 2048 is longer than the model supports (model.max_seq_len 1024); "
+        "lower data.context_length or raise model.max_seq_len"
+    )
     assert cfg.resolve(preset="debug", sets=["data.context_length=4096"]).model.max_seq_len is None  # follows it
 
 
 def test_resume_on_the_command_line_is_the_training_resume_key():
     import argparse
+
     parser = argparse.ArgumentParser()
     cfg.add_arguments(parser)
     assert cfg.from_args(parser.parse_args(["--debug", "--resume", "auto"])).training.resume == "auto"
@@ -308,12 +340,14 @@ def test_preset_data_keys_that_the_users_source_or_tokenizer_makes_meaningless_a
 
 def test_data_keys_the_user_set_are_still_errors_when_the_source_or_tokenizer_ignores_them(tmp_path):
     assert 'data.hub_repo: is set but data.source is "jsonl"' in error_of(
-        preset="small", sets=["data.source=jsonl", "data.path=x.jsonl", "data.hub_repo=HuggingFaceFW/fineweb-edu"])
+        preset="small", sets=["data.source=jsonl", "data.path=x.jsonl", "data.hub_repo=HuggingFaceFW/fineweb-edu"]
+    )
     assert 'data.hub_max_files: is set but data.source is "jsonl"' in error_of(
-        preset="small", sets=["data.hub_max_files=2", "data.source=jsonl", "data.path=x.jsonl"])
+        preset="small", sets=["data.hub_max_files=2", "data.source=jsonl", "data.path=x.jsonl"]
+    )
     assert 'data.tokenizer_name: is set but data.tokenizer is "byte"' in error_of(
-        config_file=write(tmp_path, {"data": {"tokenizer": "byte", "tokenizer_name": "openai-community/gpt2"}}),
-        preset="small")
+        config_file=write(tmp_path, {"data": {"tokenizer": "byte", "tokenizer_name": "openai-community/gpt2"}}), preset="small"
+    )
     assert "data.hub_max_files: must not be negative" in error_of(preset="small", sets=["data.hub_max_files=-1"])
 
 

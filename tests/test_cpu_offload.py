@@ -42,10 +42,9 @@ def test_an_offloaded_run_trains_the_losses_of_a_plain_one_and_checkpoints_and_e
     assert len(losses(tmp_path, "plain")) == 4
     final = tmp_path / "offloaded" / "checkpoints" / "step_4"
     assert (final / "dcp").is_dir()  # sharded: the offloaded shards were saved where they live
-    exported = (tmp_path / "offloaded" / "export" / "model.safetensors")
+    exported = tmp_path / "offloaded" / "export" / "model.safetensors"
     assert exported.is_file()
-    resumed = run(tmp_path, command, "offloaded", "--set", "training.cpu_offload=true", "--max-steps", "5",
-                  "--resume", "auto")
+    resumed = run(tmp_path, command, "offloaded", "--set", "training.cpu_offload=true", "--max-steps", "5", "--resume", "auto")
     assert f"Resumed from {final} at step 4" in resumed.stdout
     assert checkpoint.load_model_state(tmp_path / "offloaded" / "checkpoints" / "step_5")["output.weight"].isfinite().all()
 

@@ -50,16 +50,20 @@ def hub_cache(tmp_path, monkeypatch):
 
     def add(repo: str, files: dict[str, object], commit: str = COMMIT) -> Path:
         return add_snapshot(cache.parent, "dataset", repo, commit, files)
+
     return add
 
 
 def test_hub_reads_the_matching_files_of_a_cached_snapshot_and_keys_on_its_commit(tmp_path, hub_cache):
-    hub_cache("owner/name", {
-        "data/train-00000.parquet": {"text": TEXTS[:2]},
-        "data/train-00001.parquet": {"text": TEXTS[2:]},
-        "extra/other.parquet": {"text": ["not matched"]},
-        "README.md": "# a dataset card\n",
-    })
+    hub_cache(
+        "owner/name",
+        {
+            "data/train-00000.parquet": {"text": TEXTS[:2]},
+            "data/train-00001.parquet": {"text": TEXTS[2:]},
+            "extra/other.parquet": {"text": ["not matched"]},
+            "README.md": "# a dataset card\n",
+        },
+    )
 
     dataset = prepared(data_config(tmp_path, source="hub", hub_repo="owner/name", hub_files="data/train-*.parquet"))
 
@@ -118,9 +122,17 @@ def test_workers_get_the_hub_branch_pinned_to_the_commit_the_launcher_prepared(t
     from pretrain.data.fitting import fit_to_dataset
 
     hub_cache("owner/name", {"data/train.jsonl": "".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 20)})
-    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.source=hub",
-                                               "data.hub_repo=owner/name", "data.hub_files=*.jsonl",
-                                               "data.context_length=8", "training.batch_size=1"])
+    config = cfg.resolve(
+        preset="debug",
+        sets=[
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.source=hub",
+            "data.hub_repo=owner/name",
+            "data.hub_files=*.jsonl",
+            "data.context_length=8",
+            "training.batch_size=1",
+        ],
+    )
     dataset = prepare(config.data, log=lambda line: None)
 
     fitted, _ = fit_to_dataset(config, dataset, world_size=1)

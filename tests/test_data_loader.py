@@ -30,6 +30,7 @@ JUNK = b"\xab"  # header filling: read as tokens, it would give values no test e
 @dataclass(frozen=True)
 class Part:
     """One segment to write: tokens appended to file (relative to the dataset, or absolute)."""
+
     tokens: np.ndarray
     file: str | Path
     dtype: str = "uint16"
@@ -61,7 +62,7 @@ def write_dataset(directory: Path, **splits: list[Part]) -> Path:
 
 def expected_windows(parts: list[Part]) -> np.ndarray:
     """Every window of the split, segment by segment, computed straight from the definition."""
-    return np.array([part.tokens[i * T:i * T + T + 1] for part in parts for i in range((len(part.tokens) - 1) // T)])
+    return np.array([part.tokens[i * T : i * T + T + 1] for part in parts for i in range((len(part.tokens) - 1) // T)])
 
 
 class Data(NamedTuple):
@@ -75,10 +76,12 @@ def data(tmp_path_factory) -> Data:
     """537 train windows in four segments and three files: one beside meta.json shared with val,
     two absolute shards elsewhere with 1,024-byte headers; one segment too short for any window."""
     shards = tmp_path_factory.mktemp("shards")
-    train = [Part(1000 + np.arange(2001), "tokens.bin"),  # 250 windows
-             Part(10000 + np.arange(1500), shards / "shard_01.bin", header=HEADER),  # 187
-             Part(15000 + np.arange(5), "tokens.bin"),  # none
-             Part(20000 + np.arange(803), shards / "shard_02.bin", header=HEADER)]  # 100
+    train = [
+        Part(1000 + np.arange(2001), "tokens.bin"),  # 250 windows
+        Part(10000 + np.arange(1500), shards / "shard_01.bin", header=HEADER),  # 187
+        Part(15000 + np.arange(5), "tokens.bin"),  # none
+        Part(20000 + np.arange(803), shards / "shard_02.bin", header=HEADER),
+    ]  # 100
     val = [Part(30000 + np.arange(601), "tokens.bin")]  # 75
     path = write_dataset(tmp_path_factory.mktemp("dataset"), train=train, val=val)
     return Data(path, expected_windows(train), expected_windows(val))
@@ -106,6 +109,7 @@ def assert_same_batches(a, b) -> None:
 
 
 # --- windows -------------------------------------------------------------------------------------
+
 
 def test_windows_are_read_through_read_only_memory_maps(data):
     windows = TokenWindows(data.path, "train", T)
@@ -158,14 +162,15 @@ def test_uint32_tokens_beyond_the_uint16_range_are_read_whole(tmp_path):
     path = write_dataset(tmp_path, train=[Part(tokens, "train.bin", "uint32")], val=[Part(tokens, "val.bin", "uint32")])
     x, y = TokenWindows(path, "train", T).batch([2, 0])
 
-    assert x.tolist() == [tokens[2 * T:3 * T].tolist(), tokens[:T].tolist()]
+    assert x.tolist() == [tokens[2 * T : 3 * T].tolist(), tokens[:T].tolist()]
     assert y[0, -1].item() == tokens[-1] == 100_000 + 3 * T
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_a_missing_or_truncated_token_file_is_refused_with_a_one_line_error(tmp_path, damage):
-    path = write_dataset(tmp_path, train=[Part(np.arange(100), "a.bin"), Part(np.arange(100), "b.bin")],
-                         val=[Part(np.arange(50), "a.bin")])
+    path = write_dataset(
+        tmp_path, train=[Part(np.arange(100), "a.bin"), Part(np.arange(100), "b.bin")], val=[Part(np.arange(50), "a.bin")]
+    )
     if damage == "missing":
         (path / "b.bin").unlink()
     else:
@@ -196,6 +201,7 @@ def test_a_pickled_dataset_carries_no_token_data_and_maps_again_where_it_lands(d
 
 
 # --- batches ---------------------------------------------------------------------------------------
+
 
 def test_a_batch_is_contiguous_int64_windows_in_the_order_asked_even_across_segments(data):
     order = [500, 3, 260, 4, 536]
@@ -310,6 +316,7 @@ def test_data_too_small_for_one_optimizer_step_raises_with_the_numbers_and_the_f
 
 
 # --- validation batches --------------------------------------------------------------------------
+
 
 def test_validation_batches_are_the_same_on_every_call(data):
     first = validation_batches(data.path, T, batch_size=4, rank=0, world_size=2, num_batches=3)

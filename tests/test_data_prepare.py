@@ -53,6 +53,7 @@ def env_with_project() -> dict[str, str]:
 
 # --- building ------------------------------------------------------------------------------------
 
+
 def test_prepare_writes_tokens_and_meta_into_a_readable_keyed_directory(tmp_path):
     path, lines = prepare_quietly(data_config(tmp_path))
 
@@ -77,10 +78,10 @@ def test_meta_records_the_key_the_tokenizer_the_splits_counts_and_checksums(tmp_
     assert meta["tokens"]["train"] + meta["tokens"]["val"] == total
     assert meta["documents"]["total"] == 40
     assert meta["documents"]["train"] + meta["documents"]["val"] == 40
-    assert meta["splits"]["train"] == [{"file": "tokens.bin", "offset": 0, "tokens": meta["tokens"]["train"],
-                                        "dtype": "uint16"}]
-    assert meta["splits"]["val"] == [{"file": "tokens.bin", "offset": 2 * meta["tokens"]["train"],
-                                      "tokens": meta["tokens"]["val"], "dtype": "uint16"}]
+    assert meta["splits"]["train"] == [{"file": "tokens.bin", "offset": 0, "tokens": meta["tokens"]["train"], "dtype": "uint16"}]
+    assert meta["splits"]["val"] == [
+        {"file": "tokens.bin", "offset": 2 * meta["tokens"]["train"], "tokens": meta["tokens"]["val"], "dtype": "uint16"}
+    ]
     assert meta["files"]["tokens.bin"] == {"bytes": 2 * total, "sha256": prep.file_sha256(path / "tokens.bin")}
     assert time.time() - time.mktime(time.strptime(meta["created"], "%Y-%m-%dT%H:%M:%SZ")) < 86400 + 60
 
@@ -104,8 +105,8 @@ def test_the_validation_cut_moves_to_a_nearby_document_boundary_or_stays_inside_
     # 1000 tokens, 10%: the ideal cut is at 900.
     assert prep.split_point(1000, [100, 880, 950, 1000], 0.1) == 950  # next boundary leaves 50 >= 50
     assert prep.split_point(1000, [100, 880, 960, 1000], 0.1) == 880  # next leaves 40 < 50; previous 120 <= 200
-    assert prep.split_point(1000, [100, 500, 1000], 0.1) == 900      # both too far: cut inside a document
-    assert prep.split_point(1000, [1000], 0.1) == 900                # one document
+    assert prep.split_point(1000, [100, 500, 1000], 0.1) == 900  # both too far: cut inside a document
+    assert prep.split_point(1000, [1000], 0.1) == 900  # one document
     assert prep.split_point(2, [2], 0.5) == 1
     with pytest.raises(DataError, match="1 token"):
         prep.split_point(1, [1], 0.1)
@@ -149,6 +150,7 @@ def test_each_input_that_changes_the_bytes_changes_the_cache_directory(tmp_path)
 
 # --- reuse, damage, failure ----------------------------------------------------------------------
 
+
 def test_second_prepare_reuses_the_cache_without_tokenizing_again(tmp_path, monkeypatch):
     calls = []
     encode = ByteTokenizer.encode_batch
@@ -162,8 +164,10 @@ def test_second_prepare_reuses_the_cache_without_tokenizing_again(tmp_path, monk
     assert built > 0 and len(calls) == built
     assert second == first
     (line,) = lines
-    assert line.startswith(f"dataset: reusing {first} ({prep.read_meta(first)['tokens']['train']:,} train tokens, "
-                           f"{prep.read_meta(first)['tokens']['val']:,} val tokens; checked in ")
+    assert line.startswith(
+        f"dataset: reusing {first} ({prep.read_meta(first)['tokens']['train']:,} train tokens, "
+        f"{prep.read_meta(first)['tokens']['val']:,} val tokens; checked in "
+    )
     assert line.endswith(" ms)")
 
 
@@ -204,13 +208,16 @@ def bump_format_version(path: Path) -> None:
     (path / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (truncate_tokens, "tokens.bin has 10 bytes"),
-    (garble_meta, "meta.json is unreadable"),
-    (remove_tokens, "tokens.bin is missing"),
-    (drop_val_split, "no segments for val"),
-    (bump_format_version, "format_version 0"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (truncate_tokens, "tokens.bin has 10 bytes"),
+        (garble_meta, "meta.json is unreadable"),
+        (remove_tokens, "tokens.bin is missing"),
+        (drop_val_split, "no segments for val"),
+        (bump_format_version, "format_version 0"),
+    ],
+)
 def test_a_damaged_cache_is_reported_in_one_line_and_rebuilt(tmp_path, damage, reason):
     cfg = data_config(tmp_path)
     path, _ = prepare_quietly(cfg)
@@ -308,9 +315,16 @@ def test_concurrent_preparers_build_once_and_both_get_the_same_path(tmp_path):
     script.write_text(CONCURRENT_PREPARER)
     go = tmp_path / "go"
     ready = [tmp_path / f"ready{i}" for i in range(2)]
-    processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache"), str(r), str(go)],
-                                  env=env_with_project(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in ready]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "cache"), str(r), str(go)],
+            env=env_with_project(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in ready
+    ]
     deadline = time.monotonic() + 20
     while not all(r.exists() for r in ready) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -331,6 +345,7 @@ def test_concurrent_preparers_build_once_and_both_get_the_same_path(tmp_path):
 
 # --- the builtin source and module boundaries ----------------------------------------------------
 
+
 def test_builtin_documents_are_the_pydoc_topics_sorted_by_name():
     from pydoc_data.topics import topics
 
@@ -348,16 +363,21 @@ def test_the_content_digest_changes_with_the_corpus_and_its_document_boundaries(
 
 def test_importing_prepare_does_not_import_torch():
     code = "import sys, pretrain.data.prepare; print('torch' in sys.modules, 'tqdm' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], env=env_with_project(),
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], env=env_with_project(), capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
 
 
 # --- prepare_dataset.py --------------------------------------------------------------------------
 
+
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PROJECT_ROOT / "prepare_dataset.py"), *args],
-                          env=env_with_project(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "prepare_dataset.py"), *args],
+        env=env_with_project(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(tmp_path):
@@ -371,8 +391,10 @@ def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(
     assert built.stdout.startswith(f"dataset: prepared {path} (") and " train tokens, " in built.stdout
     assert reused.returncode == 0, reused.stderr
     reuse, verified = reused.stdout.splitlines()
-    assert reuse.startswith(f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']:,} train tokens, "
-                            f"{prep.read_meta(path)['tokens']['val']:,} val tokens; checked in ")
+    assert reuse.startswith(
+        f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']:,} train tokens, "
+        f"{prep.read_meta(path)['tokens']['val']:,} val tokens; checked in "
+    )
     assert verified == f"dataset: verified {path} (every file matches its sha256 in meta.json)"
 
 
@@ -382,7 +404,8 @@ def test_prepare_dataset_script_names_the_closest_key_for_a_typo_in_one_line():
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
-        "prepare_dataset: error: --set: data.context_lenght: unknown key; did you mean data.context_length?"]
+        "prepare_dataset: error: --set: data.context_lenght: unknown key; did you mean data.context_length?"
+    ]
 
 
 def test_prepare_dataset_script_reports_a_failed_verify_in_one_line(tmp_path):
@@ -423,8 +446,9 @@ def test_a_terminated_or_hung_up_build_removes_its_temporary_directory(tmp_path,
     script = tmp_path / "preparer.py"
     script.write_text(TERMINATED_PREPARER)
     cache = tmp_path / "cache"
-    process = subprocess.Popen([sys.executable, str(script), str(cache)], env=env_with_project(),
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(cache)], env=env_with_project(), stderr=subprocess.PIPE, text=True
+    )
     assert wait_until(lambda: bool(list(cache.glob(".*.tmp-*/tokens.bin"))), timeout=20), "the build never started"
 
     process.send_signal(stop_signal)  # a scheduler's SIGTERM; a closed terminal's SIGHUP
@@ -445,6 +469,7 @@ def test_document_ends_far_before_the_validation_cut_are_dropped_without_changin
     def spy(self, *args):
         write(self, *args)
         kept.append(len(self.boundaries))
+
     monkeypatch.setattr(encoding.TokenWriter, "write", spy)
 
     bounded, _ = prepare_quietly(data_config(tmp_path / "b", val_fraction=0.1), documents=documents)

@@ -19,8 +19,7 @@ LLMC_MAGIC = {"uint16": (20240520, 1), "uint32": (20240801, 7)}
 MEGATRON_CODES = {"uint16": 8, "int32": 4}
 
 
-def write_llmc(path: Path, tokens, dtype: str = "uint16", *, magic: int | None = None,
-               promised: int | None = None) -> Path:
+def write_llmc(path: Path, tokens, dtype: str = "uint16", *, magic: int | None = None, promised: int | None = None) -> Path:
     """An llm.c shard: 256 int32 of header (magic, version, token count), then the tokens."""
     default_magic, version = LLMC_MAGIC[dtype]
     header = np.zeros(256, dtype="<i4")
@@ -29,15 +28,21 @@ def write_llmc(path: Path, tokens, dtype: str = "uint16", *, magic: int | None =
     return path
 
 
-def write_megatron(prefix: Path, documents: list[list[int]], dtype: str = "uint16", *, code: int | None = None,
-                   magic: bytes = b"MMIDIDX\x00\x00", document_indices: list[int] | None = None) -> Path:
+def write_megatron(
+    prefix: Path,
+    documents: list[list[int]],
+    dtype: str = "uint16",
+    *,
+    code: int | None = None,
+    magic: bytes = b"MMIDIDX\x00\x00",
+    document_indices: list[int] | None = None,
+) -> Path:
     """A Megatron .bin/.idx pair with one sequence per document, unless document_indices (each
     document's first sequence, then the sequence count) groups the sequences otherwise."""
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<i4")
     sizes = np.array([len(d) for d in documents], dtype="<i4")
     pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64) * np_dtype.itemsize]).astype("<i8")
-    document_indices = np.array(range(len(documents) + 1) if document_indices is None else document_indices,
-                                dtype="<i8")
+    document_indices = np.array(range(len(documents) + 1) if document_indices is None else document_indices, dtype="<i8")
     header = magic + struct.pack("<Q", 1) + struct.pack("<B", MEGATRON_CODES[dtype] if code is None else code)
     header += struct.pack("<Q", len(sizes)) + struct.pack("<Q", len(document_indices))
     Path(f"{prefix}.idx").write_bytes(header + sizes.tobytes() + pointers.tobytes() + document_indices.tobytes())
@@ -65,6 +70,7 @@ def shards(tmp_path):
 
 # --- llm.c ---------------------------------------------------------------------------------------
 
+
 def test_llmc_shards_are_used_in_place_with_the_tail_as_validation(tmp_path, shards):
     dataset = prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "train_*.bin"), val_fraction=0.25))
 
@@ -89,8 +95,7 @@ def test_llmc_shards_are_used_in_place_with_the_tail_as_validation(tmp_path, sha
 def test_the_prepared_line_counts_documents_only_where_the_shards_record_them(tmp_path, shards):
     lines: list[str] = []
     prepare(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards" / "train_*.bin")), log=lines.append)
-    prepare(data_config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS))),
-            log=lines.append)
+    prepare(data_config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS))), log=lines.append)
     llmc, megatron = (line for line in lines if line.startswith("dataset: prepared"))
     assert " val tokens) in " in llmc and "documents" not in llmc, llmc  # not "None documents"
     assert "val tokens, 5 documents) in " in megatron, megatron
@@ -101,8 +106,7 @@ def test_a_directory_of_llmc_shards_gives_its_bin_files_sorted(tmp_path, shards)
 
     dataset = prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "shards")))
 
-    assert np.array_equal(np.concatenate([split_tokens(dataset, "train"), split_tokens(dataset, "val")]),
-                          np.concatenate(shards))
+    assert np.array_equal(np.concatenate([split_tokens(dataset, "train"), split_tokens(dataset, "val")]), np.concatenate(shards))
 
 
 def test_llmc_val_path_is_exactly_the_validation_split(tmp_path, shards):
@@ -241,8 +245,9 @@ def test_megatron_bin_idx_is_used_in_place_with_its_documents(tmp_path, dtype):
 
 def test_the_megatron_validation_cut_moves_to_the_nearest_document_end_its_index_records(tmp_path):
     # 19 tokens, val_fraction 0.25: the exact cut (14) is inside [10..15]; the next end is 15.
-    dataset = prepared(data_config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS)),
-                         val_fraction=0.25))
+    dataset = prepared(
+        data_config(tmp_path, source="megatron", path=str(write_megatron(tmp_path / "corpus", DOCUMENTS)), val_fraction=0.25)
+    )
     assert split_tokens(dataset, "val").tolist() == [16, 17, 18, 19]
     assert read_meta(dataset)["tokens"] == {"train": 15, "val": 4}
 
@@ -260,8 +265,9 @@ def test_megatron_document_indices_that_are_not_ascending_are_an_error(tmp_path)
     prefix = write_megatron(tmp_path / "corpus", DOCUMENTS, document_indices=[0, 3, 2, 5])
     with pytest.raises(DataError) as excinfo:
         prepared(data_config(tmp_path, source="megatron", path=str(prefix)))
-    assert one_line_error(excinfo) == (f"{prefix}.idx: truncated or damaged (its document indices are not "
-                                       "ascending sequence numbers from 0 to 5)")
+    assert one_line_error(excinfo) == (
+        f"{prefix}.idx: truncated or damaged (its document indices are not ascending sequence numbers from 0 to 5)"
+    )
 
 
 def test_megatron_val_path_is_its_own_pair(tmp_path):

@@ -32,8 +32,9 @@ def documents_of(dataset: Path) -> list[str]:
 
 
 def write_jsonl(path: Path, rows: list, field: str = "text") -> Path:
-    path.write_text("".join(json.dumps(row if not isinstance(row, str) else {field: row}) + "\n" for row in rows),
-                    encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps(row if not isinstance(row, str) else {field: row}) + "\n" for row in rows), encoding="utf-8"
+    )
     return path
 
 
@@ -49,6 +50,7 @@ TEXTS = ["héllo wörld ✓\nsecond line\n", "plain ascii text", "third\n\nwith 
 
 
 # --- text ----------------------------------------------------------------------------------------
+
 
 def test_a_text_file_is_one_document_followed_by_end_of_text(tmp_path):
     (tmp_path / "a.txt").write_text(TEXTS[0], encoding="utf-8")
@@ -141,10 +143,12 @@ def test_a_text_file_that_is_not_utf8_is_a_one_line_error(tmp_path):
 
 # --- jsonl ---------------------------------------------------------------------------------------
 
+
 def test_jsonl_reads_the_named_field_one_document_per_line_and_skips_blank_lines(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"body": TEXTS[0], "id": 1}) + "\n\n   \n" + json.dumps({"body": TEXTS[1], "id": 2})
-                    + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps({"body": TEXTS[0], "id": 1}) + "\n\n   \n" + json.dumps({"body": TEXTS[1], "id": 2}) + "\n", encoding="utf-8"
+    )
 
     dataset = prepared(data_config(tmp_path, source="jsonl", path=str(path), text_field="body"))
 
@@ -200,6 +204,7 @@ def test_jsonl_with_only_blank_lines_has_no_documents_and_leaves_nothing_half_wr
 
 # --- parquet -------------------------------------------------------------------------------------
 
+
 def test_parquet_reads_the_named_column(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", {"id": [1, 2, 3], "content": TEXTS})
 
@@ -243,12 +248,14 @@ def test_a_file_that_is_not_parquet_is_a_one_line_error(tmp_path):
 
 # --- validation file -----------------------------------------------------------------------------
 
+
 def test_val_path_becomes_exactly_the_validation_split(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", TEXTS)
     write_jsonl(tmp_path / "val.jsonl", ["held out ✓", "also held out"])
 
-    dataset = prepared(data_config(tmp_path, source="jsonl", path=str(tmp_path / "train.jsonl"),
-                         val_path=str(tmp_path / "val.jsonl")))
+    dataset = prepared(
+        data_config(tmp_path, source="jsonl", path=str(tmp_path / "train.jsonl"), val_path=str(tmp_path / "val.jsonl"))
+    )
 
     assert byte_documents(split_tokens(dataset, "train")) == TEXTS
     assert byte_documents(split_tokens(dataset, "val")) == ["held out ✓", "also held out"]
@@ -270,6 +277,7 @@ def test_an_empty_val_path_file_is_an_error(tmp_path):
 
 # --- max_samples ---------------------------------------------------------------------------------
 
+
 def test_max_samples_limits_the_documents_and_has_its_own_cache_directory(tmp_path):
     rows = [f"document number {i}" for i in range(10)]
     write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -288,6 +296,7 @@ def test_max_samples_limits_the_documents_and_has_its_own_cache_directory(tmp_pa
 
 
 # --- errors that leave nothing behind ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["text", "jsonl", "parquet"])
 def test_a_missing_path_is_a_one_line_error_naming_it(tmp_path, kind):
@@ -367,6 +376,7 @@ def test_an_empty_text_file_is_a_one_line_error(tmp_path):
 
 # --- the cache key -------------------------------------------------------------------------------
 
+
 def test_the_cache_is_reused_and_changes_with_content_size_or_mtime_of_a_source_file(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -405,8 +415,14 @@ def test_context_length_does_not_change_the_dataset_directory(tmp_path):
     long = prepared(data_config(tmp_path, source="text", path=str(tmp_path / "a.txt"), context_length=4096))
 
     assert short == long
-    assert sorted(read_meta(short)["key"]) == ["format_version", "max_samples", "source", "tokenizer",
-                                               "val_fraction", "val_source"]
+    assert sorted(read_meta(short)["key"]) == [
+        "format_version",
+        "max_samples",
+        "source",
+        "tokenizer",
+        "val_fraction",
+        "val_source",
+    ]
 
 
 def test_the_text_field_is_part_of_the_key(tmp_path):

@@ -20,8 +20,10 @@ from helpers import all_tokens, data_config, prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CORPUS = [f"Document {i}: the quick brown fox jumps over the lazy dog. " * (i % 4 + 1)
-          + "héllo wörld ✓ naïve café\n" * (i % 3) for i in range(30)]
+CORPUS = [
+    f"Document {i}: the quick brown fox jumps over the lazy dog. " * (i % 4 + 1) + "héllo wörld ✓ naïve café\n" * (i % 3)
+    for i in range(30)
+]
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:
@@ -38,6 +40,7 @@ def documents(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
 
 
 # --- byte ----------------------------------------------------------------------------------------
+
 
 def test_the_byte_tokenizer_round_trips_utf8_and_ends_documents_with_256():
     tokenizer = ByteTokenizer()
@@ -63,6 +66,7 @@ def test_byte_preparation_stores_uint16_ids_with_end_of_text_after_each_document
 
 # --- bpe -----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def bpe_calls(monkeypatch):
     """Counts BPE trainings (the real trainer still runs)."""
@@ -73,6 +77,7 @@ def bpe_calls(monkeypatch):
     def counting(texts, vocab_size, destination):
         calls.append(vocab_size)
         return real(texts, vocab_size, destination)
+
     monkeypatch.setattr(prep, "train_bpe", counting)
     return calls
 
@@ -121,6 +126,7 @@ def test_bpe_retrains_only_when_its_training_data_or_size_changes(tmp_path, bpe_
 
     # A dataset deleted from the cache is rebuilt with the cached tokenizer.
     import shutil
+
     shutil.rmtree(first)
     assert prepared(data_config(tmp_path, **base)) == first
     assert bpe_calls == [300, 300, 320]
@@ -129,8 +135,9 @@ def test_bpe_retrains_only_when_its_training_data_or_size_changes(tmp_path, bpe_
 
 def test_bpe_with_max_samples_is_trained_and_tokenized_on_those_documents_only(tmp_path, bpe_calls):
     source = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
-    dataset = prepared(data_config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300,
-                         max_samples=5))
+    dataset = prepared(
+        data_config(tmp_path, source="jsonl", path=str(source), tokenizer="bpe", bpe_vocab_size=300, max_samples=5)
+    )
 
     meta = read_meta(dataset)
     assert meta["documents"]["total"] == 5
@@ -152,8 +159,8 @@ def test_text_that_spells_the_end_of_text_token_is_not_a_document_end(tmp_path, 
 
 # --- huggingface (a local tokenizer.json) --------------------------------------------------------
 
-def word_level(path: Path, words: list[str], specials: list[str] = ("<|endoftext|>",), *,
-               ids: list[int] | None = None) -> Path:
+
+def word_level(path: Path, words: list[str], specials: list[str] = ("<|endoftext|>",), *, ids: list[int] | None = None) -> Path:
     """A whitespace WordLevel tokenizer.json: [UNK] is 0, then the words, then the special tokens."""
     models = pytest.importorskip("tokenizers.models")
     from tokenizers import Tokenizer, pre_tokenizers
@@ -250,8 +257,9 @@ def test_data_eot_token_picks_the_named_token(tmp_path):
     texts = ["the cat", "sat"]
 
     default = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=texts)
-    named = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<sep>"),
-                documents=texts)
+    named = prepared(
+        data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<sep>"), documents=texts
+    )
 
     assert read_meta(default)["eot_id"] == 6  # "</s>", one of the usual names
     assert read_meta(named)["eot_id"] == 7
@@ -263,8 +271,10 @@ def test_data_eot_token_naming_a_token_the_tokenizer_lacks_is_an_error(tmp_path)
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", WORDS)
 
     with pytest.raises(DataError) as excinfo:
-        prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<eot>"),
-            documents=["the"])
+        prepared(
+            data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file), eot_token="<eot>"),
+            documents=["the"],
+        )
 
     message = one_line_error(excinfo)
     assert "data.eot_token" in message and "'<eot>'" in message and "special tokens are '<|endoftext|>'" in message
@@ -273,8 +283,9 @@ def test_data_eot_token_naming_a_token_the_tokenizer_lacks_is_an_error(tmp_path)
 def test_a_vocabulary_with_unused_ids_is_sized_by_its_largest_id(tmp_path):
     tokenizer_file = word_level(tmp_path / "tok" / "tokenizer.json", ["the", "cat"], ids=[1, 40])
 
-    dataset = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)),
-                  documents=["the cat", "cat"])
+    dataset = prepared(
+        data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(tokenizer_file)), documents=["the cat", "cat"]
+    )
 
     meta = read_meta(dataset)
     assert meta["vocab_size"] == 41
@@ -295,6 +306,7 @@ def test_a_tokenizer_path_that_does_not_exist_is_an_error(tmp_path, name):
 
 # --- tiktoken ------------------------------------------------------------------------------------
 
+
 def test_tiktoken_offline_without_cached_files_says_what_to_do(tmp_path, monkeypatch):
     pytest.importorskip("tiktoken")
     requests = pytest.importorskip("requests")
@@ -302,6 +314,7 @@ def test_tiktoken_offline_without_cached_files_says_what_to_do(tmp_path, monkeyp
 
     def offline(*args, **kwargs):
         raise requests.exceptions.ConnectionError("network is unreachable")
+
     monkeypatch.setattr(requests, "get", offline)  # offline even on a machine with network
 
     with pytest.raises(DataError) as excinfo:
@@ -327,10 +340,12 @@ def test_an_unknown_tiktoken_encoding_lists_the_known_ones(tmp_path):
 
 # --- a tokenizer that misbehaves ----------------------------------------------------------------
 
+
 def test_an_id_beyond_the_vocabulary_is_an_error_and_nothing_is_left_half_written(tmp_path, monkeypatch):
     class Broken(ByteTokenizer):
         def encode_batch(self, texts):
             return [np.array([104, 300, 105], dtype=np.uint32) for _ in texts]
+
     monkeypatch.setattr(prep, "load_tokenizer", lambda cfg, bpe_file=None: Broken())
 
     with pytest.raises(DataError) as excinfo:
@@ -343,13 +358,19 @@ def test_an_id_beyond_the_vocabulary_is_an_error_and_nothing_is_left_half_writte
 
 # --- imports -------------------------------------------------------------------------------------
 
+
 def test_importing_prepare_pulls_in_no_heavy_library():
     heavy = ["torch", "tokenizers", "pyarrow", "tiktoken", "huggingface_hub"]
-    code = (f"import sys, pretrain.data.prepare; "
-            f"print(','.join(m for m in {heavy!r} if m in sys.modules) or 'none')")
+    code = f"import sys, pretrain.data.prepare; print(','.join(m for m in {heavy!r} if m in sys.modules) or 'none')"
 
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "none"
@@ -364,8 +385,9 @@ def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_pa
     tokenizer.enable_padding(pad_id=7, pad_token="[PAD]")
     tokenizer.save(str(path))
 
-    dataset = prepared(data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(path)),
-                  documents=["the cat sat on", "mat"])
+    dataset = prepared(
+        data_config(tmp_path, tokenizer="huggingface", tokenizer_name=str(path)), documents=["the cat sat on", "mat"]
+    )
 
     assert all_tokens(dataset).tolist() == [1, 2, 3, 4, 6, 5, 6]  # whole documents, no padding
 

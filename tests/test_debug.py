@@ -29,6 +29,7 @@ def poison(trainer, name: str = POISONED) -> None:
 
 # --- detection ------------------------------------------------------------------------
 
+
 def test_a_finite_step_is_not_reported():
     assert debug.check_step(0, torch.tensor(2.5), torch.tensor(1.0), ONE) is None
 
@@ -59,6 +60,7 @@ def test_bad_elements_are_counted_by_kind():
 
 
 # --- the first module -------------------------------------------------------------------
+
 
 class Sqrt(nn.Module):
     def forward(self, x):
@@ -96,14 +98,21 @@ def test_the_debug_preset_traces_and_the_others_do_not(tmp_path):
 
 # --- the report and the dump ------------------------------------------------------------
 
+
 def test_the_report_has_the_banner_the_numbers_and_the_tensors():
     findings = debug.TensorFindings([], [], [])
     debug.inspect("w", torch.tensor([1.0, 2.0]), torch.tensor([float("inf"), 0.0]), findings)
     debug.inspect("ok", torch.ones(2), torch.ones(2), findings)
     text = debug.report(NonFinite(0, 12.6087, float("inf"), True, 0), "GPU 6", findings, None, tracing=False)
     lines = text.splitlines()
-    assert lines[:6] == [debug.RULE, "Inf GRADIENT DETECTED [GPU 6]", debug.RULE, "Step: 0", "Loss: 12.6087",
-                         "Gradient Norm: inf"]
+    assert lines[:6] == [
+        debug.RULE,
+        "Inf GRADIENT DETECTED [GPU 6]",
+        debug.RULE,
+        "Step: 0",
+        "Loss: 12.6087",
+        "Gradient Norm: inf",
+    ]
     assert "  w (2,) gradient: 1 Inf of 2; first values [inf, 0]" in lines
     assert "Total layers with NaN gradients: 1" in lines and "Affected layers: ['w']" in lines
     assert any(line.startswith("first non-finite: set debug.trace_nonfinite=true") for line in lines)
@@ -138,6 +147,7 @@ def test_under_fsdp_the_reporter_takes_part_in_every_gather_even_when_the_dump_f
 
 
 # --- in training --------------------------------------------------------------------------
+
 
 def test_a_nan_weight_stops_the_step_with_a_report_a_dump_and_a_checkpoint_that_replays_it(tmp_path, capsys):
     trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS)
@@ -194,8 +204,7 @@ def test_without_room_on_disk_the_dump_is_skipped_and_the_run_still_stops_with_i
 
 
 def test_skip_mode_drops_the_updates_then_stops_after_too_many_in_a_row(tmp_path, capsys):
-    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS, "debug.on_nonfinite=skip",
-                           "debug.max_skips_in_a_row=2")
+    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS, "debug.on_nonfinite=skip", "debug.max_skips_in_a_row=2")
     train_step(trainer, 0)  # a good step first, so that there are Adam moments to leave alone
     poison(trainer)
     output = trainer.model.get_parameter("output.weight")
@@ -210,13 +219,13 @@ def test_skip_mode_drops_the_updates_then_stops_after_too_many_in_a_row(tmp_path
 
 
 def test_skip_mode_carries_on_after_one_bad_gradient(tmp_path, capsys):
-    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS, "debug.on_nonfinite=skip",
-                           "training.max_steps=4")
+    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS, "debug.on_nonfinite=skip", "training.max_steps=4")
     calls = []
 
     def spike(grad):  # one gradient turns infinite once, as after a bad batch
         calls.append(1)
         return torch.full_like(grad, float("inf")) if len(calls) == 2 else grad
+
     trainer.tracer.remove()
     trainer.model.get_parameter("norm.weight").register_hook(spike)
     trainer.tracer = FirstNonFinite(trainer.model)  # its hooks after the spike's, to see what the spike made
@@ -231,8 +240,7 @@ def test_skip_mode_carries_on_after_one_bad_gradient(tmp_path, capsys):
 
 
 def test_with_the_check_off_a_nan_goes_into_the_weights(tmp_path):
-    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", "debug.check_finite=false",
-                           "debug.trace_nonfinite=false")
+    trainer = make_trainer(tmp_path / "cache", tmp_path / "run", "debug.check_finite=false", "debug.trace_nonfinite=false")
     poison(trainer)
     train_step(trainer, 0)
     assert torch.isnan(trainer.model.get_parameter("output.weight")).all()

@@ -28,8 +28,20 @@ DATASET, TOKENIZER = "HuggingFaceFW/fineweb-edu", "openai-community/gpt2"
 DATA_COMMIT, MODEL_COMMIT = "a" * 40, "b" * 40
 FILES = [f"sample/10BT/{i:03d}_00000.parquet" for i in range(3)]
 # The tiny model the end-to-end runs train instead of the preset's 153M parameters.
-TINY_MODEL = ["--set", "model.n_heads=4", "--set", "model.n_kv_heads=2", "--set", "model.dim=64",
-              "--set", "model.n_layers=2", "--set", "model.ffn_dim=128", "--set", "model.vocab_size=null"]
+TINY_MODEL = [
+    "--set",
+    "model.n_heads=4",
+    "--set",
+    "model.n_kv_heads=2",
+    "--set",
+    "model.dim=64",
+    "--set",
+    "model.n_layers=2",
+    "--set",
+    "model.ffn_dim=128",
+    "--set",
+    "model.vocab_size=null",
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +73,19 @@ def hub_home(tmp_path, monkeypatch) -> Path:
 def fineweb(hub_home, tokenizer_file) -> Path:
     """The Hub cache holding 3 FineWeb-Edu files (different documents each) and GPT-2's tokenizer."""
     documents = builtin_documents()
-    add_snapshot(hub_home, "dataset", DATASET, DATA_COMMIT,
-                 {name: {"text": documents[i::len(FILES)]} for i, name in enumerate(FILES)})
+    add_snapshot(
+        hub_home, "dataset", DATASET, DATA_COMMIT, {name: {"text": documents[i :: len(FILES)]} for i, name in enumerate(FILES)}
+    )
     add_snapshot(hub_home, "model", TOKENIZER, MODEL_COMMIT, {"tokenizer.json": tokenizer_file.read_bytes()})
     return hub_home
 
 
 def small(tmp_path: Path, *sets: str) -> cfg.Config:
     """The small preset, with one 1,024-token sequence per step (the fixture's files are small)."""
-    return cfg.resolve(preset="small", sets=[f"data.cache_dir={tmp_path / 'cache'}", "training.batch_size=1",
-                                             "training.grad_accum_nums=1", *sets])
+    return cfg.resolve(
+        preset="small",
+        sets=[f"data.cache_dir={tmp_path / 'cache'}", "training.batch_size=1", "training.grad_accum_nums=1", *sets],
+    )
 
 
 def chosen(config: cfg.Config, world_size: int = 1) -> tuple[cfg.Config, list[str]]:
@@ -96,6 +111,7 @@ def hub_file(name: str) -> Path:
 
 # --- presets ------------------------------------------------------------------------------------
 
+
 def test_small_and_production_default_to_fineweb_edu_with_real_tokenizers_and_debug_stays_built_in():
     for preset, tokenizer in (("small", TOKENIZER), ("production", "NousResearch/Meta-Llama-3-8B")):
         data = cfg.resolve(preset=preset).data
@@ -107,6 +123,7 @@ def test_small_and_production_default_to_fineweb_edu_with_real_tokenizers_and_de
 
 
 # --- how many files -----------------------------------------------------------------------------
+
 
 def test_a_short_run_uses_and_prepares_only_the_first_file(tmp_path, fineweb):
     config, lines = chosen(small(tmp_path, f"training.max_steps={sized_for(1)}"))
@@ -200,8 +217,9 @@ def online_hub(hub_home, monkeypatch, tokenizer_file):
         known(repo_id)
         requests.append(("tree", path_in_repo))
         names = [*FULL_SAMPLE, "sample/10BT/README.md", "data/CC-MAIN-2024-10/000_00000.parquet"]
-        return [RepoFile(path=name, size=2_000_000_000, oid="0", type="file") for name in names
-                if name.startswith(f"{path_in_repo}/")]
+        return [
+            RepoFile(path=name, size=2_000_000_000, oid="0", type="file") for name in names if name.startswith(f"{path_in_repo}/")
+        ]
 
     def snapshot_download(repo_id, *, repo_type=None, revision=None, allow_patterns=None, local_files_only=False, **kw):
         if local_files_only:
@@ -211,8 +229,15 @@ def online_hub(hub_home, monkeypatch, tokenizer_file):
         if repo_type == "model":
             return str(add_snapshot(hub_home, "model", repo_id, MODEL_COMMIT, {"tokenizer.json": tokenizer_file.read_bytes()}))
         texts = builtin_documents()
-        return str(add_snapshot(hub_home, "dataset", repo_id, DATA_COMMIT,
-                                {name: {"text": texts[i::len(allow_patterns)]} for i, name in enumerate(allow_patterns)}))
+        return str(
+            add_snapshot(
+                hub_home,
+                "dataset",
+                repo_id,
+                DATA_COMMIT,
+                {name: {"text": texts[i :: len(allow_patterns)]} for i, name in enumerate(allow_patterns)},
+            )
+        )
 
     monkeypatch.setattr(HfApi, "repo_info", repo_info)
     monkeypatch.setattr(HfApi, "list_repo_tree", list_repo_tree)
@@ -227,9 +252,11 @@ def test_online_only_the_files_the_run_reads_are_listed_by_size_and_downloaded(t
     chosen_config, lines = chosen(config, world_size=8)
 
     assert chosen_config.data.hub_max_files == 6
-    assert lines == ["dataset HuggingFaceFW/fineweb-edu: 14 file(s) match sample/10BT/*.parquet; using the first 6 "
-                     "(12.0 GB): the run reads 2.62B tokens, these hold ~3.60B (estimated from their size); "
-                     "data.hub_max_files sets the count"]
+    assert lines == [
+        "dataset HuggingFaceFW/fineweb-edu: 14 file(s) match sample/10BT/*.parquet; using the first 6 "
+        "(12.0 GB): the run reads 2.62B tokens, these hold ~3.60B (estimated from their size); "
+        "data.hub_max_files sets the count"
+    ]
     assert online_hub == [("tree", "sample/10BT")]  # listed below the pattern's directory only; nothing fetched
 
     dataset = prepare(chosen_config.data, log=lambda line: None)
@@ -258,6 +285,7 @@ def test_a_dataset_or_tokenizer_that_does_not_exist_is_one_line(tmp_path, hub_ho
 
 # --- offline without the files ------------------------------------------------------------------
 
+
 def test_offline_without_the_dataset_says_how_to_fetch_it_and_how_to_use_local_files(tmp_path, hub_home):
     with pytest.raises(DataError) as caught:
         chosen(small(tmp_path), world_size=8)
@@ -281,9 +309,14 @@ def test_offline_without_the_tokenizer_says_how_to_fetch_it_or_use_a_local_file(
 def test_the_launcher_offline_without_the_dataset_stops_with_one_line_before_any_worker(tmp_path, hub_home):
     machine = tmp_path / "machine.json"
     machine.write_text(json.dumps({"gpus": [{}] * 8}))
-    result = subprocess.run([sys.executable, "-m", "launcher", "--run-dir", str(tmp_path / "run")], cwd=ROOT,
-                            env=launcher_env(LAUNCHER_SCRIPTED_GPUS=str(machine)),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=launcher_env(LAUNCHER_SCRIPTED_GPUS=str(machine)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("launcher: error: dataset ")
@@ -294,12 +327,23 @@ def test_the_launcher_offline_without_the_dataset_stops_with_one_line_before_any
 
 # --- prepare_dataset.py and the whole path ------------------------------------------------------
 
+
 def test_prepare_dataset_prepares_what_a_one_rank_launch_would_and_says_it_assumed_one_rank(tmp_path, fineweb):
     import prepare_dataset
 
     lines: list[str] = []
-    args = ["--preset", "small", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--max-steps", str(sized_for(1)),
-            "--set", "training.batch_size=1", "--set", "training.grad_accum_nums=1"]
+    args = [
+        "--preset",
+        "small",
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--max-steps",
+        str(sized_for(1)),
+        "--set",
+        "training.batch_size=1",
+        "--set",
+        "training.grad_accum_nums=1",
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
         assert prepare_dataset.main(args) == 0
@@ -312,12 +356,39 @@ def test_prepare_dataset_prepares_what_a_one_rank_launch_would_and_says_it_assum
 def train_small(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     """The small preset with a tiny model on 2 CPU workers through the launcher, 4,096 tokens a step."""
     return subprocess.run(
-        [sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--preset", "small",
-         "--run-dir", str(tmp_path / "run"), *TINY_MODEL,
-         "--set", "training.batch_size=2", "--set", "training.grad_accum_nums=1", "--set", "training.warmup_steps=1",
-         "--set", "training.use_amp=false", "--set", "logging.log_interval=1",
-         "--set", f"data.cache_dir={tmp_path / 'cache'}", *options],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--preset",
+            "small",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *TINY_MODEL,
+            "--set",
+            "training.batch_size=2",
+            "--set",
+            "training.grad_accum_nums=1",
+            "--set",
+            "training.warmup_steps=1",
+            "--set",
+            "training.use_amp=false",
+            "--set",
+            "logging.log_interval=1",
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *options,
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -352,5 +423,7 @@ def test_resuming_on_other_hub_files_than_the_checkpoints_is_refused(tmp_path, f
     result = train_small(tmp_path, "--max-steps", "3", "--resume", "auto", "--set", "data.hub_max_files=2")
 
     assert result.returncode == 2, result.stdout[-3000:]
-    assert "was trained on other Hub data: data.hub_max_files is 1 there, 2 here; resume with " \
-           "--set data.hub_max_files=1 or start fresh" in result.stdout
+    assert (
+        "was trained on other Hub data: data.hub_max_files is 1 there, 2 here; resume with "
+        "--set data.hub_max_files=1 or start fresh" in result.stdout
+    )

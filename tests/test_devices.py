@@ -13,14 +13,31 @@ from launcher.nvml import Gpu, GpuProcess
 GIB = 1 << 30
 
 
-def gpu(index: int, util: float | None = 0.0, used_gib: float = 0.0, total_gib: float = 80.0, *,
-        mig_of: int | None = None, mig_enabled: bool = False, processes=()) -> Gpu:
+def gpu(
+    index: int,
+    util: float | None = 0.0,
+    used_gib: float = 0.0,
+    total_gib: float = 80.0,
+    *,
+    mig_of: int | None = None,
+    mig_enabled: bool = False,
+    processes=(),
+) -> Gpu:
     gpu_id = f"{mig_of}.{index}" if mig_of is not None else str(index)
     uuid = f"MIG-{mig_of}{index}aa" if mig_of is not None else f"GPU-{index}{index}ff-0000"
-    return Gpu(id=gpu_id, index=mig_of if mig_of is not None else index, uuid=uuid, name="NVIDIA H100 80GB HBM3",
-               pci_bus_id=f"00000000:{index:02X}:00.0", memory_total=int(total_gib * GIB),
-               memory_used=int(used_gib * GIB), utilization=util, processes=tuple(processes),
-               mig=mig_of is not None, mig_enabled=mig_enabled)
+    return Gpu(
+        id=gpu_id,
+        index=mig_of if mig_of is not None else index,
+        uuid=uuid,
+        name="NVIDIA H100 80GB HBM3",
+        pci_bus_id=f"00000000:{index:02X}:00.0",
+        memory_total=int(total_gib * GIB),
+        memory_used=int(used_gib * GIB),
+        utilization=util,
+        processes=tuple(processes),
+        mig=mig_of is not None,
+        mig_enabled=mig_enabled,
+    )
 
 
 class Claims:
@@ -43,6 +60,7 @@ class Claims:
             def release(self) -> None:
                 test.released.append(self.uuid)
                 test.held.pop(self.uuid, None)
+
         return Held(uuid)
 
     def holder(self, uuid: str) -> claims.Holder | None:
@@ -50,11 +68,24 @@ class Claims:
         return None if pid is None else claims.Holder(pid=pid, user="bob", since="09:00")
 
 
-def choose(gpus: list[Gpu], request: str, claimed: Claims | None = None, visible: str | None = None,
-           strict: bool = False, criteria: Criteria | None = None) -> devices.Selection:
+def choose(
+    gpus: list[Gpu],
+    request: str,
+    claimed: Claims | None = None,
+    visible: str | None = None,
+    strict: bool = False,
+    criteria: Criteria | None = None,
+) -> devices.Selection:
     table = claimed or Claims()
-    return select(gpus, parse_request(request), criteria or Criteria(), strict=strict, cuda_visible_devices=visible,
-                  claim=table.claim, holder=table.holder)
+    return select(
+        gpus,
+        parse_request(request),
+        criteria or Criteria(),
+        strict=strict,
+        cuda_visible_devices=visible,
+        claim=table.claim,
+        holder=table.holder,
+    )
 
 
 def ids(selection: devices.Selection) -> list[str]:
@@ -63,32 +94,53 @@ def ids(selection: devices.Selection) -> list[str]:
 
 # --- parsing --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, request_", [
-    ("all", GpuRequest("all")), ("ALL", GpuRequest("all")), ("none", GpuRequest("none")),
-    ("auto", GpuRequest("auto", count=1)), ("auto:3", GpuRequest("auto", count=3)),
-    ("0,3", GpuRequest("list", ids=("0", "3"))), (" 2 ", GpuRequest("list", ids=("2",))),
-    ("0.1,GPU-ab12", GpuRequest("list", ids=("0.1", "GPU-ab12"))),
-])
+
+@pytest.mark.parametrize(
+    "text, request_",
+    [
+        ("all", GpuRequest("all")),
+        ("ALL", GpuRequest("all")),
+        ("none", GpuRequest("none")),
+        ("auto", GpuRequest("auto", count=1)),
+        ("auto:3", GpuRequest("auto", count=3)),
+        ("0,3", GpuRequest("list", ids=("0", "3"))),
+        (" 2 ", GpuRequest("list", ids=("2",))),
+        ("0.1,GPU-ab12", GpuRequest("list", ids=("0.1", "GPU-ab12"))),
+    ],
+)
 def test_gpu_requests_are_parsed(text, request_):
     assert parse_request(text) == request_
 
 
-@pytest.mark.parametrize("text, message", [
-    ("auto:0", "the count after auto: must be a whole number of at least 1"),
-    ("auto:x", "the count after auto: must be a whole number of at least 1"),
-    ("0,,3", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
-    ("gpu0", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
-    ("", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
-    ("1,1", "names GPU 1 twice"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("auto:0", "the count after auto: must be a whole number of at least 1"),
+        ("auto:x", "the count after auto: must be a whole number of at least 1"),
+        ("0,,3", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
+        ("gpu0", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
+        ("", "is not all, auto:N, none, or a list of GPU ids like 0,3"),
+        ("1,1", "names GPU 1 twice"),
+    ],
+)
 def test_bad_gpu_requests_are_one_line_errors(text, message):
     with pytest.raises(DeviceError, match=message) as error:
         parse_request(text)
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("text, value", [("90%", 0.9), ("0%", 0.0), ("20GiB", 20 * GIB), ("20", 20 * GIB),
-                                         ("500MiB", 500 * 2**20), ("16GB", 16e9), ("1.5g", 1.5 * GIB)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("90%", 0.9),
+        ("0%", 0.0),
+        ("20GiB", 20 * GIB),
+        ("20", 20 * GIB),
+        ("500MiB", 500 * 2**20),
+        ("16GB", 16e9),
+        ("1.5g", 1.5 * GIB),
+    ],
+)
 def test_min_free_memory_is_a_share_or_an_amount(text, value):
     assert devices.parse_min_free_memory(text) == pytest.approx(value)
 
@@ -107,6 +159,7 @@ def test_max_utilization_is_a_percentage_from_0_to_100():
 
 
 # --- verdicts -------------------------------------------------------------------------
+
 
 def test_a_gpu_is_busy_over_the_utilization_limit_or_under_the_free_memory_floor():
     judge = lambda g: devices.judge(g, Criteria(min_free_memory=0.9, max_utilization=10), None, lambda _: None)  # noqa: E731
@@ -131,6 +184,7 @@ def test_unknown_utilization_is_neither_zero_nor_busy():
 
 
 # --- all ------------------------------------------------------------------------------
+
 
 def test_all_takes_every_free_gpu_and_records_why_the_others_were_skipped():
     gpus = [gpu(0), gpu(1, util=97), gpu(2), gpu(3, used_gib=70)]
@@ -181,6 +235,7 @@ def test_losing_the_race_for_a_gpu_moves_on_to_the_next_free_one():
 
 # --- auto:N ---------------------------------------------------------------------------
 
+
 def test_auto_takes_the_lowest_utilization_then_the_most_free_memory():
     gpus = [gpu(0, util=5), gpu(1, util=0, used_gib=5), gpu(2, util=0, used_gib=2), gpu(3, util=1)]
     assert ids(choose(gpus, "auto:1")) == ["2"]
@@ -203,11 +258,11 @@ def test_auto_asking_for_more_than_are_free_fails_and_releases_what_it_claimed()
 
 # --- explicit lists -------------------------------------------------------------------
 
+
 def test_an_explicit_list_is_used_as_given_and_a_busy_gpu_in_it_is_a_warning():
     selection = choose([gpu(0), gpu(1, util=97), gpu(2), gpu(3)], "3,1")
     assert ids(selection) == ["1", "3"]
-    assert selection.warnings == ["GPU 1 is busy (utilization 97% > 10%); using it anyway as --gpus names it "
-                                  "(--strict refuses)"]
+    assert selection.warnings == ["GPU 1 is busy (utilization 97% > 10%); using it anyway as --gpus names it (--strict refuses)"]
 
 
 def test_strict_refuses_a_busy_gpu_in_the_list_and_claims_nothing():
@@ -246,9 +301,14 @@ def test_one_gpu_named_by_id_and_by_uuid_is_refused():
 
 # --- MIG ------------------------------------------------------------------------------
 
+
 def mig_machine() -> list[Gpu]:
-    return [gpu(0, mig_enabled=True, util=None), gpu(0, util=None, total_gib=10, mig_of=0),
-            gpu(1, util=None, total_gib=10, mig_of=0), gpu(1)]
+    return [
+        gpu(0, mig_enabled=True, util=None),
+        gpu(0, util=None, total_gib=10, mig_of=0),
+        gpu(1, util=None, total_gib=10, mig_of=0),
+        gpu(1),
+    ]
 
 
 def test_on_a_machine_of_mig_devices_all_takes_one_of_them_and_says_why_not_the_others():
@@ -263,17 +323,22 @@ def test_on_a_machine_of_mig_devices_all_takes_one_of_them_and_says_why_not_the_
 def test_auto_n_over_mig_devices_only_is_refused_with_the_reason_and_the_fix():
     with pytest.raises(DeviceError) as error:
         choose(mig_machine()[:3], "auto:2")
-    assert str(error.value) == (f"--gpus auto:2 needs 2 GPUs, but only MIG devices are usable here and "
-                                f"{devices.ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs")
+    assert str(error.value) == (
+        f"--gpus auto:2 needs 2 GPUs, but only MIG devices are usable here and "
+        f"{devices.ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs"
+    )
     assert "NCCL does not support MIG" in devices.ONE_MIG_DEVICE and "PCI bus id" in devices.ONE_MIG_DEVICE
 
 
 def test_a_list_naming_several_mig_devices_is_refused_before_any_is_claimed():
     table = Claims()
     for request in ("0.0,0.1", "0.1,MIG-00"):
-        with pytest.raises(DeviceError, match=r"names 2 MIG devices \(0\.[01], 0\.[01]\), but a run uses at most "
-                                              r"one MIG device: NCCL does not support MIG.*; name one of them, "
-                                              r"or use whole GPUs$"):
+        with pytest.raises(
+            DeviceError,
+            match=r"names 2 MIG devices \(0\.[01], 0\.[01]\), but a run uses at most "
+            r"one MIG device: NCCL does not support MIG.*; name one of them, "
+            r"or use whole GPUs$",
+        ):
             choose(mig_machine(), request, claimed=table)
     assert table.released == []  # refused before claiming, so nothing to give back
 
@@ -293,6 +358,7 @@ def test_naming_a_gpu_in_mig_mode_points_to_its_mig_devices():
 
 
 # --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------
+
 
 def test_cuda_visible_devices_limits_the_choice_by_index():
     gpus = [gpu(i) for i in range(4)]
@@ -323,6 +389,7 @@ def test_cuda_visible_devices_naming_a_missing_gpu_is_an_error():
 
 # --- the table ------------------------------------------------------------------------
 
+
 def test_the_table_shows_every_device_with_its_numbers_and_verdict():
     processes = (GpuProcess(pid=4121, memory=70 * GIB, user="bob"), GpuProcess(pid=77, memory=None, user=None))
     gpus = [gpu(0), gpu(1, util=97, used_gib=70.5, processes=processes), gpu(2, util=None)] + mig_machine()
@@ -350,8 +417,18 @@ def test_a_long_process_list_is_cut_to_three_and_a_count():
 
 
 def test_a_gpu_nvml_cannot_read_is_never_chosen_and_says_why():
-    lost = Gpu(id="1", index=1, uuid="", name="?", pci_bus_id="?", memory_total=0, memory_used=0,
-               utilization=None, processes=(), error="GPU is lost")
+    lost = Gpu(
+        id="1",
+        index=1,
+        uuid="",
+        name="?",
+        pci_bus_id="?",
+        memory_total=0,
+        memory_used=0,
+        utilization=None,
+        processes=(),
+        error="GPU is lost",
+    )
     selection = choose([gpu(0), lost, gpu(2)], "all")
     assert ids(selection) == ["0", "2"]
     assert selection.verdicts[1].describe() == "NVML cannot read it: GPU is lost"

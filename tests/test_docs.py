@@ -50,10 +50,14 @@ def test_every_relative_link_in_the_readme_and_docs_points_to_an_existing_file_a
 
 
 def test_the_link_checker_notices_a_missing_file_and_a_missing_heading(tmp_path):
-    (tmp_path / "a.md").write_text("# Title\n\n## Two words\n\n[ok](#two-words) [ok](a.md#title)\n"
-                                   "[gone](b.md) [no heading](a.md#three) `[code](x)`\n```\n[fenced](y.md)\n```\n")
+    (tmp_path / "a.md").write_text(
+        "# Title\n\n## Two words\n\n[ok](#two-words) [ok](a.md#title)\n"
+        "[gone](b.md) [no heading](a.md#three) `[code](x)`\n```\n[fenced](y.md)\n```\n"
+    )
     assert broken_links(tmp_path / "a.md", tmp_path) == [
-        "a.md: b.md (no such file)", "a.md: a.md#three (no heading #three in a.md)"]
+        "a.md: b.md (no such file)",
+        "a.md: a.md#three (no heading #three in a.md)",
+    ]
 
 
 def test_the_readme_stays_short():

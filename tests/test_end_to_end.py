@@ -15,7 +15,8 @@ from conftest import ROOT, launcher_env
 
 STEP_LINE = re.compile(
     r"^(?P<prefix>CPU[01]):INFO \| \[CPU (?P<rank>[01])\] Step \[(?P<step>\d+)/(?P<total>\d+)\] \| "
-    r"Loss: (?P<loss>\d+\.\d{4}) \| LR: \d\.\d{2}e[-+]\d{2} \| Grad Norm: \d+\.\d{4} \| ETA: \d+:\d{2}")
+    r"Loss: (?P<loss>\d+\.\d{4}) \| LR: \d\.\d{2}e[-+]\d{2} \| Grad Norm: \d+\.\d{4} \| ETA: \d+:\d{2}"
+)
 
 
 # Where there is no NVIDIA driver (this project's development and CI machines) the runs take
@@ -27,9 +28,22 @@ DEVICE = [] if NO_GPU else ["--device", "cpu"]
 def run_training(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
     # PYTHON: run_training.sh uses the interpreter running these tests, which has everything.
     return subprocess.run(
-        ["bash", str(ROOT / "run_training.sh"), "--debug", *DEVICE, "--run-dir", str(tmp_path / name),
-         "--set", f"data.cache_dir={tmp_path / 'cache'}", *args],
-        env=launcher_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=300)
+        [
+            "bash",
+            str(ROOT / "run_training.sh"),
+            "--debug",
+            *DEVICE,
+            "--run-dir",
+            str(tmp_path / name),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *args,
+        ],
+        env=launcher_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +79,7 @@ def test_debug_run_exits_zero_with_step_lines_from_both_cpu_workers(two_runs):
 def test_without_a_gpu_the_launcher_says_so_in_one_line_and_runs_two_cpu_workers(two_runs):
     _, first, *_ = two_runs
     said = [line for line in first.stdout.splitlines() if "no NVIDIA GPU found" in line]
-    assert said == ["launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); "
-                    "--nproc N changes the count"]
+    assert said == ["launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); --nproc N changes the count"]
 
 
 @pytest.mark.slow
@@ -123,25 +136,50 @@ def test_max_steps_and_accumulation_on_the_command_line_shape_the_run(two_runs):
 @pytest.mark.slow
 def test_pretrain_main_trains_one_process_without_the_supervisor(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--max-steps", "3", "--run-dir", str(tmp_path / "r"),
-         "--set", "system.device=cpu", "--set", f"data.cache_dir={tmp_path / 'cache'}"],
-        env=launcher_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "pretrain_main.py"),
+            "--debug",
+            "--max-steps",
+            "3",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            "system.device=cpu",
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^INFO \| \[CPU 0\] Step \[2/3\] \| Loss: ", result.stdout, re.M)
     assert (tmp_path / "r" / "config.json").exists()
 
 
 def test_pretrain_main_config_error_is_one_line_without_traceback(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--set", "model.dim=130"],
-                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--set", "model.dim=130"],
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "pretrain: error: --set: model.dim: 130 is not divisible by model.n_heads (4)"
 
 
 @pytest.mark.slow
 def test_a_malformed_rank_variable_is_a_one_line_error():
-    result = subprocess.run([sys.executable, str(ROOT / "pretrain_main.py"), "--debug"],
-                            env=launcher_env(RANK="abc"), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_main.py"), "--debug"],
+        env=launcher_env(RANK="abc"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "pretrain: error: environment variable RANK='abc' is not an integer"
 
@@ -149,9 +187,13 @@ def test_a_malformed_rank_variable_is_a_one_line_error():
 def test_prepare_dataset_reports_an_unwritable_cache_as_one_line_naming_the_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    result = subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--debug",
-                             "--set", f"data.cache_dir={blocker / 'cache'}"],
-                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "prepare_dataset.py"), "--debug", "--set", f"data.cache_dir={blocker / 'cache'}"],
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"prepare_dataset: error: {blocker}") and result.stderr.count("\n") == 1
     assert "[Errno" not in result.stderr

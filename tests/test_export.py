@@ -33,8 +33,9 @@ from pretrain.train import train_step
 def trained(tmp_path_factory) -> tuple[Path, Trainer]:
     """A real checkpoint of a tiny byte-level model after one optimizer step, and its trainer."""
     root = tmp_path_factory.mktemp("export")
-    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={root / 'cache'}", "training.batch_size=2",
-                                               "data.context_length=32"])
+    config = cfg.resolve(
+        preset="debug", sets=[f"data.cache_dir={root / 'cache'}", "training.batch_size=2", "data.context_length=32"]
+    )
     runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -87,8 +88,7 @@ def test_without_output_a_run_is_exported_into_its_export_folder(trained, tmp_pa
     assert default_output(tmp_path / "loose-checkpoint") == tmp_path / "loose-checkpoint" / "export"
 
 
-def test_exporting_again_leaves_no_temporary_files_and_a_failed_write_keeps_the_previous_export(
-        trained, tmp_path, monkeypatch):
+def test_exporting_again_leaves_no_temporary_files_and_a_failed_write_keeps_the_previous_export(trained, tmp_path, monkeypatch):
     _, trainer = trained
     out = tmp_path / "out"
     export(trained_state(trainer), trainer.config, out)
@@ -121,8 +121,10 @@ def test_tensors_that_share_storage_are_written_as_separate_copies(trained, tmp_
 @pytest.fixture
 def bpe_run(tmp_path) -> tuple[cfg.Config, Path]:
     """The config of a tiny BPE model, fitted to its prepared dataset, and that dataset."""
-    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer=bpe",
-                                               "data.bpe_vocab_size=300", "data.context_length=32"])
+    config = cfg.resolve(
+        preset="debug",
+        sets=[f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer=bpe", "data.bpe_vocab_size=300", "data.context_length=32"],
+    )
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
     return config, dataset
@@ -165,9 +167,13 @@ def test_export_looks_nothing_up_and_copies_only_the_tokenizer_it_is_given(bpe_r
 @pytest.mark.slow
 def test_the_export_command_runs_as_a_module(trained, tmp_path):
     path, _ = trained
-    result = subprocess.run([sys.executable, "-m", "pretrain.export", "--checkpoint", str(path),
-                             "--output", str(tmp_path / "out")],
-                            env=launcher_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pretrain.export", "--checkpoint", str(path), "--output", str(tmp_path / "out")],
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
@@ -179,12 +185,15 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage, fragment", [
-    ("missing", "no such directory"),
-    ("no weights", "model.pt is missing"),
-    ("no config", "no config.json"),
-    ("damaged state", "state.json is unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        ("missing", "no such directory"),
+        ("no weights", "model.pt is missing"),
+        ("no config", "no config.json"),
+        ("damaged state", "state.json is unreadable"),
+    ],
+)
 def test_an_unusable_checkpoint_is_one_line_and_exit_2(trained, tmp_path, capsys, damage, fragment):
     path, _ = trained
     target = tmp_path / "step_1"

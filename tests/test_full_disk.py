@@ -49,8 +49,9 @@ def tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
     is not permitted."""
     mount_point.mkdir()
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                                 capture_output=True, text=True)
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
+        )
     except FileNotFoundError:
         pytest.skip("no mount command on this machine")
     if mounted.returncode != 0:
@@ -70,6 +71,7 @@ def tiny_tmpfs(tmp_path) -> Iterator[Path]:
 
 # --- the launcher's printer ---------------------------------------------------------------
 
+
 def test_a_log_file_on_a_full_disk_is_reported_once_and_the_console_keeps_every_line(tmp_path):
     logs = tmp_path / "logs"
     full(logs / "gpu0.log")
@@ -80,12 +82,18 @@ def test_a_log_file_on_a_full_disk_is_reported_once_and_the_console_keeps_every_
     printer.launcher_line("the end")
     printer.close()
     out = console.getvalue().splitlines()
-    warning = (f"launcher: warning: cannot write {logs / 'gpu0.log'}: {NO_SPACE}; "
-               "this log stops here, the console keeps everything")
+    warning = (
+        f"launcher: warning: cannot write {logs / 'gpu0.log'}: {NO_SPACE}; this log stops here, the console keeps everything"
+    )
     assert out == ["GPU0:line 0", warning, "GPU0:line 1", "GPU0:line 2", "launcher: the end"]
     # The other logs go on (the warning comes first there: it is written as gpu0.log fails).
     assert (logs / "combined.log").read_text().splitlines() == [
-        warning, "GPU0:line 0", "GPU0:line 1", "GPU0:line 2", "launcher: the end"]
+        warning,
+        "GPU0:line 0",
+        "GPU0:line 1",
+        "GPU0:line 2",
+        "launcher: the end",
+    ]
 
 
 def test_a_full_combined_log_and_a_log_that_cannot_be_created_are_reported_and_skipped(tmp_path):
@@ -101,8 +109,9 @@ def test_a_full_combined_log_and_a_log_that_cannot_be_created_are_reported_and_s
     assert [line for line in out if line.startswith("GPU1:")] == ["GPU1:hello", "GPU1:again"]
     warnings = sorted(line for line in out if line.startswith("launcher: warning: "))
     assert len(warnings) == 2
-    assert warnings[0] == (f"launcher: warning: cannot write {logs / 'combined.log'}: {NO_SPACE}; "
-                           "this log stops here, the console keeps everything")
+    assert warnings[0] == (
+        f"launcher: warning: cannot write {logs / 'combined.log'}: {NO_SPACE}; this log stops here, the console keeps everything"
+    )
     assert warnings[1].startswith(f"launcher: warning: cannot write {logs / 'gpu1.log'}: Is a directory;")
 
 
@@ -130,7 +139,10 @@ def test_a_console_that_fails_with_eio_is_left_and_the_logs_keep_everything(tmp_
     assert (tmp_path / "logs" / "gpu0.log").read_text() == "step 1\nstep 2\n"
     assert (tmp_path / "logs" / "combined.log").read_text().splitlines() == [
         "launcher: warning: cannot write the console: Input/output error; it stops here, the logs keep everything",
-        "GPU0:step 1", "GPU0:step 2", "launcher: FAILED: summary"]
+        "GPU0:step 1",
+        "GPU0:step 2",
+        "launcher: FAILED: summary",
+    ]
 
 
 def test_a_console_whose_reader_went_away_still_ends_the_launcher(tmp_path):
@@ -157,9 +169,14 @@ WORKER = """
 
 def launch_printing_worker(script, run_dir: Path, lines: int) -> subprocess.CompletedProcess:
     argv = script(WORKER.replace("LINES", str(lines)), "printer.py")
-    return subprocess.run([sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--run-dir",
-                           str(run_dir), "--", *argv], cwd=ROOT, env=launcher_env(), capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--run-dir", str(run_dir), "--", *argv],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def assert_full_outcome(result: subprocess.CompletedProcess, run_dir: Path, lines: int) -> None:
@@ -175,20 +192,23 @@ def assert_full_outcome(result: subprocess.CompletedProcess, run_dir: Path, line
     assert f"launcher: Full logs: {run_dir / 'logs'}\nlauncher: {'=' * 72}\n" in summary
 
 
-def test_a_launcher_whose_logs_are_on_a_full_disk_ends_with_the_workers_code_and_the_full_summary(
-        script, tmp_path):
+def test_a_launcher_whose_logs_are_on_a_full_disk_ends_with_the_workers_code_and_the_full_summary(script, tmp_path):
     run_dir = tmp_path / "run"
     for name in ("cpu0.log", "cpu1.log", "combined.log"):
         full(run_dir / "logs" / name)
     result = launch_printing_worker(script, run_dir, lines=50)
     assert_full_outcome(result, run_dir, lines=50)
     for name in ("cpu0.log", "cpu1.log", "combined.log"):
-        assert result.stdout.count(f"launcher: warning: cannot write {run_dir / 'logs' / name}: {NO_SPACE}; "
-                                   "this log stops here, the console keeps everything") == 1
+        assert (
+            result.stdout.count(
+                f"launcher: warning: cannot write {run_dir / 'logs' / name}: {NO_SPACE}; "
+                "this log stops here, the console keeps everything"
+            )
+            == 1
+        )
 
 
-def test_a_launcher_whose_logs_fill_a_tmpfs_mid_run_ends_with_the_workers_code_and_the_full_summary(
-        script, tiny_tmpfs):
+def test_a_launcher_whose_logs_fill_a_tmpfs_mid_run_ends_with_the_workers_code_and_the_full_summary(script, tiny_tmpfs):
     run_dir = tiny_tmpfs / "run"
     result = launch_printing_worker(script, run_dir, lines=2000)  # about 300 KB of logs for 64 KiB
     assert_full_outcome(result, run_dir, lines=2000)
@@ -199,17 +219,20 @@ def test_a_launcher_whose_logs_fill_a_tmpfs_mid_run_ends_with_the_workers_code_a
 
 # --- metrics.jsonl --------------------------------------------------------------------------
 
+
 def test_metrics_that_cannot_be_written_are_one_warning_naming_the_file_and_training_goes_on(tmp_path, caplog):
     full(tmp_path / "run" / "metrics.jsonl")
     logger = logging.getLogger("test_full_disk.metrics")
-    with caplog.at_level(logging.WARNING, logger=logger.name), \
-            MetricsLog(tmp_path / "run", enabled=True, tensorboard=False, logger=logger) as metrics:
+    with (
+        caplog.at_level(logging.WARNING, logger=logger.name),
+        MetricsLog(tmp_path / "run", enabled=True, tensorboard=False, logger=logger) as metrics,
+    ):
         for step in range(3):
             metrics.log_train(step, 2.0, 1e-3, 1.0, 100.0, None, None, 1.0)
         metrics.log_val(2, 2.5)
     assert [record.getMessage() for record in caplog.records] == [
-        f"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: {NO_SPACE}; metrics are no longer recorded there; "
-        "training goes on"]
+        f"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: {NO_SPACE}; metrics are no longer recorded there; training goes on"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +244,24 @@ def cache(tmp_path_factory) -> Path:
 def test_a_training_run_whose_metrics_file_is_on_a_full_disk_trains_to_the_end(cache, tmp_path):
     run_dir = tmp_path / "run"
     full(run_dir / "metrics.jsonl")
-    result = subprocess.run([sys.executable, "pretrain_main.py", "--debug", "--max-steps", "3", "--run-dir",
-                             str(run_dir), "--set", f"data.cache_dir={cache}"], cwd=ROOT,
-                            env=launcher_env(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "pretrain_main.py",
+            "--debug",
+            "--max-steps",
+            "3",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"data.cache_dir={cache}",
+        ],
+        cwd=ROOT,
+        env=launcher_env(HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     log = result.stdout + result.stderr
     assert log.count(f"cannot write {run_dir / 'metrics.jsonl'}: {NO_SPACE}") == 1
@@ -234,8 +272,7 @@ def test_a_training_run_whose_metrics_file_is_on_a_full_disk_trains_to_the_end(c
 # --- checkpoints ----------------------------------------------------------------------------
 
 
-def test_a_checkpoint_that_hits_a_full_disk_names_the_file_and_leaves_the_previous_one_resumable(
-        cache, tmp_path, monkeypatch):
+def test_a_checkpoint_that_hits_a_full_disk_names_the_file_and_leaves_the_previous_one_resumable(cache, tmp_path, monkeypatch):
     trainer = make_trainer(cache, tmp_path / "run")
     for step in range(2):
         train_step(trainer, step)
@@ -254,15 +291,15 @@ def test_a_checkpoint_that_hits_a_full_disk_names_the_file_and_leaves_the_previo
         checkpoint.save(trainer, 3, trainer.run_dir)
     monkeypatch.undo()
     assert str(error.value).startswith(
-        f"cannot write checkpoint file {trainer.run_dir / 'checkpoints' / 'step_3.tmp' / 'model.pt'} (")
+        f"cannot write checkpoint file {trainer.run_dir / 'checkpoints' / 'step_3.tmp' / 'model.pt'} ("
+    )
     assert sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir()) == ["step_2"]  # no partial step_3
     assert checkpoint.latest(trainer.run_dir / "checkpoints") == previous
     resumed = make_trainer(cache, tmp_path / "resumed")
     assert checkpoint.restore(resumed, previous) == 2
 
 
-def test_a_checkpoint_that_fills_a_tmpfs_names_the_file_gives_the_space_back_and_keeps_the_previous_one(
-        cache, tmp_path):
+def test_a_checkpoint_that_fills_a_tmpfs_names_the_file_gives_the_space_back_and_keeps_the_previous_one(cache, tmp_path):
     trainer = make_trainer(cache, tmp_path / "measure")
     train_step(trainer, 0)
     size = sum(f.stat().st_size for f in checkpoint.save(trainer, 1, trainer.run_dir).iterdir())

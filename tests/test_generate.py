@@ -32,8 +32,9 @@ CONTEXT = 32
 def saved(tmp_path_factory) -> Path:
     """A real checkpoint of a tiny byte-level model (debug preset, context 32)."""
     root = tmp_path_factory.mktemp("generate")
-    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={root / 'cache'}", "training.batch_size=2",
-                                               f"data.context_length={CONTEXT}"])
+    config = cfg.resolve(
+        preset="debug", sets=[f"data.cache_dir={root / 'cache'}", "training.batch_size=2", f"data.context_length={CONTEXT}"]
+    )
     runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -56,7 +57,7 @@ def argmax_loop(model: Transformer, ids: list[int], max_tokens: int) -> list[int
     ids, new = list(ids), []
     with torch.no_grad():
         for _ in range(max_tokens):
-            token = int(model(torch.tensor([ids[-model.max_seq_len:]])).out[0, -1].argmax())
+            token = int(model(torch.tensor([ids[-model.max_seq_len :]])).out[0, -1].argmax())
             if token == BYTE_EOT:
                 break
             ids.append(token)
@@ -79,6 +80,7 @@ def seeded(seed: int) -> torch.Generator:
 
 
 # --- the loop -------------------------------------------------------------------------------
+
 
 def test_greedy_generation_is_deterministic_and_equals_an_argmax_loop_over_the_logits(model):
     ids = prompt_ids("def main")
@@ -117,8 +119,7 @@ def test_generation_stops_at_the_end_of_text_id_and_leaves_it_out(model):
     ids = prompt_ids("class A")
     full = generate(model, ids, 12, temperature=1.0, top_k=0, eot_id=-1, generator=seeded(3))
     stop = full[5]
-    assert generate(model, ids, 12, temperature=1.0, top_k=0, eot_id=stop, generator=seeded(3)) == \
-        full[:full.index(stop)]
+    assert generate(model, ids, 12, temperature=1.0, top_k=0, eot_id=stop, generator=seeded(3)) == full[: full.index(stop)]
 
 
 def test_an_empty_prompt_starts_from_end_of_text(model):
@@ -130,8 +131,7 @@ def test_ids_beyond_the_tokenizers_vocabulary_are_never_drawn():
     torch.manual_seed(0)
     wide = Transformer(dataclasses.replace(cfg.debug().model, vocab_size=400), max_seq_len=CONTEXT)
     unrestricted = generate(wide, [1, 2, 3], 25, temperature=1.0, top_k=0, eot_id=BYTE_EOT, generator=seeded(0))
-    restricted = generate(wide, [1, 2, 3], 25, temperature=1.0, top_k=0, eot_id=BYTE_EOT, generator=seeded(0),
-                          vocab_size=257)
+    restricted = generate(wide, [1, 2, 3], 25, temperature=1.0, top_k=0, eot_id=BYTE_EOT, generator=seeded(0), vocab_size=257)
     assert max(unrestricted) >= 257  # the check below has something to catch
     assert max(restricted) < 257
 
@@ -152,12 +152,31 @@ def test_a_tiny_temperature_is_greedy_rather_than_nan():
 
 # --- the command line -----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_the_command_prints_the_prompt_followed_by_generated_text(saved):
     run_dir = saved.parent.parent  # a run directory means its latest checkpoint
-    result = subprocess.run([sys.executable, "-m", "pretrain.generate", "--checkpoint", str(run_dir),
-                             "--prompt", "Return the", "--max-tokens", "12", "--seed", "5", "--device", "cpu"],
-                            env=launcher_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.generate",
+            "--checkpoint",
+            str(run_dir),
+            "--prompt",
+            "Return the",
+            "--max-tokens",
+            "12",
+            "--seed",
+            "5",
+            "--device",
+            "cpu",
+        ],
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     text = result.stdout.removesuffix("\n")
     assert text.startswith("Return the") and len(text) > len("Return the")
@@ -177,13 +196,16 @@ def test_an_empty_prompt_is_fine(saved, capsys):
 REFUSAL = {"prefix": "generate: error: "}  # and nothing on stdout
 
 
-@pytest.mark.parametrize("option, value, fragment", [
-    ("--max-tokens", "0", "--max-tokens must be at least 1"),
-    ("--temperature", "-0.5", "--temperature must be 0"),
-    ("--temperature", "nan", "--temperature must be 0"),
-    ("--top-k", "-1", "--top-k must be 0"),
-    ("--max-tokens", "ten", "invalid int value"),
-])
+@pytest.mark.parametrize(
+    "option, value, fragment",
+    [
+        ("--max-tokens", "0", "--max-tokens must be at least 1"),
+        ("--temperature", "-0.5", "--temperature must be 0"),
+        ("--temperature", "nan", "--temperature must be 0"),
+        ("--top-k", "-1", "--top-k must be 0"),
+        ("--max-tokens", "ten", "invalid int value"),
+    ],
+)
 def test_a_bad_option_is_one_line_and_exit_2(saved, capsys, option, value, fragment):
     result = run_cli(["--checkpoint", str(saved), "--prompt", "a", option, value], capsys)
     assert_one_line_error(result, fragment, **REFUSAL)

@@ -27,8 +27,14 @@ HAS_NVIDIA_SMI = shutil.which("nvidia-smi") is not None
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=ROOT, env=launcher_env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_help_names_every_option_and_every_check():
@@ -40,13 +46,16 @@ def test_help_names_every_option_and_every_check():
     assert ", ".join(gpu_checks.CHECKS) in " ".join(result.stdout.split())
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--bogus"], "gpu_check: error: unrecognized arguments: --bogus; see --help"),
-    (["--only", "small,smal"], "gpu_check: error: --only: unknown check smal; choose from gpus, nvml-test,"),
-    (["--only", ","], "gpu_check: error: --only: unknown check (none given)"),
-    (["--set", "data.sorce=text"], "gpu_check: error: --set: data.sorce: unknown key; did you mean data.source?"),
-    (["--output", "benchmarks"], "gpu_check: error: --output benchmarks is a directory; name a file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "gpu_check: error: unrecognized arguments: --bogus; see --help"),
+        (["--only", "small,smal"], "gpu_check: error: --only: unknown check smal; choose from gpus, nvml-test,"),
+        (["--only", ","], "gpu_check: error: --only: unknown check (none given)"),
+        (["--set", "data.sorce=text"], "gpu_check: error: --set: data.sorce: unknown key; did you mean data.source?"),
+        (["--output", "benchmarks"], "gpu_check: error: --output benchmarks is a directory; name a file"),
+    ],
+)
 def test_a_bad_argument_is_one_line_and_exit_2(args, message):
     result = run_script(*args)
     assert result.returncode == 2
@@ -66,8 +75,10 @@ def test_the_step_lines_of_training_are_read_with_throughput_mfu_and_memory():
     trainer = SimpleNamespace(config=cfg.debug())
     line = step_line(trainer, 7, 3.25, 1e-3, 0.5, 12.0, 123456.0, 0.4567, 12.3)
     other = step_line(trainer, 8, 3.0, 1e-3, 0.5, 11.0, 1000.0, None, None)
-    out = (f"launcher: run directory: x\nGPU3:INFO | [GPU 3] {line}\nGPU3:DEBUG | [GPU 3] Step [7/9] | Loss: 1\n"
-           f"GPU5:INFO | [GPU 5] {other}\n")
+    out = (
+        f"launcher: run directory: x\nGPU3:INFO | [GPU 3] {line}\nGPU3:DEBUG | [GPU 3] Step [7/9] | Loss: 1\n"
+        f"GPU5:INFO | [GPU 5] {other}\n"
+    )
     first, second = gpu_procs.step_lines(out)
     assert first == {"prefix": "GPU3", "step": 7, "loss": 3.25, "tokens_per_s": 123456.0, "mfu": 45.7, "mem": 12.3}
     assert (second["prefix"], second["step"], second["mfu"], second["mem"]) == ("GPU5", 8, None, None)
@@ -79,20 +90,31 @@ def test_falling_loss_compares_the_last_step_with_the_first():
     assert not gpu_procs.falling({0: 5.0, 9: 5.0}) and not gpu_procs.falling({0: 5.0})
 
 
-@pytest.mark.parametrize("name, short", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
-                                         ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GH200 480GB", "gh200"),
-                                         ("NVIDIA L40S", "l40s"), ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090")])
+@pytest.mark.parametrize(
+    "name, short",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+    ],
+)
 def test_the_results_file_is_named_after_the_gpu_model(name, short):
     assert gpu_check.short_gpu_name(name) == short
 
 
 def test_a_rerun_of_some_checks_replaces_their_rows_and_keeps_the_others_in_check_order(tmp_path):
     path, machine = tmp_path / "2026-01-01-h100.md", "Machine: 1 x NVIDIA H100; driver 1; 2026-01-01"
-    first = [gpu_checks.Row("syncs row", "max 2", "<= 1", "no", key="syncs"),
-             gpu_checks.Row("gpus row", "agree", "identical", "yes", key="gpus")]
+    first = [
+        gpu_checks.Row("syncs row", "max 2", "<= 1", "no", key="syncs"),
+        gpu_checks.Row("gpus row", "agree", "identical", "yes", key="gpus"),
+    ]
     gpu_check.write_report(path, machine, first, "note")
-    text = gpu_check.write_report(path, machine, [gpu_checks.Row("syncs row", "max 1", "<= 1", "yes", key="syncs",
-                                                                failure="")], "note")
+    text = gpu_check.write_report(
+        path, machine, [gpu_checks.Row("syncs row", "max 1", "<= 1", "yes", key="syncs", failure="")], "note"
+    )
     assert text == path.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert rows == ["| gpus row | agree | identical | yes |", "| syncs row | max 1 | <= 1 | yes |"]
@@ -120,6 +142,7 @@ def test_a_check_that_raises_becomes_a_failed_row_and_the_next_check_still_runs(
 
     def fine(ctx):
         return [gpu_checks.Row("nvml test", "1 passed", "1 passed", "yes")]
+
     monkeypatch.setitem(gpu_checks.CHECKS, "gpus", broken)
     monkeypatch.setitem(gpu_checks.CHECKS, "nvml-test", fine)
     ctx = gpu_checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path, log=lambda _: None)
@@ -147,10 +170,17 @@ def test_without_data_options_the_runs_use_the_offline_corpus_and_keep_the_prese
 
 def test_the_nvml_worker_run_as_a_script_reads_the_gpus_through_the_launchers_nvml(scripted_gpus):
     # benchmarks/launcher.py must not shadow the launcher package when the script runs.
-    scripted_gpus([{"uuid": "GPU-aaaa", "memory_total_mib": 81559, "processes": [{"pid": 4242, "memory_mib": 1024}]},
-                   {"uuid": "GPU-bbbb"}])
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--worker", "nvml"], cwd=ROOT,
-                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    scripted_gpus(
+        [{"uuid": "GPU-aaaa", "memory_total_mib": 81559, "processes": [{"pid": 4242, "memory_mib": 1024}]}, {"uuid": "GPU-bbbb"}]
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--worker", "nvml"],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     gpus = json.loads(result.stdout.split(gpu_procs.RESULT_MARK)[1])
     assert [(g["index"], g["uuid"]) for g in gpus] == [(0, "GPU-aaaa"), (1, "GPU-bbbb")]
@@ -161,6 +191,7 @@ def test_the_nvml_worker_run_as_a_script_reads_the_gpus_through_the_launchers_nv
 def test_the_two_gpu_runtime_checks_are_not_applicable_on_one_gpu_and_start_nothing(tmp_path, monkeypatch):
     def no_process(*args, **kwargs):
         raise AssertionError("a one-GPU machine must not start a two-GPU run")
+
     monkeypatch.setattr(gpu_checks_runtime, "run", no_process)
     monkeypatch.setattr(gpu_checks_runtime, "launcher", no_process)
     monkeypatch.setattr(gpu_checks_runtime.subprocess, "Popen", no_process)
@@ -173,16 +204,32 @@ def test_the_two_gpu_runtime_checks_are_not_applicable_on_one_gpu_and_start_noth
 @pytest.mark.slow
 def test_under_torchrun_the_row_reads_each_ranks_device_and_wants_two_different_gpus(tmp_path):
     # A real 2-rank torchrun on CPU: the Model lines are read; both ranks on "cpu" is not a pass.
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "pretrain_main.py",
-            "--debug", "--run-dir", str(tmp_path / "run"), "--set", "system.device=cpu",
-            "--set", "training.max_steps=1", "--set", "training.compile=false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "pretrain_main.py",
+        "--debug",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "system.device=cpu",
+        "--set",
+        "training.max_steps=1",
+        "--set",
+        "training.compile=false",
+    ]
     proc = gpu_procs.run(argv, timeout=300, env=launcher_env())
     assert proc.ok, proc.tail()
     row = gpu_checks_runtime.torchrun_row("torchrun", "different GPUs", proc)
     assert row.met == "no" and row.result.startswith("exit 0; ranks on cpu (CPU ") and row.result.count("cpu (") == 2
     on_gpus = proc.out.replace("[CPU 0]", "[GPU 0]").replace("[CPU 1]", "[GPU 1]")
-    apart = dataclasses.replace(proc, out=on_gpus.replace("device cpu", "device cuda:0", 1).replace("device cpu",
-                                                                                                      "device cuda:1"))
+    apart = dataclasses.replace(
+        proc, out=on_gpus.replace("device cpu", "device cuda:0", 1).replace("device cpu", "device cuda:1")
+    )
     assert gpu_checks_runtime.torchrun_row("torchrun", "t", apart).met == "yes"
     together = dataclasses.replace(proc, out=on_gpus.replace("device cpu", "device cuda:0"))
     assert gpu_checks_runtime.torchrun_row("torchrun", "t", together).met == "no"
@@ -191,9 +238,21 @@ def test_under_torchrun_the_row_reads_each_ranks_device_and_wants_two_different_
 @pytest.mark.slow
 def test_a_rank_that_raises_under_the_launcher_prints_its_traceback_and_all_end_soon(tmp_path):
     # The nccl-error worker on two gloo CPU ranks: the same code, the launcher's real summary.
-    proc = gpu_procs.launcher("--device", "cpu", "--nproc", "2", "--kill-grace", "1", "--run-dir", str(tmp_path / "r"),
-                              "--", *gpu_procs.worker_argv("nccl-error", "cpu"), timeout=120, env=launcher_env(),
-                              first_match=gpu_checks_runtime.re.compile(RAISING))
+    proc = gpu_procs.launcher(
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--kill-grace",
+        "1",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--",
+        *gpu_procs.worker_argv("nccl-error", "cpu"),
+        timeout=120,
+        env=launcher_env(),
+        first_match=gpu_checks_runtime.re.compile(RAISING),
+    )
     assert "FAILED: CPU" in gpu_checks_runtime.summary(proc.out), proc.tail()
     row = gpu_checks_runtime.error_row("nccl-error", "t", proc)
     assert row.met == "yes" and row.result.startswith("exit 1 ") and "rank 1's traceback printed" in row.result, row
@@ -209,8 +268,7 @@ def memory_run(estimate_gib: float | None, mems: list[float | None]) -> gpu_proc
     if estimate_gib is not None:
         line = gpu_checks_runtime.ESTIMATE.sub(f"estimated {estimate_gib:.1f} GiB of 80.0 GiB per GPU", line)
     trainer = SimpleNamespace(config=cfg.debug())
-    steps = [f"GPU0:INFO | [GPU 0] {step_line(trainer, i, 3.0, 1e-3, 0.5, 1.0, 1000.0, None, mem)}"
-             for i, mem in enumerate(mems)]
+    steps = [f"GPU0:INFO | [GPU 0] {step_line(trainer, i, 3.0, 1e-3, 0.5, 1.0, 1000.0, None, mem)}" for i, mem in enumerate(mems)]
     out = "\n".join(([f"launcher: {line}"] if estimate_gib is not None else []) + steps)
     return gpu_procs.Proc(["python", "-m", "launcher"], 0, out, 1.0)
 

@@ -19,24 +19,28 @@ from launcher.reaper import TOKEN_VAR
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 # The launcher's refusals: `launcher: error: ...` on stderr (its stdout may already have said what it did).
 REFUSAL = {"prefix": "launcher: error: ", "quiet_stdout": False}
 
 
-@pytest.mark.parametrize("args, text", [
-    (["--nproc", "0"], "--nproc must be at least 1 (got 0)"),
-    (["--kill-grace", "-1"], "--kill-grace must be between 0 and 3600 seconds (got -1)"),
-    (["--kill-grace", "inf"], "--kill-grace must be between 0 and 3600 seconds (got inf)"),
-    (["--kill-grace", "nan"], "--kill-grace must be between 0 and 3600 seconds (got nan)"),
-    (["--stop-timeout", "-5"], "--stop-timeout must be between 0 and 86400 seconds (got -5)"),
-    (["--hang-timeout", "0"], "--hang-timeout must be between 1 and 86400 seconds (got 0)"),
-    (["--set", "training.batchsize=4"], "training.batchsize: unknown key; did you mean training.batch_size?"),
-    (["--config", "no/such.json"], "no/such.json: config file not found"),
-])
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (["--nproc", "0"], "--nproc must be at least 1 (got 0)"),
+        (["--kill-grace", "-1"], "--kill-grace must be between 0 and 3600 seconds (got -1)"),
+        (["--kill-grace", "inf"], "--kill-grace must be between 0 and 3600 seconds (got inf)"),
+        (["--kill-grace", "nan"], "--kill-grace must be between 0 and 3600 seconds (got nan)"),
+        (["--stop-timeout", "-5"], "--stop-timeout must be between 0 and 86400 seconds (got -5)"),
+        (["--hang-timeout", "0"], "--hang-timeout must be between 1 and 86400 seconds (got 0)"),
+        (["--set", "training.batchsize=4"], "training.batchsize: unknown key; did you mean training.batch_size?"),
+        (["--config", "no/such.json"], "no/such.json: config file not found"),
+    ],
+)
 def test_bad_options_give_one_line_and_exit_2(args, text, tmp_path):
     assert_one_line_error(launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), *args, "--", "true"), text, **REFUSAL)
 
@@ -54,12 +58,14 @@ def test_an_unwritable_run_directory_is_a_one_line_error(tmp_path):
 
 
 def test_generic_mode_runs_the_command_once_per_worker_with_the_contract_env(script, tmp_path):
-    argv = script("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], "
-                  "repr(os.environ['CUDA_VISIBLE_DEVICES']))")
+    argv = script("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], repr(os.environ['CUDA_VISIBLE_DEVICES']))")
     result = launch("--device", "cpu", "--nproc", "3", "--run-dir", str(tmp_path / "r"), "--", *argv)
     assert result.returncode == 0, result.stderr
-    assert sorted(line for line in result.stdout.splitlines() if line.startswith("CPU")) == \
-        ["CPU0:0 3 ''", "CPU1:1 3 ''", "CPU2:2 3 ''"]
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("CPU")) == [
+        "CPU0:0 3 ''",
+        "CPU1:1 3 ''",
+        "CPU2:2 3 ''",
+    ]
 
 
 def test_a_failing_worker_makes_the_launcher_exit_with_its_code(script, tmp_path):
@@ -74,12 +80,18 @@ SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60
 
 def start_launcher(processes, tmp_path, *args: str) -> subprocess.Popen:
     """A launcher on the CPU (killed with all it started when the test ends, however it ends)."""
-    return processes([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"), *args],
-                     cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    return processes(
+        [sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"), *args],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
-def start_launcher_with_sleepers(processes, script, tmp_path, source: str = SLEEPER,
-                                 *options: str) -> tuple[subprocess.Popen, list[int]]:
+def start_launcher_with_sleepers(
+    processes, script, tmp_path, source: str = SLEEPER, *options: str
+) -> tuple[subprocess.Popen, list[int]]:
     """A launcher running 2 workers that print their pid and sleep; return it and the pids."""
     proc = start_launcher(processes, tmp_path, *options, "--", *script(source))
     assert proc.stdout is not None
@@ -139,8 +151,9 @@ def told_the_guardian(processes, launcher: subprocess.Popen, log: Path, token: s
 
 
 def test_workers_and_everything_they_started_die_with_a_launcher_killed_by_sigkill(processes, script, tmp_path):
-    proc, pids = start_launcher_with_sleepers(processes, script, tmp_path, ESCAPES_THEN_SLEEPS.replace(
-        'if os.environ["RANK"] == "0":', "if True:"))
+    proc, pids = start_launcher_with_sleepers(
+        processes, script, tmp_path, ESCAPES_THEN_SLEEPS.replace('if os.environ["RANK"] == "0":', "if True:")
+    )
     escaped = escaped_descendants(tmp_path)
     (token,) = run_tokens(pids)
     newcomer = told_the_guardian(processes, proc, tmp_path / "r" / "logs" / "combined.log", token)
@@ -150,9 +163,13 @@ def test_workers_and_everything_they_started_die_with_a_launcher_killed_by_sigki
     # the newcomer carry the run's token; the clean-environment daemons were in the launcher's reports.
     assert wait_until(lambda: not any(alive(pid) for pid in pids + escaped + [newcomer.pid]), timeout=10)
     newcomer.wait(timeout=10)  # reaped, so that it is not counted below
+
     def left() -> list:
-        return [(p.pid, p.status(), p.cmdline()) for p in psutil.process_iter(["environ"])
-                if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == token]
+        return [
+            (p.pid, p.status(), p.cmdline())
+            for p in psutil.process_iter(["environ"])
+            if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == token
+        ]
 
     assert wait_until(lambda: not left(), timeout=3), left()
 
@@ -164,8 +181,15 @@ def escaped_descendants(tmp_path) -> list[int]:
 
 
 def test_descendants_that_left_the_group_and_cleared_their_environment_do_not_outlive_the_run(script, tmp_path):
-    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", *script(ESCAPES_THEN_SLEEPS.replace(
-        'if os.environ["RANK"] == "0":', "if False:")), timeout=30)
+    result = launch(
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--",
+        *script(ESCAPES_THEN_SLEEPS.replace('if os.environ["RANK"] == "0":', "if False:")),
+        timeout=30,
+    )
     assert result.returncode == 0, result.stdout
     escaped = escaped_descendants(tmp_path)
     assert len(escaped) == 4
@@ -173,7 +197,8 @@ def test_descendants_that_left_the_group_and_cleared_their_environment_do_not_ou
 
 
 def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(processes, script, tmp_path):
-    handles = script("""
+    handles = script(
+        """
         import os, signal, sys, time
         def stop(*_):
             time.sleep(0.5)  # slower than bash, which dies of SIGTERM at once
@@ -182,7 +207,9 @@ def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(processes, scri
         signal.signal(signal.SIGTERM, stop)
         print("pid", os.getpid(), flush=True)
         time.sleep(60)
-    """, "child.py")
+    """,
+        "child.py",
+    )
     proc = start_launcher(processes, tmp_path, "--", "bash", "-c", f"{' '.join(handles)}; echo after")
     read = [proc.stdout.readline(), proc.stdout.readline()]
     assert all(":pid " in line for line in read), read
@@ -192,14 +219,18 @@ def test_ctrl_c_reaches_a_command_run_by_a_shell_in_generic_mode(processes, scri
 
 
 def test_a_shell_commands_child_that_ignores_sigterm_is_killed_at_the_stop_timeout(processes, script, tmp_path):
-    handles = script("""
+    handles = script(
+        """
         import os, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("pid", os.getpid(), flush=True)
         time.sleep(60)
-    """, "child.py")
-    proc = start_launcher(processes, tmp_path, "--nproc", "1", "--stop-timeout", "1",
-                          "--", "bash", "-c", f"{' '.join(handles)}; echo after")
+    """,
+        "child.py",
+    )
+    proc = start_launcher(
+        processes, tmp_path, "--nproc", "1", "--stop-timeout", "1", "--", "bash", "-c", f"{' '.join(handles)}; echo after"
+    )
     child = int(proc.stdout.readline().split()[-1])
     started = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -221,26 +252,62 @@ def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(processes, 
 
 
 def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run_dir(tmp_path):
-    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "training.batch_size=100000")
-    assert_one_line_error(result, "fewer than one optimizer step needs: batch_size 100000 x grad_accum_nums 1 "
-                                  "x 2 rank(s) = 200,000; reduce training.batch_size", **REFUSAL)
+    result = launch(
+        "--debug",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "training.batch_size=100000",
+    )
+    assert_one_line_error(
+        result,
+        "fewer than one optimizer step needs: batch_size 100000 x grad_accum_nums 1 "
+        "x 2 rank(s) = 200,000; reduce training.batch_size",
+        **REFUSAL,
+    )
     assert not (tmp_path / "r").exists()
     assert "CPU0:" not in result.stdout  # no worker started
 
 
 def test_token_ids_beyond_the_models_vocabulary_stop_before_spawning(tmp_path):
-    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "model.vocab_size=100")
-    assert_one_line_error(result, "the dataset's token ids go up to 256, beyond model.vocab_size 100; "
-                                  "set model.vocab_size to at least 257, or to null to follow the tokenizer", **REFUSAL)
+    result = launch(
+        "--debug",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "model.vocab_size=100",
+    )
+    assert_one_line_error(
+        result,
+        "the dataset's token ids go up to 256, beyond model.vocab_size 100; "
+        "set model.vocab_size to at least 257, or to null to follow the tokenizer",
+        **REFUSAL,
+    )
     assert not (tmp_path / "r").exists() and "CPU0:" not in result.stdout
 
 
 def test_a_missing_source_file_is_one_line_and_leaves_nothing_in_the_cache(tmp_path):
-    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.source=jsonl",
-                    "--set", f"data.path={tmp_path / 'nowhere.jsonl'}")
+    result = launch(
+        "--debug",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "data.source=jsonl",
+        "--set",
+        f"data.path={tmp_path / 'nowhere.jsonl'}",
+    )
     assert_one_line_error(result, f"data.path: {tmp_path / 'nowhere.jsonl'} does not exist", **REFUSAL)
     assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
 
@@ -253,12 +320,34 @@ def test_a_jsonl_source_with_a_trained_bpe_tokenizer_trains_for_whole_epochs(tmp
     with corpus.open("w") as file:
         for i in range(300):
             file.write(json.dumps({"id": i, "body": " ".join(rng.choices(words, k=60))}) + "\n")
-    result = launch("--debug", "--device", "cpu", "--nproc", "2", "--run-dir", str(tmp_path / "r"),
-                    "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.source=jsonl",
-                    "--set", f"data.path={corpus}", "--set", "data.text_field=body",
-                    "--set", "data.tokenizer=bpe", "--set", "data.bpe_vocab_size=300",
-                    "--set", "data.context_length=32", "--set", "training.batch_size=4",
-                    "--set", "training.epochs=2", timeout=120)
+    result = launch(
+        "--debug",
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "data.source=jsonl",
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        "data.text_field=body",
+        "--set",
+        "data.tokenizer=bpe",
+        "--set",
+        "data.bpe_vocab_size=300",
+        "--set",
+        "data.context_length=32",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.epochs=2",
+        timeout=120,
+    )
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     assert "launcher: dataset: trained a 300-token BPE tokenizer on jsonl" in result.stdout
@@ -281,16 +370,22 @@ def test_a_command_that_cannot_be_executed_exits_126_with_one_line(tmp_path):
 def test_an_unwritable_cache_directory_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                    "--set", f"data.cache_dir={blocker / 'cache'}")
+    result = launch(
+        "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={blocker / 'cache'}"
+    )
     assert_one_line_error(result, str(blocker), **REFUSAL)
 
 
 def test_a_reader_that_goes_away_ends_the_run_quietly_with_141(processes, script, tmp_path):
     endless = script("import os, time\nwhile True:\n    print('line', flush=True)\n    time.sleep(0.001)")
-    proc = processes([sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
-                      "--", *endless], cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True)
+    proc = processes(
+        [sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", *endless],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.readline()
     proc.stdout.close()  # like `| head -1`
     assert proc.wait(timeout=10) == 141

@@ -16,8 +16,7 @@ INSTALL_HINT = "is not installed: bash run_tests.sh installs it (or pip install 
 
 def run_tool(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     assert importlib.util.find_spec(module) is not None, f"{module} {INSTALL_HINT}"
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_ruff_finds_nothing_in_the_tree():
@@ -27,8 +26,7 @@ def test_ruff_finds_nothing_in_the_tree():
 
 def test_the_tree_is_formatted_as_ruff_formats_it():
     result = run_tool("ruff", "format", "--no-cache", "--check", ".")
-    assert result.returncode == 0, (
-        f"{result.stdout}{result.stderr}run `python -m ruff format .` to format these files")
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}run `python -m ruff format .` to format these files"
 
 
 @pytest.mark.slow  # about 15 s with a warm cache, a minute without

@@ -15,20 +15,33 @@ from memory_configs import GPU_80, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
 from pretrain.loss import next_token_loss
-from pretrain.memory import (GIB, LOGIT_COPIES, activation_bytes, check_fits, choose_parallelism, estimate,
-                             logits_bytes, parameter_count)
+from pretrain.memory import (
+    GIB,
+    LOGIT_COPIES,
+    activation_bytes,
+    check_fits,
+    choose_parallelism,
+    estimate,
+    logits_bytes,
+    parameter_count,
+)
 
 
 # --- parameters -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", [
-    {},                                                     # the debug preset's shape
-    {"n_kv_heads": 4},                                      # no grouping
-    {"n_heads": 8, "n_kv_heads": 1, "ffn_dim": 100},        # multi-query, an odd FFN width
-    {"n_layers": 3, "dim": 48, "n_heads": 2, "n_kv_heads": 2, "vocab_size": 1000},
-])
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},  # the debug preset's shape
+        {"n_kv_heads": 4},  # no grouping
+        {"n_heads": 8, "n_kv_heads": 1, "ffn_dim": 100},  # multi-query, an odd FFN width
+        {"n_layers": 3, "dim": 48, "n_heads": 2, "n_kv_heads": 2, "vocab_size": 1000},
+    ],
+)
 def test_the_parameter_count_from_the_config_is_the_real_models(shape):
     from pretrain.model import Transformer
+
     model = dataclasses.replace(cfg.debug().model, **({"vocab_size": 257} | shape))
     assert parameter_count(model) == Transformer(model, max_seq_len=8).num_params()
 
@@ -43,6 +56,7 @@ def test_the_parameter_count_needs_a_vocabulary():
 
 
 # --- the estimate ---------------------------------------------------------------------
+
 
 def test_llama_3_8b_with_ddp_does_not_fit_one_80_gib_gpu():
     assert estimate(cfg.production(), 1, "ddp").total > GPU_80
@@ -69,8 +83,7 @@ def test_under_fsdp_the_estimate_shrinks_with_more_gpus_and_under_ddp_it_does_no
 
 
 def test_one_process_is_estimated_unwrapped_whatever_the_mode():
-    assert estimate(cfg.production(), 1, "fsdp") == dataclasses.replace(estimate(cfg.production(), 1, "ddp"),
-                                                                          mode="fsdp")
+    assert estimate(cfg.production(), 1, "fsdp") == dataclasses.replace(estimate(cfg.production(), 1, "ddp"), mode="fsdp")
 
 
 def test_activation_checkpointing_loss_chunks_and_bf16_shrink_their_parts():
@@ -88,8 +101,7 @@ def test_the_batch_scales_the_activations_and_nothing_else():
     # both batches are longer than a loss chunk (2048 tokens), so the loss keeps the same input
     one, four = (estimate(with_training(small(), batch_size=n), 1, "ddp") for n in (4, 16))
     assert four.activations == 4 * one.activations
-    assert (four.weights, four.gradients, four.optimizer, four.logits) == (one.weights, one.gradients,
-                                                                          one.optimizer, one.logits)
+    assert (four.weights, four.gradients, four.optimizer, four.logits) == (one.weights, one.gradients, one.optimizer, one.logits)
 
 
 def test_under_fsdp_gradient_accumulation_adds_no_full_gradient():
@@ -103,14 +115,15 @@ def test_under_fsdp_gradient_accumulation_adds_no_full_gradient():
 
 # --- activations, against what autograd saves -----------------------------------------
 
+
 def tiny(use_amp: bool, loss_chunk_tokens: int, n_layers: int = 2) -> cfg.Config:
     """3 x 16 tokens: 48 rows, a length no parameter has (so autocast's weight copies are told apart)."""
     base = cfg.debug()
-    config = with_model(base, n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=61,
-                        max_seq_len=16)
+    config = with_model(base, n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=61, max_seq_len=16)
     config = dataclasses.replace(config, data=dataclasses.replace(base.data, context_length=16))
-    return with_training(config, batch_size=3, use_amp=use_amp, loss_chunk_tokens=loss_chunk_tokens,
-                         activation_checkpointing=False)
+    return with_training(
+        config, batch_size=3, use_amp=use_amp, loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=False
+    )
 
 
 def saved_bytes(config: cfg.Config) -> int:
@@ -120,6 +133,7 @@ def saved_bytes(config: cfg.Config) -> int:
     as weights."""
     import torch
     from pretrain.model import Transformer
+
     torch.manual_seed(0)
     model = Transformer(config.model, max_seq_len=16)
     weight_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
@@ -167,6 +181,7 @@ def test_an_unknown_mode_is_refused():
 
 # --- choosing -------------------------------------------------------------------------
 
+
 def test_an_explicit_parallelism_is_kept():
     assert choose_parallelism(with_training(small(), parallelism="fsdp"), 2, GPU_80) == "fsdp"
     assert choose_parallelism(with_training(cfg.production(), parallelism="ddp"), 8, GPU_80) == "ddp"
@@ -190,6 +205,7 @@ def test_auto_keeps_a_tenth_of_the_gpu_spare_for_ddp():
 
 # --- the pre-flight check -------------------------------------------------------------
 
+
 def refusal(config: cfg.Config, world_size: int, mode: str, memory: int = GPU_80) -> str:
     with pytest.raises(ConfigError) as error:
         check_fits(config, world_size, memory, mode)
@@ -201,8 +217,10 @@ def test_a_config_that_does_not_fit_says_the_estimate_the_gpu_and_what_would_hel
     message = refusal(config, 8, "ddp", int(79.6 * GIB))
     needed = estimate(config, 8, "ddp")
     assert message.startswith(f"preset production needs ~{needed.total / GIB:.1f} GiB per GPU with DDP (weights ")
-    assert message.endswith("but the GPU has 79.6 GiB (a run plans on 90% of it); try --set training.parallelism=fsdp "
-                            "or --set training.activation_checkpointing=true")
+    assert message.endswith(
+        "but the GPU has 79.6 GiB (a run plans on 90% of it); try --set training.parallelism=fsdp "
+        "or --set training.activation_checkpointing=true"
+    )
 
 
 def suggested_gpus(message: str) -> int:
@@ -230,8 +248,10 @@ def test_the_gpus_suggested_are_the_fewest_over_which_fsdp_fits():
 def test_a_larger_batch_is_suggested_to_shrink_with_more_accumulation():
     config = with_training(cfg.production(), batch_size=8, activation_checkpointing=True)
     message = refusal(config, 8, "fsdp", 40 * GIB)
-    assert message.endswith("; try a smaller training.batch_size with a larger training.grad_accum_nums "
-                            "or more GPUs (FSDP shards the model over them)")  # activations: no count of GPUs fits
+    assert message.endswith(
+        "; try a smaller training.batch_size with a larger training.grad_accum_nums "
+        "or more GPUs (FSDP shards the model over them)"
+    )  # activations: no count of GPUs fits
     derived = with_training(config, global_batch_size=512)  # accumulation follows from it
     assert "; try a smaller training.batch_size or " in refusal(derived, 8, "fsdp", 40 * GIB)
 
@@ -252,7 +272,8 @@ def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
     assert message.endswith(
         "on one GPU (" + estimate(config, 1, "ddp").parts() + ") but the GPU has 80.0 GiB (a run plans on 90% of it); "
         f"try --set training.activation_checkpointing=true or {suggested_gpus(message)} or more GPUs "
-        "(FSDP shards the model over them)")
+        "(FSDP shards the model over them)"
+    )
     pinned = with_training(config, parallelism="ddp")
     assert refusal(pinned, 1, "ddp").endswith(" or more GPUs with --set training.parallelism=fsdp")
 
@@ -260,8 +281,7 @@ def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
 def test_the_estimate_knows_that_tracing_nonfinite_turns_activation_checkpointing_off():
     production = cfg.production()
     traced = dataclasses.replace(production, debug=dataclasses.replace(production.debug, trace_nonfinite=True))
-    unchecked = dataclasses.replace(production, training=dataclasses.replace(production.training,
-                                                                             activation_checkpointing=False))
+    unchecked = dataclasses.replace(production, training=dataclasses.replace(production.training, activation_checkpointing=False))
     assert activation_bytes(traced) == activation_bytes(unchecked) > 5 * activation_bytes(production)
 
 

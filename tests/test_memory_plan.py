@@ -19,17 +19,24 @@ from memory_configs import GPU_80, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
 from pretrain.memory import GIB, OVERHEAD_BYTES, estimate
-from pretrain.memory_plan import (HOST_MEMORY_ENV, HOST_OVERHEAD_BYTES, PINNED_ROUNDING, export_copy_bytes,
-                                  host_estimate, host_memory_bytes, plan_parallelism)
+from pretrain.memory_plan import (
+    HOST_MEMORY_ENV,
+    HOST_OVERHEAD_BYTES,
+    PINNED_ROUNDING,
+    export_copy_bytes,
+    host_estimate,
+    host_memory_bytes,
+    plan_parallelism,
+)
 
 
 # --- the launcher ---------------------------------------------------------------------
 
+
 def test_the_launcher_resolves_fsdp_for_workers_and_says_why():
     config, line = plan_parallelism(with_training(cfg.production(), activation_checkpointing=True), 8, GPU_80)
     assert config.training.parallelism == "fsdp"
-    assert line.startswith("parallelism: FSDP over 8 GPUs (estimated ") and " GiB of 80.0 GiB per GPU; DDP would " \
-                                                                              "need ~" in line
+    assert line.startswith("parallelism: FSDP over 8 GPUs (estimated ") and " GiB of 80.0 GiB per GPU; DDP would need ~" in line
 
 
 def test_on_cpu_workers_the_launcher_runs_ddp_unless_fsdp_was_chosen_and_checks_no_memory():
@@ -41,8 +48,17 @@ def test_on_cpu_workers_the_launcher_runs_ddp_unless_fsdp_was_chosen_and_checks_
 
 
 def gpu(memory_gib: float) -> nvml.Gpu:
-    return nvml.Gpu(id="0", index=0, uuid="GPU-0", name="scripted", pci_bus_id="0", memory_total=int(memory_gib * GIB),
-                    memory_used=0, utilization=0.0, processes=())
+    return nvml.Gpu(
+        id="0",
+        index=0,
+        uuid="GPU-0",
+        name="scripted",
+        pci_bus_id="0",
+        memory_total=int(memory_gib * GIB),
+        memory_used=0,
+        utilization=0.0,
+        processes=(),
+    )
 
 
 def test_prepare_training_writes_the_concrete_mode_into_the_workers_config(tmp_path):
@@ -65,10 +81,23 @@ def test_prepare_training_on_cpu_keeps_ddp_without_a_memory_check(tmp_path):
 
 def launch(tmp_path, *args: str, host_gib: float) -> subprocess.CompletedProcess:
     """The launcher with the production preset, this machine's host memory set to host_gib."""
-    return subprocess.run([sys.executable, "-m", "launcher", "--run-dir", str(tmp_path / "run"),
-                           "--set", f"data.cache_dir={tmp_path / 'cache'}", *args], cwd=ROOT,
-                          env=launcher_env(**{HOST_MEMORY_ENV: str(host_gib)}), capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            *args,
+        ],
+        cwd=ROOT,
+        env=launcher_env(**{HOST_MEMORY_ENV: str(host_gib)}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_refused_before_anything(result: subprocess.CompletedProcess, tmp_path) -> None:
@@ -79,8 +108,7 @@ def assert_refused_before_anything(result: subprocess.CompletedProcess, tmp_path
     assert cache_leftovers(tmp_path) == []  # refused before the dataset was prepared (or downloaded)
 
 
-def test_production_on_one_80_gib_gpu_and_too_little_host_memory_stops_before_anything_with_one_line(
-        scripted_gpus, tmp_path):
+def test_production_on_one_80_gib_gpu_and_too_little_host_memory_stops_before_anything_with_one_line(scripted_gpus, tmp_path):
     scripted_gpus([{"memory_total_mib": 80 * 1024}])
     offload_host = host_estimate(cfg.production(), 1, "fsdp", on_gpus=True).total
     result = launch(tmp_path, host_gib=offload_host / GIB / 2)
@@ -89,9 +117,10 @@ def test_production_on_one_80_gib_gpu_and_too_little_host_memory_stops_before_an
     assert "GiB per GPU on one GPU (weights " in result.stderr
     # CPU offload would fit the GPU, but not this host; the preset already checkpoints
     # activations: only more GPUs (sharding 8B parameters) help.
-    assert f"but the GPU has 80.0 GiB (a run plans on 90% of it), and CPU offload would need ~{offload_host / GIB:.1f} " \
-           "GiB of host memory per GPU (" \
-        in result.stderr
+    assert (
+        f"but the GPU has 80.0 GiB (a run plans on 90% of it), and CPU offload would need ~{offload_host / GIB:.1f} "
+        "GiB of host memory per GPU (" in result.stderr
+    )
     assert f"but this machine has {offload_host / GIB / 2:.1f} GiB available; try " in result.stderr
     assert result.stderr.endswith(" or more GPUs (FSDP shards the model over them)\n")
 
@@ -105,7 +134,8 @@ def test_production_on_cpu_workers_is_refused_in_seconds_with_the_host_memory_es
     assert result.stderr == (
         f"launcher: error: preset production needs ~{per_worker.total / GIB:.1f} GiB of host memory per CPU worker "
         f"({per_worker.parts()}) x 2 workers = {2 * per_worker.total / GIB:.1f} GiB but this machine has 64.0 GiB "
-        "available (a run plans on 90% of it); use --preset small or --debug\n")
+        "available (a run plans on 90% of it); use --preset small or --debug\n"
+    )
 
 
 def test_the_host_memory_of_cpu_workers_is_the_gpu_estimate_without_the_cuda_allowance():
@@ -144,6 +174,7 @@ def test_host_memory_comes_from_the_environment_when_set_and_bad_values_are_one_
 
 
 # --- CPU offload ------------------------------------------------------------------------
+
 
 def test_offload_keeps_only_what_is_in_flight_on_the_gpu_and_the_shards_on_the_host():
     production = cfg.production()
@@ -201,16 +232,31 @@ def test_offload_asked_for_is_used_even_where_the_model_fits_and_needs_fsdp():
     assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", True)
     with pytest.raises(ConfigError, match="training.cpu_offload=true needs FSDP but training.parallelism is ddp"):
         plan_parallelism(with_training(small(), cpu_offload=True, parallelism="ddp"), 2, GPU_80, 1024 * GIB)
-    with pytest.raises(ConfigError, match="of host memory per GPU with CPU offload .* use --set "
-                                          "training.cpu_offload=false with more GPUs or --preset small or --debug"):
+    with pytest.raises(
+        ConfigError,
+        match="of host memory per GPU with CPU offload .* use --set "
+        "training.cpu_offload=false with more GPUs or --preset small or --debug",
+    ):
         plan_parallelism(with_training(cfg.production(), cpu_offload=True), 1, GPU_80, 8 * GIB)
 
 
 def test_a_launch_with_a_known_vocabulary_that_fits_nowhere_is_refused_before_the_data(scripted_gpus, tmp_path):
     scripted_gpus([{"memory_total_mib": 80 * 1024}])
-    result = launch(tmp_path, "--debug", "--set", "model.vocab_size=128256", "--set", "model.dim=65536",
-                    "--set", "model.n_heads=64", "--set", "model.n_kv_heads=64", "--set", "model.ffn_dim=131072",
-                    host_gib=16)
+    result = launch(
+        tmp_path,
+        "--debug",
+        "--set",
+        "model.vocab_size=128256",
+        "--set",
+        "model.dim=65536",
+        "--set",
+        "model.n_heads=64",
+        "--set",
+        "model.n_kv_heads=64",
+        "--set",
+        "model.ffn_dim=131072",
+        host_gib=16,
+    )
     assert_refused_before_anything(result, tmp_path)
     assert result.stderr.startswith("launcher: error: preset debug needs ~")
 
@@ -218,9 +264,17 @@ def test_a_launch_with_a_known_vocabulary_that_fits_nowhere_is_refused_before_th
 def deep_debug(tmp_path) -> cfg.Config:
     """The debug preset made 40 layers deep and wide: ~9 GiB of fp32 weights, gradients and AdamW
     state, of which FSDP with offload keeps two blocks on the GPU."""
-    sets = [f"data.cache_dir={tmp_path / 'cache'}", "model.n_layers=40", "model.dim=1024", "model.n_heads=8",
-            "model.n_kv_heads=2", "model.ffn_dim=4096", "training.batch_size=1", "debug.trace_nonfinite=false",
-            "training.activation_checkpointing=true"]
+    sets = [
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.n_layers=40",
+        "model.dim=1024",
+        "model.n_heads=8",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=4096",
+        "training.batch_size=1",
+        "debug.trace_nonfinite=false",
+        "training.activation_checkpointing=true",
+    ]
     return cfg.resolve(preset="debug", sets=sets)
 
 

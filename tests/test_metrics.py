@@ -23,42 +23,48 @@ from pretrain.metrics import (
 )
 from pretrain.model import Transformer
 
-TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257,
-                   rope_theta=10000.0, max_seq_len=32)
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257, rope_theta=10000.0, max_seq_len=32)
 
 
 # --- the peak table -------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA H200 NVL", 835e12),
-    ("NVIDIA GH200 480GB", 989e12),
-    ("NVIDIA B200", 2250e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100-PCIE-40GB", 312e12),
-    ("NVIDIA A10", 125e12),
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA L40", 181e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA GeForce RTX 4090", 165e12),
-])
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100-PCIE-40GB", 312e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA GeForce RTX 4090", 165e12),
+    ],
+)
 def test_known_gpus_get_their_dense_bf16_peak(name, peak):
     assert peak_bf16_flops(name) == peak
 
 
-@pytest.mark.parametrize("name", [
-    "Tesla V100-SXM2-16GB",  # no bf16 tensor cores
-    "Tesla T4",
-    "NVIDIA A10G",  # no NVIDIA datasheet: left out rather than guessed
-    "NVIDIA GeForce RTX 4090 D",  # a cut-down 4090, not the 4090's peak
-    "NVIDIA GeForce RTX 4090 Laptop GPU",
-    "NVIDIA A100-SXM4-40GB MIG 1g.5gb",  # a slice of a GPU has a slice of its compute
-    "AMD Instinct MI300X",
-    "",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Tesla V100-SXM2-16GB",  # no bf16 tensor cores
+        "Tesla T4",
+        "NVIDIA A10G",  # no NVIDIA datasheet: left out rather than guessed
+        "NVIDIA GeForce RTX 4090 D",  # a cut-down 4090, not the 4090's peak
+        "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "NVIDIA A100-SXM4-40GB MIG 1g.5gb",  # a slice of a GPU has a slice of its compute
+        "AMD Instinct MI300X",
+        "",
+    ],
+)
 def test_unknown_gpus_and_gpu_slices_have_no_peak_and_so_no_mfu(name):
     assert peak_bf16_flops(name) is None
     assert mfu(10_000.0, 1e9, peak_bf16_flops(name)) is None
@@ -71,11 +77,15 @@ def test_mfu_is_achieved_model_flops_over_the_peak_as_a_fraction():
 
 # --- FLOPs ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_cfg", [
-    TINY,
-    dataclasses.replace(TINY, n_kv_heads=4, ffn_dim=96, vocab_size=300),  # no grouping
-    dataclasses.replace(TINY, n_layers=3, n_heads=8, n_kv_heads=1),  # one key/value head
-])
+
+@pytest.mark.parametrize(
+    "model_cfg",
+    [
+        TINY,
+        dataclasses.replace(TINY, n_kv_heads=4, ffn_dim=96, vocab_size=300),  # no grouping
+        dataclasses.replace(TINY, n_layers=3, n_heads=8, n_kv_heads=1),  # one key/value head
+    ],
+)
 def test_flops_count_every_parameter_of_the_built_model_but_the_embedding(model_cfg):
     model = Transformer(model_cfg, max_seq_len=8)
     non_embedding = model.num_params() - model.tok_embed.weight.numel()
@@ -89,10 +99,12 @@ def test_the_production_preset_costs_the_flops_of_llama_3_8b():
 
 
 def test_flops_per_token_is_six_per_non_embedding_parameter_plus_full_attention():
-    per_layer = (64 * 64 * 2      # wq, wo
-                 + 64 * 32 * 2    # wk, wv: 2 kv heads of 16
-                 + 3 * 64 * 128   # w1, w2, w3
-                 + 2 * 64)        # two RMSNorm weights
+    per_layer = (
+        64 * 64 * 2  # wq, wo
+        + 64 * 32 * 2  # wk, wv: 2 kv heads of 16
+        + 3 * 64 * 128  # w1, w2, w3
+        + 2 * 64
+    )  # two RMSNorm weights
     non_embedding = 2 * per_layer + 64 + 257 * 64  # layers, final norm, output projection
     attention = 12 * 2 * 64 * 32  # 12 x layers x dim x seq_len
     assert non_embedding == 90_496
@@ -109,6 +121,7 @@ def test_flops_need_a_known_vocabulary():
 
 
 # --- memory ---------------------------------------------------------------------------
+
 
 def test_peak_memory_is_unknown_on_cpu():
     reset_peak_memory(torch.device("cpu"))
@@ -133,6 +146,7 @@ def test_this_machines_gpu_is_in_the_peak_table():
 
 # --- metrics.jsonl --------------------------------------------------------------------
 
+
 def log_two_steps(log: MetricsLog) -> None:
     log.log_train(0, 5.5, 1e-3, 2.0, 12_000.0, 0.41, 3.5, 1.25)
     log.log_train(1, 5.0, 2e-3, None, None, None, None, 2.5)
@@ -145,10 +159,16 @@ def test_each_record_is_one_json_line_readable_before_the_log_is_closed(tmp_path
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # flushed per line
     assert [json.loads(line)["kind"] for line in lines] == ["train", "train", "val"]
     first, second, val = read_metrics(tmp_path / "metrics.jsonl")
-    assert {k: first[k] for k in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
-                                  "peak_memory_gib", "elapsed_s")} == {
-        "step": 0, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 12_000.0, "mfu": 0.41,
-        "peak_memory_gib": 3.5, "elapsed_s": 1.25}
+    assert {k: first[k] for k in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "elapsed_s")} == {
+        "step": 0,
+        "loss": 5.5,
+        "lr": 1e-3,
+        "grad_norm": 2.0,
+        "tokens_per_s": 12_000.0,
+        "mfu": 0.41,
+        "peak_memory_gib": 3.5,
+        "elapsed_s": 1.25,
+    }
     assert second["grad_norm"] is None and second["mfu"] is None and second["peak_memory_gib"] is None
     assert val == {"kind": "val", "step": 1, "val_loss": 5.25, "time": val["time"]}
 
@@ -176,7 +196,11 @@ def test_a_reopened_log_appends_to_the_same_file(tmp_path):
     with MetricsLog(tmp_path, enabled=True, tensorboard=False) as log:
         log.log_train(2, 4.0, 1e-3, 1.0, 1.0, None, None, 3.0)
     assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
-        ("train", 0), ("train", 1), ("val", 1), ("train", 2)]
+        ("train", 0),
+        ("train", 1),
+        ("val", 1),
+        ("train", 2),
+    ]
 
 
 def test_a_reopened_log_drops_the_partial_line_a_killed_writer_left(tmp_path):
@@ -206,14 +230,18 @@ def test_reading_keeps_a_complete_last_line_without_its_newline(tmp_path):
 @pytest.mark.parametrize("bad_line", ['{"kind": "train", "st', "[1, 2]", "\udcff garbage"])
 def test_reading_rejects_a_corrupt_line_before_the_last_naming_its_number(tmp_path, bad_line):
     path = tmp_path / "metrics.jsonl"
-    path.write_bytes(('{"kind": "train", "step": 0}\n' + bad_line + '\n{"kind": "train", "step": 1}\n')
-                     .encode("utf-8", errors="surrogateescape"))
+    path.write_bytes(
+        ('{"kind": "train", "step": 0}\n' + bad_line + '\n{"kind": "train", "step": 1}\n').encode(
+            "utf-8", errors="surrogateescape"
+        )
+    )
     with pytest.raises(ValueError, match=r"line 2\b") as excinfo:
         read_metrics(path)
     assert "\n" not in str(excinfo.value)
 
 
 # --- TensorBoard ----------------------------------------------------------------------
+
 
 def test_tensorboard_events_are_written_when_the_package_is_installed(tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard package is not installed")

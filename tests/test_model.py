@@ -19,8 +19,7 @@ from pretrain.model import (
 )
 from pretrain.loss import cross_entropy_loss
 
-TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257,
-                   rope_theta=10000.0, init_std=0.02)
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257, rope_theta=10000.0, init_std=0.02)
 SEQ_LEN = 32
 
 
@@ -92,7 +91,7 @@ def test_changing_a_token_changes_logits_at_and_after_it_but_never_before(model:
         before, after = model(tokens).out, model(changed).out
     torch.testing.assert_close(after[:, :t], before[:, :t], rtol=0, atol=1e-6)
     assert (after[0, t] - before[0, t]).abs().max() > 1e-3
-    assert (after[0, t + 1:] - before[0, t + 1:]).abs().amax(dim=-1).min() > 1e-4
+    assert (after[0, t + 1 :] - before[0, t + 1 :]).abs().amax(dim=-1).min() > 1e-4
 
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
@@ -120,8 +119,7 @@ def test_grouped_query_attention_equals_attention_over_repeated_key_value_heads(
 
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2])
-def test_fp32_attention_with_repeated_key_value_heads_matches_the_gqa_kernel_path_in_value_and_gradient(
-        n_kv_heads: int) -> None:
+def test_fp32_attention_with_repeated_key_value_heads_matches_the_gqa_kernel_path_in_value_and_gradient(n_kv_heads: int) -> None:
     cfg = dataclasses.replace(TINY, n_kv_heads=n_kv_heads)
     torch.manual_seed(0)
     attention = Transformer(cfg, max_seq_len=SEQ_LEN).layers[0].attention
@@ -142,7 +140,8 @@ def test_fp32_attention_with_repeated_key_value_heads_matches_the_gqa_kernel_pat
 
 
 def test_fp32_attention_repeats_key_value_heads_while_bf16_keeps_enable_gqa_and_weights_stay_grouped(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.manual_seed(0)
     attention = Transformer(TINY, max_seq_len=SEQ_LEN).layers[0].attention
     head_dim = TINY.dim // TINY.n_heads
@@ -161,12 +160,14 @@ def test_fp32_attention_repeats_key_value_heads_while_bf16_keeps_enable_gqa_and_
         attention(x, cos, sin)
     # fp32: every query head gets its own K/V copy (the memory-efficient kernel's input on CUDA);
     # bf16: the K/V heads as stored, grouped by enable_gqa (flash's input).
-    assert calls == [(torch.float32, TINY.n_heads, TINY.n_heads, False),
-                     (torch.bfloat16, TINY.n_kv_heads, TINY.n_kv_heads, True)]
+    assert calls == [(torch.float32, TINY.n_heads, TINY.n_heads, False), (torch.bfloat16, TINY.n_kv_heads, TINY.n_kv_heads, True)]
     # The repeat happens on activations only: checkpoints keep Llama's grouped wk/wv.
     assert {name: tuple(p.shape) for name, p in attention.state_dict().items()} == {
-        "wq.weight": (TINY.n_heads * head_dim, TINY.dim), "wk.weight": (TINY.n_kv_heads * head_dim, TINY.dim),
-        "wv.weight": (TINY.n_kv_heads * head_dim, TINY.dim), "wo.weight": (TINY.dim, TINY.n_heads * head_dim)}
+        "wq.weight": (TINY.n_heads * head_dim, TINY.dim),
+        "wk.weight": (TINY.n_kv_heads * head_dim, TINY.dim),
+        "wv.weight": (TINY.n_kv_heads * head_dim, TINY.dim),
+        "wo.weight": (TINY.dim, TINY.n_heads * head_dim),
+    }
 
 
 def test_rotary_attention_score_depends_only_on_the_relative_position() -> None:

@@ -35,8 +35,7 @@ def test_nproc_without_a_driver_runs_that_many_cpu_workers_and_says_so(scripted_
     placement, said = placed(device="auto", nproc=nproc, cpu_fallback=True)
     assert (placement.device, placement.world_size) == ("cpu", nproc)
     process = "process" if nproc == 1 else "processes"
-    assert said == (f"launcher: no NVIDIA GPU found; running {nproc} CPU worker {process} (gloo); "
-                    "--nproc N changes the count\n")
+    assert said == (f"launcher: no NVIDIA GPU found; running {nproc} CPU worker {process} (gloo); --nproc N changes the count\n")
 
 
 def test_nproc_on_a_gpu_machine_still_means_the_n_freest_gpus(scripted_gpus):
@@ -47,8 +46,13 @@ def test_nproc_on_a_gpu_machine_still_means_the_n_freest_gpus(scripted_gpus):
     placement.release()
 
 
-@pytest.mark.parametrize("options", [{"device": "auto", "nproc": 2},  # the production preset
-                                     {"device": "cuda", "nproc": 2, "cpu_fallback": True}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"device": "auto", "nproc": 2},  # the production preset
+        {"device": "cuda", "nproc": 2, "cpu_fallback": True},
+    ],
+)
 def test_nproc_without_a_driver_is_still_an_error_where_gpus_are_required(scripted_gpus, options):
     scripted_gpus([], driver=False)
     with pytest.raises(DeviceError, match=r"^no NVIDIA GPU found; use --device cpu$"):
@@ -58,9 +62,27 @@ def test_nproc_without_a_driver_is_still_an_error_where_gpus_are_required(script
 @pytest.mark.slow
 def test_debug_with_nproc_1_trains_on_one_cpu_worker_on_a_machine_without_a_gpu(tmp_path):
     # No scripted GPUs: this machine's real NVML, which finds no driver here.
-    result = subprocess.run([sys.executable, "-m", "launcher", "--debug", "--nproc", "1", "--max-steps", "2",
-                             "--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={tmp_path / 'cache'}"],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--nproc",
+            "1",
+            "--max-steps",
+            "2",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if "no NVIDIA GPU found" not in result.stdout + result.stderr:
         pytest.skip("this machine has a GPU")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr

@@ -30,11 +30,35 @@ def poisoned_checkpoint(tmp_path):
 
 
 def launch_from(tmp_path, resume_from, *sets: str) -> subprocess.CompletedProcess:
-    options = [item for key_value in ("training.batch_size=2", "data.context_length=32",
-                                      f"data.cache_dir={tmp_path / 'cache'}", *sets) for item in ("--set", key_value)]
-    return subprocess.run([sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", "2",
-                           "--max-steps", "3", "--run-dir", str(tmp_path / "run"), "--resume", str(resume_from),
-                           *options], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=180)
+    options = [
+        item
+        for key_value in ("training.batch_size=2", "data.context_length=32", f"data.cache_dir={tmp_path / 'cache'}", *sets)
+        for item in ("--set", key_value)
+    ]
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--max-steps",
+            "3",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--resume",
+            str(resume_from),
+            *options,
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +82,7 @@ def test_every_affected_rank_reports_the_poisoned_weight_and_the_first_module_th
     for rank in (0, 1):
         lines = [line.removeprefix(f"CPU{rank}:") for line in result.stdout.splitlines() if line.startswith(f"CPU{rank}:")]
         banner = lines.index(f"NaN GRADIENT DETECTED [CPU {rank}]")
-        report = lines[banner:banner + 40]
+        report = lines[banner : banner + 40]
         assert report[2:5] == ["Step: 0", "Loss: nan", "Gradient Norm: nan"]
         assert f"  {POISONED} (384, 128) value: 1 NaN of 49152; first values [" in "\n".join(report)
         assert "first non-finite: layers.1.feed_forward.w1, forward output" in report

@@ -25,11 +25,13 @@ NOT_HERE_PID = 4_000_000  # above any pid_max: a process of another container
 @pytest.fixture
 def machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Script the machine that discovery sees: write its JSON and point the seam at it."""
+
     def make(spec: object, name: str = "machine.json") -> Path:
         path = tmp_path / name
         path.write_text(spec if isinstance(spec, str) else json.dumps(spec))
         monkeypatch.setenv(nvml.SCRIPTED_GPUS_VAR, str(path))
         return path
+
     return make
 
 
@@ -38,9 +40,16 @@ def by_id(gpus: list[nvml.Gpu]) -> dict[str, nvml.Gpu]:
 
 
 def test_eight_idle_gpus_are_eight_whole_devices_in_nvml_order(machine):
-    specs = [{"name": f"NVIDIA H100 80GB HBM3 #{i}", "uuid": f"GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd",
-              "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "memory_total_mib": 81559,
-              "memory_used_mib": 3 * i} for i in range(8)]
+    specs = [
+        {
+            "name": f"NVIDIA H100 80GB HBM3 #{i}",
+            "uuid": f"GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd",
+            "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0",
+            "memory_total_mib": 81559,
+            "memory_used_mib": 3 * i,
+        }
+        for i in range(8)
+    ]
     machine({"gpus": specs})
     gpus = nvml.discover(window=0)
     assert [gpu.id for gpu in gpus] == [str(i) for i in range(8)]
@@ -96,8 +105,7 @@ def test_a_process_of_this_container_is_reported_with_its_owner(machine):
 
 
 def test_a_process_of_another_container_has_no_user_but_keeps_its_memory(machine):
-    machine({"gpus": [{"processes": [{"pid": NOT_HERE_PID, "memory_mib": 2048},
-                                     {"pid": os.getpid(), "memory_mib": None}]}]})
+    machine({"gpus": [{"processes": [{"pid": NOT_HERE_PID, "memory_mib": 2048}, {"pid": os.getpid(), "memory_mib": None}]}]})
     other, mine = nvml.discover(window=0)[0].processes
     assert (other.pid, other.user, other.memory) == (NOT_HERE_PID, None, 2048 * MIB)
     assert mine.memory is None
@@ -122,9 +130,23 @@ def test_mig_devices_follow_their_parent_and_are_addressed_by_mig_uuid(machine):
 
 
 def test_mig_devices_carry_their_own_memory_and_processes(machine):
-    machine({"gpus": [{"memory_used_mib": 0, "mig": [
-        {"slot": 1, "memory_total_mib": 19968, "memory_used_mib": 500,
-         "processes": [{"pid": NOT_HERE_PID, "memory_mib": 500}]}]}]})
+    machine(
+        {
+            "gpus": [
+                {
+                    "memory_used_mib": 0,
+                    "mig": [
+                        {
+                            "slot": 1,
+                            "memory_total_mib": 19968,
+                            "memory_used_mib": 500,
+                            "processes": [{"pid": NOT_HERE_PID, "memory_mib": 500}],
+                        }
+                    ],
+                }
+            ]
+        }
+    )
     child = by_id(nvml.discover(window=0))["0.1"]
     assert (child.memory_total, child.memory_used) == (19968 * MIB, 500 * MIB)
     assert [p.pid for p in child.processes] == [NOT_HERE_PID]
@@ -143,21 +165,35 @@ def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
         nvml.discover(window=0)
 
 
-@pytest.mark.parametrize("content", [
-    "{not json",
-    json.dumps({"gpus": [{"name": "x", "colour": "green"}]}),
-    json.dumps({"gpus": [{"mig": [{"slot": 0, "colour": "green"}]}]}),
-    json.dumps([{"name": "x"}]),
-    json.dumps({"gpus": [{"mig": [{}]}]}),
-    json.dumps({"gpus": [{"processes": [{"memory_mib": 1}]}]}),
-    json.dumps({"gpus": [{"processes": [5]}]}),
-    json.dumps({"gpus": [{"memory_total_mib": "80"}]}),
-    json.dumps({"gpus": [{"utilization": "busy"}]}),
-    '{"gpus": [{"memory_total_mib": Infinity}]}',
-    json.dumps({"gpus": [{"processes": [{"pid": -4}]}]}),
-], ids=["not-json", "unknown-gpu-key", "unknown-mig-key", "top-level-list", "mig-without-slot",
-        "process-without-pid", "process-not-an-object", "memory-as-text", "utilization-not-a-list",
-        "infinite-memory", "negative-pid"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"gpus": [{"name": "x", "colour": "green"}]}),
+        json.dumps({"gpus": [{"mig": [{"slot": 0, "colour": "green"}]}]}),
+        json.dumps([{"name": "x"}]),
+        json.dumps({"gpus": [{"mig": [{}]}]}),
+        json.dumps({"gpus": [{"processes": [{"memory_mib": 1}]}]}),
+        json.dumps({"gpus": [{"processes": [5]}]}),
+        json.dumps({"gpus": [{"memory_total_mib": "80"}]}),
+        json.dumps({"gpus": [{"utilization": "busy"}]}),
+        '{"gpus": [{"memory_total_mib": Infinity}]}',
+        json.dumps({"gpus": [{"processes": [{"pid": -4}]}]}),
+    ],
+    ids=[
+        "not-json",
+        "unknown-gpu-key",
+        "unknown-mig-key",
+        "top-level-list",
+        "mig-without-slot",
+        "process-without-pid",
+        "process-not-an-object",
+        "memory-as-text",
+        "utilization-not-a-list",
+        "infinite-memory",
+        "negative-pid",
+    ],
+)
 def test_a_malformed_script_is_one_line_naming_the_file_and_the_fix(machine, content):
     path = machine(content)
     with pytest.raises(scripted_nvml.BadScript) as excinfo:
@@ -217,6 +253,7 @@ def test_nvml_that_cannot_count_the_gpus_is_a_one_line_failure(machine, monkeypa
 
     def count_fails(self):
         raise pynvml.NVMLError_Unknown()
+
     monkeypatch.setattr(scripted_nvml.ScriptedNvml, "nvmlDeviceGetCount", count_fails)
     with pytest.raises(nvml.NvmlFailure, match=r"NVML cannot count the GPUs \(Unknown Error\); check `nvidia-smi`"):
         nvml.discover(window=0)

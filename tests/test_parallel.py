@@ -16,8 +16,7 @@ from conftest import ROOT, run_gloo_ranks
 from pretrain import config as cfg
 from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
-from pretrain.parallel import (clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize,
-                               unwrap)
+from pretrain.parallel import clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
 from pretrain.runtime import Runtime
 
 SINGLE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
@@ -26,10 +25,13 @@ SINGLE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0"
 def tiny(**training: object) -> cfg.Config:
     base = cfg.debug()
     model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=16)
-    return dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, context_length=16),
-                               debug=dataclasses.replace(base.debug, trace_nonfinite=False),
-                               training=dataclasses.replace(base.training, **({"use_amp": False, "compile": False}
-                                                                              | training)))
+    return dataclasses.replace(
+        base,
+        model=model,
+        data=dataclasses.replace(base.data, context_length=16),
+        debug=dataclasses.replace(base.debug, trace_nonfinite=False),
+        training=dataclasses.replace(base.training, **({"use_amp": False, "compile": False} | training)),
+    )
 
 
 def fresh_model(config: cfg.Config) -> Transformer:
@@ -43,6 +45,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --- two ranks ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
@@ -153,6 +156,7 @@ def test_has_fsdp_sees_a_sharded_submodule_where_is_fsdp_sees_only_the_root(two_
 
 # --- one process ----------------------------------------------------------------------
 
+
 def loss_and_grads(model: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
     x, y = batch()
     loss = next_token_loss(model, x, y).total
@@ -258,6 +262,7 @@ def test_clip_grad_norm_without_gradients_is_zero():
 
 # --- meta-device initialisation and CPU offload -----------------------------------------
 
+
 @pytest.mark.slow
 def test_models_built_on_the_meta_device_train_exactly_as_models_built_whole(two_ranks):
     for seen in two_ranks:
@@ -305,9 +310,16 @@ def test_one_process_with_cpu_offload_is_sharded_over_a_group_of_its_own(tmp_pat
         "assert float(loss) == eager_loss, (float(loss), eager_loss)\n"
         "print(float(grad_norm(model)) > 0)\n"
         "shutdown(runtime, peers_alive=True)\n"
-        "assert not dist.is_initialized()\n")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                            capture_output=True, text=True, timeout=120)
+        "assert not dist.is_initialized()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # The last line: gloo in torch 2.8 and 2.9 prints "[Gloo] Rank 0 is connected to 0 peer ranks..." first.
     assert result.stdout.strip().splitlines()[-1] == "True"

@@ -18,8 +18,9 @@ from launcher.devices import DeviceError
 from launcher.placement import GpuOptions, Placement, place
 from launcher.printer import Printer
 
-PRINT_GPU = ("import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPU_RANK'], "
-             "os.environ['CUDA_DEVICE_ORDER'], flush=True)")
+PRINT_GPU = (
+    "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPU_RANK'], os.environ['CUDA_DEVICE_ORDER'], flush=True)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +46,7 @@ def labels(placement: Placement) -> list[str]:
 
 # --- CPU, and no GPU ------------------------------------------------------------------
 
+
 def test_cpu_runs_never_read_nvml(monkeypatch, tmp_path):
     monkeypatch.setenv("LAUNCHER_SCRIPTED_GPUS", str(tmp_path / "missing.json"))  # reading it would fail
     assert labels(placed(device="cpu")[0]) == ["CPU0", "CPU1"]
@@ -55,15 +57,20 @@ def test_without_a_driver_the_debug_preset_falls_back_to_cpu_workers_and_says_so
     scripted_gpus([], driver=False)
     placement, said = placed(device="auto", cpu_fallback=True)
     assert (placement.device, placement.world_size) == ("cpu", 2)
-    assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); "
-                    "--nproc N changes the count\n")
+    assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); --nproc N changes the count\n")
     assert placed(device="auto", gpus="ALL", cpu_fallback=True)[0].device == "cpu"
 
 
-@pytest.mark.parametrize("options", [{"device": "auto"}, {"device": "cuda", "cpu_fallback": True},
-                                     {"device": "auto", "gpus": "0", "cpu_fallback": True},
-                                     {"device": "auto", "gpus": "auto:1", "cpu_fallback": True},
-                                     {"device": "auto", "device_id": 0, "cpu_fallback": True}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"device": "auto"},
+        {"device": "cuda", "cpu_fallback": True},
+        {"device": "auto", "gpus": "0", "cpu_fallback": True},
+        {"device": "auto", "gpus": "auto:1", "cpu_fallback": True},
+        {"device": "auto", "device_id": 0, "cpu_fallback": True},
+    ],
+)
 def test_without_a_driver_the_production_preset_or_a_gpu_request_is_an_error(scripted_gpus, options):
     scripted_gpus([], driver=False)
     with pytest.raises(DeviceError, match=r"^no NVIDIA GPU found; use --device cpu$"):
@@ -77,6 +84,7 @@ def test_a_broken_driver_is_an_error_even_where_cpu_would_do(scripted_gpus, monk
 
     def mismatch(self):
         raise pynvml.NVMLError_LibRmVersionMismatch()
+
     monkeypatch.setattr(scripted_nvml.ScriptedNvml, "nvmlInit", mismatch)
     with pytest.raises(nvml.NvmlFailure, match=r"NVML cannot start \(RM has detected an NVML/RM version mismatch"):
         placed(device="auto", cpu_fallback=True)
@@ -92,13 +100,16 @@ def test_a_cuda_visible_devices_that_hides_every_gpu_means_cpu_or_an_error(scrip
 
 # --- choosing -------------------------------------------------------------------------
 
+
 def test_all_runs_one_worker_per_free_gpu_and_says_which_were_skipped(scripted_gpus):
     scripted_gpus([{}, {"utilization": [97]}, {}, {"memory_used_mib": 60000}])
     placement, said = placed(device="cuda")
     assert labels(placement) == ["GPU0", "GPU2"]
-    assert said.splitlines() == ["launcher: using GPUs 0, 2; skipped 2:",
-                                 "launcher:   GPU 1: busy: utilization 97% > 10%",
-                                 "launcher:   GPU 3: busy: 21.1 GiB free < 90%"]
+    assert said.splitlines() == [
+        "launcher: using GPUs 0, 2; skipped 2:",
+        "launcher:   GPU 1: busy: utilization 97% > 10%",
+        "launcher:   GPU 3: busy: 21.1 GiB free < 90%",
+    ]
     placement.release()
 
 
@@ -127,16 +138,19 @@ def test_device_id_pins_that_gpu_even_when_it_is_busy_with_a_warning(scripted_gp
     placement.release()
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"gpus": "0", "nproc": 2}, "--nproc sets the number of CPU workers; with --gpus 0 the GPUs decide it"),
-    ({"gpus": "0,1", "device_id": 1}, "system.device_id pins GPU 1 but --gpus is 0,1; drop one of them"),
-    ({"gpus": "7"}, "--gpus names GPU 7, which does not exist; GPUs here: 0, 1 "),
-    ({"device": "cpu", "gpus": "0"}, "--device cpu conflicts with --gpus 0"),
-    ({"device_id": 1, "nproc": 2}, "system.device_id pins one GPU but --nproc is 2"),
-    ({"nproc": 0}, r"--nproc must be at least 1 \(got 0\)"),
-    ({"gpus": "auto:3"}, r"--gpus auto:3 needs 3, but 2 of 2 GPU\(s\) are free"),
-    ({"gpus": "0", "min_free_memory": "lots"}, "--min-free-memory 'lots' is not a percentage"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"gpus": "0", "nproc": 2}, "--nproc sets the number of CPU workers; with --gpus 0 the GPUs decide it"),
+        ({"gpus": "0,1", "device_id": 1}, "system.device_id pins GPU 1 but --gpus is 0,1; drop one of them"),
+        ({"gpus": "7"}, "--gpus names GPU 7, which does not exist; GPUs here: 0, 1 "),
+        ({"device": "cpu", "gpus": "0"}, "--device cpu conflicts with --gpus 0"),
+        ({"device_id": 1, "nproc": 2}, "system.device_id pins one GPU but --nproc is 2"),
+        ({"nproc": 0}, r"--nproc must be at least 1 \(got 0\)"),
+        ({"gpus": "auto:3"}, r"--gpus auto:3 needs 3, but 2 of 2 GPU\(s\) are free"),
+        ({"gpus": "0", "min_free_memory": "lots"}, "--min-free-memory 'lots' is not a percentage"),
+    ],
+)
 def test_contradictory_or_impossible_options_are_one_line_errors(scripted_gpus, options, message):
     scripted_gpus([{}, {}])
     with pytest.raises(DeviceError, match=message) as error:
@@ -162,8 +176,10 @@ def test_a_mig_device_runs_alone_under_its_uuid_and_all_says_why_it_left_the_oth
     placement, said = placed(device="cuda")
     assert labels(placement) == ["GPU0.0"]
     assert [g.cuda_visible_id for g in placement.gpus] == ["MIG-one"]
-    assert said.splitlines() == ["launcher: using GPU 0.0; skipped 1:",
-                                 "launcher:   GPU 0.1: MIG device: one per run (NCCL does not support MIG)"]
+    assert said.splitlines() == [
+        "launcher: using GPU 0.0; skipped 1:",
+        "launcher:   GPU 0.1: MIG device: one per run (NCCL does not support MIG)",
+    ]
     placement.release()
 
 
@@ -177,10 +193,17 @@ def test_several_mig_devices_in_one_run_are_refused(scripted_gpus, options):
 
 # --- end to end: real launchers -------------------------------------------------------
 
+
 def launcher(processes, *args: str, **env: str) -> subprocess.Popen:
     """A launcher the test owns: killed, with all it started, when the test ends."""
-    return processes([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(**env),
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return processes(
+        [sys.executable, "-m", "launcher", *args],
+        cwd=ROOT,
+        env=launcher_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -207,8 +230,14 @@ def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(processes,
 
 def test_a_worker_on_a_mig_device_gets_its_uuid_and_is_prefixed_gpu_dot_slot(scripted_gpus):
     scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
-    result = subprocess.run([sys.executable, "-m", "launcher", "--gpus", "0.1", "--", sys.executable, "-c", PRINT_GPU],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--gpus", "0.1", "--", sys.executable, "-c", PRINT_GPU],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == ["GPU0.1:MIG-two 0.1 PCI_BUS_ID"]
 
@@ -216,13 +245,20 @@ def test_a_worker_on_a_mig_device_gets_its_uuid_and_is_prefixed_gpu_dot_slot(scr
 def test_a_launcher_asked_for_two_mig_devices_refuses_in_one_line_and_starts_nothing(scripted_gpus, tmp_path):
     scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
     started = tmp_path / "started"
-    result = subprocess.run([sys.executable, "-m", "launcher", "--gpus", "0.0,0.1", "--", "touch", str(started)],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--gpus", "0.0,0.1", "--", "touch", str(started)],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "launcher: error: --gpus 0.0,0.1 names 2 MIG devices (0.0, 0.1), but a run uses at most one MIG device: "
         "NCCL does not support MIG, and the MIG devices of one GPU share its PCI bus id, which NCCL refuses "
-        "as a duplicate GPU; name one of them, or use whole GPUs"]
+        "as a duplicate GPU; name one of them, or use whole GPUs"
+    ]
     assert not started.exists()
 
 
@@ -236,11 +272,16 @@ def test_a_killed_launcher_gives_its_gpu_back(processes, scripted_gpus):
 
 
 def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpus):
-    scripted_gpus([{}, {"utilization": [80], "processes": [{"pid": 4_000_000, "memory_mib": 2048}]},
-                   {"utilization": None}])
+    scripted_gpus([{}, {"utilization": [80], "processes": [{"pid": 4_000_000, "memory_mib": 2048}]}, {"utilization": None}])
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "launcher", "gpus", "--max-utilization", "90"], cwd=ROOT,
-                            env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "gpus", "--max-utilization", "90"],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 4 and lines[0].startswith("GPU ")
@@ -252,24 +293,27 @@ def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpu
 
 @pytest.mark.parametrize("args", [["--help"], ["gpus", "--help"]])
 def test_the_help_of_the_launcher_and_of_gpus_shows_the_gpu_options(args):
-    result = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60
+    )
     assert (result.returncode, result.stderr) == (0, "")
     assert "--min-free-memory AMOUNT" in result.stdout and "(default: 90%)" in result.stdout
 
 
 def test_launcher_gpus_without_a_driver_is_a_one_line_error(scripted_gpus):
     scripted_gpus([], driver=False)
-    result = subprocess.run([sys.executable, "-m", "launcher", "gpus"], cwd=ROOT, env=launcher_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "gpus"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60
+    )
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == "launcher: error: no NVIDIA GPU found; use --device cpu\n"
 
 
 def test_no_free_gpu_prints_the_error_then_the_table_of_reasons(scripted_gpus):
     scripted_gpus([{"utilization": [99]}, {"memory_used_mib": 80000}])
-    result = subprocess.run([sys.executable, "-m", "launcher", "--", "true"], cwd=ROOT, env=launcher_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--", "true"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     first, *table = result.stderr.splitlines()
     assert first.startswith("launcher: error: none of the 2 GPU(s) is free (free: utilization <= 10%")
@@ -278,10 +322,17 @@ def test_no_free_gpu_prints_the_error_then_the_table_of_reasons(scripted_gpus):
 
 # --- the shell scripts ----------------------------------------------------------------
 
+
 def shell(script: str, *args: str) -> subprocess.CompletedProcess:
     # PYTHON: the scripts' setup uses the interpreter running these tests, which has everything.
-    return subprocess.run(["bash", str(ROOT / script), *args], cwd=ROOT, env=launcher_env(PYTHON=sys.executable),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(ROOT / script), *args],
+        cwd=ROOT,
+        env=launcher_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_train_gpu_sh_runs_one_worker_on_the_gpu_named(scripted_gpus):

@@ -18,16 +18,22 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def run_plot(*args: str, extra_path: Path | None = None) -> subprocess.CompletedProcess:
     pythonpath = f"{extra_path}:{ROOT}" if extra_path else str(ROOT)
-    return subprocess.run([sys.executable, "-m", "pretrain.plot", *map(str, args)], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=pythonpath))
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain.plot", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=pythonpath),
+    )
 
 
 def write_run(run_dir: Path, steps: int = 30, val_every: int = 10) -> Path:
     """A run's metrics.jsonl: train records every step, validation every val_every."""
     with MetricsLog(run_dir, enabled=True, tensorboard=False) as log:
         for step in range(steps):
-            log.log_train(step, 5.0 - 0.1 * step, 1e-3 * min(1.0, (step + 1) / 5), 1.0 / (step + 1),
-                          10_000.0, None, None, float(step))
+            log.log_train(
+                step, 5.0 - 0.1 * step, 1e-3 * min(1.0, (step + 1) / 5), 1.0 / (step + 1), 10_000.0, None, None, float(step)
+            )
             if step % val_every == val_every - 1:
                 log.log_val(step, 5.2 - 0.1 * step)
     return run_dir
@@ -79,9 +85,13 @@ def test_a_run_whose_last_line_is_being_written_still_plots(tmp_path):
 
 
 def test_repeated_steps_of_a_resumed_run_keep_the_later_record():
-    records = [{"kind": "train", "step": 0, "loss": 5.0}, {"kind": "train", "step": 1, "loss": 4.0},
-               {"kind": "val", "step": 1, "val_loss": 4.5},
-               {"kind": "train", "step": 1, "loss": 3.9}, {"kind": "train", "step": 2, "loss": 3.5}]
+    records = [
+        {"kind": "train", "step": 0, "loss": 5.0},
+        {"kind": "train", "step": 1, "loss": 4.0},
+        {"kind": "val", "step": 1, "val_loss": 4.5},
+        {"kind": "train", "step": 1, "loss": 3.9},
+        {"kind": "train", "step": 2, "loss": 3.5},
+    ]
     assert [(r["step"], r["loss"]) for r in latest_by_step(records, "train")] == [(0, 5.0), (1, 3.9), (2, 3.5)]
     assert latest_by_step(records, "val") == [{"kind": "val", "step": 1, "val_loss": 4.5}]
 
@@ -92,8 +102,7 @@ def test_a_missing_run_directory_is_a_one_line_error(tmp_path):
 
 def test_a_run_without_metrics_says_who_writes_them(tmp_path):
     (tmp_path / "run").mkdir()
-    assert_one_line_error(run_plot(tmp_path / "run"),
-                          "no metrics.jsonl: it is written by rank 0 during training")
+    assert_one_line_error(run_plot(tmp_path / "run"), "no metrics.jsonl: it is written by rank 0 during training")
 
 
 def test_a_run_with_only_validation_records_has_nothing_to_plot(tmp_path):
@@ -122,7 +131,8 @@ def test_without_matplotlib_the_error_says_how_to_install_it(tmp_path):
 
 def test_importing_the_plot_command_imports_neither_matplotlib_nor_torch():
     code = "import sys, pretrain.plot; print(sorted({'matplotlib', 'torch'} & set(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

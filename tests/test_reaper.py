@@ -14,22 +14,23 @@ from launcher import guardian, reaper
 from launcher.reaper import ProcessInfo
 
 
-def info(pid: int, ppid: int, pgid: int | None = None, sid: int | None = None, *, tagged: bool = False,
-         zombie: bool = False) -> ProcessInfo:
+def info(
+    pid: int, ppid: int, pgid: int | None = None, sid: int | None = None, *, tagged: bool = False, zombie: bool = False
+) -> ProcessInfo:
     return ProcessInfo(pid, ppid, pgid or pid, sid or pid, started=1, zombie=zombie, tagged=tagged)
 
 
 def test_a_process_belongs_to_the_run_by_token_group_session_or_descent():
     table = [
-        info(10, 1),                           # the worker, a root
-        info(11, 10, pgid=10, sid=10),         # in the worker's group
-        info(12, 11, pgid=12, sid=12),         # setsid child of a group member: a descendant
-        info(13, 12, pgid=13, sid=13),         # its child, environment cleared: still a descendant
+        info(10, 1),  # the worker, a root
+        info(11, 10, pgid=10, sid=10),  # in the worker's group
+        info(12, 11, pgid=12, sid=12),  # setsid child of a group member: a descendant
+        info(13, 12, pgid=13, sid=13),  # its child, environment cleared: still a descendant
         info(20, 1, pgid=20, sid=20, tagged=True),  # a double-forked daemon: the token
-        info(21, 20, pgid=21, sid=21),         # the daemon's child: no token, no root above it
-        info(30, 1, pgid=30, sid=10),          # left the group but not the session
-        info(40, 1),                           # unrelated
-        info(41, 10, zombie=True),             # dead already
+        info(21, 20, pgid=21, sid=21),  # the daemon's child: no token, no root above it
+        info(30, 1, pgid=30, sid=10),  # left the group but not the session
+        info(40, 1),  # unrelated
+        info(41, 10, zombie=True),  # dead already
     ]
     assert reaper.members(table, groups={10}, roots={10}, exclude=set()) == {10, 11, 12, 13, 20, 30}
     assert reaper.members(table, groups={10}, roots={10}, exclude={20}) == {10, 11, 12, 13, 30}
@@ -49,6 +50,7 @@ def sleeper():
         env = dict(os.environ, **({reaper.TOKEN_VAR: token} if token else {}))
         started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env))
         return started[-1]
+
     yield start
     for proc in started:
         proc.kill()

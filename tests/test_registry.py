@@ -49,8 +49,13 @@ def registered(monkeypatch) -> None:
     """One more optimizer, schedule and feed-forward block, each a single registry entry."""
     monkeypatch.setitem(registry.OPTIMIZERS, "sgd", registry.OptimizerKind(f"{__name__}:build_sgd", 0))
     monkeypatch.setitem(registry.LR_SCHEDULES, "constant", f"{__name__}:constant")
-    monkeypatch.setitem(registry.FEED_FORWARDS, "linear2", registry.FeedForwardKind(
-        f"{__name__}:Linear2", parameters=lambda m: 2 * m.dim * m.ffn_dim, saved_per_token=lambda m: 2 * m.ffn_dim))
+    monkeypatch.setitem(
+        registry.FEED_FORWARDS,
+        "linear2",
+        registry.FeedForwardKind(
+            f"{__name__}:Linear2", parameters=lambda m: 2 * m.dim * m.ffn_dim, saved_per_token=lambda m: 2 * m.ffn_dim
+        ),
+    )
 
 
 def test_the_defaults_are_adamw_cosine_and_swiglu():
@@ -61,11 +66,14 @@ def test_the_defaults_are_adamw_cosine_and_swiglu():
     assert type(model.layers[0].feed_forward).__name__ == "SwiGLU"
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("training.optimizer", "adam", "training.optimizer: unknown name 'adam' (did you mean 'adamw'?); choose one of adamw"),
-    ("training.lr_schedule", "linear", "training.lr_schedule: unknown name 'linear'; choose one of cosine"),
-    ("model.ffn", "swiglu2", "model.ffn: unknown name 'swiglu2' (did you mean 'swiglu'?); choose one of swiglu"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("training.optimizer", "adam", "training.optimizer: unknown name 'adam' (did you mean 'adamw'?); choose one of adamw"),
+        ("training.lr_schedule", "linear", "training.lr_schedule: unknown name 'linear'; choose one of cosine"),
+        ("model.ffn", "swiglu2", "model.ffn: unknown name 'swiglu2' (did you mean 'swiglu'?); choose one of swiglu"),
+    ],
+)
 def test_a_name_that_is_not_registered_is_refused_naming_the_choices(key, value, message):
     with pytest.raises(cfg.ConfigError) as error:
         cfg.resolve("debug", sets=[f"{key}={value}"])
@@ -73,9 +81,14 @@ def test_a_name_that_is_not_registered_is_refused_naming_the_choices(key, value,
 
 
 def test_a_name_that_is_not_registered_is_refused_in_one_line_by_the_launcher(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "launcher", "--debug", "--set", "training.optimizer=lion"],
-                            cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--debug", "--set", "training.optimizer=lion"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "unknown name 'lion'" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -103,6 +116,8 @@ def test_the_memory_estimate_takes_the_optimizers_state_size_from_the_registry(r
 def test_resuming_with_another_optimizer_is_refused_naming_the_one_to_use(registered, tmp_path):
     adamw, sgd = cfg.TrainingConfig(), cfg.TrainingConfig(optimizer="sgd")
     check_same_optimizer(tmp_path, adamw, adamw)  # the same: nothing to say
-    with pytest.raises(CheckpointError, match="trained with training.optimizer=adamw, not sgd; resume with "
-                                              "--set training.optimizer=adamw or start fresh"):
+    with pytest.raises(
+        CheckpointError,
+        match="trained with training.optimizer=adamw, not sgd; resume with --set training.optimizer=adamw or start fresh",
+    ):
         check_same_optimizer(tmp_path, adamw, sgd)

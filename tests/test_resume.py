@@ -24,8 +24,13 @@ def checkpoint_dir(run: Path, steps: int, complete: bool = True, name: str | Non
 
 def state(steps: int) -> dict:
     """A valid state.json (pretrain/checkpoint_files.py state_problem) after `steps` steps."""
-    return {"format_version": 2, "steps_done": steps, "world_size": 1, "parallelism": "single",
-            "loader": {"epoch": 0, "batch_index": steps}}
+    return {
+        "format_version": 2,
+        "steps_done": steps,
+        "world_size": 1,
+        "parallelism": "single",
+        "loader": {"epoch": 0, "batch_index": steps},
+    }
 
 
 def fill(path: Path, steps: int) -> Path:
@@ -151,29 +156,36 @@ def test_a_run_directory_without_a_complete_checkpoint_is_refused(tmp_path, runs
     checkpoint_dir(tmp_path / "run", 4, complete=False)
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(tmp_path / "run"), None, runs)
-    assert one_line_error(error) == (f"--resume {tmp_path / 'run'}: the run has no complete checkpoint yet; give a "
-                                     "checkpoint directory")
+    assert one_line_error(error) == (
+        f"--resume {tmp_path / 'run'}: the run has no complete checkpoint yet; give a checkpoint directory"
+    )
 
 
 def test_a_directory_that_is_neither_a_checkpoint_nor_a_run_is_refused(tmp_path, runs):
     (tmp_path / "elsewhere").mkdir()
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(tmp_path / "elsewhere"), None, runs)
-    assert one_line_error(error) == (f"--resume {tmp_path / 'elsewhere'}: neither a checkpoint (no state.json) nor a "
-                                     "run directory (no checkpoints/); give <run dir>/checkpoints/step_<N> or a run "
-                                     "directory")
+    assert one_line_error(error) == (
+        f"--resume {tmp_path / 'elsewhere'}: neither a checkpoint (no state.json) nor a "
+        "run directory (no checkpoints/); give <run dir>/checkpoints/step_<N> or a run "
+        "directory"
+    )
 
 
-@pytest.mark.parametrize("name, problem", [
-    ("missing", "no such directory"),
-    ("file.txt", "not a directory"),
-])
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("missing", "no such directory"),
+        ("file.txt", "not a directory"),
+    ],
+)
 def test_a_path_that_is_not_a_directory_is_refused_naming_why(tmp_path, runs, name, problem):
     (tmp_path / "file.txt").write_text("")
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(tmp_path / name), None, runs)
-    assert one_line_error(error) == (f"--resume {tmp_path / name}: {problem}; give a checkpoint "
-                                     "(<run dir>/checkpoints/step_<N>) or a run directory")
+    assert one_line_error(error) == (
+        f"--resume {tmp_path / name}: {problem}; give a checkpoint (<run dir>/checkpoints/step_<N>) or a run directory"
+    )
 
 
 def test_checkpoint_at_names_the_checkpoint_a_path_means_and_starts_its_errors_with_the_path(tmp_path):
@@ -201,8 +213,10 @@ def test_a_checkpoint_with_a_damaged_state_file_is_refused(tmp_path, runs):
     (path / "state.json").write_text('{"steps_do')
     with pytest.raises(ResumeError) as error:
         resolve_resume(str(path), None, runs)
-    assert one_line_error(error) == (f"--resume {path}: state.json is unreadable (Unterminated string starting at: "
-                                     "line 1 column 2 (char 1)); use another checkpoint of the run")
+    assert one_line_error(error) == (
+        f"--resume {path}: state.json is unreadable (Unterminated string starting at: "
+        "line 1 column 2 (char 1)); use another checkpoint of the run"
+    )
 
 
 def test_resolving_imports_no_torch():

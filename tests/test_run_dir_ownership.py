@@ -30,16 +30,26 @@ def launcher_argv(run: Path, *options: str) -> list[str]:
 
 def train(tmp_path: Path, run: Path, *options: str) -> subprocess.CompletedProcess:
     """A debug training run to its end (or its refusal)."""
-    return subprocess.run(launcher_argv(run, "--debug", "--set", f"data.cache_dir={tmp_path / 'cache'}", *options),
-                          cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        launcher_argv(run, "--debug", "--set", f"data.cache_dir={tmp_path / 'cache'}", *options),
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def start_training(processes, tmp_path: Path, run: Path, *options: str) -> subprocess.Popen:
     """A debug run that goes on until killed (at the latest when the test ends); returns once it
     holds its run directory (the launcher says `run directory:` after taking it and writing its config)."""
-    proc = processes(launcher_argv(run, "--debug", "--max-steps", "100000",
-                                   "--set", f"data.cache_dir={tmp_path / 'cache'}", *options),
-                     cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+    proc = processes(
+        launcher_argv(run, "--debug", "--max-steps", "100000", "--set", f"data.cache_dir={tmp_path / 'cache'}", *options),
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     while "launcher: run directory:" not in (line := proc.stdout.readline()):
@@ -64,8 +74,11 @@ def test_a_second_launcher_on_a_run_directory_in_use_is_refused_in_one_line_nami
     first = start_training(processes, tmp_path, run, "--set", "training.seed=1")
     config = (run / "config.json").read_bytes()
     second = train(tmp_path, run, "--max-steps", "30", "--set", "training.seed=2")
-    assert_refused(second, f"run directory {run} is in use by the launcher pid {first.pid} (started ",
-                   "; wait for it to end, or choose another with --run-dir")
+    assert_refused(
+        second,
+        f"run directory {run} is in use by the launcher pid {first.pid} (started ",
+        "; wait for it to end, or choose another with --run-dir",
+    )
     assert (run / "config.json").read_bytes() == config  # the first run's workers read it
     record = json.loads((run / "launcher.lock").read_text())
     assert record["pid"] == first.pid and record["start_ticks"] == start_time(first.pid)
@@ -78,12 +91,18 @@ def test_resume_auto_or_a_checkpoint_of_a_run_that_is_still_training_is_refused(
     first = start_training(processes, tmp_path, run, "--set", "training.checkpoint_interval=2")
     assert wait_until(lambda: latest(run / "checkpoints") is not None, timeout=60)
     auto = train(tmp_path, run, "--resume", "auto")
-    assert_refused(auto, f"run directory {run} is still training under the launcher pid {first.pid} (started ",
-                   "continue it with --resume auto once that launcher ends, or for a new run leave out --resume "
-                   "and choose another --run-dir")
+    assert_refused(
+        auto,
+        f"run directory {run} is still training under the launcher pid {first.pid} (started ",
+        "continue it with --resume auto once that launcher ends, or for a new run leave out --resume "
+        "and choose another --run-dir",
+    )
     elsewhere = train(tmp_path, tmp_path / "other", "--resume", str(run))
-    assert_refused(elsewhere, f"--resume {run}: its run {run} is still training under the launcher pid {first.pid}",
-                   "resume it once that launcher ends, or from a copy of the checkpoint made outside that run")
+    assert_refused(
+        elsewhere,
+        f"--resume {run}: its run {run} is still training under the launcher pid {first.pid}",
+        "resume it once that launcher ends, or from a copy of the checkpoint made outside that run",
+    )
     assert not (tmp_path / "other").exists()  # a refused launch leaves no run directory behind
 
 
@@ -95,8 +114,11 @@ def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_with_both_ways_ou
     assert train(tmp_path, run, "--max-steps", "2").returncode == 0
     metrics, config = (run / "metrics.jsonl").read_bytes(), (run / "config.json").read_bytes()
     again = train(tmp_path, run, "--max-steps", "4")
-    assert_refused(again, f"run directory {run} already holds a run (checkpoints/step_2, metrics.jsonl",
-                   "continue it with --resume auto (or a checkpoint path), or choose another --run-dir for a new run")
+    assert_refused(
+        again,
+        f"run directory {run} already holds a run (checkpoints/step_2, metrics.jsonl",
+        "continue it with --resume auto (or a checkpoint path), or choose another --run-dir for a new run",
+    )
     assert (run / "metrics.jsonl").read_bytes() == metrics and (run / "config.json").read_bytes() == config
     resumed = train(tmp_path, run, "--max-steps", "4", "--resume", "auto")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -110,8 +132,9 @@ SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60
 def test_the_lock_dies_with_a_launcher_killed_by_sigkill_and_generic_commands_are_locked_too(processes, tmp_path):
     run, child = tmp_path / "run", tmp_path / "sleeper.py"
     child.write_text(SLEEPER)
-    first = processes(launcher_argv(run, "--", sys.executable, str(child)), cwd=ROOT, env=launcher_env(),
-                      stdout=subprocess.PIPE, text=True)
+    first = processes(
+        launcher_argv(run, "--", sys.executable, str(child)), cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True
+    )
     assert ":pid " in first.stdout.readline()  # its worker runs: it holds the run directory
     true = launcher_argv(run, "--", "true")
     refused = subprocess.run(true, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)

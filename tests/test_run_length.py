@@ -33,24 +33,23 @@ def refusal(*argv: str) -> str:
 
 def test_epochs_and_max_steps_both_on_the_command_line_are_refused_naming_each():
     assert refusal("--debug", "--set", "training.epochs=1", "--max-steps", "3") == (
-        "training.epochs=1 (--set) and training.max_steps=3 (--max-steps) both set the run length; "
-        "keep one of them")
-    assert "training.max_steps=7 (--set)" in refusal("--debug", "--set", "training.max_steps=7",
-                                                     "--set", "training.epochs=2")
+        "training.epochs=1 (--set) and training.max_steps=3 (--max-steps) both set the run length; keep one of them"
+    )
+    assert "training.max_steps=7 (--set)" in refusal("--debug", "--set", "training.max_steps=7", "--set", "training.epochs=2")
 
 
 def test_epochs_in_a_config_file_and_max_steps_on_the_command_line_are_refused(tmp_path):
     in_file = tmp_path / "epochs.json"
     in_file.write_text(json.dumps({"training": {"epochs": 1}}))
     assert refusal("--debug", "--config", str(in_file), "--max-steps", "3").startswith(
-        f"training.epochs=1 ({in_file}) and training.max_steps=3 (--max-steps)")
+        f"training.epochs=1 ({in_file}) and training.max_steps=3 (--max-steps)"
+    )
     both = tmp_path / "both.json"
     both.write_text(json.dumps({"training": {"epochs": 2, "max_steps": 50}}))
     assert f"training.max_steps=50 ({both})" in refusal("--debug", "--config", str(both))
     steps_in_file = tmp_path / "steps.json"
     steps_in_file.write_text(json.dumps({"training": {"max_steps": 50}}))
-    assert "training.epochs=2 (--set)" in refusal("--debug", "--config", str(steps_in_file),
-                                                  "--set", "training.epochs=2")
+    assert "training.epochs=2 (--set)" in refusal("--debug", "--config", str(steps_in_file), "--set", "training.epochs=2")
 
 
 def test_epochs_over_the_presets_max_steps_is_the_users_choice():
@@ -69,6 +68,7 @@ def test_max_steps_over_a_presets_epochs_is_the_users_choice(monkeypatch):
     def in_epochs() -> cfg.Config:
         debug = cfg.debug()
         return dataclasses.replace(debug, training=dataclasses.replace(debug.training, epochs=2))
+
     monkeypatch.setitem(cfg.PRESETS, "debug", in_epochs)
     assert from_cli("--debug").training.epochs == 2
     config = from_cli("--debug", "--max-steps", "3")
@@ -92,10 +92,30 @@ def test_a_config_saved_by_an_earlier_run_in_epochs_still_loads(tmp_path):
 
 
 def test_the_launcher_refuses_conflicting_run_lengths_in_one_line_and_starts_nothing(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--max-steps", "3",
-                             "--set", "training.epochs=1", "--run-dir", str(tmp_path / "r")],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "3",
+            "--set",
+            "training.epochs=1",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == ("launcher: error: training.epochs=1 (--set) and training.max_steps=3 (--max-steps) "
-                             "both set the run length; keep one of them\n")
+    assert result.stderr == (
+        "launcher: error: training.epochs=1 (--set) and training.max_steps=3 (--max-steps) "
+        "both set the run length; keep one of them\n"
+    )
     assert not (tmp_path / "r").exists()

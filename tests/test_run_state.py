@@ -20,8 +20,14 @@ HINT = "the checkpoint is damaged: resume from an earlier one with --resume <run
 
 
 def valid_state(steps: int = 10) -> dict:
-    return {"format_version": 2, "steps_done": steps, "world_size": 1, "parallelism": "single",
-            "loader": {"epoch": 0, "batch_index": steps}, "lr_schedule": {"steps_done": steps, "lr": 1e-4}}
+    return {
+        "format_version": 2,
+        "steps_done": steps,
+        "world_size": 1,
+        "parallelism": "single",
+        "loader": {"epoch": 0, "batch_index": steps},
+        "lr_schedule": {"steps_done": steps, "lr": 1e-4},
+    }
 
 
 def checkpoint_with(run: Path, steps: int, state: object, raw: str | None = None) -> Path:
@@ -54,18 +60,19 @@ DAMAGE = {
     "no world size": (without("world_size"), "world_size is missing"),
     "no parallelism": (without("parallelism"), "parallelism is missing"),
     "zero ranks": (changed(world_size=0), "world_size must be a positive integer (got 0)"),
-    "loader not an object": (changed(loader=[0, 10]),
-                             "loader must be an object with epoch and batch_index (got [0, 10])"),
+    "loader not an object": (changed(loader=[0, 10]), "loader must be an object with epoch and batch_index (got [0, 10])"),
     "loader without epoch": (changed(loader={"batch_index": 10}), "loader.epoch is missing"),
-    "negative batch index": (changed(loader={"epoch": 0, "batch_index": -3}),
-                             "loader.batch_index must be a non-negative integer (got -3)"),
+    "negative batch index": (
+        changed(loader={"epoch": 0, "batch_index": -3}),
+        "loader.batch_index must be a non-negative integer (got -3)",
+    ),
     "unknown parallelism": (changed(parallelism="tp"), 'parallelism must be one of single, ddp, fsdp (got "tp")'),
-    "schedule not an object": (changed(lr_schedule=3), "lr_schedule must be an object whose lr is a non-negative "
-                                                       "number (got 3)"),
-    "format version a string": (changed(format_version="2"), 'format_version must be an integer from 1 to 2 '
-                                                              '(got "2")'),
-    "steps not those of the name": (changed(steps_done=7, loader={"epoch": 0, "batch_index": 7}),
-                                    "steps_done is 7, but the directory is step_10"),
+    "schedule not an object": (changed(lr_schedule=3), "lr_schedule must be an object whose lr is a non-negative number (got 3)"),
+    "format version a string": (changed(format_version="2"), 'format_version must be an integer from 1 to 2 (got "2")'),
+    "steps not those of the name": (
+        changed(steps_done=7, loader={"epoch": 0, "batch_index": 7}),
+        "steps_done is 7, but the directory is step_10",
+    ),
     "an array": ([1, 2], "not a JSON object (got an array)"),
     "null": (None, "not a JSON object (got null)"),
 }
@@ -121,19 +128,35 @@ def test_resume_auto_never_continues_a_checkpoint_whose_state_is_damaged(tmp_pat
 DEBUG_RUN = ["--debug", "--set", "data.context_length=64", "--set", "training.batch_size=4"]
 
 
-@pytest.mark.parametrize("entry", [["pretrain_main.py"], ["-m", "launcher", "--device", "cpu"]],
-                         ids=["training process", "launcher"])
+@pytest.mark.parametrize(
+    "entry", [["pretrain_main.py"], ["-m", "launcher", "--device", "cpu"]], ids=["training process", "launcher"]
+)
 @pytest.mark.slow
 def test_resuming_a_checkpoint_without_its_loader_position_exits_2_with_one_line(tmp_path, entry):
     path = checkpoint_with(tmp_path / "run", 10, without("loader"))
     result = subprocess.run(
-        [sys.executable, *entry, *DEBUG_RUN, "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         "--resume", str(path), "--max-steps", "12"],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            *entry,
+            *DEBUG_RUN,
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--resume",
+            str(path),
+            "--max-steps",
+            "12",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output
     errors = [line for line in output.splitlines() if "state.json" in line]
-    assert len(errors) == 1 and errors[0].endswith(f"--resume {path}: state.json: loader is missing; {HINT}, "
-                                                   "or start fresh"), output[-3000:]
+    assert len(errors) == 1 and errors[0].endswith(f"--resume {path}: state.json: loader is missing; {HINT}, or start fresh"), (
+        output[-3000:]
+    )
     assert (path / "state.json").exists() and not list((tmp_path / "run" / "checkpoints").glob("*.superseded"))

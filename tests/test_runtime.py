@@ -21,6 +21,7 @@ CONTRACT = ("GPU_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")
 @pytest.fixture
 def gpus(monkeypatch):
     """gpus(n, **env): pretend n GPUs are visible and the process environment is env."""
+
     def fake(count: int, **env: str) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -28,6 +29,7 @@ def gpus(monkeypatch):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
+
     return fake
 
 
@@ -59,14 +61,18 @@ def test_a_local_rank_beyond_the_visible_gpus_is_one_line_naming_the_fix(gpus):
     gpus(4, LOCAL_RANK="4", LOCAL_WORLD_SIZE="8", RANK="4", WORLD_SIZE="8")
     with pytest.raises(RuntimeSetupError) as error:
         choose_device(config())
-    assert str(error.value) == ("LOCAL_RANK 4 has no GPU of its own: 4 GPU(s) are visible; "
-                                "start at most 4 processes per node (torchrun --nproc-per-node)")
+    assert str(error.value) == (
+        "LOCAL_RANK 4 has no GPU of its own: 4 GPU(s) are visible; start at most 4 processes per node (torchrun --nproc-per-node)"
+    )
 
 
 def test_device_id_with_several_ranks_on_a_node_is_refused_rather_than_shared(gpus):
     gpus(4, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", RANK="1", WORLD_SIZE="2")
-    with pytest.raises(RuntimeSetupError, match=r"^system.device_id pins one GPU but 2 processes run on this "
-                                                r"node \(LOCAL_WORLD_SIZE\); set system.device_id=null"):
+    with pytest.raises(
+        RuntimeSetupError,
+        match=r"^system.device_id pins one GPU but 2 processes run on this "
+        r"node \(LOCAL_WORLD_SIZE\); set system.device_id=null",
+    ):
         choose_device(config("system.device_id=0"))
 
 
@@ -95,8 +101,9 @@ import pretrain_main
 def seen_by_torch(**env: str) -> list[str]:
     unset = ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF")
     environment = {k: v for k, v in os.environ.items() if k not in unset} | env
-    result = subprocess.run([sys.executable, "-c", ORDER_WHEN_TORCH_LOADS], cwd=ROOT, env=environment,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", ORDER_WHEN_TORCH_LOADS], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()
 
@@ -118,5 +125,6 @@ def test_a_device_order_the_user_set_is_kept():
 @pytest.mark.slow
 def test_the_entry_point_asks_for_expandable_segments_unless_the_user_chose_an_allocator():
     assert seen_by_torch()[1] == "allocator when torch loads: expandable_segments:True"
-    assert seen_by_torch(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")[1] == \
-        "allocator when torch loads: max_split_size_mb:512"
+    assert (
+        seen_by_torch(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")[1] == "allocator when torch loads: max_split_size_mb:512"
+    )

@@ -34,8 +34,9 @@ def project_copy(tmp_path):
 
 def setup_python(root, python: str) -> subprocess.CompletedProcess:
     script = f'source "{root}/scripts/setup.sh" && setup_python "{root}" "{root}/requirements.txt" && echo "$PYTHON"'
-    return subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "PYTHON": python},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "PYTHON": python}, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_an_interpreter_that_has_everything_is_used_as_it_is(tmp_path):
@@ -54,8 +55,9 @@ def test_a_python_older_than_3_10_is_refused_with_one_line(tmp_path):
     fake.chmod(0o755)
     result = setup_python(root, str(fake))
     assert result.returncode != 0
-    assert result.stderr.strip() == (f"setup: error: Python 3.10 or newer is needed, {fake} is Python 3.8.10; "
-                                     "set PYTHON=/path/to/python3")
+    assert result.stderr.strip() == (
+        f"setup: error: Python 3.10 or newer is needed, {fake} is Python 3.8.10; set PYTHON=/path/to/python3"
+    )
 
 
 def test_a_missing_interpreter_is_refused_with_one_line(tmp_path):
@@ -65,13 +67,13 @@ def test_a_missing_interpreter_is_refused_with_one_line(tmp_path):
 
 def test_check_requirements_lists_exactly_the_missing_and_too_old_lines(tmp_path):
     requirements = tmp_path / "req.txt"
-    requirements.write_text("# comment\npytest>=7  # installed\nno-such-package-xyz>=1.0\n\nnumpy\n"
-                            "numpy>=999.0\n")
+    requirements.write_text("# comment\npytest>=7  # installed\nno-such-package-xyz>=1.0\n\nnumpy\nnumpy>=999.0\n")
     assert check_requirements.unsatisfied([requirements]) == ["no-such-package-xyz>=1.0", "numpy>=999.0"]
 
 
-@pytest.mark.parametrize("version, release", [("2.13.0+cpu", (2, 13, 0)), ("2.5.0rc1", (2, 5, 0)),
-                                              ("12.535.161", (12, 535, 161)), ("4.60", (4, 60))])
+@pytest.mark.parametrize(
+    "version, release", [("2.13.0+cpu", (2, 13, 0)), ("2.5.0rc1", (2, 5, 0)), ("12.535.161", (12, 535, 161)), ("4.60", (4, 60))]
+)
 def test_versions_compare_by_their_numeric_release(version, release):
     assert check_requirements.release(version) == release
 
@@ -92,8 +94,9 @@ def fake_torch(site, version: str):
 
 def setup_with(root, python: str, **env: str) -> subprocess.CompletedProcess:
     script = f'source "{root}/scripts/setup.sh" && setup_python "{root}" "{root}/requirements.txt" && echo "$PYTHON"'
-    return subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "PYTHON": python} | env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "PYTHON": python} | env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_torch_requirement_has_a_floor_and_an_upper_bound_and_this_torch_is_within_them():
@@ -117,7 +120,8 @@ def test_a_torch_above_the_upper_bound_is_used_with_one_warning_line(tmp_path):
     assert result.stdout.strip() == sys.executable  # used, not replaced
     assert result.stderr.splitlines() == [
         f"setup: warning: torch {BOUND}.0 is newer than tested (below {BOUND}: {TORCH}); using it; "
-        f"if it fails, install a tested one: pip install '{TORCH}'"]
+        f"if it fails, install a tested one: pip install '{TORCH}'"
+    ]
 
 
 @pytest.mark.slow
@@ -127,8 +131,10 @@ def test_an_importable_torch_below_the_floor_is_reported_in_one_line_and_never_r
     result = setup_with(root, sys.executable, PYTHONPATH=str(fake_torch(tmp_path / "site", old)))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert errors == [f"setup: error: the installed torch {old} is older than {FLOOR}, the oldest this code runs on; "
-                      f"upgrade it (pip install '{TORCH}'), or set PYTHON=/path/to/another/python3"]
+    assert errors == [
+        f"setup: error: the installed torch {old} is older than {FLOOR}, the oldest this code runs on; "
+        f"upgrade it (pip install '{TORCH}'), or set PYTHON=/path/to/another/python3"
+    ]
     assert "installing torch" not in result.stderr
 
 
@@ -139,15 +145,19 @@ def fake_pip(site, log, torch_without_cuda: bool = False):
     (site / "pip" / "__init__.py").write_text("")
     install_torch = ""
     if torch_without_cuda:
-        install_torch = (f"if sys.argv[-1].startswith('torch'):\n"
-                         f"    import os; os.makedirs({str(site / 'torch')!r})\n"
-                         f"    open({str(site / 'torch' / '__init__.py')!r}, 'w').write(\n"
-                         f"        '__version__ = \"2.13.0+cu130\"\\n'\n"
-                         f"        'class cuda:\\n    is_available = staticmethod(lambda: False)\\n')\n"
-                         f"    sys.exit(0)\n")
+        install_torch = (
+            f"if sys.argv[-1].startswith('torch'):\n"
+            f"    import os; os.makedirs({str(site / 'torch')!r})\n"
+            f"    open({str(site / 'torch' / '__init__.py')!r}, 'w').write(\n"
+            f"        '__version__ = \"2.13.0+cu130\"\\n'\n"
+            f"        'class cuda:\\n    is_available = staticmethod(lambda: False)\\n')\n"
+            f"    sys.exit(0)\n"
+        )
     (site / "pip" / "__main__.py").write_text(
         f"import sys\nwith open({str(log)!r}, 'a') as f:\n    f.write(' '.join(sys.argv[1:]) + '\\n')\n"
-        + install_torch + "sys.exit(1)\n")
+        + install_torch
+        + "sys.exit(1)\n"
+    )
     return site
 
 
@@ -173,8 +183,7 @@ def test_both_install_branches_install_torch_within_the_requirement_bounds(tmp_p
         pytest.skip("this machine has an NVIDIA driver, so setup takes the GPU branch")
     base, root, bin_dir = fresh_machine(tmp_path, gpu)
     log = tmp_path / "pip.log"
-    result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin",
-                        PYTHONPATH=str(fake_pip(tmp_path / "site", log)))
+    result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin", PYTHONPATH=str(fake_pip(tmp_path / "site", log)))
     assert result.returncode != 0  # the fake pip installs nothing
     installs = log.read_text().splitlines()
     assert installs and installs[0].startswith("install ") and installs[0].endswith(f" {TORCH}")

@@ -47,9 +47,16 @@ class Peer:
 def run_as_rank0(tmp_path, monkeypatch):
     """fit() a debug trainer as rank 0 of two; returns (events, the trainer). Events are
     ("step", n) when step n starts, then "all_reduce" for each collective."""
+
     def run(*sets: str, stop_at: int | None = None, own_signal_at: int | None = None) -> tuple[list, Trainer]:
-        trainer = make_trainer(tmp_path / "cache", tmp_path / "run", "logging.log_interval=100",
-                               f"training.max_steps={STEPS}", "debug.trace_nonfinite=false", *sets)
+        trainer = make_trainer(
+            tmp_path / "cache",
+            tmp_path / "run",
+            "logging.log_interval=100",
+            f"training.max_steps={STEPS}",
+            "debug.trace_nonfinite=false",
+            *sets,
+        )
         trainer.runtime = RANK0_OF_TWO  # the model stays unwrapped: the peer answers the collectives
         events: list = []
         peer = Peer(events, stop_at)
@@ -63,12 +70,14 @@ def run_as_rank0(tmp_path, monkeypatch):
             if n == own_signal_at:
                 trainer.stop.signum = signal.SIGINT  # as the handler records a Ctrl-C during the step
             return step(trainer, n)
+
         monkeypatch.setattr(train, "train_step", counted_step)
         try:
             train.fit(trainer)
         except Stopped as stopped:
             events.append(("stopped", stopped.signum))
         return events, trainer
+
     return run
 
 
@@ -112,6 +121,7 @@ def test_this_ranks_own_signal_travels_in_the_finite_check(run_as_rank0, monkeyp
         result = agree(*args, **kwargs)
         agreed.append(result.stop_signum)
         return result
+
     monkeypatch.setattr(debug, "agree_on_step", recorded)
     events, _ = run_as_rank0("debug.check_finite=true", own_signal_at=1)
     assert agreed == [None, signal.SIGINT] and events[-1] == ("stopped", signal.SIGINT)
@@ -119,6 +129,7 @@ def test_this_ranks_own_signal_travels_in_the_finite_check(run_as_rank0, monkeyp
 
 def test_a_signal_that_arrives_after_the_steps_check_stops_the_ranks_after_the_next_step(run_as_rank0, monkeypatch):
     from pretrain.stopping import StopRequest
+
     settle = StopRequest.settle
 
     def signal_just_after_the_check_of_step_1(self, signum):
@@ -126,6 +137,7 @@ def test_a_signal_that_arrives_after_the_steps_check_stops_the_ranks_after_the_n
         if self.signum is None and len(settled) == 1:
             self.signum = signal.SIGTERM  # the handler runs between the check and the end of step 1
         settled.append(signum)
+
     settled: list[int | None] = []
     monkeypatch.setattr(StopRequest, "settle", signal_just_after_the_check_of_step_1)
     events, trainer = run_as_rank0("debug.check_finite=true")

@@ -93,10 +93,33 @@ def test_closing_the_terminal_of_a_run_saves_a_checkpoint_and_exits_129(processe
     master, terminal = pty.openpty()
     run_dir = tmp_path / "run"
     proc = processes(  # setsid(1) forks unless it starts outside a group of its own
-        ["setsid", "--ctty", sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--max-steps", "100000",
-         "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         "--set", "logging.log_interval=1", "--set", "training.num_workers=2"],
-        cwd=ROOT, env=launcher_env(), stdin=terminal, stdout=terminal, stderr=terminal, own_group=False)
+        [
+            "setsid",
+            "--ctty",
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "100000",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "logging.log_interval=1",
+            "--set",
+            "training.num_workers=2",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        own_group=False,
+    )
     os.close(terminal)
     try:
         seen = b""
@@ -118,10 +141,29 @@ def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits
     # Without the launcher, in a session of its own, as a terminal's hang-up reaches a job.
     run_dir = tmp_path / "run"
     proc = processes(
-        [sys.executable, "pretrain_main.py", "--debug", "--max-steps", "100000", "--set", "system.device=cpu",
-         "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         "--set", "logging.log_interval=1", "--set", "training.num_workers=2"],
-        cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "pretrain_main.py",
+            "--debug",
+            "--max-steps",
+            "100000",
+            "--set",
+            "system.device=cpu",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "logging.log_interval=1",
+            "--set",
+            "training.num_workers=2",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     read_until(proc, "Step [2/")
     job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert len(job) == 3
@@ -136,18 +178,19 @@ def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits
 
 
 def test_a_training_process_stops_on_sighup_and_a_second_one_never_ends_it_at_once():
-    source = ("import os, signal\n"
-              "from pretrain import stopping\n"
-              "stopping.REPEAT_AFTER_SECONDS = 0  # any repeat would be a second request\n"
-              "request = stopping.StopRequest()\n"
-              "with request.installed():\n"
-              "    os.kill(os.getpid(), signal.SIGHUP)\n"
-              "    os.kill(os.getpid(), signal.SIGHUP)\n"
-              "    print('stopping on', signal.Signals(request.signum).name, flush=True)\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM still ends it at once\n"
-              "    print('not reached', flush=True)\n")
-    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=30,
-                            env=launcher_env())
+    source = (
+        "import os, signal\n"
+        "from pretrain import stopping\n"
+        "stopping.REPEAT_AFTER_SECONDS = 0  # any repeat would be a second request\n"
+        "request = stopping.StopRequest()\n"
+        "with request.installed():\n"
+        "    os.kill(os.getpid(), signal.SIGHUP)\n"
+        "    os.kill(os.getpid(), signal.SIGHUP)\n"
+        "    print('stopping on', signal.Signals(request.signum).name, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM still ends it at once\n"
+        "    print('not reached', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=30, env=launcher_env())
     assert result.returncode == -signal.SIGTERM
     assert result.stdout == "stopping on SIGHUP\n"
 
@@ -167,10 +210,16 @@ HOLDS_A_LOADER = textwrap.dedent("""
 
 
 def test_dataloader_workers_survive_the_job_signals_and_end_with_their_process(tmp_path):
-    data = write_dataset(tmp_path / "data", train=[Part(np.arange(4000), "train.bin")],
-                         val=[Part(np.arange(100), "val.bin")])
-    proc = subprocess.Popen([sys.executable, "-c", HOLDS_A_LOADER, str(data)], cwd=ROOT, env=launcher_env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    data = write_dataset(tmp_path / "data", train=[Part(np.arange(4000), "train.bin")], val=[Part(np.arange(100), "val.bin")])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_A_LOADER, str(data)],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     workers = [int(pid) for pid in proc.stdout.readline().split()]
     assert len(workers) == 2
     for pid in workers:
@@ -252,8 +301,13 @@ def ignored_signals(pid: int) -> set[int]:
 
 
 def test_the_guardian_outlives_a_sigterm_to_every_process_and_leaves_when_told_done():
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.guardian", "unused-token"], cwd=ROOT,
-                            env=launcher_env(), stdin=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher.guardian", "unused-token"],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert wait_until(lambda: signal.SIGTERM in ignored_signals(proc.pid), timeout=30)  # it has started
         proc.send_signal(signal.SIGTERM)

@@ -25,8 +25,10 @@ def test_the_stack_dump_reader_names_the_innermost_frames_of_the_deepest_thread(
     dump = summary.StackDump()
     starts = [dump.feed(line) for line in FAULTHANDLER_DUMP]
     assert starts.count(True) == 2
-    assert dump.where() == ("all_reduce (distributed/distributed_c10d.py:3252) <- "
-                            "wrapper (distributed/c10d_logger.py:83) <- agreed (pretrain/stopping.py:58)")
+    assert dump.where() == (
+        "all_reduce (distributed/distributed_c10d.py:3252) <- "
+        "wrapper (distributed/c10d_logger.py:83) <- agreed (pretrain/stopping.py:58)"
+    )
 
 
 def test_a_python_traceback_is_not_mistaken_for_a_stack_dump():
@@ -45,12 +47,23 @@ def test_hints_name_the_likely_cause():
 
 
 def test_the_report_says_who_failed_how_and_what_it_printed_last():
-    lines = summary.render(summary.Failure(
-        label="GPU3", rank=1, after_start=12.34, clock="07:44:12", exit_code=137, how="killed by SIGKILL", hint="the OOM killer",
-        tail=["step 7", "step 8"], stopped=7, teardown_seconds=0.123, where={"GPU0": "all_reduce (x.py:1)"},
-        logs=Path("/runs/r/logs")))
-    assert lines[1] == ("FAILED: GPU3 (rank 1) failed first at 07:44:12, 12.3 s after start: "
-                        "killed by SIGKILL, exit code 137.")
+    lines = summary.render(
+        summary.Failure(
+            label="GPU3",
+            rank=1,
+            after_start=12.34,
+            clock="07:44:12",
+            exit_code=137,
+            how="killed by SIGKILL",
+            hint="the OOM killer",
+            tail=["step 7", "step 8"],
+            stopped=7,
+            teardown_seconds=0.123,
+            where={"GPU0": "all_reduce (x.py:1)"},
+            logs=Path("/runs/r/logs"),
+        )
+    )
+    assert lines[1] == ("FAILED: GPU3 (rank 1) failed first at 07:44:12, 12.3 s after start: killed by SIGKILL, exit code 137.")
     assert "Hint: the OOM killer" in lines and "  step 8" in lines and "  GPU0: all_reduce (x.py:1)" in lines
     assert "Stopped 7 other running worker(s); teardown took 0.12 s." in lines
     assert lines[0] == lines[-1] == summary.RULE
@@ -68,23 +81,29 @@ def test_a_nan_report_banner_is_recognised_and_named_in_the_hint():
 
 
 def test_an_exit_code_with_a_meaning_is_not_repeated():
-    lines = summary.render(summary.Failure("GPU6", 6, 1.0, "07:44:12", 3, "exit code 3 (numerical failure)", None,
-                                           [], 1, 0.01, {}, None))
+    lines = summary.render(
+        summary.Failure("GPU6", 6, 1.0, "07:44:12", 3, "exit code 3 (numerical failure)", None, [], 1, 0.01, {}, None)
+    )
     assert lines[1].endswith("1.0 s after start: exit code 3 (numerical failure).")
 
 
-NCCL_TIMEOUT_LINE = ("[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective "
-                     "operation timeout: WorkNCCL(SeqNum=14863, OpType=ALLREDUCE, NumelIn=14845952, "
-                     "NumelOut=14845952, Timeout(ms)=90000) ran for 90048 milliseconds before timing out.")
-NCCL_STUCK_LINE = ("[rank1]:[E1111 17:10:53.000000000 ProcessGroupNCCL.cpp:1700] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
-                   "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making progress in monitoring "
-                   "enqueued collectives.")
+NCCL_TIMEOUT_LINE = (
+    "[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective "
+    "operation timeout: WorkNCCL(SeqNum=14863, OpType=ALLREDUCE, NumelIn=14845952, "
+    "NumelOut=14845952, Timeout(ms)=90000) ran for 90048 milliseconds before timing out."
+)
+NCCL_STUCK_LINE = (
+    "[rank1]:[E1111 17:10:53.000000000 ProcessGroupNCCL.cpp:1700] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+    "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making progress in monitoring "
+    "enqueued collectives."
+)
 
 
 def test_an_nccl_watchdog_timeout_names_the_collective_the_timeout_and_the_setting():
     said = summary.nccl_watchdog(NCCL_TIMEOUT_LINE)
-    assert said.startswith("NCCL's watchdog found a collective (ALLREDUCE) waiting longer than "
-                           "system.collective_timeout (90 s) for the other ranks")
+    assert said.startswith(
+        "NCCL's watchdog found a collective (ALLREDUCE) waiting longer than system.collective_timeout (90 s) for the other ranks"
+    )
     assert "SIGABRT (exit 134)" in said
     assert summary.hint(-signal.SIGABRT, hung_for=None, cuda_oom=False, nccl_watchdog=said) == said
 
@@ -96,8 +115,11 @@ def test_a_stuck_nccl_watchdog_points_to_the_heartbeat_timeout_not_the_collectiv
 
 
 def test_lines_that_only_mention_the_watchdog_give_no_nccl_hint():
-    for line in ("INFO | [GPU 0] Step [3/10] | Loss: 2.1", "a collective waited longer than system.collective_timeout",
-                 "Watchdog caught collective operation timeout: WorkGloo(OpType=ALLREDUCE)"):
+    for line in (
+        "INFO | [GPU 0] Step [3/10] | Loss: 2.1",
+        "a collective waited longer than system.collective_timeout",
+        "Watchdog caught collective operation timeout: WorkGloo(OpType=ALLREDUCE)",
+    ):
         assert summary.nccl_watchdog(line) is None
     assert summary.hint(-signal.SIGABRT, hung_for=None, cuda_oom=False) is None
 

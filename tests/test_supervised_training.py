@@ -25,10 +25,28 @@ def start_training(processes, tmp_path, *options: str) -> subprocess.Popen:
     """A long debug run that prints a step line every step; the processes fixture kills it
     (and everything it started) when the test ends, however it ends."""
     return processes(
-        [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--max-steps", "100000",
-         "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         "--set", "logging.log_interval=1", *options],
-        cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "100000",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "logging.log_interval=1",
+            *options,
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def read_until(proc: subprocess.Popen, text: str) -> list[str]:

@@ -46,8 +46,9 @@ IGNORES_SIGTERM = f"""
 
 
 def make_worker(rank: int, argv: list[str], label: str | None = None) -> Worker:
-    env = worker_env(dict(os.environ), rank=rank, world_size=2, master_port=29500, gpu=None,
-                     cpu_count=2, compile_cache="/tmp/unused")
+    env = worker_env(
+        dict(os.environ), rank=rank, world_size=2, master_port=29500, gpu=None, cpu_count=2, compile_cache="/tmp/unused"
+    )
     return Worker(rank=rank, label=label or f"CPU{rank}", argv=argv, env=env)
 
 
@@ -87,8 +88,7 @@ def test_death_by_signal_becomes_128_plus_the_signal(script, tmp_path):
 
 def test_the_first_failure_decides_the_exit_code(script, tmp_path):
     early = script("import time, sys; time.sleep(0.2); sys.exit(3)", "early.py")
-    late = script("import time, sys\ntry:\n    time.sleep(60)\nexcept BaseException:\n    pass\nsys.exit(9)",
-                  "late.py")
+    late = script("import time, sys\ntry:\n    time.sleep(60)\nexcept BaseException:\n    pass\nsys.exit(9)", "late.py")
     code, _, _ = supervise([make_worker(0, late), make_worker(1, early)], tmp_path)
     assert code == 3
 
@@ -104,11 +104,14 @@ def test_a_peer_that_ignores_sigterm_is_killed_after_the_grace_period(script, tm
 
 
 def test_a_grandchild_left_in_the_workers_group_does_not_survive_the_run(script, tmp_path):
-    parent = script("""
+    parent = script(
+        """
         import subprocess, sys
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         print(f"grandchild {child.pid}", flush=True)
-    """, "parent.py")
+    """,
+        "parent.py",
+    )
     code, out, _ = supervise([make_worker(0, parent), make_worker(1, script("pass", "ok.py"))], tmp_path)
     grandchild = int(out.split("grandchild ")[1].split()[0])
     assert code == 0
@@ -116,13 +119,16 @@ def test_a_grandchild_left_in_the_workers_group_does_not_survive_the_run(script,
 
 
 def test_every_line_is_prefixed_including_stderr_and_a_last_line_without_newline(script, tmp_path):
-    noisy = script("""
+    noisy = script(
+        """
         import sys
         print("out line", flush=True)
         print("err line", file=sys.stderr, flush=True)
         sys.stdout.buffer.write(b"bad \\xff utf8\\n")
         sys.stdout.write("no newline at exit")
-    """, "noisy.py")
+    """,
+        "noisy.py",
+    )
     code, out, _ = supervise([make_worker(0, noisy, "GPU3"), make_worker(1, script("pass"), "GPU5")], tmp_path)
     assert code == 0
     lines = out.splitlines()
@@ -153,29 +159,62 @@ def test_exit_codes_are_recorded_in_the_run_directory(script, tmp_path):
     workers = [make_worker(0, script(SLEEPS, "sleep.py")), make_worker(1, script(FAILS_WITH_7, "fail.py"))]
     supervise(workers, tmp_path)
     record = json.loads((tmp_path / "workers.json").read_text())
-    assert [(r["label"], r["exit_code"], r["failed_first"]) for r in record] == \
-        [("CPU0", 128 + signal.SIGTERM, False), ("CPU1", 7, True)]
+    assert [(r["label"], r["exit_code"], r["failed_first"]) for r in record] == [
+        ("CPU0", 128 + signal.SIGTERM, False),
+        ("CPU1", 7, True),
+    ]
 
 
 @pytest.mark.parametrize("gpu, label", [(None, None), ("3", "3")])
 def test_worker_environment_follows_the_contract(gpu, label):
-    env = worker_env({"GPU_RANK": "stale", "PATH": "/bin"}, rank=1, world_size=4, master_port=1234,
-                     gpu=gpu, cpu_count=8, compile_cache="/c")
-    assert {k: env[k] for k in ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                                "MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_ORDER", "PYTHONUNBUFFERED",
-                                "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS"]} == {
-        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "TORCHINDUCTOR_CACHE_DIR": "/c",
-        "TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    env = worker_env(
+        {"GPU_RANK": "stale", "PATH": "/bin"}, rank=1, world_size=4, master_port=1234, gpu=gpu, cpu_count=8, compile_cache="/c"
+    )
+    assert {
+        k: env[k]
+        for k in [
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "NODE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "CUDA_DEVICE_ORDER",
+            "PYTHONUNBUFFERED",
+            "OMP_NUM_THREADS",
+            "TORCHINDUCTOR_CACHE_DIR",
+            "TORCHINDUCTOR_COMPILE_THREADS",
+        ]
+    } == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1234",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "2",
+        "TORCHINDUCTOR_CACHE_DIR": "/c",
+        "TORCHINDUCTOR_COMPILE_THREADS": "2",
+    }
     assert env["CUDA_VISIBLE_DEVICES"] == (gpu or "")
     assert env.get("GPU_RANK") == label
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_worker_environment_keeps_the_users_allocator_settings():
-    env = worker_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, rank=0, world_size=1, master_port=1,
-                     gpu="0", cpu_count=8, compile_cache="/c")
+    env = worker_env(
+        {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
+        rank=0,
+        world_size=1,
+        master_port=1,
+        gpu="0",
+        cpu_count=8,
+        compile_cache="/c",
+    )
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
@@ -202,9 +241,16 @@ def test_descendants_that_left_the_workers_group_do_not_survive_the_run(script, 
     assert code == 0
     setsid_pid = int(next(text for text in out.splitlines() if text.startswith("CPU0:escaped")).split()[-1])
     assert wait_until(lambda: not alive(setsid_pid), timeout=2.0)
-    assert wait_until(lambda: not [p for p in psutil.process_iter(["environ"])
-                                   if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN")
-                                   == leaver.env["LAUNCHER_RUN_TOKEN"]], timeout=2.0)
+    assert wait_until(
+        lambda: (
+            not [
+                p
+                for p in psutil.process_iter(["environ"])
+                if (p.info["environ"] or {}).get("LAUNCHER_RUN_TOKEN") == leaver.env["LAUNCHER_RUN_TOKEN"]
+            ]
+        ),
+        timeout=2.0,
+    )
 
 
 SILENT_AFTER_ONE_LINE = f"""
@@ -223,8 +269,7 @@ SILENT_AFTER_ONE_LINE = f"""
 def test_a_silent_worker_counts_as_failed_after_the_hang_timeout_with_exit_124(script, tmp_path):
     chatty = script("import time\nfor i in range(800):\n    print(i, flush=True)\n    time.sleep(0.01)", "chatty.py")
     silent = make_worker(1, script(SILENT_AFTER_ONE_LINE, "silent.py"))
-    code, out, elapsed = supervise([make_worker(0, chatty), silent], tmp_path, hang_timeout=1.5,
-                                   stack_dump_signal=signal.SIGUSR1)
+    code, out, elapsed = supervise([make_worker(0, chatty), silent], tmp_path, hang_timeout=1.5, stack_dump_signal=signal.SIGUSR1)
     assert code == EXIT_HANG == 124
     assert 1.5 <= elapsed < 4.0
     assert "CPU1 printed nothing for 1.5 s (--hang-timeout)" in out
@@ -251,20 +296,30 @@ def test_before_teardown_the_summary_shows_where_each_surviving_worker_was(scrip
     assert "most recent call first" in (tmp_path / "logs" / "cpu0.log").read_text()  # the full dump
 
 
-@pytest.mark.parametrize("source, hint", [
-    ("print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\n"
-     "raise SystemExit(1)", "the GPU ran out of memory: lower training.batch_size"),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL came from outside the launcher, "
-                                                                "most often the kernel's out-of-memory killer"),
-    # NCCL's watchdog on a collective timeout: its line, then a long stack dump, then SIGABRT
-    ("import os, sys\n"
-     "print('[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective "
-     "operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
-     "600081 milliseconds before timing out.', file=sys.stderr, flush=True)\n"
-     "print('  frame\\n' * 200, file=sys.stderr, flush=True)\n"
-     "os.abort()", "NCCL's watchdog found a collective (ALLREDUCE) waiting longer than system.collective_timeout "
-                   "(600 s) for the other ranks, and on NCCL that ends the process with SIGABRT (exit 134)"),
-])
+@pytest.mark.parametrize(
+    "source, hint",
+    [
+        (
+            "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\nraise SystemExit(1)",
+            "the GPU ran out of memory: lower training.batch_size",
+        ),
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+            "SIGKILL came from outside the launcher, most often the kernel's out-of-memory killer",
+        ),
+        # NCCL's watchdog on a collective timeout: its line, then a long stack dump, then SIGABRT
+        (
+            "import os, sys\n"
+            "print('[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective "
+            "operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
+            "600081 milliseconds before timing out.', file=sys.stderr, flush=True)\n"
+            "print('  frame\\n' * 200, file=sys.stderr, flush=True)\n"
+            "os.abort()",
+            "NCCL's watchdog found a collective (ALLREDUCE) waiting longer than system.collective_timeout "
+            "(600 s) for the other ranks, and on NCCL that ends the process with SIGABRT (exit 134)",
+        ),
+    ],
+)
 def test_the_summary_gives_a_hint_when_the_cause_is_known(script, tmp_path, source, hint):
     code, out, _ = supervise([make_worker(0, script(source, "oom.py")), make_worker(1, script(SLEEPS))], tmp_path)
     assert code != 0
@@ -276,7 +331,7 @@ def test_the_summary_gives_a_hint_when_the_cause_is_known(script, tmp_path, sour
 def test_a_multibyte_character_cut_by_the_line_length_bound_survives(script, tmp_path):
     wide = script("print('\u00e9' * 100_000)")  # 200,000 bytes: pieces end inside characters
     code, out, _ = supervise([make_worker(0, wide), make_worker(1, script("pass", "ok.py"))], tmp_path)
-    text = "".join(line[len("CPU0:"):] for line in out.splitlines() if line.startswith("CPU0:"))
+    text = "".join(line[len("CPU0:") :] for line in out.splitlines() if line.startswith("CPU0:"))
     assert code == 0 and text == "\u00e9" * 100_000
 
 
@@ -312,8 +367,7 @@ GRACEFUL = """
 
 def test_a_graceful_stop_of_training_workers_signals_each_worker_alone_and_waits_for_it(script, tmp_path):
     graceful = script(GRACEFUL, "graceful.py")
-    code, out, elapsed = supervise([make_worker(0, graceful), make_worker(1, graceful)], tmp_path,
-                                   stop_leaders_only=True)
+    code, out, elapsed = supervise([make_worker(0, graceful), make_worker(1, graceful)], tmp_path, stop_leaders_only=True)
     assert code == 130 and elapsed < 5
     assert out.count("saved; helper alive: True") == 2 and "helper got SIGTERM" not in out
     assert "launcher: stopped: every worker exited within" in out
@@ -323,10 +377,8 @@ def test_a_graceful_stop_of_training_workers_signals_each_worker_alone_and_waits
 
 @pytest.mark.slow
 def test_a_worker_that_fails_while_stopping_is_a_failure_not_a_clean_stop(script, tmp_path):
-    fails_to_save = script(GRACEFUL.replace("sys.exit(0)", "sys.exit(2 if os.environ['RANK'] == '1' else 0)"),
-                           "fails.py")
-    code, out, _ = supervise([make_worker(0, fails_to_save), make_worker(1, fails_to_save)], tmp_path,
-                             stop_leaders_only=True)
+    fails_to_save = script(GRACEFUL.replace("sys.exit(0)", "sys.exit(2 if os.environ['RANK'] == '1' else 0)"), "fails.py")
+    code, out, _ = supervise([make_worker(0, fails_to_save), make_worker(1, fails_to_save)], tmp_path, stop_leaders_only=True)
     assert code == 2
     assert "FAILED: CPU1 (rank 1) failed first" in out and "launcher: stopped:" not in out
 

@@ -36,9 +36,28 @@ ESCAPED_CHILD_AND_A_CRASH = """
 
 def test_a_failure_does_not_wait_the_kill_grace_for_an_escaped_child_holding_a_workers_output(script, tmp_path):
     command = [*script(ESCAPED_CHILD_AND_A_CRASH, "crash.py"), str(tmp_path / "ready")]
-    result = subprocess.run([sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2",
-                             "--kill-grace", "2", "--run-dir", str(tmp_path / "run"), "--", *command],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--kill-grace",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--",
+            *command,
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     exited = time.time()
     out = result.stdout
 

@@ -29,16 +29,17 @@ def dataset(directory: Path, shards: Path, bad: int | None = None, where: str = 
     val = 30000 + np.arange(601)
     if bad is not None:
         (second if where == "train" else val)[300 if where == "train" else 17] = bad
-    train = [Part(1000 + np.arange(2001), "tokens.bin"),
-             Part(10000 + np.arange(1500), shards / "shard_01.bin", header=HEADER),
-             Part(second, shards / "shard_02.bin", header=HEADER)]
+    train = [
+        Part(1000 + np.arange(2001), "tokens.bin"),
+        Part(10000 + np.arange(1500), shards / "shard_01.bin", header=HEADER),
+        Part(second, shards / "shard_02.bin", header=HEADER),
+    ]
     return write_dataset(directory, train=train, val=[Part(val, "tokens.bin")])
 
 
 def every_batch(path: Path, vocab_size: int, num_workers: int = 0) -> int:
     """Batches of a whole epoch and one more, checked against vocab_size."""
-    batches = TrainBatches(path, T, batch_size=4, rank=0, world_size=1, seed=3, num_workers=num_workers,
-                           vocab_size=vocab_size)
+    batches = TrainBatches(path, T, batch_size=4, rank=0, world_size=1, seed=3, num_workers=num_workers, vocab_size=vocab_size)
     return len(list(itertools.islice(batches, batches.batches_per_epoch + 1)))
 
 
@@ -59,7 +60,8 @@ def test_a_damaged_token_in_a_shard_stops_training_naming_the_file_and_the_byte(
     assert one_line_error(error) == (
         f"{shards / 'shard_02.bin'}: token id 65,535 at byte {HEADER + 300 * 2:,} is beyond the model's vocabulary "
         f"of 40,000: the prepared dataset {path} is damaged; check it with `python3 prepare_dataset.py --verify` "
-        "(with the run's --preset/--config/--set options) and rebuild it with `--force`")
+        "(with the run's --preset/--config/--set options) and rebuild it with `--force`"
+    )
 
 
 def test_ids_up_to_the_last_one_of_the_vocabulary_pass(tmp_path):
@@ -84,10 +86,16 @@ def test_a_damaged_validation_token_is_found_when_the_validation_batches_are_mad
 
 # --- a whole training process -----------------------------------------------------------------
 
+
 def prepared_debug_dataset(cache: Path) -> Path:
-    result = subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--debug",
-                             "--set", f"data.cache_dir={cache}"],
-                            cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "prepare_dataset.py"), "--debug", "--set", f"data.cache_dir={cache}"],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     (tokens,) = cache.glob("*/tokens.bin")
     return tokens
@@ -104,9 +112,23 @@ def test_training_on_a_token_file_damaged_in_place_exits_2_with_one_line_and_no_
         file.write(b"\xff" * (val_start if part == "train" else 2000))
     assert tokens.stat().st_size == size
     result = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_main.py"), "--debug", "--max-steps", "3",
-         "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={tmp_path / 'cache'}"],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "pretrain_main.py"),
+            "--debug",
+            "--max-steps",
+            "3",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output and "IndexError" not in output

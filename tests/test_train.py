@@ -49,8 +49,7 @@ def test_labels_use_the_physical_gpu_index(monkeypatch):
 
 @pytest.fixture
 def trainer(tmp_path):
-    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path}", "training.batch_size=2",
-                                               "data.context_length=32"])
+    config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path}", "training.batch_size=2", "data.context_length=32"])
     runtime = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
@@ -79,8 +78,7 @@ def test_a_requested_stop_ends_training_after_the_step_with_a_loadable_checkpoin
     assert stopped.value.signum == signal.SIGTERM
     assert len(trainer.losses) == 1  # one step ran, then it stopped
     saved = trainer.run_dir / "checkpoints" / "step_1"
-    assert sorted(p.name for p in saved.iterdir()) == \
-        ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
     assert not list(saved.parent.glob("*.tmp"))
     state = checkpoint.read_state(saved)
     assert state["steps_done"] == 1 and state["loader"] == trainer.loader.state_dict()
@@ -91,24 +89,28 @@ def test_a_requested_stop_ends_training_after_the_step_with_a_loadable_checkpoin
 
 
 def test_a_second_stop_signal_ends_the_process_at_once_unless_it_is_the_same_request_twice(tmp_path):
-    source = ("import os, signal, time\n"
-              "from pretrain.stopping import StopRequest\n"
-              "with StopRequest().installed():\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)  # within a second: the same request\n"
-              "    print('first SIGTERMs only recorded', flush=True)\n"
-              "    time.sleep(1.1)\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    time.sleep(5)\n"
-              "    print('not reached', flush=True)\n")
-    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=30,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    source = (
+        "import os, signal, time\n"
+        "from pretrain.stopping import StopRequest\n"
+        "with StopRequest().installed():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # within a second: the same request\n"
+        "    print('first SIGTERMs only recorded', flush=True)\n"
+        "    time.sleep(1.1)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "    print('not reached', flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", source], capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     assert result.returncode == -signal.SIGTERM
     assert result.stdout == "first SIGTERMs only recorded\n"
 
 
-@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                   ValueError("something unexpected")])
+@pytest.mark.parametrize(
+    "error", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ValueError("something unexpected")]
+)
 def test_a_failing_rank_prints_its_traceback_before_it_leaves_the_process_group(monkeypatch, capsys, error):
     import pretrain.train as train_module
 
@@ -117,20 +119,26 @@ def test_a_failing_rank_prints_its_traceback_before_it_leaves_the_process_group(
 
     printed_before_shutdown = []
     monkeypatch.setattr(train_module, "train", failing_train)
-    monkeypatch.setattr(train_module, "shutdown",
-                        lambda runtime, peers_alive: printed_before_shutdown.append((capsys.readouterr().err, peers_alive)))
+    monkeypatch.setattr(
+        train_module,
+        "shutdown",
+        lambda runtime, peers_alive: printed_before_shutdown.append((capsys.readouterr().err, peers_alive)),
+    )
     assert train_module.main(["--debug", "--set", "system.device=cpu"]) == 1
     ((stderr, peers_alive),) = printed_before_shutdown
     assert "Traceback (most recent call last)" in stderr and str(error) in stderr.splitlines()[-1]
     assert peers_alive is False  # no barrier: the peers may never arrive
 
 
-@pytest.mark.parametrize("backend, peers_alive, destroyed", [
-    ("nccl", False, False),  # could block on peers that never come
-    ("cuda:nccl,cpu:gloo", False, False),
-    ("gloo", False, True),
-    ("nccl", True, True),
-])
+@pytest.mark.parametrize(
+    "backend, peers_alive, destroyed",
+    [
+        ("nccl", False, False),  # could block on peers that never come
+        ("cuda:nccl,cpu:gloo", False, False),
+        ("gloo", False, True),
+        ("nccl", True, True),
+    ],
+)
 def test_after_a_failure_a_rank_leaves_an_nccl_group_to_the_process_exit(monkeypatch, backend, peers_alive, destroyed):
     import pretrain.runtime as runtime_module
 
@@ -147,8 +155,9 @@ def test_after_a_failure_a_rank_leaves_an_nccl_group_to_the_process_exit(monkeyp
 def test_the_throughput_window_leaves_out_a_checkpoint_save_between_two_step_lines():
     from pretrain.step_line import Throughput
 
-    speed = Throughput(tokens_per_step=1000, world_size=1, flops_per_token=1.0, peak_flops=None,
-                       device=torch.device("cpu"), window_start=0.0)
+    speed = Throughput(
+        tokens_per_step=1000, world_size=1, flops_per_token=1.0, peak_flops=None, device=torch.device("cpu"), window_start=0.0
+    )
     ticks = iter([3.0, 8.0])  # the save runs from t=3 s to t=8 s
     speed.step_done()
     with speed.paused(clock=lambda: next(ticks)):
@@ -168,12 +177,19 @@ def test_ranks_plan_on_the_smallest_memory_any_of_them_reports(tmp_path):
         "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
         "runtime = Runtime(rank=rank, world_size=2, device=torch.device('cpu'), label=f'CPU {rank}')\n"
         "print(smallest_across_ranks(runtime, *((80, 500) if rank == 0 else (40, 900))))\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+    )
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", probe], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", probe],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        )
+        for rank in (0, 1)
+    ]
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert [out.strip().splitlines()[-1] for out in outputs] == ["(40, 500)", "(40, 500)"], outputs

@@ -44,8 +44,10 @@ def test_twenty_steps_equal_ten_then_ten_resumed_from_the_checkpoint_at_every_st
     first, second = train_losses(whole), train_losses(resumed)
     assert sorted(first) == list(range(20)) and sorted(second) == list(range(10, 20))
     assert {step: first[step] for step in range(10, 20)} == second  # bit for bit
-    assert torch.equal(checkpoint.load_model_state(whole / "checkpoints" / "step_20")["output.weight"],
-                       checkpoint.load_model_state(resumed / "checkpoints" / "step_20")["output.weight"])
+    assert torch.equal(
+        checkpoint.load_model_state(whole / "checkpoints" / "step_20")["output.weight"],
+        checkpoint.load_model_state(resumed / "checkpoints" / "step_20")["output.weight"],
+    )
 
 
 @pytest.mark.slow
@@ -76,13 +78,23 @@ def test_the_loss_falls_on_the_builtin_corpus(tmp_path):
 @pytest.mark.slow
 def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(tmp_path):
     run_dir = tmp_path / "run"
-    out = run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "8", "--set", "training.checkpoint_interval=2",
-              "--set", "training.keep_checkpoints=2").stdout
+    out = run_debug_training(
+        tmp_path,
+        SINGLE,
+        run_dir,
+        "--max-steps",
+        "8",
+        "--set",
+        "training.checkpoint_interval=2",
+        "--set",
+        "training.keep_checkpoints=2",
+    ).stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_6", "step_8"]
     assert "Tokens/s:" in out and "MFU" not in out  # no MFU on a CPU: its peak is not known
     kinds = [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert kinds.count("train") == 8 and kinds[-1] == "val"
     from safetensors.torch import load_file
+
     exported = load_file(run_dir / "export" / "model.safetensors")
     final = checkpoint.load_model_state(run_dir / "checkpoints" / "step_8")
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
@@ -91,25 +103,64 @@ def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(tmp_path
 
 def test_a_context_longer_than_the_model_supports_is_refused_before_start_up(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "run"),
-         "--set", "model.max_seq_len=64", "--set", "data.context_length=128"],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "model.max_seq_len=64",
+            "--set",
+            "data.context_length=128",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "launcher: error: data.context_length 128 is longer than the model supports (model.max_seq_len 64); "
-        "lower data.context_length or raise model.max_seq_len"]
+        "lower data.context_length or raise model.max_seq_len"
+    ]
 
 
 def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_with_the_nearest_sizes(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", "2",
-         "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         "--set", "training.batch_size=4", "--set", "training.global_batch_size=20"],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--debug",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "training.batch_size=4",
+            "--set",
+            "training.global_batch_size=20",
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "launcher: error: training.global_batch_size 20 is not a multiple of training.batch_size 4 x 2 rank(s) "
-        "= 8; use 16 or 24, or change batch_size")
+        "= 8; use 16 or 24, or change batch_size"
+    )
     assert not (tmp_path / "run" / "logs" / "cpu0.log").exists()  # refused before any worker started
 
 
@@ -117,12 +168,28 @@ def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_with_the_
 def test_ranks_started_without_the_launcher_or_a_run_directory_share_one_run_directory(tmp_path):
     """As under torchrun: rank 0 names the run directory for every rank."""
     import re
+
     port = free_port()
-    ranks = [subprocess.Popen(
-        [sys.executable, "pretrain_main.py", "--debug", "--max-steps", "2", "--set", f"data.cache_dir={tmp_path / 'cache'}",
-         *SMALL_RUN], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=launcher_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-        for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "pretrain_main.py",
+                "--debug",
+                "--max-steps",
+                "2",
+                "--set",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                *SMALL_RUN,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=launcher_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        )
+        for rank in range(2)
+    ]
     outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
     run_dirs = [re.findall(r"Run directory: (\S+)", out) for out in outputs]
     try:

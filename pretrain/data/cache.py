@@ -40,6 +40,7 @@ def sigterm_as_exit() -> Iterator[None]:
     so a build that is stopped removes its temporary directory (possibly gigabytes) instead of
     leaving it in the cache. For entry points, in the main thread; the previous handlers come
     back afterwards. (SIGINT already raises KeyboardInterrupt.)"""
+
     def leave(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
@@ -49,6 +50,7 @@ def sigterm_as_exit() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
 
 def verify(dataset_dir: str | Path) -> None:
     """Check a prepared dataset completely, the sha256 of every file it uses included.
@@ -61,8 +63,9 @@ def verify(dataset_dir: str | Path) -> None:
         for name, expected in meta["files"].items():
             actual = file_sha256(dataset_dir / name)
             if actual != expected["sha256"]:
-                raise _Damage(f"{name} does not match its sha256 in meta.json "
-                              f"(expected {expected['sha256'][:12]}..., got {actual[:12]}...)")
+                raise _Damage(
+                    f"{name} does not match its sha256 in meta.json (expected {expected['sha256'][:12]}..., got {actual[:12]}...)"
+                )
     except _Damage as damage:
         raise DataError(f"{dataset_dir}: {damage}; {REBUILD_HINT}") from None
 
@@ -74,6 +77,7 @@ def read_meta(dataset_dir: str | Path) -> dict[str, Any]:
         return _load_meta(dataset_dir)
     except _Damage as damage:
         raise DataError(f"{dataset_dir}: not a usable prepared dataset ({damage}); {REBUILD_HINT}") from None
+
 
 @contextmanager
 def build_lock(final: Path, log: Log) -> Iterator[None]:
@@ -115,7 +119,9 @@ def build_lock(final: Path, log: Log) -> Iterator[None]:
             pass  # gone already, or a read-only directory: a file left behind is harmless
         os.close(fd)
 
+
 # --- checking a cache -------------------------------------------------------------------------
+
 
 class _Damage(Exception):
     """What is wrong with a cache directory, as a short phrase."""
@@ -155,17 +161,19 @@ def _load_meta(dataset_dir: Path) -> dict[str, Any]:
         if not _is_count(meta["tokens"].get(split)):
             raise _Damage(f"meta.json has no token count for {split}")
     for name, recorded in meta["files"].items():
-        if not (isinstance(recorded, dict) and _is_count(recorded.get("bytes"))
-                and isinstance(recorded.get("sha256"), str)):
+        if not (isinstance(recorded, dict) and _is_count(recorded.get("bytes")) and isinstance(recorded.get("sha256"), str)):
             raise _Damage(f"meta.json has no size and sha256 for {name}")
     for split in SPLITS:
         segments = meta["splits"].get(split)
         if not isinstance(segments, list) or not segments:
             raise _Damage(f"meta.json has no segments for {split}")
         for segment in segments:
-            if (not isinstance(segment, dict) or segment.get("dtype") not in DTYPES
-                    or not all(isinstance(segment.get(f), int) for f in ("offset", "tokens"))
-                    or not isinstance(segment.get("file"), str)):
+            if (
+                not isinstance(segment, dict)
+                or segment.get("dtype") not in DTYPES
+                or not all(isinstance(segment.get(f), int) for f in ("offset", "tokens"))
+                or not isinstance(segment.get("file"), str)
+            ):
                 raise _Damage(f"meta.json has a malformed {split} segment")
     return meta
 
@@ -191,7 +199,9 @@ def _check_files(dataset_dir: Path, meta: dict[str, Any]) -> None:
             if recorded is None or end > recorded["bytes"]:
                 raise _Damage(f"a {split} segment reaches past the end of {segment['file']}")
 
+
 # --- files ------------------------------------------------------------------------------------
+
 
 def write_synced(path: Path, data: bytes) -> None:
     with naming(path), open(path, "wb") as file:  # a failed write's OSError names no file

@@ -97,8 +97,7 @@ def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
         yield batch
 
 
-def encode_into(writer: TokenWriter, pieces: Iterator[Piece], tokenizer: Tokenizer, label: str,
-                 total_bytes: int | None) -> None:
+def encode_into(writer: TokenWriter, pieces: Iterator[Piece], tokenizer: Tokenizer, label: str, total_bytes: int | None) -> None:
     """Tokenize pieces in batches and append them to writer, in order.
 
     The next batch is read and parsed here while a helper thread encodes the current one (the
@@ -118,8 +117,9 @@ def encode_into(writer: TokenWriter, pieces: Iterator[Piece], tokenizer: Tokeniz
     progress.close()
 
 
-def _write_encoded(writer: TokenWriter, future: Future, batch: list[Piece], tokenizer: Tokenizer,
-                   progress: Any, started: float) -> None:
+def _write_encoded(
+    writer: TokenWriter, future: Future, batch: list[Piece], tokenizer: Tokenizer, progress: Any, started: float
+) -> None:
     writer.write(future.result(), [piece.ends_document for piece in batch], tokenizer.eot_id)
     progress.update(sum(piece.size for piece in batch))
     rate = writer.tokens / max(time.monotonic() - started, 1e-9)
@@ -133,5 +133,4 @@ def progress_bar(label: str, total: int | None, unit: str) -> Any:
     # while another thread runs can deadlock the child.
     tqdm.monitor_interval = 0
     # disable=None: silent when stderr is not a terminal (logs, pipes, tests).
-    return tqdm(desc=label, total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=None,
-                leave=False, mininterval=0.5)
+    return tqdm(desc=label, total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=None, leave=False, mininterval=0.5)

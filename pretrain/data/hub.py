@@ -61,6 +61,7 @@ class HubFiles:
 
 # --- listing --------------------------------------------------------------------------------------
 
+
 def usable(path: str, pattern: str) -> bool:
     """A data file (not a README or script) that the pattern matches."""
     return fnmatch.fnmatch(path, pattern) and file_format(path) is not None
@@ -82,8 +83,11 @@ def cached_files(repo: str, revision: str, pattern: str) -> HubFiles | None:
     folder = storage / "snapshots" / commit
     if not folder.is_dir():
         return None
-    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*")
-                   if p.is_file() and usable(p.relative_to(folder).as_posix(), pattern))
+    files = sorted(
+        (p.relative_to(folder).as_posix(), p.stat().st_size)
+        for p in folder.rglob("*")
+        if p.is_file() and usable(p.relative_to(folder).as_posix(), pattern)
+    )
     return HubFiles(commit, files, online=False, folder=folder)
 
 
@@ -107,8 +111,9 @@ def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
     api = HfApi()
     try:
         commit = _commit_of(api, repo, revision)
-        entries = api.list_repo_tree(repo, path_in_repo="/".join(fixed) or None, recursive=True,
-                                     revision=commit, repo_type="dataset")
+        entries = api.list_repo_tree(
+            repo, path_in_repo="/".join(fixed) or None, recursive=True, revision=commit, repo_type="dataset"
+        )
         files = sorted((e.path, e.size) for e in entries if isinstance(e, RepoFile) and usable(e.path, pattern))
     # RemoteEntryNotFoundError is new in huggingface_hub 1.0 (requirements allow older): an
     # attribute error here would hide every other failure, offline mode included.
@@ -144,31 +149,45 @@ def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) 
         found = cached
     if not found.files:
         where = "" if found.online else " in the Hugging Face cache (the Hub cannot be reached)"
-        raise DataError(f"data.hub_files: no .parquet, .jsonl, .json or .txt file of dataset {repo}@{revision}"
-                        f"{where} matches {pattern!r}; set data.hub_files to a pattern of its data files")
+        raise DataError(
+            f"data.hub_files: no .parquet, .jsonl, .json or .txt file of dataset {repo}@{revision}"
+            f"{where} matches {pattern!r}; set data.hub_files to a pattern of its data files"
+        )
     return found
 
 
 def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reason: str) -> DataError:
     ranks = f" --world-size {world_size}" if world_size > 1 else ""
-    prepare = (f"`python3 prepare_dataset.py --preset {preset}{ranks}` (with this run's other options: only the "
-               "files it needs, and the tokenizer) or ") if preset else ""
-    return offline_error(f"dataset {cfg.hub_repo} ({cfg.hub_files})",
-                         f"{prepare}`hf download {cfg.hub_repo} --repo-type dataset --include '{cfg.hub_files}'`",
-                         LOCAL_FILES_INSTEAD, reason)
+    prepare = (
+        (
+            f"`python3 prepare_dataset.py --preset {preset}{ranks}` (with this run's other options: only the "
+            "files it needs, and the tokenizer) or "
+        )
+        if preset
+        else ""
+    )
+    return offline_error(
+        f"dataset {cfg.hub_repo} ({cfg.hub_files})",
+        f"{prepare}`hf download {cfg.hub_repo} --repo-type dataset --include '{cfg.hub_files}'`",
+        LOCAL_FILES_INSTEAD,
+        reason,
+    )
 
 
 # --- the files a run uses -------------------------------------------------------------------------
+
 
 def selected(cfg: DataConfig, found: HubFiles) -> list[tuple[str, int]]:
     """The first data.hub_max_files files (all for 0 or None). Offline, DataError when the cache
     holds fewer than that: a run must not quietly train on less than it was set up for."""
     wanted = cfg.hub_max_files
     if wanted and len(found.files) < wanted and not found.online:
-        raise DataError(f"data.hub_max_files is {wanted}, but the Hugging Face cache holds only {len(found.files)} "
-                        f"file(s) of dataset {cfg.hub_repo} matching {cfg.hub_files} and the Hub cannot be "
-                        f"reached; lower it, or fetch more where there is network (`hf download {cfg.hub_repo} "
-                        f"--repo-type dataset --include '{cfg.hub_files}'`)")
+        raise DataError(
+            f"data.hub_max_files is {wanted}, but the Hugging Face cache holds only {len(found.files)} "
+            f"file(s) of dataset {cfg.hub_repo} matching {cfg.hub_files} and the Hub cannot be "
+            f"reached; lower it, or fetch more where there is network (`hf download {cfg.hub_repo} "
+            f"--repo-type dataset --include '{cfg.hub_files}'`)"
+        )
     return found.files[:wanted] if wanted else list(found.files)
 
 
@@ -178,9 +197,11 @@ def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]]) -> Pat
         return found.folder
     if not found.online:
         missing = next(name for name, _ in files if not (found.folder / name).is_file())  # type: ignore[operator]
-        raise DataError(f"dataset {cfg.hub_repo}: {missing} is not in the Hugging Face cache and the Hub "
-                        f"cannot be reached; fetch it where there is network (`hf download {cfg.hub_repo} "
-                        f"--repo-type dataset --include '{missing}'`), or lower data.hub_max_files")
+        raise DataError(
+            f"dataset {cfg.hub_repo}: {missing} is not in the Hugging Face cache and the Hub "
+            f"cannot be reached; fetch it where there is network (`hf download {cfg.hub_repo} "
+            f"--repo-type dataset --include '{missing}'`), or lower data.hub_max_files"
+        )
     # Exact names, escaped: only these files are downloaded, whatever else the pattern matches.
     return hub_snapshot(cfg.hub_repo, found.commit, [glob.escape(name) for name, _ in files])
 
@@ -235,13 +256,17 @@ def choose_hub_files(config: Config, world_size: int, log: Log) -> Config:
     else:
         count = files_for_tokens(found.files, tokens, data.val_fraction)
         held = sum(estimated_tokens(*f) for f in found.files[:count])
-        why = (f"the run reads {token_count(tokens)} tokens, these hold ~{token_count(round(held))} (estimated "
-               "from their size); data.hub_max_files sets the count")
+        why = (
+            f"the run reads {token_count(tokens)} tokens, these hold ~{token_count(round(held))} (estimated "
+            "from their size); data.hub_max_files sets the count"
+        )
         if held < tokens / (1 - data.val_fraction) * MARGIN:
             why += "; too few for the run, which will repeat its data"
             if not found.online:
-                why += (f" (fetch more where there is network: `python3 prepare_dataset.py --preset "
-                        f"{config.preset}` with this run's options, then copy the Hugging Face cache here)")
+                why += (
+                    f" (fetch more where there is network: `python3 prepare_dataset.py --preset "
+                    f"{config.preset}` with this run's options, then copy the Hugging Face cache here)"
+                )
     log(f"{where}; using the first {count} ({byte_count(sum(s for _, s in found.files[:count]))}): {why}")
     return dataclasses.replace(config, data=dataclasses.replace(data, hub_max_files=count))
 

@@ -29,8 +29,9 @@ def hub_snapshot(repo: str, revision: str, pattern: str | list[str], repo_type: 
     if is_commit(revision):
         # A commit never changes: when it is in the cache, no request to the Hub is needed.
         try:
-            return Path(snapshot_download(repo, repo_type=repo_type, revision=revision,
-                                          allow_patterns=pattern, local_files_only=True))
+            return Path(
+                snapshot_download(repo, repo_type=repo_type, revision=revision, allow_patterns=pattern, local_files_only=True)
+            )
         except errors.LocalEntryNotFoundError:  # also a snapshot that lacks some of the files
             pass
     try:
@@ -47,11 +48,14 @@ def access_error(error: Exception, where: str) -> DataError | None:
     from huggingface_hub import errors
 
     if isinstance(error, errors.GatedRepoError):  # before its base class, RepositoryNotFoundError
-        return DataError(f"{where} is gated: accept its terms on huggingface.co, then log in with "
-                         "`hf auth login` or set HF_TOKEN")
+        return DataError(
+            f"{where} is gated: accept its terms on huggingface.co, then log in with `hf auth login` or set HF_TOKEN"
+        )
     if isinstance(error, errors.RepositoryNotFoundError):
-        return DataError(f"{where} was not found, or it is private and you are not authorised: check the id, "
-                         "then log in with `hf auth login` or set HF_TOKEN")
+        return DataError(
+            f"{where} was not found, or it is private and you are not authorised: check the id, "
+            "then log in with `hf auth login` or set HF_TOKEN"
+        )
     if isinstance(error, errors.RevisionNotFoundError):
         return DataError(f"{where}: no such revision; set a branch, tag or commit that exists")
     return None
@@ -61,10 +65,12 @@ def not_cached_error(repo: str, pattern: str | list[str], repo_type: str) -> Dat
     """Offline without the files: how to get them, or where else to point."""
     files = " ".join(map(shlex.quote, [pattern] if isinstance(pattern, str) else pattern))
     if repo_type == "model":
-        return offline_error(f"tokenizer {repo}", f"`hf download {repo} {files}`",
-                             "set data.tokenizer_name to a local tokenizer.json")
-    return offline_error(f"{repo_type} {repo}", f"`hf download {repo} --repo-type {repo_type} --include {files}`",
-                         LOCAL_FILES_INSTEAD)
+        return offline_error(
+            f"tokenizer {repo}", f"`hf download {repo} {files}`", "set data.tokenizer_name to a local tokenizer.json"
+        )
+    return offline_error(
+        f"{repo_type} {repo}", f"`hf download {repo} --repo-type {repo_type} --include {files}`", LOCAL_FILES_INSTEAD
+    )
 
 
 LOCAL_FILES_INSTEAD = "train on local files: --set data.source=parquet --set data.path=DIR"
@@ -77,6 +83,8 @@ def offline_error(what: str, fetch: str, instead: str, reason: str = "no connect
 
     offline = bool(os.environ.get("HF_HUB_OFFLINE"))
     why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else (reason, "")
-    return DataError(f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
-                     f"reached (offline: {why}); on a machine with network run {fetch} and copy the cache (HF_HOME) "
-                     f"here{unset}; or {instead}")
+    return DataError(
+        f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
+        f"reached (offline: {why}); on a machine with network run {fetch} and copy the cache (HF_HOME) "
+        f"here{unset}; or {instead}"
+    )

@@ -47,8 +47,10 @@ class TokenIdError(DataError):
     without validation, as a too-small val split is)."""
 
 
-CHECK_HINT = ("check it with `python3 prepare_dataset.py --verify` (with the run's --preset/--config/--set "
-              "options) and rebuild it with `--force`")
+CHECK_HINT = (
+    "check it with `python3 prepare_dataset.py --verify` (with the run's --preset/--config/--set "
+    "options) and rebuild it with `--force`"
+)
 
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """What DataLoader worker processes ignore: a stop is the training process's decision."""
@@ -61,8 +63,7 @@ class TokenWindows(Dataset):
     receiving a pickled copy of the data. `batch` (and `__getitems__`, which DataLoader calls for a
     whole batch at once) gathers a batch with one fancy index when it lies in one segment."""
 
-    def __init__(self, dataset_dir: str | Path, split: str, context_length: int,
-                 meta: dict[str, Any] | None = None) -> None:
+    def __init__(self, dataset_dir: str | Path, split: str, context_length: int, meta: dict[str, Any] | None = None) -> None:
         self.dataset_dir = Path(dataset_dir)
         self.segments = segments(read_meta(dataset_dir) if meta is None else meta, split)
         for segment in self.segments:  # fail now, naming the file, not hours in at the first short read
@@ -91,9 +92,12 @@ class TokenWindows(Dataset):
         nothing is copied, and a batch is one fancy index of rows."""
         if self._views is None:
             T = self.context_length
-            self._views = [sliding_window_view(tokens.view(np.ndarray), T + 1)[::T][:count]
-                           if (count := segment.window_count(T)) else np.empty((0, T + 1), tokens.dtype)
-                           for segment, tokens in zip(self.segments, self.maps, strict=True)]
+            self._views = [
+                sliding_window_view(tokens.view(np.ndarray), T + 1)[::T][:count]
+                if (count := segment.window_count(T))
+                else np.empty((0, T + 1), tokens.dtype)
+                for segment, tokens in zip(self.segments, self.maps, strict=True)
+            ]
         return self._views
 
     def __getitem__(self, index: int) -> Batch:
@@ -141,9 +145,11 @@ class TokenWindows(Dataset):
         position = (window - int(self.starts[k])) * self.context_length + column  # in the segment
         token = int(self.maps[k][position])
         offset = segment.offset + position * DTYPES[segment.dtype].itemsize
-        return TokenIdError(f"{segment.path(self.dataset_dir)}: token id {token:,} at byte {offset:,} is beyond "
-                            f"the model's vocabulary of {vocab_size:,}: the prepared dataset {self.dataset_dir} is "
-                            f"damaged; {CHECK_HINT}")
+        return TokenIdError(
+            f"{segment.path(self.dataset_dir)}: token id {token:,} at byte {offset:,} is beyond "
+            f"the model's vocabulary of {vocab_size:,}: the prepared dataset {self.dataset_dir} is "
+            f"damaged; {CHECK_HINT}"
+        )
 
 
 def out_of_vocabulary(batch: Batch, vocab_size: int) -> tuple[int, int] | None:
@@ -177,9 +183,19 @@ class TrainBatches:
     saving it with a checkpoint and calling load_state_dict() on a new TrainBatches resumes
     exactly there."""
 
-    def __init__(self, dataset_dir: str | Path, context_length: int, batch_size: int, rank: int,
-                 world_size: int, seed: int, num_workers: int, pin_memory: bool = False,
-                 grad_accum: int = 1, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset_dir: str | Path,
+        context_length: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        num_workers: int,
+        pin_memory: bool = False,
+        grad_accum: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         meta = read_meta(dataset_dir)
@@ -196,7 +212,7 @@ class TrainBatches:
         """This rank's window indices for epoch, shape (batches_per_epoch, batch_size)."""
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
         used = self.batches_per_epoch * self.batch_size
-        return order[self.rank::self.world_size][:used].reshape(self.batches_per_epoch, self.batch_size)
+        return order[self.rank :: self.world_size][:used].reshape(self.batches_per_epoch, self.batch_size)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_index": self.batch_index}
@@ -205,9 +221,11 @@ class TrainBatches:
         """Resume at state; takes effect at the next iter()."""
         epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
         if epoch < 0 or not 0 <= batch_index < self.batches_per_epoch:
-            raise DataError(f"cannot resume data at epoch {epoch}, batch {batch_index}: an epoch has "
-                            f"{self.batches_per_epoch} batches; did the dataset, batch size, gradient "
-                            "accumulation or world size change?")
+            raise DataError(
+                f"cannot resume data at epoch {epoch}, batch {batch_index}: an epoch has "
+                f"{self.batches_per_epoch} batches; did the dataset, batch size, gradient "
+                "accumulation or world size change?"
+            )
         self.epoch, self.batch_index = epoch, batch_index
 
     def __iter__(self) -> Iterator[Batch]:
@@ -233,12 +251,17 @@ class TrainBatches:
         # serves every epoch, and each iter(self) starts a new one through start_workers.
         # torch's stubs want lists of indices and a collate over lists; the dataset's __getitems__
         # takes the index arrays as they are, and hands back the finished batch.
-        loader = DataLoader(self.windows, batch_sampler=stream,  # type: ignore[arg-type]
-                            num_workers=self.num_workers, collate_fn=as_is,  # type: ignore[arg-type]
-                            pin_memory=self.pin_memory,
-                            # fork (Linux's default up to Python 3.13, named so it stays): the
-                            # workers inherit start_workers's signal mask, and the dataset without pickling.
-                            multiprocessing_context="fork", worker_init_fn=ignore_job_signals)
+        loader = DataLoader(
+            self.windows,
+            batch_sampler=stream,  # type: ignore[arg-type]
+            num_workers=self.num_workers,
+            collate_fn=as_is,  # type: ignore[arg-type]
+            pin_memory=self.pin_memory,
+            # fork (Linux's default up to Python 3.13, named so it stays): the
+            # workers inherit start_workers's signal mask, and the dataset without pickling.
+            multiprocessing_context="fork",
+            worker_init_fn=ignore_job_signals,
+        )
         return start_workers(loader)
 
 
@@ -308,8 +331,15 @@ class _IndexStream:
             epoch, first = epoch + 1, 0
 
 
-def validation_batches(dataset_dir: str | Path, context_length: int, batch_size: int, rank: int,
-                       world_size: int, num_batches: int, vocab_size: int | None = None) -> list[Batch]:
+def validation_batches(
+    dataset_dir: str | Path,
+    context_length: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    num_batches: int,
+    vocab_size: int | None = None,
+) -> list[Batch]:
     """A fixed set of validation batches for this rank, the same on every call.
 
     The first num_batches * batch_size * world_size windows of val (fewer when val is smaller),
@@ -322,10 +352,11 @@ def validation_batches(dataset_dir: str | Path, context_length: int, batch_size:
         raise DataError(
             f"the val split ({windows.n_tokens:,} tokens) has {len(windows):,} windows of {context_length + 1} "
             f"tokens, fewer than one per rank ({world_size}); "
-            "increase data.val_fraction, reduce data.context_length or use fewer ranks")
+            "increase data.val_fraction, reduce data.context_length or use fewer ranks"
+        )
     size = min(batch_size, per_rank)
     mine = np.arange(rank, per_rank * world_size, world_size)
-    batches = [windows.batch(mine[i:i + size]) for i in range(0, per_rank // size * size, size)]
+    batches = [windows.batch(mine[i : i + size]) for i in range(0, per_rank // size * size, size)]
     for i, batch in enumerate(batches):
         if vocab_size is not None and (bad := out_of_vocabulary(batch, vocab_size)) is not None:
             raise windows.id_error(int(mine[i * size + bad[0]]), bad[1], vocab_size)

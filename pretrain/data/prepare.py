@@ -45,14 +45,32 @@ from typing import TYPE_CHECKING, Any
 
 
 from pretrain.data import DataError
-from pretrain.data.cache import (FORMAT_VERSION, META_FILE, build_lock, inspect_dataset, read_meta,
-                                 remove_leftovers, replace_dir, sigterm_as_exit, verify, write_synced)
+from pretrain.data.cache import (
+    FORMAT_VERSION,
+    META_FILE,
+    build_lock,
+    inspect_dataset,
+    read_meta,
+    remove_leftovers,
+    replace_dir,
+    sigterm_as_exit,
+    verify,
+    write_synced,
+)
 from pretrain.data.encode import TokenWriter, encode_into, limited
 from pretrain.data.shard_index import index_shards
 from pretrain.data.shards import Shard, llmc_shard, megatron_shard
 from pretrain.data.sources import TextSource, documents_source, resolve_files, text_source
-from pretrain.data.tokenizer import (BPE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, file_sha256,
-                                     load_tokenizer, tokenizer_label, tokenizer_spec, train_bpe)
+from pretrain.data.tokenizer import (
+    BPE_EOT,
+    TOKENIZER_FILE,
+    HuggingFaceTokenizer,
+    file_sha256,
+    load_tokenizer,
+    tokenizer_label,
+    tokenizer_spec,
+    train_bpe,
+)
 from pretrain.data.splits import split_point, splits_meta
 from pretrain.data.windows import DTYPES, Segment
 from pretrain.runfiles import cache_path, naming
@@ -60,8 +78,18 @@ from pretrain.runfiles import cache_path, naming
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
 
-__all__ = ["prepare", "read_meta", "verify", "sigterm_as_exit", "model_vocab_size", "split_point",
-           "storage_dtype", "recipe_for", "FORMAT_VERSION", "TOKENS_FILE"]
+__all__ = [
+    "prepare",
+    "read_meta",
+    "verify",
+    "sigterm_as_exit",
+    "model_vocab_size",
+    "split_point",
+    "storage_dtype",
+    "recipe_for",
+    "FORMAT_VERSION",
+    "TOKENS_FILE",
+]
 """read_meta, verify and sigterm_as_exit live in cache.py; they are here too, as the API of preparing."""
 
 TOKENS_FILE = "tokens.bin"
@@ -76,8 +104,8 @@ Log = Callable[[str], None]
 
 # --- public API -------------------------------------------------------------------------------
 
-def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | None = None,
-            force: bool = False) -> Path:
+
+def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | None = None, force: bool = False) -> Path:
     """Return the directory of the prepared dataset for cfg, building it first if needed.
 
     documents replaces cfg.source with these texts (source name "custom"; used by tests).
@@ -109,12 +137,16 @@ def model_vocab_size(configured: int | None, meta: dict[str, Any]) -> int:
     needed = meta["vocab_size"]
     if configured is None:
         if needed > MAX_FOLLOWED_VOCAB:  # a damaged shard (a negative int32 read as uint32) looks like this
-            raise DataError(f"the dataset's largest token id is {needed - 1:,}, too large to size the model by; "
-                            "check the shards, or set model.vocab_size explicitly if it is right")
+            raise DataError(
+                f"the dataset's largest token id is {needed - 1:,}, too large to size the model by; "
+                "check the shards, or set model.vocab_size explicitly if it is right"
+            )
         return needed
     if configured < needed:
-        raise DataError(f"the dataset's token ids go up to {needed - 1}, beyond model.vocab_size {configured}; "
-                        f"set model.vocab_size to at least {needed}, or to null to follow the tokenizer")
+        raise DataError(
+            f"the dataset's token ids go up to {needed - 1}, beyond model.vocab_size {configured}; "
+            f"set model.vocab_size to at least {needed}, or to null to follow the tokenizer"
+        )
     return configured
 
 
@@ -124,6 +156,7 @@ def storage_dtype(vocab_size: int) -> str:
 
 
 # --- the recipe: key, place and builder (cheap; no token is read) ----------------------------
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -161,8 +194,9 @@ def _check_disjoint(train_files: list[list[Any]], val_files: list[list[Any]]) ->
     both = sorted({f[0] for f in train_files} & {f[0] for f in val_files})
     if both:
         more = f" and {len(both) - 1} more" if len(both) > 1 else ""
-        raise DataError(f"{both[0]}{more} is in both data.path and data.val_path; "
-                        "narrow data.path so validation files are not trained on")
+        raise DataError(
+            f"{both[0]}{more} is in both data.path and data.val_path; narrow data.path so validation files are not trained on"
+        )
 
 
 def _dataset_path(cache_dir: str, label: str, key: dict[str, Any]) -> Path:
@@ -172,12 +206,15 @@ def _dataset_path(cache_dir: str, label: str, key: dict[str, Any]) -> Path:
 
 def _reuse(dataset_dir: Path, meta: dict[str, Any], log: Log, started: float) -> Path:
     tokens = meta["tokens"]
-    log(f"dataset: reusing {dataset_dir} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens; "
-        f"checked in {(time.monotonic() - started) * 1000:.0f} ms)")
+    log(
+        f"dataset: reusing {dataset_dir} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens; "
+        f"checked in {(time.monotonic() - started) * 1000:.0f} ms)"
+    )
     return dataset_dir
 
 
 # --- building ---------------------------------------------------------------------------------
+
 
 def _build(final: Path, recipe: Recipe, log: Log) -> None:
     started = time.monotonic()
@@ -188,9 +225,13 @@ def _build(final: Path, recipe: Recipe, log: Log) -> None:
     try:
         details = recipe.build(tmp, log)
         seconds = time.monotonic() - started
-        meta = {"format_version": FORMAT_VERSION, "key": recipe.key, **details,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "build_seconds": round(seconds, 3)}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "key": recipe.key,
+            **details,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(seconds, 3),
+        }
         write_synced(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
         replace_dir(tmp, final)
     except BaseException:
@@ -199,13 +240,17 @@ def _build(final: Path, recipe: Recipe, log: Log) -> None:
     tokens = meta["tokens"]
     total = tokens["train"] + tokens["val"]
     documents = meta.get("documents", {}).get("total")  # llm.c shards do not record documents: None
-    log(f"dataset: prepared {final} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens"
-        + (f", {documents:,} documents" if documents is not None else "") + f") in {seconds:.1f}s "
-        f"({total / max(seconds, 1e-9):,.0f} tokens/s)")
+    log(
+        f"dataset: prepared {final} ({tokens['train']:,} train tokens, {tokens['val']:,} val tokens"
+        + (f", {documents:,} documents" if documents is not None else "")
+        + f") in {seconds:.1f}s "
+        f"({total / max(seconds, 1e-9):,.0f} tokens/s)"
+    )
 
 
-def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSource | None, log: Log,
-              force: bool) -> dict[str, Any]:
+def _tokenize(
+    directory: Path, cfg: DataConfig, train: TextSource, val: TextSource | None, log: Log, force: bool
+) -> dict[str, Any]:
     """Build a dataset from text: tokens.bin, tokenizer.json when there is one; meta details."""
     bpe_file = _trained_bpe(cfg, train, log, force) if cfg.tokenizer == "bpe" else None
     tokenizer = load_tokenizer(cfg, bpe_file)
@@ -232,13 +277,19 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
         split = split_point(writer.tokens, writer.boundaries, cfg.val_fraction)
         train_documents = writer.dropped + bisect.bisect_right(writer.boundaries, split)
     files = {TOKENS_FILE: {"bytes": writer.tokens * DTYPES[dtype].itemsize, "sha256": writer.sha256.hexdigest()}}
-    tokenizer_meta: dict[str, Any] = {"kind": cfg.tokenizer, "name": tokenizer.name,
-                                      "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id}
+    tokenizer_meta: dict[str, Any] = {
+        "kind": cfg.tokenizer,
+        "name": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+    }
     if cfg.tokenizer in ("bpe", "huggingface"):
         with naming(directory / TOKENIZER_FILE):
             shutil.copyfile(bpe_file or tokenizer.path, directory / TOKENIZER_FILE)  # type: ignore[attr-defined]
-        files[TOKENIZER_FILE] = {"bytes": (directory / TOKENIZER_FILE).stat().st_size,
-                                 "sha256": file_sha256(directory / TOKENIZER_FILE)}
+        files[TOKENIZER_FILE] = {
+            "bytes": (directory / TOKENIZER_FILE).stat().st_size,
+            "sha256": file_sha256(directory / TOKENIZER_FILE),
+        }
         tokenizer_meta["file"] = TOKENIZER_FILE
     train_segment = Segment(TOKENS_FILE, 0, split, dtype)
     return {
@@ -249,8 +300,7 @@ def _tokenize(directory: Path, cfg: DataConfig, train: TextSource, val: TextSour
         "max_token_id": writer.max_id,
         "splits": splits_meta([train_segment], [Segment(TOKENS_FILE, train_segment.nbytes, writer.tokens - split, dtype)]),
         "tokens": {"train": split, "val": writer.tokens - split},
-        "documents": {"total": writer.documents, "train": train_documents,
-                      "val": writer.documents - train_documents},
+        "documents": {"total": writer.documents, "train": train_documents, "val": writer.documents - train_documents},
         "files": files,
     }
 
@@ -279,8 +329,10 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        log(f"dataset: trained a {cfg.bpe_vocab_size}-token BPE tokenizer on {source.name} "
-            f"in {time.monotonic() - started:.1f}s: {file}")
+        log(
+            f"dataset: trained a {cfg.bpe_vocab_size}-token BPE tokenizer on {source.name} "
+            f"in {time.monotonic() - started:.1f}s: {file}"
+        )
     return file
 
 
@@ -297,6 +349,7 @@ def _tokenizer_problem(file: Path) -> str | None:
 
 # --- pre-tokenized shards ---------------------------------------------------------------------
 
+
 def _shards(cfg: DataConfig, val: bool) -> list[Shard]:
     path, key = (cfg.val_path, "data.val_path") if val else (cfg.path, "data.path")
     if cfg.source == "megatron":
@@ -312,14 +365,14 @@ def _shard_recipe(cfg: DataConfig) -> Recipe:
     if cfg.source == "megatron":  # the index holds the document boundaries: it is an input too
         files += [s.path.with_suffix(".idx") for s in train + val]
     stamps = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    key = {"format_version": FORMAT_VERSION, "source": {"source": cfg.source, "files": stamps,
-                                                        "val_files": len(val)},
-           "val_fraction": None if val else cfg.val_fraction}
+    key = {
+        "format_version": FORMAT_VERSION,
+        "source": {"source": cfg.source, "files": stamps, "val_files": len(val)},
+        "val_fraction": None if val else cfg.val_fraction,
+    }
     if cfg.source == "megatron" and not val:
         # Datasets prepared before the cut moved to a document end were cut at the exact share:
         # a key of their own, so they are not reused as if they were these.
         key["val_cut"] = "document end"
     path = _dataset_path(cfg.cache_dir, cfg.source, key)
     return Recipe(key, path, lambda directory, log: index_shards(train, val, cfg.val_fraction, log))
-
-

@@ -28,8 +28,9 @@ PROG = "pretrain-prepare"
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Prepare and cache the dataset of a config, without training.")
     configuration.add_arguments(parser)
-    parser.add_argument("--world-size", type=int, metavar="N",
-                        help="ranks (GPUs) the run will have, to size a Hub download (default: 1)")
+    parser.add_argument(
+        "--world-size", type=int, metavar="N", help="ranks (GPUs) the run will have, to size a Hub download (default: 1)"
+    )
     parser.add_argument("--verify", action="store_true", help="also check the sha256 of every token file")
     parser.add_argument("--force", action="store_true", help="rebuild even when a valid cache exists")
     return parser
@@ -43,8 +44,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         if args.world_size is not None and args.world_size < 1:
             raise configuration.ConfigError(f"--world-size must be at least 1 (got {args.world_size})")
         if config.data.source == "hub" and config.data.hub_max_files is None and args.world_size is None:
-            print("dataset: sizing the download for 1 rank; a run on N GPUs reads N times as many tokens: "
-                  "pass --world-size N (or set data.hub_max_files)")
+            print(
+                "dataset: sizing the download for 1 rank; a run on N GPUs reads N times as many tokens: "
+                "pass --world-size N (or set data.hub_max_files)"
+            )
         config = choose_hub_files(config, args.world_size or 1, print)
         with sigterm_as_exit():
             dataset_dir = prepare(config.data, log=print, force=args.force)

@@ -58,8 +58,10 @@ def llmc_shard(path: Path) -> Shard:
     magic, version, tokens = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
     if (magic, version) not in LLMC_DTYPES:
         known = " or ".join(f"{m} version {v}" for m, v in LLMC_DTYPES)
-        raise DataError(f"{path}: not an llm.c / modded-nanogpt shard (magic number {magic} version {version}; "
-                        f"expected {known}); for Megatron .bin/.idx use data.source=megatron")
+        raise DataError(
+            f"{path}: not an llm.c / modded-nanogpt shard (magic number {magic} version {version}; "
+            f"expected {known}); for Megatron .bin/.idx use data.source=megatron"
+        )
     shard = Shard(path, LLMC_HEADER_BYTES, tokens, LLMC_DTYPES[magic, version])
     _check_size(shard, f"its header promises {tokens} tokens")
     return shard
@@ -70,8 +72,9 @@ def megatron_shard(prefix: Path) -> Shard:
     index, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     for path in (index, data):
         if not path.is_file():
-            raise DataError(f"data.path: {path} does not exist (a Megatron dataset is a .bin and .idx pair; "
-                            "give the path without the suffix)")
+            raise DataError(
+                f"data.path: {path} does not exist (a Megatron dataset is a .bin and .idx pair; give the path without the suffix)"
+            )
     with open(index, "rb") as file:
         head = file.read(MEGATRON_HEADER.size)
         if len(head) < MEGATRON_HEADER.size:
@@ -87,15 +90,22 @@ def megatron_shard(prefix: Path) -> Shard:
         # A damaged header could name any count: check it against the file before reading.
         # After the header: int32 sizes and int64 pointers per sequence, int64 document indices.
         if sequences * 12 + documents * 8 > index.stat().st_size - MEGATRON_HEADER.size:
-            raise DataError(f"{index}: truncated or damaged (its header lists {sequences} sequences "
-                            f"and {documents} document indices)")
+            raise DataError(
+                f"{index}: truncated or damaged (its header lists {sequences} sequences and {documents} document indices)"
+            )
         sizes = np.fromfile(file, dtype="<i4", count=sequences)
         file.seek(sequences * 8, 1)  # the pointers: byte offsets that follow from the sizes
         document_starts = np.fromfile(file, dtype="<i8", count=documents)
     if sizes.size != sequences or (sizes < 0).any():
         raise DataError(f"{index}: truncated or damaged (expected {sequences} sequence sizes)")
-    shard = Shard(data, 0, int(sizes.sum(dtype=np.int64)), MEGATRON_DTYPES[code], max(0, documents - 1),
-                  _document_ends(index, sizes, document_starts))
+    shard = Shard(
+        data,
+        0,
+        int(sizes.sum(dtype=np.int64)),
+        MEGATRON_DTYPES[code],
+        max(0, documents - 1),
+        _document_ends(index, sizes, document_starts),
+    )
     _check_size(shard, f"{index.name} lists {shard.tokens} tokens")
     return shard
 
@@ -103,10 +113,12 @@ def megatron_shard(prefix: Path) -> Shard:
 def _document_ends(index: Path, sizes: np.ndarray, document_starts: np.ndarray) -> np.ndarray:
     """Token offsets where documents end. The index lists each document's first sequence (0
     first, the sequence count last); a document ends where the next one's first sequence starts."""
-    if document_starts.size and (document_starts[0] != 0 or (np.diff(document_starts) < 0).any()
-                                 or document_starts[-1] > sizes.size):
-        raise DataError(f"{index}: truncated or damaged (its document indices are not ascending sequence "
-                        f"numbers from 0 to {sizes.size})")
+    if document_starts.size and (
+        document_starts[0] != 0 or (np.diff(document_starts) < 0).any() or document_starts[-1] > sizes.size
+    ):
+        raise DataError(
+            f"{index}: truncated or damaged (its document indices are not ascending sequence numbers from 0 to {sizes.size})"
+        )
     sequence_ends = np.cumsum(sizes, dtype=np.int64)
     starts = document_starts[1:]
     return sequence_ends[starts[starts > 0] - 1]
@@ -116,8 +128,9 @@ def _check_size(shard: Shard, promise: str) -> None:
     expected = shard.offset + shard.tokens * DTYPES[shard.dtype].itemsize
     size = shard.path.stat().st_size
     if size != expected:
-        raise DataError(f"{shard.path}: {size} bytes, but {promise} of {shard.dtype} ({expected} bytes); "
-                        "the file is truncated or damaged")
+        raise DataError(
+            f"{shard.path}: {size} bytes, but {promise} of {shard.dtype} ({expected} bytes); the file is truncated or damaged"
+        )
     if shard.tokens < 1:
         raise DataError(f"{shard.path}: holds no tokens")
 

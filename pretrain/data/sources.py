@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 PIECE_CHARS = 4 << 20
 """A text file is handed on in pieces of about this many characters."""
 
+
 @dataclass(frozen=True)
 class Piece:
     text: str
@@ -56,6 +57,7 @@ class TextSource:
 
 # --- choosing the source ----------------------------------------------------------------------
 
+
 def text_source(cfg: DataConfig, *, val: bool = False) -> TextSource:
     """The text source data.source names (data.val_path instead of data.path when val)."""
     if cfg.source == "builtin":
@@ -71,8 +73,12 @@ def text_source(cfg: DataConfig, *, val: bool = False) -> TextSource:
 
 def documents_source(documents: list[str], name: str = "custom") -> TextSource:
     """Texts in memory as a source: the built-in corpus, and documents given by tests."""
-    return TextSource(name, {"source": name, "content": content_digest(documents)},
-                      lambda: (Piece(d, True, len(d)) for d in documents), sum(map(len, documents)))
+    return TextSource(
+        name,
+        {"source": name, "content": content_digest(documents)},
+        lambda: (Piece(d, True, len(d)) for d in documents),
+        sum(map(len, documents)),
+    )
 
 
 def resolve_files(pattern: str, kind: str, key: str) -> list[Path]:
@@ -89,8 +95,7 @@ def resolve_files(pattern: str, kind: str, key: str) -> list[Path]:
         return [path]
     if path.is_dir():
         suffixes = FORMAT_SUFFIXES[kind]
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and p.name.endswith(suffixes) and not p.name.startswith("."))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes) and not p.name.startswith("."))
         if not files:
             raise DataError(f"{key}: {path} holds no {' / '.join(suffixes)} files")
         return files
@@ -110,12 +115,14 @@ def file_source(kind: str, files: list[Path], text_field: str) -> TextSource:
     def pieces() -> Iterator[Piece]:
         for path in files:
             yield from read(path, text_field)
+
     # Compressed files unpack to an unknown size: no total then.
     total = None if any(p.name.endswith(".gz") for p in files) else sum(stamp[1] for stamp in stamps)
     return TextSource(kind, identity, pieces, total)
 
 
 # --- formats ----------------------------------------------------------------------------------
+
 
 def _open_text(path: Path) -> IO[str]:
     if path.name.endswith(".gz"):
@@ -171,8 +178,9 @@ def _jsonl_text(path: Path, number: int, line: str, text_field: str) -> str | No
     if text is None:
         return None
     if not isinstance(text, str):
-        raise DataError(f"{path}:{number}: field {text_field!r} holds {type(text).__name__}, not text; "
-                        "set data.text_field to a text field")
+        raise DataError(
+            f"{path}:{number}: field {text_field!r} holds {type(text).__name__}, not text; set data.text_field to a text field"
+        )
     if "\\ud" in line or "\\uD" in line:
         # A lone surrogate escape (found in web dumps) decodes to a str no encoder accepts;
         # replace it like undecodable bytes. Valid pairs became one character already.
@@ -195,8 +203,7 @@ def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
         raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); set data.text_field")
     column_type = parquet.schema_arrow.field(text_field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise DataError(f"{path}: column {text_field!r} holds {column_type}, not text; "
-                        "set data.text_field to a text column")
+        raise DataError(f"{path}: column {text_field!r} holds {column_type}, not text; set data.text_field to a text column")
     # Parquet is compressed: each row stands for an equal share of the file's bytes.
     row_size = path.stat().st_size / max(1, parquet.metadata.num_rows)
     try:
@@ -209,6 +216,7 @@ def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
 
 
 # --- Hugging Face Hub -------------------------------------------------------------------------
+
 
 def hub_source(cfg: DataConfig) -> TextSource:
     """A Hub dataset's files (the first data.hub_max_files of those data.hub_files matches, see
@@ -223,13 +231,20 @@ def hub_source(cfg: DataConfig) -> TextSource:
     where = f"{cfg.hub_repo}@{cfg.hub_revision}"
     kinds = {file_format(p.name) for p in usable}
     if len(kinds) > 1:
-        raise DataError(f"data.hub_files: {cfg.hub_files!r} matches files of several formats "
-                        f"({', '.join(sorted(k or '?' for k in kinds))}) in {where}; narrow it to one")
+        raise DataError(
+            f"data.hub_files: {cfg.hub_files!r} matches files of several formats "
+            f"({', '.join(sorted(k or '?' for k in kinds))}) in {where}; narrow it to one"
+        )
     (kind,) = kinds
     assert kind is not None
     source = file_source(kind, usable, cfg.text_field)
     # The commit names the files' contents; sizes still guard against a damaged Hub cache.
-    identity = {"source": "hub", "hub_repo": cfg.hub_repo, "commit": commit, "format": kind,
-                "files": [[p.relative_to(folder).as_posix(), p.stat().st_size] for p in usable],
-                **({"text_field": cfg.text_field} if kind != "text" else {})}
+    identity = {
+        "source": "hub",
+        "hub_repo": cfg.hub_repo,
+        "commit": commit,
+        "format": kind,
+        "files": [[p.relative_to(folder).as_posix(), p.stat().st_size] for p in usable],
+        **({"text_field": cfg.text_field} if kind != "text" else {}),
+    }
     return TextSource("hub-" + cfg.hub_repo.replace("/", "-"), identity, source.pieces, source.total_bytes)

@@ -51,18 +51,24 @@ class Tokenizer(Protocol):
 
 # --- identities (cheap) -----------------------------------------------------------------------
 
+
 def tokenizer_spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
     """Everything that decides the ids, without loading the tokenizer."""
     if cfg.tokenizer == "byte":
         return {"kind": "byte"}
     if cfg.tokenizer == "bpe":
-        return {"kind": "bpe", "vocab_size": cfg.bpe_vocab_size, "trained_on": source_identity,
-                "max_samples": cfg.max_samples, "recipe": 1, "encoding": ENCODING_RULES}
+        return {
+            "kind": "bpe",
+            "vocab_size": cfg.bpe_vocab_size,
+            "trained_on": source_identity,
+            "max_samples": cfg.max_samples,
+            "recipe": 1,
+            "encoding": ENCODING_RULES,
+        }
     if cfg.tokenizer == "tiktoken":
         return {"kind": "tiktoken", "encoding": cfg.tokenizer_name}
     file = huggingface_file(cfg.tokenizer_name)
-    return {"kind": "huggingface", "file_sha256": file_sha256(file), "eot_token": cfg.eot_token,
-            "encoding": ENCODING_RULES}
+    return {"kind": "huggingface", "file_sha256": file_sha256(file), "eot_token": cfg.eot_token, "encoding": ENCODING_RULES}
 
 
 def tokenizer_label(cfg: DataConfig) -> str:
@@ -98,8 +104,10 @@ def huggingface_file(name: str) -> Path:
     if path.is_file():
         return path.resolve()
     if name.endswith(".json") or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise DataError(f"data.tokenizer_name: {path} does not exist (expected a tokenizer.json file, "
-                        "a directory holding one, or a Hub repo id owner/name)")
+        raise DataError(
+            f"data.tokenizer_name: {path} does not exist (expected a tokenizer.json file, "
+            "a directory holding one, or a Hub repo id owner/name)"
+        )
     from pretrain.data.hub_client import hub_snapshot
 
     folder = hub_snapshot(name, "main", TOKENIZER_FILE, repo_type="model")
@@ -109,6 +117,7 @@ def huggingface_file(name: str) -> Path:
 
 
 # --- building ---------------------------------------------------------------------------------
+
 
 def load_tokenizer(cfg: DataConfig, bpe_file: Path | None = None) -> Tokenizer:
     """The tokenizer of cfg. For "bpe", bpe_file is the trained tokenizer.json (train_bpe)."""
@@ -134,8 +143,9 @@ def train_bpe(texts: Iterator[str], vocab_size: int, destination: Path) -> None:
     tokenizer = RustTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BPE_EOT], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(texts, trainer)
     try:
         tokenizer.save(str(destination))
@@ -192,8 +202,10 @@ class HuggingFaceTokenizer:
                 return token_id
         if eot_token:
             raise DataError(f"data.eot_token: {path} has no token {eot_token!r}; {self._specials()}")
-        raise DataError(f"{path} has none of the end-of-text tokens {', '.join(EOT_CANDIDATES)}; "
-                        f"{self._specials()}: set data.eot_token to the one it uses")
+        raise DataError(
+            f"{path} has none of the end-of-text tokens {', '.join(EOT_CANDIDATES)}; "
+            f"{self._specials()}: set data.eot_token to the one it uses"
+        )
 
     def _specials(self, shown: int = 8) -> str:
         """The file's special tokens, for an error that asks to pick one: the first few, in id
@@ -223,15 +235,17 @@ class TiktokenTokenizer:
         except ImportError:
             raise DataError("data.tokenizer tiktoken needs the tiktoken package: pip install tiktoken") from None
         if encoding not in tiktoken.list_encoding_names():
-            raise DataError(f"data.tokenizer_name: unknown tiktoken encoding {encoding!r}; "
-                            f"known: {', '.join(tiktoken.list_encoding_names())}")
+            raise DataError(
+                f"data.tokenizer_name: unknown tiktoken encoding {encoding!r}; known: {', '.join(tiktoken.list_encoding_names())}"
+            )
         try:
             self.encoding = tiktoken.get_encoding(encoding)
         except Exception as error:  # requests/urllib errors, or a damaged cached file
             raise DataError(
                 f"tiktoken encoding {encoding!r} is not available offline ({type(error).__name__}); its files "
                 "are downloaded on first use: run once with network, or point TIKTOKEN_CACHE_DIR at a "
-                "directory that holds them") from None
+                "directory that holds them"
+            ) from None
         self.name = encoding
         self.vocab_size = self.encoding.n_vocab
         self.eot_id = self.encoding.eot_token

@@ -107,8 +107,10 @@ def check_segment_file(dataset_dir: str | Path, segment: Segment) -> Path:
     needed = segment.offset + segment.nbytes
     if size is None or size < needed:
         found = "missing" if size is None else f"{size:,} bytes on disk"
-        raise DataError(f"{path}: {found}, but meta.json promises {segment.tokens:,} tokens of {segment.dtype} "
-                        f"from byte {segment.offset:,} ({needed:,} bytes); {REBUILD_HINT}")
+        raise DataError(
+            f"{path}: {found}, but meta.json promises {segment.tokens:,} tokens of {segment.dtype} "
+            f"from byte {segment.offset:,} ({needed:,} bytes); {REBUILD_HINT}"
+        )
     return path
 
 
@@ -121,8 +123,7 @@ def open_segment(dataset_dir: str | Path, segment: Segment) -> np.ndarray:
     return np.memmap(path, dtype=DTYPES[segment.dtype], mode="r", offset=segment.offset, shape=(segment.tokens,))
 
 
-def steps_per_epoch(meta: dict[str, Any], context_length: int, batch_size: int, grad_accum: int,
-                    world_size: int) -> int:
+def steps_per_epoch(meta: dict[str, Any], context_length: int, batch_size: int, grad_accum: int, world_size: int) -> int:
     """Optimizer steps in one pass over the train windows, equal on every rank; DataError, with
     the numbers and the fix, when the train split cannot fill even one."""
     n_windows = split_window_count(meta, "train", context_length)
@@ -133,7 +134,8 @@ def steps_per_epoch(meta: dict[str, Any], context_length: int, batch_size: int, 
             f"the train split ({split_tokens(meta, 'train'):,} tokens) has {n_windows:,} windows of "
             f"{context_length + 1} tokens, fewer than one optimizer step needs: batch_size {batch_size} x "
             f"grad_accum_nums {grad_accum} x {world_size} rank(s) = {per_step * world_size:,}; "
-            "reduce training.batch_size, training.grad_accum_nums or data.context_length, or add data")
+            "reduce training.batch_size, training.grad_accum_nums or data.context_length, or add data"
+        )
     return steps
 
 
@@ -167,11 +169,13 @@ class RunLength:
             length = f"{n:,} epoch{'s' * (n != 1)} = {self.total_steps:,} steps"
         else:
             length = f"{self.total_steps:,} steps = {self.epochs:.2f} epochs"
-        return (f"{self.steps_per_epoch:,} optimizer steps per epoch of {self.windows:,} windows; {length}; "
-                f"{self.tokens_per_step:,} tokens per step (batch {self.batch_size} x context "
-                f"{self.context_length} x accum {self.grad_accum} x {self.world_size} "
-                f"rank{'s' * (self.world_size != 1)}); reads {token_count(self.tokens)} tokens of "
-                f"{token_count(self.train_tokens)} prepared{self._repeats()}")
+        return (
+            f"{self.steps_per_epoch:,} optimizer steps per epoch of {self.windows:,} windows; {length}; "
+            f"{self.tokens_per_step:,} tokens per step (batch {self.batch_size} x context "
+            f"{self.context_length} x accum {self.grad_accum} x {self.world_size} "
+            f"rank{'s' * (self.world_size != 1)}); reads {token_count(self.tokens)} tokens of "
+            f"{token_count(self.train_tokens)} prepared{self._repeats()}"
+        )
 
     def _repeats(self) -> str:
         """Said when the run sees its data more than once: with a max_steps run, a hint that the
@@ -190,8 +194,9 @@ def token_count(n: int) -> str:
     return f"{n:,}"
 
 
-def plan_run(meta: dict[str, Any], context_length: int, batch_size: int, grad_accum: int, world_size: int,
-             epochs: int, max_steps: int) -> RunLength:
+def plan_run(
+    meta: dict[str, Any], context_length: int, batch_size: int, grad_accum: int, world_size: int, epochs: int, max_steps: int
+) -> RunLength:
     """The run's length: `epochs` whole epochs when epochs > 0, else max_steps steps.
 
     An epoch is a whole number of optimizer steps, the same on every rank (see TrainBatches);
@@ -199,7 +204,14 @@ def plan_run(meta: dict[str, Any], context_length: int, batch_size: int, grad_ac
     per_epoch = steps_per_epoch(meta, context_length, batch_size, grad_accum, world_size)
     total = epochs * per_epoch if epochs > 0 else max_steps
     return RunLength(
-        windows=split_window_count(meta, "train", context_length), steps_per_epoch=per_epoch,
-        total_steps=total, tokens_per_step=batch_size * context_length * grad_accum * world_size,
-        epochs=total / per_epoch, batch_size=batch_size, context_length=context_length,
-        grad_accum=grad_accum, world_size=world_size, train_tokens=split_tokens(meta, "train"))
+        windows=split_window_count(meta, "train", context_length),
+        steps_per_epoch=per_epoch,
+        total_steps=total,
+        tokens_per_step=batch_size * context_length * grad_accum * world_size,
+        epochs=total / per_epoch,
+        batch_size=batch_size,
+        context_length=context_length,
+        grad_accum=grad_accum,
+        world_size=world_size,
+        train_tokens=split_tokens(meta, "train"),
+    )
