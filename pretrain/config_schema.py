@@ -71,14 +71,16 @@ class ModelConfig:
             _check(self.max_seq_len >= 2, "model.max_seq_len", f"must be at least 2 or null (got {self.max_seq_len})")
 
 
-SOURCES_WITH_PATH = ("text", "jsonl", "parquet", "llmc", "megatron")
 SHARD_SOURCES = ("llmc", "megatron")
+SOURCES_WITH_PATH = (*registry.TEXT_FORMATS, *SHARD_SOURCES)
+"""The sources read from data.path: the text formats of pretrain/registry.py, and the shards."""
+SOURCES = ("builtin", *registry.TEXT_FORMATS, "hub", *SHARD_SOURCES)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["builtin", "text", "jsonl", "parquet", "hub", "llmc", "megatron"] = "builtin"
-    """Where the text comes from: "builtin" (Python's own documentation, no network), local "text", "jsonl" or "parquet" files, a Hugging Face "hub" dataset, or pre-tokenized "llmc" (llm.c / modded-nanogpt .bin) or "megatron" (.bin + .idx) shards, used in place."""
+    source: str = "builtin"
+    """Where the text comes from: "builtin" (Python's own documentation, no network), local "text", "jsonl" or "parquet" files (or another format of TEXT_FORMATS in pretrain/registry.py), a Hugging Face "hub" dataset, or pre-tokenized "llmc" (llm.c / modded-nanogpt .bin) or "megatron" (.bin + .idx) shards, used in place."""
     path: str = ""
     """Local source: a file, a directory or a glob pattern (text, jsonl, parquet, llmc); for megatron the path without .bin/.idx. Relative paths are from the current directory."""
     val_path: str = ""
@@ -95,8 +97,8 @@ class DataConfig:
     """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
     max_samples: int = 0
     """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
-    tokenizer: Literal["byte", "bpe", "huggingface", "tiktoken"] = "byte"
-    """How text becomes token ids: "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
+    tokenizer: str = "byte"
+    """How text becomes token ids (TOKENIZERS in pretrain/registry.py): "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
     tokenizer_name: str = ""
     """huggingface: a tokenizer.json path or a Hub model repo id; tiktoken: the encoding name (gpt2, cl100k_base, o200k_base)."""
     bpe_vocab_size: int = 8192
@@ -111,6 +113,10 @@ class DataConfig:
     """Where prepared datasets are cached; a relative path is under the cache root (PRETRAIN_CACHE_DIR or --cache-dir, default ./cache), whose name a leading cache/ stands for."""
 
     def __post_init__(self) -> None:
+        _check(self.source in SOURCES, "data.source", registry.unknown_name(self.source, SOURCES))
+        _check(
+            self.tokenizer in registry.TOKENIZERS, "data.tokenizer", registry.unknown_name(self.tokenizer, registry.TOKENIZERS)
+        )
         _check(
             2 <= self.context_length <= 1 << 20,
             "data.context_length",
@@ -156,8 +162,8 @@ class DataConfig:
                 _check(
                     getattr(self, key) == "",
                     f"data.{key}",
-                    f'source "{self.source}" reads no local files; set data.source to text, jsonl, parquet, '
-                    "llmc or megatron to use it",
+                    f'source "{self.source}" reads no local files; set data.source to '
+                    f"{', '.join(SOURCES_WITH_PATH[:-1])} or {SOURCES_WITH_PATH[-1]} to use it",
                 )
         if self.source != "hub":
             _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
@@ -166,14 +172,19 @@ class DataConfig:
                 "data.hub_max_files",
                 f'is set but data.source is "{self.source}"; set data.source=hub',
             )
-        if self.tokenizer in ("huggingface", "tiktoken"):
-            what = "a tokenizer.json path or Hub repo id" if self.tokenizer == "huggingface" else "an encoding such as gpt2"
-            _check(self.tokenizer_name != "", "data.tokenizer_name", f'tokenizer "{self.tokenizer}" needs {what}')
+        named = [name for name, kind in registry.TOKENIZERS.items() if kind.takes_name]
+        if self.tokenizer in named:
+            what = {"huggingface": "a tokenizer.json path or Hub repo id", "tiktoken": "an encoding such as gpt2"}
+            _check(
+                self.tokenizer_name != "",
+                "data.tokenizer_name",
+                f'tokenizer "{self.tokenizer}" needs {what.get(self.tokenizer, "its name")}',
+            )
         else:
             _check(
                 self.tokenizer_name == "",
                 "data.tokenizer_name",
-                f'is set but data.tokenizer is "{self.tokenizer}"; set data.tokenizer to huggingface or tiktoken',
+                f'is set but data.tokenizer is "{self.tokenizer}"; set data.tokenizer to {" or ".join(named)}',
             )
         if self.tokenizer == "tiktoken":
             _check(

@@ -42,16 +42,7 @@ from pretrain.checkpoint import CheckpointError
 from pretrain.config import SHARD_SOURCES, Config
 from pretrain.data import DataError
 from pretrain.data.prepare import recipe_for
-from pretrain.data.tokenizer import (
-    BPE_EOT,
-    TOKENIZER_FILE,
-    ByteTokenizer,
-    HuggingFaceTokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-    huggingface_file,
-    tokenizer_label,
-)
+from pretrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, huggingface_file, load_tokenizer
 from pretrain.model import Transformer
 from pretrain.resume import ResumeError, checkpoint_at
 from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
@@ -157,7 +148,7 @@ def find_tokenizer_file(config: Config, checkpoint_dir: Path) -> Path | None:
     the prepared dataset (preparing copies it there), then for a huggingface tokenizer where
     data.tokenizer_name points (a file, or the Hugging Face cache). TokenizerNotFound otherwise."""
     data = config.data
-    if data.tokenizer not in ("bpe", "huggingface"):
+    if not registry.TOKENIZERS[data.tokenizer].file:
         return None
     candidates = [checkpoint_dir / TOKENIZER_FILE]
     if (dataset := _dataset_dir(config)) is not None:
@@ -170,8 +161,9 @@ def find_tokenizer_file(config: Config, checkpoint_dir: Path) -> Path | None:
             return huggingface_file(data.tokenizer_name)
         except DataError as error:
             raise TokenizerNotFound(f"the model's tokenizer (huggingface {data.tokenizer_name}) is not here: {error}") from None
+    what = f"bpe, {data.bpe_vocab_size} ids, trained on its data" if data.tokenizer == "bpe" else data.tokenizer
     raise TokenizerNotFound(
-        f"the model's tokenizer (bpe, {data.bpe_vocab_size} ids, trained on its data) is not in "
+        f"the model's tokenizer ({what}) is not in "
         f"{' or '.join(map(str, candidates))}; prepare the dataset again with the run's config "
         f"(python3 prepare_dataset.py --config {checkpoint_dir / 'config.json'}), or copy the run's "
         f"tokenizer.json into {checkpoint_dir}"
@@ -201,15 +193,10 @@ def open_tokenizer(config: Config, tokenizer_file: Path | None) -> Tokenizer:
             "not say which tokenizer made them; set data.tokenizer and data.tokenizer_name "
             "in the checkpoint's config.json (for example tiktoken and gpt2)"
         )
+    if registry.TOKENIZERS[data.tokenizer].file and tokenizer_file is None:
+        raise TokenizerNotFound(f"the {data.tokenizer} tokenizer needs its tokenizer.json")
     try:
-        if data.tokenizer == "byte":
-            return ByteTokenizer()
-        if data.tokenizer == "tiktoken":
-            return TiktokenTokenizer(data.tokenizer_name)
-        if tokenizer_file is None:
-            raise TokenizerNotFound(f"the {data.tokenizer} tokenizer needs its tokenizer.json")
-        eot_token = BPE_EOT if data.tokenizer == "bpe" else data.eot_token
-        return HuggingFaceTokenizer(tokenizer_file, eot_token, tokenizer_label(data))
+        return load_tokenizer(data, tokenizer_file)
     except DataError as error:  # tiktoken's files not downloaded, a damaged tokenizer.json
         raise TokenizerNotFound(f"the model's tokenizer: {error}") from None
 

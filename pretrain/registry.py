@@ -3,6 +3,8 @@
     training.optimizer      OPTIMIZERS      builds the optimizer; tells the memory estimate its state size
     training.lr_schedule    LR_SCHEDULES    the learning rate at each step
     model.ffn               FEED_FORWARDS   the feed-forward block of every layer; its size for the estimate
+    data.source             TEXT_FORMATS    a format of local text files (and of a Hub dataset's files)
+    data.tokenizer          TOKENIZERS      text to token ids; its identity for the dataset cache
 
 Adding one is a new file with the code and one line here (docs/extending.md). Nothing here
 imports torch, because the launcher validates configs and plans memory without it: an
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +63,49 @@ FEED_FORWARDS: dict[str, FeedForwardKind] = {
 }
 
 
-def unknown_name(name: str, choices: Mapping[str, object]) -> str:
-    """Why name is not one of choices, with the closest one when it looks like a typo."""
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown name {name!r}{hint}; choose one of {', '.join(sorted(choices))}"
+@dataclass(frozen=True)
+class TextFormat:
+    reader: str
+    """"module:function" taking (path, text_field) and yielding the file's pieces of text
+    (pretrain.data.sources.Piece), each saying whether a document ends with it."""
+    suffixes: tuple[str, ...]
+    """The file names it reads: a directory given as data.path contributes these, and a Hub
+    dataset's files are read by the first format whose suffix they have."""
+
+
+@dataclass(frozen=True)
+class TokenizerKind:
+    recipe: str
+    """"module:class" of a tokenizer recipe (pretrain/data/tokenizer.py, TokenizerRecipe): its
+    identity for the dataset cache, its name in the cache directory's name, and building it."""
+    takes_name: bool = False
+    """data.tokenizer_name names it (a file, a Hub repository, an encoding) and must be set."""
+    file: bool = False
+    """It is a file (its tokenizer's .path, or BPE's trained one) that is copied into the prepared
+    dataset and exported with the weights; the recipe's build() takes it where it was found."""
+
+
+TEXT_FORMATS: dict[str, TextFormat] = {
+    "text": TextFormat("pretrain.data.sources:text_pieces", (".txt", ".txt.gz", ".md", ".text")),
+    "jsonl": TextFormat("pretrain.data.sources:jsonl_pieces", (".jsonl", ".jsonl.gz", ".json", ".json.gz")),
+    "parquet": TextFormat("pretrain.data.sources:parquet_pieces", (".parquet",)),
+}
+
+TOKENIZERS: dict[str, TokenizerKind] = {
+    "byte": TokenizerKind("pretrain.data.tokenizer:ByteRecipe"),
+    "bpe": TokenizerKind("pretrain.data.tokenizer:BpeRecipe", file=True),  # trained by pretrain/data/prepare.py
+    "huggingface": TokenizerKind("pretrain.data.tokenizer:HuggingFaceRecipe", takes_name=True, file=True),
+    "tiktoken": TokenizerKind("pretrain.data.tokenizer:TiktokenRecipe", takes_name=True),
+}
+
+
+def unknown_name(name: str, choices: Iterable[str]) -> str:
+    """Why name is not one of choices (as the config says it of any other choice), with the
+    closest one when it looks like a typo."""
+    names = list(choices)
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
+    return f"{json.dumps(name)} (a string) is not one of {', '.join(map(json.dumps, names))}{hint}"
 
 
 def load(path: str) -> Any:

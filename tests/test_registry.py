@@ -1,6 +1,6 @@
-"""pretrain/registry.py: a config names an optimizer, a schedule and a feed-forward block; one
-registry line adds another, and the optimizer, the memory estimate, the parameter count and the
-checkpoint follow it."""
+"""pretrain/registry.py: a config names an optimizer, a schedule, a feed-forward block, a text
+format and a tokenizer; one registry line adds another, and training, the memory estimate, the
+parameter count, the checkpoint and data preparation follow it."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ import pytest
 import torch
 
 from conftest import ROOT
+from helpers import all_tokens, data_config, prepared
 from pretrain import config as cfg
-from pretrain import registry
+from pretrain import config_schema, registry
 from pretrain.checkpoint import CheckpointError, check_same_optimizer
+from pretrain.data.prepare import read_meta
+from pretrain.data.sources import Piece
+from pretrain.data.tokenizer import BYTE_EOT, ByteRecipe, ByteTokenizer
 from pretrain.memory import estimate, parameter_count
 from pretrain.model import Transformer
 from pretrain.optim import build_optimizer
@@ -69,9 +73,21 @@ def test_the_defaults_are_adamw_cosine_and_swiglu():
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("training.optimizer", "adam", "training.optimizer: unknown name 'adam' (did you mean 'adamw'?); choose one of adamw"),
-        ("training.lr_schedule", "linear", "training.lr_schedule: unknown name 'linear'; choose one of cosine"),
-        ("model.ffn", "swiglu2", "model.ffn: unknown name 'swiglu2' (did you mean 'swiglu'?); choose one of swiglu"),
+        ("training.optimizer", "adam", 'training.optimizer: "adam" (a string) is not one of "adamw"; did you mean "adamw"?'),
+        ("training.lr_schedule", "linear", 'training.lr_schedule: "linear" (a string) is not one of "cosine"'),
+        ("model.ffn", "swiglu2", 'model.ffn: "swiglu2" (a string) is not one of "swiglu"; did you mean "swiglu"?'),
+        (
+            "data.source",
+            "jsonll",
+            'data.source: "jsonll" (a string) is not one of "builtin", "text", "jsonl", "parquet", "hub", "llmc", '
+            '"megatron"; did you mean "jsonl"?',
+        ),
+        (
+            "data.tokenizer",
+            "tiktok",
+            'data.tokenizer: "tiktok" (a string) is not one of "byte", "bpe", "huggingface", "tiktoken"; '
+            'did you mean "tiktoken"?',
+        ),
     ],
 )
 def test_a_name_that_is_not_registered_is_refused_naming_the_choices(key, value, message):
@@ -90,7 +106,7 @@ def test_a_name_that_is_not_registered_is_refused_in_one_line_by_the_launcher(tm
         timeout=120,
     )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.count("\n") == 1 and "unknown name 'lion'" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and '"lion" (a string) is not one of "adamw"' in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -121,3 +137,58 @@ def test_resuming_with_another_optimizer_is_refused_naming_the_one_to_use(regist
         match="trained with training.optimizer=adamw, not sgd; resume with --set training.optimizer=adamw or start fresh",
     ):
         check_same_optimizer(tmp_path, adamw, sgd)
+
+
+# --- data: a text format and a tokenizer ----------------------------------------------------
+
+
+def csv_pieces(path, text_field):
+    """A toy format: one document per line, the text after the first comma."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        yield Piece(line.split(",", 1)[1], True, len(line))
+
+
+class UpperRecipe(ByteRecipe):
+    """Bytes of the upper-cased text: another identity, another name, other ids."""
+
+    @staticmethod
+    def spec(cfg, source_identity):
+        return {"kind": "upper"}
+
+    @staticmethod
+    def label(cfg):
+        return "upper"
+
+    @staticmethod
+    def build(cfg, file):
+        return UpperBytes()
+
+
+class UpperBytes(ByteTokenizer):
+    name = "upper"
+
+    def encode_batch(self, texts):
+        return super().encode_batch([text.upper() for text in texts])
+
+
+@pytest.fixture
+def data_registered(monkeypatch) -> None:
+    monkeypatch.setitem(registry.TEXT_FORMATS, "csv", registry.TextFormat(f"{__name__}:csv_pieces", (".csv",)))
+    monkeypatch.setitem(registry.TOKENIZERS, "upper", registry.TokenizerKind(f"{__name__}:UpperRecipe"))
+    # SOURCES is computed from the registry when the schema is imported: a test's entry joins it here.
+    monkeypatch.setattr(config_schema, "SOURCES", (*config_schema.SOURCES, "csv"))
+    monkeypatch.setattr(config_schema, "SOURCES_WITH_PATH", (*config_schema.SOURCES_WITH_PATH, "csv"))
+
+
+def test_a_registered_text_format_and_tokenizer_prepare_a_dataset_from_a_directory(data_registered, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.csv").write_text("1,first doc\n2,second doc\n", encoding="utf-8")
+    (corpus / "notes.txt").write_text("not a csv file: a directory contributes its format's files only\n")
+    data = data_config(tmp_path, source="csv", path=str(corpus), tokenizer="upper", val_fraction=0.3)
+    dataset = prepared(data)
+    assert dataset.name.startswith("csv-upper-")
+    assert read_meta(dataset)["tokenizer"]["kind"] == "upper"
+    ids = all_tokens(dataset)
+    text = bytes(int(i) for i in ids if i != BYTE_EOT).decode()
+    assert text == "FIRST DOCSECOND DOC" and int((ids == BYTE_EOT).sum()) == 2

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from pretrain import registry
 from pretrain.data import DataError
 from pretrain.data.cache import (
     FORMAT_VERSION,
@@ -283,7 +284,7 @@ def _tokenize(
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
     }
-    if cfg.tokenizer in ("bpe", "huggingface"):
+    if registry.TOKENIZERS[cfg.tokenizer].file:
         with naming(directory / TOKENIZER_FILE):
             shutil.copyfile(bpe_file or tokenizer.path, directory / TOKENIZER_FILE)  # type: ignore[attr-defined]
         files[TOKENIZER_FILE] = {

@@ -9,7 +9,9 @@ paths, sizes and modification times, the text field, the built-in corpus's conte
 dataset's commit. It is part of the dataset's cache key, and computing it reads no file contents,
 so a cache hit stays cheap whatever the size of the source.
 
-Pre-tokenized shards (llm.c, Megatron) are not text and live in shards.py.
+Each text format is a reader here, named with its file suffixes in pretrain/registry.py
+(TEXT_FORMATS): a reader takes (path, text_field) and yields the file's Pieces. Pre-tokenized
+shards (llm.c, Megatron) are not text and live in shards.py.
 
 No torch here: the launcher prepares data before it starts any worker.
 """
@@ -25,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from pretrain import registry
 from pretrain.data import DataError, first_line
 from pretrain.data.builtin import builtin_documents, content_digest
-from pretrain.data.formats import FORMAT_SUFFIXES, file_format
+from pretrain.data.formats import file_format, format_suffixes
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
@@ -64,7 +67,7 @@ def text_source(cfg: DataConfig, *, val: bool = False) -> TextSource:
         return documents_source(builtin_documents(), "builtin")
     if cfg.source == "hub":
         return hub_source(cfg)
-    if cfg.source in ("text", "jsonl", "parquet"):
+    if cfg.source in registry.TEXT_FORMATS:
         path = cfg.val_path if val else cfg.path
         key = "data.val_path" if val else "data.path"
         return file_source(cfg.source, resolve_files(path, cfg.source, key), cfg.text_field)
@@ -94,7 +97,7 @@ def resolve_files(pattern: str, kind: str, key: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        suffixes = FORMAT_SUFFIXES[kind]
+        suffixes = format_suffixes(kind)
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes) and not p.name.startswith("."))
         if not files:
             raise DataError(f"{key}: {path} holds no {' / '.join(suffixes)} files")
@@ -103,14 +106,13 @@ def resolve_files(pattern: str, kind: str, key: str) -> list[Path]:
 
 
 def file_source(kind: str, files: list[Path], text_field: str) -> TextSource:
-    """Local files of one format (text, jsonl or parquet)."""
+    """Local files of one text format (pretrain/registry.py, TEXT_FORMATS: text, jsonl, parquet)."""
     stamps: list[list[Any]] = []  # [path, size, mtime_ns]: lists, as meta.json gives them back
     for path in files:
         stat = path.stat()
         stamps.append([str(path), stat.st_size, stat.st_mtime_ns])
     identity = {"source": kind, "files": stamps, **({"text_field": text_field} if kind != "text" else {})}
-    readers = {"text": _text_pieces, "jsonl": _jsonl_pieces, "parquet": _parquet_pieces}
-    read = readers[kind]
+    read: Callable[[Path, str], Iterator[Piece]] = registry.load(registry.TEXT_FORMATS[kind].reader)
 
     def pieces() -> Iterator[Piece]:
         for path in files:
@@ -130,7 +132,7 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
-def _text_pieces(path: Path, _field: str) -> Iterator[Piece]:
+def text_pieces(path: Path, _field: str) -> Iterator[Piece]:
     """One document per file, in pieces cut at line ends (inside a line only when the line
     alone is longer than PIECE_CHARS, so a file without line ends streams too)."""
     buffer: list[str] = []
@@ -150,7 +152,7 @@ def _text_pieces(path: Path, _field: str) -> Iterator[Piece]:
     yield Piece("".join(buffer), True, size)
 
 
-def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+def jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
     try:
         with _open_text(path) as file:
             for number, line in enumerate(file, 1):
@@ -188,7 +190,7 @@ def _jsonl_text(path: Path, number: int, line: str, text_field: str) -> str | No
     return text
 
 
-def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+def parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq

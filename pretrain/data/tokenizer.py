@@ -8,7 +8,8 @@
 
 Each has an identity: a dict that changes whenever the ids it produces could. It is computed
 without loading or training anything, so a cache hit stays cheap; tokenizer_spec() gives it.
-The libraries are imported only when a tokenizer is built.
+The libraries are imported only when a tokenizer is built. Each is a recipe class here (its
+identity, its name, building it), named by data.tokenizer in pretrain/registry.py (TOKENIZERS).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from pretrain import registry
 from pretrain.data import DataError, first_line
 
 if TYPE_CHECKING:
@@ -49,14 +51,65 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-# --- identities (cheap) -----------------------------------------------------------------------
+# --- recipes: identity (cheap), name, building -----------------------------------------------
+
+
+class TokenizerRecipe(Protocol):
+    """What pretrain/registry.py's TOKENIZERS name for each data.tokenizer: static methods."""
+
+    @staticmethod
+    def spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
+        """Everything that decides the ids, without loading the tokenizer: part of the cache key."""
+        ...
+
+    @staticmethod
+    def label(cfg: DataConfig) -> str:
+        """The readable part of the cache directory name."""
+        ...
+
+    @staticmethod
+    def build(cfg: DataConfig, file: Path | None) -> Tokenizer:
+        """The tokenizer; file is its tokenizer.json when the registry says it has one (trained,
+        found in a dataset or beside a checkpoint), None to find it from the config."""
+        ...
+
+
+def recipe(cfg: DataConfig) -> TokenizerRecipe:
+    return registry.load(registry.TOKENIZERS[cfg.tokenizer].recipe)
 
 
 def tokenizer_spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
     """Everything that decides the ids, without loading the tokenizer."""
-    if cfg.tokenizer == "byte":
+    return recipe(cfg).spec(cfg, source_identity)
+
+
+def tokenizer_label(cfg: DataConfig) -> str:
+    """The readable part of the cache directory name."""
+    return recipe(cfg).label(cfg)
+
+
+def load_tokenizer(cfg: DataConfig, file: Path | None = None) -> Tokenizer:
+    """The tokenizer of cfg. For "bpe", file is the trained tokenizer.json (train_bpe)."""
+    return recipe(cfg).build(cfg, file)
+
+
+class ByteRecipe:
+    @staticmethod
+    def spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
         return {"kind": "byte"}
-    if cfg.tokenizer == "bpe":
+
+    @staticmethod
+    def label(cfg: DataConfig) -> str:
+        return "byte"
+
+    @staticmethod
+    def build(cfg: DataConfig, file: Path | None) -> Tokenizer:
+        return ByteTokenizer()
+
+
+class BpeRecipe:
+    @staticmethod
+    def spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
         return {
             "kind": "bpe",
             "vocab_size": cfg.bpe_vocab_size,
@@ -65,26 +118,50 @@ def tokenizer_spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str
             "recipe": 1,
             "encoding": ENCODING_RULES,
         }
-    if cfg.tokenizer == "tiktoken":
-        return {"kind": "tiktoken", "encoding": cfg.tokenizer_name}
-    file = huggingface_file(cfg.tokenizer_name)
-    return {"kind": "huggingface", "file_sha256": file_sha256(file), "eot_token": cfg.eot_token, "encoding": ENCODING_RULES}
 
-
-def tokenizer_label(cfg: DataConfig) -> str:
-    """The readable part of the cache directory name."""
-    if cfg.tokenizer == "bpe":
+    @staticmethod
+    def label(cfg: DataConfig) -> str:
         return f"bpe{cfg.bpe_vocab_size}"
-    if cfg.tokenizer == "tiktoken":
-        return cfg.tokenizer_name
-    if cfg.tokenizer == "huggingface":
+
+    @staticmethod
+    def build(cfg: DataConfig, file: Path | None) -> Tokenizer:
+        assert file is not None, "train the BPE tokenizer first"
+        return HuggingFaceTokenizer(file, BPE_EOT, BpeRecipe.label(cfg))
+
+
+class HuggingFaceRecipe:
+    @staticmethod
+    def spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
+        file = huggingface_file(cfg.tokenizer_name)
+        return {"kind": "huggingface", "file_sha256": file_sha256(file), "eot_token": cfg.eot_token, "encoding": ENCODING_RULES}
+
+    @staticmethod
+    def label(cfg: DataConfig) -> str:
         name = cfg.tokenizer_name.rstrip("/")
         path = Path(name).expanduser()
         if name.endswith(".json"):
             return "hf-" + path.resolve().parent.name
         # A local directory by its name (a whole absolute path can exceed the 255-byte name limit).
         return "hf-" + (path.resolve().name if path.is_dir() else name.replace("/", "-"))
-    return "byte"
+
+    @staticmethod
+    def build(cfg: DataConfig, file: Path | None) -> Tokenizer:
+        file = file or huggingface_file(cfg.tokenizer_name)
+        return HuggingFaceTokenizer(file, cfg.eot_token, HuggingFaceRecipe.label(cfg))
+
+
+class TiktokenRecipe:
+    @staticmethod
+    def spec(cfg: DataConfig, source_identity: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": "tiktoken", "encoding": cfg.tokenizer_name}
+
+    @staticmethod
+    def label(cfg: DataConfig) -> str:
+        return cfg.tokenizer_name
+
+    @staticmethod
+    def build(cfg: DataConfig, file: Path | None) -> Tokenizer:
+        return TiktokenTokenizer(cfg.tokenizer_name)
 
 
 def file_sha256(path: Path) -> str:
@@ -117,18 +194,6 @@ def huggingface_file(name: str) -> Path:
 
 
 # --- building ---------------------------------------------------------------------------------
-
-
-def load_tokenizer(cfg: DataConfig, bpe_file: Path | None = None) -> Tokenizer:
-    """The tokenizer of cfg. For "bpe", bpe_file is the trained tokenizer.json (train_bpe)."""
-    if cfg.tokenizer == "byte":
-        return ByteTokenizer()
-    if cfg.tokenizer == "tiktoken":
-        return TiktokenTokenizer(cfg.tokenizer_name)
-    if cfg.tokenizer == "bpe":
-        assert bpe_file is not None, "train the BPE tokenizer first"
-        return HuggingFaceTokenizer(bpe_file, BPE_EOT, tokenizer_label(cfg))
-    return HuggingFaceTokenizer(huggingface_file(cfg.tokenizer_name), cfg.eot_token, tokenizer_label(cfg))
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, destination: Path) -> None:
