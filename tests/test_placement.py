@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -323,11 +324,11 @@ def test_no_free_gpu_prints_the_error_then_the_table_of_reasons(scripted_gpus):
 # --- the shell scripts ----------------------------------------------------------------
 
 
-def shell(script: str, *args: str) -> subprocess.CompletedProcess:
+def shell(script: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     # PYTHON: the scripts' setup uses the interpreter running these tests, which has everything.
     return subprocess.run(
         ["bash", str(ROOT / script), *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=launcher_env(PYTHON=sys.executable),
         capture_output=True,
         text=True,
@@ -340,6 +341,14 @@ def test_train_gpu_sh_runs_one_worker_on_the_gpu_named(scripted_gpus):
     result = shell("train_gpu.sh", "3", "--", sys.executable, "-c", PRINT_GPU)
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == [f"GPU3:{uuid(3)} 3 PCI_BUS_ID"]
+
+
+def test_the_gpu_scripts_work_from_another_directory(scripted_gpus, tmp_path):
+    scripted_gpus([{"utilization": [50]}, {"utilization": [2]}])
+    pinned = shell("train_gpu.sh", "0", "--", sys.executable, "-c", PRINT_GPU, cwd=tmp_path)
+    freest = shell("train_auto_gpu.sh", "--", sys.executable, "-c", PRINT_GPU, cwd=tmp_path)
+    assert pinned.returncode == 0 and f"GPU0:{uuid(0)} 0 PCI_BUS_ID" in pinned.stdout.splitlines(), pinned.stderr
+    assert freest.returncode == 0 and f"GPU1:{uuid(1)} 1 PCI_BUS_ID" in freest.stdout.splitlines(), freest.stderr
 
 
 def test_train_auto_gpu_sh_uses_the_freest_gpu_and_says_why(scripted_gpus):

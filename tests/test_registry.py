@@ -15,10 +15,11 @@ from conftest import ROOT
 from helpers import all_tokens, data_config, prepared
 from pretrain import config as cfg
 from pretrain import config_schema, registry
-from pretrain.checkpoint import CheckpointError, check_same_optimizer
+from pretrain.checkpoint import CheckpointError, check_same_model, check_same_optimizer
 from pretrain.data.prepare import read_meta
 from pretrain.data.sources import Piece
 from pretrain.data.tokenizer import BYTE_EOT, ByteRecipe, ByteTokenizer
+from pretrain.export import parameter_naming
 from pretrain.memory import estimate, parameter_count
 from pretrain.model import Transformer
 from pretrain.optim import build_optimizer
@@ -137,6 +138,21 @@ def test_resuming_with_another_optimizer_is_refused_naming_the_one_to_use(regist
         match="trained with training.optimizer=adamw, not sgd; resume with --set training.optimizer=adamw or start fresh",
     ):
         check_same_optimizer(tmp_path, adamw, sgd)
+
+
+def test_resuming_with_another_feed_forward_block_is_refused_as_another_model(registered, tmp_path):
+    swiglu = cfg.debug().model
+    with pytest.raises(CheckpointError, match="is for a different model: model.ffn is swiglu there, linear2 here"):
+        check_same_model(tmp_path, swiglu, dataclasses.replace(swiglu, ffn="linear2"))
+
+
+def test_an_export_says_when_its_feed_forward_names_are_not_llamas(registered):
+    config = cfg.debug()
+    llama = parameter_naming(config)["convention"]
+    other = parameter_naming(dataclasses.replace(config, model=dataclasses.replace(config.model, ffn="linear2")))
+    assert "layers.{i}.feed_forward.{w1,w2,w3}" in llama
+    assert "feed_forward.{w1,w2,w3}" not in other["convention"]
+    assert "layers.{i}.feed_forward.* of model.ffn='linear2'" in other["convention"]
 
 
 # --- data: a text format and a tokenizer ----------------------------------------------------
