@@ -139,6 +139,8 @@ def _not_finite(value: object) -> bool:
         return value.is_floating_point() and not bool(torch.isfinite(value.detach()).all())
     if isinstance(value, (tuple, list)):
         return any(_not_finite(item) for item in value)
+    if isinstance(value, dict):  # a block's auxiliary losses, by name
+        return any(_not_finite(item) for item in value.values())
     return False
 
 

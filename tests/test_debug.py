@@ -76,6 +76,20 @@ def test_the_hooks_name_the_innermost_module_whose_output_went_bad_first():
     assert tracer.first == "1.0, forward output"  # not the Sequential around it, not the last layer
 
 
+class WithAuxLoss(nn.Module):
+    """A block that returns its output and an auxiliary loss by name, as a feed-forward block may."""
+
+    def forward(self, x):
+        return x, {"balance": torch.log(x.sum() - x.sum())}  # log(0): -inf
+
+
+def test_the_hooks_name_a_module_whose_auxiliary_loss_went_bad():
+    model = nn.Sequential(nn.Linear(4, 4), WithAuxLoss())
+    tracer = FirstNonFinite(model)
+    model(torch.ones(2, 4))
+    assert tracer.first == "1, forward output"
+
+
 def test_the_hooks_name_the_module_whose_backward_made_a_gradient_infinite():
     model = nn.Sequential(nn.Linear(4, 4), Sqrt(), nn.Linear(4, 1))
     with torch.no_grad():
