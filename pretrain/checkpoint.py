@@ -382,8 +382,8 @@ def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any
     if saved is not None and not math.isclose(saved, here, rel_tol=1e-9, abs_tol=1e-15):
         trainer.log.warning(
             f"The learning-rate schedule changed: step {state['steps_done']} runs at {here:.3e} now, "
-            f"{saved:.3e} in the run that saved {path} (training.learning_rate, warmup_steps, max_steps or "
-            "min_lr_ratio differ)"
+            f"{saved:.3e} in the run that saved {path} (training.lr_schedule, learning_rate, warmup_steps, "
+            "max_steps or min_lr_ratio differ)"
         )
 
 

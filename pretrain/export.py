@@ -42,7 +42,7 @@ from pretrain.checkpoint import CheckpointError
 from pretrain.config import SHARD_SOURCES, Config
 from pretrain.data import DataError
 from pretrain.data.prepare import recipe_for
-from pretrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, huggingface_file, load_tokenizer
+from pretrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, huggingface_file, load_tokenizer, tokenizer_label
 from pretrain.model import Transformer
 from pretrain.resume import ResumeError, checkpoint_at
 from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
@@ -205,7 +205,7 @@ def tokenizer_description(config: Config, tokenizer_file: Path | None) -> dict[s
     """kind, name, end-of-text id and vocabulary of the model's tokenizer (None where unknown)."""
     data = config.data
     kind = None if shards_without_tokenizer(config) else data.tokenizer
-    name = {"byte": "byte", "bpe": f"bpe{data.bpe_vocab_size}"}.get(data.tokenizer, data.tokenizer_name)
+    name = data.tokenizer_name if registry.TOKENIZERS[data.tokenizer].takes_name else tokenizer_label(data)
     description = {
         "kind": kind,
         "name": name if kind else None,

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from pretrain import registry
 from pretrain.config import ModelConfig
 from pretrain.memory import embedding_parameter_count, parameter_count
 
@@ -86,9 +87,14 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     is a matmul and counts), each costing 2 FLOPs forward and 4 backward per token; the
     attention scores and their weighted sum cost 12 L d T, with the causal mask counted in
     full (as if no work were skipped). seq_len is the trained sequence length
-    (data.context_length), not model.max_seq_len. ValueError while model.vocab_size is null.
+    (data.context_length), not model.max_seq_len. A feed-forward block that runs each token through
+    part of its parameters (pretrain/registry.py, active_parameters) counts that part only.
+    ValueError while model.vocab_size is null.
     """
     non_embedding = parameter_count(model_cfg) - embedding_parameter_count(model_cfg)
+    feed_forward = registry.FEED_FORWARDS[model_cfg.ffn]
+    if feed_forward.active_parameters is not None:  # a mixture of experts: a token runs through top_k of them
+        non_embedding -= model_cfg.n_layers * (feed_forward.parameters(model_cfg) - feed_forward.active_parameters(model_cfg))
     return 6.0 * non_embedding + 12.0 * model_cfg.n_layers * model_cfg.dim * seq_len
 
 

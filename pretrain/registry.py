@@ -34,11 +34,16 @@ class OptimizerKind:
 class FeedForwardKind:
     module: str
     """"module:class" built from the ModelConfig; maps (B, T, dim) to (B, T, dim), or to
-    ((B, T, dim), {name: weighted auxiliary loss}) when it has losses of its own."""
+    ((B, T, dim), {name: weighted auxiliary loss}) when it has losses of its own. Its method
+    residual_outputs() returns the nn.Linear layers that write into the residual stream (the
+    model initialises them scaled down with depth)."""
     parameters: Callable[[Any], int]
-    """(ModelConfig) -> its parameter count in one layer (the memory estimate, FLOPs, the model's size line)."""
+    """(ModelConfig) -> its parameter count in one layer (the memory estimate, the model's size line)."""
     saved_per_token: Callable[[Any], int]
     """(ModelConfig) -> values in the compute dtype it keeps per token for its backward pass (the memory estimate)."""
+    active_parameters: Callable[[Any], int] | None = None
+    """(ModelConfig) -> the parameters one token runs through in one layer (a mixture of experts:
+    its router and top_k experts), for FLOPs and MFU; None: all of them."""
     llama_layout: bool = False
     """Its parameters are Meta Llama's feed_forward.{w1,w2,w3}: an export says it is Llama-shaped."""
 
@@ -71,6 +76,9 @@ class TextFormat:
     suffixes: tuple[str, ...]
     """The file names it reads: a directory given as data.path contributes these, and a Hub
     dataset's files are read by the first format whose suffix they have."""
+    tokens_per_byte: float = 0.25
+    """Tokens per byte of file, low on purpose: how many of a Hub dataset's files a run reads is
+    estimated from their sizes (pretrain/data/hub.py). English text is ~4 bytes per token."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,7 @@ class TokenizerKind:
 TEXT_FORMATS: dict[str, TextFormat] = {
     "text": TextFormat("pretrain.data.sources:text_pieces", (".txt", ".txt.gz", ".md", ".text")),
     "jsonl": TextFormat("pretrain.data.sources:jsonl_pieces", (".jsonl", ".jsonl.gz", ".json", ".json.gz")),
-    "parquet": TextFormat("pretrain.data.sources:parquet_pieces", (".parquet",)),
+    "parquet": TextFormat("pretrain.data.sources:parquet_pieces", (".parquet",), tokens_per_byte=0.3),  # compressed
 }
 
 TOKENIZERS: dict[str, TokenizerKind] = {

@@ -16,11 +16,13 @@ from helpers import all_tokens, data_config, prepared
 from pretrain import config as cfg
 from pretrain import config_schema, registry
 from pretrain.checkpoint import CheckpointError, check_same_model, check_same_optimizer
+from pretrain.data.hub import estimated_tokens
 from pretrain.data.prepare import read_meta
 from pretrain.data.sources import Piece
 from pretrain.data.tokenizer import BYTE_EOT, ByteRecipe, ByteTokenizer
 from pretrain.export import parameter_naming
 from pretrain.memory import estimate, parameter_count
+from pretrain.metrics import flops_per_token
 from pretrain.model import Transformer
 from pretrain.optim import build_optimizer
 from pretrain.schedule import lr_at
@@ -122,6 +124,14 @@ def test_a_registered_optimizer_schedule_and_feed_forward_are_what_training_buil
     assert parameter_count(model_config) == model.num_params()
 
 
+def test_flops_count_the_parameters_a_token_runs_through_where_the_block_says(registered, monkeypatch):
+    model = dataclasses.replace(cfg.debug().model, ffn="linear2", vocab_size=257)
+    every = flops_per_token(model, 64)
+    half = dataclasses.replace(registry.FEED_FORWARDS["linear2"], active_parameters=lambda m: m.dim * m.ffn_dim)
+    monkeypatch.setitem(registry.FEED_FORWARDS, "linear2", half)
+    assert every - flops_per_token(model, 64) == 6 * model.n_layers * model.dim * model.ffn_dim
+
+
 def test_the_memory_estimate_takes_the_optimizers_state_size_from_the_registry(registered):
     config = cfg.production()
     stateless = dataclasses.replace(config, training=dataclasses.replace(config.training, optimizer="sgd"))
@@ -194,6 +204,12 @@ def data_registered(monkeypatch) -> None:
     # SOURCES is computed from the registry when the schema is imported: a test's entry joins it here.
     monkeypatch.setattr(config_schema, "SOURCES", (*config_schema.SOURCES, "csv"))
     monkeypatch.setattr(config_schema, "SOURCES_WITH_PATH", (*config_schema.SOURCES_WITH_PATH, "csv"))
+
+
+def test_a_hub_datasets_files_of_a_registered_format_are_sized_by_its_tokens_per_byte(data_registered):
+    assert estimated_tokens("train-0001.csv", 1000) == 250  # the default, 0.25
+    assert estimated_tokens("train-0001.parquet", 1000) == 300
+    assert estimated_tokens("train-0001.csv.gz", 1000) == 300  # compressed: as Parquet
 
 
 def test_a_registered_text_format_and_tokenizer_prepare_a_dataset_from_a_directory(data_registered, tmp_path):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pretrain import registry
 from pretrain.data import DataError, first_line
 from pretrain.data.formats import file_format
 from pretrain.data.hub_client import LOCAL_FILES_INSTEAD, access_error, hub_snapshot, is_commit, offline_error
@@ -34,12 +35,12 @@ if TYPE_CHECKING:
 
     from pretrain.config import Config, DataConfig
 
-TOKENS_PER_BYTE = {"parquet": 0.3, "jsonl": 0.25, "text": 0.25, "gz": 0.3}
-"""Tokens per byte of file, low on purpose (a low value fetches more files, never too few), to
-estimate how many files a run reads. Parquet: FineWeb-Edu's sample/10BT holds 10B GPT-2 tokens in
-28.5 GB (0.35), and Llama-3's larger vocabulary makes ~15% fewer tokens of the same text. Plain
-text and JSON Lines: English is ~4 bytes per token. Gzipped files count as Parquet (compressed
-text; gzip packs more)."""
+GZIP_TOKENS_PER_BYTE = 0.3
+"""Tokens per byte of a gzipped file, as Parquet's (compressed text; gzip packs more). Each format's
+own figure is in pretrain/registry.py (TEXT_FORMATS), low on purpose (a low value fetches more
+files, never too few), to estimate how many files a run reads. Parquet: FineWeb-Edu's
+sample/10BT holds 10B GPT-2 tokens in 28.5 GB (0.35), and Llama-3's larger vocabulary makes ~15%
+fewer tokens of the same text. Plain text and JSON Lines: English is ~4 bytes per token."""
 MARGIN = 1.1
 """The estimate of the tokens needed is raised by this much before counting files."""
 
@@ -225,8 +226,9 @@ def run_tokens(config: Config, world_size: int) -> int | None:
 
 
 def estimated_tokens(name: str, size: int) -> float:
-    kind = "gz" if name.endswith(".gz") else file_format(name) or "text"
-    return size * TOKENS_PER_BYTE[kind]
+    if name.endswith(".gz"):
+        return size * GZIP_TOKENS_PER_BYTE
+    return size * registry.TEXT_FORMATS[file_format(name) or "text"].tokens_per_byte
 
 
 def files_for_tokens(files: list[tuple[str, int]], tokens: int, val_fraction: float) -> int:
