@@ -57,6 +57,13 @@ def assert_one_line_error(
         assert result.stdout == ""
 
 
+def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m launcher ARGS...` from the repository, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def run_debug_training(tmp_path: Path, command: list[str], run_dir: Path, *options: str) -> subprocess.CompletedProcess:
     """A short debug-preset training run (`python <command> --debug ...`, a small batch and context,
     a log line every step) into run_dir, with the test's own data cache; it must succeed."""

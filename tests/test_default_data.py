@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, launcher_env, one_line_error
+from helpers import run_launcher
 from pretrain import config as cfg
 from pretrain.data import DataError
 from pretrain.data.builtin import builtin_documents
@@ -355,38 +356,29 @@ def test_prepare_dataset_prepares_what_a_one_rank_launch_would_and_says_it_assum
 
 def train_small(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     """The small preset with a tiny model on 2 CPU workers through the launcher, 4,096 tokens a step."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--preset",
-            "small",
-            "--run-dir",
-            str(tmp_path / "run"),
-            *TINY_MODEL,
-            "--set",
-            "training.batch_size=2",
-            "--set",
-            "training.grad_accum_nums=1",
-            "--set",
-            "training.warmup_steps=1",
-            "--set",
-            "training.use_amp=false",
-            "--set",
-            "logging.log_interval=1",
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            *options,
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
+    return run_launcher(
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--preset",
+        "small",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *TINY_MODEL,
+        "--set",
+        "training.batch_size=2",
+        "--set",
+        "training.grad_accum_nums=1",
+        "--set",
+        "training.warmup_steps=1",
+        "--set",
+        "training.use_amp=false",
+        "--set",
+        "logging.log_interval=1",
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *options,
         timeout=300,
     )
 

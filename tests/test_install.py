@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, launcher_env
+from helpers import run_launcher
 from launcher import cli
 from launcher.placement import Placement
 from launcher.worker import with_package_root, without_package_root
@@ -140,27 +141,17 @@ def test_generic_workers_from_a_clone_do_not_see_its_packages(tmp_path):
 
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_generic_run_ends_with_a_line_naming_its_run_directory(tmp_path, code):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--",
-            sys.executable,
-            "-c",
-            f"raise SystemExit({code})",
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_launcher(
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--",
+        sys.executable,
+        "-c",
+        f"raise SystemExit({code})",
     )
     assert result.returncode == code, result.stderr
     assert last_line(result.stdout) == f"launcher: run directory: {tmp_path / 'run'}"

@@ -15,12 +15,14 @@ import pytest
 
 from conftest import ROOT, alive, launcher_env, wait_until
 from helpers import assert_one_line_error
+from helpers import run_launcher as launch
 from launcher.reaper import TOKEN_VAR
 
 
-def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=timeout
+def launch_debug(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """The debug preset on CPU workers into tmp_path/r, with the test's own data cache."""
+    return launch(
+        "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={tmp_path / 'cache'}", *args
     )
 
 
@@ -252,14 +254,8 @@ def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(processes, 
 
 
 def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run_dir(tmp_path):
-    result = launch(
-        "--debug",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
+    result = launch_debug(
+        tmp_path,
         "--set",
         "training.batch_size=100000",
     )
@@ -274,14 +270,8 @@ def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run
 
 
 def test_token_ids_beyond_the_models_vocabulary_stop_before_spawning(tmp_path):
-    result = launch(
-        "--debug",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
+    result = launch_debug(
+        tmp_path,
         "--set",
         "model.vocab_size=100",
     )
@@ -295,14 +285,8 @@ def test_token_ids_beyond_the_models_vocabulary_stop_before_spawning(tmp_path):
 
 
 def test_a_missing_source_file_is_one_line_and_leaves_nothing_in_the_cache(tmp_path):
-    result = launch(
-        "--debug",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
+    result = launch_debug(
+        tmp_path,
         "--set",
         "data.source=jsonl",
         "--set",

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, launcher_env
+from helpers import run_launcher
 from launcher import nvml
 from launcher.devices import DeviceError
 from launcher.placement import GpuOptions, place
@@ -62,25 +60,16 @@ def test_nproc_without_a_driver_is_still_an_error_where_gpus_are_required(script
 @pytest.mark.slow
 def test_debug_with_nproc_1_trains_on_one_cpu_worker_on_a_machine_without_a_gpu(tmp_path):
     # No scripted GPUs: this machine's real NVML, which finds no driver here.
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--nproc",
-            "1",
-            "--max-steps",
-            "2",
-            "--run-dir",
-            str(tmp_path / "r"),
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
+    result = run_launcher(
+        "--debug",
+        "--nproc",
+        "1",
+        "--max-steps",
+        "2",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
         timeout=300,
     )
     if "no NVIDIA GPU found" not in result.stdout + result.stderr:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+
 import torch
 
 from checkpointing import make_trainer
-from conftest import ROOT, alive, launcher_env
+from conftest import alive
+from helpers import run_launcher
 from pretrain import checkpoint
 from pretrain.exit_codes import NUMERICAL_FAILURE
 
@@ -35,28 +36,19 @@ def launch_from(tmp_path, resume_from, *sets: str) -> subprocess.CompletedProces
         for key_value in ("training.batch_size=2", "data.context_length=32", f"data.cache_dir={tmp_path / 'cache'}", *sets)
         for item in ("--set", key_value)
     ]
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--max-steps",
-            "3",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--resume",
-            str(resume_from),
-            *options,
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
+    return run_launcher(
+        "--debug",
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--max-steps",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--resume",
+        str(resume_from),
+        *options,
         timeout=180,
     )
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, launcher_env
+from helpers import run_launcher
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
@@ -92,25 +90,16 @@ def test_a_config_saved_by_an_earlier_run_in_epochs_still_loads(tmp_path):
 
 
 def test_the_launcher_refuses_conflicting_run_lengths_in_one_line_and_starts_nothing(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--device",
-            "cpu",
-            "--max-steps",
-            "3",
-            "--set",
-            "training.epochs=1",
-            "--run-dir",
-            str(tmp_path / "r"),
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
+    result = run_launcher(
+        "--debug",
+        "--device",
+        "cpu",
+        "--max-steps",
+        "3",
+        "--set",
+        "training.epochs=1",
+        "--run-dir",
+        str(tmp_path / "r"),
         timeout=60,
     )
     assert result.returncode == 2 and result.stdout == ""

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
-import sys
 import time
 
-from conftest import ROOT, alive, launcher_env
+from conftest import alive
+from helpers import run_launcher
 from launcher.printer import Printer
 from launcher.supervisor import Supervisor, SupervisorOptions
 from test_supervisor import make_worker
@@ -36,27 +35,8 @@ ESCAPED_CHILD_AND_A_CRASH = """
 
 def test_a_failure_does_not_wait_the_kill_grace_for_an_escaped_child_holding_a_workers_output(script, tmp_path):
     command = [*script(ESCAPED_CHILD_AND_A_CRASH, "crash.py"), str(tmp_path / "ready")]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--kill-grace",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--",
-            *command,
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_launcher(
+        "--device", "cpu", "--nproc", "2", "--kill-grace", "2", "--run-dir", str(tmp_path / "run"), "--", *command, timeout=60
     )
     exited = time.time()
     out = result.stdout

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, launcher_env
-from helpers import run_debug_training
+from helpers import run_debug_training, run_launcher
 from pretrain import checkpoint
 from pretrain.metrics import read_metrics
 
@@ -102,25 +102,16 @@ def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(tmp_path
 
 
 def test_a_context_longer_than_the_model_supports_is_refused_before_start_up(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--device",
-            "cpu",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--set",
-            "model.max_seq_len=64",
-            "--set",
-            "data.context_length=128",
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
+    result = run_launcher(
+        "--debug",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "model.max_seq_len=64",
+        "--set",
+        "data.context_length=128",
         timeout=60,
     )
     assert result.returncode == 2
@@ -131,29 +122,20 @@ def test_a_context_longer_than_the_model_supports_is_refused_before_start_up(tmp
 
 
 def test_a_global_batch_that_does_not_divide_over_the_ranks_is_refused_with_the_nearest_sizes(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "training.batch_size=4",
-            "--set",
-            "training.global_batch_size=20",
-        ],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
+    result = run_launcher(
+        "--debug",
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.global_batch_size=20",
         timeout=120,
     )
     assert result.returncode == 2
