@@ -1,10 +1,9 @@
-"""Preparing and caching datasets: pretrain/data/prepare.py, builtin.py and prepare_dataset.py."""
+"""Preparing and caching datasets: pretrain/data/prepare.py and builtin.py (the prepare_dataset.py
+command: test_prepare_dataset_script.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,9 +19,8 @@ from pretrain.data import encode as encoding
 from pretrain.data import prepare as prep
 from pretrain.data.builtin import builtin_documents, content_digest
 from pretrain.data.tokenizer import BYTE_EOT, ByteTokenizer
-from pretrain.runfiles import PACKAGE_ROOT as PROJECT_ROOT  # a clone: its root
 
-from conftest import wait_until
+from conftest import launcher_env
 from helpers import data_config, split_tokens
 
 # Varied lengths and non-ASCII text, so a byte-level round trip means something.
@@ -45,10 +43,6 @@ def split_documents(path: Path, split: str) -> list[str]:
 
 def entries(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
-
-
-def env_with_project() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -318,7 +312,7 @@ def test_concurrent_preparers_build_once_and_both_get_the_same_path(tmp_path):
     processes = [
         subprocess.Popen(
             [sys.executable, str(script), str(tmp_path / "cache"), str(r), str(go)],
-            env=env_with_project(),
+            env=launcher_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -363,99 +357,8 @@ def test_the_content_digest_changes_with_the_corpus_and_its_document_boundaries(
 
 def test_importing_prepare_does_not_import_torch():
     code = "import sys, pretrain.data.prepare; print('torch' in sys.modules, 'tqdm' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], env=env_with_project(), capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], env=launcher_env(), capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
-
-
-# --- prepare_dataset.py --------------------------------------------------------------------------
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(PROJECT_ROOT / "prepare_dataset.py"), *args],
-        env=env_with_project(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(tmp_path):
-    cache = tmp_path / "cache"
-    built = run_script("--debug", "--set", f"data.cache_dir={cache}")
-    reused = run_script("--debug", "--set", f"data.cache_dir={cache}", "--verify")
-
-    assert built.returncode == 0, built.stderr
-    (path,) = [p for p in cache.iterdir() if p.is_dir()]
-    assert path.name.startswith("builtin-byte-")
-    assert built.stdout.startswith(f"dataset: prepared {path} (") and " train tokens, " in built.stdout
-    assert reused.returncode == 0, reused.stderr
-    reuse, verified = reused.stdout.splitlines()
-    assert reuse.startswith(
-        f"dataset: reusing {path} ({prep.read_meta(path)['tokens']['train']:,} train tokens, "
-        f"{prep.read_meta(path)['tokens']['val']:,} val tokens; checked in "
-    )
-    assert verified == f"dataset: verified {path} (every file matches its sha256 in meta.json)"
-
-
-def test_prepare_dataset_script_names_the_closest_key_for_a_typo_in_one_line():
-    result = run_script("--debug", "--set", "data.context_lenght=5")
-
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.splitlines() == [
-        "prepare_dataset: error: --set: data.context_lenght: unknown key; did you mean data.context_length?"
-    ]
-
-
-def test_prepare_dataset_script_reports_a_failed_verify_in_one_line(tmp_path):
-    cache = tmp_path / "cache"
-    assert run_script("--debug", "--set", f"data.cache_dir={cache}").returncode == 0
-    (path,) = [p for p in cache.iterdir() if p.is_dir()]
-    data = bytearray((path / "tokens.bin").read_bytes())
-    data[100] ^= 0x01
-    (path / "tokens.bin").write_bytes(bytes(data))
-
-    result = run_script("--debug", "--set", f"data.cache_dir={cache}", "--verify")
-
-    assert result.returncode == 2
-    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"prepare_dataset: error: {path}: tokens.bin does not match its sha256")
-
-
-TERMINATED_PREPARER = textwrap.dedent("""
-    import sys, time
-    from pretrain.config import DataConfig
-    from pretrain.data import prepare as prep
-    from pretrain.data.tokenizer import ByteTokenizer
-
-    encode = ByteTokenizer.encode
-    def slow_encode(self, text):
-        time.sleep(0.05)
-        return encode(self, text)
-    ByteTokenizer.encode = slow_encode
-    import pretrain.data.encode as encoding
-    encoding.BATCH_CHARS = 1  # one document per batch: the build takes seconds
-    with prep.sigterm_as_exit():
-        prep.prepare(DataConfig(cache_dir=sys.argv[1]), documents=[f"document {i}" for i in range(400)])
-""")
-
-
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGHUP])
-def test_a_terminated_or_hung_up_build_removes_its_temporary_directory(tmp_path, stop_signal):
-    script = tmp_path / "preparer.py"
-    script.write_text(TERMINATED_PREPARER)
-    cache = tmp_path / "cache"
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(cache)], env=env_with_project(), stderr=subprocess.PIPE, text=True
-    )
-    assert wait_until(lambda: bool(list(cache.glob(".*.tmp-*/tokens.bin"))), timeout=20), "the build never started"
-
-    process.send_signal(stop_signal)  # a scheduler's SIGTERM; a closed terminal's SIGHUP
-    _, stderr = process.communicate(timeout=20)
-
-    assert process.returncode == 128 + stop_signal and "Traceback" not in stderr
-    assert [e for e in entries(cache) if not e.endswith(".lock")] == []
 
 
 def test_document_ends_far_before_the_validation_cut_are_dropped_without_changing_the_split(tmp_path, monkeypatch):
