@@ -11,7 +11,7 @@ the ones before it:
 
     config_schema.py     ConfigError, the section dataclasses (fields, defaults, the docstring
                          under each field, per-section checks), Config, SECTIONS,
-                         SOURCES_WITH_PATH, SHARD_SOURCES
+                         sources_with_path, SHARD_SOURCES
     config_presets.py    production(), small(), debug(), PRESETS
     config_loading.py    strict loading: overrides, JSON files, --set, resolve() and its
                          whole-config rules (one run length, context, unused preset keys),
@@ -49,7 +49,7 @@ from pretrain.config_reference import field_docs, reference_table
 from pretrain.config_schema import (
     SECTIONS,
     SHARD_SOURCES,
-    SOURCES_WITH_PATH,
+    sources_with_path,
     Config,
     ConfigError,
     DataConfig,
@@ -71,7 +71,7 @@ __all__ = [
     "LoggingConfig",
     "DebugConfig",
     "SECTIONS",
-    "SOURCES_WITH_PATH",
+    "sources_with_path",
     "SHARD_SOURCES",
     # config_presets
     "FINEWEB_EDU",

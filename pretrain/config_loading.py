@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pretrain.config_presets import PRESETS
-from pretrain.config_schema import SECTIONS, SHARD_SOURCES, Config, ConfigError, DataConfig
+from pretrain.config_schema import SECTIONS, SHARD_SOURCES, Config, ConfigError, DataConfig, describe, not_one_of
 from pretrain.runfiles import atomic_write_text
 
 
@@ -31,26 +31,13 @@ def _closest(word: str, choices: Sequence[str]) -> str:
     return f"; did you mean {match[0]}?" if match else f"; valid: {', '.join(sorted(choices))}"
 
 
-def _describe(value: Any) -> str:
-    kind = {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-    return f"{json.dumps(value)} ({kind})"
-
-
 def _coerce(key: str, expected: Any, value: Any) -> Any:
     """Return value as the declared type, or raise ConfigError naming the key."""
     origin = get_origin(expected)
     if origin is Literal:
         allowed = get_args(expected)
         if value not in allowed:
-            raise ConfigError(f"{key}: {_describe(value)} is not one of {', '.join(map(json.dumps, allowed))}")
+            raise ConfigError(f"{key}: {not_one_of(value, allowed)}")
         return value
     if origin in (Union, types.UnionType):
         members = get_args(expected)
@@ -69,7 +56,7 @@ def _coerce(key: str, expected: Any, value: Any) -> Any:
     if expected is str and isinstance(value, str):
         return value
     wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[expected]
-    raise ConfigError(f"{key}: expected {wanted}, got {_describe(value)}")
+    raise ConfigError(f"{key}: expected {wanted}, got {describe(value)}")
 
 
 def apply_overrides(config: Config, overrides: dict[str, Any], source: str) -> Config:
@@ -82,7 +69,7 @@ def apply_overrides(config: Config, overrides: dict[str, Any], source: str) -> C
             if name not in SECTIONS:
                 raise ConfigError(f"{name}: unknown section{_closest(name, list(SECTIONS))}")
             if not isinstance(values, dict):
-                raise ConfigError(f"{name}: expected an object of keys, got {_describe(values)}")
+                raise ConfigError(f"{name}: expected an object of keys, got {describe(values)}")
             cls = SECTIONS[name]
             hints = get_type_hints(cls)
             changes = {}
@@ -110,10 +97,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object of sections, got {_describe(data)}")
+        raise ConfigError(f"{path}: expected a JSON object of sections, got {describe(data)}")
     preset = data.get("preset")
     if preset is not None and not isinstance(preset, str):
-        raise ConfigError(f"{path}: preset: expected a preset name, got {_describe(preset)}")
+        raise ConfigError(f"{path}: preset: expected a preset name, got {describe(preset)}")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"{path}: preset: unknown preset {json.dumps(preset)}{_closest(str(preset), list(PRESETS))}")
     return data

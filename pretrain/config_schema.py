@@ -7,8 +7,11 @@ docs/config.md is generated from these classes and the docstring under each fiel
 
 from __future__ import annotations
 
+import difflib
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 from pretrain import registry
 
@@ -20,6 +23,29 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, problem: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {problem}")
+
+
+def describe(value: Any) -> str:
+    """A value as the user wrote it, and its JSON type: '"gpu" (a string)'."""
+    kind = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
+    return f"{json.dumps(value)} ({kind})"
+
+
+def not_one_of(value: Any, choices: Iterable[str]) -> str:
+    """Why value is none of the choices (a Literal's, or a registry's names), with the closest
+    choice when it looks like a typo."""
+    names = list(choices)
+    close = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
+    hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
+    return f"{describe(value)} is not one of {', '.join(map(json.dumps, names))}{hint}"
 
 
 @dataclass(frozen=True)
@@ -61,7 +87,7 @@ class ModelConfig:
             "model.n_heads",
             f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})",
         )
-        _check(self.ffn in registry.FEED_FORWARDS, "model.ffn", registry.unknown_name(self.ffn, registry.FEED_FORWARDS))
+        _check(self.ffn in registry.FEED_FORWARDS, "model.ffn", not_one_of(self.ffn, registry.FEED_FORWARDS))
         if self.vocab_size is not None:
             _check(self.vocab_size >= 2, "model.vocab_size", f"must be at least 2 or null (got {self.vocab_size})")
         _check(self.norm_eps > 0, "model.norm_eps", f"must be positive (got {self.norm_eps})")
@@ -72,9 +98,16 @@ class ModelConfig:
 
 
 SHARD_SOURCES = ("llmc", "megatron")
-SOURCES_WITH_PATH = (*registry.TEXT_FORMATS, *SHARD_SOURCES)
-"""The sources read from data.path: the text formats of pretrain/registry.py, and the shards."""
-SOURCES = ("builtin", *registry.TEXT_FORMATS, "hub", *SHARD_SOURCES)
+
+
+def sources_with_path() -> tuple[str, ...]:
+    """The sources read from data.path: the text formats of pretrain/registry.py, and the shards."""
+    return (*registry.TEXT_FORMATS, *SHARD_SOURCES)
+
+
+def sources() -> tuple[str, ...]:
+    """Every data.source: the built-in corpus, the text formats, the Hub, the shards."""
+    return ("builtin", *registry.TEXT_FORMATS, "hub", *SHARD_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -113,10 +146,8 @@ class DataConfig:
     """Where prepared datasets are cached; a relative path is under the cache root (PRETRAIN_CACHE_DIR or --cache-dir, default ./cache), whose name a leading cache/ stands for."""
 
     def __post_init__(self) -> None:
-        _check(self.source in SOURCES, "data.source", registry.unknown_name(self.source, SOURCES))
-        _check(
-            self.tokenizer in registry.TOKENIZERS, "data.tokenizer", registry.unknown_name(self.tokenizer, registry.TOKENIZERS)
-        )
+        _check(self.source in sources(), "data.source", not_one_of(self.source, sources()))
+        _check(self.tokenizer in registry.TOKENIZERS, "data.tokenizer", not_one_of(self.tokenizer, registry.TOKENIZERS))
         _check(
             2 <= self.context_length <= 1 << 20,
             "data.context_length",
@@ -147,7 +178,8 @@ class DataConfig:
     def check_complete(self) -> None:
         """The keys the chosen source and tokenizer cannot work without. Checked once every
         layer is applied: a file may choose the source and a --set give its path."""
-        if self.source in SOURCES_WITH_PATH:
+        with_path = sources_with_path()
+        if self.source in with_path:
             _check(self.path != "", "data.path", f'source "{self.source}" needs data.path (a file, directory or glob)')
         if self.source == "hub":
             _check(self.hub_repo != "", "data.hub_repo", 'source "hub" needs data.hub_repo=owner/name')
@@ -157,13 +189,13 @@ class DataConfig:
                 "data.max_samples",
                 f'applies to text sources; "{self.source}" shards are used whole (set it to 0)',
             )
-        if self.source not in SOURCES_WITH_PATH:  # keys that would be silently ignored are mistakes
+        if self.source not in with_path:  # keys that would be silently ignored are mistakes
             for key in ("path", "val_path"):
                 _check(
                     getattr(self, key) == "",
                     f"data.{key}",
                     f'source "{self.source}" reads no local files; set data.source to '
-                    f"{', '.join(SOURCES_WITH_PATH[:-1])} or {SOURCES_WITH_PATH[-1]} to use it",
+                    f"{', '.join(with_path[:-1])} or {with_path[-1]} to use it",
                 )
         if self.source != "hub":
             _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
@@ -274,12 +306,12 @@ class TrainingConfig:
         _check(
             self.optimizer in registry.OPTIMIZERS,
             "training.optimizer",
-            registry.unknown_name(self.optimizer, registry.OPTIMIZERS),
+            not_one_of(self.optimizer, registry.OPTIMIZERS),
         )
         _check(
             self.lr_schedule in registry.LR_SCHEDULES,
             "training.lr_schedule",
-            registry.unknown_name(self.lr_schedule, registry.LR_SCHEDULES),
+            not_one_of(self.lr_schedule, registry.LR_SCHEDULES),
         )
 
 

@@ -14,10 +14,9 @@ Nor does it import the config, which validates its names against these tables.
 
 from __future__ import annotations
 
-import difflib
+import functools
 import importlib
-import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,16 +106,8 @@ TOKENIZERS: dict[str, TokenizerKind] = {
 }
 
 
-def unknown_name(name: str, choices: Iterable[str]) -> str:
-    """Why name is not one of choices (as the config says it of any other choice), with the
-    closest one when it looks like a typo."""
-    names = list(choices)
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
-    return f"{json.dumps(name)} (a string) is not one of {', '.join(map(json.dumps, names))}{hint}"
-
-
+@functools.cache
 def load(path: str) -> Any:
-    """The object a "module:attribute" path names."""
+    """The object a "module:attribute" path names (looked up once: the schedule asks every step)."""
     module, _, attribute = path.partition(":")
     return getattr(importlib.import_module(module), attribute)

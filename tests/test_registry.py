@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT
 from helpers import all_tokens, data_config, prepared
 from pretrain import config as cfg
-from pretrain import config_schema, registry
+from pretrain import registry
 from pretrain.checkpoint import CheckpointError, check_same_model, check_same_optimizer
 from pretrain.data.hub import estimated_tokens
 from pretrain.data.prepare import read_meta
@@ -201,9 +201,6 @@ class UpperBytes(ByteTokenizer):
 def data_registered(monkeypatch) -> None:
     monkeypatch.setitem(registry.TEXT_FORMATS, "csv", registry.TextFormat(f"{__name__}:csv_pieces", (".csv",)))
     monkeypatch.setitem(registry.TOKENIZERS, "upper", registry.TokenizerKind(f"{__name__}:UpperRecipe"))
-    # SOURCES is computed from the registry when the schema is imported: a test's entry joins it here.
-    monkeypatch.setattr(config_schema, "SOURCES", (*config_schema.SOURCES, "csv"))
-    monkeypatch.setattr(config_schema, "SOURCES_WITH_PATH", (*config_schema.SOURCES_WITH_PATH, "csv"))
 
 
 def test_a_hub_datasets_files_of_a_registered_format_are_sized_by_its_tokens_per_byte(data_registered):
