@@ -3,6 +3,7 @@
 python -m launcher [options]                 train: `python -m pretrain` on every device
 python -m launcher [options] -- CMD [ARGS]   any command, supervised, one per device
 python -m launcher gpus [criteria]           the GPU table, with the verdict on each GPU
+python -m launcher --nnodes N --node-rank R --master-addr HOST [...]   one node of N (docs/multinode.md)
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import devices, gpu_table, nvml, run_lock
+from launcher import devices, gpu_table, multinode, nvml, run_lock
+from launcher.errors import EXIT_USAGE, CommandNotFound, UsageError
+from launcher.run_dirs import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.claims import ClaimError
+from launcher.nodes import Layout, NodeSpecError
+from launcher.rendezvous import Node, NodeStopped, RendezvousError
 from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
 from launcher.printer import Printer, use_colour
-from launcher.run_lock import LockHolder, RunDirLock
 from launcher.scripted_nvml import BadScript
 from launcher.supervisor import StartError, Supervisor, SupervisorOptions
 from launcher.worker import Worker, with_package_root, without_package_root, worker_env
@@ -33,7 +37,6 @@ from pretrain.runfiles import (
     RUNS_DIR_VAR,
     cache_root,
     create_run_dir,
-    new_run_id,
     os_error_message,
     runs_root,
 )
@@ -42,20 +45,9 @@ MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain/__main__.py dumps every thread's stack on it
 CONSOLE_COMMAND = "pretrain-launch"  # pyproject.toml [project.scripts]
-EXIT_USAGE = 2
 EXIT_CANNOT_EXECUTE = 126
-EXIT_COMMAND_NOT_FOUND = 127
+
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, as a shell pipeline reports it
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit 2."""
-
-    exit_code = EXIT_USAGE
-
-
-class CommandNotFound(UsageError):
-    exit_code = EXIT_COMMAND_NOT_FOUND
 
 
 def program() -> str:
@@ -81,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
         type=int,
         metavar="N",
         help=f"CPU worker processes (default {DEFAULT_CPU_WORKERS}); on GPUs, same as --gpus auto:N",
@@ -110,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hang-timeout", type=float, metavar="S", help="a worker that prints nothing for S seconds has failed (default: off)"
     )
+    multinode.add_arguments(parser)
     cfg.add_arguments(parser)
     return parser
 
@@ -165,14 +161,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_workers(placement: Placement, command: list[str], training: bool = False) -> list[Worker]:
+def make_workers(
+    placement: Placement, command: list[str], training: bool = False, layout: Layout | None = None, master_port: int | None = None
+) -> list[Worker]:
     """One worker per rank. Training workers get HF_HUB_OFFLINE=1: the launcher has already
     fetched what they read from the Hugging Face Hub (the dataset's files, pinned to a commit, and
     the tokenizer), so none of them asks the Hub again, and N ranks never make N requests. They
     also get the roots, absolute, so they find the dataset the launcher prepared, and this
     project on PYTHONPATH when Python would not find it otherwise (a clone, not installed). The
-    user's own command gets the user's PYTHONPATH, without this project's packages."""
-    port, cpus = free_port(), os.cpu_count() or 1
+    user's own command gets the user's PYTHONPATH, without this project's packages. layout:
+    where this node's workers sit in a job of several nodes (default: this machine alone)."""
+    layout = layout or Layout(placement.world_size)
+    port, cpus = master_port or free_port(), os.cpu_count() or 1
     base = dict(os.environ)
     if training:
         base = with_package_root(base, PACKAGE_ROOT) | {
@@ -183,19 +183,24 @@ def make_workers(placement: Placement, command: list[str], training: bool = Fals
     else:
         base = without_package_root(base, PACKAGE_ROOT)
     workers = []
-    for rank in range(placement.world_size):
-        gpu = placement.gpus[rank] if placement.device == "cuda" else None
+    for local in range(placement.world_size):
+        gpu = placement.gpus[local] if placement.device == "cuda" else None
+        rank = layout.global_rank(local)
         env = worker_env(
             base,
             rank=rank,
-            world_size=placement.world_size,
+            world_size=layout.world_size,
+            local_rank=local,
+            local_world_size=placement.world_size,
+            node_rank=layout.node_rank,
+            master_addr=layout.master_addr,
             master_port=port,
             gpu=gpu.cuda_visible_id if gpu else None,
             gpu_id=gpu.id if gpu else None,
             cpu_count=cpus,
             compile_cache=str(cache_root() / "inductor"),
         )
-        workers.append(Worker(rank=rank, label=placement.label(rank), argv=command, env=env))
+        workers.append(Worker(rank=rank, label=layout.label(placement.label(local), local), argv=command, env=env))
     return workers
 
 
@@ -204,10 +209,11 @@ def check_command(command: list[str]) -> None:
         raise CommandNotFound(f"command not found: {command[0]}")
 
 
-def prepare_training(config: cfg.Config, placement: Placement, printer: Printer) -> cfg.Config:
-    """Prepare the dataset once, check one global batch fits the data and the model fits the
-    GPUs, and choose DDP or FSDP, before anything is spawned or written; return the config as
-    the workers will run it (training.parallelism "ddp" or "fsdp", never "auto")."""
+def prepare_training(config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None) -> cfg.Config:
+    """Prepare the dataset once (per node), check one global batch fits the data and the model
+    fits the GPUs, and choose DDP or FSDP, before anything is spawned or written; return the
+    config as the workers will run it (training.parallelism "ddp" or "fsdp", never "auto").
+    In a job of several nodes, the whole job's worker count and smallest GPU decide."""
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
@@ -217,102 +223,24 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer)
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
+    if node is not None:
+        gpu_memory = node.smallest_gpu_memory
+    world_size = node.world_size if node is not None else placement.world_size
     host_memory = host_memory_bytes()
     if config.model.vocab_size is not None:
         # The model's size is known before the data: a run that fits neither the GPUs nor this
         # machine's memory is refused now, not after a long download or tokenization.
-        plan_parallelism(config, placement.world_size, gpu_memory, host_memory)
+        plan_parallelism(config, world_size, gpu_memory, host_memory)
     # A Hub dataset's file count is fixed here, for this world size, and written into the config
     # the workers get: every rank then prepares (finds) exactly these files.
-    config = choose_hub_files(follow_checkpoint(config), placement.world_size, printer.launcher_line)
+    config = choose_hub_files(follow_checkpoint(config), world_size, printer.launcher_line)
     with sigterm_as_exit():
         dataset_dir = prepare(config.data, log=printer.launcher_line)
-    config, length = fit_to_dataset(config, dataset_dir, placement.world_size)
+    config, length = fit_to_dataset(config, dataset_dir, world_size)
     printer.launcher_line(f"run length: {length.describe()}")
-    config, line = plan_parallelism(config, placement.world_size, gpu_memory, host_memory)
+    config, line = plan_parallelism(config, world_size, gpu_memory, host_memory)
     printer.launcher_line(line)
     return config
-
-
-def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) -> tuple[RunDirLock, cfg.Config]:
-    """Resolve training.resume once, for every worker, and take the run directory to train in
-    (held until the launcher exits): return it, and the config naming the exact checkpoint
-    ("" when starting fresh)."""
-    from pretrain.resume import damaged_after, resolve_resume, run_results
-
-    resume = config.training.resume
-    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, runs_root())
-    run_dir = run_dir_path(run_dir)
-    if checkpoint is not None and resume != "auto":
-        refuse_live_checkpoint(resume, checkpoint)
-    owned = own_run_dir(run_dir, still_training(run_dir_arg) if resume == "auto" else None)
-    try:
-        # A fresh run where one has trained would replace its checkpoints and append to its metrics.
-        if not resume and (results := run_results(owned.path)):
-            raise UsageError(
-                f"run directory {owned.path} already holds a run ({', '.join(results)}); continue it "
-                "with --resume auto (or a checkpoint path), or choose another --run-dir for a new run"
-            )
-    except BaseException:
-        owned.abandon()
-        raise
-    if checkpoint is not None:
-        if resume == "auto":
-            for skipped in damaged_after(checkpoint):
-                printer.launcher_line(f"warning: not resuming from the later {skipped}")
-        printer.launcher_line(f"resuming from {checkpoint}")
-    elif resume == "auto":
-        printer.launcher_line("no checkpoint to resume from; starting at step 0")
-    training = dataclasses.replace(config.training, resume=str(checkpoint) if checkpoint else "")
-    return owned, dataclasses.replace(config, training=training)
-
-
-def run_dir_path(run_dir: str | Path | None) -> Path:
-    """The run directory, absolute: the one given, or a new <runs root>/<run-id>/."""
-    return Path(run_dir).expanduser().resolve() if run_dir else runs_root() / new_run_id()
-
-
-def own_run_dir(run_dir: Path, refusal: Callable[[Path, LockHolder], str] | None = None) -> RunDirLock:
-    """Create the run directory if need be and lock it for this launcher's lifetime, before
-    anything is written into it; one line (UsageError) when another launcher holds it."""
-    try:
-        owned = run_lock.take(run_dir)
-    except OSError as error:
-        raise cannot_create(run_dir, error) from None
-    if isinstance(owned, LockHolder):
-        raise UsageError((refusal or in_use)(run_dir, owned))
-    return owned
-
-
-def cannot_create(run_dir: Path, error: OSError) -> UsageError:
-    reason = error.strerror or str(error)
-    if error.filename and Path(error.filename) != run_dir:  # its lock file, its logs/
-        reason = os_error_message(error)
-    return UsageError(f"cannot create run directory {run_dir}: {reason}; choose another with --run-dir")
-
-
-def in_use(run_dir: Path, holder: LockHolder) -> str:
-    return f"run directory {run_dir} is in use by {holder.describe()}; wait for it to end, or choose another with --run-dir"
-
-
-def still_training(run_dir_arg: str | None) -> Callable[[Path, LockHolder], str]:
-    """The refusal of --resume auto whose run is live: how to continue it, and how to start anew."""
-    new_run = "leave out --resume" + (" and choose another --run-dir" if run_dir_arg else "")
-    return lambda run_dir, holder: (
-        f"run directory {run_dir} is still training under {holder.describe()}; "
-        f"continue it with --resume auto once that launcher ends, or for a new run {new_run}"
-    )
-
-
-def refuse_live_checkpoint(resume: str, checkpoint: Path) -> None:
-    """A live run may replace or prune the checkpoint while it is read, and its run directory is
-    not this launch's to write in."""
-    owner = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-    if owner is not None and (holder := run_lock.holder_of(owner)) is not None:
-        raise UsageError(
-            f"--resume {resume}: its run {owner} is still training under {holder.describe()}; "
-            "resume it once that launcher ends, or from a copy of the checkpoint made outside that run"
-        )
 
 
 def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
@@ -345,8 +273,10 @@ def run(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(options)
     check_seconds("--kill-grace", args.kill_grace, 0, MAX_KILL_GRACE)
     check_seconds("--stop-timeout", args.stop_timeout, 0, MAX_STOP_TIMEOUT)
+    check_seconds("--join-timeout", args.join_timeout, 1, MAX_STOP_TIMEOUT)
     if args.hang_timeout is not None:
         check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
+    spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     set_roots(args.runs_dir, args.cache_dir)
     config = cfg.from_args(args)
     if command:
@@ -366,20 +296,44 @@ def run(argv: Sequence[str]) -> int:
         console,
     )
     try:
-        return run_placed(args, config, command, placement, console)
+        if spec is None:
+            return run_placed(args, config, command, placement, console)
+        identity = {"command": command} if command else cfg.to_dict(config)
+        node = multinode.join_job(spec, placement, identity, args.join_timeout, console.launcher_line)
+        with multinode.telling_others(node):
+            code = run_placed(args, config, command, placement, console, node)
+        return multinode.settle(node, code, args.stop_timeout + args.kill_grace + 10, console.launcher_line)
     finally:
         placement.release()
 
 
-def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement, console: Printer) -> int:
-    """Take the run directory, prepare, spawn and supervise, on devices already chosen (and claimed)."""
-    if command:
-        owned = own_run_dir(run_dir_path(args.run_dir))
+def run_placed(
+    args: argparse.Namespace,
+    config: cfg.Config,
+    command: list[str],
+    placement: Placement,
+    console: Printer,
+    node: Node | None = None,
+) -> int:
+    """Take the run directory, prepare, spawn and supervise, on devices already chosen (and
+    claimed). In a job of several nodes, node 0 chooses the run directory and the checkpoint to
+    resume, and the others take them (the run directory is on a filesystem they share)."""
+    if node is not None and not node.spec.is_master:
+        plan = node.receive("run")
+        owned = own_run_dir(Path(plan["run_dir"]), lock_name=run_lock.node_lock_name(node.rank))
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, resume=plan["resume"]))
+        master_port = int(plan["worker_port"])
     else:
-        # The checkpoint first: a resumed run reads the Hub files its checkpoint was trained on.
-        owned, config = resume_point(config, args.run_dir, console)
+        if command:
+            owned = own_run_dir(run_dir_path(args.run_dir))
+        else:
+            # The checkpoint first: a resumed run reads the Hub files its checkpoint was trained on.
+            owned, config = resume_point(config, args.run_dir, console)
+        master_port = free_port()
+        if node is not None:
+            node.share("run", {"run_dir": str(owned.path), "resume": config.training.resume, "worker_port": master_port})
     try:
-        code = run_owned(args, config, command, placement, console, owned.path)
+        code = run_owned(args, config, command, placement, console, owned.path, node, master_port)
     except BaseException:
         owned.abandon()  # nothing left behind by a launch that ends in an error before it starts
         raise
@@ -388,32 +342,45 @@ def run_placed(args: argparse.Namespace, config: cfg.Config, command: list[str],
 
 
 def run_owned(
-    args: argparse.Namespace, config: cfg.Config, command: list[str], placement: Placement, console: Printer, run_dir: Path
+    args: argparse.Namespace,
+    config: cfg.Config,
+    command: list[str],
+    placement: Placement,
+    console: Printer,
+    run_dir: Path,
+    node: Node | None = None,
+    master_port: int | None = None,
 ) -> int:
     generic = bool(command)
     if not generic:
-        config = prepare_training(config, placement, console)
+        config = prepare_training(config, placement, console, node)
+        if node is not None:
+            multinode.agree_on_config(node, cfg.to_dict(config))
+    logs_dir = run_dir / "logs" if node is None else run_dir / "logs" / f"node{node.rank}"
     try:
         create_run_dir(run_dir)
+        logs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise cannot_create(run_dir, error) from None
-    printer = Printer(sys.stdout, run_dir / "logs", colour=use_colour(sys.stdout))
+    printer = Printer(sys.stdout, logs_dir, colour=use_colour(sys.stdout))
     try:
         if not command:
             command = training_command(config, run_dir, printer)
-        workers = make_workers(placement, command, training=not generic)
+        workers = make_workers(placement, command, not generic, multinode.layout(node, placement), master_port)
         options = SupervisorOptions(
             kill_grace=args.kill_grace,
             stop_timeout=args.stop_timeout,
             hang_timeout=args.hang_timeout,
             run_dir=run_dir,
+            logs_dir=logs_dir,
+            exit_record="workers.json" if node is None else f"workers.node{node.rank}.json",
             adopt_orphans=True,
             stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
             stop_leaders_only=not generic,
             exit_meanings={} if generic else exit_codes.MEANINGS,
             agreed_exit_codes=frozenset() if generic else exit_codes.AGREED,
         )
-        return Supervisor(workers, printer, options).run()
+        return Supervisor(workers, printer, options, peers=node).run()
     finally:
         printer.close()
 
@@ -431,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except StartError as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_CANNOT_EXECUTE
+    except NodeStopped as stopped:
+        print(f"launcher: {stopped}; exit code {stopped.stop.our_exit_code}", file=sys.stderr)
+        code = stopped.stop.our_exit_code
     except UsageError as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = error.exit_code
@@ -439,7 +409,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if error.verdicts:
             print(gpu_table.render(error.verdicts), file=sys.stderr)
         code = EXIT_USAGE
-    except (cfg.ConfigError, DataError, ResumeError, BadScript, ClaimError, nvml.NvmlFailure) as error:
+    except (
+        cfg.ConfigError,
+        DataError,
+        ResumeError,
+        BadScript,
+        ClaimError,
+        nvml.NvmlFailure,
+        NodeSpecError,
+        RendezvousError,
+    ) as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_USAGE
     except OSError as error:  # an unwritable cache directory, a full disk

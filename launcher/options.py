@@ -22,6 +22,10 @@ class SupervisorOptions:
     training workers); otherwise their whole groups."""
     run_dir: Path | None = None
     """Where workers.json goes, and the directory the last line names."""
+    logs_dir: Path | None = None
+    """Where the logs are, as the failure summary names them (default: <run_dir>/logs)."""
+    exit_record: str = "workers.json"
+    """The file in run_dir with each worker's exit (one per node in a job of several)."""
     adopt_orphans: bool = False
     """Make this process a child subreaper, so descendants that double fork stay findable; only
     for a process that runs nothing but this supervisor."""

@@ -71,7 +71,7 @@ class Ending:
     teardown_done: float
     exit_meanings: dict[int, str]
     agreed_exit_codes: frozenset[int]
-    run_dir: Path | None
+    logs_dir: Path | None
 
 
 def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
@@ -110,7 +110,7 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
         stopped=first.stopped,
         teardown_seconds=ending.teardown_done - first.at,
         where=where,
-        logs=ending.run_dir / "logs" if ending.run_dir is not None else None,
+        logs=ending.logs_dir,
     )
 
 
@@ -144,11 +144,11 @@ def exit_record(workers: list[Worker], ending: Ending) -> list[dict[str, object]
     return record
 
 
-def write_exit_record(run_dir: Path, record: list[dict[str, object]]) -> str | None:
+def write_exit_record(run_dir: Path, record: list[dict[str, object]], name: str = "workers.json") -> str | None:
     """Write workers.json; the warning to print when that fails (a full disk), so the exit code
     and the summary survive it."""
     try:
-        atomic_write_text(run_dir / "workers.json", json.dumps(record, indent=2) + "\n")
+        atomic_write_text(run_dir / name, json.dumps(record, indent=2) + "\n")
     except OSError as error:
         return f"warning: could not record exit codes: {os_error_message(error)}"
     return None

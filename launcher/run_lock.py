@@ -60,8 +60,9 @@ class LockHolder:
 class RunDirLock:
     """A held run directory; release() (or the launcher's exit) frees it."""
 
-    def __init__(self, path: Path, fd: int, made: list[Path]) -> None:
+    def __init__(self, path: Path, fd: int, made: list[Path], lock_name: str = LOCK_NAME) -> None:
         self.path = path
+        self.lock_name = lock_name
         self._fd: int | None = fd
         self._made = made  # what this launch created, innermost first
 
@@ -78,17 +79,18 @@ class RunDirLock:
             return
         for path in self._made:  # the lock file, logs/, the run directory: in that order
             with contextlib.suppress(OSError):
-                if path.name == LOCK_NAME:
+                if path.name == self.lock_name:
                     path.unlink()  # while still held: a launch that opened it tries again (take)
                 else:
                     path.rmdir()  # only when empty
         self.release()
 
 
-def take(run_dir: Path) -> RunDirLock | LockHolder:
+def take(run_dir: Path, lock_name: str = LOCK_NAME) -> RunDirLock | LockHolder:
     """Create the run directory if need be and lock it for this process; or say who holds it.
-    OSError when it cannot be created or locked."""
-    path = run_dir / LOCK_NAME
+    OSError when it cannot be created or locked. lock_name: node_lock_name(r) for node r > 0 of
+    a job of several nodes, whose launchers share one run directory (a shared filesystem)."""
+    path = run_dir / lock_name
     made: list[Path] = []
     deadline = time.monotonic() + LOOK_TIMEOUT
     while True:
@@ -119,7 +121,12 @@ def take(run_dir: Path) -> RunDirLock | LockHolder:
         _write_self(fd)
         # create_run_dir makes logs/ next; abandon() removes it again while empty
         made = ([] if existed else [path]) + ([] if had_logs else [run_dir / "logs"]) + made
-        return RunDirLock(run_dir, fd, made)
+        return RunDirLock(run_dir, fd, made, lock_name)
+
+
+def node_lock_name(node_rank: int) -> str:
+    """The lock a node's launcher holds in a run directory that several nodes share."""
+    return LOCK_NAME if node_rank == 0 else f"launcher.node{node_rank}.lock"
 
 
 def holder_of(run_dir: Path) -> LockHolder | None:

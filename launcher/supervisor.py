@@ -29,6 +29,12 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
    and the guardian process kills the rest: whatever carries the token or is in a
    worker's group, and every process of the run the supervisor saw (it looks every
    SNAPSHOT_INTERVAL seconds).
+5. In a job of several nodes (launcher/rendezvous.py), this node's first failure is told to the
+   other nodes, and another node's word that the job stops (its worker failed first, or a node
+   was lost) stops this node's workers as in rule 2, without the stack dump: the cause is
+   elsewhere. The first word across the nodes decides: a failure here that follows another
+   node's is a consequence, and the supervisor returns launcher/nodes.py's code for the other
+   node's (75: it failed; 76: it was lost), unless both are the same agreed exit code.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import time
 from dataclasses import dataclass
 
 from launcher import outcome, summary
+from launcher.nodes import NodeStop, Peers
 from launcher.options import SupervisorOptions
 from launcher.outcome import EXIT_HANG, FirstFailure, Watch, exit_code
 from launcher.printer import Printer
@@ -73,14 +80,21 @@ class Interrupted:
 
 
 class Supervisor:
-    def __init__(self, workers: list[Worker], printer: Printer, options: SupervisorOptions | None = None) -> None:
+    def __init__(
+        self, workers: list[Worker], printer: Printer, options: SupervisorOptions | None = None, peers: Peers | None = None
+    ) -> None:
+        """peers: the other nodes of a job of several (rule 5); None on one machine."""
         self.workers = workers
+        self.peers = peers
         self.printer = printer
         self.options = options or SupervisorOptions()
         self._processes = RunProcesses(workers, self.options.adopt_orphans)
-        self._events: queue.SimpleQueue[Event | Interrupted] = queue.SimpleQueue()  # put() is signal-safe
+        self._events: queue.SimpleQueue[Event | Interrupted | NodeStop] = queue.SimpleQueue()  # put() is signal-safe
         self._watch: dict[Worker, Watch] = {}
         self._failure: FirstFailure | None = None
+        self._remote: NodeStop | None = None
+        """Another node's word that the job stops, when it came first (rule 5)."""
+        self._remote_at = 0.0
         self._interrupted_by: int | None = None
         self._interrupted_at = 0.0
         self._stacks_requested = False
@@ -130,12 +144,14 @@ class Supervisor:
         for worker in self.workers:
             self._watch[worker] = Watch(last_output=time.monotonic())
             worker.watch(self._events.put)
+        if self.peers is not None:
+            self.peers.on_stop(self._events.put)
 
     def _watching(self) -> bool:
         """A worker is running, or a group told to stop still holds its output before the kill deadline."""
         return bool(self._running() or self._kill_at is not None and self._stopping_groups())
 
-    def _next_event(self) -> Event | Interrupted | None:
+    def _next_event(self) -> Event | Interrupted | NodeStop | None:
         deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
@@ -143,7 +159,7 @@ class Supervisor:
         except queue.Empty:
             return None
 
-    def _handle(self, event: Event | Interrupted | None) -> None:
+    def _handle(self, event: Event | Interrupted | NodeStop | None) -> None:
         match event:
             case Line(worker, text):
                 self._on_line(worker, text)
@@ -159,9 +175,11 @@ class Supervisor:
                     self._fail(worker)
             case Interrupted(signum):
                 self._on_interrupt(signum)
+            case NodeStop():
+                self._on_node_stop(event)
 
     def _is_first_failure(self, worker: Worker, returncode: int) -> bool:
-        if returncode == 0 or self._failure is not None or worker in self._killed:
+        if returncode == 0 or self._failure is not None or self._remote is not None or worker in self._killed:
             return False
         return self._interrupted_by is None or returncode not in STOPPED_AS_ASKED  # rules 1 and 3
 
@@ -226,7 +244,7 @@ class Supervisor:
 
     @property
     def _tearing_down(self) -> bool:
-        return self._failure is not None or self._interrupted_by is not None
+        return self._failure is not None or self._interrupted_by is not None or self._remote is not None
 
     def _hang_deadline(self) -> float | None:
         """When the quietest running worker will have been silent for hang_timeout."""
@@ -250,6 +268,7 @@ class Supervisor:
         self._failure = FirstFailure(
             worker, time.monotonic(), time.strftime("%H:%M:%S"), len([w for w in running if w is not worker]), hung_for
         )
+        self._tell_peers(worker, hung_for)
         if hung_for is None and self._watch[worker].returncode in self.options.agreed_exit_codes and running:
             self._failure.stopped = 0  # so far: they are on their way out too
             self._terminate_at = time.monotonic() + AGREED_EXIT_GRACE
@@ -262,6 +281,36 @@ class Supervisor:
         self._terminate_at = time.monotonic() + STACK_DUMP_MAX_WAIT
         for other in running:
             other.signal(self.options.stack_dump_signal)
+
+    def _tell_peers(self, worker: Worker, hung_for: float | None) -> None:
+        """Rule 5: this node's first failure stops the other nodes, unless another node's came first."""
+        if self.peers is None:
+            return
+        returncode = self._watch[worker].returncode
+        if hung_for is not None or returncode is None:
+            code, how = EXIT_HANG, f"printed nothing for {hung_for or 0:g} s"
+        else:
+            code, how = exit_code(returncode), summary.describe(returncode)
+        earlier = self.peers.report_failure(worker.label, worker.rank, code, how)
+        same_agreed = earlier is not None and earlier.exit_code == code and code in self.options.agreed_exit_codes
+        if earlier is not None and not same_agreed:
+            self._remote, self._remote_at = earlier, time.monotonic()
+            self.printer.launcher_line(f"{earlier.describe()}; {worker.label}'s failure here followed it")
+        elif earlier is None:
+            self.printer.launcher_line("told the other nodes to stop")
+
+    def _on_node_stop(self, stop: NodeStop) -> None:
+        """Rule 5: another node stopped the job; stop this node's workers (no stack dump: the
+        cause is elsewhere)."""
+        if self._remote is not None or self._failure is not None:
+            return  # this node's own failure came first, or the word is in already
+        self._remote, self._remote_at = stop, time.monotonic()
+        running = self._running()
+        self.printer.launcher_line(f"{stop.describe()}; stopping this node's {len(running)} worker(s)")
+        if running:
+            self._terminate_at = None
+            self._terminate_groups(running)
+            self._set_kill_deadline(self.options.kill_grace, "--kill-grace")
 
     def _dump_done(self, worker: Worker) -> None:
         """The worker began its stack dump, or exited: once every one has, terminate soon."""
@@ -313,7 +362,7 @@ class Supervisor:
                 event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if not isinstance(event, Interrupted):
+            if not isinstance(event, Interrupted | NodeStop):  # the workers are gone: nothing to stop
                 self._handle(event)
 
     # --- outcome ------------------------------------------------------------------------
@@ -326,11 +375,13 @@ class Supervisor:
             self._teardown_done or time.monotonic(),
             self.options.exit_meanings,
             self.options.agreed_exit_codes,
-            self.options.run_dir,
+            self.options.logs_dir or (self.options.run_dir / "logs" if self.options.run_dir is not None else None),
         )
 
     def _outcome(self) -> int:
         """Print the summary of a failure, or the line of a graceful stop; return the exit code."""
+        if self._remote is not None:
+            return self._remote_outcome(self._remote)
         if self._failure is not None:
             failure = outcome.describe_failure(self._ending(), self._failure)
             self.printer.launcher_line("\n".join(summary.render(failure)))
@@ -340,11 +391,31 @@ class Supervisor:
             return 128 + self._interrupted_by
         return 0
 
+    def _remote_outcome(self, stop: NodeStop) -> int:
+        """The account of a stop that began on another node (rule 5); its code."""
+        took = (self._teardown_done or time.monotonic()) - self._remote_at
+        running = len([w for w, watch in self._watch.items() if watch.returncode != 0])
+        lines = [summary.RULE, f"STOPPED: {stop.describe()}."]
+        if self._failure is not None:
+            failed = self._failure.worker
+            how = summary.describe(self._watch[failed].returncode or 0)
+            lines.append(f"{failed.label} here failed after that ({how}): a consequence.")
+        lines += [
+            f"Stopped this node's {running} worker(s); teardown took {took:.2f} s."
+            + (" That node's launcher printed its summary." if stop.kind != "lost" else ""),
+            f"Exit code {stop.our_exit_code}: {'a node was lost' if stop.kind == 'lost' else 'another node failed'}.",
+            summary.RULE,
+        ]
+        self.printer.launcher_line("\n".join(lines))
+        return stop.our_exit_code
+
     def _record_exit_codes(self) -> None:
         """workers.json, then the run's last line: where its files are."""
         run_dir = self.options.run_dir
         if run_dir is None:
             return
-        if warning := outcome.write_exit_record(run_dir, outcome.exit_record(self.workers, self._ending())):
+        if warning := outcome.write_exit_record(
+            run_dir, outcome.exit_record(self.workers, self._ending()), self.options.exit_record
+        ):
             self.printer.launcher_line(warning)
         self.printer.console_line(f"run directory: {run_dir}")

@@ -139,22 +139,31 @@ def worker_env(
     cpu_count: int,
     compile_cache: str,
     gpu_id: str | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
 ) -> dict[str, str]:
     """The worker contract (DESIGN.md): torchrun's variables, one GPU, bounded threads.
+
+    rank and world_size are the job's; local_rank and local_world_size (default: the same)
+    this node's, which also share its cores.
 
     gpu is the physical GPU as CUDA_VISIBLE_DEVICES names it (the launcher gives its UUID)
     or None for a CPU worker; gpu_id (default: gpu) is its GPU_RANK, the id its log
     prefix shows. Thread counts the user set explicitly are kept."""
-    threads = str(max(1, cpu_count // world_size))
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = world_size if local_world_size is None else local_world_size
+    threads = str(max(1, cpu_count // local_world_size))
     env = dict(base)
     env.update(
         {
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "NODE_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "NODE_RANK": str(node_rank),
+            "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.

@@ -1,0 +1,452 @@
+"""Multi-node: the launchers of one job find and watch each other through torch.distributed's
+TCPStore, which node 0's launcher hosts on --master-port.
+
+1. Join. Every launcher writes who it is (join/<node>: host, pid, process count, device, its
+   config). Node 0 waits for every node for at most --join-timeout, checks that they agree
+   (one process count, one device kind, one config) and writes "joined", or "refused" with the
+   reason; the others wait for that word. A node rank taken twice is refused at once.
+2. Plan. What every node must share is decided once, by node 0, and written to the store
+   (share); the others read it (receive): the run directory, the checkpoint to resume, the port
+   of the rank-0 worker, the config as prepared.
+3. Watch. From the join to the end each launcher adds to beat/<node> every BEAT_INTERVAL and
+   looks at the abort key every POLL_INTERVAL. The first node to stop writes the abort key
+   (compare-and-set: only the first write counts); every other launcher sees it within
+   POLL_INTERVAL and stops its workers. Node 0 reads every node's beat: a node whose count has
+   not moved for LOSS_AFTER seconds is lost, and node 0 writes that into the abort key. The
+   others notice node 0's loss themselves: its store closes their connection (its launcher was
+   killed) or stops answering for LOSS_AFTER seconds (frozen, or its machine gone).
+4. Finish. Each launcher writes done/<node>. Node 0, which hosts the store, waits for every
+   other node's done (or its loss) before it exits, so no node loses the store it still needs.
+
+torch is imported here only, and only for a launch of several nodes: one machine's launcher
+starts without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
+
+from launcher.nodes import NodeSpec, NodeStop
+
+POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
+BEAT_INTERVAL = 0.5
+LOSS_AFTER = 3.0  # a node silent this long is lost
+CONNECT_RETRY = 0.5
+T = TypeVar("T")
+
+
+class RendezvousError(Exception):
+    """The nodes could not form one job: one line saying why and what to do."""
+
+
+class NodeStopped(Exception):
+    """Another node stopped the job while this one was getting ready."""
+
+    def __init__(self, stop: NodeStop) -> None:
+        super().__init__(stop.describe())
+        self.stop = stop
+
+
+@dataclass(frozen=True)
+class Member:
+    """What one launcher tells the others when it joins."""
+
+    node: int
+    host: str
+    pid: int
+    nproc: int
+    device: str
+    gpu_memory: int | None = None
+    """The smallest of its GPUs' memory, in bytes (the job's smallest GPU decides DDP or FSDP)."""
+    config: dict[str, Any] | None = None
+    """The config as this node resolved it from its options (None for a `-- COMMAND`)."""
+
+
+def _torch_distributed() -> Any:
+    """torch.distributed, imported with c10's own log lines silenced: a refused connection
+    would otherwise print C++ stack frames; this module says what went wrong in one line. The
+    setting is taken back at once, so the workers keep torch's warnings."""
+    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch.distributed as dist
+    finally:
+        if had is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = had
+    return dist
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """call(), or TimeoutError after seconds: a store whose host is frozen never answers, and
+    its client would wait for ever."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as error:  # handed to the caller's thread
+            failure.append(error)
+
+    thread = threading.Thread(target=run, daemon=True, name=f"store-{what}")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"{what}: no answer within {seconds:g} s")
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], None]) -> Node:
+    """Host (node 0) or reach the store, join, and wait until every node has; the Node, watched
+    from now on. RendezvousError when the nodes cannot form the job."""
+    dist = _torch_distributed()
+    deadline = time.monotonic() + timeout
+    if spec.is_master:
+        store = _host_store(dist, spec, timeout)
+        say(f"node 0 of {spec.nnodes}: rendezvous on {spec.endpoint}; waiting for {spec.nnodes - 1} more node(s)")
+    else:
+        _wait_reachable(spec, deadline, timeout)
+        store = _client(dist, spec, max(1.0, deadline - time.monotonic()))
+        say(f"node {spec.node_rank} of {spec.nnodes}: joined the rendezvous on {spec.endpoint}")
+    node = Node(spec, store, member)
+    try:
+        node._join(deadline, timeout)
+    except RendezvousError:
+        node.close()
+        raise
+    except Exception as error:  # torch's: node 0's store went away
+        node.close()
+        raise RendezvousError(
+            f"lost the rendezvous on {spec.endpoint} while joining ({_first_line(error)}); see node 0's launcher"
+        ) from None
+    node._watch_store = _client(dist, spec, LOSS_AFTER * 2)
+    node._start_watching()
+    say(f"all {spec.nnodes} nodes joined: {node.world_size} workers, {member.nproc} on each node")
+    return node
+
+
+def _host_store(dist: Any, spec: NodeSpec, timeout: float) -> Any:
+    try:
+        return dist.TCPStore(spec.master_addr, spec.master_port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    except Exception as error:  # DistNetworkError, RuntimeError: torch's own
+        text = str(error)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise RendezvousError(
+                f"--master-port {spec.master_port} is in use on this machine (node 0); choose a free port for every node"
+            ) from None
+        raise RendezvousError(f"cannot host the rendezvous on port {spec.master_port}: {text.splitlines()[0]}") from None
+
+
+def _wait_reachable(spec: NodeSpec, deadline: float, timeout: float) -> None:
+    """Wait, until the deadline, for node 0 to listen: it may start after this node. One line
+    instead of torch's retries when it never does."""
+    reason = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((spec.master_addr, spec.master_port), timeout=max(0.1, min(2.0, left))):
+                return
+        except socket.gaierror:
+            raise RendezvousError(f"--master-addr {spec.master_addr}: unknown host; give node 0's name or address") from None
+        except ConnectionRefusedError:
+            reason = "connection refused"
+        except OSError as error:
+            reason = error.strerror or str(error) or "no answer"
+        if time.monotonic() + CONNECT_RETRY >= deadline:
+            raise RendezvousError(
+                f"cannot reach node 0 at {spec.endpoint} within {timeout:g} s (--join-timeout): {reason}; "
+                "start node 0's launcher, and check --master-addr and --master-port on every node"
+            )
+        time.sleep(CONNECT_RETRY)
+
+
+def _client(dist: Any, spec: NodeSpec, timeout: float) -> Any:
+    try:
+        return dist.TCPStore(spec.master_addr, spec.master_port, None, False, timedelta(seconds=timeout))
+    except Exception as error:
+        raise RendezvousError(f"cannot join the rendezvous on {spec.endpoint}: {str(error).splitlines()[0]}") from None
+
+
+class Node:
+    """This launcher's membership in a job of several nodes."""
+
+    def __init__(self, spec: NodeSpec, store: Any, member: Member) -> None:
+        self.spec = spec
+        self.member = member
+        self.members: list[Member] = []
+        self._store = store
+        self._watch_store: Any = None
+        self._lock = threading.Lock()
+        self._stop: NodeStop | None = None
+        self._emit: Callable[[NodeStop], None] | None = None
+        self._stopping = threading.Event()
+        self._last_contact = time.monotonic()
+        self._beats: dict[int, tuple[int, float]] = {}
+        """Node 0: each node's beat count and when it last moved."""
+        self.lost: dict[int, NodeStop] = {}
+        """Node 0: the nodes found lost."""
+        self.failed_at: float | None = None
+        """When this node's worker failed, if that was the job's first word to stop."""
+
+    # --- facts ----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.spec.node_rank
+
+    @property
+    def nproc(self) -> int:
+        return self.member.nproc
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.spec.nnodes
+
+    @property
+    def smallest_gpu_memory(self) -> int | None:
+        sizes = [m.gpu_memory for m in self.members if m.gpu_memory is not None]
+        return min(sizes) if sizes else None
+
+    def host_of(self, node: int) -> str:
+        return next((m.host for m in self.members if m.node == node), "")
+
+    # --- join -----------------------------------------------------------------------------
+
+    def _join(self, deadline: float, timeout: float) -> None:
+        store, rank = self._store, self.rank
+        taken = int(store.add(f"claim/{rank}", 1))
+        if taken > 1:
+            raise RendezvousError(
+                f"node rank {rank} has already joined from another launcher; give each node its own --node-rank"
+            )
+        store.add(f"beat/{rank}", 1)
+        store.set(f"join/{rank}", json.dumps(asdict(self.member)))
+        while True:
+            if store.check(["refused"]):
+                reason = store.get("refused").decode()
+                store.add("refusal_read", 1)
+                raise RendezvousError(f"node 0 refused the job: {reason}")
+            if store.check(["joined"]):
+                break
+            missing = [n for n in range(self.spec.nnodes) if not store.check([f"join/{n}"])]
+            if not missing and self.spec.is_master:
+                self.members = self._read_members()
+                if problem := self._disagreement():
+                    self._refuse(problem)
+                store.set("joined", "1")
+                break
+            if time.monotonic() >= deadline:
+                if self.spec.is_master:
+                    self._refuse(self._never_joined(missing, timeout))
+                raise RendezvousError(self._never_joined(missing, timeout))
+            time.sleep(POLL_INTERVAL)
+        if not self.members:
+            self.members = self._read_members()
+
+    def _read_members(self) -> list[Member]:
+        keys = [f"join/{n}" for n in range(self.spec.nnodes)]
+        return [Member(**json.loads(value)) for value in self._store.multi_get(keys)]
+
+    def _disagreement(self) -> str | None:
+        """Why the joined nodes cannot form one job, or None."""
+        first = self.members[0]
+        for other in self.members[1:]:
+            if other.nproc != first.nproc:
+                counts = ", ".join(f"node {m.node}: {m.nproc}" for m in self.members)
+                return (
+                    f"the nodes start different numbers of workers ({counts}); give every node the same --nproc or --gpus count"
+                )
+            if other.device != first.device:
+                return f"node 0 runs on {first.device} and node {other.node} on {other.device}; use one --device on every node"
+            if other.config != first.config:
+                keys = ", ".join(differences(first.config, other.config)[:5]) or "the command"
+                return (
+                    f"node {other.node} ({other.host}) was given a different config from node 0 ({keys}); "
+                    "launch every node with the same options"
+                )
+        return None
+
+    def _refuse(self, problem: str) -> NoReturn:
+        """Node 0: say why to every node, wait (briefly) until they have read it, and stop."""
+        self._store.set("refused", problem)
+        deadline = time.monotonic() + LOSS_AFTER
+        while int(self._store.add("refusal_read", 0)) < self.spec.nnodes - 1 and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL)
+        raise RendezvousError(problem)
+
+    def _never_joined(self, missing: list[int], timeout: float) -> str:
+        nodes = ", ".join(str(n) for n in missing)
+        if self.spec.is_master:
+            return (
+                f"node(s) {nodes} of {self.spec.nnodes} never joined within {timeout:g} s (--join-timeout); "
+                f"start their launchers with --node-rank {nodes.split(',')[0]}, --nnodes {self.spec.nnodes} "
+                f"and --master-addr/--master-port pointing here ({self.spec.endpoint})"
+            )
+        return f"node(s) {nodes} of {self.spec.nnodes} never joined within {timeout:g} s (--join-timeout)"
+
+    # --- the plan -------------------------------------------------------------------------
+
+    def share(self, key: str, value: dict[str, Any]) -> None:
+        """Node 0: what every node must use (plan/<key>)."""
+        bounded(lambda: self._store.set(f"plan/{key}", json.dumps(value)), LOSS_AFTER, "share")
+
+    def receive(self, key: str) -> dict[str, Any]:
+        """What node 0 shared under key, once it has; NodeStopped if the job stops first."""
+        while True:
+            if (stop := self.stopped) is not None:
+                raise NodeStopped(stop)
+            if bounded(lambda: self._store.check([f"plan/{key}"]), LOSS_AFTER, "receive"):
+                return json.loads(bounded(lambda: self._store.get(f"plan/{key}"), LOSS_AFTER, "receive"))
+            time.sleep(POLL_INTERVAL)
+
+    # --- stopping -------------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> NodeStop | None:
+        """Why the job stops, once another node has said so (or has been lost)."""
+        return self._stop
+
+    def publish_stop(self, stop: NodeStop) -> NodeStop | None:
+        """Tell every node to stop because of this node; None when this is the first word, else
+        the earlier stop (this node's failure then followed another's)."""
+        with self._lock:
+            if self._stop is not None:
+                return self._stop
+        try:
+            first = bounded(lambda: self._store.compare_set("abort", "", stop.to_json()), LOSS_AFTER, "abort")
+        except Exception:  # node 0 is gone; the watch says so
+            return self._stop
+        earlier = NodeStop.from_json(first)
+        if earlier.node == self.rank:
+            return None
+        self._deliver(earlier)
+        return earlier
+
+    def report_failure(self, label: str, rank: int, exit_code: int, how: str) -> NodeStop | None:
+        """This node's worker failed (the supervisor's first failure): publish_stop."""
+        earlier = self.publish_stop(NodeStop(self.rank, self.member.host, "failed", how, label, rank, exit_code))
+        if earlier is None:
+            self.failed_at = time.monotonic()
+        return earlier
+
+    def on_stop(self, emit: Callable[[NodeStop], None]) -> None:
+        """Call emit (from the watch thread) when another node stops the job; at once if it has."""
+        with self._lock:
+            self._emit = emit
+            stop = self._stop
+        if stop is not None:
+            emit(stop)
+
+    def _deliver(self, stop: NodeStop) -> None:
+        if stop.node == self.rank and stop.kind != "lost":
+            return
+        with self._lock:
+            if self._stop is not None:
+                return
+            self._stop = stop
+            emit = self._emit
+        if emit is not None:
+            emit(stop)
+
+    # --- the watch ------------------------------------------------------------------------
+
+    def _start_watching(self) -> None:
+        threading.Thread(target=self._watch, daemon=True, name="node-watch").start()
+        if not self.spec.is_master:
+            threading.Thread(target=self._alarm, daemon=True, name="node-alarm").start()
+
+    def _watch(self) -> None:
+        store, next_beat = self._watch_store, 0.0
+        now = time.monotonic()
+        self._beats = {n: (1, now) for n in range(self.spec.nnodes)}
+        while not self._stopping.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + BEAT_INTERVAL
+                    store.add(f"beat/{self.rank}", 1)
+                if self.spec.is_master:
+                    self._check_beats(store, now)
+                if store.check(["abort"]):
+                    self._deliver(NodeStop.from_json(store.get("abort")))
+                self._last_contact = time.monotonic()
+            except Exception as error:  # node 0's store closed the connection: it is gone
+                if self._stopping.is_set():
+                    return
+                self._deliver(
+                    NodeStop(0, self.host_of(0), "lost", f"its launcher closed the rendezvous connection ({_first_line(error)})")
+                )
+                return
+            self._stopping.wait(POLL_INTERVAL)
+
+    def _check_beats(self, store: Any, now: float) -> None:
+        """Node 0: a node whose beat has not moved for LOSS_AFTER seconds, and has not finished, is lost."""
+        others = [n for n in range(1, self.spec.nnodes) if n not in self.lost]
+        if not others:
+            return
+        counts = store.multi_get([f"beat/{n}" for n in others])
+        for node, raw in zip(others, counts, strict=True):
+            count = int(raw)
+            seen, since = self._beats[node]
+            if count != seen:
+                self._beats[node] = (count, now)
+            elif now - since >= LOSS_AFTER and not store.check([f"done/{node}"]):
+                lost = NodeStop(node, self.host_of(node), "lost", f"its launcher stopped answering {now - since:.1f} s ago")
+                self.lost[node] = lost
+                try:
+                    store.compare_set("abort", "", lost.to_json())
+                finally:
+                    self._deliver(lost)
+
+    def _alarm(self) -> None:
+        """Not node 0: its store stopped answering (frozen, or its machine gone)."""
+        while not self._stopping.wait(POLL_INTERVAL * 2):
+            silent = time.monotonic() - self._last_contact
+            if silent >= LOSS_AFTER:
+                self._deliver(NodeStop(0, self.host_of(0), "lost", f"its launcher stopped answering for {silent:.1f} s"))
+                return
+
+    # --- the end --------------------------------------------------------------------------
+
+    def finish(self, exit_code: int, wait: float) -> None:
+        """Say this node is done. Node 0 then waits (at most wait seconds) until every other node
+        is done or lost: the store it hosts ends with it."""
+        try:
+            bounded(lambda: self._store.set(f"done/{self.rank}", str(exit_code)), LOSS_AFTER, "done")
+        except Exception:
+            pass  # node 0 is gone already
+        if self.spec.is_master:
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                waiting = [n for n in range(1, self.spec.nnodes) if n not in self.lost and not self._store.check([f"done/{n}"])]
+                if not waiting:
+                    break
+                time.sleep(POLL_INTERVAL)
+        self.close()
+
+    def close(self) -> None:
+        self._stopping.set()
+
+
+def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted keys where two configs (dicts of dicts) differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b))
+        return [d for k in keys for d in differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".") or "the config"]
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]

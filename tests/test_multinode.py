@@ -1,0 +1,457 @@
+"""Several nodes: two launchers on 127.0.0.1 as two machines, one CPU worker each (gloo).
+
+Training: a single world of 2 with the same losses as one launcher with 2 workers, and
+checkpoints that resume across node counts. Failures: a worker on node 1 fails, node 1's
+launcher is SIGKILLed, a node never arrives; and bad input (docs/multinode.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, free_port, launcher_env, wait_until
+from helpers import assert_one_line_error, run_launcher
+from launcher.nodes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
+
+STEP = re.compile(r"^(CPU\d):INFO \| \[CPU (\d)\] Step \[(\d+)/\d+\] \| Loss: (\d+\.\d{4})", re.M)
+TRAIN = ["--debug", "--device", "cpu", "--nproc", "1", "--set", "data.context_length=64", "--set", "training.batch_size=4"]
+MARKER = "MULTINODE_TEST_MARKER"
+
+
+@dataclass
+class NodeRun:
+    """One launcher started as one node; its output goes to a file (read while it runs)."""
+
+    rank: int
+    proc: subprocess.Popen
+    out: Path
+
+    @property
+    def text(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def wait(self, timeout: float = 240) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def start_nodes(
+    tmp_path: Path,
+    processes: Callable[..., subprocess.Popen],
+    options: list[str],
+    nnodes: int = 2,
+    ranks: tuple[int, ...] | None = None,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[NodeRun]:
+    """Launchers for ranks (default every node), node 1 first: node 0 need not be up first."""
+    port = port or free_port()
+    runs = []
+    for rank in sorted(ranks if ranks is not None else range(nnodes), reverse=True):
+        out = tmp_path / f"node{rank}-{uuid.uuid4().hex[:6]}.out"
+        flags = ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        argv = [sys.executable, "-m", "launcher", *flags, *options]
+        with out.open("w") as handle:
+            proc = processes(argv, cwd=ROOT, env=env or launcher_env(), stdout=handle, stderr=subprocess.STDOUT)
+        runs.append(NodeRun(rank, proc, out))
+    return sorted(runs, key=lambda run: run.rank)
+
+
+def losses(text: str) -> dict[tuple[str, int], str]:
+    return {(label, int(step)): loss for label, _, step, loss in STEP.findall(text)}
+
+
+def train_options(tmp_path: Path, run_dir: Path, *more: str) -> list[str]:
+    return [*TRAIN, "--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}", *more]
+
+
+# --- training across two nodes ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Four steps on two nodes, four steps on one launcher with two workers, then each resumed
+    to six steps on the other layout."""
+    tmp_path = tmp_path_factory.mktemp("multinode")
+    started: list[subprocess.Popen] = []
+
+    def processes(argv, **options):
+        started.append(subprocess.Popen(argv, start_new_session=True, **options))
+        return started[-1]
+
+    def two_nodes(name: str, *more: str) -> list[NodeRun]:
+        runs = start_nodes(tmp_path, processes, train_options(tmp_path, tmp_path / name, *more))
+        for run in runs:
+            run.wait()
+        return runs
+
+    def one_node(name: str, *more: str) -> subprocess.CompletedProcess:
+        options = train_options(tmp_path, tmp_path / name, *more)
+        options[options.index("--nproc") + 1] = "2"
+        return run_launcher(*options, timeout=240)
+
+    nodes = two_nodes("two", "--max-steps", "4")
+    single = one_node("one", "--max-steps", "4")
+    resumed_on_one = one_node("two-then-one", "--max-steps", "6", "--resume", str(tmp_path / "two" / "checkpoints" / "step_4"))
+    resumed_on_two = two_nodes("one-then-two", "--max-steps", "6", "--resume", str(tmp_path / "one" / "checkpoints" / "step_4"))
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return tmp_path, nodes, single, resumed_on_one, resumed_on_two
+
+
+@pytest.mark.slow
+def test_two_nodes_train_one_world_of_two_with_the_losses_of_one_launcher_with_two_workers(trained):
+    _, nodes, single, _, _ = trained
+    assert [run.proc.returncode for run in nodes] == [0, 0], nodes[0].text[-2000:] + nodes[1].text[-2000:]
+    assert single.returncode == 0, single.stdout[-2000:]
+    on_nodes = losses(nodes[0].text) | losses(nodes[1].text)
+    assert set(on_nodes) == {(f"CPU{rank}", step) for rank in (0, 1) for step in range(4)}
+    assert on_nodes == losses(single.stdout)
+    assert "all 2 nodes joined: 2 workers, 1 on each node" in nodes[0].text
+    assert "DDP over 2 CPU workers" in nodes[1].text
+
+
+@pytest.mark.slow
+def test_each_node_prints_only_its_own_workers_and_keeps_its_own_logs(trained):
+    tmp_path, nodes, _, _, _ = trained
+    assert "CPU1:" not in nodes[0].text and "CPU0:" not in nodes[1].text
+    logs = tmp_path / "two" / "logs"
+    assert sorted(p.relative_to(logs).as_posix() for p in logs.rglob("*.log")) == [
+        "node0/combined.log",
+        "node0/cpu0.log",
+        "node1/combined.log",
+        "node1/cpu1.log",
+    ]
+    assert (tmp_path / "two" / "workers.node0.json").exists() and (tmp_path / "two" / "workers.node1.json").exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_nodes_resumes_on_one_and_the_reverse_with_the_same_losses(trained):
+    _, _, _, on_one, on_two = trained
+    assert on_one.returncode == 0, on_one.stdout[-2000:]
+    assert [run.proc.returncode for run in on_two] == [0, 0], on_two[0].text[-2000:]
+    assert "resuming from" in on_one.stdout and "resuming from" in on_two[0].text
+    continued_on_two = losses(on_two[0].text) | losses(on_two[1].text)
+    assert set(continued_on_two) == {(f"CPU{rank}", step) for rank in (0, 1) for step in (4, 5)}
+    assert continued_on_two == losses(on_one.stdout)
+
+
+# --- failures -----------------------------------------------------------------------------
+
+
+def training_worker(launcher: subprocess.Popen) -> psutil.Process | None:
+    for child in psutil.Process(launcher.pid).children():
+        try:
+            if "pretrain" in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+@pytest.mark.slow
+def test_a_training_worker_killed_on_node_1_stops_both_nodes_within_3_seconds(tmp_path, processes):
+    marker = uuid.uuid4().hex
+    options = train_options(tmp_path, tmp_path / "run", "--max-steps", "100000", "--kill-grace", "2")
+    nodes = start_nodes(tmp_path, processes, options, env=launcher_env(**{MARKER: marker}))
+    assert wait_until(lambda: all(STEP.search(run.text) for run in nodes), timeout=180), nodes[0].text + nodes[1].text
+    worker = training_worker(nodes[1].proc)
+    assert worker is not None
+    killed_at = time.monotonic()
+    worker.kill()
+    codes = [run.wait(timeout=30) for run in nodes]
+    both_exited = time.monotonic() - killed_at
+    assert codes == [EXIT_OTHER_NODE_FAILED, 128 + signal.SIGKILL], nodes[0].text[-3000:] + nodes[1].text[-3000:]
+    assert both_exited < 3.0
+    assert "failed first: CPU1 (rank 1) killed by SIGKILL" in nodes[0].text
+    assert wait_until(lambda: not marked_processes(marker), timeout=2.0)
+
+
+# Every worker says it is up, then waits until every worker of the job is (files in a shared
+# directory: a handshake, not a sleep); the one on rank FAIL_RANK then exits 7.
+WORKER = """
+import os, pathlib, sys, time
+shared = pathlib.Path(sys.argv[1])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+(shared / f"up{rank}").write_text(str(os.getpid()))
+print("up", rank, os.environ["LOCAL_RANK"], os.environ["NODE_RANK"], world, os.environ["LOCAL_WORLD_SIZE"], flush=True)
+while len(list(shared.glob("up*"))) < world:
+    time.sleep(0.01)
+if rank == int(os.environ.get("FAIL_RANK", "-1")):
+    (shared / "failed_at").write_text(repr(time.monotonic()))
+    sys.exit(7)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def worker(tmp_path) -> list[str]:
+    (tmp_path / "shared").mkdir()
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return ["--", sys.executable, str(path), str(tmp_path / "shared")]
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def test_a_worker_failing_on_node_1_stops_both_nodes_within_3_seconds(tmp_path, processes, worker):
+    marker = uuid.uuid4().hex
+    env = launcher_env(FAIL_RANK="1", **{MARKER: marker})
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "1", "--kill-grace", "2", *worker], env=env)
+    assert wait_until(lambda: (tmp_path / "shared" / "failed_at").exists(), timeout=120), nodes[0].text + nodes[1].text
+    failed_at = float((tmp_path / "shared" / "failed_at").read_text())
+    codes = [run.wait(timeout=30) for run in nodes]
+    both_exited = time.monotonic() - failed_at
+    assert codes == [EXIT_OTHER_NODE_FAILED, 7], nodes[0].text + nodes[1].text
+    assert both_exited < 3.0
+    assert "node 1 (" in nodes[0].text and "failed first: CPU1 (rank 1) exit code 7" in nodes[0].text
+    assert f"Exit code {EXIT_OTHER_NODE_FAILED}: another node failed." in nodes[0].text
+    assert "FAILED: CPU1 (rank 1) failed first" in nodes[1].text and "told the other nodes to stop" in nodes[1].text
+    assert wait_until(lambda: not marked_processes(marker), timeout=2.0)
+
+
+def test_node_1s_launcher_killed_stops_node_0_within_5_seconds_naming_the_lost_node(tmp_path, processes, worker):
+    marker = uuid.uuid4().hex
+    env = launcher_env(**{MARKER: marker})
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "1", "--kill-grace", "2", *worker], env=env)
+    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 2, timeout=120), nodes[0].text + nodes[1].text
+    killed_at = time.monotonic()
+    nodes[1].proc.send_signal(signal.SIGKILL)
+    code = nodes[0].wait(timeout=30)
+    stopped_after = time.monotonic() - killed_at
+    assert code == EXIT_NODE_LOST, nodes[0].text
+    assert stopped_after < 5.0
+    assert re.search(r"STOPPED: node 1 \(.*\) was lost: its launcher stopped answering", nodes[0].text), nodes[0].text
+    assert wait_until(lambda: not marked_processes(marker), timeout=2.0), [p.cmdline() for p in marked_processes(marker)]
+
+
+def test_workers_get_global_ranks_and_each_nodes_local_ranks(tmp_path, processes, worker):
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "2", *worker], env=launcher_env(FAIL_RANK="3"))
+    codes = [run.wait(timeout=120) for run in nodes]
+    assert codes == [EXIT_OTHER_NODE_FAILED, 7]
+    # RANK LOCAL_RANK NODE_RANK WORLD_SIZE LOCAL_WORLD_SIZE, each line under its global CPU label
+    assert "CPU0:up 0 0 0 4 2" in nodes[0].text and "CPU1:up 1 1 0 4 2" in nodes[0].text
+    assert "CPU2:up 2 0 1 4 2" in nodes[1].text and "CPU3:up 3 1 1 4 2" in nodes[1].text
+
+
+def test_gpu_prefixes_put_the_global_rank_before_the_gpu(tmp_path, processes, worker, scripted_gpus):
+    scripted_gpus([{}, {}])
+    port = free_port()
+    nodes = []
+    for rank in (1, 0):  # each "machine" claims its own GPUs 0 and 1
+        env = launcher_env(FAIL_RANK="2", LAUNCHER_CLAIMS_NAMESPACE=f"multinode-test-{uuid.uuid4().hex[:8]}")
+        nodes += start_nodes(tmp_path, processes, ["--gpus", "0,1", *worker], ranks=(rank,), port=port, env=env)
+    nodes.reverse()
+    assert [run.wait(timeout=120) for run in nodes] == [EXIT_OTHER_NODE_FAILED, 7]
+    assert "r0.GPU0:up 0 0 0 4 2" in nodes[0].text and "r1.GPU1:up 1 1 0 4 2" in nodes[0].text
+    assert "r2.GPU0:up 2 0 1 4 2" in nodes[1].text and "r3.GPU1:up 3 1 1 4 2" in nodes[1].text
+    # `grep GPU1:` still finds one node's GPU 1
+    assert [line for line in nodes[1].text.splitlines() if "GPU1:" in line] == ["r3.GPU1:up 3 1 1 4 2"]
+
+
+def test_slurm_variables_alone_place_each_node(tmp_path, processes, worker):
+    port = free_port()
+    nodes = []
+    for rank in (1, 0):
+        env = launcher_env(
+            FAIL_RANK="1",
+            SLURM_JOB_ID="4242",
+            SLURM_NNODES="2",
+            SLURM_NODEID=str(rank),
+            SLURM_JOB_NODELIST="localhost,otherhost",
+            MASTER_PORT=str(port),
+        )
+        out = tmp_path / f"slurm{rank}.out"
+        with out.open("w") as handle:
+            argv = [sys.executable, "-m", "launcher", "--nproc", "1", *worker]
+            nodes.append(NodeRun(rank, processes(argv, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT), out))
+    node1, node0 = nodes
+    assert [node0.wait(120), node1.wait(120)] == [EXIT_OTHER_NODE_FAILED, 7], node0.text + node1.text
+    assert f"node 0 of 2: rendezvous on localhost:{port}" in node0.text
+
+
+def test_a_node_that_never_arrives_is_named_by_node_0s_join_timeout(tmp_path, processes, worker):
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "1", "--join-timeout", "2", *worker], nnodes=3, ranks=(0, 2))
+    codes = [run.wait(timeout=60) for run in nodes]
+    assert codes == [2, 2]
+    assert "launcher: error: node(s) 1 of 3 never joined within 2 s (--join-timeout)" in nodes[0].text
+    assert "node 0 refused the job: node(s) 1 of 3 never joined" in nodes[1].text
+    assert "Traceback" not in nodes[0].text + nodes[1].text
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def test_a_node_rank_out_of_range_is_one_line():
+    result = run_launcher("--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "--", "true")
+    assert_one_line_error(result, "--node-rank 2 is out of range for --nnodes 2 (node ranks are 0 to 1)")
+
+
+def test_an_unreachable_master_times_out_with_one_line_naming_it():
+    port = free_port()
+    result = run_launcher(
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--join-timeout",
+        "1",
+        "--",
+        "true",
+    )
+    assert_one_line_error(result, f"cannot reach node 0 at 127.0.0.1:{port} within 1 s (--join-timeout)", quiet_stdout=False)
+
+
+def test_a_port_in_use_on_node_0_is_one_line(tmp_path):
+    with socket_listening() as port:
+        result = run_launcher(
+            "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port), "--", "true"
+        )
+    assert_one_line_error(result, f"--master-port {port} is in use on this machine", quiet_stdout=False)
+
+
+def test_nodes_with_different_process_counts_are_refused_on_every_node(tmp_path, processes, worker):
+    port = free_port()
+    nodes = [
+        *start_nodes(tmp_path, processes, ["--nproc", "2", *worker], ranks=(1,), port=port),
+        *start_nodes(tmp_path, processes, ["--nproc", "1", *worker], ranks=(0,), port=port),
+    ][::-1]
+    codes = [run.wait(timeout=60) for run in nodes]
+    assert codes == [2, 2]
+    refusal = "the nodes start different numbers of workers (node 0: 1, node 1: 2)"
+    assert refusal in nodes[0].text and f"node 0 refused the job: {refusal}" in nodes[1].text
+
+
+def test_nodes_given_different_configs_are_refused_naming_the_key(tmp_path, processes):
+    port = free_port()
+    options = train_options(tmp_path, tmp_path / "run")
+    nodes = [
+        *start_nodes(tmp_path, processes, [*options, "--max-steps", "3"], ranks=(1,), port=port),
+        *start_nodes(tmp_path, processes, [*options, "--max-steps", "4"], ranks=(0,), port=port),
+    ][::-1]
+    assert [run.wait(timeout=60) for run in nodes] == [2, 2]
+    assert "was given a different config from node 0 (training.max_steps)" in nodes[0].text
+
+
+class socket_listening:
+    """A port held by something else for the length of a with block."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen()
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+
+def test_multinode_flags_accept_underscores_as_torchrun_does():
+    result = run_launcher("--nnodes", "2", "--node_rank", "5", "--master_addr", "h", "--master_port", "1", "--", "true")
+    assert_one_line_error(result, "--node-rank 5 is out of range")
+
+
+def test_one_machine_never_imports_torch_in_the_launcher():
+    code = "import sys; import launcher.cli, launcher.multinode, launcher.rendezvous; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=launcher_env(), capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+# --- across two network namespaces (root only) ----------------------------------------------
+
+NETNS_ADDRESSES = ("10.231.0.1", "10.231.0.2")
+
+
+@pytest.fixture
+def two_namespaces():
+    """Two network namespaces joined by a veth pair, as two machines on one link; skipped where
+    they cannot be made (not root, no `ip`, a container without the capability)."""
+    tag = uuid.uuid4().hex[:6]
+    names, links = (f"mn{tag}a", f"mn{tag}b"), (f"vm{tag}a", f"vm{tag}b")
+
+    def ip(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or ip("netns", "add", names[0]).returncode != 0:
+        pytest.skip("network namespaces need root and `ip netns`")
+    try:
+        setup = [
+            ("netns", "add", names[1]),
+            ("link", "add", links[0], "type", "veth", "peer", "name", links[1]),
+        ]
+        for ns, link, address in zip(names, links, NETNS_ADDRESSES, strict=True):
+            setup += [
+                ("link", "set", link, "netns", ns),
+                ("-n", ns, "addr", "add", f"{address}/24", "dev", link),
+                ("-n", ns, "link", "set", link, "up"),
+                ("-n", ns, "link", "set", "lo", "up"),
+            ]
+        for step in setup:
+            result = ip(*step)
+            if result.returncode != 0:
+                pytest.skip(f"cannot set up network namespaces: ip {' '.join(step)}: {result.stderr.strip()}")
+        yield list(zip(names, links, strict=True))
+    finally:
+        for ns in names:
+            ip("netns", "del", ns)
+
+
+@pytest.mark.slow
+def test_two_nodes_in_two_network_namespaces_train_one_world(tmp_path, processes, two_namespaces):
+    port = free_port()
+    runs = []
+    for rank in (1, 0):
+        ns, link = two_namespaces[rank]
+        out = tmp_path / f"ns-node{rank}.out"
+        flags = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", NETNS_ADDRESSES[0], "--master-port", str(port)]
+        options = train_options(tmp_path, tmp_path / "run", "--max-steps", "3")
+        # gloo finds its own address through the interface named here, as on a real cluster
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "env",
+            f"GLOO_SOCKET_IFNAME={link}",
+            sys.executable,
+            "-m",
+            "launcher",
+            *flags,
+            *options,
+        ]
+        with out.open("w") as handle:
+            runs.append(
+                NodeRun(rank, processes(argv, cwd=ROOT, env=launcher_env(), stdout=handle, stderr=subprocess.STDOUT), out)
+            )
+    node1, node0 = runs
+    assert [node0.wait(), node1.wait()] == [0, 0], node0.text[-3000:] + node1.text[-3000:]
+    assert f"rendezvous on {NETNS_ADDRESSES[0]}:{port}" in node0.text
+    assert set(losses(node0.text) | losses(node1.text)) == {(f"CPU{rank}", step) for rank in (0, 1) for step in range(3)}
