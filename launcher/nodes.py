@@ -184,11 +184,26 @@ class NodeStop:
             return cls(node=-1, host="", kind="error", detail=f"an unreadable stop record {text!r}")
 
 
+@dataclass(frozen=True)
+class NodeInterrupt:
+    """Another node's launcher was asked to stop gracefully (Ctrl-C, SIGTERM, SIGHUP): every
+    node stops the same way, so the workers finish their step and save together."""
+
+    node: int
+    signum: int
+
+
 class Peers(Protocol):
     """The other nodes, as the supervisor sees them (launcher/rendezvous.py's Node)."""
 
-    def on_stop(self, emit: Callable[[NodeStop], None]) -> None:
-        """Call emit when another node stops the job (or is lost)."""
+    def on_stop(self, emit: Callable[[NodeStop | NodeInterrupt], None]) -> None:
+        """Call emit when another node stops the job (or is lost), or is asked to stop gracefully."""
+
+    def report_interrupt(self, signum: int) -> None:
+        """Tell the other nodes this node was asked to stop gracefully."""
+
+    def interrupted(self) -> NodeInterrupt | None:
+        """Whether a node was asked to stop gracefully (asked now, from the store)."""
 
     def report_failure(self, label: str, rank: int, exit_code: int, how: str) -> NodeStop | None:
         """Tell the other nodes this node's worker failed; the earlier stop if one came first."""

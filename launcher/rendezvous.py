@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
-from launcher.nodes import NodeSpec, NodeStop
+from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
 
 POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
@@ -190,7 +190,9 @@ class Node:
         self._watch_store: Any = None
         self._lock = threading.Lock()
         self._stop: NodeStop | None = None
-        self._emit: Callable[[NodeStop], None] | None = None
+        self._emit: Callable[[NodeStop | NodeInterrupt], None] | None = None
+        self._interrupt_seen = False
+        self._interrupt: NodeInterrupt | None = None
         self._stopping = threading.Event()
         self._last_contact = time.monotonic()
         self._beats: dict[int, tuple[int, float]] = {}
@@ -341,13 +343,39 @@ class Node:
             self.failed_at = time.monotonic()
         return earlier
 
-    def on_stop(self, emit: Callable[[NodeStop], None]) -> None:
+    def report_interrupt(self, signum: int) -> None:
+        """This node was asked to stop gracefully: so are the others (the first word counts)."""
+        record = json.dumps({"node": self.rank, "signum": signum})
+        try:
+            bounded(lambda: self._store.compare_set("interrupt", "", record), LOSS_AFTER, "interrupt")
+        except Exception:
+            pass  # node 0 is gone; the watch says so
+
+    def interrupted(self) -> NodeInterrupt | None:
+        try:
+            if not bounded(lambda: self._store.check(["interrupt"]), LOSS_AFTER, "interrupted"):
+                return None
+            record = json.loads(bounded(lambda: self._store.get("interrupt"), LOSS_AFTER, "interrupted"))
+            return NodeInterrupt(int(record["node"]), int(record["signum"]))
+        except Exception:
+            return None
+
+    def on_stop(self, emit: Callable[[NodeStop | NodeInterrupt], None]) -> None:
         """Call emit (from the watch thread) when another node stops the job; at once if it has."""
         with self._lock:
             self._emit = emit
-            stop = self._stop
+            stop, interrupt = self._stop, self._interrupt
         if stop is not None:
             emit(stop)
+        elif interrupt is not None:
+            emit(interrupt)
+
+    def _pass_on(self, interrupt: NodeInterrupt) -> None:
+        with self._lock:
+            self._interrupt = interrupt
+            emit = self._emit
+        if emit is not None:
+            emit(interrupt)
 
     def _deliver(self, stop: NodeStop) -> None:
         if stop.node == self.rank and stop.kind != "lost":
@@ -381,6 +409,11 @@ class Node:
                     self._check_beats(store, now)
                 if store.check(["abort"]):
                     self._deliver(NodeStop.from_json(store.get("abort")))
+                if not self._interrupt_seen and store.check(["interrupt"]):
+                    self._interrupt_seen = True
+                    record = json.loads(store.get("interrupt"))
+                    if int(record["node"]) != self.rank:
+                        self._pass_on(NodeInterrupt(int(record["node"]), int(record["signum"])))
                 self._last_contact = time.monotonic()
             except Exception as error:  # node 0's store closed the connection: it is gone
                 if self._stopping.is_set():

@@ -35,6 +35,8 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
    elsewhere. The first word across the nodes decides: a failure here that follows another
    node's is a consequence, and the supervisor returns launcher/nodes.py's code for the other
    node's (75: it failed; 76: it was lost), unless both are the same agreed exit code.
+   A node asked to stop gracefully (rule 3) tells the others, and they stop the same way:
+   every rank finishes the same step and saves, and every node returns 128 + that signal.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import time
 from dataclasses import dataclass
 
 from launcher import outcome, summary
-from launcher.nodes import NodeStop, Peers
+from launcher.nodes import NodeInterrupt, NodeStop, Peers
 from launcher.options import SupervisorOptions
 from launcher.outcome import EXIT_HANG, FirstFailure, Watch, exit_code
 from launcher.printer import Printer
@@ -79,6 +81,10 @@ class Interrupted:
     signum: int
 
 
+Incoming = Event | Interrupted | NodeStop | NodeInterrupt
+"""What the loop handles: a worker's line or exit, a signal, another node's word."""
+
+
 class Supervisor:
     def __init__(
         self, workers: list[Worker], printer: Printer, options: SupervisorOptions | None = None, peers: Peers | None = None
@@ -89,7 +95,7 @@ class Supervisor:
         self.printer = printer
         self.options = options or SupervisorOptions()
         self._processes = RunProcesses(workers, self.options.adopt_orphans)
-        self._events: queue.SimpleQueue[Event | Interrupted | NodeStop] = queue.SimpleQueue()  # put() is signal-safe
+        self._events: queue.SimpleQueue[Incoming] = queue.SimpleQueue()  # put() is signal-safe
         self._watch: dict[Worker, Watch] = {}
         self._failure: FirstFailure | None = None
         self._remote: NodeStop | None = None
@@ -151,7 +157,7 @@ class Supervisor:
         """A worker is running, or a group told to stop still holds its output before the kill deadline."""
         return bool(self._running() or self._kill_at is not None and self._stopping_groups())
 
-    def _next_event(self) -> Event | Interrupted | NodeStop | None:
+    def _next_event(self) -> Incoming | None:
         deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
@@ -159,7 +165,7 @@ class Supervisor:
         except queue.Empty:
             return None
 
-    def _handle(self, event: Event | Interrupted | NodeStop | None) -> None:
+    def _handle(self, event: Incoming | None) -> None:
         match event:
             case Line(worker, text):
                 self._on_line(worker, text)
@@ -168,7 +174,9 @@ class Supervisor:
             case Exited(worker, returncode):
                 self._watch[worker].returncode = returncode
                 self._dump_done(worker)
-                if self._is_first_failure(worker, returncode):
+                if self._stopped_with_another_node(returncode):
+                    pass
+                elif self._is_first_failure(worker, returncode):
                     self.printer.launcher_line(
                         f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers"
                     )
@@ -177,6 +185,9 @@ class Supervisor:
                 self._on_interrupt(signum)
             case NodeStop():
                 self._on_node_stop(event)
+            case NodeInterrupt(node, signum) if not self._tearing_down:
+                self.printer.launcher_line(f"node {node} was asked to stop ({signal.Signals(signum).name}); so is this node")
+                self._on_interrupt(signum, told=False)
 
     def _is_first_failure(self, worker: Worker, returncode: int) -> bool:
         if returncode == 0 or self._failure is not None or self._remote is not None or worker in self._killed:
@@ -190,7 +201,20 @@ class Supervisor:
             self._dump_done(worker)
         self.printer.worker_line(worker.label, text)
 
-    def _on_interrupt(self, signum: int) -> None:
+    def _stopped_with_another_node(self, returncode: int) -> bool:
+        """Rule 5: a worker that stopped as asked (143) while this node was not asked: another
+        node was, and its workers agreed with this node's on the step to stop at (the word
+        through the store may come a moment after)."""
+        if self.peers is None or self._tearing_down or returncode not in STOPPED_AS_ASKED or returncode == 0:
+            return False
+        interrupt = self.peers.interrupted()
+        if interrupt is None:
+            return False
+        self._handle(interrupt)
+        return True
+
+    def _on_interrupt(self, signum: int, told: bool = True) -> None:
+        """Rule 3; told: this node's own signal, which the other nodes are told of (rule 5)."""
         if self._tearing_down and signum == signal.SIGHUP:
             self.printer.launcher_line("received SIGHUP: already stopping; carrying on")
             return
@@ -199,6 +223,8 @@ class Supervisor:
             self._kill_running()
             return
         self._interrupted_by, self._interrupted_at = signum, time.monotonic()
+        if told and self.peers is not None:
+            self.peers.report_interrupt(signum)
         again = "SIGINT or SIGTERM" if signum == signal.SIGHUP else "again"
         self.printer.launcher_line(
             f"received {signal.Signals(signum).name}: asking the workers to stop gracefully "
@@ -362,7 +388,7 @@ class Supervisor:
                 event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if not isinstance(event, Interrupted | NodeStop):  # the workers are gone: nothing to stop
+            if not isinstance(event, Interrupted | NodeStop | NodeInterrupt):  # the workers are gone: nothing to stop
                 self._handle(event)
 
     # --- outcome ------------------------------------------------------------------------

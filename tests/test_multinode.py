@@ -149,6 +149,20 @@ def test_a_checkpoint_of_two_nodes_resumes_on_one_and_the_reverse_with_the_same_
     assert continued_on_two == losses(on_one.stdout)
 
 
+@pytest.mark.slow
+def test_ctrl_c_on_node_0_stops_both_nodes_gracefully_at_one_step_with_a_checkpoint(tmp_path, processes):
+    options = train_options(tmp_path, tmp_path / "run", "--max-steps", "100000")
+    nodes = start_nodes(tmp_path, processes, options)
+    assert wait_until(lambda: all(STEP.search(run.text) for run in nodes), timeout=180), nodes[0].text + nodes[1].text
+    nodes[0].proc.send_signal(signal.SIGINT)
+    codes = [run.wait(timeout=60) for run in nodes]
+    assert codes == [130, 130], nodes[0].text[-3000:] + nodes[1].text[-3000:]
+    assert "node 0 was asked to stop (SIGINT); so is this node" in nodes[1].text
+    saved = [re.search(r"Stopped by SIGTERM after step \d+; checkpoint saved to (\S+)", run.text) for run in nodes]
+    assert all(saved) and saved[0][1] == saved[1][1] and Path(saved[0][1]).is_dir()
+    assert "FAILED" not in nodes[0].text + nodes[1].text
+
+
 # --- failures -----------------------------------------------------------------------------
 
 

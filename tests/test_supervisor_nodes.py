@@ -4,10 +4,12 @@ fake (the real ones, through a TCPStore, are in tests/test_multinode.py)."""
 from __future__ import annotations
 
 import io
+import os
+import signal
 import threading
 from collections.abc import Callable
 
-from launcher.nodes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, NodeStop
+from launcher.nodes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, NodeInterrupt, NodeStop
 from launcher.printer import Printer
 from launcher.supervisor import Supervisor, SupervisorOptions
 from test_supervisor import FAILS_WITH_7, SLEEPS, make_worker
@@ -22,7 +24,9 @@ class OtherNodes:
     def __init__(self, earlier: NodeStop | None = None) -> None:
         self.earlier = earlier
         self.told: list[tuple[str, int, int, str]] = []
-        self.emit: Callable[[NodeStop], None] | None = None
+        self.emit: Callable[[NodeStop | NodeInterrupt], None] | None = None
+        self.interrupts: list[int] = []
+        self.interrupt: NodeInterrupt | None = None
 
     def on_stop(self, emit: Callable[[NodeStop], None]) -> None:
         self.emit = emit
@@ -30,6 +34,12 @@ class OtherNodes:
     def report_failure(self, label: str, rank: int, exit_code: int, how: str) -> NodeStop | None:
         self.told.append((label, rank, exit_code, how))
         return self.earlier
+
+    def report_interrupt(self, signum: int) -> None:
+        self.interrupts.append(signum)
+
+    def interrupted(self) -> NodeInterrupt | None:
+        return self.interrupt
 
 
 def failing_and_sleeping(script) -> list:
@@ -101,3 +111,55 @@ def test_a_lost_node_stops_every_worker_here_and_exits_76(tmp_path, script):
     code, out = run([make_worker(0, script(SLEEPS, "a.py"))], tmp_path, peers)
     assert code == EXIT_NODE_LOST
     assert "STOPPED: node 1 (gpu-b) was lost: its launcher stopped answering 3.0 s ago." in out
+
+
+# Stops on SIGTERM as a training worker does (exit 143), once its peer is up.
+STOPS_ON_SIGTERM = """
+    import signal, sys, time
+    from pathlib import Path
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print("up", flush=True)
+    Path(__file__).with_name("peer-ready").touch()
+    time.sleep(60)
+"""
+
+
+def test_another_node_asked_to_stop_stops_this_node_gracefully_with_the_same_code(tmp_path, script):
+    peers = OtherNodes()
+    ready = tmp_path / "peer-ready"
+
+    def interrupt_once_ready() -> None:
+        while not ready.exists() or peers.emit is None:
+            threading.Event().wait(0.01)
+        peers.emit(NodeInterrupt(0, signal.SIGINT))
+
+    threading.Thread(target=interrupt_once_ready, daemon=True).start()
+    code, out = run([make_worker(0, script(STOPS_ON_SIGTERM, "a.py"))], tmp_path, peers, stop_leaders_only=True)
+    assert code == 128 + signal.SIGINT
+    assert "node 0 was asked to stop (SIGINT); so is this node" in out and "FAILED" not in out
+    assert peers.interrupts == []  # not told back
+
+
+def test_a_worker_stopped_as_asked_before_the_word_arrives_is_no_failure(tmp_path, script):
+    """The ranks agree on the step to stop at: this node's worker may exit 143 before its
+    launcher hears that another node was interrupted."""
+    peers = OtherNodes()
+    peers.interrupt = NodeInterrupt(0, signal.SIGTERM)
+    code, out = run([make_worker(0, script("import sys; sys.exit(143)", "a.py"))], tmp_path, peers)
+    assert code == 128 + signal.SIGTERM
+    assert "FAILED" not in out and peers.told == []
+
+
+def test_this_nodes_own_stop_signal_is_told_to_the_other_nodes(tmp_path, script):
+    peers = OtherNodes()
+    ready = tmp_path / "peer-ready"
+
+    def signal_once_ready() -> None:
+        while not ready.exists():
+            threading.Event().wait(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_ready, daemon=True).start()
+    code, _ = run([make_worker(0, script(STOPS_ON_SIGTERM, "a.py"))], tmp_path, peers, stop_leaders_only=True)
+    assert code == 128 + signal.SIGTERM
+    assert peers.interrupts == [signal.SIGTERM]
