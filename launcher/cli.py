@@ -274,6 +274,7 @@ def run(argv: Sequence[str]) -> int:
     check_seconds("--kill-grace", args.kill_grace, 0, MAX_KILL_GRACE)
     check_seconds("--stop-timeout", args.stop_timeout, 0, MAX_STOP_TIMEOUT)
     check_seconds("--join-timeout", args.join_timeout, 1, MAX_STOP_TIMEOUT)
+    check_seconds("--node-timeout", args.node_timeout, 1, MAX_STOP_TIMEOUT)
     if args.hang_timeout is not None:
         check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
     spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
@@ -299,10 +300,10 @@ def run(argv: Sequence[str]) -> int:
         if spec is None:
             return run_placed(args, config, command, placement, console)
         identity = {"command": command} if command else cfg.to_dict(config)
-        node = multinode.join_job(spec, placement, identity, args.join_timeout, console.launcher_line)
+        node = multinode.join_job(spec, placement, identity, args.join_timeout, console.launcher_line, args.node_timeout)
         with multinode.telling_others(node):
             code = run_placed(args, config, command, placement, console, node)
-        return multinode.settle(node, code, args.stop_timeout + args.kill_grace + 10, console.launcher_line)
+        return multinode.settle(node, code, args.stop_timeout + args.kill_grace + args.node_timeout, console.launcher_line)
     finally:
         placement.release()
 

@@ -16,9 +16,6 @@ from launcher.placement import Placement
 from launcher.rendezvous import LOSS_AFTER, Member, Node, NodeStopped, RendezvousError, differences, join
 
 DEFAULT_JOIN_TIMEOUT = 300.0
-ERROR_WAIT = LOSS_AFTER
-"""How long node 0, stopping in error, waits for the others to read its word before the store
-it hosts goes away with it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"seconds to wait for every node to join (default: {DEFAULT_JOIN_TIMEOUT:g})",
     )
+    nodes.add_argument(
+        "--node-timeout",
+        "--node_timeout",
+        dest="node_timeout",
+        type=float,
+        default=LOSS_AFTER,
+        metavar="S",
+        help=f"a node whose launcher is silent this long is lost and stops the job (default: {LOSS_AFTER:g}; "
+        "raise it on a network that stalls for longer)",
+    )
 
 
 def spec_from(nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None) -> NodeSpec | None:
@@ -65,7 +72,14 @@ def spec_from(nnodes: int | None, node_rank: int | None, master_addr: str | None
     return node_spec(nnodes, node_rank, master_addr, master_port, os.environ)
 
 
-def join_job(spec: NodeSpec, placement: Placement, identity: dict[str, Any], timeout: float, say: Callable[[str], None]) -> Node:
+def join_job(
+    spec: NodeSpec,
+    placement: Placement,
+    identity: dict[str, Any],
+    timeout: float,
+    say: Callable[[str], None],
+    loss_after: float = LOSS_AFTER,
+) -> Node:
     """Join the other nodes; identity is what every node must agree on (the config, or the command)."""
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" and placement.gpus else None
     member = Member(
@@ -77,7 +91,7 @@ def join_job(spec: NodeSpec, placement: Placement, identity: dict[str, Any], tim
         gpu_memory=gpu_memory,
         config=identity,
     )
-    return join(spec, member, timeout, say)
+    return join(spec, member, timeout, say, loss_after)
 
 
 def layout(node: Node | None, placement: Placement) -> Layout:
@@ -98,7 +112,7 @@ def telling_others(node: Node) -> Iterator[None]:
     except BaseException as error:
         detail = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__
         node.publish_stop(NodeStop(node.rank, node.member.host, "error", detail))
-        node.finish(2, ERROR_WAIT)
+        node.finish(2, node.loss_after)
         raise
 
 

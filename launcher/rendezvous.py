@@ -38,7 +38,7 @@ from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
 
 POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
-LOSS_AFTER = 3.0  # a node silent this long is lost
+LOSS_AFTER = 3.0  # a node silent this long is lost (--node-timeout)
 CONNECT_RETRY = 0.5
 T = TypeVar("T")
 
@@ -108,9 +108,10 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     return result[0]
 
 
-def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], None]) -> Node:
+def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], None], loss_after: float = LOSS_AFTER) -> Node:
     """Host (node 0) or reach the store, join, and wait until every node has; the Node, watched
-    from now on. RendezvousError when the nodes cannot form the job."""
+    from now on (a node silent for loss_after seconds is lost). RendezvousError when the nodes
+    cannot form the job."""
     dist = _torch_distributed()
     deadline = time.monotonic() + timeout
     if spec.is_master:
@@ -120,7 +121,7 @@ def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], No
         _wait_reachable(spec, deadline, timeout)
         store = _client(dist, spec, max(1.0, deadline - time.monotonic()))
         say(f"node {spec.node_rank} of {spec.nnodes}: joined the rendezvous on {spec.endpoint}")
-    node = Node(spec, store, member)
+    node = Node(spec, store, member, loss_after)
     try:
         node._join(deadline, timeout)
     except RendezvousError:
@@ -131,7 +132,7 @@ def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], No
         raise RendezvousError(
             f"lost the rendezvous on {spec.endpoint} while joining ({_first_line(error)}); see node 0's launcher"
         ) from None
-    node._watch_store = _client(dist, spec, LOSS_AFTER * 2)
+    node._watch_store = _client(dist, spec, loss_after * 2)
     node._start_watching()
     say(f"all {spec.nnodes} nodes joined: {node.world_size} workers, {member.nproc} on each node")
     return node
@@ -182,8 +183,9 @@ def _client(dist: Any, spec: NodeSpec, timeout: float) -> Any:
 class Node:
     """This launcher's membership in a job of several nodes."""
 
-    def __init__(self, spec: NodeSpec, store: Any, member: Member) -> None:
+    def __init__(self, spec: NodeSpec, store: Any, member: Member, loss_after: float = LOSS_AFTER) -> None:
         self.spec = spec
+        self.loss_after = loss_after
         self.member = member
         self.members: list[Member] = []
         self._store = store
@@ -249,7 +251,8 @@ class Node:
                     self._refuse(problem)
                 store.set("joined", "1")
                 break
-            if time.monotonic() >= deadline:
+            # Node 0 names the nodes that never came; the others wait a little longer for its word.
+            if time.monotonic() >= deadline + (0 if self.spec.is_master else self.loss_after):
                 if self.spec.is_master:
                     self._refuse(self._never_joined(missing, timeout))
                 raise RendezvousError(self._never_joined(missing, timeout))
@@ -283,7 +286,7 @@ class Node:
     def _refuse(self, problem: str) -> NoReturn:
         """Node 0: say why to every node, wait (briefly) until they have read it, and stop."""
         self._store.set("refused", problem)
-        deadline = time.monotonic() + LOSS_AFTER
+        deadline = time.monotonic() + self.loss_after
         while int(self._store.add("refusal_read", 0)) < self.spec.nnodes - 1 and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL)
         raise RendezvousError(problem)
@@ -302,15 +305,15 @@ class Node:
 
     def share(self, key: str, value: dict[str, Any]) -> None:
         """Node 0: what every node must use (plan/<key>)."""
-        bounded(lambda: self._store.set(f"plan/{key}", json.dumps(value)), LOSS_AFTER, "share")
+        bounded(lambda: self._store.set(f"plan/{key}", json.dumps(value)), self.loss_after, "share")
 
     def receive(self, key: str) -> dict[str, Any]:
         """What node 0 shared under key, once it has; NodeStopped if the job stops first."""
         while True:
             if (stop := self.stopped) is not None:
                 raise NodeStopped(stop)
-            if bounded(lambda: self._store.check([f"plan/{key}"]), LOSS_AFTER, "receive"):
-                return json.loads(bounded(lambda: self._store.get(f"plan/{key}"), LOSS_AFTER, "receive"))
+            if bounded(lambda: self._store.check([f"plan/{key}"]), self.loss_after, "receive"):
+                return json.loads(bounded(lambda: self._store.get(f"plan/{key}"), self.loss_after, "receive"))
             time.sleep(POLL_INTERVAL)
 
     # --- stopping -------------------------------------------------------------------------
@@ -327,7 +330,7 @@ class Node:
             if self._stop is not None:
                 return self._stop
         try:
-            first = bounded(lambda: self._store.compare_set("abort", "", stop.to_json()), LOSS_AFTER, "abort")
+            first = bounded(lambda: self._store.compare_set("abort", "", stop.to_json()), self.loss_after, "abort")
         except Exception:  # node 0 is gone; the watch says so
             return self._stop
         earlier = NodeStop.from_json(first)
@@ -347,15 +350,15 @@ class Node:
         """This node was asked to stop gracefully: so are the others (the first word counts)."""
         record = json.dumps({"node": self.rank, "signum": signum})
         try:
-            bounded(lambda: self._store.compare_set("interrupt", "", record), LOSS_AFTER, "interrupt")
+            bounded(lambda: self._store.compare_set("interrupt", "", record), self.loss_after, "interrupt")
         except Exception:
             pass  # node 0 is gone; the watch says so
 
     def interrupted(self) -> NodeInterrupt | None:
         try:
-            if not bounded(lambda: self._store.check(["interrupt"]), LOSS_AFTER, "interrupted"):
+            if not bounded(lambda: self._store.check(["interrupt"]), self.loss_after, "interrupted"):
                 return None
-            record = json.loads(bounded(lambda: self._store.get("interrupt"), LOSS_AFTER, "interrupted"))
+            record = json.loads(bounded(lambda: self._store.get("interrupt"), self.loss_after, "interrupted"))
             return NodeInterrupt(int(record["node"]), int(record["signum"]))
         except Exception:
             return None
@@ -425,7 +428,7 @@ class Node:
             self._stopping.wait(POLL_INTERVAL)
 
     def _check_beats(self, store: Any, now: float) -> None:
-        """Node 0: a node whose beat has not moved for LOSS_AFTER seconds, and has not finished, is lost."""
+        """Node 0: a node whose beat has not moved for self.loss_after seconds, and has not finished, is lost."""
         others = [n for n in range(1, self.spec.nnodes) if n not in self.lost]
         if not others:
             return
@@ -435,7 +438,7 @@ class Node:
             seen, since = self._beats[node]
             if count != seen:
                 self._beats[node] = (count, now)
-            elif now - since >= LOSS_AFTER and not store.check([f"done/{node}"]):
+            elif now - since >= self.loss_after and not store.check([f"done/{node}"]):
                 lost = NodeStop(node, self.host_of(node), "lost", f"its launcher stopped answering {now - since:.1f} s ago")
                 self.lost[node] = lost
                 try:
@@ -447,7 +450,7 @@ class Node:
         """Not node 0: its store stopped answering (frozen, or its machine gone)."""
         while not self._stopping.wait(POLL_INTERVAL * 2):
             silent = time.monotonic() - self._last_contact
-            if silent >= LOSS_AFTER:
+            if silent >= self.loss_after:
                 self._deliver(NodeStop(0, self.host_of(0), "lost", f"its launcher stopped answering for {silent:.1f} s"))
                 return
 
@@ -457,7 +460,7 @@ class Node:
         """Say this node is done. Node 0 then waits (at most wait seconds) until every other node
         is done or lost: the store it hosts ends with it."""
         try:
-            bounded(lambda: self._store.set(f"done/{self.rank}", str(exit_code)), LOSS_AFTER, "done")
+            bounded(lambda: self._store.set(f"done/{self.rank}", str(exit_code)), self.loss_after, "done")
         except Exception:
             pass  # node 0 is gone already
         if self.spec.is_master:

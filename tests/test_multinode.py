@@ -189,7 +189,7 @@ def test_a_training_worker_killed_on_node_1_stops_both_nodes_within_3_seconds(tm
     codes = [run.wait(timeout=30) for run in nodes]
     both_exited = time.monotonic() - killed_at
     assert codes == [EXIT_OTHER_NODE_FAILED, 128 + signal.SIGKILL], nodes[0].text[-3000:] + nodes[1].text[-3000:]
-    assert both_exited < 3.0
+    assert both_exited < 3.0, (both_exited, nodes[0].text[-1500:], nodes[1].text[-1500:])
     assert "failed first: CPU1 (rank 1) killed by SIGKILL" in nodes[0].text
     assert wait_until(lambda: not marked_processes(marker), timeout=2.0)
 
@@ -239,7 +239,7 @@ def test_a_worker_failing_on_node_1_stops_both_nodes_within_3_seconds(tmp_path, 
     codes = [run.wait(timeout=30) for run in nodes]
     both_exited = time.monotonic() - failed_at
     assert codes == [EXIT_OTHER_NODE_FAILED, 7], nodes[0].text + nodes[1].text
-    assert both_exited < 3.0
+    assert both_exited < 3.0, (both_exited, nodes[0].text[-1500:], nodes[1].text[-1500:])
     assert "node 1 (" in nodes[0].text and "failed first: CPU1 (rank 1) exit code 7" in nodes[0].text
     assert f"Exit code {EXIT_OTHER_NODE_FAILED}: another node failed." in nodes[0].text
     assert "FAILED: CPU1 (rank 1) failed first" in nodes[1].text and "told the other nodes to stop" in nodes[1].text
@@ -469,3 +469,8 @@ def test_two_nodes_in_two_network_namespaces_train_one_world(tmp_path, processes
     assert [node0.wait(), node1.wait()] == [0, 0], node0.text[-3000:] + node1.text[-3000:]
     assert f"rendezvous on {NETNS_ADDRESSES[0]}:{port}" in node0.text
     assert set(losses(node0.text) | losses(node1.text)) == {(f"CPU{rank}", step) for rank in (0, 1) for step in range(3)}
+
+
+def test_a_node_timeout_below_one_second_is_refused():
+    result = run_launcher("--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--node-timeout", "0.2", "--", "true")
+    assert_one_line_error(result, "--node-timeout must be between 1 and")
