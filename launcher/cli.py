@@ -322,6 +322,10 @@ def run_placed(
     resume, and the others take them (the run directory is on a filesystem they share)."""
     if node is not None and not node.spec.is_master:
         plan = node.receive("run")
+        if args.run_dir and run_dir_path(args.run_dir) != Path(plan["run_dir"]):
+            console.launcher_line(
+                f"warning: --run-dir {args.run_dir} is not node 0's; every node uses node 0's, {plan['run_dir']}"
+            )
         owned = own_run_dir(Path(plan["run_dir"]), lock_name=run_lock.node_lock_name(node.rank))
         config = dataclasses.replace(config, training=dataclasses.replace(config.training, resume=plan["resume"]))
         master_port = int(plan["worker_port"])

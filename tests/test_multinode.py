@@ -150,6 +150,22 @@ def test_a_checkpoint_of_two_nodes_resumes_on_one_and_the_reverse_with_the_same_
 
 
 @pytest.mark.slow
+def test_under_fsdp_each_nodes_rank_writes_its_shard_and_one_node_resumes_them(tmp_path, processes):
+    options = train_options(tmp_path, tmp_path / "run", "--max-steps", "2", "--set", "training.parallelism=fsdp")
+    nodes = start_nodes(tmp_path, processes, options)
+    assert [run.wait() for run in nodes] == [0, 0], nodes[0].text[-3000:] + nodes[1].text[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    assert sorted(p.name for p in (checkpoint / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (checkpoint / "rng_rank0.pt").exists() and (checkpoint / "rng_rank1.pt").exists()
+    resumed = train_options(tmp_path, tmp_path / "resumed", "--max-steps", "3", "--resume", str(checkpoint))
+    resumed[resumed.index("--nproc") + 1] = "2"
+    result = run_launcher(*resumed, "--set", "training.parallelism=fsdp", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"resuming from {checkpoint}" in result.stdout
+    assert set(losses(result.stdout)) == {("CPU0", 2), ("CPU1", 2)}
+
+
+@pytest.mark.slow
 def test_ctrl_c_on_node_0_stops_both_nodes_gracefully_at_one_step_with_a_checkpoint(tmp_path, processes):
     options = train_options(tmp_path, tmp_path / "run", "--max-steps", "100000")
     nodes = start_nodes(tmp_path, processes, options)
@@ -474,3 +490,20 @@ def test_two_nodes_in_two_network_namespaces_train_one_world(tmp_path, processes
 def test_a_node_timeout_below_one_second_is_refused():
     result = run_launcher("--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--node-timeout", "0.2", "--", "true")
     assert_one_line_error(result, "--node-timeout must be between 1 and")
+
+
+def test_every_node_runs_in_node_0s_run_directory_and_says_so_when_given_another(tmp_path, processes, worker):
+    port, env = free_port(), launcher_env(FAIL_RANK="1")
+    nodes = [
+        *start_nodes(
+            tmp_path, processes, ["--nproc", "1", "--run-dir", str(tmp_path / "mine"), *worker], ranks=(1,), port=port, env=env
+        ),
+        *start_nodes(
+            tmp_path, processes, ["--nproc", "1", "--run-dir", str(tmp_path / "main"), *worker], ranks=(0,), port=port, env=env
+        ),
+    ][::-1]
+    assert [run.wait(timeout=120) for run in nodes] == [EXIT_OTHER_NODE_FAILED, 7]
+    assert (
+        f"warning: --run-dir {tmp_path / 'mine'} is not node 0's; every node uses node 0's, {tmp_path / 'main'}" in nodes[1].text
+    )
+    assert (tmp_path / "main" / "workers.node1.json").exists() and not (tmp_path / "mine").exists()
