@@ -18,33 +18,27 @@ TCPStore, which node 0's launcher hosts on --master-port.
 4. Finish. Each launcher writes done/<node>. Node 0, which hosts the store, waits for every
    other node's done (or its loss) before it exits, so no node loses the store it still needs.
 
-torch is imported here only, and only for a launch of several nodes: one machine's launcher
+torch is imported (by launcher/store.py, the store's connections) only for a launch of several nodes: one machine's launcher
 starts without it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
+from launcher.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
+
+__all__ = ["LOSS_AFTER", "Member", "Node", "NodeStopped", "RendezvousError", "differences", "join"]
 
 POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
 LOSS_AFTER = 3.0  # a node silent this long is lost (--node-timeout)
-CONNECT_RETRY = 0.5
-T = TypeVar("T")
-
-
-class RendezvousError(Exception):
-    """The nodes could not form one job: one line saying why and what to do."""
 
 
 class NodeStopped(Exception):
@@ -70,56 +64,18 @@ class Member:
     """The config as this node resolved it from its options (None for a `-- COMMAND`)."""
 
 
-def _torch_distributed() -> Any:
-    """torch.distributed, imported with c10's own log lines silenced: a refused connection
-    would otherwise print C++ stack frames; this module says what went wrong in one line. The
-    setting is taken back at once, so the workers keep torch's warnings."""
-    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        import torch.distributed as dist
-    finally:
-        if had is None:
-            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
-        else:
-            os.environ["TORCH_CPP_LOG_LEVEL"] = had
-    return dist
-
-
-def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
-    """call(), or TimeoutError after seconds: a store whose host is frozen never answers, and
-    its client would wait for ever."""
-    result: list[T] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(call())
-        except BaseException as error:  # handed to the caller's thread
-            failure.append(error)
-
-    thread = threading.Thread(target=run, daemon=True, name=f"store-{what}")
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"{what}: no answer within {seconds:g} s")
-    if failure:
-        raise failure[0]
-    return result[0]
-
-
 def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], None], loss_after: float = LOSS_AFTER) -> Node:
     """Host (node 0) or reach the store, join, and wait until every node has; the Node, watched
     from now on (a node silent for loss_after seconds is lost). RendezvousError when the nodes
     cannot form the job."""
-    dist = _torch_distributed()
+    dist = torch_distributed()
     deadline = time.monotonic() + timeout
     if spec.is_master:
-        store = _host_store(dist, spec, timeout)
+        store = host_store(dist, spec, timeout)
         say(f"node 0 of {spec.nnodes}: rendezvous on {spec.endpoint}; waiting for {spec.nnodes - 1} more node(s)")
     else:
-        _wait_reachable(spec, deadline, timeout)
-        store = _client(dist, spec, max(1.0, deadline - time.monotonic()))
+        wait_reachable(spec, deadline, timeout)
+        store = client(dist, spec, max(1.0, deadline - time.monotonic()))
         say(f"node {spec.node_rank} of {spec.nnodes}: joined the rendezvous on {spec.endpoint}")
     node = Node(spec, store, member, loss_after)
     try:
@@ -130,54 +86,12 @@ def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], No
     except Exception as error:  # torch's: node 0's store went away
         node.close()
         raise RendezvousError(
-            f"lost the rendezvous on {spec.endpoint} while joining ({_first_line(error)}); see node 0's launcher"
+            f"lost the rendezvous on {spec.endpoint} while joining ({first_line(error)}); see node 0's launcher"
         ) from None
-    node._watch_store = _client(dist, spec, loss_after * 2)
+    node._watch_store = client(dist, spec, loss_after * 2)
     node._start_watching()
     say(f"all {spec.nnodes} nodes joined: {node.world_size} workers, {member.nproc} on each node")
     return node
-
-
-def _host_store(dist: Any, spec: NodeSpec, timeout: float) -> Any:
-    try:
-        return dist.TCPStore(spec.master_addr, spec.master_port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-    except Exception as error:  # DistNetworkError, RuntimeError: torch's own
-        text = str(error)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise RendezvousError(
-                f"--master-port {spec.master_port} is in use on this machine (node 0); choose a free port for every node"
-            ) from None
-        raise RendezvousError(f"cannot host the rendezvous on port {spec.master_port}: {text.splitlines()[0]}") from None
-
-
-def _wait_reachable(spec: NodeSpec, deadline: float, timeout: float) -> None:
-    """Wait, until the deadline, for node 0 to listen: it may start after this node. One line
-    instead of torch's retries when it never does."""
-    reason = "no answer"
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((spec.master_addr, spec.master_port), timeout=max(0.1, min(2.0, left))):
-                return
-        except socket.gaierror:
-            raise RendezvousError(f"--master-addr {spec.master_addr}: unknown host; give node 0's name or address") from None
-        except ConnectionRefusedError:
-            reason = "connection refused"
-        except OSError as error:
-            reason = error.strerror or str(error) or "no answer"
-        if time.monotonic() + CONNECT_RETRY >= deadline:
-            raise RendezvousError(
-                f"cannot reach node 0 at {spec.endpoint} within {timeout:g} s (--join-timeout): {reason}; "
-                "start node 0's launcher, and check --master-addr and --master-port on every node"
-            )
-        time.sleep(CONNECT_RETRY)
-
-
-def _client(dist: Any, spec: NodeSpec, timeout: float) -> Any:
-    try:
-        return dist.TCPStore(spec.master_addr, spec.master_port, None, False, timedelta(seconds=timeout))
-    except Exception as error:
-        raise RendezvousError(f"cannot join the rendezvous on {spec.endpoint}: {str(error).splitlines()[0]}") from None
 
 
 class Node:
@@ -422,7 +336,7 @@ class Node:
                 if self._stopping.is_set():
                     return
                 self._deliver(
-                    NodeStop(0, self.host_of(0), "lost", f"its launcher closed the rendezvous connection ({_first_line(error)})")
+                    NodeStop(0, self.host_of(0), "lost", f"its launcher closed the rendezvous connection ({first_line(error)})")
                 )
                 return
             self._stopping.wait(POLL_INTERVAL)
@@ -482,7 +396,3 @@ def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
         keys = sorted(set(a) | set(b))
         return [d for k in keys for d in differences(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [prefix.rstrip(".") or "the config"]
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0]
