@@ -24,7 +24,7 @@ from launcher.errors import EXIT_USAGE, CommandNotFound, UsageError
 from launcher.run_dirs import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.claims import ClaimError
 from launcher.nodes import Layout, NodeSpecError
-from launcher.rendezvous import Node, NodeStopped, RendezvousError
+from launcher.rendezvous import Node, NodeInterrupted, NodeStopped, RendezvousError
 from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
 from launcher.printer import Printer, use_colour
 from launcher.scripted_nvml import BadScript
@@ -300,11 +300,14 @@ def run(argv: Sequence[str]) -> int:
     try:
         if spec is None:
             return run_placed(args, config, command, placement, console)
+        from pretrain.data.cache import sigterm_as_exit
+
         identity = {"command": command} if command else cfg.to_dict(config)
-        node = multinode.join_job(spec, placement, identity, args.join_timeout, console.launcher_line, args.node_timeout)
-        with multinode.telling_others(node):
-            code = run_placed(args, config, command, placement, console, node)
-        return multinode.settle(node, code, args.stop_timeout + args.kill_grace + args.node_timeout, console.launcher_line)
+        with sigterm_as_exit():  # until the supervisor takes the signals: the others are told
+            node = multinode.join_job(spec, placement, identity, args.join_timeout, console.launcher_line, args.node_timeout)
+            with multinode.telling_others(node):
+                code = run_placed(args, config, command, placement, console, node)
+            return multinode.settle(node, code, args.stop_timeout + args.kill_grace + args.node_timeout, console.launcher_line)
     finally:
         placement.release()
 
@@ -362,6 +365,8 @@ def run_owned(
         config = prepare_training(config, placement, console, node)
         if node is not None:
             multinode.agree_on_config(node, cfg.to_dict(config))
+    if node is not None:
+        node.check_going()  # another node stopped the job while this one prepared
     logs_dir = run_dir / "logs" if node is None else run_dir / "logs" / f"node{node.rank}"
     try:
         create_run_dir(run_dir)
@@ -407,6 +412,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except NodeStopped as stopped:
         print(f"launcher: {stopped}; exit code {stopped.stop.our_exit_code}", file=sys.stderr)
         code = stopped.stop.our_exit_code
+    except NodeInterrupted as interrupted:
+        print(f"launcher: {interrupted}", file=sys.stderr)
+        code = 128 + interrupted.interrupt.signum
     except UsageError as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = error.exit_code

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from typing import Any
 
 from launcher.nodes import EXIT_NODE_LOST, Layout, NodeSpec, NodeStop, node_spec
 from launcher.placement import Placement
-from launcher.rendezvous import LOSS_AFTER, Member, Node, NodeStopped, RendezvousError, differences, join
+from launcher.rendezvous import LOSS_AFTER, Member, Node, NodeInterrupted, NodeStopped, RendezvousError, differences, join
 
 DEFAULT_JOIN_TIMEOUT = 300.0
 
@@ -106,8 +107,16 @@ def telling_others(node: Node) -> Iterator[None]:
     instead of waiting for workers that never come."""
     try:
         yield
-    except NodeStopped:
+    except (NodeStopped, NodeInterrupted):
         node.finish(EXIT_NODE_LOST, 0)
+        raise
+    except (KeyboardInterrupt, SystemExit) as stopped:
+        # Ctrl-C, or SIGTERM / SIGHUP (sigterm_as_exit) before the supervisor took over: every
+        # node stops the same way, as it would once the workers run.
+        signum = signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else int(stopped.code or 0) - 128
+        if signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            node.report_interrupt(signum)
+        node.finish(128 + signum, node.loss_after)
         raise
     except BaseException as error:
         detail = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__
@@ -117,20 +126,19 @@ def telling_others(node: Node) -> Iterator[None]:
 
 
 def settle(node: Node, code: int, wait: float, say: Callable[[str], None]) -> int:
-    """After this node's workers are gone: say so to the others (node 0 waits for them), and
-    name a node that was lost. A lost node outranks this node's own worker failure: had this
-    node failed first, the lost node would have heard and finished; its workers' collectives
-    failing is what a dead node does to the others. Returns the exit code."""
+    """After this node's workers are gone: say so to the others (node 0 waits for them) and
+    learn which nodes were lost. A lost node outranks this node's own outcome: had a failure
+    here come first, the lost node would have heard it and finished; collectives failing, and
+    failures following, are what a dead node does to the others. Returns the exit code."""
     node.finish(code, wait)
-    stopped_by_other = node.stopped is not None and node.failed_at is None
+    if not node.lost or code == 0:
+        return code
+    if code == EXIT_NODE_LOST and node.stopped is not None and node.stopped.kind == "lost":
+        return code  # the supervisor has named it
     for stop in node.lost.values():
-        if stopped_by_other:
-            continue  # the supervisor has said it already
         say(stop.describe())
-        if node.failed_at is not None:
-            say(f"this node's first failure followed it (a consequence); exit code {EXIT_NODE_LOST}: a node was lost")
-            code = EXIT_NODE_LOST
-    return code
+    say(f"this node's outcome (exit code {code}) followed it; exit code {EXIT_NODE_LOST}: a node was lost")
+    return EXIT_NODE_LOST
 
 
 def agree_on_config(node: Node, config: dict[str, Any]) -> None:

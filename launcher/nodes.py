@@ -78,9 +78,13 @@ def node_spec(
     count = nnodes if nnodes is not None else slurm.nnodes if slurm else 1
     rank = node_rank if node_rank is not None else slurm.node_rank if slurm else None
     addr = master_addr or (slurm.master_addr if slurm else None) or env.get("MASTER_ADDR")
-    port = next(
-        (p for p in (master_port, slurm.master_port if slurm else None, _env_port(env)) if p is not None), DEFAULT_MASTER_PORT
-    )
+    port = master_port  # the flag, else Slurm's, else MASTER_PORT, else torchrun's default
+    if port is None and slurm is not None:
+        port = slurm.master_port
+    if port is None:
+        port = _env_port(env)
+    if port is None:
+        port = DEFAULT_MASTER_PORT
     return check(count, rank, addr, port, source)
 
 
@@ -110,7 +114,7 @@ def _env_port(env: Mapping[str, str]) -> int | None:
     value = env.get("MASTER_PORT", "").strip()
     if not value:
         return None
-    if not value.isdigit():
+    if not re.fullmatch(r"[0-9]{1,5}", value):
         raise NodeSpecError(f"MASTER_PORT={value!r} is not a port number; unset it or pass --master-port")
     return int(value)
 

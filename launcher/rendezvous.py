@@ -25,20 +25,22 @@ starts without it.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
 from launcher.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
 
-__all__ = ["LOSS_AFTER", "Member", "Node", "NodeStopped", "RendezvousError", "differences", "join"]
+__all__ = ["LOSS_AFTER", "Member", "Node", "NodeInterrupted", "NodeStopped", "RendezvousError", "differences", "join"]
 
 POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
 LOSS_AFTER = 3.0  # a node silent this long is lost (--node-timeout)
+T = TypeVar("T")
 
 
 class NodeStopped(Exception):
@@ -47,6 +49,15 @@ class NodeStopped(Exception):
     def __init__(self, stop: NodeStop) -> None:
         super().__init__(stop.describe())
         self.stop = stop
+
+
+class NodeInterrupted(Exception):
+    """Another node was asked to stop (Ctrl-C, SIGTERM) before this one started its workers."""
+
+    def __init__(self, interrupt: NodeInterrupt) -> None:
+        name = signal.Signals(interrupt.signum).name
+        super().__init__(f"node {interrupt.node} was asked to stop ({name}) before the workers started; so is this node")
+        self.interrupt = interrupt
 
 
 @dataclass(frozen=True)
@@ -75,20 +86,27 @@ def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], No
         say(f"node 0 of {spec.nnodes}: rendezvous on {spec.endpoint}; waiting for {spec.nnodes - 1} more node(s)")
     else:
         wait_reachable(spec, deadline, timeout)
-        store = client(dist, spec, max(1.0, deadline - time.monotonic()))
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            store = bounded(lambda: client(dist, spec, left), left + loss_after, "connect")
+        except TimeoutError:
+            raise RendezvousError(f"node 0 at {spec.endpoint} accepts connections but does not answer (frozen?)") from None
         say(f"node {spec.node_rank} of {spec.nnodes}: joined the rendezvous on {spec.endpoint}")
     node = Node(spec, store, member, loss_after)
     try:
-        node._join(deadline, timeout)
+        node._join(deadline, timeout, say)
+        node._watch_store = bounded(lambda: client(dist, spec, loss_after * 2), loss_after * 3, "connect")
     except RendezvousError:
-        node.close()
+        node._withdraw()
         raise
-    except Exception as error:  # torch's: node 0's store went away
-        node.close()
+    except Exception as error:  # torch's, or a call that timed out: node 0's store went away or froze
+        node._withdraw()
         raise RendezvousError(
             f"lost the rendezvous on {spec.endpoint} while joining ({first_line(error)}); see node 0's launcher"
         ) from None
-    node._watch_store = client(dist, spec, loss_after * 2)
+    except BaseException:  # Ctrl-C, SIGTERM (SystemExit): this node leaves, and may join again
+        node._withdraw()
+        raise
     node._start_watching()
     say(f"all {spec.nnodes} nodes joined: {node.world_size} workers, {member.nproc} on each node")
     return node
@@ -113,6 +131,8 @@ class Node:
         self._last_contact = time.monotonic()
         self._beats: dict[int, tuple[int, float]] = {}
         """Node 0: each node's beat count and when it last moved."""
+        self._claimed = False
+        self._done_seen: set[int] = set()
         self.lost: dict[int, NodeStop] = {}
         """Node 0: the nodes found lost."""
         self.failed_at: float | None = None
@@ -142,23 +162,35 @@ class Node:
 
     # --- join -----------------------------------------------------------------------------
 
-    def _join(self, deadline: float, timeout: float) -> None:
+    def _call(self, call: Callable[[], T], what: str) -> T:
+        """A call on the store, bounded: node 0's store may freeze, and an unbounded call would
+        wait for ever (Ctrl-C included: the signal waits for the call to return)."""
+        return bounded(call, self.loss_after, what)
+
+    def _has(self, key: str) -> bool:
+        return bool(self._call(lambda: self._store.check([key]), "check"))
+
+    def _join(self, deadline: float, timeout: float, say: Callable[[str], None]) -> None:
         store, rank = self._store, self.rank
-        taken = int(store.add(f"claim/{rank}", 1))
+        taken = int(self._call(lambda: store.add(f"claim/{rank}", 1), "join"))
         if taken > 1:
             raise RendezvousError(
                 f"node rank {rank} has already joined from another launcher; give each node its own --node-rank"
             )
-        store.add(f"beat/{rank}", 1)
-        store.set(f"join/{rank}", json.dumps(asdict(self.member)))
+        self._claimed = True
+        self._call(lambda: store.add(f"beat/{rank}", 1), "join")
+        self._call(lambda: store.set(f"join/{rank}", json.dumps(asdict(self.member))), "join")
         while True:
-            if store.check(["refused"]):
-                reason = store.get("refused").decode()
-                store.add("refusal_read", 1)
+            self._call(lambda: store.add(f"beat/{rank}", 1), "join")
+            if self._call(lambda: store.check(["refused"]), "join"):
+                reason = self._call(lambda: store.get("refused"), "join").decode()
+                self._call(lambda: store.add("refusal_read", 1), "join")
                 raise RendezvousError(f"node 0 refused the job: {reason}")
-            if store.check(["joined"]):
+            if self._call(lambda: store.check(["joined"]), "join"):
                 break
-            missing = [n for n in range(self.spec.nnodes) if not store.check([f"join/{n}"])]
+            missing = [n for n in range(self.spec.nnodes) if not self._has(f"join/{n}")]
+            if self.spec.is_master:
+                self._evict_departed([n for n in range(1, self.spec.nnodes) if n not in missing], say)
             if not missing and self.spec.is_master:
                 self.members = self._read_members()
                 if problem := self._disagreement():
@@ -172,7 +204,33 @@ class Node:
                 raise RendezvousError(self._never_joined(missing, timeout))
             time.sleep(POLL_INTERVAL)
         if not self.members:
-            self.members = self._read_members()
+            self.members = self._call(self._read_members, "join")
+
+    def _evict_departed(self, joined: list[int], say: Callable[[str], None]) -> None:
+        """Node 0, while waiting: a node that joined and then fell silent (its launcher was
+        killed before the job formed) gives its rank back, so its relaunch can take it."""
+        now, store = time.monotonic(), self._store
+        for node in joined:
+            count = int(store.add(f"beat/{node}", 0))
+            seen, since = self._beats.get(node, (-1, now))
+            if count != seen:
+                self._beats[node] = (count, now)
+            elif now - since >= self.loss_after:
+                host = json.loads(store.get(f"join/{node}")).get("host", "")
+                for key in (f"join/{node}", f"claim/{node}"):
+                    store.delete_key(key)
+                self._beats.pop(node, None)
+                say(f"node {node} ({host}) left before the job formed (silent for {now - since:.1f} s); waiting for it again")
+
+    def _withdraw(self) -> None:
+        """This node leaves before the job formed: give its rank back, so it can join again."""
+        self.close()
+        if not self._claimed or self.spec.is_master:
+            return
+        try:
+            self._call(lambda: [self._store.delete_key(f"{key}/{self.rank}") for key in ("join", "claim")], "leave")
+        except Exception:
+            pass  # node 0 is gone: nothing to give back
 
     def _read_members(self) -> list[Member]:
         keys = [f"join/{n}" for n in range(self.spec.nnodes)]
@@ -222,13 +280,24 @@ class Node:
         bounded(lambda: self._store.set(f"plan/{key}", json.dumps(value)), self.loss_after, "share")
 
     def receive(self, key: str) -> dict[str, Any]:
-        """What node 0 shared under key, once it has; NodeStopped if the job stops first."""
+        """What node 0 shared under key, once it has; NodeStopped or NodeInterrupted if the job
+        stops first (node 0 lost included)."""
         while True:
-            if (stop := self.stopped) is not None:
-                raise NodeStopped(stop)
-            if bounded(lambda: self._store.check([f"plan/{key}"]), self.loss_after, "receive"):
-                return json.loads(bounded(lambda: self._store.get(f"plan/{key}"), self.loss_after, "receive"))
+            self.check_going()
+            try:
+                if self._call(lambda: self._store.check([f"plan/{key}"]), "receive"):
+                    return json.loads(self._call(lambda: self._store.get(f"plan/{key}"), "receive"))
+            except Exception as error:
+                lost = NodeStop(0, self.host_of(0), "lost", f"its store stopped answering ({first_line(error)})")
+                raise NodeStopped(lost) from None
             time.sleep(POLL_INTERVAL)
+
+    def check_going(self) -> None:
+        """NodeStopped or NodeInterrupted when another node has stopped the job, or asked it to stop."""
+        if (stop := self.stopped) is not None:
+            raise NodeStopped(stop)
+        if (interrupt := self._interrupt) is not None:
+            raise NodeInterrupted(interrupt)
 
     # --- stopping -------------------------------------------------------------------------
 
@@ -308,6 +377,7 @@ class Node:
     # --- the watch ------------------------------------------------------------------------
 
     def _start_watching(self) -> None:
+        self._last_contact = time.monotonic()  # the join may have lasted minutes
         threading.Thread(target=self._watch, daemon=True, name="node-watch").start()
         if not self.spec.is_master:
             threading.Thread(target=self._alarm, daemon=True, name="node-alarm").start()
@@ -342,23 +412,32 @@ class Node:
             self._stopping.wait(POLL_INTERVAL)
 
     def _check_beats(self, store: Any, now: float) -> None:
-        """Node 0: a node whose beat has not moved for self.loss_after seconds, and has not finished, is lost."""
+        """Node 0: a node whose beat has not moved for loss_after seconds, and has not finished,
+        is lost; one that finished with an error code while this node runs has stopped the job
+        (it lost this node: this node stopped answering for a while)."""
         others = [n for n in range(1, self.spec.nnodes) if n not in self.lost]
         if not others:
             return
         counts = store.multi_get([f"beat/{n}" for n in others])
         for node, raw in zip(others, counts, strict=True):
             count = int(raw)
-            seen, since = self._beats[node]
-            if count != seen:
+            seen, since = self._beats.get(node, (count, now))
+            if count != seen or node not in self._beats:
                 self._beats[node] = (count, now)
-            elif now - since >= self.loss_after and not store.check([f"done/{node}"]):
+            elif node not in self._done_seen and store.check([f"done/{node}"]):
+                self._done_seen.add(node)
+                code = int(store.get(f"done/{node}"))
+                if store.check(["abort"]):  # its own word, or the one it followed, says more
+                    self._deliver(NodeStop.from_json(store.get("abort")))
+                elif code != 0 and not self._interrupt_seen:  # a graceful stop ends every node with 128 + n
+                    detail = f"its launcher ended with exit code {code} while this node ran"
+                    self._deliver(NodeStop(node, self.host_of(node), "error", detail))
+            elif now - since >= self.loss_after and node not in self._done_seen:
                 lost = NodeStop(node, self.host_of(node), "lost", f"its launcher stopped answering {now - since:.1f} s ago")
                 self.lost[node] = lost
-                try:
-                    store.compare_set("abort", "", lost.to_json())
-                finally:
-                    self._deliver(lost)
+                store.set(f"lost/{node}", lost.to_json())
+                first = store.compare_set("abort", "", lost.to_json())
+                self._deliver(NodeStop.from_json(first))
 
     def _alarm(self) -> None:
         """Not node 0: its store stopped answering (frozen, or its machine gone)."""
@@ -371,20 +450,49 @@ class Node:
     # --- the end --------------------------------------------------------------------------
 
     def finish(self, exit_code: int, wait: float) -> None:
-        """Say this node is done. Node 0 then waits (at most wait seconds) until every other node
-        is done or lost: the store it hosts ends with it."""
+        """Say this node is done, and learn which nodes were lost (self.lost). Node 0 waits (at
+        most wait seconds) until every other node is done or lost, then writes the verdict: the
+        lost nodes, which every node names (a node lost outranks the failures that followed it).
+        Node 0 ends last: the store it hosts ends with it."""
         try:
-            bounded(lambda: self._store.set(f"done/{self.rank}", str(exit_code)), self.loss_after, "done")
+            self._call(lambda: self._store.set(f"done/{self.rank}", str(exit_code)), "done")
         except Exception:
             pass  # node 0 is gone already
         if self.spec.is_master:
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                waiting = [n for n in range(1, self.spec.nnodes) if n not in self.lost and not self._store.check([f"done/{n}"])]
-                if not waiting:
-                    break
-                time.sleep(POLL_INTERVAL)
+            self._gather(wait)
+        elif exit_code != 0:
+            self._read_verdict()
         self.close()
+
+    def _gather(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        others = range(1, self.spec.nnodes)
+        while time.monotonic() < deadline:
+            if all(n in self.lost or self._store.check([f"done/{n}"]) for n in others):
+                break
+            time.sleep(POLL_INTERVAL)
+        self._store.set("verdict", json.dumps([stop.to_json() for stop in self.lost.values()]))
+        done = [n for n in others if n not in self.lost and self._store.check([f"done/{n}"])]
+        readers = len([n for n in done if int(self._store.get(f"done/{n}")) != 0])  # they wait for the verdict
+        deadline = time.monotonic() + 1.0
+        while int(self._store.add("verdict_read", 0)) < readers and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL / 2)
+
+    def _read_verdict(self) -> None:
+        """Not node 0: wait for node 0's verdict (it comes once every node is done or lost)."""
+        deadline = time.monotonic() + self.loss_after + 2.0
+        try:
+            while not self._call(lambda: self._store.check(["verdict"]), "verdict"):
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(POLL_INTERVAL)
+            records = json.loads(self._call(lambda: self._store.get("verdict"), "verdict"))
+            self._call(lambda: self._store.add("verdict_read", 1), "verdict")
+        except Exception:
+            return  # node 0 is gone: this node has said so already
+        for record in records:
+            stop = NodeStop.from_json(record)
+            self.lost.setdefault(stop.node, stop)
 
     def close(self) -> None:
         self._stopping.set()

@@ -81,7 +81,7 @@ def wait_reachable(spec: NodeSpec, deadline: float, timeout: float) -> None:
         try:
             with socket.create_connection((spec.master_addr, spec.master_port), timeout=max(0.1, min(2.0, left))):
                 return
-        except socket.gaierror:
+        except (socket.gaierror, UnicodeError):  # UnicodeError: a name IDNA refuses (a..b, a label too long)
             raise RendezvousError(f"--master-addr {spec.master_addr}: unknown host; give node 0's name or address") from None
         except ConnectionRefusedError:
             reason = "connection refused"

@@ -63,9 +63,16 @@ def start_nodes(
         flags = ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         argv = [sys.executable, "-m", "launcher", *flags, *options]
         with out.open("w") as handle:
-            proc = processes(argv, cwd=ROOT, env=env or launcher_env(), stdout=handle, stderr=subprocess.STDOUT)
+            proc = processes(
+                argv, cwd=ROOT, env=(env or launcher_env()) | runs_in(tmp_path), stdout=handle, stderr=subprocess.STDOUT
+            )
         runs.append(NodeRun(rank, proc, out))
     return sorted(runs, key=lambda run: run.rank)
+
+
+def runs_in(tmp_path: Path) -> dict[str, str]:
+    """Run directories of generic commands go to the test's own directory, not the clone's runs/."""
+    return {"PRETRAIN_RUNS_DIR": str(tmp_path / "runs")}
 
 
 def losses(text: str) -> dict[tuple[str, int], str]:
@@ -316,7 +323,11 @@ def test_slurm_variables_alone_place_each_node(tmp_path, processes, worker):
         out = tmp_path / f"slurm{rank}.out"
         with out.open("w") as handle:
             argv = [sys.executable, "-m", "launcher", "--nproc", "1", *worker]
-            nodes.append(NodeRun(rank, processes(argv, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT), out))
+            nodes.append(
+                NodeRun(
+                    rank, processes(argv, cwd=ROOT, env=env | runs_in(tmp_path), stdout=handle, stderr=subprocess.STDOUT), out
+                )
+            )
     node1, node0 = nodes
     assert [node0.wait(120), node1.wait(120)] == [EXIT_OTHER_NODE_FAILED, 7], node0.text + node1.text
     assert f"node 0 of 2: rendezvous on localhost:{port}" in node0.text
@@ -507,3 +518,90 @@ def test_every_node_runs_in_node_0s_run_directory_and_says_so_when_given_another
         f"warning: --run-dir {tmp_path / 'mine'} is not node 0's; every node uses node 0's, {tmp_path / 'main'}" in nodes[1].text
     )
     assert (tmp_path / "main" / "workers.node1.json").exists() and not (tmp_path / "mine").exists()
+
+
+# --- the review's cases: frozen node 0, three nodes, a node that left before the job formed ----
+
+
+def test_a_node_0_frozen_during_the_join_is_one_line_on_the_others_not_a_hang(tmp_path, processes, worker):
+    port = free_port()
+    node0, node1 = start_nodes(
+        tmp_path, processes, ["--nproc", "1", "--node-timeout", "1", *worker], nnodes=3, ranks=(0, 1), port=port
+    )
+    assert wait_until(lambda: "joined the rendezvous" in node1.text, timeout=60), node1.text
+    node0.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert node1.wait(timeout=30) == 2
+    finally:
+        node0.proc.send_signal(signal.SIGCONT)
+    assert "launcher: error: lost the rendezvous on 127.0.0.1:" in node1.text and "no answer within 1 s" in node1.text
+
+
+def test_node_0_frozen_past_the_node_timeout_stops_both_nodes_once_it_wakes(tmp_path, processes, worker):
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "1", "--node-timeout", "1", *worker])
+    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 2, timeout=120), nodes[0].text + nodes[1].text
+    nodes[0].proc.send_signal(signal.SIGSTOP)
+    try:
+        assert nodes[1].wait(timeout=30) == EXIT_NODE_LOST
+    finally:
+        nodes[0].proc.send_signal(signal.SIGCONT)
+    assert nodes[0].wait(timeout=30) == EXIT_OTHER_NODE_FAILED, nodes[0].text
+    assert "STOPPED: node 0 (" in nodes[1].text and "was lost: its launcher stopped answering" in nodes[1].text
+    assert "node 1 (" in nodes[0].text and "ended with exit code 76 while this node ran" in nodes[0].text
+
+
+def test_with_three_nodes_a_lost_one_is_named_by_both_others_which_exit_76(tmp_path, processes, worker):
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "1", *worker], nnodes=3)
+    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 3, timeout=120), "".join(n.text for n in nodes)
+    nodes[1].proc.send_signal(signal.SIGKILL)
+    assert [nodes[0].wait(timeout=30), nodes[2].wait(timeout=30)] == [EXIT_NODE_LOST, EXIT_NODE_LOST]
+    for node in (nodes[0], nodes[2]):
+        assert re.search(r"STOPPED: node 1 \(.*\) was lost", node.text), node.text
+
+
+def test_a_node_killed_before_the_job_formed_can_join_again(tmp_path, processes, worker):
+    port = free_port()
+    options = ["--nproc", "1", "--node-timeout", "1", "--join-timeout", "60", *worker]
+    node0, first = start_nodes(tmp_path, processes, options, nnodes=3, ranks=(0, 1), port=port, env=launcher_env(FAIL_RANK="2"))
+    assert wait_until(lambda: "joined the rendezvous" in first.text, timeout=60), first.text
+    first.proc.send_signal(signal.SIGKILL)
+    assert wait_until(lambda: "left before the job formed" in node0.text, timeout=30), node0.text
+    again, node2 = start_nodes(tmp_path, processes, options, nnodes=3, ranks=(1, 2), port=port, env=launcher_env(FAIL_RANK="2"))
+    assert [node0.wait(timeout=60), again.wait(timeout=60), node2.wait(timeout=60)] == [
+        EXIT_OTHER_NODE_FAILED,
+        EXIT_OTHER_NODE_FAILED,
+        7,
+    ], node0.text + again.text + node2.text
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "message"),
+    [
+        (["--master-addr", "a..b", "--node-rank", "1"], {}, "--master-addr a..b: unknown host"),
+        (["--master-addr", "127.0.0.1", "--node-rank", "1"], {"MASTER_PORT": "²"}, "MASTER_PORT='²' is not a port number"),
+    ],
+)
+def test_odd_addresses_and_ports_are_one_line(options, env, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--nnodes", "2", "--join-timeout", "1", *options, "--", "true"],
+        cwd=ROOT,
+        env=launcher_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_one_line_error(result, message, quiet_stdout=False)
+
+
+def test_a_flag_port_wins_over_a_bad_master_port_variable():
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"]
+        + ["--master-port", str(port), "--join-timeout", "1", "--", "true"],
+        cwd=ROOT,
+        env=launcher_env(MASTER_PORT="abc"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_one_line_error(result, f"cannot reach node 0 at 127.0.0.1:{port}", quiet_stdout=False)
