@@ -235,7 +235,7 @@ class TrainingConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank; 0 loads batches in the training process."""
     optimizer: str = "adamw"
-    """The optimizer, by its name in pretrain/registry.py (OPTIMIZERS): "adamw" (decoupled weight decay on matrices only)."""
+    """The optimizer, by its name in pretrain/registry.py (OPTIMIZERS): "adamw" (decoupled weight decay on matrices only), or "muon" (Muon for the matrices inside the blocks, AdamW for embeddings, norms and the output layer)."""
     lr_schedule: str = "cosine"
     """The learning-rate schedule, by its name in pretrain/registry.py (LR_SCHEDULES): "cosine" (linear warmup, then cosine decay to min_lr_ratio)."""
     learning_rate: float = 3e-4
@@ -254,6 +254,14 @@ class TrainingConfig:
     """AdamW first-moment decay."""
     beta2: float = 0.95
     """AdamW second-moment decay."""
+    muon_learning_rate: float = 0.02
+    """Muon's peak learning rate for the matrices inside the blocks (training.optimizer=muon); the schedule scales it as it scales learning_rate, which the AdamW groups use."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov) before the update is orthogonalized."""
+    muon_orthogonalize: str = "newton_schulz"
+    """How Muon orthogonalizes an update, by its name in pretrain/registry.py (ORTHOGONALIZERS): "newton_schulz" (a few bfloat16 iterations) or "svd" (exact, slow)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon update."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     use_amp: bool = True
@@ -284,7 +292,7 @@ class TrainingConfig:
     """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints"):
+        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints", "muon_ns_steps"):
             _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
         for name in (
             "epochs",
@@ -307,6 +315,13 @@ class TrainingConfig:
             self.optimizer in registry.OPTIMIZERS,
             "training.optimizer",
             not_one_of(self.optimizer, registry.OPTIMIZERS),
+        )
+        _check(self.muon_learning_rate > 0, "training.muon_learning_rate", f"must be positive (got {self.muon_learning_rate})")
+        _check(0 <= self.muon_momentum < 1, "training.muon_momentum", f"must be in [0, 1) (got {self.muon_momentum})")
+        _check(
+            self.muon_orthogonalize in registry.ORTHOGONALIZERS,
+            "training.muon_orthogonalize",
+            not_one_of(self.muon_orthogonalize, registry.ORTHOGONALIZERS),
         )
         _check(
             self.lr_schedule in registry.LR_SCHEDULES,

@@ -1,6 +1,7 @@
 """The trainer's extension points: the names a config may choose, and where each one's code is.
 
     training.optimizer      OPTIMIZERS      builds the optimizer; tells the memory estimate its state size
+    training.muon_orthogonalize  ORTHOGONALIZERS  how Muon orthogonalizes an update
     training.lr_schedule    LR_SCHEDULES    the learning rate at each step
     model.ffn               FEED_FORWARDS   the feed-forward block of every layer; its size for the estimate
     data.source             TEXT_FORMATS    a format of local text files (and of a Hub dataset's files)
@@ -49,6 +50,14 @@ class FeedForwardKind:
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind("pretrain.optim:build_adamw", state_bytes_per_param=8),
+    # Muon keeps one fp32 momentum per matrix entry, AdamW two moments for the rest: 8 bounds both.
+    "muon": OptimizerKind("pretrain.muon:build_muon", state_bytes_per_param=8),
+}
+
+ORTHOGONALIZERS: dict[str, str] = {
+    # (update (..., m, n), steps) -> the update with its singular values near 1 (training.muon_orthogonalize)
+    "newton_schulz": "pretrain.muon:newton_schulz",
+    "svd": "pretrain.muon:svd_orthogonalize",
 }
 
 LR_SCHEDULES: dict[str, str] = {
