@@ -115,3 +115,31 @@ def test_muon_trains_the_debug_model_on_two_cpu_workers(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     losses = [float(x) for x in re.findall(r"CPU0:INFO \| \[CPU 0\] Step \[\d+/10\] \| Loss: (\d+\.\d+)", result.stdout)]
     assert len(losses) == 10 and losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp_gives_the_losses_of_muon_under_ddp(tmp_path):
+    def losses(parallelism: str) -> list[float]:
+        result = run_launcher(
+            "--debug",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "4",
+            "--run-dir",
+            str(tmp_path / parallelism),
+            "--set",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "training.optimizer=muon",
+            "--set",
+            f"training.parallelism={parallelism}",
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stdout[-3000:]
+        return [float(x) for x in re.findall(r"CPU0:INFO \| \[CPU 0\] Step \[\d+/4\] \| Loss: (\d+\.\d+)", result.stdout)]
+
+    ddp, fsdp = losses("ddp"), losses("fsdp")
+    assert len(ddp) == 4
+    # the same updates, but each rank orthogonalizes a gathered matrix in bfloat16: equal to 1e-3
+    assert fsdp == pytest.approx(ddp, abs=1e-3)
