@@ -23,6 +23,7 @@ from pretrain.data import DataError
 from pretrain.data.loader import TokenIdError, TrainBatches, validation_batches
 from pretrain.debug import FirstNonFinite
 from pretrain.metrics import MetricsLog
+from pretrain.wandb_log import WandbRun
 from pretrain.model import Transformer
 from pretrain.optim import build_optimizer
 from pretrain.runtime import Runtime
@@ -153,7 +154,8 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
         f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
         f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step"
     )
-    metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log)
+    wandb = WandbRun(run_dir, config, log) if config.logging.wandb and runtime.is_main else None
+    metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log, wandb=wandb)
     trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
     if config.debug.trace_nonfinite:
         trainer.tracer = FirstNonFinite(parallel.unwrap(model))

@@ -357,6 +357,10 @@ class LoggingConfig:
     """Print a step line every N optimizer steps (the first and last step always)."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events to <run dir>/tensorboard/ when the tensorboard package is installed."""
+    wandb: bool = False
+    """Also log the metrics to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps the run in <run dir>/wandb/ for a later `wandb sync`)."""
+    wandb_project: str = "pretrain"
+    """The Weights & Biases project the runs go to (with logging.wandb)."""
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, "logging.log_interval", f"must be at least 1 (got {self.log_interval})")

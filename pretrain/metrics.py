@@ -181,12 +181,16 @@ class MetricsLog:
     appends to the same file, so a step may appear twice; readers keep the later record.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, enabled: bool, tensorboard: bool, logger: logging.Logger | None = None, wandb: Any = None
+    ) -> None:
+        """wandb: a pretrain.wandb_log.WandbRun, which gets the same scalars (rank 0's)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._logger = logger
         self._file = _open_for_append(self.path) if enabled else None
         self._writer = _tensorboard_writer(Path(run_dir) / "tensorboard", logger) if enabled and tensorboard else None
+        self._wandb = wandb if enabled else None
 
     def log_train(
         self,
@@ -240,6 +244,8 @@ class MetricsLog:
             )
 
     def _scalars(self, section: str, step: int, values: dict[str, Any]) -> None:
+        if self._wandb is not None:
+            self._wandb.log(section, step, {name: _number(value) for name, value in values.items()})
         if self._writer is None:
             return
         for name, value in values.items():
@@ -255,6 +261,9 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLog:
         return self
