@@ -58,6 +58,8 @@ class Trainer:
     skipped_steps: int = 0
     """Updates dropped for NaN or Inf (debug.on_nonfinite=skip)."""
     skips_in_a_row: int = 0
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The last step's auxiliary losses (a mixture of experts' load balancing), this rank's, by name."""
 
     @property
     def tokens_per_step(self) -> int:

@@ -91,7 +91,7 @@ __all__ = [
 NEARLY_FULL = 64 << 20
 """Free bytes below which a failed write names the free space: more than one write's worth."""
 
-ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn", "ffn_dim", "vocab_size")
+ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn", "ffn_dim", "vocab_size", "moe")
 """The model keys that define its parameters. The others (norm_eps, rope_theta, max_seq_len,
 init_std) may change on resume: raising rope_theta with max_seq_len is how a context is extended."""
 

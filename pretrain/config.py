@@ -56,6 +56,7 @@ from pretrain.config_schema import (
     DebugConfig,
     LoggingConfig,
     ModelConfig,
+    MoEConfig,
     SystemConfig,
     TrainingConfig,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "ConfigError",
     "Config",
     "ModelConfig",
+    "MoEConfig",
     "DataConfig",
     "TrainingConfig",
     "SystemConfig",

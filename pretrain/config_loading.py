@@ -70,18 +70,27 @@ def apply_overrides(config: Config, overrides: dict[str, Any], source: str) -> C
                 raise ConfigError(f"{name}: unknown section{_closest(name, list(SECTIONS))}")
             if not isinstance(values, dict):
                 raise ConfigError(f"{name}: expected an object of keys, got {describe(values)}")
-            cls = SECTIONS[name]
-            hints = get_type_hints(cls)
-            changes = {}
-            for key, value in values.items():
-                if key not in hints:
-                    valid = [f"{name}.{k}" for k in hints]
-                    raise ConfigError(f"{name}.{key}: unknown key{_closest(f'{name}.{key}', valid)}")
-                changes[key] = _coerce(f"{name}.{key}", hints[key], value)
-            sections[name] = dataclasses.replace(getattr(config, name), **changes)
+            sections[name] = _apply(getattr(config, name), values, name)
         return dataclasses.replace(config, **sections)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
+
+
+def _apply(current: Any, values: dict[str, Any], prefix: str) -> Any:
+    """current (a section, or a group inside one such as model.moe) with values applied."""
+    hints = get_type_hints(type(current))
+    changes = {}
+    for key, value in values.items():
+        if key not in hints:
+            valid = [f"{prefix}.{k}" for k in hints]
+            raise ConfigError(f"{prefix}.{key}: unknown key{_closest(f'{prefix}.{key}', valid)}")
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}.{key}: expected an object of keys, got {describe(value)}")
+            changes[key] = _apply(getattr(current, key), value, f"{prefix}.{key}")
+        else:
+            changes[key] = _coerce(f"{prefix}.{key}", hints[key], value)
+    return dataclasses.replace(current, **changes)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -109,16 +118,18 @@ def read_config_file(path: Path) -> dict[str, Any]:
 def parse_set(assignment: str) -> dict[str, Any]:
     """Turn `section.key=value` into {section: {key: value}}; value is JSON, else a string."""
     path, sep, raw = assignment.partition("=")
-    if not sep or path.count(".") != 1 or not all(path.split(".")):
+    if not sep or path.count(".") not in (1, 2) or not all(path.split(".")):
         raise ConfigError(f"--set {assignment}: expected section.key=value, for example training.batch_size=4")
-    section, key = path.split(".")
+    section, *keys = path.split(".")
     if section == "preset":
         raise ConfigError(f"--set {assignment}: the preset is not a section; use --preset NAME")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
-    return {section: {key: value}}
+    for key in reversed(keys):  # model.moe.top_k=2 -> {"model": {"moe": {"top_k": 2}}}
+        value = {key: value}
+    return {section: value}
 
 
 def resolve(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import typing
 import inspect
 import json
 import sys
@@ -65,13 +66,7 @@ def reference_table() -> str:
     prod, dbg = to_dict(production()), to_dict(debug())
     rows = ["| key | production | debug | meaning |", "| --- | --- | --- | --- |"]
     for section, cls in SECTIONS.items():
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            meaning = docs.get(f.name, "").replace("|", r"\|")  # a bare | would end the table cell
-            rows.append(
-                f"| `{section}.{f.name}` | `{json.dumps(prod[section][f.name])}` "
-                f"| `{json.dumps(dbg[section][f.name])}` | {meaning} |"
-            )
+        rows += _rows([section], cls, {"production": prod, "debug": dbg})
     return "\n".join(rows)
 
 
@@ -81,13 +76,29 @@ def _cell(value: object) -> str:
 
 def section_table(section: str, cls: type, presets: dict[str, dict]) -> list[str]:
     """One Markdown table for one section: key, each preset's value, meaning."""
-    docs = field_docs(cls)
-    rows = [f"| key | {' | '.join(presets)} | meaning |", "| --- |" + " --- |" * (len(presets) + 1)]
+    header = [f"| key | {' | '.join(presets)} | meaning |", "| --- |" + " --- |" * (len(presets) + 1)]
+    return header + _rows([section], cls, presets)
+
+
+def _rows(path: list[str], cls: type, presets: dict[str, dict]) -> list[str]:
+    """A row per key of cls, whose values are at path in each preset; a group of keys inside a
+    section (model.moe) gets a row per key of its own."""
+    docs, rows = field_docs(cls), []
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        values = " | ".join(_cell(values[section][f.name]) for values in presets.values())
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows([*path, f.name], hints[f.name], presets)
+            continue
+        values = " | ".join(_cell(_at(values, [*path, f.name])) for values in presets.values())
         meaning = docs.get(f.name, "").replace("|", r"\|")
-        rows.append(f"| `{section}.{f.name}` | {values} | {meaning} |")
+        rows.append(f"| `{'.'.join([*path, f.name])}` | {values} | {meaning} |")
     return rows
+
+
+def _at(values: dict, path: list[str]) -> object:
+    for key in path:
+        values = values[key]
+    return values
 
 
 def render() -> str:

@@ -49,6 +49,30 @@ def not_one_of(value: Any, choices: Iterable[str]) -> str:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 0
+    """Experts per layer; 0 keeps the dense feed-forward block (model.ffn). Above 0, every layer's feed-forward block is a mixture of that many SwiGLU experts of width model.ffn_dim."""
+    top_k: int = 2
+    """Experts each token is routed to (token-choice top-k); their outputs are summed, weighted by the router's renormalised probabilities."""
+    capacity_factor: float = 1.25
+    """Each expert takes at most capacity_factor x tokens x top_k / num_experts tokens per batch; the tokens over it skip that expert (the residual carries them)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the load-balancing loss (num_experts x sum of each expert's token share x its mean router probability; 1 when balanced) added to the training loss."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_experts >= 0, "model.moe.num_experts", f"must not be negative (got {self.num_experts})")
+        _check(self.top_k >= 1, "model.moe.top_k", f"must be at least 1 (got {self.top_k})")
+        if self.num_experts > 0:
+            _check(
+                self.top_k <= self.num_experts,
+                "model.moe.top_k",
+                f"{self.top_k} is more than model.moe.num_experts ({self.num_experts}); a token cannot go to more experts than there are",
+            )
+        _check(self.capacity_factor > 0, "model.moe.capacity_factor", f"must be positive (got {self.capacity_factor})")
+        _check(self.aux_loss_weight >= 0, "model.moe.aux_loss_weight", f"must not be negative (got {self.aux_loss_weight})")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     dim: int = 4096
     """Width of the residual stream (embedding size)."""
@@ -72,8 +96,17 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weight matrices."""
     max_seq_len: int | None = 8192
     """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts (the MegaBlocks knobs); off while moe.num_experts is 0."""
+
+    @property
+    def feed_forward(self) -> str:
+        """The block every layer has, by its name in FEED_FORWARDS: "moe" with experts, else model.ffn."""
+        return "moe" if self.moe.num_experts > 0 else self.ffn
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # ModelConfig(**json_dict), as an export's config.json is read
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
         _check(self.dim % self.n_heads == 0, "model.dim", f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
@@ -88,6 +121,7 @@ class ModelConfig:
             f"{self.n_heads} is not divisible by model.n_kv_heads ({self.n_kv_heads})",
         )
         _check(self.ffn in registry.FEED_FORWARDS, "model.ffn", not_one_of(self.ffn, registry.FEED_FORWARDS))
+        _check(self.ffn != "moe" or self.moe.num_experts > 0, "model.ffn", "moe needs model.moe.num_experts above 0")
         if self.vocab_size is not None:
             _check(self.vocab_size >= 2, "model.vocab_size", f"must be at least 2 or null (got {self.vocab_size})")
         _check(self.norm_eps > 0, "model.norm_eps", f"must be positive (got {self.norm_eps})")

@@ -268,7 +268,7 @@ def standalone_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def parameter_naming(config: Config) -> ParameterNaming:
     """PARAMETER_NAMING, with the feed-forward names model.ffn's block uses where they are not Llama's."""
-    if registry.FEED_FORWARDS[config.model.ffn].llama_layout:
+    if registry.FEED_FORWARDS[config.model.feed_forward].llama_layout:
         return PARAMETER_NAMING
     ffn = f"layers.{{i}}.feed_forward.* of model.ffn={config.model.ffn!r} (pretrain/registry.py), not Llama's w1, w2, w3"
     convention = PARAMETER_NAMING["convention"].replace("layers.{i}.feed_forward.{w1,w2,w3}", ffn)

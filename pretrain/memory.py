@@ -110,7 +110,7 @@ def block_parameter_count(model: ModelConfig) -> int:
     (its own count, from pretrain/registry.py: SwiGLU's w1/w2/w3 are 3 x dim x ffn_dim)."""
     d, head_dim = model.dim, model.dim // model.n_heads
     attention = d * model.n_heads * head_dim * 2 + d * model.n_kv_heads * head_dim * 2  # wq, wo; wk, wv
-    return 2 * d + attention + registry.FEED_FORWARDS[model.ffn].parameters(model)
+    return 2 * d + attention + registry.FEED_FORWARDS[model.feed_forward].parameters(model)
 
 
 def embedding_parameter_count(model: ModelConfig) -> int:
@@ -152,7 +152,7 @@ def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one per head). The
     rotation keeps nothing: its tables are constants.
     """
-    d, ffn = model.dim, registry.FEED_FORWARDS[model.ffn].saved_per_token(model)
+    d, ffn = model.dim, registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
     kv = model.n_kv_heads * (d // model.n_heads) if compute_bytes != FP32 else d
     norm_outputs = 5 * d if compute_bytes != FP32 else 2 * d
     return compute_bytes * (norm_outputs + 2 * d + 2 * kv + ffn) + FP32 * (4 * d + 2 + model.n_heads)

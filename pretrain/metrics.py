@@ -92,7 +92,7 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     ValueError while model.vocab_size is null.
     """
     non_embedding = parameter_count(model_cfg) - embedding_parameter_count(model_cfg)
-    feed_forward = registry.FEED_FORWARDS[model_cfg.ffn]
+    feed_forward = registry.FEED_FORWARDS[model_cfg.feed_forward]
     if feed_forward.active_parameters is not None:  # a mixture of experts: a token runs through top_k of them
         non_embedding -= model_cfg.n_layers * (feed_forward.parameters(model_cfg) - feed_forward.active_parameters(model_cfg))
     return 6.0 * non_embedding + 12.0 * model_cfg.n_layers * model_cfg.dim * seq_len
@@ -202,8 +202,10 @@ class MetricsLog:
         mfu: float | None,
         peak_memory_gib: float | None,
         elapsed_s: float | None,
+        aux_losses: dict[str, float] | None = None,
     ) -> None:
-        """One optimizer step; mfu is a fraction, elapsed_s the seconds since training started."""
+        """One optimizer step; mfu is a fraction, elapsed_s the seconds since training started;
+        aux_losses the weighted auxiliary losses by name (a mixture of experts' load balancing)."""
         scalars = {
             "loss": loss,
             "lr": lr,
@@ -211,6 +213,7 @@ class MetricsLog:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
             "peak_memory_gib": peak_memory_gib,
+            **(aux_losses or {}),
         }
         self._write({"kind": "train", "step": int(step), **scalars, "elapsed_s": elapsed_s})
         self._scalars("train", step, scalars)

@@ -107,7 +107,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = registry.load(registry.FEED_FORWARDS[cfg.ffn].module)(cfg)
+        self.feed_forward = registry.load(registry.FEED_FORWARDS[cfg.feed_forward].module)(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """(B, T, dim) -> (B, T, dim), and the feed-forward block's auxiliary losses (usually none)."""
@@ -197,6 +197,11 @@ class Transformer(nn.Module):
                 _assign(module.weight, full)
             elif isinstance(module, RMSNorm):
                 _local(module.weight).fill_(1.0)
+            for name, kind in getattr(module, "normal_init", {}).items():  # weights that are not nn.Linear's (experts)
+                param = getattr(module, name)
+                full = torch.empty(param.shape, device=device)
+                full.normal_(mean=0.0, std=residual_std if kind == "residual" else std, generator=generator)
+                _assign(param, full)
         self.reset_rotary()
 
     @torch.no_grad()

@@ -73,6 +73,15 @@ FEED_FORWARDS: dict[str, FeedForwardKind] = {
         saved_per_token=lambda m: 4 * m.ffn_dim,
         llama_layout=True,
     ),
+    # model.moe.num_experts > 0 chooses it (ModelConfig.feed_forward): a router (dim x E) and E
+    # SwiGLU experts; a token runs through top_k of them, and each keeps SwiGLU's four values per
+    # routed token, capacity_factor-padded.
+    "moe": FeedForwardKind(
+        "pretrain.moe:MixtureOfExperts",
+        parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.num_experts * m.dim * m.ffn_dim,
+        saved_per_token=lambda m: m.moe.num_experts + int(4 * m.ffn_dim * m.moe.top_k * m.moe.capacity_factor) + 2 * m.dim,
+        active_parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.top_k * m.dim * m.ffn_dim,
+    ),
 }
 
 

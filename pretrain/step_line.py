@@ -86,9 +86,13 @@ def step_line(
     tokens_per_s: float,
     utilization: float | None,
     memory_gib: float | None,
+    aux_loss: float | None = None,
 ) -> str:
+    """aux_loss: the weighted auxiliary losses (a mixture of experts' load balancing), shown next to
+    the loss (the cross-entropy) they are added to in training."""
+    aux = f" | Aux Loss: {aux_loss:.4f}" if aux_loss is not None else ""
     line = (
-        f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f} | LR: {lr:.2e} | "
+        f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f}{aux} | LR: {lr:.2e} | "
         f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}"
     )
     if utilization is not None:

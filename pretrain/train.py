@@ -61,6 +61,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     if trainer.tracer is not None:
         trainer.tracer.reset()
     loss_sum = torch.zeros((), device=device)  # the cross-entropy; auxiliary losses only train
+    aux_sums: dict[str, torch.Tensor] = {}
     for micro in range(t.grad_accum_nums):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
         # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
@@ -70,6 +71,9 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
                 loss = next_token_loss(trainer.model, x, y, t.loss_chunk_tokens)
             (loss.total / t.grad_accum_nums).backward()
         loss_sum += loss.cross_entropy.detach() / t.grad_accum_nums
+        for name, value in loss.aux_losses.items():
+            aux_sums[name] = aux_sums.get(name, 0) + value.detach().float() / t.grad_accum_nums
+    trainer.aux_losses = aux_sums
     grad_norm = parallel.grad_norm(trainer.model)
     if trainer.config.debug.check_finite:
         seen = trainer.tracer is not None and trainer.tracer.first is not None
@@ -120,6 +124,7 @@ def fit(trainer: Trainer) -> None:
         last = step == t.max_steps - 1
         if steps_run == 0 or last or step % interval == 0:
             mean_loss = mean_across_ranks(loss, trainer.runtime)  # the global mean, the same on every rank
+            aux = {name: mean_across_ranks(value, trainer.runtime) for name, value in sorted(trainer.aux_losses.items())}
             trainer.losses.append(mean_loss)
             now = time.perf_counter()
             first_step_done = first_step_done or now
@@ -137,9 +142,12 @@ def fit(trainer: Trainer) -> None:
                     tokens_per_s,
                     utilization,
                     memory_gib,
+                    sum(aux.values()) if aux else None,
                 )
             )
-            trainer.metrics.log_train(step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start)
+            trainer.metrics.log_train(
+                step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start, aux
+            )
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
             with speed.paused():
                 log_validation(trainer, step)

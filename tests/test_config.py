@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 import json
 from pathlib import Path
 
@@ -180,11 +181,20 @@ def test_docs_config_md_is_what_the_generator_makes_from_the_code():
 
 def test_the_config_reference_lists_every_key_with_its_docstring_in_each_preset_column():
     page = config_reference.render()
-    for section, cls in cfg.SECTIONS.items():
+
+    def check(prefix: str, cls: type) -> None:
         for f in dataclasses.fields(cls):
-            row = next(line for line in page.splitlines() if line.startswith(f"| `{section}.{f.name}` |"))
+            kind = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(kind):  # a group of keys inside a section: model.moe.top_k
+                check(f"{prefix}.{f.name}", kind)
+                continue
+            row = next(line for line in page.splitlines() if line.startswith(f"| `{prefix}.{f.name}` |"))
             assert row.count(" | ") == len(config_reference.PRESETS) + 1
             assert row.endswith(f" {cfg.field_docs(cls)[f.name].replace('|', chr(92) + '|')} |")
+
+    for section, cls in cfg.SECTIONS.items():
+        check(section, cls)
+    assert "| `model.moe.top_k` |" in page
 
 
 def test_the_check_mode_fails_on_a_stale_page_naming_the_command_and_passes_on_a_fresh_one(tmp_path, capsys):

@@ -82,7 +82,7 @@ def test_the_defaults_are_adamw_cosine_and_swiglu():
             'training.optimizer: "adam" (a string) is not one of "adamw", "muon"; did you mean "adamw"?',
         ),
         ("training.lr_schedule", "linear", 'training.lr_schedule: "linear" (a string) is not one of "cosine"'),
-        ("model.ffn", "swiglu2", 'model.ffn: "swiglu2" (a string) is not one of "swiglu"; did you mean "swiglu"?'),
+        ("model.ffn", "swiglu2", 'model.ffn: "swiglu2" (a string) is not one of "swiglu", "moe"; did you mean "swiglu"?'),
         (
             "data.source",
             "jsonll",
