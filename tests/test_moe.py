@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from helpers import run_launcher
+from helpers import run_debug_training
 from pretrain import config as cfg
 from pretrain.moe import AUX_LOSS, MixtureOfExperts, Route, capacity, load_balance_loss
 from pretrain.model import Transformer
@@ -87,21 +87,8 @@ def test_bad_moe_settings_are_one_line(sets, message):
 
 @pytest.mark.slow
 def test_the_moe_debug_model_trains_on_two_cpu_workers_logging_its_balance_loss(tmp_path):
-    result = run_launcher(
-        "--debug",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "--set",
-        "model.moe.num_experts=4",
-        "--set",
-        "model.moe.top_k=2",
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
+    moe = ["--set", "model.moe.num_experts=4", "--set", "model.moe.top_k=2"]
+    result = run_debug_training(tmp_path, ["-m", "launcher", "--device", "cpu"], tmp_path / "run", *moe)
     steps = re.findall(r"CPU0:INFO \| \[CPU 0\] Step \[\d+/10\] \| Loss: (\d+\.\d+) \| Aux Loss: (\d+\.\d+)", result.stdout)
     losses = [float(loss) for loss, _ in steps]
     assert len(losses) == 10 and losses[-1] < losses[0] - 1.0, losses

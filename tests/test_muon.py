@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from helpers import run_launcher
+from helpers import run_debug_training
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.model import Transformer
@@ -98,46 +98,23 @@ def test_an_unknown_orthogonalizer_is_refused_naming_the_choices():
     assert "training.muon_orthogonalize" in str(refused.value) and "newton_schulz" in str(refused.value)
 
 
+STEP = r"CPU0:INFO \| \[CPU 0\] Step \[\d+/{total}\] \| Loss: (\d+\.\d+)"
+LAUNCHER_ON_CPU = ["-m", "launcher", "--device", "cpu"]
+
+
 @pytest.mark.slow
 def test_muon_trains_the_debug_model_on_two_cpu_workers(tmp_path):
-    result = run_launcher(
-        "--debug",
-        "--device",
-        "cpu",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "--set",
-        "training.optimizer=muon",
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    losses = [float(x) for x in re.findall(r"CPU0:INFO \| \[CPU 0\] Step \[\d+/10\] \| Loss: (\d+\.\d+)", result.stdout)]
+    result = run_debug_training(tmp_path, LAUNCHER_ON_CPU, tmp_path / "run", "--set", "training.optimizer=muon")
+    losses = [float(x) for x in re.findall(STEP.format(total=10), result.stdout)]
     assert len(losses) == 10 and losses[-1] < losses[0] - 1.0, losses
 
 
 @pytest.mark.slow
 def test_muon_under_fsdp_gives_the_losses_of_muon_under_ddp(tmp_path):
     def losses(parallelism: str) -> list[float]:
-        result = run_launcher(
-            "--debug",
-            "--device",
-            "cpu",
-            "--max-steps",
-            "4",
-            "--run-dir",
-            str(tmp_path / parallelism),
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "training.optimizer=muon",
-            "--set",
-            f"training.parallelism={parallelism}",
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stdout[-3000:]
-        return [float(x) for x in re.findall(r"CPU0:INFO \| \[CPU 0\] Step \[\d+/4\] \| Loss: (\d+\.\d+)", result.stdout)]
+        options = ["--max-steps", "4", "--set", "training.optimizer=muon", "--set", f"training.parallelism={parallelism}"]
+        result = run_debug_training(tmp_path, LAUNCHER_ON_CPU, tmp_path / parallelism, *options)
+        return [float(x) for x in re.findall(STEP.format(total=4), result.stdout)]
 
     ddp, fsdp = losses("ddp"), losses("fsdp")
     assert len(ddp) == 4
