@@ -282,6 +282,8 @@ class TrainingConfig:
     """Optimizer steps to train for (when epochs is 0)."""
     epochs: int = 0
     """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error)."""
+    by_epoch: bool = False
+    """Count the run in epochs: the step line shows how many are done, and a checkpoint is saved at the end of each. The launcher sets it for a run whose length is training.epochs (the workers then get that length as max_steps)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to weight matrices only."""
     beta1: float = 0.9

@@ -87,12 +87,18 @@ def step_line(
     utilization: float | None,
     memory_gib: float | None,
     aux_loss: float | None = None,
+    epochs_done: float | None = None,
 ) -> str:
     """aux_loss: the weighted auxiliary losses (a mixture of experts' load balancing), shown next to
-    the loss (the cross-entropy) they are added to in training."""
+    the loss (the cross-entropy) they are added to in training; epochs_done: the epochs done after
+    this step, for a run counted in epochs (training.by_epoch)."""
     aux = f" | Aux Loss: {aux_loss:.4f}" if aux_loss is not None else ""
+    # A run counted in epochs (training.by_epoch) also says how far through them it is.
+    t = trainer.config.training
+    epochs = t.max_steps / max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
+    epoch = f" | Epoch: {epochs_done:.2f}/{epochs:g}" if epochs_done is not None else ""
     line = (
-        f"Step [{step}/{trainer.config.training.max_steps}] | Loss: {loss:.4f}{aux} | LR: {lr:.2e} | "
+        f"Step [{step}/{trainer.config.training.max_steps}]{epoch} | Loss: {loss:.4f}{aux} | LR: {lr:.2e} | "
         f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}"
     )
     if utilization is not None:

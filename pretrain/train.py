@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import signal
 import sys
 import time
@@ -117,6 +118,7 @@ def fit(trainer: Trainer) -> None:
     start = time.perf_counter()
     speed = throughput(trainer)
     first_step_done = None
+    steps_per_epoch = max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
     for step in range(trainer.start_step, t.max_steps):
         loss, grad_norm, lr = train_step(trainer, step)
         speed.step_done()
@@ -143,6 +145,7 @@ def fit(trainer: Trainer) -> None:
                     utilization,
                     memory_gib,
                     sum(aux.values()) if aux else None,
+                    (step + 1) / steps_per_epoch if t.by_epoch else None,
                 )
             )
             trainer.metrics.log_train(
@@ -155,10 +158,13 @@ def fit(trainer: Trainer) -> None:
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
             raise Stopped(signum)
-        if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 and not last:
+        epoch_end = t.by_epoch and (step + 1) % steps_per_epoch == 0
+        if (epoch_end or t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0) and not last:
             with speed.paused():
                 path = checkpoint.save(trainer, step + 1, trainer.run_dir)
-            log.info(f"Checkpoint saved to {path}")
+            epochs = math.ceil(t.max_steps / steps_per_epoch)
+            done = f"Epoch {(step + 1) // steps_per_epoch} of {epochs} done; c" if epoch_end else "C"
+            log.info(f"{done}heckpoint saved to {path}")
     val_loss = log_validation(trainer, t.max_steps - 1)
     path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
     exported = export_final(trainer)

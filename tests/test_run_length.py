@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 
-from helpers import run_launcher
+from helpers import run_debug_training, run_launcher
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
@@ -108,3 +109,25 @@ def test_the_launcher_refuses_conflicting_run_lengths_in_one_line_and_starts_not
         "both set the run length; keep one of them\n"
     )
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_run_in_epochs_shows_them_in_the_step_line_and_saves_a_checkpoint_at_each_epochs_end(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_debug_training(
+        tmp_path,
+        ["-m", "launcher", "--device", "cpu"],
+        run_dir,
+        "--set",
+        "training.epochs=2",
+        "--set",
+        "training.batch_size=32",
+        "--set",
+        "data.max_samples=8",
+    )
+    (first,) = re.findall(r"CPU0:INFO \| \[CPU 0\] Epoch 1 of 2 done; checkpoint saved to \S+/step_(\d+)", result.stdout)
+    per_epoch = int(first)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted([f"step_{per_epoch}", f"step_{2 * per_epoch}"])
+    epochs = re.findall(r"CPU0:INFO \| \[CPU 0\] Step \[(\d+)/(\d+)\] \| Epoch: (\d+\.\d\d)/2 \| Loss", result.stdout)
+    assert int(epochs[-1][1]) == 2 * per_epoch and epochs[-1][2] == "2.00"
+    assert [float(e) for _, _, e in epochs] == sorted(float(e) for _, _, e in epochs)

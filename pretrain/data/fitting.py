@@ -30,7 +30,7 @@ def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> 
     t = config.training
     length = plan_run(meta, config.data.context_length, t.batch_size, t.grad_accum_nums, world_size, t.epochs, t.max_steps)
     model = dataclasses.replace(config.model, vocab_size=model_vocab_size(config.model.vocab_size, meta))
-    training = dataclasses.replace(t, max_steps=length.total_steps, epochs=0)
+    training = dataclasses.replace(t, max_steps=length.total_steps, epochs=0, by_epoch=t.by_epoch or t.epochs > 0)
     data = config.data
     if data.source == "hub":
         # Pin the branch to the commit prepared, so every worker finds this very dataset in the
