@@ -94,9 +94,11 @@ def step_line(
     this step, for a run counted in epochs (training.by_epoch)."""
     aux = f" | Aux Loss: {aux_loss:.4f}" if aux_loss is not None else ""
     # A run counted in epochs (training.by_epoch) also says how far through them it is.
-    t = trainer.config.training
-    epochs = t.max_steps / max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
-    epoch = f" | Epoch: {epochs_done:.2f}/{epochs:g}" if epochs_done is not None else ""
+    epoch = ""
+    if epochs_done is not None:
+        t = trainer.config.training
+        epochs = t.max_steps / max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
+        epoch = f" | Epoch: {epochs_done:.2f}/{epochs:g}"
     line = (
         f"Step [{step}/{trainer.config.training.max_steps}]{epoch} | Loss: {loss:.4f}{aux} | LR: {lr:.2e} | "
         f"Grad Norm: {grad_norm:.4f} | ETA: {format_eta(eta_s)} | Tokens/s: {tokens_per_s:,.0f}"
