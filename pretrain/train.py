@@ -91,6 +91,19 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     return loss_sum, grad_norm, lr
 
 
+def aux_means(trainer: Trainer) -> dict[str, float]:
+    """The last step's auxiliary losses (one per MoE layer), each the mean over ranks: one all-reduce
+    of them stacked, not one per layer."""
+    if not trainer.aux_losses:
+        return {}
+    names = sorted(trainer.aux_losses)
+    stacked = torch.stack([trainer.aux_losses[name] for name in names])
+    if trainer.runtime.distributed:
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        stacked /= trainer.runtime.world_size
+    return dict(zip(names, stacked.tolist(), strict=True))
+
+
 @torch.no_grad()
 def evaluate(trainer: Trainer) -> float | None:
     """Mean validation loss over the fixed validation windows of every rank (None: no windows)."""
@@ -126,7 +139,7 @@ def fit(trainer: Trainer) -> None:
         last = step == t.max_steps - 1
         if steps_run == 0 or last or step % interval == 0:
             mean_loss = mean_across_ranks(loss, trainer.runtime)  # the global mean, the same on every rank
-            aux = {name: mean_across_ranks(value, trainer.runtime) for name, value in sorted(trainer.aux_losses.items())}
+            aux = aux_means(trainer)
             trainer.losses.append(mean_loss)
             now = time.perf_counter()
             first_step_done = first_step_done or now
