@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,16 @@ def assert_one_line_error(
         assert fragment in result.stderr, result.stderr
     if quiet_stdout:
         assert result.stdout == ""
+
+
+def run_in_process(main: Callable[[list[str]], int], argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """A command's main(argv) run in this process: its exit code and what it printed."""
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argument errors leave through argparse
+        code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)  # as the interpreter does
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import launcher_env
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, run_in_process
 from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
@@ -66,13 +66,7 @@ def argmax_loop(model: Transformer, ids: list[int], max_tokens: int) -> list[int
 
 
 def run_cli(argv: list[str], capsys) -> subprocess.CompletedProcess:
-    """The command run in this process: its exit code and what it printed."""
-    try:
-        code = main(argv)
-    except SystemExit as exit:  # argument errors leave through argparse
-        code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)  # as the interpreter does
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
+    return run_in_process(main, argv, capsys)
 
 
 def seeded(seed: int) -> torch.Generator:

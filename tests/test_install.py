@@ -19,7 +19,14 @@ from launcher.placement import Placement
 from launcher.worker import with_package_root, without_package_root
 from pretrain.runfiles import CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_path, cache_root, create_run_dir, runs_root
 
-CONSOLE_COMMANDS = ["pretrain-launch", "pretrain-prepare", "pretrain-generate", "pretrain-export", "pretrain-plot"]
+CONSOLE_COMMANDS = [
+    "pretrain-launch",
+    "pretrain-prepare",
+    "pretrain-generate",
+    "pretrain-export",
+    "pretrain-plot",
+    "pretrain-evaluate",
+]
 # A generic worker's report: its PYTHONPATH, and whether this project's packages are importable.
 WHAT_THE_USER_SEES = (
     "import importlib.util, os; print('pythonpath', os.environ.get('PYTHONPATH'));"
