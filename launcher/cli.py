@@ -221,10 +221,13 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     from pretrain.data.prepare import prepare
     from pretrain.memory_plan import host_memory_bytes, plan_parallelism
 
-    from pretrain import wandb_log
+    from pretrain import hellaswag, wandb_log
 
     if config.logging.wandb and not wandb_log.is_installed():
         raise UsageError(wandb_log.MISSING)
+    if config.evaluation.data:  # a damaged benchmark file is found now, not after the first interval
+        data = hellaswag.checked_data(config.evaluation.data, config.evaluation.max_examples)
+        config = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, data=data))
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
     # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None

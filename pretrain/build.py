@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from pretrain.model import Transformer
 from pretrain.optim import build_optimizer
 from pretrain.runtime import Runtime
 from pretrain.stopping import StopRequest
+
+if TYPE_CHECKING:
+    from pretrain.task_eval import TaskExamples
 
 
 @dataclass
@@ -60,6 +64,8 @@ class Trainer:
     skips_in_a_row: int = 0
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """The last step's auxiliary losses (a mixture of experts' load balancing), this rank's, by name."""
+    task: TaskExamples | None = None
+    """With evaluation.data: the benchmark's examples, scored during training (pretrain/task_eval.py)."""
 
     @property
     def tokens_per_step(self) -> int:

@@ -403,6 +403,26 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class EvaluationConfig:
+    task: Literal["hellaswag"] = "hellaswag"
+    """The benchmark scored during training (when evaluation.data is set): "hellaswag", the right one of four endings by the model's likelihood (pretrain/hellaswag.py)."""
+    data: str = ""
+    """The task's examples: a .jsonl file (HellaSwag's hellaswag_val.jsonl) or a Hub dataset's file, hf://datasets/OWNER/NAME[@REVISION]/PATH; empty: no benchmark during training. python -m pretrain.evaluate scores a checkpoint afterwards."""
+    interval: int = 0
+    """Score the task every N steps, and after the last step; 0: only after the last step."""
+    max_examples: int = 0
+    """Score the first N examples of the file; 0: all (HellaSwag's validation file holds 10042)."""
+    batch_examples: int = 8
+    """Examples per forward pass on each rank (four rows each, one per ending)."""
+
+    def __post_init__(self) -> None:
+        _check(self.task in ("hellaswag",), "evaluation.task", not_one_of(self.task, ("hellaswag",)))
+        for name in ("interval", "max_examples"):
+            _check(getattr(self, name) >= 0, f"evaluation.{name}", f"must not be negative (got {getattr(self, name)})")
+        _check(self.batch_examples >= 1, "evaluation.batch_examples", f"must be at least 1 (got {self.batch_examples})")
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_finite: bool = True
     """Check every step's loss and gradient norm for NaN or Inf before the update (one small all-reduce); on_nonfinite says what then."""
@@ -431,6 +451,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

@@ -29,6 +29,8 @@ from pretrain.memory import embedding_parameter_count, parameter_count
 if TYPE_CHECKING:
     import torch
 
+    from pretrain.hellaswag import Tally
+
 # Dense (no structured sparsity) bf16 tensor-core peak FLOP/s per GPU, from NVIDIA's
 # datasheets, which print the sparse figure: the dense one is half of it.
 #   H100 / H100 NVL:  nvidia.com/en-us/data-center/h100/ (datasheet): SXM 1,979, PCIe 1,513, NVL 1,671 (sparse)
@@ -221,6 +223,12 @@ class MetricsLog:
     def log_val(self, step: int, val_loss: float) -> None:
         self._write({"kind": "val", "step": int(step), "val_loss": val_loss})
         self._scalars("val", step, {"loss": val_loss})
+
+    def log_task(self, task: str, step: int, tally: Tally) -> None:
+        """A benchmark's result (pretrain/hellaswag.py) with the model as it is after step."""
+        scalars = {"accuracy": tally.accuracy, "accuracy_norm": tally.accuracy_norm, "examples": tally.examples}
+        self._write({"kind": task, "step": int(step), **scalars})
+        self._scalars(task, step, scalars)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:

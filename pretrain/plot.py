@@ -1,8 +1,8 @@
 """Plot a run's metrics: python -m pretrain.plot RUN_DIR [--output PATH]
 
-One PNG, three panels on a shared step axis: loss (train, and validation points), gradient
-norm, learning rate. matplotlib is optional for training, so it is imported only here, and
-only when a plot is drawn.
+One PNG, panels on a shared step axis: loss (train, and validation points), gradient norm,
+learning rate, and, for a run that scored HellaSwag (evaluation.data), its accuracy. matplotlib
+is optional for training, so it is imported only here, and only when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -61,13 +61,14 @@ def _import_matplotlib():
 def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -> Path:
     """Draw the train and validation records into a PNG at output, atomically."""
     train, val = latest_by_step(records, "train"), latest_by_step(records, "val")
+    task = latest_by_step(records, "hellaswag")
     if not train:
         raise PlotError("no train records to plot")
     Figure, FigureCanvasAgg = _import_matplotlib()
     # The Agg canvas draws without a display, and a bare Figure leaves pyplot's global state alone.
-    figure = Figure(figsize=(9, 9), layout="constrained")
+    figure = Figure(figsize=(9, 12 if task else 9), layout="constrained")
     FigureCanvasAgg(figure)
-    loss_ax, norm_ax, lr_ax = figure.subplots(3, 1, sharex=True)
+    loss_ax, norm_ax, lr_ax, *task_ax = figure.subplots(4 if task else 3, 1, sharex=True)
     loss_ax.plot(*series(train, "loss"), label="train", linewidth=1.2)
     if val:
         loss_ax.plot(*series(val, "val_loss"), "o-", label="validation", markersize=4)
@@ -78,8 +79,14 @@ def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -
     lr_ax.plot(*series(train, "lr"), color="tab:purple", linewidth=1.2)
     lr_ax.set_ylabel("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    lr_ax.set_xlabel("step")
-    for ax in (loss_ax, norm_ax, lr_ax):
+    for ax in task_ax:
+        ax.plot(*series(task, "accuracy_norm"), "o-", label="normalized (mean loss per token)", markersize=4)
+        ax.plot(*series(task, "accuracy"), "s--", label="by summed loss", markersize=3, alpha=0.7)
+        ax.axhline(0.25, color="grey", linestyle=":", linewidth=1, label="chance (0.25)")
+        ax.set_ylabel("HellaSwag accuracy")
+        ax.legend()
+    (task_ax or [lr_ax])[0].set_xlabel("step")
+    for ax in (loss_ax, norm_ax, lr_ax, *task_ax):
         ax.grid(alpha=0.3)
     if title:
         figure.suptitle(title)
@@ -90,7 +97,7 @@ def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain.plot", description="Plot loss, gradient norm and learning rate of a run."
+        prog="python -m pretrain.plot", description="Plot loss, gradient norm, learning rate and HellaSwag accuracy of a run."
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     parser.add_argument("--output", type=Path, metavar="PATH", help="the PNG to write (default: RUN_DIR/metrics.png)")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, debug, export, nonfinite, parallel
+from pretrain import checkpoint, debug, export, nonfinite, parallel, task_eval
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
 from pretrain.config import Config
@@ -167,6 +167,9 @@ def fit(trainer: Trainer) -> None:
         if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
             with speed.paused():
                 log_validation(trainer, step)
+        if task_eval.is_due(trainer.config, step) and not last:
+            with speed.paused():
+                task_eval.log_task(trainer, step)
         if (signum := trainer.stop.agreed(trainer.runtime)) is not None:  # settled by train_step's check, if on
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
@@ -179,6 +182,7 @@ def fit(trainer: Trainer) -> None:
             done = f"Epoch {(step + 1) // steps_per_epoch} of {epochs} done; c" if epoch_end else "C"
             log.info(f"{done}heckpoint saved to {path}")
     val_loss = log_validation(trainer, t.max_steps - 1)
+    task_eval.log_task(trainer, t.max_steps - 1)
     path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
     exported = export_final(trainer)
     log.info(
@@ -256,6 +260,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     trainer = build(config, runtime, dataset_dir, run_dir, log)
     if (dataset_dir / TOKENIZER_FILE).exists():
         trainer.tokenizer_file = dataset_dir / TOKENIZER_FILE
+    trainer.task = task_eval.load_task(config, trainer.tokenizer_file)
     log.debug(f"Run directory: {run_dir}")
     if resume_from is not None:
         trainer.start_step = checkpoint.restore(trainer, resume_from)

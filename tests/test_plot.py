@@ -136,3 +136,21 @@ def test_importing_the_plot_command_imports_neither_matplotlib_nor_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_run_that_scored_hellaswag_gets_a_fourth_panel_for_its_accuracy(tmp_path):
+    import matplotlib.image
+
+    from pretrain.hellaswag import Tally
+
+    plain = plot_metrics(load_records(write_run(tmp_path / "plain")), tmp_path / "plain.png")
+    run_dir = write_run(tmp_path / "run")
+    with MetricsLog(run_dir, enabled=True, tensorboard=False) as log:
+        for step, correct in [(9, 26), (19, 28), (29, 31)]:
+            log.log_task("hellaswag", step, Tally(100, correct - 2, correct))
+    records = [r for r in load_records(run_dir) if r["kind"] == "hellaswag"]
+    assert [(r["step"], r["accuracy"], r["accuracy_norm"]) for r in records][-1] == (29, 0.29, 0.31)
+    with_task = plot_metrics(load_records(run_dir), tmp_path / "task.png")
+    plain_height, width, _ = matplotlib.image.imread(plain).shape
+    task_height, task_width, _ = matplotlib.image.imread(with_task).shape
+    assert task_width == width and task_height == plain_height * 4 // 3  # one more panel of the same height
