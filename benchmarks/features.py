@@ -3,10 +3,12 @@
 Run from the repository root:
 
     PYTHONPATH=. python benchmarks/features.py [--steps N] [--preset debug] [--device cpu]
+        [--gpus WHICH] [--set SECTION.KEY=VALUE ...]
 
-Each combination runs `python -m launcher --<preset> --max-steps N --set logging.log_interval=1`
-(2 CPU workers on a machine without a GPU) with its own run directory and a shared dataset cache,
-one after another. Measured from the step lines of rank 0: the median tokens/s over the steps
+Each combination runs `python -m launcher --preset <preset> --max-steps N --set logging.log_interval=1`
+(2 CPU workers on a machine without a GPU; --gpus and --set are passed on, e.g. `--gpus 0` for one
+GPU and the offline data of scripts/gpu_check.sh) with its own run directory and a shared dataset
+cache, one after another. Measured from the step lines of rank 0: the median tokens/s over the steps
 after the first two (the first includes start-up), and the last step's loss. The MoE rows use
 model.moe.num_experts=4, top_k=2 (model.ffn_dim per expert, so the block holds 4x the dense
 parameters and runs 2 of them per token). Progress goes to stderr; the Markdown table to stdout.
@@ -37,9 +39,10 @@ COMBINATIONS = {
 
 def run(name: str, sets: list[str], args: argparse.Namespace, work: Path) -> tuple[float, float]:
     """(median tokens/s after the first two steps, last loss) of one training run."""
-    options = [f"--{args.preset}", "--device", args.device, "--max-steps", str(args.steps)]
+    options = ["--preset", args.preset, "--device", args.device, "--max-steps", str(args.steps)]
+    options += ["--gpus", args.gpus] if args.gpus else []
     options += ["--run-dir", str(work / re.sub(r"\W+", "-", name)), "--set", "logging.log_interval=1"]
-    for assignment in sets:
+    for assignment in [*args.sets, *sets]:
         options += ["--set", assignment]
     env = dict(os.environ, PYTHONPATH=str(REPO), PRETRAIN_CACHE_DIR=str(work / "cache"), PRETRAIN_RUNS_DIR=str(work / "runs"))
     result = subprocess.run([sys.executable, "-m", "launcher", *options], env=env, capture_output=True, text=True)
@@ -60,6 +63,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--preset", choices=["debug", "small"], default="debug")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gpus", metavar="WHICH", help="passed to the launcher, e.g. 0: one GPU (default: every free one)")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override for every run"
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="features-bench-") as tmp:

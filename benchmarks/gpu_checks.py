@@ -20,6 +20,7 @@ from benchmarks.gpu_context import (
     Row,  # noqa: F401  (re-exported)
     sets_args,
 )
+from benchmarks.gpu_checks_features import FEATURE_CHECKS
 from benchmarks.gpu_checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
 from benchmarks.gpu_procs import (
     ENTRY,
@@ -584,5 +585,6 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     "nccl": check_nccl,
     "syncs": check_syncs,
     **RUNTIME_CHECKS,
+    **FEATURE_CHECKS,
 }
 """Every command a check runs has its own timeout (at most 10 minutes), so no check hangs."""
