@@ -2,9 +2,9 @@
 
 Token-choice top-k routing: a linear router scores every expert for every token, each token goes
 to its top_k experts, and their outputs are summed weighted by the router's probabilities
-renormalised over those k. Each expert takes at most `capacity` tokens per batch
+renormalised over those k. In training each expert takes at most `capacity` tokens per batch
 (capacity_factor x tokens x top_k / num_experts, rounded up); assignments past it are dropped
-(the token's residual stream carries it through that layer). The experts are SwiGLU blocks whose
+(the token's residual stream carries it through that layer). In eval mode nothing is dropped. The experts are SwiGLU blocks whose
 weights are batched, (num_experts, ...) tensors: one batched matmul runs every expert, with no
 Python loop over experts, and every expert's weights are one parameter, so DDP and FSDP see each
 of them used on every step, even an expert that got no token.
@@ -76,7 +76,7 @@ class MixtureOfExperts(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)  # (N, dim)
         probs = self.router(tokens).float().softmax(dim=-1)  # (N, E), fp32 for a stable softmax
-        slots = capacity(tokens.size(0), self.num_experts, self.top_k, self.capacity_factor)
+        slots = self.slots(probs)
         route = Route(probs, self.top_k, slots)
         buffer = tokens.new_zeros(self.num_experts, slots, dim)  # (E, C, dim)
         buffer[route.expert, route.slot] = tokens[route.token]
@@ -86,6 +86,15 @@ class MixtureOfExperts(nn.Module):
         out = tokens.new_zeros(tokens.shape).index_add(0, route.token, weighted.to(tokens.dtype))
         aux = self.aux_loss_weight * load_balance_loss(probs, route.experts_per_token, self.num_experts)
         return out.view(batch, seq, dim), {AUX_LOSS: aux}
+
+    def slots(self, probs: Tensor) -> int:
+        """Each expert's buffer: its capacity in training; in eval mode (validation, HellaSwag) room
+        for every assignment the busiest expert got, so that no token's output depends on the other
+        tokens of its batch (padding included). That costs one host sync per layer."""
+        if self.training:
+            return capacity(probs.size(0), self.num_experts, self.top_k, self.capacity_factor)
+        chosen = probs.topk(self.top_k, dim=-1).indices.reshape(-1)
+        return max(1, int(torch.bincount(chosen, minlength=self.num_experts).max()))
 
     def residual_outputs(self) -> list[nn.Linear]:
         return []  # w2 is drawn scaled through normal_init

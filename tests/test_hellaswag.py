@@ -136,6 +136,20 @@ def test_batched_padded_scoring_gives_the_answers_of_each_row_run_alone(tiny_mod
     assert batched == expected
 
 
+def test_a_mixture_of_experts_scores_the_same_batched_and_padded_as_row_by_row():
+    """In eval mode no expert drops a token, so padding and other rows change nothing."""
+    config = cfg.resolve(
+        preset="debug", sets=["model.vocab_size=257", "model.moe.num_experts=4", "model.moe.capacity_factor=0.5"]
+    )
+    model = Transformer(config.model, max_seq_len=48, seed=5).eval()
+    encoded = encode(random_examples(6, seed=6), ByteTokenizer(), window=48)
+    expected = Tally()
+    for example in encoded:
+        by_sum, by_mean = choose(*one_row_at_a_time(model, example))
+        expected += Tally(1, int(by_sum == example.label), int(by_mean == example.label))
+    assert score(model, encoded, torch.device("cpu"), batch_examples=3, length=48) == expected
+
+
 def test_the_ranks_shares_score_every_example_once_however_they_divide(tiny_model):
     encoded = encode(random_examples(5, seed=2), ByteTokenizer(), window=48)
     whole = score(tiny_model, encoded, torch.device("cpu"), length=40)

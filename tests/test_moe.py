@@ -64,6 +64,23 @@ def test_the_block_runs_every_expert_in_batched_weights_and_returns_its_weighted
     assert all(p.grad is not None for p in block.parameters())  # every expert's weights, one tensor each
 
 
+def test_in_eval_mode_no_assignment_is_dropped_so_a_row_does_not_depend_on_its_batch():
+    torch.manual_seed(0)
+    block = MixtureOfExperts(moe_config(capacity_factor=0.25))  # in training most assignments are dropped
+    for weight in (block.w1, block.w2, block.w3):
+        torch.nn.init.normal_(weight, std=0.02)
+    row, others = torch.randn(1, 16, 128), torch.randn(3, 16, 128)
+    batch = torch.cat([others[:1], row, others[1:]])
+    block.train()
+    assert not torch.allclose(block(row)[0][0], block(batch)[0][1], atol=1e-6)  # capacity is shared by the batch
+    block.eval()
+    with torch.no_grad():
+        assert torch.allclose(block(row)[0][0], block(batch)[0][1], atol=1e-5)
+    probs = block.router(batch.reshape(-1, 128)).softmax(dim=-1)
+    chosen = probs.topk(2, dim=-1).indices.reshape(-1)
+    assert block.slots(probs) == torch.bincount(chosen, minlength=4).max() > capacity(64, 4, 2, 0.25)
+
+
 def test_the_model_draws_the_expert_weights_from_its_seed():
     model = Transformer(moe_config(), 32, seed=3)
     again = Transformer(moe_config(), 32, seed=3)
