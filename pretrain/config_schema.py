@@ -416,7 +416,6 @@ class EvaluationConfig:
     """Examples per forward pass on each rank (four rows each, one per ending)."""
 
     def __post_init__(self) -> None:
-        _check(self.task in ("hellaswag",), "evaluation.task", not_one_of(self.task, ("hellaswag",)))
         for name in ("interval", "max_examples"):
             _check(getattr(self, name) >= 0, f"evaluation.{name}", f"must not be negative (got {getattr(self, name)})")
         _check(self.batch_examples >= 1, "evaluation.batch_examples", f"must be at least 1 (got {self.batch_examples})")

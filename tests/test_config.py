@@ -120,6 +120,14 @@ def test_impossible_values_are_errors_naming_the_key():
     assert "training.learning_rate: must be positive" in error_of(sets=["training.learning_rate=0"])
 
 
+def test_the_evaluation_section_refuses_an_unknown_task_and_impossible_counts():
+    assert 'evaluation.task: "mmlu" (a string) is not one of "hellaswag"' in error_of(sets=["evaluation.task=mmlu"])
+    assert "evaluation.interval: must not be negative (got -1)" in error_of(sets=["evaluation.interval=-1"])
+    assert "evaluation.max_examples: must not be negative (got -5)" in error_of(sets=["evaluation.max_examples=-5"])
+    assert "evaluation.batch_examples: must be at least 1 (got 0)" in error_of(sets=["evaluation.batch_examples=0"])
+    assert cfg.resolve(preset="debug").evaluation.data == ""  # nothing is scored unless asked
+
+
 def test_file_problems_are_one_line_errors(tmp_path):
     assert error_of(config_file=tmp_path / "missing.json").endswith("config file not found")
     bad = tmp_path / "bad.json"
