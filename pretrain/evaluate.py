@@ -23,8 +23,15 @@ from pretrain import config as cfg
 from pretrain import hellaswag
 from pretrain.checkpoint import CheckpointError
 from pretrain.choices import score
-from pretrain.export import OneLineParser, find_checkpoint, find_tokenizer_file, open_tokenizer, read_checkpoint
-from pretrain.generate import GenerateError, check_vocabulary, load_model, pick_device
+from pretrain.export import (
+    OneLineParser,
+    add_checkpoint_argument,
+    find_checkpoint,
+    find_tokenizer_file,
+    open_tokenizer,
+    read_checkpoint,
+)
+from pretrain.generate import GenerateError, add_device_argument, check_vocabulary, load_model, pick_device
 from pretrain.hellaswag import HellaSwagError, Tally
 from pretrain.runfiles import atomic_write_text, os_error_message
 
@@ -37,13 +44,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         error_prefix="evaluate",
         description="Score a checkpoint's model on a benchmark task (HellaSwag).",
     )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("--task", choices=TASKS, default="hellaswag", help="the task (default hellaswag)")
     parser.add_argument(
         "--data",
@@ -55,12 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--batch-examples", type=int, default=8, metavar="N", help="examples per forward pass (default 8; 4 rows each)"
     )
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto: the first CUDA GPU when there is one, else the CPU",
-    )
+    add_device_argument(parser)
     parser.add_argument("--output", type=Path, metavar="FILE", help="also write the result to FILE as JSON")
     args = parser.parse_args(argv)
     if args.max_examples < 0:

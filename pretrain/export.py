@@ -86,6 +86,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.error_prefix}: error: {message} (see --help)\n")
 
 
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint PATH, as every command that reads a checkpoint takes it (find_checkpoint)."""
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
+    )
+
+
 # --- reading a checkpoint ---------------------------------------------------------------------
 
 
@@ -316,13 +327,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description="Export a checkpoint's model as safetensors, with a config.json "
         "and its tokenizer.json, for use outside training.",
     )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument(
         "--output", type=Path, metavar="DIR", help="where to write (default: <run dir>/export, or <checkpoint>/export)"
     )

@@ -15,7 +15,6 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -24,7 +23,14 @@ from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.checkpoint import CheckpointError
-from pretrain.export import OneLineParser, find_checkpoint, find_tokenizer_file, open_tokenizer, read_checkpoint
+from pretrain.export import (
+    OneLineParser,
+    add_checkpoint_argument,
+    find_checkpoint,
+    find_tokenizer_file,
+    open_tokenizer,
+    read_checkpoint,
+)
 from pretrain.model import Transformer
 from pretrain.runfiles import os_error_message
 
@@ -88,6 +94,16 @@ def generate(
 # --- loading ----------------------------------------------------------------------------------
 
 
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """--device auto|cpu|cuda, which pick_device reads."""
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: the first CUDA GPU when there is one, else the CPU",
+    )
+
+
 def pick_device(name: str) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -138,13 +154,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         error_prefix="generate",
         description="Print a prompt and the text a checkpoint's model continues it with.",
     )
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
-    )
+    add_checkpoint_argument(parser)
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (may be empty)")
     parser.add_argument("--max-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
     parser.add_argument(
@@ -154,12 +164,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--top-k", type=int, default=50, metavar="K", help="draw from the K most likely tokens only; 0 from all (default 50)"
     )
     parser.add_argument("--seed", type=int, metavar="N", help="make the sample reproducible")
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto: the first CUDA GPU when there is one, else the CPU",
-    )
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
