@@ -12,7 +12,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,10 +27,8 @@ from pretrain.wandb_log import WandbRun
 from pretrain.model import Transformer
 from pretrain.optim import build_optimizer
 from pretrain.runtime import Runtime
+from pretrain.hellaswag import TaskExamples
 from pretrain.stopping import StopRequest
-
-if TYPE_CHECKING:
-    from pretrain.task_eval import TaskExamples
 
 
 @dataclass

@@ -199,6 +199,15 @@ def longest_row(encoded: list[Encoded]) -> int:
     return max(len(row) for example in encoded for row in example.rows)
 
 
+@dataclass(frozen=True)
+class TaskExamples:
+    """A file's examples as a run scores them, again and again (pretrain/task_eval.py)."""
+
+    encoded: list[Encoded]
+    length: int
+    """Every batch's row length: the longest row, so that every batch has one shape."""
+
+
 # --- answers ----------------------------------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ in the log, a "hellaswag" record in metrics.jsonl, and the plot's accuracy panel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,18 +17,11 @@ from pretrain.checkpoint import CheckpointError
 from pretrain.choices import score
 from pretrain.config import Config
 from pretrain.data import DataError
-from pretrain.hellaswag import Encoded, HellaSwagError, Tally
+from pretrain.hellaswag import HellaSwagError, Tally, TaskExamples
 from pretrain.runtime import Runtime
 
 if TYPE_CHECKING:
     from pretrain.build import Trainer
-
-
-@dataclass(frozen=True)
-class TaskExamples:
-    encoded: list[Encoded]
-    length: int
-    """Every batch's row length: the longest row, so that every batch has one shape."""
 
 
 def load_task(config: Config, tokenizer_file: Path | None) -> TaskExamples | None:
