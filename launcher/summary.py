@@ -23,7 +23,10 @@ _NCCL_TIMEOUT = re.compile(
 _NCCL_STUCK = re.compile(r"ProcessGroupNCCL's watchdog got stuck for (?P<seconds>\d+) seconds")
 """Its heartbeat monitor: the watchdog thread itself stopped (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
-_FAULTHANDLER_FRAME = re.compile(r'^  File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+_FAULTHANDLER_FRAME = re.compile(r'^  File (?:"(?P<file>.+)"|\?\?\?), line (?P<line>\d+|\?\?\?) in (?P<func>.+)$')
+"""One frame as faulthandler writes it. It writes ??? for what it cannot tell: the line of a frame
+that is at an instruction without one, as a closure is on its first (COPY_FREE_VARS), say the
+debug preset's hooks, which run thousands of times a step and so are often innermost."""
 
 
 def describe(returncode: int) -> str:
@@ -76,15 +79,20 @@ class StackDump:
     _in_thread: bool = False
 
     def feed(self, line: str) -> bool:
-        """Take one line of output; True if it starts a thread's stack."""
+        """Take one line of output; True if it starts a thread's stack. A thread's stack runs from
+        its header to the blank line before the next thread's: another line within it, such as
+        faulthandler's own note ("  Garbage-collecting") or a line another thread of the worker
+        wrote meanwhile, is passed over, never the frames after it."""
         if _THREAD_HEADER.match(line):
             self.threads.append([])
             self._in_thread = True
             return True
-        if self._in_thread and (frame := _FAULTHANDLER_FRAME.match(line)):
-            path = Path(frame["file"])
-            self.threads[-1].append(f"{frame['func']} ({'/'.join(path.parts[-2:])}:{frame['line']})")
-        else:
+        if not self._in_thread:
+            return False
+        if frame := _FAULTHANDLER_FRAME.match(line):
+            where = "/".join(Path(frame["file"]).parts[-2:]) if frame["file"] is not None else "???"
+            self.threads[-1].append(f"{frame['func']} ({where}:{frame['line']})")
+        elif not line.strip():
             self._in_thread = False
         return False
 

@@ -38,6 +38,41 @@ def test_a_python_traceback_is_not_mistaken_for_a_stack_dump():
     assert dump.where() is None
 
 
+def test_a_frame_whose_line_faulthandler_cannot_tell_is_read_with_the_frames_after_it():
+    # A real dump (Python 3.11, a debug run's rank 0 in backward): the innermost frame is a hook,
+    # a closure, caught on its first instruction, which has no line number. About 1 dump in 1000
+    # of such a rank; the whole stack was dropped, and the summary lost its "Where each worker was".
+    dump = summary.StackDump()
+    for line in [
+        "Current thread 0x00007f9dd541eb80 (most recent call first):",
+        '  File "/work/main/pretrain/debug.py", line ??? in <lambda>',
+        '  File "/work/main/.venv/lib/python3.11/site-packages/torch/utils/hooks.py", line 137 in hook',
+        '  File "/work/main/.venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward',
+        '  File "/work/main/pretrain/train.py", line 73 in train_step',
+        "  File ???, line ??? in ???",
+    ]:
+        dump.feed(line)
+    assert dump.where() == (
+        "<lambda> (pretrain/debug.py:???) <- hook (utils/hooks.py:137) <- _engine_run_backward (autograd/graph.py:979)"
+    )
+    assert dump.threads[0][-1] == "??? (???:???)"
+
+
+def test_other_lines_within_a_threads_stack_are_passed_over_up_to_the_blank_line_that_ends_it():
+    dump = summary.StackDump()
+    for line in [
+        "Current thread 0x00007f637d25ab80 (most recent call first):",
+        "  Garbage-collecting",  # faulthandler's own note, when the signal came during a collection
+        '  File "/work/pretrain/debug.py", line 139 in _not_finite',
+        "[W1121 08:10:23 ProcessGroupGloo.cpp:12] a line another thread wrote meanwhile",
+        '  File "/work/pretrain/train.py", line 73 in train_step',
+        "",
+        '  File "/work/pretrain/other.py", line 5 in not_in_any_thread',
+    ]:
+        dump.feed(line)
+    assert dump.threads == [["_not_finite (pretrain/debug.py:139)", "train_step (pretrain/train.py:73)"]]
+
+
 def test_hints_name_the_likely_cause():
     assert "hang-timeout" in summary.hint(-signal.SIGTERM, hung_for=60.0, cuda_oom=False)
     assert "training.batch_size" in summary.hint(1, hung_for=None, cuda_oom=True)

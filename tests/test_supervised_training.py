@@ -111,7 +111,8 @@ def test_when_a_rank_is_killed_its_peer_writes_every_thread_stack_to_its_log(pro
     # timing: still training, or already leaving after gloo saw the peer gone.
     log = (tmp_path / "run" / "logs" / "cpu0.log").read_text()
     assert "\nCurrent thread 0x" in log and re.search(r'\n  File ".*\.py", line \d+ in \w+\n', log)
-    assert re.search(r"CPU0: \S+ \(", summary.split("Where each worker was")[1])
+    assert "Where each worker was" in summary, summary
+    assert re.search(r"CPU0: \S+ \(", summary.split("Where each worker was")[1]), summary
     assert wait_until(lambda: not any(alive(w.pid) for w in workers), timeout=3)
 
 
