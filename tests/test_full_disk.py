@@ -157,9 +157,13 @@ def test_a_console_whose_reader_went_away_still_ends_the_launcher(tmp_path):
 
 WORKER = """
     import os, sys, time
+    ready = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0.ready")
     if os.environ["RANK"] == "0":
         print("waiting", flush=True)
+        open(ready, "w").close()
         time.sleep(60)
+    while not os.path.exists(ready):  # rank 0's line is out before rank 1 fails: its log is written to
+        time.sleep(0.01)
     for n in range(LINES):
         print(f"line {n} " + "x" * 70, flush=True)
     print("last words", flush=True)
