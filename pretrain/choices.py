@@ -76,9 +76,9 @@ def score(
     amp: bool = False,
 ) -> Tally:
     """This rank's share of examples scored by model (a Transformer, or one wrapped by DDP or
-    sharded by FSDP); length is every batch's row length, at least the longest row; amp runs
-    the forward pass in bfloat16 autocast, as training does. The caller
-    sums the ranks' tallies. model is left in the mode it was in."""
+    sharded by FSDP), for the caller to sum over the ranks. length is every batch's row length, at
+    least the longest row; amp runs the forward pass in bfloat16 autocast, as training does. model
+    is left in the mode it was in."""
     was_training = model.training
     model.eval()
     tally = Tally()
