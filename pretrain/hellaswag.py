@@ -29,7 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.data import DataError, first_line
+from pretrain.data import DataError
+from pretrain.data.hub_client import hub_snapshot
 from pretrain.data.tokenizer import Tokenizer
 
 ENDINGS = 4
@@ -68,7 +69,8 @@ class Encoded:
 
 def locate(data: str) -> Path:
     """The local file data names: a path, or a file of a Hub dataset (HUB_FORM), downloaded into
-    the Hugging Face cache, or found there when offline (HF_HUB_OFFLINE=1)."""
+    the Hugging Face cache, or found there when offline (HF_HUB_OFFLINE=1), by the data's own Hub
+    client (its one-line errors for what is gated, missing or not cached)."""
     if not data.startswith(HUB_PREFIX):
         path = Path(data).expanduser()
         if not path.is_file():
@@ -76,21 +78,12 @@ def locate(data: str) -> Path:
         return path
     repo, revision, filename = parse_hub_path(data)
     try:
-        from huggingface_hub import errors, hf_hub_download
-    except ImportError:
-        raise HellaSwagError(f"{data}: reading from the Hub needs huggingface_hub: pip install huggingface_hub") from None
-    from pretrain.data.hub_client import access_error, not_cached_error
-
-    where = f"dataset {repo}@{revision}"
-    try:
-        return Path(hf_hub_download(repo, filename, repo_type="dataset", revision=revision))
-    except errors.LocalEntryNotFoundError:  # offline, and not in the cache
-        raise HellaSwagError(str(not_cached_error(repo, filename, "dataset"))) from None
-    except errors.EntryNotFoundError:
-        raise HellaSwagError(f"{where} has no file {filename}") from None
-    except (errors.HfHubHTTPError, OSError, ValueError) as error:
-        found = access_error(error, where)
-        raise HellaSwagError(str(found) if found else f"{data}: download failed ({first_line(error)})") from None
+        path = hub_snapshot(repo, revision, filename) / filename
+    except DataError as error:
+        raise HellaSwagError(str(error)) from None
+    if not path.is_file():
+        raise HellaSwagError(f"dataset {repo}@{revision} has no file {filename}")
+    return path
 
 
 def parse_hub_path(data: str) -> tuple[str, str, str]:

@@ -247,6 +247,13 @@ def test_a_hub_file_missing_from_the_cache_offline_says_how_to_get_it(hub_cache)
     assert "not in the Hugging Face cache" in message and "hf download someone/absent" in message
 
 
+def test_a_hub_dataset_without_the_file_named_says_so(hub_cache):
+    hub_cache("someone/hellaswag", {"data/val.jsonl": json.dumps(HAND_EXAMPLES[0]) + "\n"})
+    with pytest.raises(HellaSwagError) as error:
+        load("hf://datasets/someone/hellaswag/data/test.jsonl")
+    assert one_line_error(error).startswith("dataset someone/hellaswag@main")
+
+
 def test_hub_paths_name_a_repository_an_optional_revision_and_a_file():
     assert parse_hub_path("hf://datasets/a/b/x/val.jsonl") == ("a/b", "main", "x/val.jsonl")
     assert parse_hub_path("hf://datasets/a/b@v1.0/val.jsonl") == ("a/b", "v1.0", "val.jsonl")
