@@ -40,9 +40,12 @@ def load_balance_loss(probs: Tensor, experts: Tensor, num_experts: int) -> Tenso
 
 class Route:
     """Where each of a batch's token-expert assignments goes: its token, expert, weight and slot
-    in that expert's buffer, for the assignments within capacity."""
+    in that expert's buffer, for the assignments within capacity. slots is each expert's capacity;
+    None keeps every assignment, and self.slots is then what the busiest expert got (in eval mode,
+    so that no token's output depends on the other tokens of its batch, padding included: one host
+    sync per layer)."""
 
-    def __init__(self, probs: Tensor, top_k: int, slots: int) -> None:
+    def __init__(self, probs: Tensor, top_k: int, slots: int | None) -> None:
         n, num_experts = probs.shape
         weights, experts = probs.topk(top_k, dim=-1)  # (N, k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -54,6 +57,9 @@ class Route:
         weight = weights.T.reshape(-1)
         onehot = F.one_hot(expert, num_experts)
         slot = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # this assignment's place in its expert's queue
+        if slots is None:
+            slots = int(slot.max()) + 1
+        self.slots = slots
         keep = slot < slots
         self.token, self.expert, self.weight, self.slot = token[keep], expert[keep], weight[keep], slot[keep]
 
@@ -76,9 +82,9 @@ class MixtureOfExperts(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)  # (N, dim)
         probs = self.router(tokens).float().softmax(dim=-1)  # (N, E), fp32 for a stable softmax
-        slots = self.slots(probs)
+        slots = capacity(tokens.size(0), self.num_experts, self.top_k, self.capacity_factor) if self.training else None
         route = Route(probs, self.top_k, slots)
-        buffer = tokens.new_zeros(self.num_experts, slots, dim)  # (E, C, dim)
+        buffer = tokens.new_zeros(self.num_experts, route.slots, dim)  # (E, C, dim)
         buffer[route.expert, route.slot] = tokens[route.token]
         hidden = F.silu(torch.bmm(buffer, self.w1.to(buffer.dtype))) * torch.bmm(buffer, self.w3.to(buffer.dtype))
         outputs = torch.bmm(hidden, self.w2.to(buffer.dtype))  # (E, C, dim)
@@ -86,15 +92,6 @@ class MixtureOfExperts(nn.Module):
         out = tokens.new_zeros(tokens.shape).index_add(0, route.token, weighted.to(tokens.dtype))
         aux = self.aux_loss_weight * load_balance_loss(probs, route.experts_per_token, self.num_experts)
         return out.view(batch, seq, dim), {AUX_LOSS: aux}
-
-    def slots(self, probs: Tensor) -> int:
-        """Each expert's buffer: its capacity in training; in eval mode (validation, HellaSwag) room
-        for every assignment the busiest expert got, so that no token's output depends on the other
-        tokens of its batch (padding included). That costs one host sync per layer."""
-        if self.training:
-            return capacity(probs.size(0), self.num_experts, self.top_k, self.capacity_factor)
-        chosen = probs.topk(self.top_k, dim=-1).indices.reshape(-1)
-        return max(1, int(torch.bincount(chosen, minlength=self.num_experts).max()))
 
     def residual_outputs(self) -> list[nn.Linear]:
         return []  # w2 is drawn scaled through normal_init

@@ -78,7 +78,7 @@ def test_in_eval_mode_no_assignment_is_dropped_so_a_row_does_not_depend_on_its_b
         assert torch.allclose(block(row)[0][0], block(batch)[0][1], atol=1e-5)
     probs = block.router(batch.reshape(-1, 128)).softmax(dim=-1)
     chosen = probs.topk(2, dim=-1).indices.reshape(-1)
-    assert block.slots(probs) == torch.bincount(chosen, minlength=4).max() > capacity(64, 4, 2, 0.25)
+    assert Route(probs, 2, slots=None).slots == torch.bincount(chosen, minlength=4).max() > capacity(64, 4, 2, 0.25)
 
 
 def test_the_model_draws_the_expert_weights_from_its_seed():
