@@ -71,7 +71,7 @@ def score(
     *,
     rank: int = 0,
     world_size: int = 1,
-    batch_examples: int = 4,
+    batch_examples: int = 8,
     length: int,
     amp: bool = False,
 ) -> Tally:
