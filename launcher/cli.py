@@ -222,6 +222,7 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     from pretrain.memory_plan import host_memory_bytes, plan_parallelism
 
     from pretrain import hellaswag, wandb_log
+    from pretrain.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
 
     if config.logging.wandb and not wandb_log.is_installed():
         raise UsageError(wandb_log.MISSING)
@@ -229,6 +230,10 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
         data = hellaswag.checked_data(config.evaluation.data, config.evaluation.max_examples)
         config = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, data=data))
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
+    if compile_requested(config, placement.device) and (missing := missing_compile_prerequisite(placement.device)):
+        # Said once here, not once per worker, and the workers get compile off in their config.
+        printer.launcher_line(f"warning: {compile_off_line(missing)}")
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False))
     # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
     if node is not None:

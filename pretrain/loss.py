@@ -2,12 +2,20 @@
 blocks returned (already weighted by their own config).
 
 The model returns logits, or what an output head made of its final hidden states: the head
-here (ChunkedCrossEntropy) takes the output projection a chunk of tokens at a time, so the fp32
-logits of a whole batch never exist together. It runs inside the model's forward, where DDP and
-FSDP2 expect every parameter to be used."""
+here (ChunkedCrossEntropy) runs inside the model's forward, where DDP and FSDP2 expect every
+parameter to be used. It computes the loss in one piece when the memory plan says the logits fit
+(training.loss_chunk_tokens 0, pretrain/memory_plan.py), or a chunk of tokens at a time, each
+recomputed in the backward pass, so the logits of a whole batch never exist together.
+
+When pretrain/parallel.py compiles the blocks it compiles this head too (the model's
+compile_loss_head): the output projection runs in bf16 under autocast, and the fp32 upcast,
+log-softmax and the gather of the targets' terms fuse into one kernel instead of materialising
+fp32 logits and log-probabilities in global memory, forward and backward."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -27,8 +35,10 @@ class Loss(NamedTuple):
 
 def next_token_loss(model: nn.Module, tokens: Tensor, targets: Tensor, chunk_tokens: int = 0) -> Loss:
     """The loss of model on tokens (B, T) against targets (B, T), chunk_tokens positions of the
-    output projection at a time (0: all at once). model may be wrapped by DDP or sharded by FSDP."""
-    cross_entropy, aux_losses = model(tokens, head=ChunkedCrossEntropy(targets, chunk_tokens))
+    output projection at a time (0: all at once). model may be wrapped by DDP or sharded by FSDP;
+    its head is compiled when the model's blocks are (compile_loss_head)."""
+    compiled = bool(getattr(getattr(model, "module", model), "compile_loss_head", False))
+    cross_entropy, aux_losses = model(tokens, head=ChunkedCrossEntropy(targets, chunk_tokens, compiled))
     total = cross_entropy + sum(aux_losses.values()) if aux_losses else cross_entropy
     return Loss(total, cross_entropy, aux_losses)
 
@@ -43,31 +53,51 @@ class ChunkedCrossEntropy:
     chunk at a time. The price is one more output-projection matmul per step.
     """
 
-    def __init__(self, targets: Tensor, chunk_tokens: int) -> None:
-        self.targets, self.chunk_tokens = targets, chunk_tokens
+    def __init__(self, targets: Tensor, chunk_tokens: int, compiled: bool = False) -> None:
+        self.targets, self.chunk_tokens, self.compiled = targets, chunk_tokens, compiled
 
     def __call__(self, hidden: Tensor, output: nn.Linear) -> Tensor:
-        return chunked_cross_entropy(hidden.flatten(0, 1), output, self.targets.flatten(0, 1), self.chunk_tokens)
+        return chunked_cross_entropy(hidden.flatten(0, 1), output, self.targets.flatten(0, 1), self.chunk_tokens, self.compiled)
 
 
-def chunked_cross_entropy(hidden: Tensor, output: nn.Linear, targets: Tensor, chunk_tokens: int) -> Tensor:
-    """Mean cross-entropy of output(hidden) (N, vocab) against targets (N,), chunk_tokens rows at a time."""
+LossSum = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def chunked_cross_entropy(
+    hidden: Tensor, output: nn.Linear, targets: Tensor, chunk_tokens: int, compiled: bool = False
+) -> Tensor:
+    """Mean cross-entropy of output(hidden) (N, vocab) against targets (N,), chunk_tokens rows at a
+    time (0, or at least N: in one piece, nothing recomputed), with torch.compile when compiled."""
+    loss_sum: LossSum = compiled_loss_sum() if compiled else _loss_sum
     n = hidden.shape[0]
+    # The weight, not the module: under FSDP2 the module's parameter is swapped between its shard
+    # and the gathered tensor, and a compiled function guards on tensors' shapes, not identities.
+    weight = output.weight
     if chunk_tokens <= 0 or n <= chunk_tokens:
-        return _chunk_loss_sum(hidden, output, targets) / n
+        return loss_sum(hidden, weight, targets) / n
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss_sum, h, output, t, use_reentrant=False)
+            total = total + checkpoint(loss_sum, h, weight, t, use_reentrant=False)
         else:
-            total = total + _chunk_loss_sum(h, output, t)
+            total = total + loss_sum(h, weight, t)
     return total / n
 
 
-def _chunk_loss_sum(hidden: Tensor, output: nn.Linear, targets: Tensor) -> Tensor:
-    """Summed cross-entropy of one chunk: hidden (N, dim), targets (N,)."""
-    return F.cross_entropy(output(hidden).float(), targets, reduction="sum")
+def _loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Summed cross-entropy of hidden (N, dim) @ weight.T (N, vocab) against targets (N,).
+
+    The matmul runs in the autocast dtype (bf16 under training.use_amp); log-softmax over a large
+    vocabulary needs fp32, so the logits are upcast for it (compiled, the upcast is fused into the
+    log-softmax and never stored)."""
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+
+
+@functools.cache
+def compiled_loss_sum() -> LossSum:
+    """_loss_sum compiled once per process (the first call compiles, on the first batch)."""
+    return torch.compile(_loss_sum)
 
 
 def cross_entropy_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -144,6 +144,9 @@ class Transformer(nn.Module):
     # The rotary tables' buffers (register_buffer in __init__), declared so that their type is known.
     rope_cos: Tensor
     rope_sin: Tensor
+    compile_loss_head: bool = False
+    """Set by pretrain/parallel.py when it compiles the blocks: pretrain/loss.py's head (the
+    output projection and the cross-entropy) is then compiled too."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int | None = None) -> None:
         super().__init__()

@@ -13,8 +13,6 @@ launcher (pretrain/memory_plan.py), and written into training.parallelism.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import types
 import warnings
 from collections.abc import Iterator
@@ -30,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from pretrain import config as cfg
+from pretrain.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
 from pretrain.config import Config
 from pretrain.model import Transformer, TransformerBlock
 from pretrain.runtime import Runtime, process_group_backend
@@ -37,34 +36,14 @@ from pretrain.runtime import Runtime, process_group_backend
 
 def compile_enabled(config: Config, device: torch.device) -> bool:
     """training.compile, or, when it is null, on CUDA only (a first compile on CPU is slow);
-    never with debug.trace_nonfinite, and never without the compiler torch.compile builds its
-    kernels with (then off, with one warning line)."""
-    if config.debug.trace_nonfinite:
-        return False  # compiled blocks hide their modules from the hooks
-    chosen = config.training.compile
-    if not (device.type == "cuda" if chosen is None else chosen):
+    never with debug.trace_nonfinite, and never without what torch.compile builds its kernels
+    with (a compiler and the Python headers: then off, with one warning line)."""
+    if not compile_requested(config, device.type):
         return False
-    if missing := missing_compiler(device):
-        logging.getLogger("pretrain").warning(
-            f"training.compile is off: torch.compile needs {missing} on first use, and none was found; "
-            "install one (e.g. apt-get install gcc g++), or set training.compile=false to silence this"
-        )
+    if missing := missing_compile_prerequisite(device.type):
+        logging.getLogger("pretrain").warning(compile_off_line(missing))
         return False
     return True
-
-
-def missing_compiler(device: torch.device) -> str | None:
-    """The compiler torch.compile will look for on device and not find, or None when it is there.
-    Searched the way the compilers do, so a missing one is found before the first forward raises."""
-    if device.type == "cuda":
-        # Triton builds its kernel launcher with $CC, else gcc, else clang (triton/runtime/build.py).
-        if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
-            return None
-        return "a C compiler (gcc or clang on PATH, or CC)"
-    # Inductor's CPU kernels are C++, built with $CXX, else g++ (torch._inductor.config.cpp.cxx).
-    if shutil.which(os.environ.get("CXX") or "g++"):
-        return None
-    return "a C++ compiler (g++ on PATH, or CXX)"
 
 
 def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str) -> nn.Module:
@@ -88,6 +67,7 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
     if compile_enabled(config, runtime.device):
         for block in blocks(model):
             block.compile()  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
+        model.compile_loss_head = True  # the output projection and cross-entropy (pretrain/loss.py)
     if mode == "fsdp" and (runtime.distributed or offload):
         model = shard(model, device_mesh(runtime), t.use_amp, offload)
     materialize(model, runtime.device, t.seed, offload)

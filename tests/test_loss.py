@@ -79,3 +79,38 @@ def test_a_feed_forward_blocks_auxiliary_losses_are_named_by_layer_and_added_to_
     model.zero_grad()
     next_token_loss(model, x, y).cross_entropy.backward()
     assert not torch.allclose(with_aux, model.layers[0].feed_forward.w2.weight.grad)
+
+
+def test_the_compiled_loss_head_equals_the_chunked_one_with_no_graph_break():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    hidden = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    output = nn.Linear(16, 50, bias=False)
+    targets = torch.randint(0, 50, (24,), generator=torch.Generator().manual_seed(2))
+    results = []
+    for compiled, chunk_tokens in ((False, 5), (True, 0)):
+        output.weight.grad = None
+        given = hidden.clone().requires_grad_()
+        loss = chunked_cross_entropy(given, output, targets, chunk_tokens, compiled=compiled)
+        loss.backward()
+        results.append((loss.detach(), given.grad, output.weight.grad.clone()))
+    for chunked, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, chunked)
+    assert counters["stats"]["unique_graphs"] >= 1, "the head was not compiled"
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_a_model_with_compiled_blocks_compiles_its_loss_head(monkeypatch):
+    from pretrain import loss as loss_module
+
+    calls = []
+    monkeypatch.setattr(loss_module, "compiled_loss_sum", lambda: lambda *args: calls.append(1) or loss_module._loss_sum(*args))
+    model = Transformer(TINY, max_seq_len=16, seed=3)
+    x, y = tokens()[:, :-1], tokens()[:, 1:]
+    plain = next_token_loss(model, x, y).cross_entropy
+    assert calls == []
+    model.compile_loss_head = True
+    torch.testing.assert_close(next_token_loss(model, x, y).cross_entropy, plain)
+    assert calls == [1]

@@ -1,0 +1,79 @@
+"""pretrain/compile_prerequisites.py: torch.compile's compiler and Python headers, found missing
+before the first forward needs them, and compile turned off with one line."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, launcher_env
+from pretrain import compile_prerequisites
+from pretrain.compile_prerequisites import missing_python_headers
+from pretrain.config import Config, DebugConfig, TrainingConfig
+from pretrain.parallel import compile_enabled
+
+
+def asking_for_compile() -> Config:
+    return Config(training=TrainingConfig(compile=True), debug=DebugConfig(trace_nonfinite=False))
+
+
+@pytest.fixture
+def pretrain_warnings():
+    """The pretrain logger's records, as 'LEVEL message'."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(f"{record.levelname} {record.getMessage()}")
+    logger = logging.getLogger("pretrain")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_python_headers_are_found_in_an_include_directory_that_has_python_h(tmp_path):
+    (tmp_path / "Python.h").write_text("/* the real one is longer */\n")
+    assert missing_python_headers(tmp_path) is None
+
+
+def test_missing_python_headers_name_the_directory_and_the_package_to_install(tmp_path):
+    missing = missing_python_headers(tmp_path)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert missing is not None and str(tmp_path) in missing
+    assert f"apt-get install python{version}-dev" in missing and f"python{version}-devel" in missing
+
+
+def test_this_interpreters_headers_are_where_the_check_looks():
+    # CI and the development machine have them (gcc builds packages here): the check must agree.
+    assert missing_python_headers() is None
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_compile_without_python_headers_is_turned_off_with_one_warning_line(monkeypatch, tmp_path, pretrain_warnings, device):
+    monkeypatch.setattr(compile_prerequisites, "python_include_dir", lambda: tmp_path)
+    monkeypatch.setattr("shutil.which", lambda name, *args, **kwargs: f"/usr/bin/{name}")  # every compiler is there
+    assert not compile_enabled(asking_for_compile(), torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    assert len(pretrain_warnings) == 1
+    assert pretrain_warnings[0].startswith("WARNING training.compile is off: torch.compile needs the Python headers")
+
+
+def test_the_launcher_turns_compile_off_once_for_every_worker_when_the_compiler_is_missing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", "2", "--max-steps", "1"]
+        + ["--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+        + ["--set", "training.compile=true", "--set", "debug.trace_nonfinite=false", "--set", "data.context_length=32"],
+        cwd=ROOT,
+        env=launcher_env(CXX=str(tmp_path / "no-such-g++")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).splitlines()
+    off = [line for line in lines if "training.compile is off" in line]
+    assert len(off) == 1 and off[0].startswith("launcher: warning: training.compile is off: "), off
+    assert "a C++ compiler (g++ on PATH, or CXX)" in off[0]
+    config = (tmp_path / "r" / "config.json").read_text()
+    assert '"compile": false' in config
