@@ -1,5 +1,6 @@
-"""The mixture of experts block (pretrain/moe.py): routing, capacity, the load-balancing loss, and
-training the debug model with it on 2 CPU workers."""
+"""The mixture of experts block (pretrain/moe.py): routing, capacity, the load-balancing loss,
+static shapes (the same results as the boolean-indexing algorithm it replaced, no host sync, no
+graph break or recompile under torch.compile), and training the debug model with it on 2 CPU workers."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from helpers import run_debug_training
 from pretrain import config as cfg
-from pretrain.moe import AUX_LOSS, MixtureOfExperts, Route, capacity, load_balance_loss
 from pretrain.model import Transformer
+from pretrain.moe import AUX_LOSS, MixtureOfExperts, Route, capacity, load_balance_loss
+
+aten = torch.ops.aten
 
 
 def moe_config(**moe) -> cfg.ModelConfig:
@@ -20,25 +29,85 @@ def moe_config(**moe) -> cfg.ModelConfig:
     return dataclasses.replace(base, vocab_size=64, moe=cfg.MoEConfig(**({"num_experts": 4, "top_k": 2} | moe)))
 
 
+def tiny_block(seed: int = 0, **moe) -> MixtureOfExperts:
+    """dim 32, 4 experts of width 64, top-2; expert weights large enough to matter."""
+    torch.manual_seed(seed)
+    config = dataclasses.replace(moe_config(**moe), dim=32, ffn_dim=64, n_heads=2, n_kv_heads=2)
+    block = MixtureOfExperts(config)
+    for weight in (block.w1, block.w2, block.w3):
+        nn.init.normal_(weight, std=0.1)
+    return block
+
+
+def reference_forward(block: MixtureOfExperts, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The algorithm before static shapes, kept as the reference: only the assignments within
+    capacity are kept, by boolean indexing, and eval's capacity is what the busiest expert got."""
+    batch, seq, dim = x.shape
+    tokens = x.reshape(-1, dim)
+    n = tokens.size(0)
+    probs = block.router(tokens).float().softmax(dim=-1)
+    weights, experts = probs.topk(block.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    expert, weight = experts.T.reshape(-1), weights.T.reshape(-1)
+    token = torch.arange(n).repeat(block.top_k)
+    onehot = F.one_hot(expert, block.num_experts)
+    slot = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1
+    slots = capacity(n, block.num_experts, block.top_k, block.capacity_factor) if block.training else int(slot.max()) + 1
+    keep = slot < slots
+    token, expert, weight, slot = token[keep], expert[keep], weight[keep], slot[keep]
+    buffer = tokens.new_zeros(block.num_experts, slots, dim)
+    buffer[expert, slot] = tokens[token]
+    hidden = F.silu(torch.bmm(buffer, block.w1.to(buffer.dtype))) * torch.bmm(buffer, block.w3.to(buffer.dtype))
+    outputs = torch.bmm(hidden, block.w2.to(buffer.dtype))
+    weighted = outputs[expert, slot] * weight.to(outputs.dtype).unsqueeze(-1)
+    out = tokens.new_zeros(tokens.shape).index_add(0, token, weighted.to(tokens.dtype))
+    share = F.one_hot(experts.reshape(-1), block.num_experts).float().mean(dim=0)
+    aux = block.aux_loss_weight * block.num_experts * (share * probs.mean(dim=0)).sum()
+    return out.view(batch, seq, dim), aux
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the ops that make a CUDA device wait for the host: reading a value (.item(),
+    int(tensor)), sizes that depend on values (nonzero, masked_select, unique), and indexing
+    with a boolean mask. On the CPU they cost nothing, but the counts are what a GPU would pay."""
+
+    SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive, aten.bincount}
+    INDEXING = {aten.index, aten.index_put, aten.index_put_}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        boolean_index = packet in self.INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1])
+        if packet in self.SYNCING or boolean_index or (packet == aten.repeat_interleave and "output_size" not in (kwargs or {})):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_every_token_goes_to_its_top_k_experts_when_capacity_allows():
     torch.manual_seed(0)
     probs = torch.randn(50, 4).softmax(-1)
-    route = Route(probs, top_k=2, slots=100)
-    per_token = torch.bincount(route.token, minlength=50)
-    assert per_token.tolist() == [2] * 50
+    route = Route(probs, top_k=2, capacity=100)
+    assert route.kept.all() and torch.bincount(route.token, minlength=50).tolist() == [2] * 50
     chosen = {(int(t), int(e)) for t, e in zip(route.token, route.expert, strict=True)}
     assert chosen == {(t, int(e)) for t in range(50) for e in probs[t].topk(2).indices}
     weights = torch.zeros(50).index_add(0, route.token, route.weight)
     assert torch.allclose(weights, torch.ones(50))  # renormalised over the k chosen
+    assert route.row.unique().numel() == 100  # each assignment its own row of the buffer
 
 
 def test_no_expert_takes_more_than_its_capacity_and_second_choices_are_dropped_first():
     probs = torch.tensor([[0.7, 0.2, 0.05, 0.05]] * 10)  # every token: expert 0 first, 1 second
-    route = Route(probs, top_k=2, slots=capacity(10, 4, 2, 0.5))  # 0.5 x 10 x 2 / 4 = 3 slots
-    counts = torch.bincount(route.expert, minlength=4)
-    assert counts.tolist() == [3, 3, 0, 0]
-    assert route.token[route.expert == 0].tolist() == [0, 1, 2]  # first come, first served
-    assert sorted(set(route.slot.tolist())) == [0, 1, 2]
+    route = Route(probs, top_k=2, capacity=capacity(10, 4, 2, 0.5))  # 0.5 x 10 x 2 / 4 = 3 slots
+    assert route.expert.shape == route.row.shape == route.weight.shape == (20,)  # every assignment, kept or not
+    assert torch.bincount(route.expert[route.kept], minlength=4).tolist() == [3, 3, 0, 0]
+    assert route.token[route.kept & (route.expert == 0)].tolist() == [0, 1, 2]  # first come, first served
+    assert route.token[route.kept & (route.expert == 1)].tolist() == [0, 1, 2]
+    assert route.row[route.kept].tolist() == [0, 1, 2, 4, 5, 6]  # expert e's rows start at e x (3 + 1)
+    assert set(route.row[~route.kept].tolist()) == {3, 7}  # the rest go to their expert's overflow row
+    assert (route.weight[~route.kept] == 0).all() and (route.weight[route.kept] > 0).all()
 
 
 def test_the_load_balancing_loss_is_one_for_uniform_routing_and_grows_as_it_collapses():
@@ -49,6 +118,31 @@ def test_the_load_balancing_loss_is_one_for_uniform_routing_and_grows_as_it_coll
     half = load_balance_loss(torch.tensor([[0.5, 0.5, 0.0, 0.0]] * 8), torch.tensor([[0], [1]] * 4), 4)  # 2 of 4 used
     assert half.item() == pytest.approx(2.0)
     assert uniform < half < collapsed
+
+
+@pytest.mark.parametrize(
+    ("training", "capacity_factor", "over_capacity"),
+    [(True, 4.0, False), (True, 0.5, True), (False, 0.25, True)],
+    ids=["training-nothing-dropped", "training-over-capacity", "eval"],
+)
+def test_static_routing_gives_the_reference_outputs_and_gradients(training, capacity_factor, over_capacity):
+    block = tiny_block(capacity_factor=capacity_factor).train(training)
+    x = torch.randn(3, 8, 32)
+    grad_out = torch.randn(3, 8, 32)
+    results = []
+    for forward in (block.forward, lambda x: reference_forward(block, x)):
+        block.zero_grad()
+        inputs = x.clone().requires_grad_()
+        out, aux = forward(inputs)
+        aux = aux[AUX_LOSS] if isinstance(aux, dict) else aux
+        ((out * grad_out).sum() + aux).backward()
+        results.append((out, aux, inputs.grad, *(p.grad.clone() for p in block.parameters())))
+    route = Route(block.router(x.reshape(-1, 32)).softmax(-1), 2, capacity(24, 4, 2, capacity_factor))
+    assert bool((~route.kept).any()) == over_capacity  # the case this run covers (eval keeps them all)
+    static, reference = results
+    assert torch.equal(static[1], reference[1])  # the load-balancing loss
+    for mine, theirs in zip(static, reference, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_the_block_runs_every_expert_in_batched_weights_and_returns_its_weighted_loss():
@@ -76,9 +170,79 @@ def test_in_eval_mode_no_assignment_is_dropped_so_a_row_does_not_depend_on_its_b
     block.eval()
     with torch.no_grad():
         assert torch.allclose(block(row)[0][0], block(batch)[0][1], atol=1e-5)
-    probs = block.router(batch.reshape(-1, 128)).softmax(dim=-1)
-    chosen = probs.topk(2, dim=-1).indices.reshape(-1)
-    assert Route(probs, 2, slots=None).slots == torch.bincount(chosen, minlength=4).max() > capacity(64, 4, 2, 0.25)
+        chosen = block.router(batch.reshape(-1, 128)).topk(2, dim=-1).indices.reshape(-1)
+    assert torch.bincount(chosen, minlength=4).max() > capacity(64, 4, 2, 0.25)  # training would have dropped some
+
+
+def test_under_mixed_precision_the_activations_are_cast_to_the_weights_never_the_weights_up():
+    block = tiny_block()
+    x = torch.randn(2, 8, 32)
+    exact = block(x)[0]
+    torch.testing.assert_close(exact, reference_forward(block, x)[0], rtol=1e-6, atol=1e-7)  # fp32: nothing cast to bf16
+    bf16 = tiny_block().to(torch.bfloat16)  # as FSDP gathers the weights under use_amp; the stream stays fp32
+    bf16.router.float()
+    seen: list[tuple[torch.dtype, ...]] = []
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket == aten.bmm:
+                seen.append((args[0].dtype, args[1].dtype))
+            return func(*args, **(kwargs or {}))
+
+    with Dtypes():
+        out = bf16(x)[0]
+    assert out.dtype == torch.float32 and seen == [(torch.bfloat16, torch.bfloat16)] * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert block(x)[0].dtype == torch.float32  # the residual stream's dtype comes back
+
+
+def test_a_forward_and_backward_make_no_host_sync_in_training_or_eval():
+    block = tiny_block(capacity_factor=0.5)
+    x = torch.randn(2, 8, 32)
+    with HostSyncs() as syncs:
+        out, aux = block(x)
+        (out.sum() + aux[AUX_LOSS]).backward()
+        with torch.no_grad():
+            block.eval()(x)
+    assert syncs.ops == []
+    with HostSyncs() as reference:  # what the counter would see in the algorithm before
+        reference_forward(block.train(), x)
+    assert "aten._local_scalar_dense.default" in reference.ops and "aten.index.Tensor" in reference.ops
+
+
+class Checkpointed(nn.Module):
+    """The block's forward under activation checkpointing, as pretrain/parallel.py wraps a transformer block."""
+
+    def __init__(self, block: MixtureOfExperts) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        if not torch.is_grad_enabled():
+            return self.block(x)
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointing"])
+def test_compiled_the_block_has_no_graph_break_and_one_graph_for_training_and_one_for_eval(checkpointed):
+    torch._dynamo.reset()
+    counters.clear()
+    block = tiny_block(capacity_factor=0.5)
+    model = Checkpointed(block) if checkpointed else block
+    compiles = CompileCounterWithBackend("aot_eager")  # dynamo decides breaks and recompiles, not the code generator
+    model.compile(backend=compiles)
+    batches = torch.randn(3, 2, 8, 32)  # new values each step: routing and the dropped assignments change
+    for step in range(2):
+        for x in batches:
+            out, aux = model.train()(x.clone().requires_grad_())
+            (out.sum() + aux[AUX_LOSS]).backward()
+        with torch.no_grad():
+            for x in batches[step:]:
+                eager, _ = block.eval()(x)
+                assert torch.allclose(model.eval()(x)[0], eager, atol=1e-6)
+    assert dict(counters["graph_break"]) == {}
+    assert compiles.frame_count == 2  # the first training step's and the first evaluation's
+    torch._dynamo.reset()
 
 
 def test_the_model_draws_the_expert_weights_from_its_seed():
