@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks.gpu_checks_nccl import check_nccl_transport
 from benchmarks.gpu_context import Context, Row
 from benchmarks.gpu_procs import (
     LAST_LINES,
@@ -332,6 +333,7 @@ RUNTIME_CHECKS = {
     "torchrun": check_torchrun,
     "nccl-timeout": check_nccl_timeout,
     "nccl-error": check_nccl_error,
+    "nccl-transport": check_nccl_transport,
     "alloc-conf": check_alloc_conf,
     "fp32-attention": check_fp32_attention,
 }

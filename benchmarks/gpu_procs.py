@@ -255,13 +255,13 @@ class Watched:
     reader: threading.Thread
 
 
-def watch(argv: Sequence[str], marker: str = "] Step [5/") -> Watched:
+def watch(argv: Sequence[str], marker: str = "] Step [5/", env: dict[str, str] | None = None) -> Watched:
     """Start argv in a session of its own and collect its output; seen is set at the first line
     holding marker (by default: training reached step 5)."""
     proc = subprocess.Popen(
         list(argv),
         cwd=REPO,
-        env=child_env(),
+        env=env or child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

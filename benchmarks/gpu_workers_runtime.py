@@ -7,7 +7,10 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from benchmarks.gpu_procs import emit
 
@@ -15,6 +18,12 @@ RAISING = "rank 1 raises now"
 """What the nccl-error worker's failing rank prints just before it raises (the check times from it)."""
 FAILURE = "rank 1 fails on purpose inside its all_reduce loop"
 """The message of the error it raises, which the launcher's summary must show."""
+HOLDING = "holding the GPU until released"
+"""What each nccl-transport worker prints once measured: the check reads NVML's processes then."""
+ALL_REDUCE_MIB = 256
+ALL_REDUCE_ROUNDS = 20
+HOLD_S = 120
+"""The longest an nccl-transport worker waits for the release file."""
 
 
 def worker_attention(dtype: str = "float32") -> None:
@@ -124,8 +133,69 @@ def worker_nccl_error(device: str = "cuda") -> None:
     os._exit(code)
 
 
+def _doubled_sum(t: Any) -> Any:
+    return (t * 2).sum()
+
+
+def worker_nccl_transport(release: str, device: str = "cuda") -> None:
+    """Run as two launched GPU workers: the trainer's runtime (pretrain.runtime.init_runtime, so
+    the device LAUNCHER_CUDA_DEVICE_INDEX names), one small torch.compile (which starts inductor's
+    compile processes, as training does: they see the worker's GPUs too), a 256 MiB fp32
+    all-reduce timed over 20 rounds after 5 unmeasured ones, and which other visible GPUs hold a
+    primary context in this process (the driver's own answer, which creates none). Then it holds
+    its GPU until the file release exists, so the check can read NVML's process lists while every
+    worker and its compile processes are alive. device "cpu" (gloo) is the smoke test of this
+    code on a machine without a GPU."""
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    import torch
+    import torch.distributed as dist
+
+    from pretrain import config as cfg
+    from pretrain.runtime import init_runtime, shutdown
+
+    runtime = init_runtime(cfg.resolve(preset="debug", sets=[f"system.device={device}", "training.cpu_offload=false"]))
+    synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
+    try:
+        float(torch.compile(_doubled_sum)(torch.ones(1024, device=runtime.device)))
+        compiled = "yes"
+    except Exception as error:  # no compiler here: the rest still measures NCCL
+        compiled = f"failed: {type(error).__name__}"
+    x = torch.ones(ALL_REDUCE_MIB * 2**20 // 4, device=runtime.device)  # (elements,) fp32
+    for _ in range(5):  # NCCL connects its channels in the first one
+        dist.all_reduce(x)
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(ALL_REDUCE_ROUNDS):
+        dist.all_reduce(x)
+    synchronize()
+    seconds = (time.perf_counter() - started) / ALL_REDUCE_ROUNDS
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    own = runtime.device.index
+    visible = torch.cuda.device_count() if runtime.device.type == "cuda" else 0
+    others = None if has_context is None else [i for i in range(visible) if i != own and has_context(i)]
+    emit(
+        {
+            "rank": runtime.rank,
+            "pid": os.getpid(),
+            "device": str(runtime.device),
+            "visible": visible,
+            "bytes": x.numel() * x.element_size(),
+            "seconds": seconds,
+            "ranks": runtime.world_size,
+            "other_contexts": others,
+            "compiled": compiled,
+        }
+    )
+    print(HOLDING, flush=True)
+    deadline = time.monotonic() + HOLD_S
+    while not Path(release).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    shutdown(runtime, peers_alive=True)
+
+
 RUNTIME_WORKERS: dict[str, Callable[..., None]] = {
     "attention": worker_attention,
     "alloc-conf": worker_alloc_conf,
     "nccl-error": worker_nccl_error,
+    "nccl-transport": worker_nccl_transport,
 }

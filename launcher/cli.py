@@ -196,8 +196,9 @@ def make_workers(
             node_rank=layout.node_rank,
             master_addr=layout.master_addr,
             master_port=port,
-            gpu=gpu.cuda_visible_id if gpu else None,
+            gpu=placement.cuda_visible_devices(local),
             gpu_id=gpu.id if gpu else None,
+            cuda_device_index=placement.cuda_device_index(local),
             cpu_count=cpus,
             compile_cache=str(cache_root() / "inductor"),
         )
@@ -306,6 +307,7 @@ def run(argv: Sequence[str]) -> int:
             max_utilization=args.max_utilization,
             strict=args.strict,
             cpu_fallback=bool(command) or config.preset == "debug",
+            own_command=bool(command),
         ),
         console,
     )

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
 SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
 UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
 UTILIZATION_SAMPLES = 5
+
+
+PeerLink = Literal["nvlink", "pcie", "none", "unknown"]
+"""How two GPUs reach each other: NVLink peer-to-peer, PCIe peer-to-peer, no peer-to-peer at all
+(NCCL goes through host memory), or unknown (NVML cannot say: an old driver, a MIG device)."""
 
 
 class NoGpuDriver(Exception):
@@ -235,3 +241,47 @@ def _owner(pid: int) -> str | None:
 
 def _text(value: str | bytes) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def peer_links(gpus: Sequence[Gpu]) -> dict[tuple[str, str], PeerLink]:
+    """How each pair of these devices reaches the other, keyed by their ids in the order given
+    (("0", "1"), never ("1", "0")). NVLink when NVML's NVLink peer-to-peer status is OK; else
+    PCIe when peer reads or writes are OK (through the PCIe fabric); else none. A MIG device, or
+    a pair NVML cannot judge, is unknown; so is every pair when NVML cannot start."""
+    pairs = [(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
+    if not pairs:
+        return {}
+    nvml = nvml_library()
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:
+        return {(a.id, b.id): "unknown" for a, b in pairs}
+    try:
+        handles = {gpu.id: _handle_by_uuid(nvml, gpu) for gpu in gpus}
+        return {(a.id, b.id): _link(nvml, handles[a.id], handles[b.id]) for a, b in pairs}
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _handle_by_uuid(nvml: Any, gpu: Gpu) -> Any:
+    """The handle of a whole GPU (None for a MIG device, or one NVML cannot find)."""
+    if gpu.mig or not gpu.uuid:
+        return None
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+    except nvml.NVMLError:
+        return None
+
+
+def _link(nvml: Any, a: Any, b: Any) -> PeerLink:
+    if a is None or b is None:
+        return "unknown"
+    try:
+        if nvml.nvmlDeviceGetP2PStatus(a, b, nvml.NVML_P2P_CAPS_INDEX_NVLINK) == nvml.NVML_P2P_STATUS_OK:
+            return "nvlink"
+        for direction in (nvml.NVML_P2P_CAPS_INDEX_READ, nvml.NVML_P2P_CAPS_INDEX_WRITE):
+            if nvml.nvmlDeviceGetP2PStatus(a, b, direction) == nvml.NVML_P2P_STATUS_OK:
+                return "pcie"
+    except nvml.NVMLError:  # NotSupported: a driver too old to say
+        return "unknown"
+    return "none"

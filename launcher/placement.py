@@ -10,6 +10,8 @@ Rules, in order:
    GPU id, auto:N or system.device_id); otherwise "no NVIDIA GPU found; use --device cpu". A
    driver that is there but broken is always an error (nvml.NvmlFailure).
 4. Otherwise devices.select() chooses and claims; the claims last until release().
+5. With two or more GPUs, which of them each worker sees (launcher/gpu_visibility.py): its own,
+   or every run GPU of the node where some pair reaches the other over PCIe only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from launcher import devices, nvml
+from launcher import devices, gpu_visibility, nvml
 from launcher.devices import DeviceError, GpuRequest
 from launcher.gpu_table import render
 from launcher.nvml import Gpu
@@ -41,6 +43,8 @@ class GpuOptions:
     strict: bool = False
     cpu_fallback: bool = False
     """Without GPUs, run CPU workers instead of stopping (the debug preset; generic commands)."""
+    own_command: bool = False
+    """The workers run the user's `-- COMMAND`: one GPU each, unless LAUNCHER_GPU_VISIBILITY asks."""
 
 
 @dataclass
@@ -51,9 +55,22 @@ class Placement:
     world_size: int
     gpus: tuple[Gpu, ...] = ()
     selection: devices.Selection | None = field(default=None, repr=False)
+    shared_gpus: bool = False
+    """Every worker sees all of gpus (in local-rank order) and uses cuda:LOCAL_RANK; else only its own, cuda:0."""
 
     def label(self, rank: int) -> str:
         return f"GPU{self.gpus[rank].id}" if self.device == "cuda" else f"CPU{rank}"
+
+    def cuda_visible_devices(self, local_rank: int) -> str | None:
+        """The CUDA_VISIBLE_DEVICES of this node's worker local_rank (None: a CPU worker)."""
+        if self.device != "cuda":
+            return None
+        shown = self.gpus if self.shared_gpus else self.gpus[local_rank : local_rank + 1]
+        return ",".join(gpu.cuda_visible_id for gpu in shown)
+
+    def cuda_device_index(self, local_rank: int) -> int:
+        """Which of the GPUs it sees is its own: the n of its cuda:n."""
+        return local_rank if self.shared_gpus else 0
 
     def release(self) -> None:
         """Give back the GPU claims (the launcher's exit does too, however it exits)."""
@@ -98,6 +115,7 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
     if request.kind == "none":
         return Placement("cpu", cpu_workers)
     criteria = devices.Criteria.parse(options.min_free_memory, options.max_utilization)
+    wanted = gpu_visibility.setting(os.environ)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         gpus = nvml.discover()
@@ -119,7 +137,15 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
         raise DeviceError(devices.NO_GPU_FOUND)
     selection = devices.select(gpus, request, criteria, strict=options.strict, cuda_visible_devices=visible)
     _explain(selection, request, printer)
-    return Placement("cuda", len(selection.chosen), tuple(selection.chosen), selection)
+    try:
+        links = nvml.peer_links(selection.chosen)
+        visibility = gpu_visibility.choose(selection.chosen, links, options.own_command, wanted)
+    except BaseException:
+        selection.release()
+        raise
+    if visibility.line:
+        printer.launcher_line(visibility.line)
+    return Placement("cuda", len(selection.chosen), tuple(selection.chosen), selection, shared_gpus=visibility.shared)
 
 
 def _explain(selection: devices.Selection, request: GpuRequest, printer: Printer) -> None:

@@ -5,6 +5,9 @@ judge that machine; the tests use it for every policy, and for real launcher pro
 racing for GPUs. The file:
 
     {"driver": true,                      # false: NVML library not found
+     "p2p": "nvlink",                     # how every two GPUs reach each other unless "links" says
+                                          # otherwise: nvlink, pcie, none, or unsupported (NVML cannot say)
+     "links": [{"gpus": [0, 1], "p2p": "pcie"}],
      "gpus": [{"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-...", "pci_bus_id": "00000000:18:00.0",
                "memory_total_mib": 81559, "memory_used_mib": 0,
                "utilization": [0, 100, 0],  # successive readings (cycled); null: not supported
@@ -13,7 +16,7 @@ racing for GPUs. The file:
                "mig": [{"slot": 0, "uuid": "MIG-...", "name": "...", "memory_total_mib": 9856,
                         "memory_used_mib": 0, "processes": []}]}]}
 
-Every key of a GPU is optional; the defaults make an idle H100. Errors are pynvml's own
+Every key is optional; the defaults make idle H100s joined by NVLink. Errors are pynvml's own
 exception classes, so the launcher's handling of them is what runs against a real driver.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,8 @@ from typing import Any
 MIB = 1 << 20
 GPU_KEYS = {"lost", "name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
 MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
+MACHINE_KEYS = {"driver", "gpus", "p2p", "links"}
+P2P_KINDS = ("nvlink", "pcie", "none", "unsupported")
 
 
 class BadScript(ValueError):
@@ -71,10 +77,20 @@ class ScriptedNvml:
 
         self._pynvml = pynvml
         self.NVMLError = pynvml.NVMLError
-        for constant in ("NVML_DEVICE_MIG_ENABLE", "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"):
+        for constant in (
+            "NVML_DEVICE_MIG_ENABLE",
+            "NVML_ERROR_LIBRARY_NOT_FOUND",
+            "NVML_ERROR_DRIVER_NOT_LOADED",
+            "NVML_P2P_CAPS_INDEX_NVLINK",
+            "NVML_P2P_CAPS_INDEX_READ",
+            "NVML_P2P_CAPS_INDEX_WRITE",
+            "NVML_P2P_STATUS_OK",
+        ):
             setattr(self, constant, getattr(pynvml, constant))
+        _check_keys(machine, MACHINE_KEYS, "the machine")
         self.driver = bool(machine.get("driver", True))
         self.devices = [_gpu(i, spec) for i, spec in enumerate(machine.get("gpus", []))]
+        self.links = _links(machine, len(self.devices))
 
     @classmethod
     def from_file(cls, path: str) -> ScriptedNvml:
@@ -102,6 +118,21 @@ class ScriptedNvml:
         if self.devices[index].lost:
             raise self._pynvml.NVMLError_GpuIsLost()
         return self.devices[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _Device:
+        for device in self.devices:
+            if device.uuid == uuid and not device.lost:
+                return device
+        raise self._pynvml.NVMLError_NotFound()
+
+    def nvmlDeviceGetP2PStatus(self, a: _Device, b: _Device, capability: int) -> int:
+        """OK for NVLink over NVLink, and for reads and writes over NVLink or PCIe; other
+        capabilities (atomics, properties) are not scripted."""
+        kind = self.links(self.devices.index(a), self.devices.index(b))
+        if kind == "unsupported":
+            raise self._pynvml.NVMLError_NotSupported()
+        ok = kind == "nvlink" or (kind == "pcie" and capability != self._pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+        return self._pynvml.NVML_P2P_STATUS_OK if ok else self._pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED
 
     def nvmlDeviceGetUUID(self, device: _Device) -> str:
         return device.uuid
@@ -173,6 +204,31 @@ def _gpu(index: int, spec: dict) -> _Device:
             processes=_process_list(mig_spec, mig_where),
         )
     return device
+
+
+def _links(machine: dict, count: int) -> Callable[[int, int], str]:
+    """How GPU i reaches GPU j: the "links" entry naming both, else the machine's "p2p"."""
+    default = machine.get("p2p", "nvlink")
+    if default not in P2P_KINDS:
+        raise ValueError(f"p2p must be one of {', '.join(P2P_KINDS)}, not {default!r}")
+    pairs: dict[frozenset[int], str] = {}
+    links = machine.get("links", [])
+    shape = f'links must be a list of {{"gpus": [i, j], "p2p": KIND}}: two GPU indices, KIND one of {", ".join(P2P_KINDS)}'
+    if not isinstance(links, list):
+        raise ValueError(shape)
+    for link in links:
+        _check_keys(link, {"gpus", "p2p"}, "links[]")
+        gpus = link.get("gpus")
+        if not (
+            isinstance(gpus, list)
+            and len(gpus) == 2
+            and all(isinstance(i, int) and 0 <= i < count for i in gpus)
+            and gpus[0] != gpus[1]
+            and link.get("p2p") in P2P_KINDS
+        ):
+            raise ValueError(shape)
+        pairs[frozenset(gpus)] = link["p2p"]
+    return lambda i, j: pairs.get(frozenset((i, j)), default)
 
 
 def _is_number(value: Any) -> bool:

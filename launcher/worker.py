@@ -17,6 +17,9 @@ from pathlib import Path
 from pretrain.parent_death import die_with_parent
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
+CUDA_DEVICE_INDEX_VAR = "LAUNCHER_CUDA_DEVICE_INDEX"
+"""The cuda:<n> a GPU worker uses among those CUDA_VISIBLE_DEVICES shows it: 0 when it sees only its
+own GPU, LOCAL_RANK when it sees every run GPU of its node (pretrain/runtime.py reads it)."""
 
 
 @dataclass(frozen=True)
@@ -139,19 +142,22 @@ def worker_env(
     cpu_count: int,
     compile_cache: str,
     gpu_id: str | None = None,
+    cuda_device_index: int = 0,
     local_rank: int | None = None,
     local_world_size: int | None = None,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
 ) -> dict[str, str]:
-    """The worker contract (DESIGN.md): torchrun's variables, one GPU, bounded threads.
+    """The worker contract (docs/design.md): torchrun's variables, its GPU, bounded threads.
 
     rank and world_size are the job's; local_rank and local_world_size (default: the same)
     this node's, which also share its cores.
 
-    gpu is the physical GPU as CUDA_VISIBLE_DEVICES names it (the launcher gives its UUID)
-    or None for a CPU worker; gpu_id (default: gpu) is its GPU_RANK, the id its log
-    prefix shows. Thread counts the user set explicitly are kept."""
+    gpu is CUDA_VISIBLE_DEVICES: the worker's own GPU (the launcher gives its UUID), or every
+    run GPU of the node, comma-separated in local-rank order (launcher/gpu_visibility.py); None
+    for a CPU worker. cuda_device_index is which of them is the worker's own (cuda:<n>, as
+    LAUNCHER_CUDA_DEVICE_INDEX). gpu_id (default: gpu) is its GPU_RANK, the id its log prefix
+    shows. Thread counts the user set explicitly are kept."""
     local_rank = rank if local_rank is None else local_rank
     local_world_size = world_size if local_world_size is None else local_world_size
     threads = str(max(1, cpu_count // local_world_size))
@@ -173,8 +179,10 @@ def worker_env(
     )
     if gpu is not None:
         env["GPU_RANK"] = gpu_id or gpu
+        env[CUDA_DEVICE_INDEX_VAR] = str(cuda_device_index)
     else:
         env.pop("GPU_RANK", None)
+        env.pop(CUDA_DEVICE_INDEX_VAR, None)
     env.setdefault("OMP_NUM_THREADS", threads)
     # One compile cache for all ranks: they reuse each other's kernels instead of each
     # compiling the same ones. N ranks compiling at once would each start a pool as large as the machine.

@@ -1,7 +1,8 @@
 """Where this process runs: its rank, its device, its log label, its process group.
 
-Reads the worker contract's environment (RANK, WORLD_SIZE, LOCAL_RANK, GPU_RANK, MASTER_*), so the
-same code runs under the launcher, under torchrun, or alone."""
+Reads the worker contract's environment (RANK, WORLD_SIZE, LOCAL_RANK, GPU_RANK,
+LAUNCHER_CUDA_DEVICE_INDEX, MASTER_*), so the same code runs under the launcher, under torchrun,
+or alone."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import Config
+
+CUDA_DEVICE_INDEX_VAR = "LAUNCHER_CUDA_DEVICE_INDEX"
+"""Set by the launcher (launcher/worker.py): this worker's own GPU among those it sees, cuda:<n>."""
 
 
 class RuntimeSetupError(RuntimeError):
@@ -49,16 +53,19 @@ def _env_int(name: str, default: int) -> int:
 
 
 def choose_device(config: Config) -> torch.device:
-    """Which GPU this process uses. Under the launcher (GPU_RANK set) or with one GPU visible:
-    cuda:0, the one it was given. Under torchrun with several GPUs visible: cuda:LOCAL_RANK,
-    so the ranks of a node get different GPUs (NCCL refuses two ranks on one). Alone with
-    several visible: cuda:system.device_id (default 0)."""
+    """Which GPU this process uses. Under the launcher: cuda:LAUNCHER_CUDA_DEVICE_INDEX (0 when
+    it sees only its own GPU, LOCAL_RANK when it sees every run GPU of its node). With GPU_RANK
+    set (alone on a GPU it was given) or one GPU visible: cuda:0. Under torchrun with several
+    GPUs visible: cuda:LOCAL_RANK, so the ranks of a node get different GPUs (NCCL refuses two
+    ranks on one). Alone with several visible: cuda:system.device_id (default 0)."""
     wanted = config.system.device
     if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeSetupError("system.device is cuda but no CUDA GPU is visible; use --set system.device=cpu")
     visible = torch.cuda.device_count()
+    if CUDA_DEVICE_INDEX_VAR in os.environ:
+        return _launcher_device(visible)
     if "GPU_RANK" in os.environ or visible == 1:
         return torch.device("cuda", 0)
     local_ranks = _env_int("LOCAL_WORLD_SIZE", 1) if "LOCAL_RANK" in os.environ else 1
@@ -67,6 +74,17 @@ def choose_device(config: Config) -> torch.device:
     index = config.system.device_id or 0
     if index >= visible:
         raise RuntimeSetupError(f"system.device_id {index} does not exist; {visible} GPU(s) are visible")
+    return torch.device("cuda", index)
+
+
+def _launcher_device(visible: int) -> torch.device:
+    """The GPU the launcher says is this worker's own."""
+    index = _env_int(CUDA_DEVICE_INDEX_VAR, 0)
+    if not 0 <= index < visible:
+        raise RuntimeSetupError(
+            f"{CUDA_DEVICE_INDEX_VAR}={index} names no GPU: {visible} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}); unset it, or start this through the launcher"
+        )
     return torch.device("cuda", index)
 
 

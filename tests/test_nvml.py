@@ -257,3 +257,76 @@ def test_nvml_that_cannot_count_the_gpus_is_a_one_line_failure(machine, monkeypa
     monkeypatch.setattr(scripted_nvml.ScriptedNvml, "nvmlDeviceGetCount", count_fails)
     with pytest.raises(nvml.NvmlFailure, match=r"NVML cannot count the GPUs \(Unknown Error\); check `nvidia-smi`"):
         nvml.discover(window=0)
+
+
+# --- peer-to-peer links --------------------------------------------------------------
+
+
+def test_peer_links_tell_nvlink_from_pcie_from_no_path(machine):
+    machine(
+        {
+            "p2p": "pcie",
+            "links": [{"gpus": [1, 0], "p2p": "nvlink"}, {"gpus": [2, 3], "p2p": "none"}],
+            "gpus": [{}, {}, {}, {}],
+        }
+    )
+    gpus = nvml.discover(window=0)
+    links = nvml.peer_links(gpus)
+    assert links == {
+        ("0", "1"): "nvlink",
+        ("0", "2"): "pcie",
+        ("0", "3"): "pcie",
+        ("1", "2"): "pcie",
+        ("1", "3"): "pcie",
+        ("2", "3"): "none",
+    }
+    assert nvml.peer_links([gpus[3], gpus[0]]) == {("3", "0"): "pcie"}  # keyed in the order given
+
+
+def test_a_scripted_machine_joins_its_gpus_by_nvlink_unless_told(machine):
+    machine({"gpus": [{}, {}]})
+    assert nvml.peer_links(nvml.discover(window=0)) == {("0", "1"): "nvlink"}
+
+
+def test_peer_links_nvml_cannot_judge_are_unknown_and_mig_devices_are_never_asked(machine, monkeypatch):
+    machine({"p2p": "unsupported", "gpus": [{}, {}, {"mig": [{"slot": 0}]}]})
+    gpus = [gpu for gpu in nvml.discover(window=0) if not gpu.mig_enabled]
+    asked = []
+    original = ScriptedNvml.nvmlDeviceGetP2PStatus
+    monkeypatch.setattr(ScriptedNvml, "nvmlDeviceGetP2PStatus", lambda self, a, b, i: asked.append(i) or original(self, a, b, i))
+    assert nvml.peer_links(gpus) == {("0", "1"): "unknown", ("0", "2.0"): "unknown", ("1", "2.0"): "unknown"}
+    assert len(asked) == 1  # the one pair of whole GPUs
+
+
+def test_peer_links_of_one_gpu_open_no_nvml(tmp_path, monkeypatch):
+    monkeypatch.setenv(nvml.SCRIPTED_GPUS_VAR, str(tmp_path / "absent.json"))  # opening it would raise
+    gpu = nvml.Gpu("0", 0, "GPU-0", "H100", "?", 1, 0, None, ())
+    assert nvml.peer_links([gpu]) == {}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"p2p": "infiniband", "gpus": [{}, {}]},
+        {"links": [{"gpus": [0, 2], "p2p": "pcie"}], "gpus": [{}, {}]},
+        {"links": [{"gpus": [0, 0], "p2p": "pcie"}], "gpus": [{}, {}]},
+        {"links": [{"gpus": [0, 1]}], "gpus": [{}, {}]},
+        {"links": {"gpus": [0, 1], "p2p": "pcie"}, "gpus": [{}, {}]},
+        {"nvlink": True, "gpus": [{}, {}]},
+    ],
+    ids=["unknown-p2p", "link-to-a-missing-gpu", "link-to-itself", "link-without-kind", "links-not-a-list", "unknown-key"],
+)
+def test_a_malformed_link_script_is_a_bad_script(machine, spec):
+    path = machine(spec)
+    with pytest.raises(scripted_nvml.BadScript) as excinfo:
+        nvml.discover(window=0)
+    assert str(path) in one_line_error(excinfo)
+
+
+@pytest.mark.skipif(not Path("/proc/driver/nvidia/version").exists(), reason="needs an NVIDIA driver (run on a GPU machine)")
+def test_real_nvml_says_how_every_pair_of_gpus_reaches_the_other(monkeypatch):
+    monkeypatch.delenv(nvml.SCRIPTED_GPUS_VAR, raising=False)
+    whole = [gpu for gpu in nvml.discover(window=0) if not gpu.mig and gpu.error is None]
+    links = nvml.peer_links(whole)
+    assert len(links) == len(whole) * (len(whole) - 1) // 2
+    assert set(links.values()) <= {"nvlink", "pcie", "none", "unknown"}

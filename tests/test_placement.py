@@ -110,6 +110,7 @@ def test_all_runs_one_worker_per_free_gpu_and_says_which_were_skipped(scripted_g
         "launcher: using GPUs 0, 2; skipped 2:",
         "launcher:   GPU 1: busy: utilization 97% > 10%",
         "launcher:   GPU 3: busy: 21.1 GiB free < 90%",
+        "launcher: GPUs 0, 2 are joined by NVLink: each worker sees only its own GPU (NCCL reaches the others over it)",
     ]
     placement.release()
 

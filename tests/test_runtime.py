@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from pretrain import config as cfg
+from pretrain import runtime
 from pretrain.runtime import RuntimeSetupError, choose_device
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTRACT = ("GPU_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")
+CONTRACT = ("GPU_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LAUNCHER_CUDA_DEVICE_INDEX")
 
 
 @pytest.fixture
@@ -40,6 +41,37 @@ def config(*sets: str) -> cfg.Config:
 def test_under_the_launcher_a_worker_takes_the_one_gpu_it_was_given(gpus):
     gpus(1, GPU_RANK="5", LOCAL_RANK="3", LOCAL_WORLD_SIZE="8", RANK="3", WORLD_SIZE="8")
     assert choose_device(config()) == torch.device("cuda", 0)
+
+
+def test_under_the_launcher_a_worker_seeing_the_nodes_gpus_takes_the_one_it_is_told(gpus):
+    gpus(4, GPU_RANK="6", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4", RANK="2", WORLD_SIZE="4", LAUNCHER_CUDA_DEVICE_INDEX="2")
+    assert choose_device(config()) == torch.device("cuda", 2)
+    gpus(4, GPU_RANK="6", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4", RANK="2", WORLD_SIZE="4", LAUNCHER_CUDA_DEVICE_INDEX="0")
+    assert choose_device(config()) == torch.device("cuda", 0)  # the index, not LOCAL_RANK, says which
+
+
+def test_a_device_index_beyond_the_visible_gpus_is_one_line_naming_them(gpus, monkeypatch):
+    gpus(2, GPU_RANK="3", LOCAL_RANK="2", LOCAL_WORLD_SIZE="3", RANK="2", WORLD_SIZE="3", LAUNCHER_CUDA_DEVICE_INDEX="2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    with pytest.raises(RuntimeSetupError) as error:
+        choose_device(config())
+    assert str(error.value) == (
+        "LAUNCHER_CUDA_DEVICE_INDEX=2 names no GPU: 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=GPU-a,GPU-b); "
+        "unset it, or start this through the launcher"
+    )
+
+
+def test_a_worker_makes_its_gpu_current_before_joining_the_nccl_group(gpus, monkeypatch):
+    gpus(2, GPU_RANK="5", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", RANK="1", WORLD_SIZE="2", LAUNCHER_CUDA_DEVICE_INDEX="1")
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda **kw: calls.append(("init", kw["backend"], kw["device_id"])))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after the test
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    started = runtime.init_runtime(config("training.cpu_offload=false"))
+    cuda_1 = torch.device("cuda", 1)
+    assert calls == [("set_device", cuda_1), ("init", "nccl", cuda_1)]
+    assert (started.device, started.label) == (cuda_1, "GPU 5")
 
 
 def test_under_torchrun_each_rank_of_a_node_takes_the_gpu_of_its_local_rank(gpus):
