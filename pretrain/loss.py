@@ -60,7 +60,8 @@ class ChunkedCrossEntropy:
         return chunked_cross_entropy(hidden.flatten(0, 1), output, self.targets.flatten(0, 1), self.chunk_tokens, self.compiled)
 
 
-LossSum = Callable[[Tensor, Tensor, Tensor], Tensor]
+ChunkLoss = Callable[[Tensor, Tensor], Tensor]
+"""(hidden (N, dim), targets (N,)) -> the summed cross-entropy of that chunk."""
 
 
 def chunked_cross_entropy(
@@ -68,36 +69,49 @@ def chunked_cross_entropy(
 ) -> Tensor:
     """Mean cross-entropy of output(hidden) (N, vocab) against targets (N,), chunk_tokens rows at a
     time (0, or at least N: in one piece, nothing recomputed), with torch.compile when compiled."""
-    loss_sum: LossSum = compiled_loss_sum() if compiled else _loss_sum
+    chunk_loss = _compiled_chunk_loss(output) if compiled else _eager_chunk_loss(output)
     n = hidden.shape[0]
-    # The weight, not the module: under FSDP2 the module's parameter is swapped between its shard
-    # and the gathered tensor, and a compiled function guards on tensors' shapes, not identities.
-    weight = output.weight
     if chunk_tokens <= 0 or n <= chunk_tokens:
-        return loss_sum(hidden, weight, targets) / n
+        return chunk_loss(hidden, targets) / n
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            total = total + checkpoint(loss_sum, h, weight, t, use_reentrant=False)
+            total = total + checkpoint(chunk_loss, h, t, use_reentrant=False)
         else:
-            total = total + loss_sum(h, weight, t)
+            total = total + chunk_loss(h, t)
     return total / n
 
 
-def _loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    """Summed cross-entropy of hidden (N, dim) @ weight.T (N, vocab) against targets (N,).
+def _eager_chunk_loss(output: nn.Linear) -> ChunkLoss:
+    """Through the module's call, so hooks on it fire (debug.trace_nonfinite names `output`)."""
+    return lambda hidden, targets: _cross_entropy_sum(output(hidden), targets)
 
-    The matmul runs in the autocast dtype (bf16 under training.use_amp); log-softmax over a large
-    vocabulary needs fp32, so the logits are upcast for it (compiled, the upcast is fused into the
-    log-softmax and never stored)."""
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+
+def _compiled_chunk_loss(output: nn.Linear) -> ChunkLoss:
+    """Through the weight, not the module: under FSDP2 the module's parameter is swapped between
+    its shard and the gathered tensor, and a compiled function guards on tensors' shapes, not on
+    their identities. (Compile is never on with the debug hooks.)"""
+    weight = output.weight
+    return lambda hidden, targets: compiled_loss_sum()(hidden, weight, targets)
+
+
+def _cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
+    """Summed cross-entropy of logits (N, vocab) against targets (N,). The logits come in the
+    autocast dtype (bf16 under training.use_amp); log-softmax over a large vocabulary needs fp32,
+    so they are upcast for it (compiled, the upcast is fused into the log-softmax, never stored)."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def _projected_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Summed cross-entropy of hidden (N, dim) @ weight.T against targets (N,)."""
+    return _cross_entropy_sum(F.linear(hidden, weight), targets)
 
 
 @functools.cache
-def compiled_loss_sum() -> LossSum:
-    """_loss_sum compiled once per process (the first call compiles, on the first batch)."""
-    return torch.compile(_loss_sum)
+def compiled_loss_sum() -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """_projected_loss_sum compiled once per process (the first call compiles, on the first batch)."""
+    return torch.compile(_projected_loss_sum)
 
 
 def cross_entropy_loss(logits: Tensor, targets: Tensor) -> Tensor:

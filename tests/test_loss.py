@@ -106,7 +106,9 @@ def test_a_model_with_compiled_blocks_compiles_its_loss_head(monkeypatch):
     from pretrain import loss as loss_module
 
     calls = []
-    monkeypatch.setattr(loss_module, "compiled_loss_sum", lambda: lambda *args: calls.append(1) or loss_module._loss_sum(*args))
+    monkeypatch.setattr(
+        loss_module, "compiled_loss_sum", lambda: lambda *args: calls.append(1) or loss_module._projected_loss_sum(*args)
+    )
     model = Transformer(TINY, max_seq_len=16, seed=3)
     x, y = tokens()[:, :-1], tokens()[:, 1:]
     plain = next_token_loss(model, x, y).cross_entropy
