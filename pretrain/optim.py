@@ -7,6 +7,7 @@ a torch.optim.Optimizer. The training loop sets every param group's "lr" before 
 from __future__ import annotations
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from pretrain import registry
 from pretrain.config import TrainingConfig
@@ -27,13 +28,20 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_adamw(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only. The fused kernel runs where the parameters are
-    on the GPU; under CPU offload they are in host memory, where torch's plain per-tensor loop
-    updates them (its foreach kernels are CUDA-only)."""
-    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in model.parameters())
+    """AdamW with weight decay on matrices only, with torch's fused kernel wherever the
+    parameters are: on the GPU, and in host memory (CPU runs, and CPU offload, where each step
+    updates the offloaded shards on the host); foreach kernels on a device without one."""
+    fused = all(fusable(p) for p in model.parameters())
     return torch.optim.AdamW(
         decay_groups(model, training.weight_decay),
         lr=training.learning_rate,
         betas=(training.beta1, training.beta2),
-        fused=on_gpu,
+        fused=fused,
+        foreach=None if fused else True,
     )
+
+
+def fusable(p: torch.Tensor) -> bool:
+    """Whether torch's fused AdamW kernel takes p: floating point, on a device it has a kernel for
+    (CUDA and CPU among them)."""
+    return p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices()

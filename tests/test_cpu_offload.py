@@ -1,6 +1,6 @@
 """Training with FSDP2's CPU offload (training.cpu_offload) end to end on CPU: one process and two
 ranks under the launcher train the numbers the plain runs train, checkpoint, resume and export;
-the optimizer is not fused for parameters in host memory."""
+AdamW's fused kernel updates the parameters in host memory as torch's per-tensor loop does."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain.metrics import read_metrics
 from pretrain.model import Transformer
-from pretrain.optim import build_optimizer
+from pretrain.optim import build_optimizer, decay_groups
 
 SINGLE = ["pretrain_main.py"]
 TWO_RANKS = ["-m", "launcher", "--device", "cpu", "--nproc", "2"]
@@ -49,9 +49,27 @@ def test_an_offloaded_run_trains_the_losses_of_a_plain_one_and_checkpoints_and_e
     assert checkpoint.load_model_state(tmp_path / "offloaded" / "checkpoints" / "step_5")["output.weight"].isfinite().all()
 
 
-def test_the_optimizer_is_fused_only_for_parameters_on_the_gpu():
+def test_the_optimizer_is_fused_for_parameters_on_the_gpu_and_in_host_memory():
     model = Transformer(dataclasses.replace(cfg.debug().model, vocab_size=61), max_seq_len=8, seed=0)
     training = cfg.debug().training
-    # A CUDA run whose parameters are in host memory (offload): the fused kernel is for GPU tensors.
-    assert build_optimizer(model, training, torch.device("cuda", 0)).defaults["fused"] is False
-    assert build_optimizer(model, training, torch.device("cpu")).defaults["fused"] is False
+    # A CUDA run whose parameters are in host memory (offload): torch's fused kernel runs on CPU tensors too.
+    assert build_optimizer(model, training, torch.device("cuda", 0)).defaults["fused"] is True
+    assert build_optimizer(model, training, torch.device("cpu")).defaults["fused"] is True
+
+
+def test_fused_adamw_on_host_tensors_updates_as_the_per_tensor_loop():
+    ours = Transformer(dataclasses.replace(cfg.debug().model, vocab_size=61), max_seq_len=8, seed=0)
+    theirs = Transformer(dataclasses.replace(cfg.debug().model, vocab_size=61), max_seq_len=8, seed=0)
+    training = cfg.debug().training
+    fused = build_optimizer(ours, training, torch.device("cpu"))
+    betas = (training.beta1, training.beta2)
+    loop = torch.optim.AdamW(decay_groups(theirs, training.weight_decay), lr=training.learning_rate, betas=betas, foreach=False)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 
 import pytest
 import torch
 
+from conftest import run_gloo_ranks
 from helpers import run_debug_training
 from pretrain import config as cfg
-from pretrain import registry
+from pretrain import muon_sharing, registry
 from pretrain.model import Transformer
-from pretrain.muon import Muon, MuonError, build_muon, newton_schulz, svd_orthogonalize
+from pretrain.muon import Muon, MuonError, build_muon, is_hidden_matrix, newton_schulz, svd_orthogonalize
+from pretrain.muon_sharing import balanced_owners, newton_schulz_flops
 
 CALLS: list[tuple[tuple[int, ...], int]] = []
 
@@ -21,6 +24,11 @@ def probe_orthogonalize(grad: torch.Tensor, steps: int) -> torch.Tensor:
     """An orthogonalizer a study might register: records its calls, then does the exact one."""
     CALLS.append((tuple(grad.shape), steps))
     return svd_orthogonalize(grad, steps)
+
+
+def counted_newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
+    CALLS.append((tuple(grad.shape), steps))
+    return newton_schulz(grad, steps)
 
 
 def singular_values(matrix: torch.Tensor) -> torch.Tensor:
@@ -61,7 +69,7 @@ def test_a_muon_step_on_a_matrix_moves_it_by_an_orthogonal_update():
     assert torch.allclose(singular_values(update), torch.ones(16), atol=1e-4)
 
 
-def test_the_orthogonalizer_named_in_the_config_is_the_one_called(monkeypatch):
+def test_the_orthogonalizer_named_in_the_config_gets_each_shape_s_matrices_in_one_stacked_call(monkeypatch):
     monkeypatch.setitem(registry.ORTHOGONALIZERS, "probe", "test_muon:probe_orthogonalize")
     config = cfg.resolve(preset="debug", sets=["training.optimizer=muon", "training.muon_orthogonalize=probe"])
     model = Transformer(dataclasses.replace(config.model, vocab_size=64), 32)
@@ -69,8 +77,65 @@ def test_the_orthogonalizer_named_in_the_config_is_the_one_called(monkeypatch):
     model(torch.randint(0, 64, (2, 16))).out.float().pow(2).mean().backward()
     CALLS.clear()
     optimizer.step()
-    hidden = [tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2]
-    assert sorted(CALLS) == sorted((shape, config.training.muon_ns_steps) for shape in hidden)
+    hidden = Counter(tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2)
+    stacked = {(count, *shape) for shape, count in hidden.items()}
+    assert sorted(CALLS) == sorted((shape, config.training.muon_ns_steps) for shape in stacked)
+
+
+def test_stacks_over_the_size_limit_are_split_into_several_calls_with_the_same_update(monkeypatch):
+    torch.manual_seed(0)
+    weights, grad = torch.randn(5, 64, 32), torch.randn(5, 64, 32)
+    moved = []
+    for limit in (2**28, 2 * 64 * 32):  # everything in one call; then at most two matrices a call
+        monkeypatch.setattr(muon_sharing, "STACK_ELEMENTS", limit)
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        for param, g in zip(params, grad, strict=True):
+            param.grad = g.clone()
+        CALLS.clear()
+        Muon([{"params": params, "use_muon": True, "lr": 0.1}], counted_newton_schulz).step()
+        moved.append(torch.stack([p.detach() for p in params]))
+    assert CALLS == [((2, 64, 32), 5), ((2, 64, 32), 5), ((1, 64, 32), 5)]
+    assert torch.allclose(moved[0], moved[1], atol=1e-6)
+
+
+def test_muon_s_adamw_half_updates_as_torch_adamw():
+    """Fused (on CPU too) and foreach: the same numbers as torch.optim.AdamW's per-tensor loop."""
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 6), torch.randn(6)]
+    for fused in (True, False):
+        ours = [torch.nn.Parameter(w.clone()) for w in weights]
+        theirs = [torch.nn.Parameter(w.clone()) for w in weights]
+        hyper = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8}
+        muon = Muon([{"params": [ours[0]], "weight_decay": 0.1}, {"params": [ours[1]]}], svd_orthogonalize)
+        for group in muon.param_groups:
+            group.update(hyper)
+            group["fused"] = group["fused"] and fused
+        adamw = torch.optim.AdamW(
+            [{"params": [theirs[0]], "weight_decay": 0.1}, {"params": [theirs[1]], "weight_decay": 0.0}], **hyper, foreach=False
+        )
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            for a, b in zip(ours, theirs, strict=True):
+                a.grad = torch.randn(a.shape, generator=generator)
+                b.grad = a.grad.clone()
+            muon.step()
+            adamw.step()
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.allclose(a, b, atol=1e-6), (fused, a - b)
+        assert all(state["step"].item() == 3 for state in muon.state.values())
+
+
+def test_the_matrices_are_shared_within_1_1_over_w_of_the_flops_on_2_to_8_ranks():
+    for preset in ("small", "production"):
+        config = cfg.resolve(preset=preset, sets=["training.optimizer=muon"])
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(config.model, vocab_size=64), 32)
+        keys = [(tuple(p.shape), 5) for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+        costs = [newton_schulz_flops(shape, steps) for shape, steps in keys]
+        for world in range(2, 9):
+            owners = balanced_owners(costs, world)
+            loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == rank) for rank in range(world)]
+            assert max(loads) <= 1.1 * sum(costs) / world, (preset, world, loads)
 
 
 def test_muon_takes_the_blocks_matrices_and_leaves_embeddings_norms_and_output_to_adamw():
@@ -109,14 +174,35 @@ def test_muon_trains_the_debug_model_on_two_cpu_workers(tmp_path):
     assert len(losses) == 10 and losses[-1] < losses[0] - 1.0, losses
 
 
-@pytest.mark.slow
-def test_muon_under_fsdp_gives_the_losses_of_muon_under_ddp(tmp_path):
-    def losses(parallelism: str) -> list[float]:
-        options = ["--max-steps", "4", "--set", "training.optimizer=muon", "--set", f"training.parallelism={parallelism}"]
-        result = run_debug_training(tmp_path, LAUNCHER_ON_CPU, tmp_path / parallelism, *options)
-        return [float(x) for x in re.findall(STEP.format(total=4), result.stdout)]
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request, tmp_path_factory) -> list[dict]:
+    """What each rank of tests/muon_worker.py saw under DDP, FSDP2 and FSDP2 with CPU offload."""
+    return run_gloo_ranks("muon_worker.py", tmp_path_factory.mktemp("muon"), timeout=180, world_size=request.param)
 
-    ddp, fsdp = losses("ddp"), losses("fsdp")
-    assert len(ddp) == 4
-    # the same updates, but each rank orthogonalizes a gathered matrix in bfloat16: equal to 1e-3
-    assert fsdp == pytest.approx(ddp, abs=1e-3)
+
+MODES = ("ddp", "fsdp", "fsdp_offload")
+
+
+@pytest.mark.slow
+def test_muon_shared_over_the_ranks_updates_as_one_process_does(ranks):
+    for seen in ranks:
+        assert [seen[mode]["sharing"] for mode in MODES] == ["replicated", "rows", "rows"]
+        for mode in MODES:
+            run = seen[mode]
+            # Newton-Schulz computes in bf16 and its results travel in bf16: a bf16 rounding at most
+            tolerance = [1e-2 * update for update in run["largest_update"]]
+            assert all(d <= t for d, t in zip(run["hidden"], tolerance, strict=True)), (mode, run["hidden"])
+            assert max(run["rest"]) < 1e-6, (mode, run["rest"])  # AdamW: the same kernel on the same numbers
+
+
+@pytest.mark.slow
+def test_each_matrix_is_orthogonalized_once_and_each_rank_does_at_most_1_1_over_w_of_the_work(ranks):
+    world = len(ranks)
+    for mode in MODES:
+        counted = [seen[mode]["counted"] for seen in ranks]
+        total = ranks[0][mode]["total_flops"]
+        assert sum(c["matrices"] for c in counted) == 21  # 3 layers of 7, each on one rank only
+        assert sum(c["flops"] for c in counted) == total
+        shares = [c["flops"] / total for c in counted]
+        assert shares == pytest.approx(ranks[0][mode]["share"])  # the assignment the optimizer reports
+        assert max(shares) <= 1.1 / world, shares
