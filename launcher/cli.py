@@ -213,14 +213,15 @@ def check_command(command: list[str]) -> None:
 
 def prepare_training(config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None) -> cfg.Config:
     """Prepare the dataset once (per node), check one global batch fits the data and the model
-    fits the GPUs, and choose DDP or FSDP, before anything is spawned or written; return the
-    config as the workers will run it (training.parallelism "ddp" or "fsdp", never "auto").
+    fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/memory_plan.py), before
+    anything is spawned or written; return the config as the workers will run it (training.parallelism
+    "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
     In a job of several nodes, the whole job's worker count and smallest GPU decide."""
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
-    from pretrain.memory_plan import host_memory_bytes, plan_parallelism
+    from pretrain.memory_plan import host_memory_bytes, plan_parallelism, planned_gpu_memory, with_gpu_memory
 
     from pretrain import hellaswag, wandb_log
     from pretrain.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
@@ -239,6 +240,9 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
     if node is not None:
         gpu_memory = node.smallest_gpu_memory
+    gpu_memory = planned_gpu_memory(config, gpu_memory)
+    if gpu_memory is not None:  # the workers plan on this very figure (pretrain/build.py)
+        config = with_gpu_memory(config, gpu_memory)
     world_size = node.world_size if node is not None else placement.world_size
     host_memory = host_memory_bytes()
     if config.model.vocab_size is not None:

@@ -6,7 +6,6 @@ device, shards it, and adds the optimizer, the data and the metrics log."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -70,29 +69,33 @@ class Trainer:
         return t.batch_size * self.config.data.context_length * t.grad_accum_nums * self.runtime.world_size
 
 
-def gpu_memory(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+def gpu_memory(config: Config, device: torch.device) -> int | None:
+    """The GPU memory the run plans on: system.gpu_memory_gib (under the launcher, the figure it
+    planned with), else torch's total for the device; None on CPU."""
+    if device.type != "cuda":
+        return None
+    if config.system.gpu_memory_gib is not None:
+        return int(config.system.gpu_memory_gib * memory.GIB)
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
-    """The config with training.parallelism and training.cpu_offload concrete, and the mode:
-    fsdp with CPU offload (even for one process), else single for one process, else the
-    configured mode ("auto" chooses by estimated memory). A run that cannot fit the GPU fails
-    here, before the model is built. The launcher has already decided offload (true or false);
-    run without it (null), this process decides as the launcher would, from the host memory
-    available now, shared by LOCAL_WORLD_SIZE ranks."""
-    gpu = gpu_memory(runtime.device)
-    t = config.training
-    if t.cpu_offload is None and gpu is not None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
-        gpu, host = smallest_across_ranks(runtime, gpu, memory_plan.host_memory_bytes())
-        config, _ = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
-    else:
-        offload = bool(t.cpu_offload)
-        mode = "fsdp" if offload else memory.choose_parallelism(config, runtime.world_size, gpu)
-        if gpu is not None:
-            memory.check_fits(config, runtime.world_size, gpu, mode, offload=offload)
-        config = dataclasses.replace(config, training=dataclasses.replace(t, parallelism=mode, cpu_offload=offload))
+    """The config as the launcher's plan makes it concrete (training.parallelism, cpu_offload,
+    activation_checkpointing, loss_chunk_tokens, reshard_after_forward: pretrain/memory_plan.py),
+    and the mode: fsdp with CPU offload (even for one process), else single for one process,
+    else the planned mode. A run that cannot fit the GPU fails here, before the model is built.
+    Under the launcher everything is decided already and this only checks it; run without it,
+    this process decides as the launcher would, on the smallest GPU of the ranks and (offload
+    null) the host memory available now, shared by LOCAL_WORLD_SIZE ranks."""
+    gpu = gpu_memory(config, runtime.device)
+    host = None
+    if gpu is not None and memory_plan.undecided(config):  # every rank must decide alike
+        if config.training.cpu_offload is None:
+            gpu, host = smallest_across_ranks(runtime, gpu, memory_plan.host_memory_bytes())
+        else:
+            (gpu,) = smallest_across_ranks(runtime, gpu)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
+    config, _ = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
     if config.training.cpu_offload:
         return config, "fsdp"
     return config, config.training.parallelism if runtime.distributed else "single"
@@ -100,11 +103,11 @@ def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
 
 def smallest_across_ranks(runtime: Runtime, *values: int) -> tuple[int, ...]:
     """Each value's minimum over the ranks, so that every rank makes the same choice: ranks read
-    the host's free memory at different moments, and GPUs may differ in size. (A CPU tensor: on
-    GPUs the group has gloo beside NCCL whenever offload may be chosen, pretrain/runtime.py.)"""
+    the host's free memory at different moments, and GPUs may differ in size. (On the device:
+    NCCL reduces no host tensor, and gloo is beside it only when offload may be chosen.)"""
     if not runtime.distributed:
         return values
-    smallest = torch.tensor(values, dtype=torch.int64)
+    smallest = torch.tensor(values, dtype=torch.int64, device=runtime.device)
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     return tuple(int(v) for v in smallest.tolist())
 
@@ -165,7 +168,7 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     if config.debug.trace_nonfinite:
         trainer.tracer = FirstNonFinite(parallel.unwrap(model))
         log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")
-        if t.activation_checkpointing or t.compile:
+        if t.activation_checkpointing != "none" or t.compile:
             log.warning(
                 "debug.trace_nonfinite turns off training.activation_checkpointing and training.compile "
                 "(the hooks must see every module); set debug.trace_nonfinite=false to keep them"

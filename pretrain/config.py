@@ -34,6 +34,7 @@ from pretrain.config_loading import (
     drop_unused_preset_keys,
     from_args,
     load,
+    loss_chunk_tokens,
     max_seq_len,
     one_run_length,
     parse_set,
@@ -49,6 +50,8 @@ from pretrain.config_reference import field_docs, reference_table
 from pretrain.config_schema import (
     SECTIONS,
     SHARD_SOURCES,
+    CHECKPOINTING_MODES,
+    CheckpointingMode,
     sources_with_path,
     Config,
     ConfigError,
@@ -77,6 +80,8 @@ __all__ = [
     "SECTIONS",
     "sources_with_path",
     "SHARD_SOURCES",
+    "CHECKPOINTING_MODES",
+    "CheckpointingMode",
     # config_presets
     "FINEWEB_EDU",
     "PRESETS",
@@ -95,6 +100,7 @@ __all__ = [
     "drop_unused_preset_keys",
     "check_context",
     "activation_checkpointing",
+    "loss_chunk_tokens",
     "max_seq_len",
     "with_world_size",
     "to_dict",

@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pretrain.config_presets import PRESETS
-from pretrain.config_schema import SECTIONS, SHARD_SOURCES, Config, ConfigError, DataConfig, describe, not_one_of
+from pretrain.config_schema import (
+    SECTIONS,
+    SHARD_SOURCES,
+    CheckpointingMode,
+    Config,
+    ConfigError,
+    DataConfig,
+    describe,
+    not_one_of,
+)
 from pretrain.runfiles import atomic_write_text
 
 
@@ -43,8 +52,15 @@ def _coerce(key: str, expected: Any, value: Any) -> Any:
         members = get_args(expected)
         if value is None and type(None) in members:
             return None
-        (inner,) = [m for m in members if m is not type(None)]
-        return _coerce(key, inner, value)
+        # The first member that takes the value (a mode's name, or the older true/false); when
+        # none does, the first member's error: it names what the key is meant to hold.
+        errors = []
+        for inner in (m for m in members if m is not type(None)):
+            try:
+                return _coerce(key, inner, value)
+            except ConfigError as error:
+                errors.append(error)
+        raise errors[0]
     if expected is bool and isinstance(value, bool):
         return value
     if expected is int and isinstance(value, int) and not isinstance(value, bool):
@@ -229,10 +245,23 @@ def check_context(config: Config) -> None:
         )
 
 
-def activation_checkpointing(config: Config) -> bool:
-    """Whether blocks recompute their activations: as asked, except under debug.trace_nonfinite,
-    whose hooks must see every module run once."""
-    return config.training.activation_checkpointing and not config.debug.trace_nonfinite
+def activation_checkpointing(config: Config) -> CheckpointingMode:
+    """What the blocks recompute: training.activation_checkpointing, except under
+    debug.trace_nonfinite, whose hooks must see every module run once ("none"). "auto" is made
+    concrete by the launcher's plan (pretrain/memory_plan.py); before it, "none", the plan's
+    first choice."""
+    chosen = config.training.activation_checkpointing
+    if isinstance(chosen, bool):  # TrainingConfig has made it a name already; this tells the type checker
+        chosen = "full" if chosen else "none"
+    if config.debug.trace_nonfinite or chosen == "auto":
+        return "none"
+    return chosen
+
+
+def loss_chunk_tokens(config: Config) -> int:
+    """Tokens per loss chunk (0: one piece): training.loss_chunk_tokens, which the launcher's plan
+    makes concrete when it is null (pretrain/memory_plan.py); before it, 0, the plan's first choice."""
+    return config.training.loss_chunk_tokens or 0
 
 
 def max_seq_len(config: Config) -> int:

@@ -260,6 +260,12 @@ class DataConfig:
             )
 
 
+CheckpointingMode = Literal["none", "selective", "full"]
+"""What a block recomputes in the backward pass, least first (training.activation_checkpointing once planned)."""
+CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
+CHECKPOINTING_CHOICES = (*CHECKPOINTING_MODES, "auto")
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     batch_size: int = 1
@@ -314,12 +320,14 @@ class TrainingConfig:
     """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
     cpu_offload: bool | None = None
     """FSDP2 with CPU offload: sharded weights, gradients and AdamW state in host memory, the GPU holding only what is in flight (slower: every step copies them over PCIe); null uses it only when the model does not fit the GPUs but fits with it, within the host's memory (the launcher says so)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass instead of keeping them: about a third more compute for much less memory."""
+    activation_checkpointing: Literal["none", "selective", "full", "auto"] | bool = "auto"
+    """What each block recomputes in the backward pass instead of keeping: "none"; "selective" (keeps the matmul and attention outputs, recomputes the element-wise ops: norms, rotary, silu, products; no matmul FLOPs added); "full" (keeps only the block's input and runs its forward again: ~20-25% more FLOPs); "auto": the least that fits the GPU, chosen by the launcher's plan (on CPU workers none unless the host memory needs more). true and false mean full and none."""
     compile: bool | None = None
     """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
-    loss_chunk_tokens: int = 2048
-    """Tokens per chunk of the output projection and cross-entropy, so the fp32 logits of the whole batch never exist at once; 0 computes them in one piece."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the output projection and cross-entropy, each chunk's fp32 logits recomputed in the backward pass (one more output-projection matmul) so that those of the whole micro-batch never exist at once; 0 computes them in one piece; null: one piece when the whole micro-batch's logits fit the GPU, else 2048 (the launcher's plan decides)."""
+    reshard_after_forward: bool | None = None
+    """FSDP: free each block's gathered bf16 weights after its forward and all-gather them again for its backward (true), or keep them gathered until then (false: one all-gather fewer per micro-batch, every block's weights unsharded at the start of the backward pass); null: false when those weights fit the GPU (the launcher's plan decides)."""
     checkpoint_interval: int = 1000
     """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
     keep_checkpoints: int = 3
@@ -338,10 +346,22 @@ class TrainingConfig:
             "max_grad_norm",
             "eval_interval",
             "global_batch_size",
-            "loss_chunk_tokens",
             "checkpoint_interval",
         ):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
+        if self.loss_chunk_tokens is not None:
+            _check(
+                self.loss_chunk_tokens >= 0,
+                "training.loss_chunk_tokens",
+                f"must not be negative (got {self.loss_chunk_tokens}); 0 computes the loss in one piece, null lets the plan decide",
+            )
+        if isinstance(self.activation_checkpointing, bool):  # the older true/false: full or none
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        _check(
+            self.activation_checkpointing in CHECKPOINTING_CHOICES,
+            "training.activation_checkpointing",
+            not_one_of(self.activation_checkpointing, CHECKPOINTING_CHOICES) + " (true and false mean full and none)",
+        )
         _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
         _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", f"must be between 0 and 1 (got {self.min_lr_ratio})")
@@ -374,10 +394,18 @@ class SystemConfig:
     """Pin the run to this one physical GPU index; null lets the launcher choose."""
     collective_timeout: float = 600.0
     """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes."""
+    gpu_memory_gib: float | None = None
+    """GPU memory per GPU, in GiB, that the memory plan counts on (a share of a GPU others use too); null: the smallest chosen GPU's total as NVML reports it. The launcher writes the figure it planned with into the run's config, so every worker checks the run against the same number it was accepted with."""
 
     def __post_init__(self) -> None:
         if self.device_id is not None:
             _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
+        if self.gpu_memory_gib is not None:
+            _check(
+                0 < self.gpu_memory_gib < 1 << 20,
+                "system.gpu_memory_gib",
+                f"must be a positive number of GiB (got {self.gpu_memory_gib:g})",
+            )
         _check(
             0 < self.collective_timeout <= 86400,
             "system.collective_timeout",

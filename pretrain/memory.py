@@ -2,13 +2,18 @@
 
 The estimate, the choice between DDP and FSDP and the check that refuses a config that cannot
 fit, with one line that says what would help. The launcher's plan (pretrain/memory_plan.py, which
-also counts host memory and decides CPU offload) uses them before any worker starts: no torch here.
-The estimate is a model of the peak, not a measurement: parameters, gradients and AdamW state
-are exact counts; activations follow the per-layer formula in `_activation_bytes_per_token`;
-the backward's temporaries are one block's activation gradients; the loss chunk counts three
-fp32 copies of its logits (measured); a fixed allowance covers the CUDA context, NCCL and the
-caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the GPU, for
-what the model still leaves out.
+also counts host memory and decides CPU offload, activation checkpointing, loss chunks and FSDP's
+resharding) uses them before any worker starts: no torch here. The estimate is a model of the
+peak, not a measurement: parameters, gradients and AdamW state are exact counts; activations
+follow the per-layer formulas of each activation checkpointing mode (`_activation_bytes_per_token`
+without, `_selective_bytes_per_token` for selective, the block's input for full; both checked
+against what autograd and the checkpoint keep, tests/test_memory.py); the backward's temporaries
+are one block's activation gradients; the loss counts three fp32 copies of one chunk's logits, or
+of the whole micro-batch's in one piece (measured); a fixed allowance covers the CUDA context,
+NCCL and the caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the
+GPU, for what the model still leaves out. A config the plan has not made concrete yet counts
+as its first choice: "auto" checkpointing as none, a null loss chunk as one piece, a null
+reshard_after_forward as true.
 
 What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4,
 s bytes of optimizer state per parameter: AdamW's two fp32 moments, 8; pretrain/registry.py):
@@ -17,7 +22,8 @@ s bytes of optimizer state per parameter: AdamW's two fp32 moments, 8; pretrain/
           gradients 4P (DDP's buckets hold them: gradient_as_bucket_view), optimizer state sP
     FSDP  weights 4P/W + a x (head + 2 blocks): the unsharded copies in flight (the root group,
           the final norm and output projection, stays gathered through the step; one block
-          runs while the next is prefetched); gradients 4P/W + a x head (the root's, unsharded
+          runs while the next is prefetched; every block, when training.reshard_after_forward
+          is false, keeps them from its forward to its backward); gradients 4P/W + a x head (the root's, unsharded
           until the end of the backward pass) + (a + 4) x block (one block's unsharded
           gradients and the fp32 buffer they are reduce-scattered from); optimizer state sP/W
 
@@ -58,6 +64,9 @@ LOGIT_COPIES = 3
 log-probabilities cross_entropy keeps, and their gradient. benchmarks/train.py measured 2.95 GiB
 for 2048 tokens x 128,256 ids, where two copies would be 1.96."""
 MODES = ("ddp", "fsdp")
+LOSS_CHUNK_TOKENS = 2048
+"""The chunk a loss is split into when its logits do not fit in one piece (the launcher's plan,
+for training.loss_chunk_tokens null, and the refusal's suggestion)."""
 
 
 @dataclass(frozen=True)
@@ -158,39 +167,81 @@ def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
     return compute_bytes * (norm_outputs + 2 * d + 2 * kv + ffn) + FP32 * (4 * d + 2 + model.n_heads)
 
 
+def _selective_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
+    """What one block keeps per token under selective checkpointing (pretrain/parallel.py keeps
+    the outputs of the matmuls and attention kernels and recomputes everything else).
+
+    In fp32: the block's input, which the checkpoint keeps (dim), and attention's logsumexp (one
+    per head). In the compute dtype: the matmuls' outputs, wq's (dim), wk's and wv's (kv_dim
+    each: the fp32 path repeats them to every head after the matmul, and that is recomputed)
+    and wo's (dim), attention's output (dim), and the feed-forward block's matmul outputs
+    (_selective_feed_forward_per_token; SwiGLU: w1's and w3's, 2 ffn_dim, and w2's, dim).
+    """
+    d, kv = model.dim, model.n_kv_heads * (model.dim // model.n_heads)
+    return compute_bytes * (3 * d + 2 * kv + _selective_feed_forward_per_token(model)) + FP32 * (d + model.n_heads)
+
+
+def _selective_feed_forward_per_token(model: ModelConfig) -> int:
+    """Values the feed-forward block's matmuls return per token (what selective checkpointing keeps
+    of it). SwiGLU: w1, w3 (ffn_dim each) and w2 (dim); a mixture of experts: its router (one per
+    expert) and each routed token's SwiGLU, capacity_factor-padded; another block: everything it
+    keeps (registry.FeedForwardKind.saved_per_token), which cannot be less."""
+    if model.feed_forward == "swiglu":
+        return 2 * model.ffn_dim + model.dim
+    if model.feed_forward == "moe":
+        return model.moe.num_experts + int((2 * model.ffn_dim + model.dim) * model.moe.top_k * model.moe.capacity_factor)
+    return registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
+
+
+def _kept_per_token(model: ModelConfig, mode: cfg.CheckpointingMode, compute_bytes: int) -> int:
+    """What one block keeps per token between its forward and its backward in each mode."""
+    if mode == "full":
+        return FP32 * model.dim  # its input: the fp32 residual stream
+    if mode == "selective":
+        return _selective_bytes_per_token(model, compute_bytes)
+    return _activation_bytes_per_token(model, compute_bytes)
+
+
 def _head_bytes_per_token(config: Config, compute_bytes: int) -> int:
     """What the model keeps per token outside its blocks: the token ids and targets (int64), the
     final RMSNorm (its fp32 input, normalised value and reciprocal RMS) and the loss's input: the
     fp32 hidden states a chunked loss keeps for its recomputation, or the output projection's
     input (a bf16 copy under autocast) when the loss is computed in one piece."""
-    t, dim = config.training, config.model.dim
-    chunked = 0 < t.loss_chunk_tokens < t.batch_size * config.data.context_length
-    return 2 * 8 + FP32 * (2 * dim + 1) + (FP32 if chunked else compute_bytes) * dim
+    dim = config.model.dim
+    return 2 * 8 + FP32 * (2 * dim + 1) + (FP32 if loss_chunked(config) else compute_bytes) * dim
+
+
+def loss_chunked(config: Config) -> bool:
+    """Whether the loss runs in more than one chunk of the micro-batch (training.loss_chunk_tokens;
+    null, before the launcher's plan decides, counts as 0: one piece)."""
+    chunk = cfg.loss_chunk_tokens(config)
+    return 0 < chunk < config.training.batch_size * config.data.context_length
 
 
 def activation_bytes(config: Config) -> int:
     """Autograd's saved tensors for one micro-batch (batch_size x context_length tokens).
 
-    Without activation checkpointing every block keeps `_activation_bytes_per_token`. With it,
-    each block keeps only its fp32 input and one block at a time is recomputed for its
-    backward. Either way the final norm and the hidden states fed to the loss are kept.
+    Each block keeps what its checkpointing mode keeps (`_kept_per_token`: everything,
+    `_activation_bytes_per_token`, without checkpointing; its matmul and attention outputs under
+    selective; its input under full), and one block at a time, the one whose backward runs,
+    holds everything again once recomputed. The final norm and the hidden states fed to the
+    loss are kept in every mode. Before the launcher's plan makes "auto" concrete it counts
+    as none.
     """
     model, t = config.model, config.training
     tokens = t.batch_size * config.data.context_length
     compute = BF16 if t.use_amp else FP32
-    per_block = _activation_bytes_per_token(model, compute)
-    checkpointed = cfg.activation_checkpointing(config)
-    blocks = per_block + model.n_layers * FP32 * model.dim if checkpointed else model.n_layers * per_block
-    return tokens * (blocks + _head_bytes_per_token(config, compute))
+    whole = _activation_bytes_per_token(model, compute)
+    kept = _kept_per_token(model, cfg.activation_checkpointing(config), compute)
+    return tokens * (model.n_layers * kept + whole - kept + _head_bytes_per_token(config, compute))
 
 
 def logits_bytes(config: Config) -> int:
     """LOGIT_COPIES fp32 tensors of one loss chunk's logits (of the whole micro-batch when
     training.loss_chunk_tokens is 0 or larger than it)."""
-    t = config.training
-    tokens = t.batch_size * config.data.context_length
-    chunk = min(tokens, t.loss_chunk_tokens) if t.loss_chunk_tokens > 0 else tokens
-    return chunk * _require_vocab(config.model) * FP32 * LOGIT_COPIES
+    tokens = config.training.batch_size * config.data.context_length
+    chunk = cfg.loss_chunk_tokens(config)
+    return (min(tokens, chunk) if chunk > 0 else tokens) * _require_vocab(config.model) * FP32 * LOGIT_COPIES
 
 
 def temporary_bytes(config: Config) -> int:
@@ -221,7 +272,7 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         optimizer = 0
     elif mode == "fsdp" and world_size > 1:
         head, block = head_parameter_count(model), block_parameter_count(model)
-        weights = ceil_div(FP32 * params, world_size) + unsharded * (head + 2 * block)
+        weights = ceil_div(FP32 * params, world_size) + unsharded * (head + gathered_blocks(config) * block)
         gradients = ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
         optimizer = ceil_div(optimizer_state_bytes(config.training) * params, world_size)
     else:
@@ -239,6 +290,13 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         overhead=OVERHEAD_BYTES,
         temporaries=temporary_bytes(config),
     )
+
+
+def gathered_blocks(config: Config) -> int:
+    """Blocks whose weights FSDP holds unsharded at the start of the backward pass: the one that
+    runs and the one prefetched, or, when blocks are not resharded after their forward
+    (training.reshard_after_forward false), all of them."""
+    return 2 if config.training.reshard_after_forward is not False else max(2, config.model.n_layers)
 
 
 def optimizer_state_bytes(training: cfg.TrainingConfig) -> int:
@@ -299,17 +357,18 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_mem
 
     if mode == "ddp" and world_size > 1 and helps(config, as_mode="fsdp"):
         found.append("--set training.parallelism=fsdp")
-    if (
-        t.activation_checkpointing
-        and not cfg.activation_checkpointing(config)
-        and helps(dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False)))
-    ):
+    untraced = dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))
+    if t.activation_checkpointing == "auto":
+        untraced = with_training(untraced, activation_checkpointing="full")  # what "auto" may choose without the hooks
+    if t.activation_checkpointing != "none" and cfg.activation_checkpointing(config) == "none" and helps(untraced):
         found.append("--set debug.trace_nonfinite=false (its hooks turn activation checkpointing off)")
-    if not t.activation_checkpointing and helps(with_training(config, activation_checkpointing=True)):
-        found.append("--set training.activation_checkpointing=true")
-    whole_batch = t.loss_chunk_tokens == 0 or t.loss_chunk_tokens > 2048
-    if whole_batch and helps(with_training(config, loss_chunk_tokens=2048)):
-        found.append("--set training.loss_chunk_tokens=2048")
+    elif less_kept := _more_checkpointing(config, world_size, mode, total, gpu_memory_bytes):
+        found.append(f"--set training.activation_checkpointing={less_kept}")
+    if not loss_chunked(config) and helps(with_training(config, loss_chunk_tokens=LOSS_CHUNK_TOKENS)):
+        found.append(f"--set training.loss_chunk_tokens={LOSS_CHUNK_TOKENS}")
+    kept_gathered = mode == "fsdp" and world_size > 1 and t.reshard_after_forward is False
+    if kept_gathered and helps(with_training(config, reshard_after_forward=True)):
+        found.append("--set training.reshard_after_forward=true")
     if t.batch_size > 1:
         found.append(
             "a smaller training.batch_size"
@@ -327,6 +386,20 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_mem
                 else f"{more} with --set training.parallelism=fsdp"
             )
     return found
+
+
+def _more_checkpointing(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> str | None:
+    """The least activation checkpointing beyond config's that makes it fit the GPU, else the most
+    if that lowers the estimate at all; None when the debug hooks turn it off or nothing helps."""
+    if config.debug.trace_nonfinite:
+        return None
+    current = cfg.CHECKPOINTING_MODES.index(cfg.activation_checkpointing(config))
+    more = [with_training(config, activation_checkpointing=name) for name in cfg.CHECKPOINTING_MODES[current + 1 :]]
+    estimates = [estimate(changed, world_size, mode).total for changed in more]
+    for changed, needed in zip(more, estimates, strict=True):
+        if fits_gpu(needed, gpu_memory_bytes):
+            return cfg.activation_checkpointing(changed)
+    return cfg.activation_checkpointing(more[-1]) if more and estimates[-1] < total else None
 
 
 def _gpus_that_fit(config: Config, world_size: int, gpu_memory_bytes: int, most: int = 1024) -> int | None:

@@ -12,6 +12,7 @@ launcher (pretrain/memory_plan.py), and written into training.parallelism.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 import warnings
@@ -25,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from pretrain import config as cfg
 from pretrain.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
@@ -61,15 +62,14 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
     offload = bool(t.cpu_offload)
     if offload and mode != "fsdp":
         raise ValueError(f"training.cpu_offload needs mode fsdp (got {mode!r})")
-    if cfg.activation_checkpointing(config):
-        for block in blocks(model):
-            checkpoint_activations(block)
+    for block in blocks(model):
+        checkpoint_activations(block, cfg.activation_checkpointing(config))
     if compile_enabled(config, runtime.device):
         for block in blocks(model):
             block.compile()  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
         model.compile_loss_head = True  # the output projection and cross-entropy (pretrain/loss.py)
     if mode == "fsdp" and (runtime.distributed or offload):
-        model = shard(model, device_mesh(runtime), t.use_amp, offload)
+        model = shard(model, device_mesh(runtime), t.use_amp, offload, reshard_after_forward=t.reshard_after_forward is not False)
     materialize(model, runtime.device, t.seed, offload)
     if runtime.distributed and mode == "ddp":
         return replicate(model, runtime.device)
@@ -115,22 +115,50 @@ def blocks(model: Transformer) -> list[TransformerBlock]:
     return [module for module in model.layers if isinstance(module, TransformerBlock)]
 
 
-def checkpoint_activations(block: TransformerBlock) -> None:
-    """Keep only the block's inputs for the backward pass and recompute the rest there.
+def checkpoint_activations(block: TransformerBlock, mode: cfg.CheckpointingMode) -> None:
+    """Keep less of the block for the backward pass and recompute the rest there: "full" keeps
+    only the block's inputs and runs its forward again; "selective" also keeps what the matmuls
+    and attention return (selective_saved_ops) and recomputes only the element-wise ops between
+    them (norms, rotary, silu, products), torchtitan's selective op mode. "none" leaves it be.
 
     The block's forward is replaced on the instance, not wrapped in another module, so the
     module tree, and with it every parameter name, stays as it was. The recomputation calls
     the class's forward directly: under FSDP2 it runs while the block's parameters are
-    gathered for its backward, as the hooks of a call would not run twice."""
+    gathered for its backward, as the hooks of a call would not run twice. torch.compile
+    (block.compile(), after this) traces the checkpoint with its policy into the block's graph."""
+    if mode == "none":
+        return
     plain_forward = type(block).forward
+    context_fn = functools.partial(create_selective_checkpoint_contexts, selective_saved_ops()) if mode == "selective" else None
 
     def forward(self: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         if not torch.is_grad_enabled():  # evaluation: nothing is kept anyway
             return plain_forward(self, x, cos, sin)
-        return checkpoint(plain_forward, self, x, cos, sin, use_reentrant=False)
+        if context_fn is None:
+            return checkpoint(plain_forward, self, x, cos, sin, use_reentrant=False)
+        return checkpoint(plain_forward, self, x, cos, sin, use_reentrant=False, context_fn=context_fn)
 
     # Replacing a method on an instance is what mypy's method-assign flags; here it is the point.
     block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
+
+
+def selective_saved_ops() -> list[torch._ops.OpOverload]:
+    """The ops whose outputs selective checkpointing keeps: the matmuls (every nn.Linear runs as
+    one of them) and each scaled-dot-product-attention kernel (its output and logsumexp), the
+    work worth keeping; every other op's output is recomputed in the backward pass."""
+    aten = torch.ops.aten
+    ops = [
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    ]
+    if hasattr(aten, "_grouped_mm"):  # experts' matmuls, where a mixture of experts uses it
+        ops.append(aten._grouped_mm.default)
+    return ops
 
 
 def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -150,10 +178,18 @@ def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel
         )
 
 
-def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = False) -> Transformer:
+def shard(
+    model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = False, reshard_after_forward: bool = True
+) -> Transformer:
     """FSDP2: parameters sharded over the ranks and gathered only while their group runs. The
     groups: the embedding, each block, and the root (the final norm and the output projection,
     gathered through the whole step, as it is needed again as soon as the backward pass starts).
+
+    reshard_after_forward (training.reshard_after_forward, which the launcher's plan decides):
+    each block's gathered weights are freed after its forward and all-gathered again for its
+    backward; false keeps them until the backward, one all-gather fewer per micro-batch for
+    every block's weights held at the start of the backward pass (pretrain/memory.py). The last
+    block is never resharded: its backward comes right after the head's, as torchtitan does.
 
     Under use_amp the blocks and the root are gathered as bf16 and their gradients reduced in
     fp32; every sharded master weight stays fp32. The modes must compute the same thing, and
@@ -175,8 +211,10 @@ def shard(model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = F
     # Without offload, OffloadPolicy(): fully_shard's own default, which offloads nothing.
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     fully_shard(model.tok_embed, mesh=mesh, offload_policy=offload_policy)  # no mp_policy: fp32, like its output under autocast
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
+    layers = blocks(model)
+    for i, block in enumerate(layers):
+        reshard = reshard_after_forward and i < len(layers) - 1
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload_policy)
     return model
 

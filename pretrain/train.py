@@ -69,7 +69,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
         with parallel.gradient_sync(trainer.model, enabled=micro == t.grad_accum_nums - 1):
             with autocast(trainer):
-                loss = next_token_loss(trainer.model, x, y, t.loss_chunk_tokens)
+                loss = next_token_loss(trainer.model, x, y, cfg.loss_chunk_tokens(trainer.config))
             (loss.total / t.grad_accum_nums).backward()
         loss_sum += loss.cross_entropy.detach() / t.grad_accum_nums
         for name, value in loss.aux_losses.items():
@@ -117,7 +117,7 @@ def evaluate(trainer: Trainer) -> float | None:
                 trainer.model,
                 x.to(trainer.runtime.device),
                 y.to(trainer.runtime.device),
-                trainer.config.training.loss_chunk_tokens,
+                cfg.loss_chunk_tokens(trainer.config),
             ).cross_entropy
     trainer.model.train()
     return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)

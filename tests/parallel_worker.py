@@ -1,5 +1,6 @@
 """One rank of tests/test_parallel.py's two-rank runs (gloo, CPU): the same tiny model trained
-for two optimizer steps under DDP, FSDP2, and FSDP2 with activation checkpointing, and under
+for two optimizer steps under DDP, FSDP2, FSDP2 with full activation checkpointing, and with
+selective checkpointing and blocks kept gathered from forward to backward, and under
 bf16 autocast with DDP and FSDP2, from the same seed on the same data; the dtypes FSDP2
 computes and keeps in under use_amp; which models count as sharded; DDP and FSDP2 built on the
 meta device and materialised by parallelize; FSDP2 with CPU offload. Writes what each run saw to
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from pretrain import config as cfg
 from pretrain.loss import next_token_loss
@@ -41,6 +43,11 @@ def tiny_config(**training: object) -> cfg.Config:
         ),
         system=dataclasses.replace(base.system, device="cpu"),
     )
+
+
+def untraced(config: cfg.Config) -> cfg.Config:
+    """config without the debug preset's NaN hooks, which would turn activation checkpointing off."""
+    return dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))
 
 
 def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,6 +109,10 @@ def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
             with gradient_sync(model, last):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.training.use_amp):
                     loss = next_token_loss(model, x, y).total / ACCUM
+                # between forward and backward: which blocks FSDP2 resharded (their weights DTensor shards again)
+                record.setdefault(
+                    "resharded_after_forward", [isinstance(b.attention.wq.weight, DTensor) for b in unwrap(model).layers]
+                )
                 loss.backward()
             loss_sum += loss.detach()
             if not last:
@@ -158,7 +169,10 @@ def main(out: Path) -> None:
     runs = {
         "ddp": train(config, runtime, "ddp"),
         "fsdp": train(config, runtime, "fsdp"),
-        "fsdp_checkpointed": train(tiny_config(activation_checkpointing=True), runtime, "fsdp"),
+        "fsdp_checkpointed": train(untraced(tiny_config(activation_checkpointing="full")), runtime, "fsdp"),
+        "fsdp_selective_kept_gathered": train(
+            untraced(tiny_config(activation_checkpointing="selective", reshard_after_forward=False)), runtime, "fsdp"
+        ),
         "ddp_amp": train(tiny_config(use_amp=True), runtime, "ddp"),
         "fsdp_amp": train(tiny_config(use_amp=True), runtime, "fsdp"),
         "amp_dtypes": amp_dtypes(runtime),

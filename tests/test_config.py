@@ -128,6 +128,54 @@ def test_the_evaluation_section_refuses_an_unknown_task_and_impossible_counts():
     assert cfg.resolve(preset="debug").evaluation.data == ""  # nothing is scored unless asked
 
 
+@pytest.mark.parametrize(
+    "value, mode",
+    [("true", "full"), ("false", "none"), ("none", "none"), ("selective", "selective"), ("full", "full"), ("auto", "auto")],
+)
+def test_activation_checkpointing_takes_four_modes_and_the_older_true_and_false(value, mode):
+    assert cfg.resolve(sets=[f"training.activation_checkpointing={value}"]).training.activation_checkpointing == mode
+
+
+def test_activation_checkpointing_from_a_file_or_the_dataclass_is_normalised_and_saved_by_name(tmp_path):
+    from_file = cfg.resolve(config_file=write(tmp_path, {"training": {"activation_checkpointing": True}}))
+    assert from_file.training.activation_checkpointing == "full"
+    assert cfg.TrainingConfig(activation_checkpointing=False).activation_checkpointing == "none"
+    assert cfg.production().training.activation_checkpointing == "auto"  # the launcher's plan decides
+    cfg.save(from_file, tmp_path / "saved.json")
+    assert json.loads((tmp_path / "saved.json").read_text())["training"]["activation_checkpointing"] == "full"
+    assert cfg.load(tmp_path / "saved.json") == from_file
+
+
+def test_an_unknown_activation_checkpointing_mode_is_one_line_listing_the_four():
+    four = '"none", "selective", "full", "auto"'
+    assert error_of(sets=["training.activation_checkpointing=sometimes"]) == (
+        f'--set: training.activation_checkpointing: "sometimes" (a string) is not one of {four}'
+    )
+    assert 'did you mean "selective"?' in error_of(sets=["training.activation_checkpointing=selectiv"])
+    assert f"2 (an integer) is not one of {four}" in error_of(sets=["training.activation_checkpointing=2"])
+    with pytest.raises(cfg.ConfigError, match=f"is not one of {four} \\(true and false mean full and none\\)"):
+        cfg.TrainingConfig(activation_checkpointing="most")  # type: ignore[arg-type]
+
+
+def test_the_launcher_refuses_an_unknown_activation_checkpointing_mode_before_any_worker_starts(tmp_path):
+    from helpers import assert_one_line_error, run_launcher
+
+    result = run_launcher("--debug", "--run-dir", str(tmp_path / "r"), "--set", "training.activation_checkpointing=sometimes")
+    assert_one_line_error(
+        result, 'training.activation_checkpointing: "sometimes" (a string) is not one of', prefix="launcher: error: "
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_loss_chunk_and_resharding_are_left_to_the_plan_unless_set():
+    t = cfg.production().training
+    assert (t.loss_chunk_tokens, t.reshard_after_forward) == (None, None)
+    t = cfg.resolve(sets=["training.loss_chunk_tokens=512", "training.reshard_after_forward=false"]).training
+    assert (t.loss_chunk_tokens, t.reshard_after_forward) == (512, False)
+    assert cfg.resolve(sets=["training.loss_chunk_tokens=null"]).training.loss_chunk_tokens is None
+    assert "training.loss_chunk_tokens: must not be negative (got -1)" in error_of(sets=["training.loss_chunk_tokens=-1"])
+
+
 def test_file_problems_are_one_line_errors(tmp_path):
     assert error_of(config_file=tmp_path / "missing.json").endswith("config file not found")
     bad = tmp_path / "bad.json"

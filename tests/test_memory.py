@@ -19,6 +19,7 @@ from pretrain.memory import (
     GIB,
     LOGIT_COPIES,
     activation_bytes,
+    block_parameter_count,
     check_fits,
     choose_parallelism,
     estimate,
@@ -87,19 +88,34 @@ def test_one_process_is_estimated_unwrapped_whatever_the_mode():
 
 
 def test_activation_checkpointing_loss_chunks_and_bf16_shrink_their_parts():
-    config = with_training(cfg.production(), use_amp=False, activation_checkpointing=False)
+    config = with_training(cfg.production(), use_amp=False, activation_checkpointing=False, loss_chunk_tokens=2048)
     base = estimate(config, 8, "fsdp")
+    selective = estimate(with_training(config, activation_checkpointing="selective"), 8, "fsdp")
     checkpointed = estimate(with_training(config, activation_checkpointing=True), 8, "fsdp")
     assert checkpointed.activations < base.activations / 5
+    assert checkpointed.activations < selective.activations < base.activations * 0.6
     assert (checkpointed.weights, checkpointed.optimizer) == (base.weights, base.optimizer)
     unchunked = estimate(with_training(config, loss_chunk_tokens=0), 8, "fsdp")
     assert unchunked.logits == 4 * base.logits  # 8192 tokens instead of 2048
     assert estimate(with_training(config, use_amp=True), 8, "fsdp").activations < base.activations
 
 
+def test_before_the_plan_auto_counts_as_none_and_a_null_loss_chunk_as_one_piece():
+    planned = with_training(cfg.production(), activation_checkpointing="none", loss_chunk_tokens=0)
+    assert estimate(cfg.production(), 8, "fsdp") == estimate(planned, 8, "fsdp")
+
+
+def test_blocks_kept_gathered_after_forward_add_every_blocks_bf16_weights_under_fsdp():
+    config = cfg.production()
+    resharded, kept = (estimate(with_training(config, reshard_after_forward=r), 8, "fsdp") for r in (True, False))
+    assert kept.weights - resharded.weights == 2 * (32 - 2) * block_parameter_count(config.model)  # bf16, two in flight already
+    assert dataclasses.replace(kept, weights=0) == dataclasses.replace(resharded, weights=0)
+    assert estimate(with_training(config, reshard_after_forward=False), 8, "ddp") == estimate(config, 8, "ddp")
+
+
 def test_the_batch_scales_the_activations_and_nothing_else():
     # both batches are longer than a loss chunk (2048 tokens), so the loss keeps the same input
-    one, four = (estimate(with_training(small(), batch_size=n), 1, "ddp") for n in (4, 16))
+    one, four = (estimate(with_training(small(), batch_size=n, loss_chunk_tokens=2048), 1, "ddp") for n in (4, 16))
     assert four.activations == 4 * one.activations
     assert (four.weights, four.gradients, four.optimizer, four.logits) == (one.weights, one.gradients, one.optimizer, one.logits)
 
@@ -116,13 +132,17 @@ def test_under_fsdp_gradient_accumulation_adds_no_full_gradient():
 # --- activations, against what autograd saves -----------------------------------------
 
 
-def tiny(use_amp: bool, loss_chunk_tokens: int, n_layers: int = 2) -> cfg.Config:
+def tiny(use_amp: bool, loss_chunk_tokens: int, n_layers: int = 2, checkpointing: str = "none") -> cfg.Config:
     """3 x 16 tokens: 48 rows, a length no parameter has (so autocast's weight copies are told apart)."""
     base = cfg.debug()
     config = with_model(base, n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=61, max_seq_len=16)
-    config = dataclasses.replace(config, data=dataclasses.replace(base.data, context_length=16))
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(base.data, context_length=16),
+        debug=dataclasses.replace(base.debug, trace_nonfinite=False),  # which would turn checkpointing off
+    )
     return with_training(
-        config, batch_size=3, use_amp=use_amp, loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=False
+        config, batch_size=3, use_amp=use_amp, loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=checkpointing
     )
 
 
@@ -166,6 +186,46 @@ def test_the_activation_estimate_is_what_autograd_saves(use_amp, loss_chunk_toke
     # (the logits and the gradient are the others); a chunked one recomputes them in the backward
     logits = 0 if loss_chunk_tokens else logits_bytes(config) // LOGIT_COPIES
     assert saved_bytes(config) == pytest.approx(activation_bytes(config) + logits, rel=1e-3)
+
+
+def live_bytes(config: cfg.Config) -> int:
+    """Bytes of the distinct storages alive after one forward pass with targets of the model with
+    selective checkpointing, less the constants: what the checkpoints keep (their inputs, the
+    outputs of the ops they save, the RNG state) lives in Python objects, which gc finds; what
+    autograd saves outside them (the head's) does not, and cancels between two depths anyway."""
+    import gc
+
+    import torch
+    from pretrain.model import Transformer
+    from pretrain.parallel import checkpoint_activations
+
+    torch.manual_seed(0)
+    model = Transformer(config.model, max_seq_len=16)
+    for block in model.layers:
+        checkpoint_activations(block, "selective")
+    constants = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    tokens = torch.randint(0, 61, (3, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    gc.collect()
+    before = {id(found) for found in gc.get_objects() if type(found) is torch.Tensor}  # other tests' leftovers
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.training.use_amp):
+        loss = next_token_loss(model, inputs, targets, 0).total
+    storages = {}
+    for found in gc.get_objects():
+        if type(found) is torch.Tensor and id(found) not in before and found.untyped_storage().data_ptr() not in constants:
+            storages[found.untyped_storage().data_ptr()] = found.untyped_storage().nbytes()
+    del loss
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("use_amp", [False, True])
+def test_the_selective_estimate_is_what_the_checkpoints_keep(use_amp):
+    config = tiny(use_amp, 0, checkpointing="selective")
+    one_block_less = tiny(use_amp, 0, n_layers=1, checkpointing="selective")
+    kept = activation_bytes(config) - activation_bytes(one_block_less)  # one block more, kept until its backward
+    measured = live_bytes(config) - live_bytes(one_block_less)
+    assert 0 <= measured - kept <= 8192  # and the CPU RNG state each checkpoint keeps (5 KB), whatever the tokens
+    assert kept < 0.6 * (saved_bytes(tiny(use_amp, 0)) - saved_bytes(tiny(use_amp, 0, n_layers=1)))  # what none keeps
 
 
 def test_describe_gives_the_total_and_every_part_in_gib():
@@ -213,14 +273,25 @@ def refusal(config: cfg.Config, world_size: int, mode: str, memory: int = GPU_80
 
 
 def test_a_config_that_does_not_fit_says_the_estimate_the_gpu_and_what_would_help():
-    config = with_training(cfg.production(), activation_checkpointing=False)
+    config = with_training(cfg.production(), activation_checkpointing=False, loss_chunk_tokens=2048)
     message = refusal(config, 8, "ddp", int(79.6 * GIB))
     needed = estimate(config, 8, "ddp")
     assert message.startswith(f"preset production needs ~{needed.total / GIB:.1f} GiB per GPU with DDP (weights ")
     assert message.endswith(
         "but the GPU has 79.6 GiB (a run plans on 90% of it); try --set training.parallelism=fsdp "
-        "or --set training.activation_checkpointing=true"
+        "or --set training.activation_checkpointing=full"
     )
+
+
+def test_the_checkpointing_suggested_is_the_least_that_fits():
+    config = with_training(cfg.production(), activation_checkpointing="none", loss_chunk_tokens=0)
+    assert "--set training.activation_checkpointing=selective, --set training.loss_chunk_tokens=2048" in refusal(
+        config, 8, "fsdp"
+    )
+    deeper = with_training(with_model(config, n_layers=64), activation_checkpointing="selective")
+    assert "--set training.activation_checkpointing=full, " in refusal(deeper, 8, "fsdp")
+    kept = with_training(config, activation_checkpointing="selective", reshard_after_forward=False)
+    assert "2048, --set training.reshard_after_forward=true, or " in refusal(kept, 8, "fsdp", 70 * GIB)
 
 
 def suggested_gpus(message: str) -> int:
@@ -231,7 +302,7 @@ def suggested_gpus(message: str) -> int:
 
 
 def test_suggestions_leave_out_what_is_already_on():
-    config = with_training(cfg.production(), activation_checkpointing=True)
+    config = with_training(cfg.production(), activation_checkpointing=True, loss_chunk_tokens=2048)
     message = refusal(config, 2, "fsdp", 40 * GIB)
     assert "activation_checkpointing" not in message and "parallelism=fsdp" not in message
     gpus = suggested_gpus(message)
@@ -239,14 +310,14 @@ def test_suggestions_leave_out_what_is_already_on():
 
 
 def test_the_gpus_suggested_are_the_fewest_over_which_fsdp_fits():
-    config = with_training(cfg.production(), activation_checkpointing=True)
+    config = with_training(cfg.production(), activation_checkpointing=True, loss_chunk_tokens=2048)
     gpus = suggested_gpus(refusal(config, 2, "fsdp", 40 * GIB))
     # with the margin every decision keeps: 90% of each GPU
     assert estimate(config, gpus, "fsdp").total <= 0.9 * 40 * GIB < estimate(config, gpus - 1, "fsdp").total
 
 
 def test_a_larger_batch_is_suggested_to_shrink_with_more_accumulation():
-    config = with_training(cfg.production(), batch_size=8, activation_checkpointing=True)
+    config = with_training(cfg.production(), batch_size=8, activation_checkpointing=True, loss_chunk_tokens=2048)
     message = refusal(config, 8, "fsdp", 40 * GIB)
     assert message.endswith(
         "; try a smaller training.batch_size with a larger training.grad_accum_nums "
@@ -267,11 +338,11 @@ def test_a_loss_computed_in_one_piece_is_suggested_to_be_chunked():
 
 
 def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
-    config = with_training(cfg.production(), activation_checkpointing=False)
+    config = with_training(cfg.production(), activation_checkpointing=False, loss_chunk_tokens=2048)
     message = refusal(config, 1, "ddp")
     assert message.endswith(
         "on one GPU (" + estimate(config, 1, "ddp").parts() + ") but the GPU has 80.0 GiB (a run plans on 90% of it); "
-        f"try --set training.activation_checkpointing=true or {suggested_gpus(message)} or more GPUs "
+        f"try --set training.activation_checkpointing=full or {suggested_gpus(message)} or more GPUs "
         "(FSDP shards the model over them)"
     )
     pinned = with_training(config, parallelism="ddp")
@@ -279,17 +350,19 @@ def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
 
 
 def test_the_estimate_knows_that_tracing_nonfinite_turns_activation_checkpointing_off():
-    production = cfg.production()
+    production = with_training(cfg.production(), activation_checkpointing="full")
     traced = dataclasses.replace(production, debug=dataclasses.replace(production.debug, trace_nonfinite=True))
     unchecked = dataclasses.replace(production, training=dataclasses.replace(production.training, activation_checkpointing=False))
     assert activation_bytes(traced) == activation_bytes(unchecked) > 5 * activation_bytes(production)
 
 
-def test_a_traced_run_that_does_not_fit_is_told_that_the_tracing_costs_the_checkpointing():
-    production = cfg.production()
+@pytest.mark.parametrize("checkpointing", ["auto", "selective", "full"])
+def test_a_traced_run_that_does_not_fit_is_told_that_the_tracing_costs_the_checkpointing(checkpointing):
+    production = with_training(cfg.production(), activation_checkpointing=checkpointing)
     traced = dataclasses.replace(production, debug=dataclasses.replace(production.debug, trace_nonfinite=True))
-    with pytest.raises(ConfigError, match=r"--set debug.trace_nonfinite=false \(its hooks turn activation"):
-        check_fits(traced, 8, 80 * GIB, "fsdp")
+    message = refusal(traced, 8, "fsdp")
+    assert "--set debug.trace_nonfinite=false (its hooks turn activation checkpointing off)" in message
+    assert "training.activation_checkpointing=" not in message  # the hooks would turn that off too
 
 
 def test_the_launcher_can_estimate_without_importing_torch():

@@ -27,7 +27,9 @@ from pretrain.memory_plan import (
     host_estimate,
     host_memory_bytes,
     plan_parallelism,
+    undecided,
 )
+from pretrain import recompute
 
 
 # --- the launcher ---------------------------------------------------------------------
@@ -68,7 +70,8 @@ def test_prepare_training_writes_the_concrete_mode_into_the_workers_config(tmp_p
     assert prepared.training.parallelism == "ddp"
     (line,) = [line for line in console.getvalue().splitlines() if "parallelism" in line]
     assert line.startswith("launcher: parallelism: DDP over 2 GPUs (estimated ")
-    assert line.endswith(" GiB of 40.0 GiB per GPU)")  # the smaller GPU decides
+    # the smaller GPU decides; the debug preset's hooks leave nothing to recompute
+    assert line.endswith(" GiB of 40.0 GiB per GPU); activation checkpointing: none; loss: one piece")
 
 
 def test_prepare_training_on_cpu_keeps_ddp_without_a_memory_check(tmp_path):
@@ -76,7 +79,9 @@ def test_prepare_training_on_cpu_keeps_ddp_without_a_memory_check(tmp_path):
     console = io.StringIO()
     prepared = prepare_training(config, Placement("cpu", 2), Printer(console, None))
     assert prepared.training.parallelism == "ddp"
-    assert "launcher: parallelism: DDP over 2 CPU workers\n" in console.getvalue()
+    assert "launcher: parallelism: DDP over 2 CPU workers\n" in console.getvalue()  # nothing recomputed: nothing more to say
+    t = prepared.training  # concrete for the workers: the debug run recomputes nothing
+    assert (t.activation_checkpointing, t.loss_chunk_tokens, t.reshard_after_forward) == ("none", 0, True)
 
 
 def launch(tmp_path, *args: str, host_gib: float) -> subprocess.CompletedProcess:
@@ -126,7 +131,9 @@ def test_production_on_one_80_gib_gpu_and_too_little_host_memory_stops_before_an
 
 
 def test_production_on_cpu_workers_is_refused_in_seconds_with_the_host_memory_estimate(tmp_path):
-    per_worker = host_estimate(cfg.production(), 2, "ddp", on_gpus=False)
+    # with what keeps the least: full checkpointing and the loss in chunks
+    least = with_training(cfg.production(), activation_checkpointing="full", loss_chunk_tokens=2048)
+    per_worker = host_estimate(least, 2, "ddp", on_gpus=False)
     started = time.monotonic()
     result = launch(tmp_path, "--device", "cpu", host_gib=64)
     assert time.monotonic() - started < 30  # no worker built a model to find out
@@ -145,21 +152,43 @@ def test_the_host_memory_of_cpu_workers_is_the_gpu_estimate_without_the_cuda_all
 
 
 def test_cpu_workers_that_do_not_fit_are_told_what_would():
-    needed = host_estimate(small(), 2, "ddp", on_gpus=False).total
-    fsdp = host_estimate(small(), 2, "fsdp", on_gpus=False).total
+    config = with_training(small(), activation_checkpointing="none", loss_chunk_tokens=0)
+    needed = host_estimate(config, 2, "ddp", on_gpus=False).total
+    fsdp = host_estimate(config, 2, "fsdp", on_gpus=False).total
     assert fsdp < needed
     with pytest.raises(ConfigError) as error:  # two DDP workers do not fit, two FSDP workers or one would
-        plan_parallelism(small(), 2, None, int(2 * fsdp / 0.9) + GIB)
+        plan_parallelism(config, 2, None, int(2 * fsdp / 0.9) + GIB)
     assert one_line_error(error).endswith("; use --set training.parallelism=fsdp or --nproc 1")
-    config, line = plan_parallelism(small(), 2, None, int(2 * needed / 0.9) + GIB)
+    config, line = plan_parallelism(config, 2, None, int(2 * needed / 0.9) + GIB)
     assert line == "parallelism: DDP over 2 CPU workers"
 
 
 def test_cpu_workers_keep_a_tenth_of_the_host_memory_spare():
-    needed = 2 * host_estimate(small(), 2, "ddp", on_gpus=False).total
-    plan_parallelism(small(), 2, None, int(needed / 0.9) + 1)
+    config = with_training(small(), activation_checkpointing="none", loss_chunk_tokens=0)
+    needed = 2 * host_estimate(config, 2, "ddp", on_gpus=False).total
+    plan_parallelism(config, 2, None, int(needed / 0.9) + 1)
     with pytest.raises(ConfigError, match="a run plans on 90% of it"):
-        plan_parallelism(small(), 2, None, int(needed / 0.9) - 1)
+        plan_parallelism(config, 2, None, int(needed / 0.9) - 1)
+
+
+def test_cpu_workers_recompute_nothing_unless_the_host_memory_needs_it():
+    def planned(host: int | None) -> tuple[str, int]:
+        t = plan_parallelism(small(), 2, None, host)[0].training
+        return (t.activation_checkpointing, t.loss_chunk_tokens)
+
+    assert planned(None) == ("none", 0)
+    workers = {  # two workers' host memory
+        choice: 2
+        * host_estimate(
+            with_training(small(), activation_checkpointing=choice[0], loss_chunk_tokens=choice[1]), 2, "ddp", on_gpus=False
+        ).total
+        for choice in (("none", 0), ("selective", 0))
+    }
+    assert planned(int(workers[("none", 0)] / 0.9) + 1) == ("none", 0)
+    assert planned(int(workers[("none", 0)] / 0.9) - 1) != ("none", 0)
+    assert planned(int(workers[("selective", 0)] / 0.9) + 1) == ("selective", 0)
+    _, line = plan_parallelism(small(), 2, None, int(workers[("selective", 0)] / 0.9) + 1)
+    assert line == "parallelism: DDP over 2 CPU workers; activation checkpointing: selective (+0% FLOPs); loss: one piece"
 
 
 def test_host_memory_comes_from_the_environment_when_set_and_bad_values_are_one_line(monkeypatch):
@@ -198,9 +227,14 @@ def test_production_on_one_80_gib_gpu_offloads_when_the_host_has_the_memory():
     needed = host_estimate(cfg.production(), 1, "fsdp", on_gpus=True).total + export
     config, line = plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) + GIB)
     assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", True)
+    assert (config.training.activation_checkpointing, config.training.loss_chunk_tokens) == ("selective", 0)
     assert line.startswith("parallelism: FSDP with CPU offload over 1 GPU (estimated ")
     assert f" GiB of 80.0 GiB per GPU and {needed / GIB:.1f} GiB of host memory of " in line
-    assert line.endswith(f"; without offload ~{estimate(cfg.production(), 1, 'ddp').total / GIB:.1f} GiB per GPU)")
+    least = with_training(cfg.production(), activation_checkpointing="full", loss_chunk_tokens=2048)  # what fits best
+    assert line.endswith(
+        f"; without offload ~{estimate(least, 1, 'ddp').total / GIB:.1f} GiB per GPU); "
+        "activation checkpointing: selective (+0% FLOPs); loss: one piece"
+    )
     with pytest.raises(ConfigError, match="and CPU offload would need"):
         plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) - GIB)
 
@@ -299,3 +333,93 @@ def test_the_launcher_refuses_a_model_too_large_for_its_gpu_and_its_host_with_on
 def test_the_launcher_can_plan_without_importing_torch():
     probe = "import sys, pretrain.memory_plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=launcher_env()).returncode == 0
+
+
+# --- recomputation and FSDP's resharding ---------------------------------------------------
+
+
+def planned_choice(config: cfg.Config, world_size: int, gpu_bytes: int) -> tuple[str, int]:
+    t = plan_parallelism(config, world_size, gpu_bytes)[0].training
+    return (t.activation_checkpointing, t.loss_chunk_tokens)
+
+
+def line_of(config: cfg.Config, world_size: int, checkpointing: str, chunk: int) -> int:
+    """The smallest GPU (bytes) on which config with these choices fits under FSDP, blocks resharded."""
+    fixed = with_training(config, activation_checkpointing=checkpointing, loss_chunk_tokens=chunk, reshard_after_forward=True)
+    return -(-estimate(fixed, world_size, "fsdp").total * 10 // 9)
+
+
+def test_at_each_memory_line_the_plan_picks_the_least_recomputation_that_fits():
+    # production over 8 GPUs, each choice at its own line and one byte below it: fewest extra
+    # FLOPs first (selective adds none, chunks +1.8%, full +25%), so none in chunks never comes
+    # first: selective in one piece fits wherever it does.
+    production = cfg.production()
+    order = [("none", 0), ("selective", 0), ("selective", 2048), ("full", 0), ("full", 2048)]
+    for choice, next_choice in zip(order, order[1:], strict=False):
+        line = line_of(production, 8, *choice)
+        assert planned_choice(production, 8, line) == choice
+        assert planned_choice(production, 8, line - 1) == next_choice
+    with pytest.raises(ConfigError, match="try 9 or more GPUs"):  # below the last line: nothing fits
+        plan_parallelism(production, 8, line_of(production, 8, "full", 2048) - 1)
+
+
+def test_production_on_eight_80_gib_gpus_executes_at_most_1_15_x_its_model_flops():
+    config, line = plan_parallelism(cfg.production(), 8, GPU_80)
+    t = config.training
+    assert (t.parallelism, t.activation_checkpointing, t.loss_chunk_tokens) == ("fsdp", "selective", 0)
+    assert 1 + recompute.extra_flops_share(config) <= 1.15
+    assert 1 + recompute.extra_flops_share(with_training(config, activation_checkpointing="full")) > 1.15  # full fails it
+    kept = estimate(with_training(config, reshard_after_forward=False), 8, "fsdp").total
+    assert t.reshard_after_forward is True and kept > 0.9 * GPU_80  # every block gathered would not fit
+    assert line.endswith(
+        "; activation checkpointing: selective (+0% FLOPs); loss: one piece; "
+        f"blocks gathered again for the backward (keeping them would need ~{kept / GIB:.1f} GiB)"
+    )
+
+
+def test_small_on_one_80_gib_gpu_recomputes_nothing():
+    config, line = plan_parallelism(small(), 1, GPU_80)
+    assert (config.training.activation_checkpointing, config.training.loss_chunk_tokens) == ("none", 0)
+    assert recompute.extra_flops_share(config) == 0
+    assert line.endswith(" GiB of 80.0 GiB per GPU); activation checkpointing: none; loss: one piece")
+
+
+def test_the_parallelism_line_says_what_each_recomputation_costs():
+    forced = with_training(cfg.production(), activation_checkpointing="full", loss_chunk_tokens=2048)
+    _, line = plan_parallelism(forced, 8, GPU_80)
+    assert "; activation checkpointing: full (+25% FLOPs); loss: chunks of 2048 tokens (+1.8% FLOPs); blocks stay " in line
+    full = recompute.checkpointing_flops_per_token(forced) / recompute.model_flops_per_token(forced)
+    layer = recompute.block_forward_flops_per_token(forced.model, 8192)
+    assert full == pytest.approx(32 * (layer - 2 * 4096 * 14336) / recompute.model_flops_per_token(forced))  # all but w2
+    assert recompute.loss_flops_per_token(forced) == 2 * 4096 * 128256  # the output projection once more
+
+
+def test_blocks_stay_gathered_from_forward_to_backward_where_their_bf16_weights_fit():
+    config, line = plan_parallelism(cfg.production(), 8, 141 * GIB)  # an H200: nothing recomputed either
+    t = config.training
+    assert (t.activation_checkpointing, t.loss_chunk_tokens, t.reshard_after_forward) == ("none", 0, False)
+    assert line.endswith("; blocks stay gathered from forward to backward (one all-gather fewer per micro-batch)")
+    assert estimate(config, 8, "fsdp").total > estimate(with_training(config, reshard_after_forward=True), 8, "fsdp").total
+    assert plan_parallelism(small(), 8, GPU_80)[0].training.reshard_after_forward is True  # DDP: nothing to keep
+
+
+def test_what_the_config_sets_is_kept_and_what_it_leaves_open_is_made_concrete():
+    chosen = with_training(cfg.production(), activation_checkpointing="full", loss_chunk_tokens=512, reshard_after_forward=True)
+    t = plan_parallelism(chosen, 8, 141 * GIB)[0].training
+    assert (t.activation_checkpointing, t.loss_chunk_tokens, t.reshard_after_forward) == ("full", 512, True)
+    for gpu_bytes in (None, GPU_80):
+        t = plan_parallelism(cfg.production(), 8, gpu_bytes)[0].training
+        assert t.activation_checkpointing != "auto" and None not in (t.loss_chunk_tokens, t.reshard_after_forward, t.cpu_offload)
+    assert undecided(cfg.production()) and not undecided(plan_parallelism(cfg.production(), 8, GPU_80)[0])
+
+
+def test_a_worker_run_alone_plans_for_itself(monkeypatch):
+    import torch
+
+    from pretrain.build import parallel_mode
+    from pretrain.runtime import Runtime
+
+    config = with_model(cfg.debug(), vocab_size=257)
+    planned, mode = parallel_mode(config, Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0"))
+    t = planned.training
+    assert mode == "single" and (t.activation_checkpointing, t.loss_chunk_tokens, t.cpu_offload) == ("none", 0, False)

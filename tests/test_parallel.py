@@ -80,10 +80,18 @@ def test_fsdp_ends_with_the_weights_of_ddp(two_ranks):
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(two_ranks):
+@pytest.mark.parametrize("run", ["fsdp_checkpointed", "fsdp_selective_kept_gathered"])
+def test_activation_checkpointing_and_blocks_kept_gathered_under_fsdp_change_nothing_but_memory(two_ranks, run):
     for seen in two_ranks:
-        assert seen["fsdp_checkpointed"]["losses"] == pytest.approx(seen["ddp"]["losses"], rel=1e-5)
-        assert flat(seen["fsdp_checkpointed"]["grad_norms"]) == pytest.approx(flat(seen["ddp"]["grad_norms"]), rel=1e-5)
+        assert seen[run]["losses"] == pytest.approx(seen["ddp"]["losses"], rel=1e-5)
+        assert flat(seen[run]["grad_norms"]) == pytest.approx(flat(seen["ddp"]["grad_norms"]), rel=1e-5)
+    assert two_ranks[0][run]["keys"] == two_ranks[0]["ddp"]["keys"]
+
+
+@pytest.mark.slow
+def test_fsdp_reshards_blocks_after_forward_but_the_last_unless_told_to_keep_them_gathered(two_ranks):
+    assert two_ranks[0]["fsdp"]["resharded_after_forward"] == [True, False]  # the last block's backward comes first
+    assert two_ranks[0]["fsdp_selective_kept_gathered"]["resharded_after_forward"] == [False, False]
 
 
 @pytest.mark.slow
@@ -164,10 +172,11 @@ def loss_and_grads(model: torch.nn.Module) -> tuple[float, dict[str, torch.Tenso
     return float(loss.detach()), {name: p.grad.clone() for name, p in unwrap(model).named_parameters()}
 
 
-def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_the_names():
-    config = tiny()
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_the_names(mode):
+    config = tiny(activation_checkpointing="none")
     plain = parallelize(fresh_model(config), config, SINGLE, "ddp")
-    checkpointed = parallelize(fresh_model(config), tiny(activation_checkpointing=True), SINGLE, "ddp")
+    checkpointed = parallelize(fresh_model(config), tiny(activation_checkpointing=mode), SINGLE, "ddp")
     calls = []
     # A pre-hook: the recomputation stops as soon as it has what the backward needs, before
     # feed_forward returns (non-reentrant checkpoint's early stop), so a forward hook would miss it.
@@ -180,6 +189,56 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_th
     for name in grads:
         torch.testing.assert_close(checkpointed_grads[name], grads[name], rtol=1e-6, atol=1e-7)
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
+
+
+def matmul_flops(model: torch.nn.Module) -> int:
+    """The matmul FLOPs of one forward and backward pass (FlopCounterMode counts no attention on CPU)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        loss_and_grads(model)
+    return counter.get_total_flops()
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_full_every_one_but_w2():
+    flops = {}
+    for mode in ("none", "selective", "full"):
+        config = tiny(activation_checkpointing=mode)
+        flops[mode] = matmul_flops(parallelize(fresh_model(config), config, SINGLE, "ddp"))
+    # full: each block's forward again but w2's (ffn_dim -> dim), which no backward needs the output of
+    tokens, m = 2 * 16, tiny().model
+    block = 2 * (2 * m.dim * m.dim + 2 * m.dim * (m.n_kv_heads * m.dim // m.n_heads) + 2 * m.dim * m.ffn_dim)
+    assert flops["selective"] == flops["none"]
+    assert flops["full"] - flops["none"] == m.n_layers * tokens * block
+
+
+def test_selective_checkpointing_compiled_recomputes_no_matmul_and_gives_the_losses_and_gradients_of_eager():
+    # The blocks compiled with their checkpoint and policy traced in, through dynamo and AOT
+    # autograd's partitioner (which is what meets the policy), the graphs run as they are
+    # instead of through inductor's slow code generation; the backward graph is kept to count
+    # its matmuls.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_matmuls = []
+
+    def backward(graph: torch.fx.GraphModule, inputs: list) -> object:
+        backward_matmuls.append(sum(node.target == torch.ops.aten.mm.default for node in graph.graph.nodes))
+        return make_boxed_func(graph.forward)
+
+    config = tiny(activation_checkpointing="selective")
+    eager = parallelize(fresh_model(config), config, SINGLE, "ddp")
+    compiled = parallelize(fresh_model(config), config, SINGLE, "ddp")
+    for block in compiled.layers:
+        block.compile(
+            backend=aot_autograd(fw_compiler=lambda graph, inputs: make_boxed_func(graph.forward), bw_compiler=backward)
+        )
+    loss, grads = loss_and_grads(eager)
+    compiled_loss, compiled_grads = loss_and_grads(compiled)
+    assert backward_matmuls == [2 * 7] * 2  # per block: two per nn.Linear, none recomputed (full: 20)
+    assert compiled_loss == pytest.approx(loss, rel=1e-6)
+    for name in grads:
+        torch.testing.assert_close(compiled_grads[name], grads[name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpointed_block_recomputes_nothing_in_evaluation():
