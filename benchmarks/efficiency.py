@@ -1,0 +1,570 @@
+"""Benchmark: hardware-independent efficiency of a training step, on a CPU or a GPU.
+
+Run from the repository root:
+
+    python benchmarks/efficiency.py [--quick] [--json FILE] [--markdown FILE] [--label NAME]
+        [--presets small,production] [--features dense,moe,muon] [--ranks 1,2]
+        [--checkpointing none,selective,full,auto] [--compile all|none] [--device cpu|cuda]
+
+For the `small` preset and a production-shaped model (production's widths and vocabulary, 2 layers,
+FSDP as the 8B model needs), with the features dense, moe (model.moe.num_experts=4, top_k=2) and
+muon (training.optimizer=muon), each activation-checkpointing mode, on 1 and 2 ranks (gloo on a
+CPU), it measures, per optimizer step that logs nothing (--quick: the 7 rows of QUICK, compiled
+with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles every row with inductor):
+
+- executed / model FLOPs: torch's FlopCounterMode over forward, backward and optimizer of one
+  step (pretrain.train.train_step, every micro-batch) at the preset's own geometry (batch,
+  context, micro-batches), counted on the meta device so that no memory or time is needed,
+  divided by the model FLOPs the step line's MFU uses (pretrain/metrics.py flops_per_token x
+  tokens). FlopCounterMode counts matmuls and attention, not element-wise ops. The count is one
+  rank's: DDP and FSDP add no counted FLOPs, except Muon's orthogonalization, whose part is
+  scaled by the share this rank does (measured in the real run below, largest rank).
+- graph breaks and recompiles with training.compile on, over 3 steps, one evaluation pass
+  (pretrain.train.evaluate) and one more step: breaks as dynamo's counters count them while
+  tracing; a recompile is a frame compiled again in the same phase (the first train compile and
+  the first eval compile, a grad-mode guard of its own, are expected).
+- host syncs per step: the ops that make the host wait for a CUDA device (`.item()` and its
+  kind, `.tolist()`, nonzero, boolean-mask indexing, unique, bincount, ...), counted with a
+  dispatch mode over steps 1 and 2 (the largest, over the steps and the ranks), so a CPU counts
+  what a GPU would pay. The step's one intended sync is the finite check
+  (pretrain/debug.py agree_on_step). torch AdamW's `step` counters, in host memory on a GPU too,
+  are left out by identity.
+- collective bytes per token, per kind: the payload each rank hands to collectives in a step
+  (the gathered tensor of an all-gather, the input of a reduce-scatter, the buffer of an
+  all-reduce; a ring moves about 2 (W-1)/W of it for an all-reduce, (W-1)/W for the others),
+  from every c10d op (DDP's C++ reducer included) and functional collective (DTensor's), divided
+  by the tokens one rank trains on per step at the preset's geometry. The minimum for the
+  parallelism, the same way: DDP, one all-reduce of the fp32 gradients (4 bytes a parameter);
+  FSDP, one all-gather of every weight (bf16 under use_amp, the embedding fp32 as this project
+  gathers it) and one reduce-scatter of the fp32 gradients per step: a lower bound that holds
+  the weights gathered across micro-batches; both plus the finite check's 32 bytes. 1 rank: 0.
+- Muon's orthogonalize share per rank: the Newton-Schulz FLOPs of the matrices a rank passes to
+  the optimizer's `orthogonalize` (a (k, m, n) stack counts k matrices) over those of every
+  hidden matrix; the largest rank's (1 on one rank; 1/W when the work is split evenly).
+
+The real runs (syncs, collectives, shares, compiles) take a short batch (1 x 64 tokens, the
+preset's micro-batches per step). On a CPU they also divide the widths (dim, ffn_dim, vocabulary;
+heads kept) by 8 for `small` and 16 for the production shape, so every matrix is 1/64 or 1/256 of
+its size: the orthogonalize shares stay the same, and the collective bytes are scaled back by the
+ratio of parameters (exact for the matrices; the norms' weights, a few thousand, scale less). Every
+config takes the decisions the launcher's memory plan makes for a GPU of --plan-gpu-gib
+(parallelism, and on trees that plan them the checkpointing mode and the loss chunk); the run's loss
+is chunked iff the true geometry's is. A checkpointing mode the tree does not have (a bool there) is
+marked so. Progress goes to stderr, the table to stdout and to the Markdown file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: this tree's pretrain/
+    sys.path.insert(0, str(REPO))
+WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
+PRESETS = ("small", "production")
+FEATURES = {"dense": [], "moe": ["model.moe.num_experts=4", "model.moe.top_k=2"], "muon": ["training.optimizer=muon"]}
+CHECKPOINTING = ("none", "selective", "full", "auto")
+ON_OLD_TREES = {"none": "false", "full": "true"}
+"""Where training.activation_checkpointing is still a bool, the modes it has."""
+RUN_GEOMETRY = ["data.context_length=64", "training.batch_size=1"]
+PRODUCTION_SHAPE = ["model.n_layers=2", "training.parallelism=fsdp"]
+RUN_WIDTH_DIVISOR = {"cpu": {"small": 8, "production": 16}, "cuda": {"small": 1, "production": 1}}
+"""The real runs divide the model's dim, ffn_dim and vocabulary by this (heads kept): every matrix
+1/divisor^2 of its size (on a CPU; a GPU runs the true widths)."""
+H100_GIB = 81559 / 1024
+"""NVML's total memory of an H100 80GB HBM3 (81,559 MiB)."""
+QUICK: dict[tuple[str, str, int, str], bool] = {
+    ("small", "dense", 1, "none"): True,
+    ("small", "dense", 1, "auto"): False,
+    ("small", "moe", 1, "none"): True,
+    ("small", "moe", 1, "full"): True,
+    ("small", "muon", 2, "none"): False,
+    ("production", "dense", 2, "full"): True,
+    ("production", "muon", 2, "full"): False,
+}
+"""--quick's rows, and whether each runs compiled: the issue's checks (small dense's FLOPs and
+syncs, MoE's graph breaks with and without checkpointing, Muon's share under DDP and FSDP, FSDP's
+traffic and its compiled blocks) within 5 minutes on 2 loaded cores."""
+KEYS = (
+    "preset",
+    "features",
+    "ranks",
+    "activation_checkpointing",
+    "executed_over_model_flops",
+    "graph_breaks",
+    "recompiles",
+    "host_syncs_per_step",
+    "collective_bytes_per_token",
+    "collective_minimum_bytes_per_token",
+    "orthogonalize_share_per_rank",
+)
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    features: str
+    ranks: int
+    activation_checkpointing: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset} {self.features} x{self.ranks} ckpt={self.activation_checkpointing}"
+
+
+@dataclass
+class Outcome:
+    row: Row
+    values: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+# --- the jobs ------------------------------------------------------------------------------------
+
+
+def checkpointing_setting(mode: str, takes_modes: bool) -> str | None:
+    """The value to set training.activation_checkpointing to; None when this tree has no such mode."""
+    if takes_modes:
+        return json.dumps(mode)
+    return ON_OLD_TREES.get(mode)
+
+
+def tree_takes_modes() -> bool:
+    """Whether training.activation_checkpointing takes "none" | "selective" | "full" | "auto" here."""
+    from pretrain import config as cfg
+
+    try:
+        cfg.resolve(preset="debug", sets=['training.activation_checkpointing="selective"'])
+    except cfg.ConfigError:
+        return False
+    return True
+
+
+def job(row: Row, args: argparse.Namespace, setting: str, compiled: bool) -> dict[str, Any]:
+    common = [
+        "data.source=builtin",
+        "data.tokenizer=byte",
+        f"data.cache_dir={json.dumps(str(args.cache_dir))}",
+        f"system.device={args.device}",
+        "logging.tensorboard=false",
+        "debug.trace_nonfinite=false",
+        "training.eval_batches=2",
+        "training.max_steps=20",
+        f"training.activation_checkpointing={setting}",
+        *FEATURES[row.features],
+    ]
+    shape = PRODUCTION_SHAPE if row.preset == "production" else []
+    return {
+        "name": row.name,
+        "preset": row.preset,
+        "ranks": row.ranks,
+        "true_sets": [*common, *shape],
+        "run_sets": [*common, *shape, *run_widths(row.preset, args.device), *RUN_GEOMETRY],
+        "plan_gpu_bytes": int(args.plan_gpu_gib * 2**30),
+        "compile": compiled,
+        "compile_backend": args.compile_backend,
+    }
+
+
+def run_widths(preset: str, device: str) -> list[str]:
+    """The --set of the real run's widths: the preset's divided by RUN_WIDTH_DIVISOR."""
+    from pretrain import config as cfg
+
+    model, divisor = cfg.resolve(preset=preset).model, RUN_WIDTH_DIVISOR[device][preset]
+    if divisor == 1:
+        return []
+    return [f"model.{name}={getattr(model, name) // divisor}" for name in ("dim", "ffn_dim", "vocab_size")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(jobs: list[dict[str, Any]], ranks: int, work: Path, timeout: float) -> tuple[list[list[dict[str, Any]]], str]:
+    """Run the rows of jobs in one group of ranks processes (efficiency_worker.py); (each rank's
+    results, in job order; an error that stopped them all, else ""). Rank 0's stderr (progress)
+    comes through; the others' go to files, shown when a rank fails."""
+    jobs_file, results = work / f"jobs-{ranks}.json", work / f"results-{ranks}"
+    jobs_file.write_text(json.dumps(jobs))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("TORCH_LOGS", None)  # the counts come from dynamo's counters, not its logs
+    processes, logs = [], []
+    for rank in range(ranks):
+        rank_env = env | {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks)}
+        rank_env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = open(work / f"rank{ranks}-{rank}.log", "w")  # noqa: SIM115 (closed below)
+        logs.append(log)
+        argv = [sys.executable, str(WORKER), "run", str(jobs_file), str(results)]
+        processes.append(subprocess.Popen(argv, cwd=REPO, env=rank_env, stdout=log, stderr=None if rank == 0 else log))
+    error, deadline = "", time.monotonic() + timeout * len(jobs)
+    for rank, process in enumerate(processes):
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            error = error or f"timed out after {timeout * len(jobs):.0f} s"
+            for other in processes:
+                other.kill()
+            process.wait()
+        if process.returncode and not error:
+            error = f"rank {rank} exited with status {process.returncode}"
+    for log in logs:
+        log.close()
+    files = [Path(f"{results}.rank{r}") for r in range(ranks)]
+    if error or not all(f.exists() for f in files):
+        tail = (work / f"rank{ranks}-{ranks - 1}.log").read_text().strip().splitlines()[-12:]
+        progress("  the group failed; the last rank's last output:\n" + "\n".join(tail))
+        return [], error or "no results written"
+    return [json.loads(f.read_text()) for f in files], ""
+
+
+# --- from the jobs' results to a row --------------------------------------------------------------
+
+
+def minimum_bytes(count: dict[str, Any], row: Row) -> dict[str, float]:
+    """The fewest bytes per token each kind of collective needs for the row's parallelism."""
+    if row.ranks == 1:
+        return {}
+    tokens, check = count["true_tokens_per_step"], 32  # the finite check: four int64
+    if count["plan"].get("parallelism") == "ddp":
+        return {"all_reduce": (4 * count["parameters"] + check) / tokens}
+    return {
+        "all_gather": count["gather_bytes"] / tokens,
+        "reduce_scatter": 4 * count["parameters"] / tokens,
+        "all_reduce": check / tokens,
+    }
+
+
+def combine(row: Row, count: dict[str, Any], ranks: list[dict[str, Any]]) -> Outcome:
+    eager = [r for r in ranks if "syncs_per_step" in r]
+    shares = [r["orthogonalize_share"] for r in eager if r.get("orthogonalize_share") is not None]
+    share = max(shares) if shares else None
+    ortho = count["orthogonalize_flops"]
+    executed = count["executed_flops"] - ortho + (share if share is not None else 1.0) * ortho
+    scale = count["parameters"] / eager[0]["run_parameters"] if eager else 1.0
+    tokens = count["true_tokens_per_step"]
+    measured: dict[str, float] = {}
+    for r in eager:
+        for kind, value in r["collective_bytes_per_step"].items():
+            measured[kind] = measured.get(kind, 0.0) + value * scale / tokens / len(eager)
+    compiled = [r for r in ranks if "graph_breaks" in r]
+    values = {
+        "preset": row.preset,
+        "features": row.features,
+        "ranks": row.ranks,
+        "activation_checkpointing": row.activation_checkpointing,
+        "executed_over_model_flops": executed / count["model_flops"],
+        "graph_breaks": max(r["graph_breaks"] for r in compiled) if compiled else None,
+        "recompiles": max(r["recompiles"] for r in compiled) if compiled else None,
+        "host_syncs_per_step": max(max(r["syncs_per_step"]) for r in eager) if eager else None,
+        "collective_bytes_per_token": measured if eager else None,
+        "collective_minimum_bytes_per_token": minimum_bytes(count, row),
+        "orthogonalize_share_per_rank": share if row.features == "muon" else None,
+    }
+    details = {
+        "plan": count["plan"],
+        "mode": eager[0].get("mode") if eager else None,
+        "sync_sites": merged(r.get("sync_sites", {}) for r in eager[:1]),
+        "eval_syncs": max((r["eval_syncs"] for r in eager), default=None),
+        "eval_sync_sites": merged(r.get("eval_sync_sites", {}) for r in eager[:1]),
+        "graph_break_reasons": merged(r.get("graph_break_reasons", {}) for r in compiled[:1]),
+        "compiles": compiled[0]["compiles"] if compiled else None,
+        "graphs": compiled[0].get("graphs") if compiled else None,
+    }
+    return Outcome(row, values, details)
+
+
+def merged(dicts: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for d in dicts:
+        for key, value in d.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def measure(rows: list[Row], args: argparse.Namespace) -> list[Outcome]:
+    """Every row's FLOP count (one process), then its real run, grouped by the number of ranks
+    (one process group each); in the order given."""
+    takes_modes = tree_takes_modes()
+    outcomes: dict[Row, Outcome] = {}
+    jobs: dict[Row, dict[str, Any]] = {}
+    for row in rows:
+        setting = checkpointing_setting(row.activation_checkpointing, takes_modes)
+        if setting is None:
+            outcomes[row] = Outcome(row, note="not on this tree (activation_checkpointing is a bool)")
+        else:
+            compiled = args.compile == "all" and QUICK.get(astuple(row), True) if args.quick else args.compile == "all"
+            jobs[row] = job(row, args, setting, compiled)
+    with tempfile.TemporaryDirectory(prefix="efficiency-") as tmp:
+        progress(f"counting the FLOPs of {len(jobs)} row(s) on the meta device ...")
+        counts = dict(zip(jobs, count_all(list(jobs.values()), Path(tmp), args.timeout), strict=True))
+        for ranks in sorted({row.ranks for row in jobs}):
+            group = [row for row in jobs if row.ranks == ranks]
+            progress(f"{len(group)} row(s) on {ranks} rank(s) ...")
+            started = time.monotonic()
+            per_rank, error = run_group([jobs[row] for row in group], ranks, Path(tmp), args.timeout)
+            for i, row in enumerate(group):
+                results = [r[i] for r in per_rank]
+                failed = error or counts[row].get("error") or next((r["error"] for r in results if "error" in r), "")
+                outcomes[row] = Outcome(row, note=f"failed: {failed}") if failed else combine(row, counts[row], results)
+            progress(f"  {time.monotonic() - started:.0f} s")
+    return [outcomes[row] for row in rows]
+
+
+def count_all(jobs: list[dict[str, Any]], work: Path, timeout: float) -> list[dict[str, Any]]:
+    """Every job's FLOP count from one efficiency_worker.py count process ({"error": ...} each when it failed)."""
+    jobs_file, results = work / "count-jobs.json", work / "counts.json"
+    jobs_file.write_text(json.dumps(jobs))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    argv = [sys.executable, str(WORKER), "count", str(jobs_file), str(results)]
+    try:
+        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{"error": f"the FLOP count timed out after {timeout:.0f} s"}] * len(jobs)
+    if done.returncode or not results.exists():
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        progress("  the FLOP count failed; its last output:\n" + "\n".join(lines[-12:]))
+        return [{"error": lines[-1][:200]}] * len(jobs)
+    return json.loads(results.read_text())
+
+
+def astuple(row: Row) -> tuple[str, str, int, str]:
+    return (row.preset, row.features, row.ranks, row.activation_checkpointing)
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def bytes_cell(per_kind: dict[str, float] | None) -> str:
+    if per_kind is None:
+        return ""
+    if not per_kind:
+        return "0"
+    total = sum(per_kind.values())
+    parts = ", ".join(f"{kind} {value:,.0f}" for kind, value in sorted(per_kind.items()) if value >= 0.5)
+    return f"{total:,.0f} ({parts})" if parts else f"{total:,.2f}"
+
+
+def number(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def table(outcomes: list[Outcome]) -> list[str]:
+    header = [
+        "preset",
+        "features",
+        "ranks",
+        "checkpointing",
+        "executed / model FLOPs",
+        "graph breaks",
+        "recompiles",
+        "host syncs / step",
+        "collective bytes / token (by kind)",
+        "minimum bytes / token",
+        "orthogonalize share / rank",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for o in outcomes:
+        r, v = o.row, o.values
+        cells = [r.preset, r.features, str(r.ranks), r.activation_checkpointing]
+        if o.note:
+            cells += [o.note] + [""] * 6
+        else:
+            cells += [
+                number(v["executed_over_model_flops"]),
+                number(v["graph_breaks"]) or "not compiled",
+                number(v["recompiles"]),
+                number(v["host_syncs_per_step"]),
+                bytes_cell(v["collective_bytes_per_token"]),
+                bytes_cell(v["collective_minimum_bytes_per_token"]),
+                number(v["orthogonalize_share_per_rank"], 2),
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def detail_lines(outcomes: list[Outcome]) -> list[str]:
+    """Where the syncs and graph breaks are, and what the plan chose, row by row."""
+    lines = []
+    for o in outcomes:
+        if o.note:
+            continue
+        d = o.details
+        parts = [f"plan {json.dumps(d['plan'])}, mode {d['mode']}"]
+        if d["sync_sites"]:
+            parts.append("syncs in a step (rank 0, step 2): " + "; ".join(f"{k} x{v}" for k, v in d["sync_sites"].items()))
+        if d["eval_syncs"]:
+            parts.append(
+                f"eval pass: {d['eval_syncs']} syncs (" + "; ".join(f"{k} x{v}" for k, v in d["eval_sync_sites"].items()) + ")"
+            )
+        if d["graphs"] is not None:
+            parts.append(f"{d['graphs']} graph(s) captured")
+        if d["graph_break_reasons"]:
+            parts.append("graph breaks: " + "; ".join(f"{k} x{v}" for k, v in d["graph_break_reasons"].items()))
+        lines.append(f"- {o.row.name}: " + "; ".join(parts))
+    return lines
+
+
+def machine_line(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        where = f"GPU {torch.cuda.get_device_name(0)}"
+    else:
+        model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor() or "unknown CPU",
+        )
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        where = f"CPU {model}, {os.cpu_count()} cores, load average {load} at the end"
+    return (
+        f"Machine: {where}; {platform.platform()}; Python {platform.python_version()}; "
+        f"torch {importlib.metadata.version('torch')}; {datetime.date.today().isoformat()}"
+    )
+
+
+def commit() -> str:
+    result = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def report(outcomes: list[Outcome], args: argparse.Namespace, elapsed: float) -> str:
+    command = "python benchmarks/efficiency.py " + " ".join(args.argv)
+    return "\n".join(
+        [
+            f"# Efficiency: FLOPs, graph breaks, host syncs, collective bytes ({args.label or 'this tree'})",
+            "",
+            machine_line(args.device),
+            f"Tree: {commit()}. Command: `{command.strip()}`. Planned for a GPU of {args.plan_gpu_gib:.1f} GiB. "
+            f"Compile backend: {args.compile_backend}. Total {elapsed:.0f} s.",
+            "",
+            *table(outcomes),
+            "",
+            "Per row:",
+            "",
+            *detail_lines(outcomes),
+            "",
+        ]
+    )
+
+
+def machine_slug(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0).lower().replace("nvidia ", "").replace(" ", "-")
+    return f"cpu-{os.cpu_count()}core"
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def choices(allowed: tuple[str, ...] | list[str]) -> Any:
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in allowed]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown) or repr(text)}; choose from {', '.join(allowed)}")
+        return values
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="QUICK's rows only, compiled as it says, with aot_eager")
+    parser.add_argument("--presets", type=choices(PRESETS), default=list(PRESETS))
+    parser.add_argument("--features", type=choices(list(FEATURES)), default=list(FEATURES))
+    parser.add_argument("--ranks", type=choices(("1", "2")), default=["1", "2"])
+    parser.add_argument("--checkpointing", type=choices(CHECKPOINTING), default=list(CHECKPOINTING))
+    parser.add_argument("--compile", choices=["all", "none"], default="all", help="whether rows also run compiled (default all)")
+    parser.add_argument(
+        "--compile-backend", help="torch.compile's backend (default inductor; --quick: aot_eager, the same breaks)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--plan-gpu-gib", type=float, default=H100_GIB, help="the GPU memory the plan assumes (default an H100's)"
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help='also write {"rows": [...]} to FILE')
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        metavar="FILE",
+        help="where the table goes (default benchmarks/results/<date>-efficiency[-LABEL]-<machine>.md)",
+    )
+    parser.add_argument("--no-markdown", action="store_true", help="print the table only")
+    parser.add_argument("--label", default="", help="a word for the file name and title, e.g. before or after")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per job (default 900)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=REPO / "cache" / "datasets", help="data.cache_dir for the built-in corpus"
+    )
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    args.compile_backend = args.compile_backend or ("aot_eager" if args.quick else "inductor")
+    args.cache_dir = args.cache_dir.resolve()
+    return args
+
+
+def rows_of(args: argparse.Namespace) -> list[Row]:
+    if args.quick:
+        return [Row(*key) for key in QUICK]
+    return [
+        Row(preset, features, int(ranks), mode)
+        for preset in args.presets
+        for features in args.features
+        for ranks in args.ranks
+        for mode in args.checkpointing
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    outcomes = measure(rows_of(args), args)
+    text = report(outcomes, args, time.monotonic() - started)
+    print(text)
+    if not args.no_markdown:
+        label = f"-{args.label}" if args.label else ""
+        path = (
+            args.markdown
+            or REPO
+            / "benchmarks"
+            / "results"
+            / f"{datetime.date.today().isoformat()}-efficiency{label}-{machine_slug(args.device)}.md"
+        )
+        path.write_text(text)
+        progress(f"written to {path}")
+    if args.json:
+        rows = [{key: o.values.get(key) for key in KEYS} | ({} if o.values else asdict(o.row)) for o in outcomes]
+        args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return 1 if any(o.note.startswith("failed") for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
