@@ -34,6 +34,7 @@ if __name__ == "__main__" and Path(sys.path[0]).resolve() == REPO / "benchmarks"
     sys.path[0] = str(REPO)  # else benchmarks/launcher.py would be imported as the launcher package
 
 from benchmarks.gpu_checks import CHECKS, Context, Row  # noqa: E402
+from benchmarks.gpu_checks_groups import ESTIMATED_S, group_seconds, minutes  # noqa: E402
 from benchmarks.gpu_procs import CheckFailed, smi_query, worker  # noqa: E402
 from benchmarks.gpu_workers import WORKERS  # noqa: E402
 
@@ -176,7 +177,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         formatter_class=Formatter,
         description="Run every GPU path of this project once (NVML, the launch scripts, a NaN run, "
         "throughput and MFU, compile cache, bf16, NCCL and its failures, host synchronizations, "
-        "torchrun, the allocator, fp32 attention, the memory estimate) and write "
+        "graph breaks and recompiles, torchrun, the allocator, fp32 and flash attention, the memory "
+        "estimate) and write "
         "one Markdown table of the results. Needs an NVIDIA GPU.",
         epilog=f"checks: {', '.join(CHECKS)}",
     )
@@ -248,6 +250,8 @@ def run_checks(args: argparse.Namespace, info: dict[str, Any]) -> int:
     machine_line = describe_machine(info)
     output = args.output or RESULTS / f"{datetime.date.today().isoformat()}-{short_gpu_name(info['gpus'][0])}.md"
     print(machine_line, flush=True)
+    estimate = minutes(group_seconds(args.checks, ESTIMATED_S))
+    print(f"{PROG}: {len(args.checks)} check(s), about {estimate:g} minutes on H100s (estimated)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         uses_own_data = any(s.startswith("data.") for s in args.sets)
         ctx = Context(

@@ -20,13 +20,13 @@ from benchmarks.gpu_context import (
     Row,  # noqa: F401  (re-exported)
     sets_args,
 )
+from benchmarks.gpu_checks_efficiency import EFFICIENCY_CHECKS
 from benchmarks.gpu_checks_features import FEATURE_CHECKS
+from benchmarks.gpu_checks_flash import FLASH_CHECKS
+from benchmarks.gpu_checks_gpus import check_gpus
 from benchmarks.gpu_checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
 from benchmarks.gpu_procs import (
-    ENTRY,
     LAST_LINES,
-    REPO,
-    CheckFailed,
     GpuMemory,
     child_env,
     failed,
@@ -35,80 +35,11 @@ from benchmarks.gpu_procs import (
     launcher,
     losses_by_step,
     run,
-    smi_query,
     step_lines,
     watch,
     worker,
 )
 from benchmarks.gpu_workers import POISONED, TINY
-
-
-def check_gpus(ctx: Context) -> list[Row]:
-    """The launcher's GPU list against nvidia-smi's, with a process of ours holding memory."""
-    holder = subprocess.Popen(
-        [sys.executable, str(ENTRY), "--worker", "hold", str(ctx.gpus[0])],
-        cwd=REPO,
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert holder.stdin is not None and holder.stdout is not None  # pipes
-    try:
-        import select
-
-        ready = holder.stdout.readline() if select.select([holder.stdout], [], [], 180)[0] else "(no answer in 180 s)"
-        if "ready" not in ready:
-            raise CheckFailed("the process that holds 1 GiB on the GPU did not start", ready)
-        ours = worker("nvml", 120)
-        smi = {
-            int(i): (uuid, int(total), int(used))
-            for i, uuid, total, used in smi_query("index", "uuid", "memory.total", "memory.used")
-        }
-        apps = {
-            (row[0], int(row[1])): int(row[2]) if row[2].isdigit() else None
-            for row in smi_query("gpu_uuid", "pid", "used_memory", what="compute-apps")
-            if len(row) == 3 and row[1].isdigit()
-        }
-        table = launcher("gpus", timeout=120)
-    finally:
-        holder.stdin.close()
-        kill_group(holder)
-    problems = []
-    mine = {g["index"]: g for g in ours if not g["mig"]}
-    if sorted(mine) != sorted(smi):
-        problems.append(f"indices {sorted(mine)} vs nvidia-smi {sorted(smi)}")
-    for index, (uuid, total, _) in smi.items():
-        gpu = mine.get(index)
-        if gpu and (gpu["uuid"] != uuid or gpu["memory_total"] // 2**20 != total):
-            problems.append(f"GPU {index}: {gpu['uuid']} {gpu['memory_total'] // 2**20} MiB vs {uuid} {total} MiB")
-    processes = {(g["uuid"], pid): None if memory is None else memory // 2**20 for g in ours for pid, memory in g["processes"]}
-    if processes != apps:
-        problems.append(f"processes (GPU, PID): MiB {sorted(processes.items())} vs nvidia-smi {sorted(apps.items())}")
-    if holder.pid not in {pid for _, pid in processes}:
-        problems.append(f"our process {holder.pid} holding 1 GiB on GPU {ctx.gpus[0]} is not listed")
-    if not table.ok:
-        raise failed("python -m launcher gpus", table)
-    shown = [line.split()[0] for line in table.out.splitlines()[1:] if line.strip() and line.split()[0].isdigit()]
-    if sorted(map(int, shown)) != sorted(smi):
-        problems.append(f"the table shows GPUs {shown}")
-    if str(holder.pid) not in table.out:
-        problems.append("the table does not show our process")
-    result = (
-        f"{len(smi)} GPU(s): index, UUID, memory and {len(apps)} process(es) with their memory agree"
-        if not problems
-        else "; ".join(problems)
-    )
-    return [
-        Row(
-            "`launcher gpus` = nvidia-smi (index, UUID, memory, processes)",
-            result,
-            "identical",
-            "no" if problems else "yes",
-            failure="" if not problems else table.tail(),
-        )
-    ]
 
 
 def check_nvml_test(ctx: Context) -> list[Row]:
@@ -168,7 +99,7 @@ def check_train_gpu(ctx: Context) -> list[Row]:
             f"./train_gpu.sh {gpu} --debug",
             ["bash", "train_gpu.sh", gpu, "--debug", "--run-dir", ctx.run_dir("train_gpu")],
             ctx,
-            600,
+            240,
         )
     ]
 
@@ -179,14 +110,14 @@ def check_train_auto(ctx: Context) -> list[Row]:
             "./train_auto_gpu.sh --debug",
             ["bash", "train_auto_gpu.sh", "--debug", "--run-dir", ctx.run_dir("train_auto")],
             ctx,
-            600,
+            240,
         )
     ]
 
 
 def check_run_training(ctx: Context) -> list[Row]:
     row = debug_run_row(
-        "bash run_training.sh --debug", ["bash", "run_training.sh", "--debug", "--run-dir", ctx.run_dir("run_training")], ctx, 600
+        "bash run_training.sh --debug", ["bash", "run_training.sh", "--debug", "--run-dir", ctx.run_dir("run_training")], ctx, 240
     )
     row.check += f" ({len(ctx.gpus)} GPU(s))"
     return [row]
@@ -196,7 +127,7 @@ def check_nan(ctx: Context) -> list[Row]:
     """A checkpoint with one NaN weight (made on the CPU, as tests/test_numerical_failure.py
     does), resumed on one GPU through the launcher."""
     run_dir = ctx.run_dir("nan")
-    checkpoint = worker("poison", 300, run_dir)["checkpoint"]
+    checkpoint = worker("poison", 120, run_dir)["checkpoint"]
     proc = launcher(
         "--debug",
         "--gpus",
@@ -208,7 +139,7 @@ def check_nan(ctx: Context) -> list[Row]:
         "--resume",
         checkpoint,
         *sets_args(TINY),
-        timeout=600,
+        timeout=240,
     )
     banner = f"NaN GRADIENT DETECTED [GPU {ctx.gpus[0]}]"
     dump = Path(run_dir) / "debug" / "nan_debug_step_0.npz"
@@ -243,7 +174,7 @@ def check_nan(ctx: Context) -> list[Row]:
 def check_small(ctx: Context) -> list[Row]:
     steps, interval = (60, 20) if ctx.quick else (300, 50)
     rows = []
-    for compiled in (True, False):
+    for compiled, timeout in ((True, 300), (False, 150)):  # 450 s together: a group's 8 minutes
         with GpuMemory(ctx.gpus[0]) as used:
             proc = launcher(
                 "--preset",
@@ -263,7 +194,7 @@ def check_small(ctx: Context) -> list[Row]:
                         "logging.tensorboard=false",
                     ]
                 ),
-                timeout=600,
+                timeout=timeout,
             )
         how = "compiled" if compiled else "not compiled"
         name = f"`small` preset, bf16, {how}, {steps} steps ({ctx.data_note})"
@@ -304,7 +235,8 @@ def check_production_shape(ctx: Context) -> list[Row]:
     fewer layers on one GPU; two depths give the time one more layer adds."""
     depths = (2, 4)
     steps = "2" if ctx.quick else "4"
-    results = {n: worker("shape", 600, str(n), steps, json.dumps(ctx.data_sets)) for n in depths}
+    timeouts = {2: 240, 4: 210}  # the first compiles cold; 450 s together
+    results = {n: worker("shape", timeouts[n], str(n), steps, json.dumps(ctx.data_sets)) for n in depths}
     per_layer = (results[4]["step_s"] - results[2]["step_s"]) / 2
     r = results[4]
     projected = r["step_s"] + 28 * per_layer
@@ -344,12 +276,12 @@ def check_compile_cache(ctx: Context) -> list[Row]:
         "2",
         *sets_args([*ctx.small_sets, "training.compile=true", "training.eval_interval=0", "logging.tensorboard=false"]),
     ]
-    prepared = run([sys.executable, "prepare_dataset.py", "--preset", "small", *sets_args(ctx.small_sets)], 600)
+    prepared = run([sys.executable, "prepare_dataset.py", "--preset", "small", *sets_args(ctx.small_sets)], 90)
     if not prepared.ok:
         raise failed("prepare_dataset.py", prepared)
     times = []
-    for attempt in ("first", "second"):
-        proc = launcher(*base, "--run-dir", ctx.run_dir(f"compile-{attempt}"), timeout=600, env=env, first_match=FIRST_STEP)
+    for attempt, timeout in (("first", 240), ("second", 120)):
+        proc = launcher(*base, "--run-dir", ctx.run_dir(f"compile-{attempt}"), timeout=timeout, env=env, first_match=FIRST_STEP)
         if not proc.ok or proc.first_match_s is None:
             raise failed(f"{attempt} launch", proc)
         times.append(proc.first_match_s)
@@ -377,7 +309,7 @@ def check_bf16(ctx: Context) -> list[Row]:
             "--run-dir",
             ctx.run_dir(f"amp-{amp}"),
             *sets_args([f"training.use_amp={str(amp).lower()}", "training.compile=false"]),
-            timeout=600,
+            timeout=150,
         )
         losses = losses_by_step(proc.out, f"GPU{ctx.gpus[0]}")
         if not proc.ok or len(losses) != 20:
@@ -421,7 +353,7 @@ def check_offload(ctx: Context) -> list[Row]:
                     "logging.tensorboard=false",
                 ]
             ),
-            timeout=600,
+            timeout=210 if offload else 150,  # the offloaded run steps AdamW on the host
         )
         steps = [s for s in step_lines(proc.out) if s["prefix"] == f"GPU{ctx.gpus[0]}"]
         if not proc.ok or len(steps) != 10 or (offload and "with CPU offload over 1 GPU" not in proc.out):
@@ -478,7 +410,7 @@ def fail_fast(ctx: Context) -> Row:
     name = "NCCL fail-fast: rank 1 SIGKILLed during training, 2 GPUs"
     target = "every process gone <= 2 s, exit 137"
     try:
-        if not training.wait(timeout=600):
+        if not training.wait(timeout=180):
             return Row(name, "the run ended or stalled before step 5", target, "no", failure="".join(lines[-LAST_LINES:]))
         workers = sorted(
             (p for p in psutil.Process(proc.pid).children() if p.cmdline()[1:3] == ["-m", "pretrain"]),
@@ -524,7 +456,7 @@ def ddp_vs_fsdp(ctx: Context) -> Row:
             "--run-dir",
             ctx.run_dir(f"mode-{mode}"),
             *sets_args([f"training.parallelism={mode}", "training.compile=false"]),
-            timeout=600,
+            timeout=90,
         )
         found = losses_by_step(proc.out, f"GPU{ctx.gpus[0]}")
         if not proc.ok or 1 not in found:
@@ -539,35 +471,43 @@ def ddp_vs_fsdp(ctx: Context) -> Row:
     )
 
 
+SYNC_MODES = (
+    ("single", "1 process", 240),  # the first compiles cold
+    ("group", "1-rank NCCL group", 105),
+    ("group-nocheck", "1-rank NCCL group, debug.check_finite=false", 105),
+)
+"""The syncs check's runs: the worker's mode, how the row names it, its timeout (450 s together)."""
+
+
 def check_syncs(ctx: Context) -> list[Row]:
-    """Host synchronizations in the steps of fit() that log nothing, counted two ways
-    (see gpu_workers.worker_syncs): one process, a 1-rank NCCL group (the collective path), and that group
-    without the finite check (the stop agreement's own all-reduce)."""
-    steps = "6" if ctx.quick else "12"
+    """Host synchronizations in the steps of fit() that log nothing, on `small` as a run has it
+    (its batch and context, the loss head as the memory plan decides it, compiled), counted two
+    ways (see gpu_workers.worker_syncs): one process, a 1-rank NCCL group (the collective path),
+    and that group without the finite check (the stop agreement's own all-reduce)."""
+    steps = "4" if ctx.quick else "6"
     rows = []
-    for mode, about in (
-        ("single", "1 process"),
-        ("group", "1-rank NCCL group"),
-        ("group-nocheck", "1-rank NCCL group, debug.check_finite=false"),
-    ):
-        r = worker("syncs", 600, mode, steps, "false" if ctx.quick else "true")
-        profiled = (
-            f"profiler: {r['profiler_syncs']:.2f} sync calls, {r['pageable_h2d']:.2f} pageable H2D copies per step"
-            if r.get("profiler_syncs") is not None
-            else f"profiler: n.a. ({r.get('profiler_error', '?')})"
-        )
-        ok = r["max_syncs"] <= 1  # a pageable copy to the GPU stages the data and returns: no sync
-        rows.append(
-            Row(
-                f"host synchronizations per non-logging step, {about}, debug model, "
-                f"{'compiled' if r['compiled'] else 'not compiled'}",
-                f"max {r['max_syncs']}, mean {r['mean_syncs']:.2f} over {r['steps']} steps (sync debug mode); "
-                f"{profiled}" + (f"; where: {r['where']}" if r.get("where") else ""),
-                "<= 1",
-                "yes" if ok else "no",
-            )
-        )
+    for mode, about, timeout in SYNC_MODES:
+        r = worker("syncs", timeout, mode, steps, json.dumps(ctx.small_sets))
+        rows.append(syncs_row(r, about))
     return rows
+
+
+def syncs_row(r: dict, about: str) -> Row:
+    """One run of the syncs worker as a row: at most one synchronization in any counted step."""
+    profiled = (
+        f"profiler: {r['profiler_syncs']:.2f} sync calls, {r['pageable_h2d']:.2f} pageable H2D copies per step"
+        if r.get("profiler_syncs") is not None
+        else f"profiler: n.a. ({r.get('profiler_error', '?')})"
+    )
+    ok = r["max_syncs"] <= 1 and r["compiled"]  # a pageable copy to the GPU stages the data and returns: no sync
+    return Row(
+        f"host synchronizations per non-logging step, {about}, `small` ({r.get('shape', '?')}), "
+        f"{'compiled' if r['compiled'] else 'NOT compiled'}",
+        f"max {r['max_syncs']}, mean {r['mean_syncs']:.2f} over {r['steps']} steps (sync debug mode); "
+        f"{profiled}" + (f"; where: {r['where']}" if r.get("where") else ""),
+        "<= 1, compiled",
+        "yes" if ok else "no",
+    )
 
 
 CHECKS: dict[str, Callable[[Context], list[Row]]] = {
@@ -584,7 +524,10 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     "offload": check_offload,
     "nccl": check_nccl,
     "syncs": check_syncs,
+    **EFFICIENCY_CHECKS,
     **RUNTIME_CHECKS,
+    **FLASH_CHECKS,
     **FEATURE_CHECKS,
 }
-"""Every command a check runs has its own timeout (at most 10 minutes), so no check hangs."""
+"""Every command a check runs has its own timeout, and a check's timeouts add up to at most
+gpu_checks_groups.CHECK_LIMIT_S, so no check hangs and a group fits its device call."""

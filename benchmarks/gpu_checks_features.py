@@ -15,6 +15,8 @@ from benchmarks.gpu_procs import child_env, run
 NS_SIZES = "768x768,4096x4096"
 NS_STEPS = 5
 """Muon's default (training.muon_ns_steps)."""
+FEATURES_TIMEOUT_S, NS_TIMEOUT_S = 390, 60
+"""Four launches, two of them cold compiles (about 6 minutes on an H100), and one short script: 450 s together."""
 
 
 def table_rows(out: str, first_header: str) -> list[list[str]]:
@@ -80,7 +82,7 @@ def check_features(ctx: Context) -> list[Row]:
     steps = 6 if ctx.quick else 20
     sets = [*ctx.small_sets, "training.compile=true", "training.eval_interval=0", "logging.tensorboard=false"]
     argv = [sys.executable, "benchmarks/features.py", "--preset", "small", "--device", "cuda", "--gpus", gpu]
-    proc = run([*argv, "--steps", str(steps), *sets_args(sets)], timeout=600)
+    proc = run([*argv, "--steps", str(steps), *sets_args(sets)], timeout=FEATURES_TIMEOUT_S)
     name = f"`small` AdamW/Muon x dense/MoE (benchmarks/features.py), 1 GPU, {steps} steps"
     rows = feature_rows(proc.out, f"1 GPU, bf16, compiled, {steps} steps ({ctx.data_note})", tokens_per_step(sets))
     if not proc.ok or len(rows) != 4:
@@ -96,7 +98,9 @@ def check_features(ctx: Context) -> list[Row]:
     repeats = "10" if ctx.quick else "50"
     ns = [sys.executable, "benchmarks/newton_schulz.py", "--device", "cuda", "--sizes", NS_SIZES, "--repeats", repeats]
     ns_proc = run(
-        [*ns, "--steps", str(NS_STEPS)], timeout=300, env=child_env(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=gpu)
+        [*ns, "--steps", str(NS_STEPS)],
+        timeout=NS_TIMEOUT_S,
+        env=child_env(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=gpu),
     )
     ns_rows = newton_schulz_rows(ns_proc.out, f"1 GPU, median of {repeats}")
     if not ns_proc.ok or len(ns_rows) != len(NS_SIZES.split(",")):

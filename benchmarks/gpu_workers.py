@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu_procs import emit
+from benchmarks.gpu_workers_flash import FLASH_WORKERS
 from benchmarks.gpu_workers_runtime import RUNTIME_WORKERS
 
 SYNC_WARNING = "synchronizing CUDA operation"
@@ -189,8 +190,12 @@ def memory_against_estimate(trainer: Any, warmup_peaks: tuple[int, int]) -> dict
     }
 
 
-def worker_syncs(mode: str, steps: str, compile_: str) -> None:
-    """Count the host synchronizations of each step of fit() that logs nothing.
+def worker_syncs(mode: str, steps: str, data_sets: str) -> None:
+    """Count the host synchronizations of each step of fit() that logs nothing, on the `small`
+    preset as a run has it: its batch, context and micro-batches, compiled, and the loss head in
+    one piece or in chunks as the memory plan decides for this GPU (build plans as the launcher
+    would), so what is counted is what a real run pays. data_sets: the JSON list of --set options
+    for the data (gpu_context.Context.small_sets).
 
     Two counts, over the same steps (after warm-up steps that compile and create the NCCL
     communicator): torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call
@@ -214,9 +219,10 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
     warmup, counted = 3, int(steps)
     total = warmup + counted + 1  # and a last step, which logs
     sets = [
+        *json.loads(data_sets),
         "debug.trace_nonfinite=false",  # its hooks synchronize on purpose
         "training.use_amp=true",
-        f"training.compile={compile_}",
+        "training.compile=true",
         f"training.max_steps={total}",
         "logging.log_interval=1000000",
         "logging.level=INFO",
@@ -226,7 +232,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
         f"system.device={DEVICE}",
         f"debug.check_finite={'false' if mode == 'group-nocheck' else 'true'}",
     ]
-    config = cfg.resolve(preset="debug", sets=sets)
+    config = cfg.resolve(preset="small", sets=sets)
     dataset = prepare(config.data, log=lambda _: None)
     config, _ = fit_to_dataset(config, dataset, world_size=1)
     torch.cuda.set_device(0)
@@ -271,6 +277,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
             caught = caught_here
             train.fit(trainer)
         compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.model.modules())
+        shape = run_shape(trainer.config)
     if mode != "single":
         dist.destroy_process_group()
     per_step = [sum(SYNC_WARNING in str(w.message) for w in caught[a:b]) for a, b in pairwise(marks)]
@@ -282,6 +289,7 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
         "max_syncs": max(per_step),
         "mean_syncs": sum(per_step) / len(per_step),
         "compiled": compiled,
+        "shape": shape,
         "where": ", ".join(where),
     }
     try:
@@ -293,6 +301,16 @@ def worker_syncs(mode: str, steps: str, compile_: str) -> None:
     emit(result)
 
 
+def run_shape(config: Any) -> str:
+    """A run's step as the syncs row names it: micro-batch, micro-batches, how the loss is computed."""
+    from pretrain import config as cfg
+
+    t, context = config.training, config.data.context_length
+    chunk = cfg.loss_chunk_tokens(config)
+    loss = f"loss in chunks of {chunk} tokens" if 0 < chunk < t.batch_size * context else "loss in one piece"
+    return f"batch {t.batch_size} x {context}, {t.grad_accum_nums} micro-batches, {loss}"
+
+
 WORKERS: dict[str, Callable[..., None]] = {
     "torch": worker_torch,
     "hold": worker_hold,
@@ -301,4 +319,5 @@ WORKERS: dict[str, Callable[..., None]] = {
     "shape": worker_shape,
     "syncs": worker_syncs,
     **RUNTIME_WORKERS,
+    **FLASH_WORKERS,
 }
