@@ -33,8 +33,9 @@ the unsharded groups and gradients above, the activations and the logits.
 
 FSDP reduce-scatters on every micro-batch of gradient accumulation (pretrain/parallel.py,
 gradient_sync), so no rank ever holds the full gradient and grad_accum_nums changes nothing
-here. The embedding is gathered in fp32, but only around its own forward and backward, where
-the activations are few, so it is not part of the peak.
+here. The embedding is gathered in fp32 around its own forward and backward, where the
+activations are few, so it is not part of the peak; when training.reshard_after_forward is false
+it stays gathered from its forward to its backward with the blocks (4 bytes a parameter more).
 
 One process is never wrapped (pretrain/parallel.py) unless it offloads, so world_size 1 is
 estimated as the plain model whatever the mode, and as FSDP over one rank with offload.
@@ -273,6 +274,8 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
     elif mode == "fsdp" and world_size > 1:
         head, block = head_parameter_count(model), block_parameter_count(model)
         weights = ceil_div(FP32 * params, world_size) + unsharded * (head + gathered_blocks(config) * block)
+        if config.training.reshard_after_forward is False:  # the embedding kept gathered too, in fp32
+            weights += FP32 * embedding_parameter_count(model)
         gradients = ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
         optimizer = ceil_div(optimizer_state_bytes(config.training) * params, world_size)
     else:

@@ -188,8 +188,9 @@ def shard(
     reshard_after_forward (training.reshard_after_forward, which the launcher's plan decides):
     each block's gathered weights are freed after its forward and all-gathered again for its
     backward; false keeps them until the backward, one all-gather fewer per micro-batch for
-    every block's weights held at the start of the backward pass (pretrain/memory.py). The last
-    block is never resharded: its backward comes right after the head's, as torchtitan does.
+    every block's weights, and the embedding's, held at the start of the backward pass
+    (pretrain/memory.py). The last block is never resharded: its backward comes right after the
+    head's, as torchtitan does.
 
     Under use_amp the blocks and the root are gathered as bf16 and their gradients reduced in
     fp32; every sharded master weight stays fp32. The modes must compute the same thing, and
@@ -210,7 +211,10 @@ def shard(
     )
     # Without offload, OffloadPolicy(): fully_shard's own default, which offloads nothing.
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    fully_shard(model.tok_embed, mesh=mesh, offload_policy=offload_policy)  # no mp_policy: fp32, like its output under autocast
+    # No mp_policy: fp32, like its output under autocast. Kept gathered with the blocks when they
+    # are: its backward is the step's last, and gathering 4 bytes a parameter twice per micro-batch
+    # is the largest all-gather of all (the vocabulary x dim table).
+    fully_shard(model.tok_embed, mesh=mesh, offload_policy=offload_policy, reshard_after_forward=reshard_after_forward)
     layers = blocks(model)
     for i, block in enumerate(layers):
         reshard = reshard_after_forward and i < len(layers) - 1

@@ -113,6 +113,7 @@ def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
                 record.setdefault(
                     "resharded_after_forward", [isinstance(b.attention.wq.weight, DTensor) for b in unwrap(model).layers]
                 )
+                record.setdefault("embedding_resharded_after_forward", isinstance(unwrap(model).tok_embed.weight, DTensor))
                 loss.backward()
             loss_sum += loss.detach()
             if not last:

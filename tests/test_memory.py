@@ -105,10 +105,11 @@ def test_before_the_plan_auto_counts_as_none_and_a_null_loss_chunk_as_one_piece(
     assert estimate(cfg.production(), 8, "fsdp") == estimate(planned, 8, "fsdp")
 
 
-def test_blocks_kept_gathered_after_forward_add_every_blocks_bf16_weights_under_fsdp():
+def test_blocks_kept_gathered_after_forward_add_every_blocks_bf16_weights_and_the_fp32_embedding_under_fsdp():
     config = cfg.production()
     resharded, kept = (estimate(with_training(config, reshard_after_forward=r), 8, "fsdp") for r in (True, False))
-    assert kept.weights - resharded.weights == 2 * (32 - 2) * block_parameter_count(config.model)  # bf16, two in flight already
+    blocks = 2 * (32 - 2) * block_parameter_count(config.model)  # bf16, two in flight already
+    assert kept.weights - resharded.weights == blocks + 4 * 128256 * 4096
     assert dataclasses.replace(kept, weights=0) == dataclasses.replace(resharded, weights=0)
     assert estimate(with_training(config, reshard_after_forward=False), 8, "ddp") == estimate(config, 8, "ddp")
 

@@ -92,6 +92,9 @@ def test_activation_checkpointing_and_blocks_kept_gathered_under_fsdp_change_not
 def test_fsdp_reshards_blocks_after_forward_but_the_last_unless_told_to_keep_them_gathered(two_ranks):
     assert two_ranks[0]["fsdp"]["resharded_after_forward"] == [True, False]  # the last block's backward comes first
     assert two_ranks[0]["fsdp_selective_kept_gathered"]["resharded_after_forward"] == [False, False]
+    # The embedding, gathered in fp32 (the largest all-gather), stays gathered with them.
+    assert two_ranks[0]["fsdp"]["embedding_resharded_after_forward"] is True
+    assert two_ranks[0]["fsdp_selective_kept_gathered"]["embedding_resharded_after_forward"] is False
 
 
 @pytest.mark.slow
