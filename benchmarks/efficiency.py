@@ -73,6 +73,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: this tree's pretrain/
     sys.path.insert(0, str(REPO))
+from benchmarks.train import cpu_model  # noqa: E402
+
 WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
 PRESETS = ("small", "production")
 FEATURES = {"dense": [], "moe": ["model.moe.num_experts=4", "model.moe.top_k=2"], "muon": ["training.optimizer=muon"]}
@@ -433,16 +435,8 @@ def machine_line(device: str) -> str:
 
         where = f"GPU {torch.cuda.get_device_name(0)}"
     else:
-        model = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            platform.processor() or "unknown CPU",
-        )
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        where = f"CPU {model}, {os.cpu_count()} cores, load average {load} at the end"
+        where = f"CPU {cpu_model()}, {os.cpu_count()} cores, load average {load} at the end"
     return (
         f"Machine: {where}; {platform.platform()}; Python {platform.python_version()}; "
         f"torch {importlib.metadata.version('torch')}; {datetime.date.today().isoformat()}"

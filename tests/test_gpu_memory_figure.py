@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import one_line_error
-from launcher import nvml
+from memory_configs import scripted_gpu
 from launcher.cli import prepare_training
 from launcher.placement import Placement
 from launcher.printer import Printer
@@ -27,23 +27,9 @@ TORCH_SEES_LESS = GIB // 2
 """What torch's total_memory reports below NVML's total for the same GPU (the CUDA context's reservation)."""
 
 
-def gpu(memory_bytes: int) -> nvml.Gpu:
-    return nvml.Gpu(
-        id="0",
-        index=0,
-        uuid="GPU-0",
-        name="scripted",
-        pci_bus_id="0",
-        memory_total=memory_bytes,
-        memory_used=0,
-        utilization=0.0,
-        processes=(),
-    )
-
-
 def launcher_config(tmp_path, memory_bytes: int, *sets: str) -> cfg.Config:
     config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", *sets])
-    return prepare_training(config, Placement("cuda", 1, gpus=(gpu(memory_bytes),)), Printer(io.StringIO(), None))
+    return prepare_training(config, Placement("cuda", 1, gpus=(scripted_gpu(memory_bytes),)), Printer(io.StringIO(), None))
 
 
 def worker_mode(config: cfg.Config, monkeypatch, torch_total: int) -> str:

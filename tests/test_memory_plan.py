@@ -15,7 +15,7 @@ from launcher import nvml
 from launcher.cli import prepare_training
 from launcher.placement import Placement
 from launcher.printer import Printer
-from memory_configs import GPU_80, small, with_model, with_training
+from memory_configs import GPU_80, scripted_gpu, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
 from pretrain.memory import GIB, OVERHEAD_BYTES, estimate
@@ -50,17 +50,7 @@ def test_on_cpu_workers_the_launcher_runs_ddp_unless_fsdp_was_chosen_and_checks_
 
 
 def gpu(memory_gib: float) -> nvml.Gpu:
-    return nvml.Gpu(
-        id="0",
-        index=0,
-        uuid="GPU-0",
-        name="scripted",
-        pci_bus_id="0",
-        memory_total=int(memory_gib * GIB),
-        memory_used=0,
-        utilization=0.0,
-        processes=(),
-    )
+    return scripted_gpu(int(memory_gib * GIB))
 
 
 def test_prepare_training_writes_the_concrete_mode_into_the_workers_config(tmp_path):
