@@ -19,6 +19,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread in this process and every process a test starts (a launcher keeps it for
+# its workers), unless the caller chose a count; set before torch is imported, since OpenMP reads
+# it once. The tests' models are tiny, and two threads per process on two cores that something
+# else also uses wait for each other at every parallel region: with another process busy, a test
+# training 4 debug steps in this process took 7 s instead of 0.9 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def private_gpu_claims(monkeypatch):

@@ -71,12 +71,13 @@ def main(out: Path) -> None:
     initialised_peak = peak_rss()  # before the forward pass gathers any block
     with torch.no_grad():
         sharded_loss = float(next_token_loss(model, x, y).total)
-        rope = bool(torch.equal(model.rope_cos, Transformer(config.model, CONTEXT, seed=0).rope_cos))
+    sharded_rope_cos = model.rope_cos
     del model
     gc.collect()
     eager = Transformer(config.model, CONTEXT, seed=SEED)  # the whole model, as one process builds it
     with torch.no_grad():
         eager_loss = float(next_token_loss(eager, x, y).total)
+    rope = bool(torch.equal(sharded_rope_cos, eager.rope_cos))  # the rotary tables are a function of the config alone
     (out / f"rank{runtime.rank}.json").write_text(
         json.dumps(
             {

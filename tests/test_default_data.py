@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,29 +56,39 @@ def tokenizer_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def hub_home(tmp_path, monkeypatch) -> Path:
-    """An empty, offline Hugging Face home (HF_HOME) for this process and the launchers it starts."""
+def use_offline_hub(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make home the offline Hugging Face home (HF_HOME) of this process and the launchers it starts."""
     constants = pytest.importorskip("huggingface_hub.constants")
-    home = tmp_path / "hf"
-    (home / "hub").mkdir(parents=True)
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # huggingface_hub reads these when it is imported: set them where it looks at call time too.
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture
+def hub_home(tmp_path, monkeypatch) -> Path:
+    """An empty, offline Hugging Face home (HF_HOME) for this process and the launchers it starts."""
+    home = tmp_path / "hf"
+    (home / "hub").mkdir(parents=True)
+    use_offline_hub(home, monkeypatch)
     return home
+
+
+def add_fineweb(home: Path, tokenizer_file: Path) -> None:
+    """Put 3 FineWeb-Edu files (different documents each) and GPT-2's tokenizer into home's Hub cache."""
+    documents = builtin_documents()
+    add_snapshot(
+        home, "dataset", DATASET, DATA_COMMIT, {name: {"text": documents[i :: len(FILES)]} for i, name in enumerate(FILES)}
+    )
+    add_snapshot(home, "model", TOKENIZER, MODEL_COMMIT, {"tokenizer.json": tokenizer_file.read_bytes()})
 
 
 @pytest.fixture
 def fineweb(hub_home, tokenizer_file) -> Path:
     """The Hub cache holding 3 FineWeb-Edu files (different documents each) and GPT-2's tokenizer."""
-    documents = builtin_documents()
-    add_snapshot(
-        hub_home, "dataset", DATASET, DATA_COMMIT, {name: {"text": documents[i :: len(FILES)]} for i, name in enumerate(FILES)}
-    )
-    add_snapshot(hub_home, "model", TOKENIZER, MODEL_COMMIT, {"tokenizer.json": tokenizer_file.read_bytes()})
+    add_fineweb(hub_home, tokenizer_file)
     return hub_home
 
 
@@ -354,8 +365,9 @@ def test_prepare_dataset_prepares_what_a_one_rank_launch_would_and_says_it_assum
     assert any(str(prepare(config.data, log=lambda line: None)) in line for line in lines)  # the same dataset
 
 
-def train_small(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
-    """The small preset with a tiny model on 2 CPU workers through the launcher, 4,096 tokens a step."""
+def train_small(tmp_path: Path, *options: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """The small preset with a tiny model on 2 CPU workers through the launcher, 4,096 tokens a
+    step, into tmp_path/run, with the data cache tmp_path/cache unless another is given."""
     return run_launcher(
         "--device",
         "cpu",
@@ -377,30 +389,53 @@ def train_small(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
         "--set",
         "logging.log_interval=1",
         "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.cache_dir={cache or tmp_path / 'cache'}",
         *options,
         timeout=300,
     )
 
 
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, tokenizer_file) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """The small preset trained for 3 steps on its default data (the fixture's offline Hub cache)
+    once for the module: (its directory, holding run/ and cache/; its Hugging Face home; the
+    launcher's result). The tests below read it, or resume copies of its run directory."""
+    base = tmp_path_factory.mktemp("small-run")
+    (base / "hf" / "hub").mkdir(parents=True)
+    add_fineweb(base / "hf", tokenizer_file)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_offline_hub(base / "hf", monkeypatch)
+        return base, base / "hf", train_small(base, "--max-steps", "3")
+
+
+@pytest.fixture
+def resumable(small_run, tmp_path, monkeypatch) -> Path:
+    """A copy of small_run's run directory as tmp_path/run, small_run's Hub home as this test's;
+    returns small_run's data cache, which a run resuming the copy shares."""
+    base, home, result = small_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    use_offline_hub(home, monkeypatch)
+    shutil.copytree(base / "run", tmp_path / "run")
+    return base / "cache"
+
+
 @pytest.mark.slow
-def test_the_small_preset_trains_on_its_default_data_through_the_launcher(tmp_path, fineweb):
-    result = train_small(tmp_path, "--max-steps", "3")
+def test_the_small_preset_trains_on_its_default_data_through_the_launcher(small_run):
+    base, _, result = small_run
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "launcher: dataset HuggingFaceFW/fineweb-edu: 3 file(s) match" in result.stdout
     losses = [float(m) for m in re.findall(r"^CPU0:INFO \| \[CPU 0\] Step \[\d/3\] \| Loss: (\d+\.\d+)", result.stdout, re.M)]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
-    resolved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    resolved = json.loads((base / "run" / "config.json").read_text())["data"]
     assert (resolved["source"], resolved["tokenizer_name"]) == ("hub", TOKENIZER)
     assert resolved["hub_max_files"] == 1 and resolved["hub_revision"] == DATA_COMMIT
 
 
 @pytest.mark.slow
-def test_a_resumed_run_reads_the_hub_files_of_its_checkpoint_even_when_it_is_longer(tmp_path, fineweb):
-    assert train_small(tmp_path, "--max-steps", "2").returncode == 0
+def test_a_resumed_run_reads_the_hub_files_of_its_checkpoint_even_when_it_is_longer(tmp_path, resumable):
     longer = -(-sized_for(3) // 4)  # steps of 4,096 tokens that, started afresh, would take 3 files
-    result = train_small(tmp_path, "--max-steps", str(longer), "--resume", "auto")
+    result = train_small(tmp_path, "--max-steps", str(longer), "--resume", "auto", cache=resumable)
 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "using the first 1 " not in result.stdout  # nothing chosen anew: the checkpoint's file
@@ -410,9 +445,8 @@ def test_a_resumed_run_reads_the_hub_files_of_its_checkpoint_even_when_it_is_lon
 
 
 @pytest.mark.slow
-def test_resuming_on_other_hub_files_than_the_checkpoints_is_refused(tmp_path, fineweb):
-    assert train_small(tmp_path, "--max-steps", "2").returncode == 0
-    result = train_small(tmp_path, "--max-steps", "3", "--resume", "auto", "--set", "data.hub_max_files=2")
+def test_resuming_on_other_hub_files_than_the_checkpoints_is_refused(tmp_path, resumable):
+    result = train_small(tmp_path, "--max-steps", "3", "--resume", "auto", "--set", "data.hub_max_files=2", cache=resumable)
 
     assert result.returncode == 2, result.stdout[-3000:]
     assert (

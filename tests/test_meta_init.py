@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_gloo_ranks
 
-pytestmark = pytest.mark.slow  # two ranks build and train the cut-down 8B shape: about 30 s
+pytestmark = pytest.mark.slow  # two ranks build the cut-down 8B shape twice each: about 20 s
 
 
 @pytest.fixture(scope="module")

@@ -106,12 +106,29 @@ def test_resume_auto_or_a_checkpoint_of_a_run_that_is_still_training_is_refused(
     assert not (tmp_path / "other").exists()  # a refused launch leaves no run directory behind
 
 
-@pytest.mark.slow
-def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_with_both_ways_out_and_resume_auto_continues_it(tmp_path):
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run directory that held only logs (a launch that failed early, say), then a debug run of
+    2 steps into it; the tests below work on copies of it."""
+    tmp_path = tmp_path_factory.mktemp("finished")
     run = tmp_path / "run"
-    (run / "logs").mkdir(parents=True)  # only logs (a launch that failed early, say): reused
+    (run / "logs").mkdir(parents=True)
     (run / "logs" / "combined.log").write_text("launcher: an earlier launch\n")
-    assert train(tmp_path, run, "--max-steps", "2").returncode == 0
+    return run, train(tmp_path, run, "--max-steps", "2")
+
+
+def copy_of(finished: tuple[Path, subprocess.CompletedProcess], to: Path) -> Path:
+    run, result = finished
+    assert result.returncode == 0, result.stdout + result.stderr
+    return shutil.copytree(run, to)
+
+
+@pytest.mark.slow
+def test_a_fresh_run_into_a_directory_holding_a_run_is_refused_with_both_ways_out_and_resume_auto_continues_it(
+    tmp_path, finished
+):
+    run = copy_of(finished, tmp_path / "run")  # a directory holding only logs was reused
+    assert "launcher: an earlier launch" in (run / "logs" / "combined.log").read_text()
     metrics, config = (run / "metrics.jsonl").read_bytes(), (run / "config.json").read_bytes()
     again = train(tmp_path, run, "--max-steps", "4")
     assert_refused(
@@ -146,11 +163,8 @@ def test_the_lock_dies_with_a_launcher_killed_by_sigkill_and_generic_commands_ar
 
 
 @pytest.mark.slow
-def test_resume_auto_alone_refuses_the_newest_run_while_it_trains_and_takes_it_once_free(tmp_path, monkeypatch):
-    finished = tmp_path / "finished"
-    assert train(tmp_path, finished, "--max-steps", "2").returncode == 0
-    live = tmp_path / "runs" / "live"
-    shutil.copytree(finished, live)
+def test_resume_auto_alone_refuses_the_newest_run_while_it_trains_and_takes_it_once_free(tmp_path, monkeypatch, finished):
+    live = copy_of(finished, tmp_path / "runs" / "live")
     monkeypatch.setenv("PRETRAIN_RUNS_DIR", str(tmp_path / "runs"))
     config = cfg.resolve("debug", sets=["training.resume=auto"])
     printer = Printer(io.StringIO(), None, colour=False)

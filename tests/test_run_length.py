@@ -123,7 +123,7 @@ def test_a_run_in_epochs_shows_them_in_the_step_line_and_saves_a_checkpoint_at_e
         "--set",
         "training.batch_size=32",
         "--set",
-        "data.max_samples=8",
+        "data.max_samples=3",  # 3 steps an epoch: 2 epochs in 6 steps
     )
     (first,) = re.findall(r"CPU0:INFO \| \[CPU 0\] Epoch 1 of 2 done; checkpoint saved to \S+/step_(\d+)", result.stdout)
     per_epoch = int(first)

@@ -64,20 +64,22 @@ def worker_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
     return sorted(workers, key=lambda p: int(p.environ()["RANK"]))
 
 
+@pytest.fixture(scope="module")
 def startup_seconds() -> float:
-    """How long two processes importing torch at once take here, now: the silent start-up of two
-    training ranks, which a loaded machine stretches. Timeouts a test sets are derived from it."""
+    """How long two processes importing torch at once take here, measured once for the module's
+    tests that need it (they run one after the other): the silent start-up of two training ranks,
+    which a loaded machine stretches. Timeouts those tests set are derived from it."""
     started = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", "import torch"]) for _ in range(2)]
     assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
     return time.monotonic() - started
 
 
-def timeout_above_startup(floor: int, factor: float) -> int:
+def timeout_above_startup(startup_seconds: float, floor: int, factor: float) -> int:
     """A timeout in whole seconds (as the messages print it): factor times the measured start-up,
     at least floor. A debug rank's silence before its first line was measured at about 1.1 times
-    startup_seconds() (1.6 s against 1.4 s), and the skew between two ranks' start-ups is less."""
-    return max(floor, math.ceil(factor * startup_seconds()))
+    startup_seconds (1.6 s against 1.4 s), and the skew between two ranks' start-ups is less."""
+    return max(floor, math.ceil(factor * startup_seconds))
 
 
 def test_ctrl_c_ends_training_after_a_step_with_a_checkpoint_and_exit_130(processes, tmp_path):
@@ -116,10 +118,12 @@ def test_when_a_rank_is_killed_its_peer_writes_every_thread_stack_to_its_log(pro
     assert wait_until(lambda: not any(alive(w.pid) for w in workers), timeout=3)
 
 
-def test_a_frozen_rank_is_caught_by_the_hang_timeout_and_the_summary_shows_where_each_rank_was(processes, tmp_path):
+def test_a_frozen_rank_is_caught_by_the_hang_timeout_and_the_summary_shows_where_each_rank_was(
+    processes, tmp_path, startup_seconds
+):
     # Above the silent start-up (importing torch), which the watchdog also times: measured, since
     # a loaded 2-core machine stretches it past any fixed figure. Teardown gets as much again.
-    hang = timeout_above_startup(5, factor=3)
+    hang = timeout_above_startup(startup_seconds, 5, factor=3)
     proc = start_training(processes, tmp_path, "--hang-timeout", str(hang), "--kill-grace", "1")
     read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
     workers = worker_processes(proc)
@@ -139,10 +143,10 @@ def test_a_frozen_rank_is_caught_by_the_hang_timeout_and_the_summary_shows_where
     assert wait_until(lambda: not any(alive(w.pid) for w in workers), timeout=3)
 
 
-def test_a_frozen_rank_fails_its_peers_after_the_collective_timeout(processes, tmp_path):
+def test_a_frozen_rank_fails_its_peers_after_the_collective_timeout(processes, tmp_path, startup_seconds):
     # The timeout also bounds the rendezvous, so it must exceed the ranks' start-up skew, which
     # a loaded machine stretches: derived from the measured start-up. Teardown gets as much again.
-    collective = timeout_above_startup(4, factor=2)
+    collective = timeout_above_startup(startup_seconds, 4, factor=2)
     proc = start_training(processes, tmp_path, "--set", f"system.collective_timeout={collective}", "--kill-grace", "1")
     read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
     workers = worker_processes(proc)

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,19 +51,43 @@ def test_twenty_steps_equal_ten_then_ten_resumed_from_the_checkpoint_at_every_st
     )
 
 
-@pytest.mark.slow
-def test_resume_auto_continues_the_latest_checkpoint_of_the_run_directory(tmp_path):
+@pytest.fixture(scope="module")
+def finished_then_resumed(tmp_path_factory) -> tuple[Path, str, Path, str]:
+    """One single-process run shared by the tests below, which only read what it left: 8 steps
+    with --resume auto into a fresh run directory (a checkpoint every 2 steps, the last 2 kept),
+    its run directory copied as it finished, then the same command again to 11 steps.
+    Returns (the finished run's copy, its output, the run directory resumed, the resumed output)."""
+    tmp_path = tmp_path_factory.mktemp("finished")
     run_dir = tmp_path / "run"
-    run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "6", "--set", "training.checkpoint_interval=3")
-    out = run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "9", "--resume", "auto").stdout
-    assert f"Resumed from {run_dir / 'checkpoints' / 'step_6'} at step 6" in out
-    records = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    assert records == list(range(6)) + [6, 7, 8]  # the same metrics file, continued
+    first = run_debug_training(
+        tmp_path,
+        SINGLE,
+        run_dir,
+        "--max-steps",
+        "8",
+        "--resume",
+        "auto",
+        "--set",
+        "training.checkpoint_interval=2",
+        "--set",
+        "training.keep_checkpoints=2",
+    ).stdout
+    finished = shutil.copytree(run_dir, tmp_path / "finished")
+    resumed = run_debug_training(tmp_path, SINGLE, run_dir, "--max-steps", "11", "--resume", "auto").stdout
+    return finished, first, run_dir, resumed
 
 
 @pytest.mark.slow
-def test_resume_auto_without_a_checkpoint_starts_at_step_zero(tmp_path):
-    out = run_debug_training(tmp_path, SINGLE, tmp_path / "run", "--max-steps", "2", "--resume", "auto").stdout
+def test_resume_auto_continues_the_latest_checkpoint_of_the_run_directory(finished_then_resumed):
+    _, _, run_dir, out = finished_then_resumed
+    assert f"Resumed from {run_dir / 'checkpoints' / 'step_8'} at step 8" in out
+    records = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert records == list(range(8)) + [8, 9, 10]  # the same metrics file, continued
+
+
+@pytest.mark.slow
+def test_resume_auto_without_a_checkpoint_starts_at_step_zero(finished_then_resumed):
+    _, out, _, _ = finished_then_resumed
     assert "No checkpoint to resume from; starting at step 0" in out
 
 
@@ -76,19 +101,8 @@ def test_the_loss_falls_on_the_builtin_corpus(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(tmp_path):
-    run_dir = tmp_path / "run"
-    out = run_debug_training(
-        tmp_path,
-        SINGLE,
-        run_dir,
-        "--max-steps",
-        "8",
-        "--set",
-        "training.checkpoint_interval=2",
-        "--set",
-        "training.keep_checkpoints=2",
-    ).stdout
+def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(finished_then_resumed):
+    run_dir, out, _, _ = finished_then_resumed
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_6", "step_8"]
     assert "Tokens/s:" in out and "MFU" not in out  # no MFU on a CPU: its peak is not known
     kinds = [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")]
