@@ -57,11 +57,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,7 +70,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: this tree's pretrain/
     sys.path.insert(0, str(REPO))
-from benchmarks.train import cpu_model  # noqa: E402
+from benchmarks.efficiency_report import machine_slug, report  # noqa: E402
+from launcher.cli import free_port  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
 PRESETS = ("small", "production")
@@ -194,12 +192,6 @@ def run_widths(preset: str, device: str) -> list[str]:
     if divisor == 1:
         return []
     return [f"model.{name}={getattr(model, name) // divisor}" for name in ("dim", "ffn_dim", "vocab_size")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(jobs: list[dict[str, Any]], ranks: int, work: Path, timeout: float) -> tuple[list[list[dict[str, Any]]], str]:
@@ -352,128 +344,6 @@ def count_all(jobs: list[dict[str, Any]], work: Path, timeout: float) -> list[di
 
 def astuple(row: Row) -> tuple[str, str, int, str]:
     return (row.preset, row.features, row.ranks, row.activation_checkpointing)
-
-
-# --- the report -----------------------------------------------------------------------------------
-
-
-def bytes_cell(per_kind: dict[str, float] | None) -> str:
-    if per_kind is None:
-        return ""
-    if not per_kind:
-        return "0"
-    total = sum(per_kind.values())
-    parts = ", ".join(f"{kind} {value:,.0f}" for kind, value in sorted(per_kind.items()) if value >= 0.5)
-    return f"{total:,.0f} ({parts})" if parts else f"{total:,.2f}"
-
-
-def number(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def table(outcomes: list[Outcome]) -> list[str]:
-    header = [
-        "preset",
-        "features",
-        "ranks",
-        "checkpointing",
-        "executed / model FLOPs",
-        "graph breaks",
-        "recompiles",
-        "host syncs / step",
-        "collective bytes / token (by kind)",
-        "minimum bytes / token",
-        "orthogonalize share / rank",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for o in outcomes:
-        r, v = o.row, o.values
-        cells = [r.preset, r.features, str(r.ranks), r.activation_checkpointing]
-        if o.note:
-            cells += [o.note] + [""] * 6
-        else:
-            cells += [
-                number(v["executed_over_model_flops"]),
-                number(v["graph_breaks"]) or "not compiled",
-                number(v["recompiles"]),
-                number(v["host_syncs_per_step"]),
-                bytes_cell(v["collective_bytes_per_token"]),
-                bytes_cell(v["collective_minimum_bytes_per_token"]),
-                number(v["orthogonalize_share_per_rank"], 2),
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def detail_lines(outcomes: list[Outcome]) -> list[str]:
-    """Where the syncs and graph breaks are, and what the plan chose, row by row."""
-    lines = []
-    for o in outcomes:
-        if o.note:
-            continue
-        d = o.details
-        parts = [f"plan {json.dumps(d['plan'])}, mode {d['mode']}"]
-        if d["sync_sites"]:
-            parts.append("syncs in a step (rank 0, step 2): " + "; ".join(f"{k} x{v}" for k, v in d["sync_sites"].items()))
-        if d["eval_syncs"]:
-            parts.append(
-                f"eval pass: {d['eval_syncs']} syncs (" + "; ".join(f"{k} x{v}" for k, v in d["eval_sync_sites"].items()) + ")"
-            )
-        if d["graphs"] is not None:
-            parts.append(f"{d['graphs']} graph(s) captured")
-        if d["graph_break_reasons"]:
-            parts.append("graph breaks: " + "; ".join(f"{k} x{v}" for k, v in d["graph_break_reasons"].items()))
-        lines.append(f"- {o.row.name}: " + "; ".join(parts))
-    return lines
-
-
-def machine_line(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        where = f"GPU {torch.cuda.get_device_name(0)}"
-    else:
-        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        where = f"CPU {cpu_model()}, {os.cpu_count()} cores, load average {load} at the end"
-    return (
-        f"Machine: {where}; {platform.platform()}; Python {platform.python_version()}; "
-        f"torch {importlib.metadata.version('torch')}; {datetime.date.today().isoformat()}"
-    )
-
-
-def commit() -> str:
-    result = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
-def report(outcomes: list[Outcome], args: argparse.Namespace, elapsed: float) -> str:
-    command = "python benchmarks/efficiency.py " + " ".join(args.argv)
-    return "\n".join(
-        [
-            f"# Efficiency: FLOPs, graph breaks, host syncs, collective bytes ({args.label or 'this tree'})",
-            "",
-            machine_line(args.device),
-            f"Tree: {commit()}. Command: `{command.strip()}`. Planned for a GPU of {args.plan_gpu_gib:.1f} GiB. "
-            f"Compile backend: {args.compile_backend}. Total {elapsed:.0f} s.",
-            "",
-            *table(outcomes),
-            "",
-            "Per row:",
-            "",
-            *detail_lines(outcomes),
-            "",
-        ]
-    )
-
-
-def machine_slug(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0).lower().replace("nvidia ", "").replace(" ", "-")
-    return f"cpu-{os.cpu_count()}core"
 
 
 # --- command line ---------------------------------------------------------------------------------

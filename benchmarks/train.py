@@ -448,12 +448,20 @@ def machine_line(device: str, outcomes: list[Outcome]) -> str:
     else:
         threads = f", torch threads {first['threads']}" if "threads" in first else ""
         # Timings on a shared CPU depend on what else runs: say how busy it was.
-        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        where = f"CPU {cpu_model()}, {os.cpu_count()} cores{threads}, load average {load} at the end"
+        where = f"CPU {cpu_model()}, {os.cpu_count()} cores{threads}, load average {load_average()} at the end"
+    return machine_line_for(where)
+
+
+def machine_line_for(where: str) -> str:
+    """The results' Machine: line, where the device (GPU or CPU) is said by where."""
     return (
         f"Machine: {where}; {platform.platform()}; Python {platform.python_version()}; "
         f"torch {importlib.metadata.version('torch')}; {datetime.date.today().isoformat()}"
     )
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def cpu_model() -> str:
