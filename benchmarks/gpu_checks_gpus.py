@@ -17,11 +17,22 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import ENTRY, REPO, CheckFailed, child_env, failed, kill_group, launcher, smi_query, worker
+from benchmarks.gpu_procs import (
+    ENTRY,
+    REPO,
+    CheckFailed,
+    child_env,
+    compute_apps,
+    failed,
+    kill_group,
+    launcher,
+    smi_query,
+    worker,
+)
 
 HELD_MIB = 1024
 """What the hold worker allocates (gpu_workers.worker_hold: 2^30 bytes); NVML counts its CUDA context on top."""
@@ -38,14 +49,6 @@ class HolderFinding:
     ok: bool
     how: str
     """One clause saying how it was found, or why not."""
-
-
-def compute_apps(rows: Sequence[Sequence[str]]) -> dict[tuple[str, int], int | None]:
-    """nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory rows as (GPU UUID, pid) -> MiB
-    (None where the driver reports no figure, "[N/A]" in some containers); other rows skipped."""
-    return {
-        (row[0], int(row[1])): int(row[2]) if row[2].isdigit() else None for row in rows if len(row) == 3 and row[1].isdigit()
-    }
 
 
 def on_gpu(apps: Mapping[tuple[str, int], int | None], uuid: str) -> dict[int, int | None]:

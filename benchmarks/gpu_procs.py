@@ -281,3 +281,14 @@ def watch(argv: Sequence[str], marker: str = "] Step [5/", env: dict[str, str] |
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return Watched(proc, lines, seen, reader)
+
+
+def compute_apps(rows: Sequence[Sequence[str]]) -> dict[tuple[str, int], int | None]:
+    """nvidia-smi --query-compute-apps=gpu_uuid,pid[,used_memory] rows as (GPU UUID, pid) -> MiB
+    (None where the memory was not asked for, or the driver reports no figure: "[N/A]" in some
+    containers); other rows ("No running processes found") skipped."""
+    return {
+        (row[0], int(row[1])): int(row[2]) if len(row) == 3 and row[2].isdigit() else None
+        for row in rows
+        if len(row) in (2, 3) and row[1].isdigit()
+    }

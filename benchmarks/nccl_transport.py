@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from benchmarks.gpu_procs import compute_apps
+
 CONNECTION = re.compile(
     r"Channel \d+(?:/\d+)? : \d+\[[0-9a-fA-F]+\] -> \d+\[[0-9a-fA-F]+\](?: \[(?:send|receive)\])? via (?P<via>.+?)\s*$"
 )
@@ -125,7 +127,6 @@ def smi_processes(rows: Sequence[Sequence[str]]) -> dict[str, set[int]]:
     """nvidia-smi --query-compute-apps=gpu_uuid,pid rows as GPU UUID -> host pids (other rows,
     such as "No running processes found", are skipped)."""
     processes: dict[str, set[int]] = {}
-    for row in rows:
-        if len(row) == 2 and row[0].startswith(("GPU-", "MIG-")) and row[1].isdigit():
-            processes.setdefault(row[0], set()).add(int(row[1]))
+    for gpu, pid in compute_apps(rows):
+        processes.setdefault(gpu, set()).add(pid)
     return processes
