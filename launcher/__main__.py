@@ -1,3 +1,3 @@
-from launcher.cli import main
+from launcher.address_space import start
 
-main()
+start()

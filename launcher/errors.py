@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 EXIT_USAGE = 2
-EXIT_COMMAND_NOT_FOUND = 127
 
 
 class UsageError(Exception):
     """Bad input: printed as one line, exit 2."""
 
     exit_code = EXIT_USAGE
-
-
-class CommandNotFound(UsageError):
-    exit_code = EXIT_COMMAND_NOT_FOUND

@@ -4,7 +4,9 @@ threads that turn its output and its exit into events for the supervisor."""
 from __future__ import annotations
 
 import codecs
+import errno
 import os
+import shutil
 import site
 import subprocess
 import sysconfig
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import address_space
 from pretrain.parent_death import die_with_parent
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
@@ -47,6 +50,67 @@ class OutputClosed:
 
 Event = Line | Exited | OutputClosed
 
+EXIT_CANNOT_EXECUTE = 126
+EXIT_COMMAND_NOT_FOUND = 127
+
+
+class StartError(OSError):
+    """A worker's command could not be started, with the exit code a shell gives that: 127 when
+    there is no such command, 126 when it exists but cannot be executed (no execute permission,
+    a directory, not a program nor a script with #!, or a #! naming a missing interpreter).
+    No memory left to start it (ENOMEM: `ulimit -v`) is the launcher's own refusal, exit 2."""
+
+    def __init__(self, command: str, error: OSError, label: str = "") -> None:
+        super().__init__(error.errno, error.strerror or str(error))
+        self.command = command
+        self.label = label
+        """The worker that could not be started; empty when found before any was made."""
+        self.exit_code = _exit_code(command, error)
+
+    def __str__(self) -> str:
+        if self.exit_code == address_space.EXIT_CODE:  # no memory left to start it
+            return address_space.refusal()
+        if self.errno == errno.ENOENT and "/" not in self.command:
+            return f"command not found: {self.command}"
+        reason = f"cannot run {self.command}: {self.strerror}"
+        if self.errno in (errno.EACCES, errno.EPERM) and os.path.isfile(self.command):
+            reason += f" (it is not executable: chmod +x {self.command}, or name its interpreter, as in -- bash {self.command})"
+        elif self.errno == errno.ENOEXEC:
+            reason += " (neither a program nor a script whose first line is #! and its interpreter)"
+        elif self.errno == errno.ENOENT and self.exit_code == EXIT_CANNOT_EXECUTE:
+            reason += " (bad interpreter: the program its #! line names is not there)"
+        return reason
+
+
+def _exit_code(command: str, error: OSError) -> int:
+    """127 for a command that is not there, else 126. A missing #! interpreter is also ENOENT, but
+    the command is there: 126, as bash says "bad interpreter"."""
+    if address_space.is_out_of_memory(error):
+        return address_space.EXIT_CODE
+    missing = error.errno in (errno.ENOENT, errno.ENOTDIR) and shutil.which(command) is None
+    return EXIT_COMMAND_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
+
+
+def check_runnable(command: str, search_path: str | None) -> None:
+    """Raise StartError where a shell could not run command (search_path: PATH): a name with a
+    slash must be an executable file; a bare name, one on search_path, where a file that is
+    there but not executable is "Permission denied" (as bash and execvp say), not "not found"."""
+    if "/" in command:
+        if not os.path.exists(command):
+            raise StartError(command, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT)))
+        if os.path.isdir(command):
+            raise StartError(command, IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)))
+        if not os.access(command, os.X_OK):
+            raise StartError(command, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+        return
+    if shutil.which(command, path=search_path) is not None:
+        return
+    dirs = (search_path if search_path is not None else os.defpath).split(os.pathsep)
+    for found in (os.path.join(d or ".", command) for d in dirs):
+        if os.path.isfile(found):  # the first of its name on PATH, though not executable
+            raise StartError(found, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+    raise StartError(command, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT)))
+
 
 def _die_with_parent(launcher_pid: int) -> Callable[[], None]:
     """A preexec_fn: the child asks Linux to SIGKILL it when the launcher dies, so even a
@@ -65,16 +129,19 @@ class Worker:
     started_at: float = 0.0
 
     def start(self) -> None:
-        """Spawn the process. Raises FileNotFoundError/PermissionError for a bad command."""
-        self.process = subprocess.Popen(
-            list(self.argv),
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,  # one pipe keeps their order
-            start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
-        )
+        """Spawn the process. Raises StartError (with a shell's exit code) for a bad command."""
+        try:
+            self.process = subprocess.Popen(
+                list(self.argv),
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # one pipe keeps their order
+                start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+        except OSError as error:
+            raise StartError(self.argv[0], error, self.label) from None
         self.started_at = time.monotonic()
 
     def watch(self, emit: Callable[[Event], None]) -> None:
@@ -140,7 +207,7 @@ def worker_env(
     master_port: int,
     gpu: str | None,
     cpu_count: int,
-    compile_cache: str,
+    compile_cache: str | None,
     gpu_id: str | None = None,
     cuda_device_index: int = 0,
     local_rank: int | None = None,
@@ -187,7 +254,8 @@ def worker_env(
     # One compile cache for all ranks: they reuse each other's kernels instead of each
     # compiling the same ones. N ranks compiling at once would each start a pool as large as the machine.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
+    if compile_cache is not None:  # None: a run that does not compile names none (launcher/compile_cache.py)
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
     # Segments that grow in place instead of new blocks of fixed sizes: far less fragmentation
     # when the sizes vary (FSDP's gathered groups, the chunked loss), so a run near the memory
     # limit fits where it otherwise fails with memory reserved but unusable.

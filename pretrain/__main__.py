@@ -25,6 +25,15 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 # less fragmentation when allocation sizes vary (FSDP's gathered groups, the chunked loss).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+# Before torch reads them: a thread count that is not one (OMP_NUM_THREADS=abc) would cost a
+# libgomp warning and a run on all cores, or a ValueError at the first compile.
+from pretrain.exit_codes import BAD_INPUT  # noqa: E402
+from pretrain.thread_env import bad_thread_variable  # noqa: E402
+
+if __name__ == "__main__" and (problem := bad_thread_variable(os.environ)):
+    print(f"pretrain: error: {problem}", file=sys.stderr)
+    sys.exit(BAD_INPUT)
+
 from pretrain.train import main  # noqa: E402
 
 if __name__ == "__main__":

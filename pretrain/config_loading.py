@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import json
 import math
+import re
+import sys
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,9 +68,13 @@ def _coerce(key: str, expected: Any, value: Any) -> Any:
     if expected is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if expected is float and isinstance(value, int | float) and not isinstance(value, bool):
-        if not math.isfinite(value):  # JSON's Infinity and NaN, or 1e400
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(f"{key}: expected a finite number, got an integer of {len(str(value))} digits") from None
+        if not math.isfinite(number):  # JSON's Infinity and NaN, or 1e400
             raise ConfigError(f"{key}: expected a finite number, got {value}")
-        return float(value)
+        return number
     if expected is str and isinstance(value, str):
         return value
     wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[expected]
@@ -109,6 +115,69 @@ def _apply(current: Any, values: dict[str, Any], prefix: str) -> Any:
     return dataclasses.replace(current, **changes)
 
 
+class _RepeatedKey(Exception):
+    """A JSON object gave one key twice (raised by _no_repeated_keys while parsing)."""
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: the object as a dict, unless a key comes twice (json itself keeps
+    the last value silently, so a file saying batch_size 4 and then 8 would train with 8)."""
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise _RepeatedKey
+    return dict(pairs)
+
+
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:]')
+"""A JSON string, or a character that opens or closes a container or ends a key."""
+
+
+def _repeated_key(text: str) -> tuple[str, int]:
+    """The dotted path of the first key an object in text (valid JSON) gives twice, and the line
+    of its second occurrence."""
+    frames: list[tuple[set[str], list[str]] | None] = []  # per open container: an object's keys and its current key
+    last_string = ""
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token == "{":
+            frames.append((set(), [""]))
+        elif token == "[":
+            frames.append(None)
+        elif token in "}]":
+            frames.pop()
+        elif token == ":" and (frame := frames[-1]) is not None:
+            seen, current = frame
+            key = json.loads(last_string)
+            current[0] = key
+            if key in seen:
+                path = [f[1][0] for f in frames if f is not None]
+                return ".".join(path), text.count("\n", 0, match.start()) + 1
+            seen.add(key)
+        else:
+            last_string = token
+    raise ValueError("no key is repeated")
+
+
+def _json_error(error: json.JSONDecodeError) -> str:
+    """Why and where text is not JSON: "Expecting value at line 1 column 7". Some of json's
+    reasons end in "at" ("Unterminated string starting at"), which the position completes."""
+    where = f"line {error.lineno} column {error.colno}"
+    return f"{error.msg} {where}" if error.msg.endswith(" at") else f"{error.msg} at {where}"
+
+
+def loads_strictly(text: str, source: str) -> Any:
+    """text parsed as JSON; ConfigError naming source for invalid JSON or a key given twice."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeated_keys)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source}: invalid JSON: {_json_error(error)}") from None
+    except _RepeatedKey:
+        path, line = _repeated_key(text)
+        raise ConfigError(f"{source}: line {line}: {path} is given twice; keep one of them") from None
+    except ValueError:  # Python's limit on the digits of an integer
+        raise ConfigError(f"{source}: a number of more than {sys.get_int_max_str_digits()} digits") from None
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a JSON config file into a dict, with one-line errors for the usual mistakes."""
     try:
@@ -117,10 +186,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: config file not found") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: cannot read config file ({error})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
+    data = loads_strictly(text, str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of sections, got {describe(data)}")
     preset = data.get("preset")
@@ -140,9 +206,13 @@ def parse_set(assignment: str) -> dict[str, Any]:
     if section == "preset":
         raise ConfigError(f"--set {assignment}: the preset is not a section; use --preset NAME")
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=_no_repeated_keys)
     except json.JSONDecodeError:
         value = raw
+    except _RepeatedKey:
+        raise ConfigError(f"--set {assignment}: {path}.{_repeated_key(raw)[0]} is given twice; keep one of them") from None
+    except ValueError:  # Python's limit on the digits of an integer
+        raise ConfigError(f"--set {path}: a number of more than {sys.get_int_max_str_digits()} digits") from None
     for key in reversed(keys):  # model.moe.top_k=2 -> {"model": {"moe": {"top_k": 2}}}
         value = {key: value}
     return {section: value}

@@ -11,7 +11,7 @@ import difflib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_type_hints
+from typing import Any, ClassVar, Literal, get_type_hints
 
 from pretrain import registry
 
@@ -23,6 +23,28 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, problem: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {problem}")
+
+
+# Upper bounds of the integer keys, where a larger value means nothing a run could do: checked in
+# each section's __post_init__ (_check_at_most), which every layer passes through (a file,
+# --max-steps, --set), and named in each key's docstring (tests/test_config.py holds them to it).
+MAX_STEPS = 10**12
+"""Optimizer steps, and the intervals counted in them: 10^12 steps take 30 years at a millisecond each."""
+MAX_SIZE = 1 << 16
+"""A model width, batch or count of heads, layers or experts: 65536, past any model trained."""
+MAX_LENGTH = 1 << 20
+"""Tokens in a sequence, or ids in a vocabulary (1048576)."""
+MAX_COUNT = 10**12
+"""Documents, files or examples to read: more than any dataset holds."""
+
+
+def _check_at_most(section: Any, prefix: str) -> None:
+    """Each integer key of section (a dataclass with AT_MOST) at most its bound: one line naming
+    the key, the value, the bound and what to do."""
+    for name, bound in section.AT_MOST.items():
+        value = getattr(section, name)
+        if value is not None:
+            _check(value <= bound, f"{prefix}.{name}", f"must be at most {bound} (got {value}); use a value up to {bound}")
 
 
 def describe(value: Any) -> str:
@@ -51,17 +73,20 @@ def not_one_of(value: Any, choices: Iterable[str]) -> str:
 @dataclass(frozen=True)
 class MoEConfig:
     num_experts: int = 0
-    """Experts per layer; 0 keeps the dense feed-forward block (model.ffn). Above 0, every layer's feed-forward block is a mixture of that many SwiGLU experts of width model.ffn_dim."""
+    """Experts per layer; 0 keeps the dense feed-forward block (model.ffn). Above 0, every layer's feed-forward block is a mixture of that many SwiGLU experts of width model.ffn_dim. At most 65536."""
     top_k: int = 2
-    """Experts each token is routed to (token-choice top-k); their outputs are summed, weighted by the router's renormalised probabilities."""
+    """Experts each token is routed to (token-choice top-k); their outputs are summed, weighted by the router's renormalised probabilities. At most 65536."""
     capacity_factor: float = 1.25
     """Each expert takes at most capacity_factor x tokens x top_k / num_experts tokens per batch; the tokens over it skip that expert (the residual carries them)."""
     aux_loss_weight: float = 0.01
     """Weight of the load-balancing loss (num_experts x sum of each expert's token share x its mean router probability; 1 when balanced) added to the training loss."""
 
+    AT_MOST: ClassVar[dict[str, int]] = {"num_experts": MAX_SIZE, "top_k": MAX_SIZE}
+
     def __post_init__(self) -> None:
         _check(self.num_experts >= 0, "model.moe.num_experts", f"must not be negative (got {self.num_experts})")
         _check(self.top_k >= 1, "model.moe.top_k", f"must be at least 1 (got {self.top_k})")
+        _check_at_most(self, "model.moe")
         if self.num_experts > 0:
             _check(
                 self.top_k <= self.num_experts,
@@ -75,19 +100,19 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     dim: int = 4096
-    """Width of the residual stream (embedding size)."""
+    """Width of the residual stream (embedding size). At most 65536."""
     n_layers: int = 32
-    """Number of transformer blocks."""
+    """Number of transformer blocks. At most 65536."""
     n_heads: int = 32
-    """Query heads per attention layer; dim must be divisible by it."""
+    """Query heads per attention layer; dim must be divisible by it. At most 65536."""
     n_kv_heads: int = 8
-    """Key/value heads (grouped-query attention); n_heads must be divisible by it."""
+    """Key/value heads (grouped-query attention); n_heads must be divisible by it. At most 65536."""
     ffn: str = "swiglu"
     """The feed-forward block of every layer, by its name in pretrain/registry.py (FEED_FORWARDS): "swiglu" (Llama's)."""
     ffn_dim: int = 14336
-    """Hidden width of the feed-forward block."""
+    """Hidden width of the feed-forward block. At most 1048576."""
     vocab_size: int | None = 128256
-    """Rows of the embedding and output projection: at least the tokenizer's vocabulary; null follows the tokenizer (set once the dataset is prepared)."""
+    """Rows of the embedding and output projection: at least the tokenizer's vocabulary; null follows the tokenizer (set once the dataset is prepared). At most 1048576."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
     rope_theta: float = 500000.0
@@ -95,9 +120,19 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
     max_seq_len: int | None = 8192
-    """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length."""
+    """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length. At most 1048576."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (the MegaBlocks knobs); off while moe.num_experts is 0."""
+
+    AT_MOST: ClassVar[dict[str, int]] = {
+        "dim": MAX_SIZE,
+        "n_layers": MAX_SIZE,
+        "n_heads": MAX_SIZE,
+        "n_kv_heads": MAX_SIZE,
+        "ffn_dim": MAX_LENGTH,
+        "vocab_size": MAX_LENGTH,
+        "max_seq_len": MAX_LENGTH,
+    }
 
     @property
     def feed_forward(self) -> str:
@@ -109,6 +144,7 @@ class ModelConfig:
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
+        _check_at_most(self, "model")
         _check(self.dim % self.n_heads == 0, "model.dim", f"{self.dim} is not divisible by model.n_heads ({self.n_heads})")
         _check(
             (self.dim // self.n_heads) % 2 == 0,
@@ -161,32 +197,35 @@ class DataConfig:
     hub_files: str = "*.parquet"
     """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
     hub_max_files: int | None = None
-    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
+    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all. At most 1000000000000."""
     max_samples: int = 0
-    """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
+    """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all. At most 1000000000000."""
     tokenizer: str = "byte"
     """How text becomes token ids (TOKENIZERS in pretrain/registry.py): "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
     tokenizer_name: str = ""
     """huggingface: a tokenizer.json path or a Hub model repo id; tiktoken: the encoding name (gpt2, cl100k_base, o200k_base)."""
     bpe_vocab_size: int = 8192
-    """Vocabulary size of the trained "bpe" tokenizer, end-of-text included."""
+    """Vocabulary size of the trained "bpe" tokenizer, end-of-text included. At most 1048576."""
     eot_token: str = ""
     """End-of-text token of a huggingface tokenizer; empty picks the first it has of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>`."""
     context_length: int = 8192
-    """Tokens per training sequence."""
+    """Tokens per training sequence. Between 2 and 1048576."""
     val_fraction: float = 0.05
     """Share of the tokens held out for validation when val_path is empty."""
     cache_dir: str = "cache/datasets"
     """Where prepared datasets are cached; a relative path is under the cache root (PRETRAIN_CACHE_DIR or --cache-dir, default ./cache), whose name a leading cache/ stands for."""
 
+    AT_MOST: ClassVar[dict[str, int]] = {
+        "hub_max_files": MAX_COUNT,
+        "max_samples": MAX_COUNT,
+        "bpe_vocab_size": MAX_LENGTH,
+        "context_length": MAX_LENGTH,
+    }
+
     def __post_init__(self) -> None:
         _check(self.source in sources(), "data.source", not_one_of(self.source, sources()))
         _check(self.tokenizer in registry.TOKENIZERS, "data.tokenizer", not_one_of(self.tokenizer, registry.TOKENIZERS))
-        _check(
-            2 <= self.context_length <= 1 << 20,
-            "data.context_length",
-            f"must be between 2 and 1048576 (got {self.context_length})",
-        )
+        _check(self.context_length >= 2, "data.context_length", f"must be at least 2 (got {self.context_length})")
         _check(0 < self.val_fraction < 1, "data.val_fraction", f"must be between 0 and 1, exclusive (got {self.val_fraction})")
         _check(self.cache_dir != "", "data.cache_dir", "must not be empty")
         _check(self.max_samples >= 0, "data.max_samples", f"must not be negative (got {self.max_samples}); 0 uses all")
@@ -208,6 +247,7 @@ class DataConfig:
                 "data.hub_max_files",
                 f"must not be negative (got {self.hub_max_files}); 0 uses all files, null as many as the run reads",
             )
+        _check_at_most(self, "data")
 
     def check_complete(self) -> None:
         """The keys the chosen source and tokenizer cannot work without. Checked once every
@@ -269,11 +309,11 @@ CHECKPOINTING_CHOICES = (*CHECKPOINTING_MODES, "auto")
 @dataclass(frozen=True)
 class TrainingConfig:
     batch_size: int = 1
-    """Sequences per forward pass on each rank (the micro-batch)."""
+    """Sequences per forward pass on each rank (the micro-batch). At most 65536."""
     grad_accum_nums: int = 8
-    """Micro-batches accumulated into one optimizer step."""
+    """Micro-batches accumulated into one optimizer step. At most 65536."""
     num_workers: int = 0
-    """DataLoader worker processes per rank; 0 loads batches in the training process."""
+    """DataLoader worker processes per rank; 0 loads batches in the training process. At most 1024."""
     optimizer: str = "adamw"
     """The optimizer, by its name in pretrain/registry.py (OPTIMIZERS): "adamw" (decoupled weight decay on matrices only), or "muon" (Muon for the matrices inside the blocks, AdamW for embeddings, norms and the output layer)."""
     lr_schedule: str = "cosine"
@@ -283,11 +323,11 @@ class TrainingConfig:
     min_lr_ratio: float = 0.1
     """Learning rate at the last step, as a fraction of the peak (cosine decay)."""
     warmup_steps: int = 2000
-    """Optimizer steps of linear warmup from zero to the peak learning rate."""
+    """Optimizer steps of linear warmup from zero to the peak learning rate. At most 1000000000000."""
     max_steps: int = 10000
-    """Optimizer steps to train for (when epochs is 0)."""
+    """Optimizer steps to train for (when epochs is 0). At most 1000000000000."""
     epochs: int = 0
-    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error)."""
+    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error). At most 1000000."""
     by_epoch: bool = False
     """Count the run in epochs: the step line shows how many are done, and a checkpoint is saved at the end of each. The launcher sets it for a run whose length is training.epochs (the workers then get that length as max_steps)."""
     weight_decay: float = 0.1
@@ -303,19 +343,19 @@ class TrainingConfig:
     muon_orthogonalize: str = "newton_schulz"
     """How Muon orthogonalizes an update, by its name in pretrain/registry.py (ORTHOGONALIZERS): "newton_schulz" (a few bfloat16 iterations) or "svd" (exact, slow)."""
     muon_ns_steps: int = 5
-    """Newton-Schulz iterations per Muon update."""
+    """Newton-Schulz iterations per Muon update. At most 100."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     use_amp: bool = True
     """Run the forward pass in bfloat16 autocast (weights and optimizer stay fp32)."""
     seed: int = 1337
-    """Seed for initialisation and data order; identical on every rank."""
+    """Seed for initialisation and data order; identical on every rank. Below 2^63."""
     eval_interval: int = 0
-    """Compute validation loss every N steps; 0 only after the last step."""
+    """Compute validation loss every N steps; 0 only after the last step. At most 1000000000000."""
     eval_batches: int = 4
-    """Micro-batches per rank in one validation pass."""
+    """Micro-batches per rank in one validation pass. At most 65536."""
     global_batch_size: int = 0
-    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
+    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs. At most 4294967296."""
     parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
     """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
     cpu_offload: bool | None = None
@@ -325,15 +365,31 @@ class TrainingConfig:
     compile: bool | None = None
     """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
     loss_chunk_tokens: int | None = None
-    """Tokens per chunk of the output projection and cross-entropy, each chunk's fp32 logits recomputed in the backward pass (one more output-projection matmul) so that those of the whole micro-batch never exist at once; 0 computes them in one piece; null: one piece when the whole micro-batch's logits fit the GPU, else 2048 (the launcher's plan decides)."""
+    """Tokens per chunk of the output projection and cross-entropy, each chunk's fp32 logits recomputed in the backward pass (one more output-projection matmul) so that those of the whole micro-batch never exist at once; 0 computes them in one piece; null: one piece when the whole micro-batch's logits fit the GPU, else 2048 (the launcher's plan decides). At most 1000000000000."""
     reshard_after_forward: bool | None = None
     """FSDP: free each block's gathered bf16 weights after its forward and all-gather them again for its backward (true), or keep them gathered until then (false: one all-gather fewer per micro-batch, every block's weights unsharded at the start of the backward pass); null: false when those weights fit the GPU (the launcher's plan decides)."""
     checkpoint_interval: int = 1000
-    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
+    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step. At most 1000000000000."""
     keep_checkpoints: int = 3
-    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
+    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete. At most 1000000000000."""
     resume: str = ""
     """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
+
+    AT_MOST: ClassVar[dict[str, int]] = {
+        "batch_size": MAX_SIZE,
+        "grad_accum_nums": MAX_SIZE,
+        "num_workers": 1024,
+        "warmup_steps": MAX_STEPS,
+        "max_steps": MAX_STEPS,
+        "epochs": 10**6,
+        "muon_ns_steps": 100,
+        "eval_interval": MAX_STEPS,
+        "eval_batches": MAX_SIZE,
+        "global_batch_size": 1 << 32,
+        "loss_chunk_tokens": MAX_COUNT,
+        "checkpoint_interval": MAX_STEPS,
+        "keep_checkpoints": MAX_STEPS,
+    }
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints", "muon_ns_steps"):
@@ -349,6 +405,7 @@ class TrainingConfig:
             "checkpoint_interval",
         ):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
+        _check_at_most(self, "training")
         if self.loss_chunk_tokens is not None:
             _check(
                 self.loss_chunk_tokens >= 0,
@@ -391,15 +448,18 @@ class SystemConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: "cuda", "cpu", or "auto" (every free GPU, else CPU workers)."""
     device_id: int | None = None
-    """Pin the run to this one physical GPU index; null lets the launcher choose."""
+    """Pin the run to this one physical GPU index; null lets the launcher choose. At most 1023."""
     collective_timeout: float = 600.0
     """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes."""
     gpu_memory_gib: float | None = None
     """GPU memory per GPU, in GiB, that the memory plan counts on (a share of a GPU others use too); null: the smallest chosen GPU's total as NVML reports it. The launcher writes the figure it planned with into the run's config, so every worker checks the run against the same number it was accepted with."""
 
+    AT_MOST: ClassVar[dict[str, int]] = {"device_id": 1023}
+
     def __post_init__(self) -> None:
         if self.device_id is not None:
             _check(self.device_id >= 0, "system.device_id", f"must not be negative (got {self.device_id})")
+        _check_at_most(self, "system")
         if self.gpu_memory_gib is not None:
             _check(
                 0 < self.gpu_memory_gib < 1 << 20,
@@ -418,7 +478,7 @@ class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
     """Lowest level of worker log lines printed."""
     log_interval: int = 10
-    """Print a step line every N optimizer steps (the first and last step always)."""
+    """Print a step line every N optimizer steps (the first and last step always). At most 1000000000000."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events to <run dir>/tensorboard/ when the tensorboard package is installed."""
     wandb: bool = False
@@ -426,8 +486,11 @@ class LoggingConfig:
     wandb_project: str = "pretrain"
     """The Weights & Biases project the runs go to (with logging.wandb)."""
 
+    AT_MOST: ClassVar[dict[str, int]] = {"log_interval": MAX_STEPS}
+
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, "logging.log_interval", f"must be at least 1 (got {self.log_interval})")
+        _check_at_most(self, "logging")
 
 
 @dataclass(frozen=True)
@@ -437,16 +500,19 @@ class EvaluationConfig:
     data: str = ""
     """The task's examples: a .jsonl file (HellaSwag's hellaswag_val.jsonl) or a Hub dataset's file, hf://datasets/OWNER/NAME[@REVISION]/PATH; empty: no benchmark during training. python -m pretrain.evaluate scores a checkpoint afterwards."""
     interval: int = 0
-    """Score the task every N steps, and after the last step; 0: only after the last step."""
+    """Score the task every N steps, and after the last step; 0: only after the last step. At most 1000000000000."""
     max_examples: int = 0
-    """Score the first N examples of the file; 0: all (HellaSwag's validation file holds 10042)."""
+    """Score the first N examples of the file; 0: all (HellaSwag's validation file holds 10042). At most 1000000000000."""
     batch_examples: int = 8
-    """Examples per forward pass on each rank (four rows each, one per ending)."""
+    """Examples per forward pass on each rank (four rows each, one per ending). At most 65536."""
+
+    AT_MOST: ClassVar[dict[str, int]] = {"interval": MAX_STEPS, "max_examples": MAX_COUNT, "batch_examples": MAX_SIZE}
 
     def __post_init__(self) -> None:
         for name in ("interval", "max_examples"):
             _check(getattr(self, name) >= 0, f"evaluation.{name}", f"must not be negative (got {getattr(self, name)})")
         _check(self.batch_examples >= 1, "evaluation.batch_examples", f"must be at least 1 (got {self.batch_examples})")
+        _check_at_most(self, "evaluation")
 
 
 @dataclass(frozen=True)
@@ -456,7 +522,7 @@ class DebugConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """stop: report the bad tensors, save checkpoint nan_grad_step_<N> and the dump, exit 3. skip: drop that update and go on."""
     max_skips_in_a_row: int = 3
-    """With on_nonfinite=skip: skip at most this many updates in a row; the next non-finite step stops as with stop."""
+    """With on_nonfinite=skip: skip at most this many updates in a row; the next non-finite step stops as with stop. At most 1000000000000."""
     trace_nonfinite: bool = False
     """Hooks on every module name the first whose output or gradient is not finite (slow; turns off compile and activation checkpointing)."""
     dump_tensors: bool = True
@@ -464,9 +530,12 @@ class DebugConfig:
     detect_anomaly: bool = False
     """Run autograd anomaly detection (names the backward op that made a NaN; slow)."""
 
+    AT_MOST: ClassVar[dict[str, int]] = {"max_skips_in_a_row": MAX_STEPS}
+
     def __post_init__(self) -> None:
         _check(self.on_nonfinite in ("stop", "skip"), "debug.on_nonfinite", f"must be stop or skip (got {self.on_nonfinite!r})")
         _check(self.max_skips_in_a_row >= 1, "debug.max_skips_in_a_row", f"must be at least 1 (got {self.max_skips_in_a_row})")
+        _check_at_most(self, "debug")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,21 @@
 
 _setup_log() { echo "setup: $*" >&2; }
 
+# What Python and the dynamic loader say when the address space runs out (ulimit -v).
+_NO_MEMORY='failed to map segment|MemoryError|Cannot allocate memory|can.t start new thread|Memory allocation'
+
+_probe() {  # COMMAND...: run it quietly; 3 (the line said) when it failed for want of address space
+  local out rc=0
+  out=$("$@" 2>&1 >/dev/null) || rc=$?
+  if [ "$rc" -ne 0 ] && [ "$(ulimit -v)" != unlimited ] && grep -qE "$_NO_MEMORY" <<<"$out"; then
+    # Else a Python that cannot start reads as too old, and a requirement check that cannot run as
+    # missing packages, which setup would then try to install.
+    _setup_log "error: not enough address space to start Python: ulimit -v is $(ulimit -v) KiB; raise it (ulimit -v unlimited)"
+    return 3
+  fi
+  return "$rc"
+}
+
 _has_nvidia_gpu() {
   [ -e /proc/driver/nvidia/version ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 }
@@ -49,9 +64,9 @@ _install_cpu_torch() {  # PY SPEC
   fi
 }
 
-_has_requirements() {  # PY ROOT FILES...
+_has_requirements() {  # PY ROOT FILES...: 0 when PY has them all, 3 when it cannot start (_probe)
   local py=$1 root=$2; shift 2
-  "$py" "$root/scripts/check_requirements.py" "$@" >/dev/null 2>&1
+  _probe "$py" "$root/scripts/check_requirements.py" "$@"
 }
 
 _torch_spec() {  # FILES...: the first torch line of the requirement files, without its comment
@@ -78,15 +93,23 @@ setup_python() {
     _setup_log "error: $base not found; install Python 3.10 or newer, or set PYTHON=/path/to/python3"
     return 1
   fi
-  if ! "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  local found=0  # exit 2 where the address space is too small, as the launcher's own refusal
+  _probe "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || found=$?
+  [ "$found" -ne 3 ] || return 2
+  if [ "$found" -ne 0 ]; then
     _setup_log "error: Python 3.10 or newer is needed, $base is $("$base" --version 2>&1); set PYTHON=/path/to/python3"
     return 1
   fi
-  if _has_requirements "$base" "$root" "$@"; then _use_python "$base" "$root" "$@"; return 0; fi
+  _has_requirements "$base" "$root" "$@" || found=$?
+  [ "$found" -ne 3 ] || return 2
+  if [ "$found" -eq 0 ]; then _use_python "$base" "$root" "$@"; return 0; fi
 
   local venv=$root/.venv
-  if [ -x "$venv/bin/python" ] && _has_requirements "$venv/bin/python" "$root" "$@"; then
-    _use_python "$venv/bin/python" "$root" "$@"; return 0
+  if [ -x "$venv/bin/python" ]; then
+    found=0
+    _has_requirements "$venv/bin/python" "$root" "$@" || found=$?
+    [ "$found" -ne 3 ] || return 2
+    if [ "$found" -eq 0 ]; then _use_python "$venv/bin/python" "$root" "$@"; return 0; fi
   fi
   _setup_log "installing what is missing into $venv (once; later runs reuse it)"
   if [ ! -x "$venv/bin/python" ]; then

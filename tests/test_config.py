@@ -11,6 +11,8 @@ import pytest
 
 from pretrain import config as cfg
 from pretrain import config_reference
+from pretrain.config_loading import loads_strictly
+from pretrain.config_schema import MAX_STEPS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
@@ -180,9 +182,81 @@ def test_file_problems_are_one_line_errors(tmp_path):
     assert error_of(config_file=tmp_path / "missing.json").endswith("config file not found")
     bad = tmp_path / "bad.json"
     bad.write_text('{"training": {"batch_size": 4,}}')
-    assert "invalid JSON at line 1" in error_of(config_file=bad)
+    message = error_of(config_file=bad)
+    assert message.startswith(f"{bad}: invalid JSON: ") and message.endswith(" at line 1 column 31")
     assert "expected a JSON object" in error_of(config_file=write(tmp_path, [1, 2]))
     assert 'unknown preset "debg"; did you mean debug?' in error_of(config_file=write(tmp_path, {"preset": "debg"}))
+
+
+def test_invalid_json_whose_reason_ends_in_at_says_where_without_at_at(tmp_path):
+    unterminated = tmp_path / "unterminated.json"
+    unterminated.write_text('{"training": {"resume": "auto')
+    message = error_of(config_file=unterminated)
+    assert message == f"{unterminated}: invalid JSON: Unterminated string starting at line 1 column 25"
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_the_file_the_key_and_the_line(tmp_path):
+    path = tmp_path / "twice.json"
+    path.write_text('{"training": {"batch_size": 4, "batch_size": 8}}')
+    assert error_of(config_file=path) == f"{path}: line 1: training.batch_size is given twice; keep one of them"
+    path.write_text('{\n  "model": {"moe": {"top_k": 1}},\n  "training": {"batch_size": 4},\n  "model": {}\n}\n')
+    assert error_of(config_file=path) == f"{path}: line 4: model is given twice; keep one of them"
+    path.write_text('{"model": {"moe": {"top_k": 1, "num_experts": 2, "top_k": 2}}}')
+    assert error_of(config_file=path) == f"{path}: line 1: model.moe.top_k is given twice; keep one of them"
+
+
+def test_a_key_given_twice_in_one_set_value_is_refused():
+    message = error_of(sets=['model.moe={"top_k": 1, "top_k": 2}'])
+    assert message == '--set model.moe={"top_k": 1, "top_k": 2}: model.moe.top_k is given twice; keep one of them'
+
+
+def test_the_same_key_in_separate_objects_or_inside_a_string_is_not_a_repeat():
+    text = '{"a": {"k": 1}, "b": {"k": "\\"k\\": {"}, "c": [{"k": 1}, {"k": 2}]}'
+    assert loads_strictly(text, "x") == json.loads(text)
+
+
+def test_a_huge_max_steps_is_refused_alike_from_the_option_a_file_and_set(tmp_path):
+    huge = 10**22
+    problem = f"training.max_steps: must be at most {MAX_STEPS} (got {huge}); use a value up to {MAX_STEPS}"
+    path = write(tmp_path, {"training": {"max_steps": huge}})
+    assert error_of(max_steps=huge) == f"--max-steps: {problem}"
+    assert error_of(config_file=path) == f"{path}: {problem}"
+    assert error_of(sets=[f"training.max_steps={huge}"]) == f"--set: {problem}"
+    assert cfg.resolve(max_steps=MAX_STEPS).training.max_steps == MAX_STEPS
+
+
+def test_an_integer_too_long_for_python_to_read_is_one_line_from_a_file_or_set(tmp_path):
+    digits = "1" + "0" * 5000
+    path = tmp_path / "huge.json"
+    path.write_text(f'{{"training": {{"max_steps": {digits}}}}}')
+    assert error_of(config_file=path) == f"{path}: a number of more than 4300 digits"
+    assert error_of(sets=[f"training.max_steps={digits}"]) == "--set training.max_steps: a number of more than 4300 digits"
+
+
+def integer_keys() -> list[tuple[str, str]]:
+    """(section path, key) of every integer field of every section, groups such as model.moe included."""
+    found = []
+
+    def walk(prefix: str, cls: type) -> None:
+        for name, hint in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                walk(f"{prefix}.{name}", hint)
+            elif hint in (int, int | None):
+                found.append((prefix, name))
+
+    for section, cls in cfg.SECTIONS.items():
+        walk(section, cls)
+    return found
+
+
+@pytest.mark.parametrize("prefix, key", integer_keys())
+def test_every_integer_key_refuses_a_huge_value_and_documents_its_bound(prefix, key):
+    huge = 10**22
+    message = error_of(preset="debug", sets=[f"{prefix}.{key}={huge}"])
+    assert f"{prefix}.{key}: must " in message and str(huge) in message
+    cls = cfg.SECTIONS[prefix] if "." not in prefix else cfg.MoEConfig
+    bound = cls.AT_MOST.get(key)  # the seed has a check of its own: [0, 2**63)
+    assert (str(bound) if bound is not None else "2^63") in cfg.field_docs(cls)[key]
 
 
 def test_set_without_a_section_or_value_explains_the_syntax():
@@ -264,6 +338,9 @@ def test_the_check_mode_fails_on_a_stale_page_naming_the_command_and_passes_on_a
 
 def test_infinite_or_nan_numbers_are_refused():
     assert "training.learning_rate: expected a finite number, got inf" in error_of(sets=["training.learning_rate=1e400"])
+    assert error_of(sets=[f"training.learning_rate={10**400}"]) == (
+        "--set: training.learning_rate: expected a finite number, got an integer of 401 digits"
+    )
     assert "expected a finite number, got nan" in error_of(sets=["model.init_std=NaN"])
 
 

@@ -179,6 +179,7 @@ def test_jsonl_with_an_invalid_line_names_file_and_line(tmp_path):
 
     message = one_line_error(excinfo)
     assert f"{path}:2" in message and "JSON" in message
+    assert message.endswith("(Invalid control character at column 17)")  # one "at", not "character at at column"
     assert cache_leftovers(tmp_path) == []
 
 

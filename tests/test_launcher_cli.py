@@ -41,6 +41,10 @@ REFUSAL = {"prefix": "launcher: error: ", "quiet_stdout": False}
         (["--hang-timeout", "0"], "--hang-timeout must be between 1 and 86400 seconds (got 0)"),
         (["--set", "training.batchsize=4"], "training.batchsize: unknown key; did you mean training.batch_size?"),
         (["--config", "no/such.json"], "no/such.json: config file not found"),
+        (
+            ["--max-steps", "10000000000000000000000"],
+            "--max-steps: training.max_steps: must be at most 1000000000000 (got 10000000000000000000000)",
+        ),
     ],
 )
 def test_bad_options_give_one_line_and_exit_2(args, text, tmp_path):
@@ -257,12 +261,12 @@ def test_a_batch_larger_than_the_dataset_stops_before_spawning_and_writes_no_run
     result = launch_debug(
         tmp_path,
         "--set",
-        "training.batch_size=100000",
+        "training.batch_size=50000",
     )
     assert_one_line_error(
         result,
-        "fewer than one optimizer step needs: batch_size 100000 x grad_accum_nums 1 "
-        "x 2 rank(s) = 200,000; reduce training.batch_size",
+        "fewer than one optimizer step needs: batch_size 50000 x grad_accum_nums 1 "
+        "x 2 rank(s) = 100,000; reduce training.batch_size",
         **REFUSAL,
     )
     assert not (tmp_path / "r").exists()
@@ -349,6 +353,47 @@ def test_a_command_that_cannot_be_executed_exits_126_with_one_line(tmp_path):
     no_shebang.chmod(0o755)
     result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", str(no_shebang))
     assert_one_line_error(result, f"cannot run {no_shebang}: Exec format error", code=126, **REFUSAL)
+
+
+def test_a_script_without_its_execute_bit_exits_126_with_permission_denied(tmp_path):
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", "./script.sh"],
+        cwd=tmp_path,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    fix = "(it is not executable: chmod +x ./script.sh"
+    assert_one_line_error(result, f"cannot run ./script.sh: Permission denied {fix}", code=126, **REFUSAL)
+
+
+def test_a_path_to_no_file_exits_127_with_no_such_file(tmp_path):
+    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", str(tmp_path / "missing.sh"))
+    assert_one_line_error(result, f"cannot run {tmp_path / 'missing.sh'}: No such file or directory", code=127, **REFUSAL)
+
+
+def test_a_worker_that_cannot_be_started_is_the_first_failure_in_workers_json(tmp_path):
+    no_shebang = tmp_path / "train.sh"
+    no_shebang.write_text("echo hi\n")
+    no_shebang.chmod(0o755)
+    result = launch("--device", "cpu", "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--", str(no_shebang))
+    assert result.returncode == 126, result.stderr
+    first, second = json.loads((tmp_path / "r" / "workers.json").read_text())
+    assert first["failed_first"] and first["exit_code"] == 126
+    assert first["start_error"] == result.stderr.removeprefix("launcher: error: ").strip()
+    assert not second["failed_first"] and second["exit_code"] is None and second["pid"] is None
+
+
+@pytest.mark.parametrize("driver", [False, True])
+def test_the_gpus_command_without_a_gpu_says_why_there_is_nothing_to_show_not_use_device_cpu(driver, scripted_gpus):
+    scripted_gpus([], driver=driver)
+    result = launch("gpus")
+    assert_one_line_error(result, "no GPU to show" if not driver else "reports no GPU: none to show", "nvidia-smi", **REFUSAL)
+    assert "--device cpu" not in result.stderr
 
 
 def test_an_unwritable_cache_directory_is_a_one_line_error(tmp_path):

@@ -170,7 +170,8 @@ def _jsonl_text(path: Path, number: int, line: str, text_field: str) -> str | No
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
-        raise DataError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
+        at = "" if error.msg.endswith(" at") else " at"  # "Unterminated string starting at" needs no second "at"
+        raise DataError(f"{path}:{number}: not valid JSON ({error.msg}{at} column {error.colno})") from None
     if not isinstance(row, dict):
         raise DataError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
     if text_field not in row:
