@@ -3,6 +3,7 @@ naming the run directory, and an installed copy's console commands run from anot
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -15,9 +16,12 @@ import pytest
 from conftest import ROOT, launcher_env
 from helpers import run_launcher
 from launcher import cli
+from launcher.compile_cache import kernel_cache_dir
 from launcher.placement import Placement
 from launcher.worker import with_package_root, without_package_root
+from pretrain import config as cfg
 from pretrain.runfiles import CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_path, cache_root, create_run_dir, runs_root
+from pretrain.shared_cache import user_name
 
 CONSOLE_COMMANDS = [
     "pretrain-launch",
@@ -78,10 +82,14 @@ def test_launcher_options_set_the_roots_its_training_workers_get_absolute(no_roo
     cli.set_roots("r", "c")  # as --runs-dir r --cache-dir c
     assert os.environ[RUNS_DIR_VAR] == str(no_roots / "r") and os.environ[CACHE_DIR_VAR] == str(no_roots / "c")
     monkeypatch.chdir("/")  # the workers agree with the launcher wherever they run
-    (worker,) = cli.make_workers(Placement("cpu", 1), ["true"], training=True)
+    config = cfg.Config()
+    kernels = kernel_cache_dir(
+        dataclasses.replace(config, training=dataclasses.replace(config.training, compile=True)), "cpu", print
+    )
+    (worker,) = cli.make_workers(Placement("cpu", 1), ["true"], training=True, compile_cache=kernels)
     assert worker.env[RUNS_DIR_VAR] == str(no_roots / "r")
     assert worker.env[CACHE_DIR_VAR] == str(no_roots / "c")
-    assert worker.env["TORCHINDUCTOR_CACHE_DIR"] == str(no_roots / "c" / "inductor")
+    assert worker.env["TORCHINDUCTOR_CACHE_DIR"] == str(no_roots / "c" / f"inductor-{user_name(os.geteuid())}")
 
 
 def test_an_empty_root_option_is_a_one_line_usage_error(no_roots):

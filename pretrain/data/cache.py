@@ -26,6 +26,7 @@ from pretrain.data import DataError
 from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
 from pretrain.runfiles import fsync, is_file_at, naming
+from pretrain.shared_cache import mode_in
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")
@@ -95,7 +96,7 @@ def build_lock(final: Path, log: Log) -> Iterator[None]:
     path = Path(f"{final}.lock")
     waiting = False
     while True:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+        fd = _open_lock_file(path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -118,6 +119,29 @@ def build_lock(final: Path, log: Log) -> Iterator[None]:
         except OSError:
             pass  # gone already, or a read-only directory: a file left behind is harmless
         os.close(fd)
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open path read-only (flock needs no write access), creating it when missing. An existing
+    one is opened without O_CREAT: in a sticky shared directory (/tmp-like), Linux refuses
+    O_CREAT on another user's file where fs.protected_regular is set, though reading it is allowed.
+    A file this process creates follows the directory's sharing, so other users can open it."""
+    while True:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue  # another process created it just now: open theirs
+        try:
+            if (mode := mode_in(path.parent, is_dir=False)) is not None:
+                os.fchmod(fd, mode)  # the file opened, whatever is at the path by now
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
 
 # --- checking a cache -------------------------------------------------------------------------
