@@ -15,14 +15,16 @@ from pretrain import config as cfg
 from pretrain.runfiles import new_run_id, os_error_message, runs_root
 
 
-def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) -> tuple[RunDirLock, cfg.Config]:
-    """Resolve training.resume once, for every worker, and take the run directory to train in
-    (held until the launcher exits): return it, and the config naming the exact checkpoint
-    ("" when starting fresh)."""
-    from pretrain.resume import damaged_after, resolve_resume, run_results
+def resume_point(
+    config: cfg.Config, run_dir_arg: str | None, printer: Printer, world_size: int | None = None
+) -> tuple[RunDirLock, cfg.Config]:
+    """Resolve training.resume once, for every worker (world_size of them: the checkpoint must
+    hold what each will read), and take the run directory to train in (held until the launcher
+    exits): return it, and the config naming the exact checkpoint ("" when starting fresh)."""
+    from pretrain.resume import resolve_resume, run_results
 
     resume = config.training.resume
-    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, runs_root())
+    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, runs_root(), world_size)
     run_dir = run_dir_path(run_dir)
     if checkpoint is not None and resume != "auto":
         refuse_live_checkpoint(resume, checkpoint)
@@ -37,15 +39,27 @@ def resume_point(config: cfg.Config, run_dir_arg: str | None, printer: Printer) 
     except BaseException:
         owned.abandon()
         raise
+    for skipped in passed_over(resume, run_dir, checkpoint, world_size):
+        printer.launcher_line(f"warning: not resuming from the later {skipped}")
     if checkpoint is not None:
-        if resume == "auto":
-            for skipped in damaged_after(checkpoint):
-                printer.launcher_line(f"warning: not resuming from the later {skipped}")
         printer.launcher_line(f"resuming from {checkpoint}")
     elif resume == "auto":
         printer.launcher_line("no checkpoint to resume from; starting at step 0")
     training = dataclasses.replace(config.training, resume=str(checkpoint) if checkpoint else "")
     return owned, dataclasses.replace(config, training=training)
+
+
+def passed_over(resume: str, run_dir: Path, checkpoint: Path | None, world_size: int | None) -> list[str]:
+    """The later checkpoints a resume that chose the latest complete one (--resume auto, or a run
+    directory) passed over, each as "step_<N>: <missing or damaged file>"; none when --resume
+    named the checkpoint itself."""
+    from pretrain.resume import damaged, damaged_after
+
+    if checkpoint is None:
+        return damaged(run_dir / "checkpoints", world_size=world_size) if resume == "auto" else []
+    if resume != "auto" and Path(resume).expanduser().resolve() == checkpoint:
+        return []
+    return damaged_after(checkpoint, world_size)
 
 
 def run_dir_path(run_dir: str | Path | None) -> Path:

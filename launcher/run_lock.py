@@ -8,25 +8,49 @@ The holder writes who it is into the file (pid, start time, and the start time i
 after boot, which with the pid names one process although pids are reused, and the host); a
 launch that finds the lock held reads that, to say whom it waits for. flock works across hosts
 on NFS (Linux 2.6.12+), hence the host.
+
+A lock file can be deleted with its directory while its holder runs, and a second launch would
+then lock a new one. So the holder also holds a claim that does not live in the directory: an
+abstract Unix socket named from the directory's absolute path and the lock's name
+(launcher/claims.py: bound atomically, freed by the kernel when the holder exits, never
+inherited by its children, its holder told by the kernel). It is one machine's: across hosts
+the file lock alone guards a shared directory. And the holder watches its directory (check_held,
+from the supervisor's loop): when the directory or the lock file is gone or is another one (its
+device and inode changed), the run stops at once (RunDirLost, exit 74), for anything its workers
+wrote there from then on would recreate the directory without its lock, logs and config, or mix
+with another run's files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.claims import started_at
+from launcher import claims
+from launcher.claims import Claim, ClaimError, started_at
+from launcher.errors import UsageError
 from launcher.reaper import start_time
 from pretrain.runfiles import is_file_at
 
 LOCK_NAME = "launcher.lock"
 LOOK_TIMEOUT = 1.0  # seconds to wait for a new holder to write who it is
+EXIT_RUN_DIR_LOST = 74
+"""The launcher's exit code when its run directory or lock vanished while the run was live
+(sysexits' EX_IOERR: the files the run writes are no longer where it writes them)."""
+
+
+class RunDirLost(UsageError):
+    """The run directory, or its lock file, is gone or another one: the run stopped at once (one line)."""
+
+    exit_code = EXIT_RUN_DIR_LOST
 
 
 @dataclass(frozen=True)
@@ -60,16 +84,52 @@ class LockHolder:
 class RunDirLock:
     """A held run directory; release() (or the launcher's exit) frees it."""
 
-    def __init__(self, path: Path, fd: int, made: list[Path], lock_name: str = LOCK_NAME) -> None:
+    def __init__(self, path: Path, fd: int, made: list[Path], lock_name: str = LOCK_NAME, claim: Claim | None = None) -> None:
         self.path = path
         self.lock_name = lock_name
         self._fd: int | None = fd
         self._made = made  # what this launch created, innermost first
+        self._claim = claim
+        self._directory = _identity(os.stat(path))
+        self._lock_file = _identity(os.fstat(fd))
+        _HELD.add(self)
+
+    def lost(self) -> str | None:
+        """Why the run directory is no longer this holder's, in words that name it; None while it is."""
+        lock = self.path / self.lock_name
+        try:
+            directory = _identity(os.stat(self.path))
+        except OSError:
+            return f"run directory {self.path} was deleted or moved away"
+        if directory != self._directory:
+            return f"run directory {self.path} was deleted or moved away, and another directory made in its place"
+        try:
+            lock_file = _identity(os.lstat(lock))
+        except OSError:
+            return f"its lock file {lock} was deleted, so that another launch could take the run directory"
+        if lock_file != self._lock_file:
+            return f"its lock file {lock} was replaced by another file"
+        return None
+
+    def check(self) -> None:
+        """RunDirLost when the run directory is no longer this holder's (lost); nothing there
+        is then this launch's to remove (abandon)."""
+        if (why := self.lost()) is None:
+            return
+        self._made = []
+        raise RunDirLost(
+            f"{why} while the run was live; stopped every worker at once, without a checkpoint (writing one "
+            "would recreate the directory without its lock, logs and config, or mix with another run's files)"
+        )
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
+        claim, self._claim = self._claim, None
+        _HELD.discard(self)
         if fd is not None:
             os.close(fd)
+        if claim is not None:
+            claim.release()
 
     def abandon(self) -> None:
         """After a launch that ended in an error before it started anything: remove what it
@@ -77,6 +137,8 @@ class RunDirLock:
         directories that are empty again; never a file but the lock), then release."""
         if self._fd is None:
             return
+        if self.lost() is not None:
+            self._made = []  # what is there now is not what this launch made
         for path in self._made:  # the lock file, logs/, the run directory: in that order
             with contextlib.suppress(OSError):
                 if path.name == self.lock_name:
@@ -86,10 +148,40 @@ class RunDirLock:
         self.release()
 
 
+_HELD: weakref.WeakSet[RunDirLock] = weakref.WeakSet()
+"""The run directory locks this process holds (one let go of without release() drops out)."""
+
+
+def check_held(run_dir: Path | None) -> None:
+    """RunDirLost when this process holds run_dir and it is no longer its own: the directory or
+    its lock file was deleted, moved or replaced (RunDirLock.lost). For the supervisor's loop:
+    two stat calls."""
+    for held in list(_HELD):
+        if held.path == run_dir:
+            held.check()
+
+
 def take(run_dir: Path, lock_name: str = LOCK_NAME) -> RunDirLock | LockHolder:
     """Create the run directory if need be and lock it for this process; or say who holds it.
     OSError when it cannot be created or locked. lock_name: node_lock_name(r) for node r > 0 of
     a job of several nodes, whose launchers share one run directory (a shared filesystem)."""
+    try:
+        claim = claims.try_claim(claim_id(run_dir, lock_name))
+    except ClaimError as error:
+        raise OSError(f"cannot lock it: {error}") from None
+    if isinstance(claim, claims.Holder):  # first: a launcher whose lock file was deleted holds this still
+        return _holder_from_claim(claim)
+    try:
+        taken = _take_file(run_dir, lock_name, claim)
+    except BaseException:
+        claim.release()
+        raise
+    if isinstance(taken, LockHolder):
+        claim.release()
+    return taken
+
+
+def _take_file(run_dir: Path, lock_name: str, claim: Claim) -> RunDirLock | LockHolder:
     path = run_dir / lock_name
     made: list[Path] = []
     deadline = time.monotonic() + LOOK_TIMEOUT
@@ -121,7 +213,11 @@ def take(run_dir: Path, lock_name: str = LOCK_NAME) -> RunDirLock | LockHolder:
         _write_self(fd)
         # create_run_dir makes logs/ next; abandon() removes it again while empty
         made = ([] if existed else [path]) + ([] if had_logs else [run_dir / "logs"]) + made
-        return RunDirLock(run_dir, fd, made, lock_name)
+        try:
+            return RunDirLock(run_dir, fd, made, lock_name, claim)
+        except BaseException:  # the directory went again before it could be watched
+            os.close(fd)
+            raise
 
 
 def node_lock_name(node_rank: int) -> str:
@@ -129,8 +225,26 @@ def node_lock_name(node_rank: int) -> str:
     return LOCK_NAME if node_rank == 0 else f"launcher.node{node_rank}.lock"
 
 
+def claim_id(run_dir: Path, lock_name: str) -> str:
+    """The name of the claim a holder of run_dir's lock lock_name holds besides it: a digest of
+    the directory's absolute path and the lock's name (a claim name is short, and plain)."""
+    where = f"{Path(os.path.abspath(run_dir))}/{lock_name}".encode(errors="surrogateescape")
+    return "run-" + hashlib.sha256(where).hexdigest()[:40]
+
+
+def _holder_from_claim(holder: claims.Holder) -> LockHolder:
+    ticks = start_time(holder.pid) if holder.pid is not None else None
+    return LockHolder(pid=holder.pid, started=holder.since, start_ticks=ticks, host=socket.gethostname())
+
+
 def holder_of(run_dir: Path) -> LockHolder | None:
     """Who holds the run directory, or None when it is free (a look, not a lock)."""
+    try:
+        claimed = claims.holder_of(claim_id(run_dir, LOCK_NAME))
+    except ClaimError:
+        claimed = None
+    if claimed is not None:
+        return _holder_from_claim(claimed)
     try:
         fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except (FileNotFoundError, NotADirectoryError):
@@ -161,6 +275,10 @@ def _make_dir(run_dir: Path) -> list[Path]:
         missing.append(path)
     run_dir.mkdir(parents=True, exist_ok=True)
     return missing[:1]  # parents (runs/, say) stay: other runs may go there at the same moment
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
 
 
 def _write_self(fd: int) -> None:

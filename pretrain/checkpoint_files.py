@@ -11,16 +11,28 @@ the checkpoint to resume with it before any worker (and torch) starts.
     step_<N>.superseded/  a later checkpoint of a continuation abandoned by resuming an earlier one:
                           kept for the user, never resumed or pruned automatically
 
-A checkpoint is complete when it has a readable state.json and its model files: model.pt and
-optimizer.pt (single process, DDP) or dcp/.metadata (FSDP, written last by DCP).
+A checkpoint is complete for a run when every file a resume by that run reads is there and
+whole (checkpoint_problem): state.json, config.json, the model and optimizer (model.pt and
+optimizer.pt for a single process or DDP; dcp/.metadata, written last by DCP, and every shard it
+names for FSDP) and rng_rank<r>.pt of each rank r the resuming run has and the saving run had
+(a rank the saving run did not have seeds its generators afresh). --resume auto passes over any
+other with a warning; --resume naming it is refused. A reader of the model alone (export,
+generation) needs state.json, config.json and the model. What "whole" means is what can be told
+without torch: present, a regular file, not empty, a zip archive for a .pt (torch.save's format,
+whose directory is at the end of the file, so a truncated one is not one), JSON for config.json
+and a pickle that parses for dcp/.metadata.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickletools
 import re
 import shutil
+import stat
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pretrain.runfiles import fsync
@@ -144,8 +156,64 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def has_model_files(path: Path) -> bool:
-    return ((path / "model.pt").is_file() and (path / "optimizer.pt").is_file()) or (path / "dcp" / ".metadata").is_file()
+def checkpoint_problem(path: Path, world_size: int | None = None) -> str | None:
+    """What makes checkpoint path unusable for a resume on world_size ranks, as a phrase that
+    names the file and ends with what to do ("optimizer.pt is missing (an incomplete
+    checkpoint); use another checkpoint of the run"); None when every file such a resume reads
+    is there and whole. world_size None: a reader of the model alone (export, generation),
+    which needs neither optimizer.pt nor the random generators."""
+    try:
+        state = read_state(path)
+    except StateError as error:
+        return error.problem
+    problem = next(filter(None, (_file_problem(path, name) for name in _required_files(path, state, world_size))), None)
+    return None if problem is None else f"{problem}; use another checkpoint of the run"
+
+
+def _required_files(path: Path, state: dict, world_size: int | None) -> Iterator[str]:
+    """The files (relative to path) a resume reads. A sharded checkpoint's shards are those its
+    dcp/.metadata names: listed once that has passed its own check (so it parses)."""
+    yield "config.json"
+    sharded = (path / "dcp").is_dir() or state.get("parallelism") == "fsdp"
+    if sharded:
+        yield "dcp/.metadata"
+    else:
+        yield from ("model.pt",) if world_size is None else ("model.pt", "optimizer.pt")
+    ranks = 0 if world_size is None else min(world_size, state["world_size"])
+    yield from (f"rng_rank{rank}.pt" for rank in range(ranks))
+    if sharded:
+        yield from (f"dcp/{name}" for name in sorted(_dcp_shards((path / "dcp" / ".metadata").read_bytes())))
+
+
+def _file_problem(path: Path, name: str) -> str | None:
+    """Why the checkpoint's file name is not whole, as a phrase naming it; None when it is."""
+    file = path / name
+    try:
+        info = file.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return f"{name} is not a file (a damaged checkpoint)"
+        if info.st_size == 0:
+            return f"{name} is empty (a damaged checkpoint)"
+        if name.endswith(".pt") and not zipfile.is_zipfile(file):
+            return f"{name} is damaged (not a whole torch.save file)"
+        if name == "config.json" and not isinstance(json.loads(file.read_text(encoding="utf-8")), dict):
+            return f"{name} is not a JSON object (a damaged checkpoint)"
+        if name.endswith(".metadata"):
+            _dcp_shards(file.read_bytes())
+    except FileNotFoundError:
+        return f"{name} is missing (an incomplete checkpoint)"
+    except ValueError as error:  # JSON, UTF-8 or the pickle's opcodes
+        return f"{name} is damaged ({first_line(error)})"
+    except OSError as error:
+        return f"{name} is unreadable ({error.strerror or error})"
+    return None
+
+
+def _dcp_shards(metadata: bytes) -> set[str]:
+    """The shard files (__<rank>_<n>.distcp) DCP's pickled metadata names, read from the
+    pickle's opcodes without unpickling it (so without torch, and running nothing). ValueError
+    when it is not a whole pickle."""
+    return {arg for _op, arg, _pos in pickletools.genops(metadata) if isinstance(arg, str) and arg.endswith(".distcp")}
 
 
 def is_unfinished(path: Path) -> bool:
@@ -156,14 +224,9 @@ def is_unfinished(path: Path) -> bool:
     return path.name.endswith(UNFINISHED_SUFFIXES)
 
 
-def is_complete(path: Path) -> bool:
-    if is_unfinished(path) or not has_model_files(path):
-        return False
-    try:
-        read_state(path)
-    except CheckpointError:
-        return False
-    return True
+def is_complete(path: Path, world_size: int | None = None) -> bool:
+    """Whether a resume on world_size ranks may continue path (checkpoint_problem)."""
+    return not is_unfinished(path) and checkpoint_problem(path, world_size) is None
 
 
 def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
@@ -179,10 +242,11 @@ def step_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(checkpoints_dir: Path) -> Path | None:
-    """The complete step_<N> checkpoint with the highest N, or None."""
-    complete = [path for _, path in step_checkpoints(checkpoints_dir) if is_complete(path)]
-    return complete[-1] if complete else None
+def latest(checkpoints_dir: Path, world_size: int | None = None) -> Path | None:
+    """The step_<N> checkpoint with the highest N that is complete for a resume on world_size
+    ranks (checkpoint_problem), or None."""
+    newest_first = (path for _, path in reversed(step_checkpoints(checkpoints_dir)))
+    return next((path for path in newest_first if is_complete(path, world_size)), None)
 
 
 # --- changing ---------------------------------------------------------------------------

@@ -155,24 +155,42 @@ def _end_of_last_line(out, size: int) -> int:
 
 def _open_for_append(path: Path):
     """Open path for appending, first cutting a partial last line left by a killed writer,
-    so the records a resumed run appends start on a line of their own."""
+    so the records a resumed run appends start on a line of their own. OSError when it cannot
+    be opened (or cut)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     out = open(path, "a+b")
-    size = out.seek(0, os.SEEK_END)
-    if size:
-        out.truncate(_end_of_last_line(out, size))  # a no-op when the file ends with a newline
+    try:
+        size = out.seek(0, os.SEEK_END)
+        if size and (end := _end_of_last_line(out, size)) != size:  # (an append-only file refuses any truncate)
+            out.truncate(end)
+    except BaseException:
+        out.close()
+        raise
     return out
 
 
 def _tensorboard_writer(log_dir: Path, logger: logging.Logger | None):
-    """A SummaryWriter, or None when the tensorboard package is not installed."""
+    """A SummaryWriter, or None when the tensorboard package is not installed or its directory
+    cannot be written (said in one warning: the events are optional, the run goes on)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:
         if logger is not None:
             logger.debug(f"TensorBoard events not written: {error} (pip install tensorboard)")
         return None
-    return SummaryWriter(log_dir=str(log_dir))
+    try:
+        return SummaryWriter(log_dir=str(log_dir))
+    except Exception as error:  # OSError, or the TensorFlow file layer's own errors where it is installed
+        _warn_lost(logger, f"TensorBoard events in {log_dir}", error, "they are not recorded")
+        return None
+
+
+def _warn_lost(logger: logging.Logger | None, what: str, error: BaseException, lost: str) -> None:
+    """The one warning for an optional output that cannot be written: it names the file and the
+    reason, and says the run goes on."""
+    if logger is not None:
+        reason = (error.strerror if isinstance(error, OSError) else None) or str(error).strip() or type(error).__name__
+        logger.warning(f"cannot write {what}: {reason}; {lost}; training goes on")
 
 
 class MetricsLog:
@@ -181,6 +199,9 @@ class MetricsLog:
 
     Only rank 0 should be enabled: a disabled log writes and creates nothing. A resumed run
     appends to the same file, so a step may appear twice; readers keep the later record.
+    Neither output is worth a run: a file or directory that cannot be opened or written (full
+    disk, permissions, an immutable file, a directory in its place) is one warning naming it,
+    and the run goes on without it.
     """
 
     def __init__(
@@ -190,8 +211,9 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._logger = logger
-        self._file = _open_for_append(self.path) if enabled else None
-        self._writer = _tensorboard_writer(Path(run_dir) / "tensorboard", logger) if enabled and tensorboard else None
+        self._file = self._open() if enabled else None
+        self._tensorboard_dir = Path(run_dir) / "tensorboard"
+        self._writer = _tensorboard_writer(self._tensorboard_dir, logger) if enabled and tensorboard else None
         self._wandb = wandb if enabled else None
 
     def log_train(
@@ -230,6 +252,14 @@ class MetricsLog:
         self._write({"kind": task, "step": int(step), **scalars})
         self._scalars(task, step, scalars)
 
+    def _open(self):
+        """metrics.jsonl opened for appending; None, said in one warning, when it cannot be."""
+        try:
+            return _open_for_append(self.path)
+        except OSError as error:
+            _warn_lost(self._logger, str(self.path), error, "metrics are not recorded there")
+            return None
+
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
@@ -249,20 +279,23 @@ class MetricsLog:
         with contextlib.suppress(OSError):  # close flushes the line that failed again
             if file is not None:
                 file.close()
-        if self._logger is not None:
-            self._logger.warning(
-                f"cannot write {self.path}: {error.strerror or error}; metrics are no longer recorded there; training goes on"
-            )
+        _warn_lost(self._logger, str(self.path), error, "metrics are no longer recorded there")
 
     def _scalars(self, section: str, step: int, values: dict[str, Any]) -> None:
         if self._wandb is not None:
             self._wandb.log(section, step, {name: _number(value) for name, value in values.items()})
         if self._writer is None:
             return
-        for name, value in values.items():
-            number = _number(value)
-            if number is not None:
-                self._writer.add_scalar(f"{section}/{name}", number, global_step=int(step))
+        try:
+            for name, value in values.items():
+                number = _number(value)
+                if number is not None:
+                    self._writer.add_scalar(f"{section}/{name}", number, global_step=int(step))
+        except Exception as error:  # as in _tensorboard_writer
+            writer, self._writer = self._writer, None
+            with contextlib.suppress(Exception):
+                writer.close()
+            _warn_lost(self._logger, f"TensorBoard events in {self._tensorboard_dir}", error, "they are no longer recorded")
 
     def close(self) -> None:
         if self._file is not None:
@@ -270,8 +303,11 @@ class MetricsLog:
                 self._file.close()
             self._file = None
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()  # flushes the events still queued
+            except Exception as error:  # as in _tensorboard_writer
+                _warn_lost(self._logger, f"TensorBoard events in {self._tensorboard_dir}", error, "the last of them are lost")
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None

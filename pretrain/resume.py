@@ -8,16 +8,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from pretrain.checkpoint_files import (
+    OLD,
+    STEP_NAME,
     UNFINISHED_SUFFIXES,
-    StateError,
-    has_model_files,
+    checkpoint_problem,
     is_unfinished,
     latest,
-    read_state,
     step_checkpoints,
 )
 
-__all__ = ["UNFINISHED_SUFFIXES", "ResumeError", "checkpoint_at", "latest", "damaged_after", "resolve_resume", "run_results"]
+__all__ = [
+    "UNFINISHED_SUFFIXES",
+    "ResumeError",
+    "checkpoint_at",
+    "latest",
+    "damaged",
+    "damaged_after",
+    "resolve_resume",
+    "run_results",
+]
 
 # What a run leaves in its run directory that a new run started there would overwrite or mix
 # with its own. (logs/, config.json and workers.json are written before training starts.)
@@ -28,32 +37,37 @@ class ResumeError(ValueError):
     """--resume names nothing to resume from; the message is one line."""
 
 
-def resolve_resume(resume: str, run_dir_arg: str | None, runs_root: Path) -> tuple[Path | None, Path | None]:
-    """(run directory to use, checkpoint to resume from) for training.resume.
+def resolve_resume(
+    resume: str, run_dir_arg: str | None, runs_root: Path, world_size: int | None = None
+) -> tuple[Path | None, Path | None]:
+    """(run directory to use, checkpoint to resume from) for training.resume, on world_size ranks.
 
     "" starts fresh in run_dir_arg (None: a new run directory). "auto" continues the latest
-    checkpoint of run_dir_arg (a fresh start there when it has none) or, without one, of the
-    run under runs_root whose latest checkpoint was written last. A path names a checkpoint
-    directory or a run directory; training continues in run_dir_arg when given, else in the
-    run directory the checkpoint belongs to."""
+    complete checkpoint of run_dir_arg (a fresh start there when it has none) or, without one,
+    of the run under runs_root whose latest complete checkpoint was written last. A path names a
+    checkpoint directory, refused (ResumeError) unless complete, or a run directory, for its
+    latest complete checkpoint; training continues in run_dir_arg when given, else in the run
+    directory the checkpoint belongs to. Complete: every file a resume on world_size ranks reads
+    is there and whole (pretrain/checkpoint_files.py, checkpoint_problem)."""
     run_dir = Path(run_dir_arg) if run_dir_arg else None
     if not resume:
         return run_dir, None
     if resume == "auto":
-        return _auto(run_dir, runs_root)
+        return _auto(run_dir, runs_root, world_size)
     try:
-        path = checkpoint_at(Path(resume).expanduser())
+        path = checkpoint_at(Path(resume).expanduser(), world_size)
     except ResumeError as error:
         raise ResumeError(f"--resume {error}") from None
     owner = path.parent.parent if path.parent.name == "checkpoints" else None
     return run_dir or owner, path
 
 
-def checkpoint_at(path: Path) -> Path:
-    """The checkpoint path names, made absolute: path itself when it is a checkpoint directory,
-    else the latest complete checkpoint of the run directory path. ResumeError otherwise, its
-    message starting with the path so that a caller can put its option's name in front
-    (`--resume <path>: ...`). The checkpoint's files are checked when they are read."""
+def checkpoint_at(path: Path, world_size: int | None = None) -> Path:
+    """The checkpoint path names, made absolute: path itself when it is a complete checkpoint
+    directory, else the latest complete checkpoint of the run directory path (complete for a
+    resume on world_size ranks; None: for a reader of the model alone). ResumeError otherwise,
+    its message starting with the path so that a caller can put its option's name in front
+    (`--resume <path>: ...`)."""
     if not path.is_dir():
         what = "not a directory" if path.exists() else "no such directory"
         raise ResumeError(f"{path}: {what}; give a checkpoint (<run dir>/checkpoints/step_<N>) or a run directory")
@@ -63,29 +77,27 @@ def checkpoint_at(path: Path) -> Path:
             "use a complete step_<N> directory beside it"
         )
     if (path / "state.json").exists():  # (a run directory has a config.json too)
-        try:
-            read_state(path)
-        except StateError as error:
-            raise ResumeError(f"{path}: {error.problem}") from None
+        if (problem := checkpoint_problem(path, world_size)) is not None:
+            raise ResumeError(f"{path}: {problem}")
         return path.resolve()
     if not (path / "checkpoints").is_dir():
         raise ResumeError(
             f"{path}: neither a checkpoint (no state.json) nor a run directory (no checkpoints/); "
             "give <run dir>/checkpoints/step_<N> or a run directory"
         )
-    if (found := latest(path / "checkpoints")) is None:
+    if (found := latest(path / "checkpoints", world_size)) is None:
         raise ResumeError(f"{path}: the run has no complete checkpoint yet; give a checkpoint directory")
     return found.resolve()
 
 
-def _auto(run_dir: Path | None, runs_root: Path) -> tuple[Path | None, Path | None]:
+def _auto(run_dir: Path | None, runs_root: Path, world_size: int | None) -> tuple[Path | None, Path | None]:
     if run_dir is not None:
-        found = latest(run_dir / "checkpoints")
+        found = latest(run_dir / "checkpoints", world_size)
         return run_dir, found.resolve() if found else None
     runs = [p for p in runs_root.iterdir() if p.is_dir()] if runs_root.is_dir() else []
     # By when their latest checkpoint was written, not by name: run ids sort by time, but a
     # run directory the user named sorts after every one of them.
-    candidates = [(_written_at(found), run, found) for run in runs if (found := latest(run / "checkpoints"))]
+    candidates = [(_written_at(found), run, found) for run in runs if (found := latest(run / "checkpoints", world_size))]
     if not candidates:
         return None, None
     _, run, found = max(candidates, key=lambda candidate: candidate[0])
@@ -118,17 +130,29 @@ def run_results(run_dir: Path) -> list[str]:
     return found
 
 
-def damaged_after(checkpoint: Path) -> list[str]:
-    """The later checkpoints of checkpoint's run that --resume auto passed over because their
-    state.json is damaged, each as "step_<N>: <problem>": a user should hear why the latest
-    checkpoint was not taken. (Unfinished ones, cut short by a crash, are expected and not listed.)"""
-    step = int(checkpoint.name.removeprefix("step_"))
-    damaged = []
-    for n, path in step_checkpoints(checkpoint.parent):
-        if n <= step or not has_model_files(path):
+def damaged_after(checkpoint: Path, world_size: int | None = None) -> list[str]:
+    """The later checkpoints of checkpoint's run that a resume on world_size ranks passed over
+    (damaged), as damaged() lists them: a user should hear why the latest one was not taken."""
+    match = STEP_NAME.fullmatch(checkpoint.name.removesuffix(OLD))
+    return damaged(checkpoint.parent, int(match[1]) if match else -1, world_size)
+
+
+def damaged(checkpoints_dir: Path, after: int = -1, world_size: int | None = None) -> list[str]:
+    """Each step_<N> checkpoint with N > after that a resume on world_size ranks cannot use, as
+    "step_<N>: <problem>" naming the missing or damaged file (pretrain/checkpoint_files.py,
+    checkpoint_problem). Unfinished saves (.tmp and the like, cut short by a crash) are
+    expected and not listed, nor is an empty step_<N> directory (nothing of a checkpoint)."""
+    found = []
+    for n, path in step_checkpoints(checkpoints_dir):
+        if n <= after or _is_empty(path):
             continue
-        try:
-            read_state(path)
-        except StateError as error:
-            damaged.append(f"{path.name}: {error.problem}")
-    return damaged
+        if (problem := checkpoint_problem(path, world_size)) is not None:
+            found.append(f"{path.name}: {problem}")
+    return found
+
+
+def _is_empty(directory: Path) -> bool:
+    try:
+        return not any(directory.iterdir())
+    except OSError:  # unreadable: checkpoint_problem names the file it cannot read
+        return False

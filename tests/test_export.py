@@ -190,7 +190,7 @@ DAMAGE = {
     [
         ("missing", "no such directory"),
         ("no weights", "model.pt is missing"),
-        ("no config", "no config.json"),
+        ("no config", "config.json is missing (an incomplete checkpoint)"),
         ("damaged state", "state.json is unreadable"),
     ],
 )

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
+import subprocess
 import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from checkpointing import make_trainer
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
 from pretrain.metrics import (
@@ -22,6 +30,7 @@ from pretrain.metrics import (
     reset_peak_memory,
 )
 from pretrain.model import Transformer
+from pretrain.train import train_step
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257, rope_theta=10000.0, max_seq_len=32)
 
@@ -262,3 +271,153 @@ def test_tensorboard_without_the_package_is_skipped_with_one_debug_line(tmp_path
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
     assert [r.levelno for r in caplog.records] == [logging.DEBUG]
     assert "tensorboard" in caplog.records[0].getMessage().lower()
+
+
+# --- a metrics.jsonl that cannot be opened: one warning, the run goes on ---------------------
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """chattr +i: not even root may write, append to or remove path; undone on the way out."""
+    path.write_text('{"kind": "train", "step": 0}\n')
+    made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"chattr +i does not work here ({made.stderr.strip()}): the test needs an ext4-like file system")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def a_directory(path: Path) -> Iterator[None]:
+    path.mkdir()
+    yield
+
+
+UNWRITABLE = {"an immutable file": (immutable, "Operation not permitted"), "a directory": (a_directory, "Is a directory")}
+
+
+@pytest.mark.parametrize("kind", UNWRITABLE)
+def test_a_metrics_file_that_cannot_be_opened_is_one_warning_naming_it_and_the_log_goes_on(tmp_path, caplog, kind):
+    make, reason = UNWRITABLE[kind]
+    logger = logging.getLogger("test-metrics")
+    with make(tmp_path / "metrics.jsonl"), caplog.at_level(logging.WARNING, logger="test-metrics"):
+        with MetricsLog(tmp_path, enabled=True, tensorboard=False, logger=logger) as log:
+            log_two_steps(log)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot write {tmp_path / 'metrics.jsonl'}: {reason}; metrics are not recorded there; training goes on"
+    ]
+
+
+NOBODY = 65534
+
+
+def warnings_as_nobody(run_dir: Path) -> str:
+    """The warnings a MetricsLog of run_dir gives when uid and gid 65534 open it and log a step:
+    in a forked child, since the interpreter may live where that user cannot reach it."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            messages: list[str] = []
+            logger = logging.getLogger("test-metrics-nobody")
+            logger.addHandler(logging.Handler())
+            logger.handlers[-1].emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+            try:
+                with MetricsLog(run_dir, enabled=True, tensorboard=False, logger=logger) as log:
+                    log_two_steps(log)
+            except BaseException as error:
+                messages.append(f"raised {type(error).__name__}: {error}")
+            os.write(write, "\n".join(messages).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        result = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return result
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user (nobody)")
+def test_a_metrics_file_another_user_owns_is_one_warning_for_a_run_that_is_not_root():
+    with tempfile.TemporaryDirectory() as name:  # in /tmp: pytest's own are closed to other users
+        run = Path(name)
+        run.chmod(0o755)
+        (run / "metrics.jsonl").write_text("")  # root's, 0644
+        assert warnings_as_nobody(run) == (
+            f"cannot write {run / 'metrics.jsonl'}: Permission denied; metrics are not recorded there; training goes on"
+        )
+
+
+class _Writer:
+    """torch.utils.tensorboard's SummaryWriter as far as the log uses it, making its directory as
+    the real one does (the tensorboard package is not installed everywhere)."""
+
+    def __init__(self, log_dir: str) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir, self.closed = log_dir, False
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        (Path(self.log_dir) / "events").open("a").write(f"{tag} {value} {global_step}\n")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_tensorboard(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=_Writer))
+
+
+def test_a_tensorboard_directory_that_cannot_be_made_is_one_warning_and_the_metrics_file_goes_on(
+    tmp_path, caplog, fake_tensorboard
+):
+    (tmp_path / "tensorboard").write_text("a file in its place")
+    logger = logging.getLogger("test-metrics")
+    with caplog.at_level(logging.WARNING, logger="test-metrics"):
+        with MetricsLog(tmp_path, enabled=True, tensorboard=True, logger=logger) as log:
+            log_two_steps(log)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot write TensorBoard events in {tmp_path / 'tensorboard'}: File exists; they are not recorded; training goes on"
+    ]
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+def test_tensorboard_events_that_cannot_be_written_are_one_warning_and_the_writer_is_closed(tmp_path, caplog, fake_tensorboard):
+    logger = logging.getLogger("test-metrics")
+    with caplog.at_level(logging.WARNING, logger="test-metrics"):
+        with MetricsLog(tmp_path, enabled=True, tensorboard=True, logger=logger) as log:
+            writer = log._writer
+            (tmp_path / "tensorboard").rename(tmp_path / "gone")  # its directory taken away while the run writes
+            log_two_steps(log)
+    assert writer.closed
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot write TensorBoard events in {tmp_path / 'tensorboard'}: No such file or directory; "
+        "they are no longer recorded; training goes on"
+    ]
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_a_run_whose_metrics_file_is_immutable_trains_without_it(cache, tmp_path, capfd):
+    # The case the issue reports: such a file stopped the run before step 0.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with immutable(run_dir / "metrics.jsonl"):
+        trainer = make_trainer(cache, run_dir)
+        with trainer.metrics:
+            for step in range(2):
+                train_step(trainer, step)
+                trainer.metrics.log_train(step, 1.0, 1e-3, None, None, None, None, None)
+        assert (run_dir / "metrics.jsonl").read_text() == '{"kind": "train", "step": 0}\n'  # untouched
+    captured = capfd.readouterr()
+    assert (captured.out + captured.err).count(f"cannot write {run_dir / 'metrics.jsonl'}: Operation not permitted") == 1

@@ -3,16 +3,23 @@ checkpoint directories count as complete."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, one_line_error
-from pretrain.resume import ResumeError, checkpoint_at, latest, resolve_resume
+from launcher.printer import Printer
+from launcher.run_dirs import resume_point
+from pretrain import config as cfg
+from pretrain.checkpoint_files import checkpoint_problem
+from pretrain.resume import ResumeError, checkpoint_at, damaged_after, latest, resolve_resume
 
 
 def checkpoint_dir(run: Path, steps: int, complete: bool = True, name: str | None = None) -> Path:
@@ -33,12 +40,20 @@ def state(steps: int) -> dict:
     }
 
 
-def fill(path: Path, steps: int) -> Path:
-    """Make path a complete checkpoint of `steps` steps, as far as choosing one goes."""
-    (path / "state.json").write_text(json.dumps(state(steps)))
-    for file in ("model.pt", "optimizer.pt"):
-        (path / file).write_bytes(b"")
+def fill(path: Path, steps: int, world_size: int = 1) -> Path:
+    """Make path a complete checkpoint of `steps` steps written by world_size ranks, as far as
+    choosing one goes: every file a resume reads, whole as far as can be told without torch."""
+    (path / "state.json").write_text(json.dumps({**state(steps), "world_size": world_size}))
+    (path / "config.json").write_text("{}")
+    for file in ("model.pt", "optimizer.pt", *(f"rng_rank{rank}.pt" for rank in range(world_size))):
+        torch_file(path / file)
     return path
+
+
+def torch_file(path: Path) -> None:
+    """A file in torch.save's format (a zip archive), as far as a look without torch can tell."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"")
 
 
 def written_at(checkpoint: Path, seconds: int) -> None:
@@ -69,18 +84,38 @@ def test_latest_is_the_highest_complete_step_ignoring_unfinished_saves(tmp_path)
     checkpoint_dir(run, 600, name="step_600.deleting")  # being pruned
     checkpoint_dir(run, 700, name="step_700.superseded")  # set aside by resuming an earlier checkpoint
     weightless = checkpoint_dir(run, 800)
-    (weightless / "optimizer.pt").unlink()  # state.json alone is not a checkpoint
+    (weightless / "model.pt").unlink()  # state.json alone is not a checkpoint
     assert latest(run / "checkpoints") == ten  # 10 > 9: by number, not by name
     assert latest(tmp_path / "nothing") is None
 
 
-def test_a_sharded_checkpoint_is_complete_with_its_dcp_metadata(tmp_path):
-    sharded = checkpoint_dir(tmp_path / "run", 4, complete=False)
-    (sharded / "state.json").write_text(json.dumps(state(4)))
-    (sharded / "dcp").mkdir()
-    assert latest(tmp_path / "run" / "checkpoints") is None  # shards, but DCP's metadata (written last) missing
-    (sharded / "dcp" / ".metadata").write_bytes(b"")
-    assert latest(tmp_path / "run" / "checkpoints") == sharded
+def sharded(run: Path, steps: int, world_size: int = 2) -> Path:
+    """An FSDP checkpoint: dcp/.metadata (a pickle naming each rank's shard, as DCP's does) and
+    the shards, no model.pt or optimizer.pt."""
+    path = checkpoint_dir(run, steps, complete=False)
+    fill(path, steps, world_size)
+    (path / "model.pt").unlink()
+    (path / "optimizer.pt").unlink()
+    (path / "dcp").mkdir()
+    shards = [f"__{rank}_0.distcp" for rank in range(world_size)]
+    (path / "dcp" / ".metadata").write_bytes(
+        pickle.dumps({"storage_data": {n: {"relative_path": s} for n, s in enumerate(shards)}})
+    )
+    for shard in shards:
+        (path / "dcp" / shard).write_bytes(b"tensor bytes")
+    return path
+
+
+def test_a_sharded_checkpoint_is_complete_with_its_dcp_metadata_and_every_shard_it_names(tmp_path):
+    path = sharded(tmp_path / "run", 4)
+    assert latest(tmp_path / "run" / "checkpoints", 2) == path
+    (path / "dcp" / "__1_0.distcp").unlink()
+    assert latest(tmp_path / "run" / "checkpoints", 2) is None
+    assert (
+        checkpoint_problem(path, 2) == "dcp/__1_0.distcp is missing (an incomplete checkpoint); use another checkpoint of the run"
+    )
+    (path / "dcp" / ".metadata").write_bytes(b"")  # written last by DCP: a save cut short
+    assert checkpoint_problem(path, 2) == "dcp/.metadata is empty (a damaged checkpoint); use another checkpoint of the run"
 
 
 def test_a_checkpoint_left_aside_by_a_killed_replace_is_still_found_and_resumable(tmp_path, runs):
@@ -224,3 +259,87 @@ def test_resolving_imports_no_torch():
     code = "import sys, pretrain.resume; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.stdout.strip() == "False", result.stderr
+
+
+# --- what makes a checkpoint complete: every file a resume reads ---------------------------
+
+DAMAGE = {
+    "no optimizer.pt": (lambda path: (path / "optimizer.pt").unlink(), "optimizer.pt is missing (an incomplete checkpoint)"),
+    "no rng_rank1.pt": (lambda path: (path / "rng_rank1.pt").unlink(), "rng_rank1.pt is missing (an incomplete checkpoint)"),
+    "no model.pt": (lambda path: (path / "model.pt").unlink(), "model.pt is missing (an incomplete checkpoint)"),
+    "no config.json": (lambda path: (path / "config.json").unlink(), "config.json is missing (an incomplete checkpoint)"),
+    "a truncated model.pt": (
+        lambda path: os.truncate(path / "model.pt", 30),
+        "model.pt is damaged (not a whole torch.save file)",
+    ),
+    "an empty rng_rank0.pt": (lambda path: os.truncate(path / "rng_rank0.pt", 0), "rng_rank0.pt is empty (a damaged checkpoint)"),
+    "a directory for optimizer.pt": (
+        lambda path: ((path / "optimizer.pt").unlink(), (path / "optimizer.pt").mkdir()),
+        "optimizer.pt is not a file (a damaged checkpoint)",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_resume_auto_passes_over_a_checkpoint_missing_any_file_a_resume_reads_and_says_which(tmp_path, runs, damage):
+    run = tmp_path / "run"
+    five = checkpoint_dir(run, 5)
+    fill(five, 5, world_size=2)
+    ten = checkpoint_dir(run, 10)
+    fill(ten, 10, world_size=2)
+    spoil, problem = DAMAGE[damage]
+    spoil(ten)
+    assert resolve_resume("auto", str(run), runs, world_size=2) == (run, five.resolve())
+    assert damaged_after(five, world_size=2) == [f"step_10: {problem}; use another checkpoint of the run"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_an_explicit_resume_of_an_incomplete_checkpoint_is_refused_naming_the_file(tmp_path, runs, damage):
+    ten = checkpoint_dir(tmp_path / "run", 10)
+    fill(ten, 10, world_size=2)
+    spoil, problem = DAMAGE[damage]
+    spoil(ten)
+    with pytest.raises(ResumeError) as error:
+        resolve_resume(str(ten), None, runs, world_size=2)
+    assert one_line_error(error) == f"--resume {ten}: {problem}; use another checkpoint of the run"
+
+
+def test_the_random_state_files_a_checkpoint_needs_are_those_of_the_ranks_both_runs_have(tmp_path, runs):
+    # A rank the saving run did not have seeds its generators afresh (pretrain/checkpoint.py), and
+    # a rank the resuming run does not have reads nothing: neither file is needed.
+    two = fill(checkpoint_dir(tmp_path / "two", 3, complete=False), 3, world_size=2)
+    (two / "rng_rank1.pt").unlink()
+    assert checkpoint_problem(two, 1) is None
+    assert checkpoint_problem(two, 2) == "rng_rank1.pt is missing (an incomplete checkpoint); use another checkpoint of the run"
+    one = fill(checkpoint_dir(tmp_path / "one", 3, complete=False), 3, world_size=1)
+    assert checkpoint_problem(one, 4) is None
+    assert checkpoint_problem(two, None) is None  # a reader of the model alone (export) reads none
+
+
+def test_the_launcher_warns_of_each_checkpoint_auto_passes_over_naming_it_and_the_file(tmp_path):
+    run = tmp_path / "run"
+    fill(checkpoint_dir(run, 5, complete=False), 5, world_size=2)
+    for steps, file in ((10, "optimizer.pt"), (15, "rng_rank1.pt")):
+        (fill(checkpoint_dir(run, steps, complete=False), steps, world_size=2) / file).unlink()
+    console = io.StringIO()
+    config = cfg.resolve("debug", sets=["training.resume=auto"])
+    owned, resumed = resume_point(config, str(run), Printer(console, None, colour=False), world_size=2)
+    owned.abandon()
+    assert resumed.training.resume == str(run / "checkpoints" / "step_5")
+    fix = "(an incomplete checkpoint); use another checkpoint of the run"
+    assert console.getvalue().splitlines() == [
+        f"launcher: warning: not resuming from the later step_10: optimizer.pt is missing {fix}",
+        f"launcher: warning: not resuming from the later step_15: rng_rank1.pt is missing {fix}",
+        f"launcher: resuming from {run / 'checkpoints' / 'step_5'}",
+    ]
+
+
+def test_the_launcher_refuses_an_explicit_resume_of_an_incomplete_checkpoint_in_one_line_exit_2(tmp_path):
+    ten = fill(checkpoint_dir(tmp_path / "run", 10, complete=False), 10, world_size=2)
+    (ten / "rng_rank1.pt").unlink()
+    argv = ["--device", "cpu", "--nproc", "2", "--debug", "--run-dir", str(tmp_path / "next"), "--resume", str(ten)]
+    result = subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    fix = "(an incomplete checkpoint); use another checkpoint of the run"
+    assert result.stderr == f"launcher: error: --resume {ten}: rng_rank1.pt is missing {fix}\n"
+    assert not (tmp_path / "next").exists()

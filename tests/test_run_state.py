@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,10 @@ def checkpoint_with(run: Path, steps: int, state: object, raw: str | None = None
     path = run / "checkpoints" / f"step_{steps}"
     path.mkdir(parents=True)
     (path / "state.json").write_text(json.dumps(state) if raw is None else raw)
+    (path / "config.json").write_text("{}")
     for name in ("model.pt", "optimizer.pt"):
-        (path / name).write_bytes(b"")
+        with zipfile.ZipFile(path / name, "w"):  # torch.save's format, as far as choosing a checkpoint looks
+            pass
     return path
 
 
