@@ -8,7 +8,8 @@ with its own worker's code, as on one machine):
 
     75   another node's worker failed first (or its launcher stopped in error); this node
          stopped its workers
-    76   a node was lost: its launcher stopped answering (SIGKILLed, frozen, its machine gone)
+    76   a node was lost: its launcher stopped answering (SIGKILLed, frozen, its machine gone);
+         the lost node itself exits 76 too when it runs again (it was frozen or suspended)
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ class NodeStop:
 
     kind "failed": a worker of that node failed first (label, rank, exit_code and how say which
     and how); "error": its launcher stopped in error before or between its workers (detail says
-    why); "lost": the node stopped answering (detail says how it was noticed)."""
+    why); "lost": the node stopped answering (detail says how it was noticed). here: the stop
+    is about the node that tells it (a node found lost, once it runs again), never sent."""
 
     node: int
     host: str
@@ -162,6 +164,7 @@ class NodeStop:
     label: str | None = None
     rank: int | None = None
     exit_code: int | None = None
+    here: bool = False
 
     @property
     def our_exit_code(self) -> int:
@@ -173,7 +176,7 @@ class NodeStop:
         if self.kind == "failed":
             return f"{node} failed first: {self.label} (rank {self.rank}) {self.detail}"
         if self.kind == "lost":
-            return f"{node} was lost: {self.detail}"
+            return f"this node, {node}, {self.detail}" if self.here else f"{node} was lost: {self.detail}"
         return f"{node} stopped in error: {self.detail}"
 
     def to_json(self) -> str:

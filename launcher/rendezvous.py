@@ -14,7 +14,9 @@ TCPStore, which node 0's launcher hosts on --master-port.
    POLL_INTERVAL and stops its workers. Node 0 reads every node's beat: a node whose count has
    not moved for LOSS_AFTER seconds is lost, and node 0 writes that into the abort key. The
    others notice node 0's loss themselves: its store closes their connection (its launcher was
-   killed) or stops answering for LOSS_AFTER seconds (frozen, or its machine gone).
+   killed) or stops answering for LOSS_AFTER seconds (frozen, or its machine gone). A node
+   that was itself stopped (SIGSTOP, suspended, starved: launcher/pulse.py) past LOSS_AFTER
+   says so once it runs again: node 0 found it lost, and its silence is not node 0's.
 4. Finish. Each launcher writes done/<node>. Node 0, which hosts the store, waits for every
    other node's done (or its loss) before it exits, so no node loses the store it still needs.
 
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NoReturn, TypeVar
 
 from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
+from launcher.pulse import Pulse
 from launcher.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
 
 __all__ = ["LOSS_AFTER", "Member", "Node", "NodeInterrupted", "NodeStopped", "RendezvousError", "differences", "join"]
@@ -40,6 +43,7 @@ __all__ = ["LOSS_AFTER", "Member", "Node", "NodeInterrupted", "NodeStopped", "Re
 POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
 LOSS_AFTER = 3.0  # a node silent this long is lost (--node-timeout)
+ENDED_MEANWHILE = "node 0 found it lost and ended the job meanwhile (its rendezvous has closed)"
 T = TypeVar("T")
 
 
@@ -91,7 +95,6 @@ def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], No
             store = bounded(lambda: client(dist, spec, left), left + loss_after, "connect")
         except TimeoutError:
             raise RendezvousError(f"node 0 at {spec.endpoint} accepts connections but does not answer (frozen?)") from None
-        say(f"node {spec.node_rank} of {spec.nnodes}: joined the rendezvous on {spec.endpoint}")
     node = Node(spec, store, member, loss_after)
     try:
         node._join(deadline, timeout, say)
@@ -129,6 +132,8 @@ class Node:
         self._interrupt: NodeInterrupt | None = None
         self._stopping = threading.Event()
         self._last_contact = time.monotonic()
+        self._pulse: Pulse | None = None
+        """Not node 0, once watched: this process's own pauses (the alarm thread's turns)."""
         self._beats: dict[int, tuple[int, float]] = {}
         """Node 0: each node's beat count and when it last moved."""
         self._claimed = False
@@ -180,6 +185,8 @@ class Node:
         self._claimed = True
         self._call(lambda: store.add(f"beat/{rank}", 1), "join")
         self._call(lambda: store.set(f"join/{rank}", json.dumps(asdict(self.member))), "join")
+        if not self.spec.is_master:  # said once node 0 can see it: a launcher killed from now on is evicted
+            say(f"node {rank} of {self.spec.nnodes}: joined the rendezvous on {self.spec.endpoint}")
         while True:
             self._call(lambda: store.add(f"beat/{rank}", 1), "join")
             if self._call(lambda: store.check(["refused"]), "join"):
@@ -288,8 +295,7 @@ class Node:
                 if self._call(lambda: self._store.check([f"plan/{key}"]), "receive"):
                     return json.loads(self._call(lambda: self._store.get(f"plan/{key}"), "receive"))
             except Exception as error:
-                lost = NodeStop(0, self.host_of(0), "lost", f"its store stopped answering ({first_line(error)})")
-                raise NodeStopped(lost) from None
+                raise NodeStopped(self._contact_lost(f"its store stopped answering ({first_line(error)})")) from None
             time.sleep(POLL_INTERVAL)
 
     def check_going(self) -> None:
@@ -314,13 +320,15 @@ class Node:
                 return self._stop
         try:
             first = bounded(lambda: self._store.compare_set("abort", "", stop.to_json()), self.loss_after, "abort")
-        except Exception:  # node 0 is gone; the watch says so
+        except Exception:  # node 0 is gone; the watch says so, unless this node was the one stopped
+            if (frozen := self._frozen_here(ENDED_MEANWHILE)) is not None:
+                self._deliver(frozen)
             return self._stop
         earlier = NodeStop.from_json(first)
-        if earlier.node == self.rank:
+        if earlier.node == self.rank and earlier.kind != "lost":
             return None
         self._deliver(earlier)
-        return earlier
+        return self._stop
 
     def report_failure(self, label: str, rank: int, exit_code: int, how: str) -> NodeStop | None:
         """This node's worker failed (the supervisor's first failure): publish_stop."""
@@ -364,8 +372,10 @@ class Node:
             emit(interrupt)
 
     def _deliver(self, stop: NodeStop) -> None:
-        if stop.node == self.rank and stop.kind != "lost":
-            return
+        if stop.node == self.rank and not stop.here:
+            if stop.kind != "lost":
+                return
+            stop = self._told_lost(stop)
         with self._lock:
             if self._stop is not None:
                 return
@@ -380,6 +390,7 @@ class Node:
         self._last_contact = time.monotonic()  # the join may have lasted minutes
         threading.Thread(target=self._watch, daemon=True, name="node-watch").start()
         if not self.spec.is_master:
+            self._pulse = Pulse(long_pause=max(self.loss_after - BEAT_INTERVAL, self.loss_after / 2))
             threading.Thread(target=self._alarm, daemon=True, name="node-alarm").start()
 
     def _watch(self) -> None:
@@ -405,9 +416,7 @@ class Node:
             except Exception as error:  # node 0's store closed the connection: it is gone
                 if self._stopping.is_set():
                     return
-                self._deliver(
-                    NodeStop(0, self.host_of(0), "lost", f"its launcher closed the rendezvous connection ({first_line(error)})")
-                )
+                self._deliver(self._contact_lost(f"its launcher closed the rendezvous connection ({first_line(error)})"))
                 return
             self._stopping.wait(POLL_INTERVAL)
 
@@ -440,12 +449,46 @@ class Node:
                 self._deliver(NodeStop.from_json(first))
 
     def _alarm(self) -> None:
-        """Not node 0: its store stopped answering (frozen, or its machine gone)."""
+        """Not node 0: its store stopped answering (frozen, or its machine gone) while this node
+        ran. The alarm's turns are this process's pulse: a pause of its own is not node 0's silence."""
+        assert self._pulse is not None
         while not self._stopping.wait(POLL_INTERVAL * 2):
-            silent = time.monotonic() - self._last_contact
+            self._pulse.beat()
+            silent = time.monotonic() - max(self._last_contact, self._pulse.resumed_at)
             if silent >= self.loss_after:
                 self._deliver(NodeStop(0, self.host_of(0), "lost", f"its launcher stopped answering for {silent:.1f} s"))
                 return
+
+    # --- this node's own silence ----------------------------------------------------------
+
+    def _frozen_here(self, then: str) -> NodeStop | None:
+        """This node's story when it was itself stopped just now, long enough for node 0 to find
+        it lost (its beats stalled past loss_after); None when it was not (or it is node 0)."""
+        if self._pulse is None:
+            return None
+        recent = min(self._last_contact, time.monotonic() - 2 * self.loss_after)
+        paused = self._pulse.paused_since(recent)
+        if paused < self._pulse.long_pause:
+            return None
+        detail = (
+            f"stopped answering for {paused:.1f} s (frozen, suspended or starved; --node-timeout {self.loss_after:g} s): {then}"
+        )
+        return NodeStop(self.rank, self.member.host, "lost", detail, here=True)
+
+    def _contact_lost(self, how: str) -> NodeStop:
+        """Not node 0: its store closed or failed (how). Node 0 is lost, unless this node was
+        the one stopped: then node 0 found it lost and ended the job meanwhile."""
+        return self._frozen_here(ENDED_MEANWHILE) or NodeStop(0, self.host_of(0), "lost", how)
+
+    def _told_lost(self, stop: NodeStop) -> NodeStop:
+        """Node 0's word (the abort key, or its verdict) that this node was lost, as this node tells it."""
+        if (frozen := self._frozen_here("node 0 found it lost and stopped the job")) is not None:
+            return frozen
+        detail = (
+            f"was found lost by node 0 ({stop.detail}): its heartbeats did not reach node 0 in time "
+            "(a network stall? raise --node-timeout)"
+        )
+        return NodeStop(self.rank, self.member.host, "lost", detail, here=True)
 
     # --- the end --------------------------------------------------------------------------
 
@@ -492,7 +535,7 @@ class Node:
             return  # node 0 is gone: this node has said so already
         for record in records:
             stop = NodeStop.from_json(record)
-            self.lost.setdefault(stop.node, stop)
+            self.lost.setdefault(stop.node, self._told_lost(stop) if stop.node == self.rank else stop)
 
     def close(self) -> None:
         self._stopping.set()

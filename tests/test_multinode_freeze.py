@@ -1,0 +1,131 @@
+"""A node's launcher frozen (SIGSTOP: Ctrl-Z, a suspended job, a starved machine) past
+--node-timeout, then resumed (issue 28, item 9): node 0 stops the job naming the frozen node,
+and the frozen node, once it runs again, says that it was the one that stopped answering, not
+that node 0 was lost; both exit 76. Node 0 frozen (the reverse) is in tests/test_multinode.py."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from conftest import launcher_env, wait_until
+from launcher.nodes import EXIT_NODE_LOST
+from launcher.pulse import Pulse
+from multinode_helpers import NodeRun, start_nodes
+
+# Node 0's worker, when asked, holds node 0's launcher in its teardown (it ignores SIGTERM) until
+# the test releases it: node 0's store still answers when node 1 runs again.
+WORKER = """
+import os, pathlib, signal, sys, time
+shared = pathlib.Path(sys.argv[1])
+if os.environ["NODE_RANK"] == os.environ.get("HOLD_NODE"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+(shared / f"up{os.environ['RANK']}").write_text(str(os.getpid()))
+deadline = time.monotonic() + 120
+while not (shared / "release").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+"""
+NODE_1_LOST = re.compile(r"STOPPED: node 1 \(.*\) was lost: its launcher stopped answering")
+FROZEN = re.compile(
+    r"this node, node 1 \(.*\), stopped answering for (\d+\.\d) s \(frozen, suspended or starved; --node-timeout 1 s\)"
+)
+
+
+@pytest.fixture
+def worker(tmp_path) -> list[str]:
+    (tmp_path / "shared").mkdir()
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return ["--", sys.executable, str(path), str(tmp_path / "shared")]
+
+
+def frozen_node_1(tmp_path, processes, worker, hold_node_0: bool) -> tuple[NodeRun, NodeRun, float]:
+    """Both nodes' workers up, then node 1's launcher stopped until node 0 has found it lost (and,
+    unless node 0's worker holds it, ended); node 1 runs again. How long node 1 was stopped."""
+    env = launcher_env(HOLD_NODE="0" if hold_node_0 else "")
+    options = ["--nproc", "1", "--node-timeout", "1", "--kill-grace", "60", *worker]
+    node0, node1 = start_nodes(tmp_path, processes, options, env=env)
+    both_up = lambda: len(list((tmp_path / "shared").glob("up*"))) == 2  # noqa: E731
+    assert wait_until(lambda: both_up() or node0.proc.poll() is not None or node1.proc.poll() is not None, timeout=120)
+    assert both_up(), node0.text + node1.text
+    node1.proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        if hold_node_0:
+            assert wait_until(lambda: "was lost" in node0.text, timeout=60), node0.text
+        else:
+            assert wait_until(lambda: node0.proc.poll() is not None, timeout=60), node0.text
+    finally:
+        node1.proc.send_signal(signal.SIGCONT)
+    return node0, node1, time.monotonic() - stopped_at
+
+
+@pytest.mark.parametrize("hold_node_0", [True, False], ids=["node 0 still up", "node 0 ended"])
+def test_a_node_frozen_past_the_node_timeout_says_it_stopped_answering_and_exits_76(tmp_path, processes, worker, hold_node_0):
+    node0, node1, frozen_for = frozen_node_1(tmp_path, processes, worker, hold_node_0)
+    if hold_node_0:
+        assert wait_until(lambda: FROZEN.search(node1.text) is not None or node1.proc.poll() is not None, timeout=60)
+        (tmp_path / "shared" / "release").write_text("")
+    code1 = node1.wait(timeout=60)
+    (tmp_path / "shared" / "release").write_text("")
+    assert node0.wait(timeout=60) == EXIT_NODE_LOST, node0.text
+    assert NODE_1_LOST.search(node0.text), node0.text
+    assert code1 == EXIT_NODE_LOST, node1.text
+    said = FROZEN.search(node1.text)
+    assert said is not None, node1.text
+    assert 1.0 <= float(said[1]) <= frozen_for + 1.0, (said[0], frozen_for)
+    ending = "node 0 found it lost and stopped the job" if hold_node_0 else "node 0 found it lost and ended the job meanwhile"
+    assert f"STOPPED: {said[0]}: {ending}" in node1.text, node1.text
+    assert "Exit code 76: a node was lost." in node1.text
+    assert "node 0 (" not in node1.text and "was lost:" not in node1.text, node1.text
+
+
+def test_node_0_killed_is_still_blamed_on_node_1_which_was_not_frozen(tmp_path, processes, worker):
+    node0, node1 = start_nodes(tmp_path, processes, ["--nproc", "1", "--node-timeout", "1", "--kill-grace", "60", *worker])
+    both_up = lambda: len(list((tmp_path / "shared").glob("up*"))) == 2  # noqa: E731
+    assert wait_until(lambda: both_up() or node0.proc.poll() is not None or node1.proc.poll() is not None, timeout=120)
+    assert both_up(), node0.text + node1.text
+    node0.proc.send_signal(signal.SIGKILL)
+    assert node1.wait(timeout=60) == EXIT_NODE_LOST, node1.text
+    assert re.search(r"STOPPED: node 0 \(.*\) was lost: its launcher closed the rendezvous connection", node1.text), node1.text
+    assert "this node" not in node1.text.split("all 2 nodes joined")[-1].replace("this node's", ""), node1.text
+
+
+# --- the pulse: how long this process was stopped, on its own clock -------------------------
+
+
+class Clock:
+    """time.monotonic for launcher.pulse, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr("launcher.pulse.time.monotonic", clock)
+    return clock
+
+
+def test_a_gap_between_two_turns_of_at_least_long_pause_is_a_pause_of_the_process(clock):
+    pulse = Pulse(long_pause=0.5)
+    clock.now += 0.2
+    pulse.beat()
+    clock.now += 0.4  # a slow turn, not a pause
+    pulse.beat()
+    assert pulse.paused_since(0.0) == 0.0 and pulse.resumed_at == 0.0
+    clock.now += 25.0
+    assert pulse.paused_since(0.0) == pytest.approx(25.0)  # still paused: the turn has not come
+    pulse.beat()
+    clock.now += 0.2
+    pulse.beat()
+    assert pulse.paused_since(100.0) == pytest.approx(25.0) and pulse.resumed_at == pytest.approx(125.6)
+    assert pulse.paused_since(126.0) == 0.0  # a pause that ended before: not this silence's
