@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 from pretrain.data import DataError
 from pretrain.data import prepare as prep
 from pretrain.data.prepare import prepare, read_meta, verify
-from pretrain.data.tokenizer import BYTE_EOT, BYTE_VOCAB_SIZE, ByteTokenizer
+from pretrain.data import bpe_process
+from pretrain.data.tokenizer import BYTE_EOT, BYTE_VOCAB_SIZE, ByteTokenizer, train_bpe
 from conftest import cache_leftovers, one_line_error
 from helpers import all_tokens, data_config, prepared
 
@@ -405,3 +407,42 @@ def test_a_damaged_cached_bpe_tokenizer_is_trained_again(tmp_path, bpe_calls):
     assert bpe_calls == [300, 300]
     assert any(line.startswith("dataset: training the BPE tokenizer again (forced)") for line in lines)
     assert json.loads(trained.read_text())["model"]["type"] == "BPE"
+
+
+# --- the BPE trainer's child process (pretrain/data/bpe_process.py) -------------------------------
+
+
+def test_a_bpe_tokenizer_that_cannot_be_written_is_a_one_line_error_naming_the_file(tmp_path):
+    destination = tmp_path / "missing" / "tokenizer.json"
+    with pytest.raises(DataError) as error:
+        train_bpe(iter(CORPUS), 300, destination)
+    assert one_line_error(error) == f"cannot write {destination}: No such file or directory (os error 2)"
+
+
+def test_a_bpe_trainer_killed_by_the_kernel_is_an_error_that_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(bpe_process, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")  # as the OOM killer
+    with pytest.raises(DataError) as error:
+        train_bpe(iter(CORPUS), 300, tmp_path / "tokenizer.json")
+    assert one_line_error(error) == "training the BPE tokenizer was killed by SIGKILL; out of memory?"
+
+
+class Stopped(Exception):
+    pass
+
+
+def test_a_bpe_trainer_ended_by_a_stop_signal_stops_its_parent_as_that_signal_would(tmp_path, monkeypatch):
+    # Slurm signals every process of a job: the trainer can die of SIGTERM before its parent
+    # gets its own, which must then still be acted on, not reported as a failed training.
+    monkeypatch.setattr(bpe_process, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Stopped) as stopped:
+            train_bpe(iter(CORPUS), 300, tmp_path / "tokenizer.json")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.args == (signal.SIGTERM,)
+    assert list(tmp_path.iterdir()) == []

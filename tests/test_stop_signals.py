@@ -1,8 +1,9 @@
 """Every stop signal a scheduler or a terminal sends ends a run with the step finished, a
 checkpoint and the documented exit code: SIGTERM to every process of the job (as Slurm sends
 it), with and without DataLoader worker processes, and SIGHUP (a closed terminal) to the
-launcher or to a training process. DataLoader workers ignore the job's signals
-(pretrain/data/loader.py) and still end with their training process."""
+launcher or to a training process; a console whose reader goes away (`| head`) stops the run the
+same way, with 141. DataLoader workers ignore the job's signals (pretrain/data/loader.py) and
+still end with their training process."""
 
 from __future__ import annotations
 
@@ -333,3 +334,19 @@ def test_a_killed_training_process_takes_its_dataloader_workers_and_its_peers_fa
     assert proc.wait(timeout=60) == 137
     teardown = float(proc.stdout.read().split("teardown took ")[1].split(" s")[0])
     assert teardown < MP_STATUS_CHECK_INTERVAL * 0.8  # 5.0 s before, 0.1 s measured
+
+
+@pytest.mark.slow
+def test_a_console_whose_reader_goes_away_stops_the_run_with_a_checkpoint_and_exits_141(processes, tmp_path):
+    # `run_training.sh --debug | head -30`: the reader takes a few lines, then closes its end.
+    proc = start_training(processes, tmp_path)
+    read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
+    job = family(proc)
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 141  # 128 + SIGPIPE, as a shell reports a pipeline's writer
+    log = (tmp_path / "run" / "logs" / "combined.log").read_text()
+    assert "launcher: console output closed (broken pipe): asking the workers to stop gracefully" in log
+    saved_checkpoint(tmp_path / "run", log, "SIGTERM")
+    assert "launcher: stopped: console output closed (broken pipe); every worker exited within" in log
+    assert exit_codes(tmp_path / "run") == [143, 143]
+    assert wait_until(lambda: not any(alive(p.pid) for p in job), timeout=5)

@@ -24,7 +24,9 @@ files, nothing more (under 0.3 s whatever the size); `verify` re-hashes on reque
 A build writes into a temporary directory beside the final one and renames it into place, so the
 final name only ever holds a complete dataset. A lock file `<final>.lock` (present only while a
 build runs) makes concurrent preparers build once: the others wait, then reuse. The mechanics of
-that are in cache.py.
+that are in cache.py. A cache hit writes nothing, so a read-only cache that holds the dataset
+serves; one that does not, or another user's private one, is refused in one line with the fix,
+and in a cache several users share what a build creates follows the cache's mode (shared_cache.py).
 
 This module must not import torch: the launcher imports it and has to start fast.
 """
@@ -37,6 +39,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from pretrain import registry
+from pretrain import registry, shared_cache
 from pretrain.data import DataError
 from pretrain.data.cache import (
     FORMAT_VERSION,
@@ -75,6 +78,7 @@ from pretrain.data.tokenizer import (
 from pretrain.data.splits import split_point, splits_meta
 from pretrain.data.windows import DTYPES, Segment
 from pretrain.runfiles import cache_path, naming
+from pretrain.shared_cache import make_dirs
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
@@ -84,6 +88,7 @@ __all__ = [
     "read_meta",
     "verify",
     "sigterm_as_exit",
+    "stop_signal",
     "model_vocab_size",
     "split_point",
     "storage_dtype",
@@ -119,16 +124,22 @@ def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | Non
     meta, problem = inspect_dataset(final, recipe.key)
     if meta is not None and not force:
         return _reuse(final, meta, log, started)
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(final, log):
-        meta, problem = inspect_dataset(final, recipe.key)  # another preparer may have built it meanwhile
-        if meta is not None and not force:
-            return _reuse(final, meta, log, started)
-        remove_leftovers(final)
-        if final.exists():
-            log(f"dataset: rebuilding {final} ({'forced' if meta is not None else f'damaged: {problem}'})")
-        _build(final, recipe, log)
+    try:
+        make_dirs(final.parent)
+        with build_lock(final, log):
+            meta, problem = inspect_dataset(final, recipe.key)  # another preparer may have built it meanwhile
+            if meta is not None and not force:
+                return _reuse(final, meta, log, started)
+            remove_leftovers(final)
+            if final.exists():
+                log(f"dataset: rebuilding {final} ({'forced' if meta is not None else f'damaged: {problem}'})")
+            _build(final, recipe, log)
+    except OSError as error:
+        # A read-only cache, or another user's: said in one line with the fix, not as a bare errno.
+        if not shared_cache.concerns(error, final.parent):
+            raise
+        doing = f"preparing the dataset ({'forced' if force else problem})"
+        raise DataError(shared_cache.refusal(error, doing)) from None
     return final
 
 
@@ -220,7 +231,7 @@ def _reuse(dataset_dir: Path, meta: dict[str, Any], log: Log, started: float) ->
 def _build(final: Path, recipe: Recipe, log: Log) -> None:
     started = time.monotonic()
     # mkdir (not mkdtemp) so the directory gets the umask's permissions: others on a shared
-    # machine must be able to read the cache.
+    # machine must be able to read the cache (and in a cache several users share, its mode: share_entry).
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -234,9 +245,15 @@ def _build(final: Path, recipe: Recipe, log: Log) -> None:
             "build_seconds": round(seconds, 3),
         }
         write_synced(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        shared_cache.share_entry(tmp)
         replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (signum := stop_signal(error)) is not None:
+            log(
+                f"dataset: preparation interrupted by {signum.name}; "
+                "nothing half-written is kept (its temporary files are removed)"
+            )
         raise
     tokens = meta["tokens"]
     total = tokens["train"] + tokens["val"]
@@ -312,13 +329,15 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
     spec = tokenizer_spec(cfg, source.identity)
     final = _dataset_path(str(cache_path(cfg.cache_dir) / "tokenizers"), f"bpe{cfg.bpe_vocab_size}", spec)
     file = final / TOKENIZER_FILE
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(final.parent)
     with build_lock(final, log):
         problem = "forced" if force else _tokenizer_problem(file)
         if problem is None:
             return file
         if file.exists():
             log(f"dataset: training the BPE tokenizer again ({problem}): {file}")
+        else:  # said before it starts: it can take long, and a stop signal ends it at once
+            log(f"dataset: training a {cfg.bpe_vocab_size}-token BPE tokenizer on {source.name}")
         remove_leftovers(final)
         started = time.monotonic()
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -326,6 +345,7 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
         try:
             texts = (piece.text for piece in limited(source.pieces(), cfg.max_samples))
             train_bpe(texts, cfg.bpe_vocab_size, tmp / TOKENIZER_FILE)
+            shared_cache.share_entry(tmp)
             replace_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -335,6 +355,16 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
             f"in {time.monotonic() - started:.1f}s: {file}"
         )
     return file
+
+
+def stop_signal(error: BaseException) -> signal.Signals | None:
+    """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and
+    sigterm_as_exit's SystemExit(128 + n) is SIGTERM or SIGHUP."""
+    if isinstance(error, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(error, SystemExit) and error.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
+        return signal.Signals(int(error.code) - 128)
+    return None
 
 
 def _tokenizer_problem(file: Path) -> str | None:

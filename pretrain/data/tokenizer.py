@@ -198,24 +198,15 @@ def huggingface_file(name: str) -> Path:
 
 def train_bpe(texts: Iterator[str], vocab_size: int, destination: Path) -> None:
     """Train a byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) on texts and
-    write its tokenizer.json to destination. Streams: the trainer keeps word counts, not text."""
-    try:
-        from tokenizers import Tokenizer as RustTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-    except ImportError:
-        raise DataError("data.tokenizer bpe needs the tokenizers package: pip install tokenizers") from None
+    write its tokenizer.json to destination. Streams: the trainer keeps word counts, not text.
+    It trains in a child process (bpe_process.py), so that a stop signal is acted on at once."""
+    import importlib.util
 
-    tokenizer = RustTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BPE_EOT], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    try:
-        tokenizer.save(str(destination))
-    except Exception as error:  # a plain Exception: "No space left on device (os error 28)"
-        raise DataError(f"cannot write {destination}: {first_line(error)}") from None
+    if importlib.util.find_spec("tokenizers") is None:
+        raise DataError("data.tokenizer bpe needs the tokenizers package: pip install tokenizers")
+    from pretrain.data.bpe_process import train_in_child
+
+    train_in_child(texts, vocab_size, BPE_EOT, destination)
 
 
 class ByteTokenizer:
