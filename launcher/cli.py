@@ -12,26 +12,28 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import shutil
 import signal
 import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import devices, gpu_table, multinode, nvml, run_lock
-from launcher.errors import EXIT_USAGE, CommandNotFound, UsageError
+from launcher import address_space, devices, gpu_table, multinode, nvml, outcome, run_lock
+from launcher.address_space import is_out_of_memory, refusal
+from launcher.errors import EXIT_USAGE, UsageError
 from launcher.run_dirs import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.claims import ClaimError
+from launcher.compile_cache import kernel_cache_dir
 from launcher.nodes import Layout, NodeSpecError
 from launcher.rendezvous import Node, NodeInterrupted, NodeStopped, RendezvousError
 from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
 from launcher.printer import Printer, use_colour
 from launcher.scripted_nvml import BadScript
-from launcher.supervisor import StartError, Supervisor, SupervisorOptions
-from launcher.worker import Worker, with_package_root, without_package_root, worker_env
+from launcher.supervisor import Supervisor, SupervisorOptions
+from launcher.worker import StartError, Worker, check_runnable, with_package_root, without_package_root, worker_env
 from pretrain import config as cfg
 from pretrain import exit_codes
+from pretrain.thread_env import bad_thread_variable
 from pretrain.runfiles import (
     CACHE_DIR_VAR,
     PACKAGE_ROOT,
@@ -46,7 +48,6 @@ MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain/__main__.py dumps every thread's stack on it
 CONSOLE_COMMAND = "pretrain-launch"  # pyproject.toml [project.scripts]
-EXIT_CANNOT_EXECUTE = 126
 
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, as a shell pipeline reports it
 
@@ -136,12 +137,16 @@ def show_gpus(argv: Sequence[str]) -> int:
     add_criteria_arguments(parser)
     args = parser.parse_args(argv)
     criteria = devices.Criteria.parse(args.min_free_memory, args.max_utilization)
+    # What applies to a listing (not the training launch's --device cpu): why there is nothing to list.
     try:
         gpus = nvml.discover()
-    except nvml.NoGpuDriver:
-        gpus = []
+    except nvml.NoGpuDriver as error:
+        raise UsageError(f"no NVIDIA driver ({error}): no GPU to show; `nvidia-smi` checks the driver") from None
+    except nvml.NvmlFailure as error:
+        # Its message ends in the training launch's way out, "or use --device cpu": not this command's.
+        raise UsageError(str(error).removesuffix(", or use --device cpu")) from None
     if not gpus:
-        raise UsageError(devices.NO_GPU_FOUND)
+        raise UsageError("the NVIDIA driver reports no GPU: none to show; `nvidia-smi -L` lists what it sees")
     visible = devices.visible_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     print(gpu_table.render([devices.judge(gpu, criteria, visible) for gpu in gpus]))
     return 0
@@ -163,7 +168,12 @@ def free_port() -> int:
 
 
 def make_workers(
-    placement: Placement, command: list[str], training: bool = False, layout: Layout | None = None, master_port: int | None = None
+    placement: Placement,
+    command: list[str],
+    training: bool = False,
+    layout: Layout | None = None,
+    master_port: int | None = None,
+    compile_cache: str | None = None,
 ) -> list[Worker]:
     """One worker per rank. Training workers get HF_HUB_OFFLINE=1: the launcher has already
     fetched what they read from the Hugging Face Hub (the dataset's files, pinned to a commit, and
@@ -171,7 +181,8 @@ def make_workers(
     also get the roots, absolute, so they find the dataset the launcher prepared, and this
     project on PYTHONPATH when Python would not find it otherwise (a clone, not installed). The
     user's own command gets the user's PYTHONPATH, without this project's packages. layout:
-    where this node's workers sit in a job of several nodes (default: this machine alone)."""
+    where this node's workers sit in a job of several nodes (default: this machine alone).
+    compile_cache: their TORCHINDUCTOR_CACHE_DIR (launcher/compile_cache.py), None for torch's default."""
     layout = layout or Layout(placement.world_size)
     port, cpus = master_port or free_port(), os.cpu_count() or 1
     base = dict(os.environ)
@@ -200,15 +211,15 @@ def make_workers(
             gpu_id=gpu.id if gpu else None,
             cuda_device_index=placement.cuda_device_index(local),
             cpu_count=cpus,
-            compile_cache=str(cache_root() / "inductor"),
+            compile_cache=compile_cache,
         )
         workers.append(Worker(rank=rank, label=layout.label(placement.label(local), local), argv=command, env=env))
     return workers
 
 
 def check_command(command: list[str]) -> None:
-    if shutil.which(command[0]) is None:
-        raise CommandNotFound(f"command not found: {command[0]}")
+    """Refuse, before anything is claimed or written, a command a shell could not run (126, 127)."""
+    check_runnable(command[0], os.environ.get("PATH"))
 
 
 def prepare_training(config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None) -> cfg.Config:
@@ -217,7 +228,8 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     anything is spawned or written; return the config as the workers will run it (training.parallelism
     "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
     In a job of several nodes, the whole job's worker count and smallest GPU decide."""
-    from pretrain.data.fitting import fit_to_dataset
+    with address_space.loading_numpy():  # its first import: a limit on address space is one line
+        from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
@@ -295,6 +307,8 @@ def run(argv: Sequence[str]) -> int:
     check_seconds("--node-timeout", args.node_timeout, 1, MAX_STOP_TIMEOUT)
     if args.hang_timeout is not None:
         check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
+    if problem := bad_thread_variable(os.environ):  # the workers get them (launcher/worker.py)
+        raise UsageError(problem)
     spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     set_roots(args.runs_dir, args.cache_dir)
     config = cfg.from_args(args)
@@ -318,7 +332,8 @@ def run(argv: Sequence[str]) -> int:
     try:
         if spec is None:
             return run_placed(args, config, command, placement, console)
-        from pretrain.data.cache import sigterm_as_exit
+        with address_space.loading_numpy():  # several nodes: numpy's first import is here
+            from pretrain.data.cache import sigterm_as_exit
 
         identity = {"command": command} if command else cfg.to_dict(config)
         with sigterm_as_exit():  # until the supervisor takes the signals: the others are told
@@ -355,7 +370,8 @@ def run_placed(
             owned = own_run_dir(run_dir_path(args.run_dir))
         else:
             # The checkpoint first: a resumed run reads the Hub files its checkpoint was trained on.
-            owned, config = resume_point(config, args.run_dir, console)
+            world_size = node.world_size if node is not None else placement.world_size
+            owned, config = resume_point(config, args.run_dir, console, world_size)
         master_port = free_port()
         if node is not None:
             node.share("run", {"run_dir": str(owned.path), "resume": config.training.resume, "worker_port": master_port})
@@ -379,8 +395,10 @@ def run_owned(
     master_port: int | None = None,
 ) -> int:
     generic = bool(command)
+    kernels = None  # the user's own command keeps the user's (or torch's) compile cache
     if not generic:
         config = prepare_training(config, placement, console, node)
+        kernels = kernel_cache_dir(config, placement.device, console.launcher_line)
         if node is not None:
             multinode.agree_on_config(node, cfg.to_dict(config))
     if node is not None:
@@ -395,7 +413,7 @@ def run_owned(
     try:
         if not command:
             command = training_command(config, run_dir, printer)
-        workers = make_workers(placement, command, not generic, multinode.layout(node, placement), master_port)
+        workers = make_workers(placement, command, not generic, multinode.layout(node, placement), master_port, kernels)
         options = SupervisorOptions(
             kill_grace=args.kill_grace,
             stop_timeout=args.stop_timeout,
@@ -408,8 +426,14 @@ def run_owned(
             stop_leaders_only=not generic,
             exit_meanings={} if generic else exit_codes.MEANINGS,
             agreed_exit_codes=frozenset() if generic else exit_codes.AGREED,
+            consequence_exit_codes=frozenset() if generic else exit_codes.CONSEQUENCES,
         )
-        return Supervisor(workers, printer, options, peers=node).run()
+        try:
+            return Supervisor(workers, printer, options, peers=node).run()
+        except StartError as error:  # workers.json says which worker, why, and the exit code
+            if warning := outcome.write_exit_record(run_dir, outcome.start_failure_record(workers, error), options.exit_record):
+                printer.launcher_line(warning)
+            raise
     finally:
         printer.close()
 
@@ -421,12 +445,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except BrokenPipeError:
-        # The reader of our output went away (`| head`); the workers are already killed.
+        # The reader of our output went away (`| head`) before a worker started; afterwards the
+        # supervisor stops the run gracefully instead (launcher/printer.py on_console_closed).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         code = EXIT_BROKEN_PIPE
-    except StartError as error:
+    except StartError as error:  # 126 or 127 as a shell says; 2 where no memory was left to start it
         print(f"launcher: error: {error}", file=sys.stderr)
-        code = EXIT_CANNOT_EXECUTE
+        code = error.exit_code
     except NodeStopped as stopped:
         print(f"launcher: {stopped}; exit code {stopped.stop.our_exit_code}", file=sys.stderr)
         code = stopped.stop.our_exit_code
@@ -453,9 +478,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ) as error:
         print(f"launcher: error: {error}", file=sys.stderr)
         code = EXIT_USAGE
-    except OSError as error:  # an unwritable cache directory, a full disk
-        print(f"launcher: error: {os_error_message(error)}", file=sys.stderr)
+    except OSError as error:  # an unwritable cache directory, a full disk, no memory left to fork
+        print(f"launcher: error: {refusal() if is_out_of_memory(error) else os_error_message(error)}", file=sys.stderr)
         code = EXIT_USAGE
+    except (MemoryError, RuntimeError, ImportError, SystemError) as error:  # the launcher's own, under `ulimit -v`
+        if not is_out_of_memory(error):
+            raise
+        print(f"launcher: error: {refusal()}", file=sys.stderr)
+        code = address_space.EXIT_CODE
     except KeyboardInterrupt:
         code = 130
     if "torch" in sys.modules:

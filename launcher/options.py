@@ -33,3 +33,9 @@ class SupervisorOptions:
     """What the workers' own exit codes mean, named in the summary."""
     agreed_exit_codes: frozenset[int] = frozenset()
     """Codes every worker exits with together (rule 2)."""
+    consequence_exit_codes: frozenset[int] = frozenset()
+    """Codes of a worker whose failure another worker's caused (it lost the connection to it):
+    such an exit decides nothing while another worker may still report the cause (rule 1)."""
+    cause_wait: float = 5.0
+    """After a consequence exit, seconds the supervisor waits for another worker's failure, the
+    cause, before it reports the consequence itself as the first failure (rule 1)."""

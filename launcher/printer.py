@@ -1,21 +1,34 @@
 """Where lines go: the console with a prefix per worker, a prefix-free log per worker, and
 one combined log. Only the supervisor's event loop calls this, so lines never interleave.
+A worker's line that starts with LOG_ONLY_MARK is for the logs alone: a consequence's traceback,
+which would bury on the console the line of the rank that failed first.
 
 A destination that fails (a full disk: ENOSPC, EIO, EDQUOT; a hung-up terminal: EIO) is
 reported once and then left alone, and the others go on: a log file's failure is told on the
 console, the console's in the combined log. A run is never stopped, nor its summary lost,
-because a log could not be written. Only a closed pipe (`| head`) still ends the launcher:
-BrokenPipeError goes up to the command line, as the reader asked for no more."""
+because a log could not be written. A closed pipe (`| head`) is the reader asking for no more:
+the console is left as above and on_console_closed is called (the supervisor stops the run
+gracefully, as on SIGHUP: docs/failures.md "Stop signals"); without it (nothing is running
+yet), BrokenPipeError goes up to the command line."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 LAUNCHER_PREFIX = "launcher"
 COMBINED_LOG = "combined.log"
+LOG_ONLY_VAR = "LAUNCHER_LOG_ONLY_MARK"
+"""In every worker's environment: the marker of a line meant for the logs only (the worker
+contract, docs/design.md "Log format"; pretrain/peer_loss.py marks a consequence's traceback)."""
+LOG_ONLY_MARK = "\x1flog-only\x1f"
+"""A word between unit separators: no line starts so by chance, a terminal shows no separator, and
+none of Python's line boundaries is among them (str.splitlines splits at \\x1c-\\x1e)."""
+CONSOLE_CLOSED = "console output closed (broken pipe)"
+"""What the combined log and the summary call a console whose reader went away."""
 _COLOURS = ["36", "33", "35", "32", "34", "31", "96", "93"]  # cyan, yellow, magenta, ...
 
 
@@ -33,6 +46,8 @@ class Printer:
         self._failed: set[str] = set()
         """Log files that could not be written: reported once, then no longer tried."""
         self._colour_of: dict[str, str] = {}
+        self.on_console_closed: Callable[[], None] | None = None
+        """Called once when the console's reader goes away (the supervisor's); None: BrokenPipeError is raised."""
         if logs_dir is not None:
             self._file(COMBINED_LOG)  # created at once, so it exists even for a run that prints nothing
 
@@ -43,7 +58,15 @@ class Printer:
         return f"\033[{code}m{label}:\033[0m"
 
     def worker_line(self, label: str, line: str) -> None:
-        """One line (without its newline) that the worker labelled `label` wrote."""
+        """One line (without its newline) that the worker labelled `label` wrote. A line that
+        starts with LOG_ONLY_MARK goes, without it, to the logs only, unless the worker's own log
+        cannot take it: then the console does, so that nothing is lost."""
+        if is_log_only(line):
+            line = line.removeprefix(LOG_ONLY_MARK)
+            self._to_log(COMBINED_LOG, f"{label}:{line}\n")
+            if not self._to_log(f"{label.lower()}.log", line + "\n"):
+                self._to_console(f"{self._prefix(label)}{line}\n")
+            return
         self._to_console(f"{self._prefix(label)}{line}\n")
         self._to_log(f"{label.lower()}.log", line + "\n")
         self._to_log(COMBINED_LOG, f"{label}:{line}\n")
@@ -75,7 +98,11 @@ class Printer:
             self._console.write(text)
             self._console.flush()
         except BrokenPipeError:
-            raise
+            if self.on_console_closed is None:
+                raise
+            console, self._console = self._console, None
+            _silence(console)  # what its buffer holds would fail again at exit
+            self.on_console_closed()
         except OSError as error:
             console, self._console = self._console, None
             _silence(console)
@@ -85,15 +112,18 @@ class Printer:
                 "it stops here, the logs keep everything\n",
             )
 
-    def _to_log(self, name: str, text: str) -> None:
+    def _to_log(self, name: str, text: str) -> bool:
+        """Append text to logs/<name>; whether it was written."""
         if self._logs_dir is None or name in self._failed:
-            return
+            return False
         try:
             handle = self._file(name)
             if handle is not None:
                 handle.write(text)  # line buffered: written now, or the error is raised now
+                return True
         except OSError as error:
             self._give_up(name, error)
+        return False
 
     def _file(self, name: str) -> TextIO | None:
         """The open log file logs/<name>, opened on first use; None when it has failed."""
@@ -120,6 +150,11 @@ class Printer:
         self.launcher_line(
             f"warning: cannot write {self._logs_dir / name}: {_reason(error)}; this log stops here, the console keeps everything"
         )
+
+
+def is_log_only(line: str) -> bool:
+    """A worker's line meant for the logs only (LOG_ONLY_MARK)."""
+    return line.startswith(LOG_ONLY_MARK)
 
 
 def _reason(error: OSError) -> str:

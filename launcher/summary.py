@@ -162,6 +162,11 @@ class Failure:
     where: dict[str, str]
     """Label -> innermost frames, for every worker whose stack dump arrived."""
     logs: Path | None
+    consequences: list[str] = field(default_factory=list)
+    """The other workers whose failure this one caused (they lost the connection to it), each
+    'CPU1 (rank 1), exit code 4, 0.31 s before it'."""
+    lost_peer: str | None = None
+    """When this failure is itself a consequence that no cause followed: what that means."""
 
 
 def render(failure: Failure) -> list[str]:
@@ -175,6 +180,18 @@ def render(failure: Failure) -> list[str]:
         f"FAILED: {failure.label} (rank {failure.rank}) failed first "
         f"at {failure.clock}, {failure.after_start:.1f} s after start: {how}.",
     ]
+    if failure.lost_peer:
+        lines.append(failure.lost_peer)
+    if len(failure.consequences) == 1:
+        lines.append(
+            f"Not a cause: {failure.consequences[0]}: a consequence of this failure (it lost the connection "
+            f"to the rank, or what they shared); its last line says which, its log has the traceback."
+        )
+    elif failure.consequences:
+        lines.append(
+            f"Not causes: {'; '.join(failure.consequences)}: consequences of this failure (each lost the "
+            f"connection to a rank, or what they shared); their last lines say which, their logs have the tracebacks."
+        )
     if failure.hint:
         lines.append(f"Hint: {failure.hint}")
     if failure.tail:

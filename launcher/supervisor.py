@@ -4,6 +4,12 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
 1. The first worker to fail decides the outcome: the supervisor returns its exit code (a
    death by signal n returns 128 + n). A worker that prints nothing for hang_timeout
    seconds has failed, with exit code 124. Success means every worker exited 0.
+   A failure that another worker's caused (consequence_exit_codes: it lost the connection to
+   a rank that failed) decides nothing while another worker runs that may report the cause:
+   the supervisor waits up to cause_wait seconds for another worker to fail otherwise, and
+   that worker failed first, however the exits were timed. Only when no cause comes (the
+   others exited, or the wait ran out) is the first consequence reported, naming the workers
+   still running then.
 2. On that first failure, workers that can dump their stacks are asked to (the summary
    shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every process of
    the run gets SIGTERM at once: every running worker's process group, the descendants that
@@ -46,13 +52,13 @@ import signal
 import time
 from dataclasses import dataclass
 
-from launcher import outcome, summary
+from launcher import outcome, run_lock, summary
 from launcher.nodes import NodeInterrupt, NodeStop, Peers
 from launcher.options import SupervisorOptions
 from launcher.outcome import EXIT_HANG, FirstFailure, Watch, exit_code
-from launcher.printer import Printer
+from launcher.printer import CONSOLE_CLOSED, LOG_ONLY_MARK, LOG_ONLY_VAR, Printer, is_log_only
 from launcher.run_processes import RunProcesses
-from launcher.worker import Event, Exited, Line, OutputClosed, Worker
+from launcher.worker import Event, Exited, Line, OutputClosed, StartError, Worker
 
 __all__ = ["EXIT_HANG", "StartError", "Supervisor", "SupervisorOptions", "exit_code"]
 
@@ -68,10 +74,8 @@ SNAPSHOT_INTERVAL = 0.5  # how often the guardian learns the run's processes (on
 STOPPED_AS_ASKED = {0, -signal.SIGTERM, 128 + signal.SIGTERM}
 # What asks the supervisor to stop gracefully (rule 3): Ctrl-C, a scheduler, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class StartError(OSError):
-    """A worker's command exists but cannot be executed (not executable, bad format)."""
+CONSOLE_CLOSED_SIGNAL = signal.SIGPIPE
+"""A console whose reader went away stops the run as this signal would: 128 + 13 = 141, as a shell reports it."""
 
 
 @dataclass(frozen=True)
@@ -116,12 +120,17 @@ class Supervisor:
         """Workers whose whole process group was sent SIGTERM."""
         self._next_snapshot = 0.0
         self._teardown_done: float | None = None
+        self._awaiting_cause: list[Worker] = []
+        """Workers that exited with a consequence code before any other failure (rule 1)."""
+        self._cause_deadline: float | None = None
 
     # --- the loop -----------------------------------------------------------------------
 
     def run(self) -> int:
         """Start every worker, watch them to the end, and return the exit code."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        # The console's reader went away (`| head`): a graceful stop, as on SIGHUP (rule 3).
+        self.printer.on_console_closed = lambda: self._events.put(Interrupted(CONSOLE_CLOSED_SIGNAL))
         try:
             self._start_all()
             while self._watching():
@@ -143,10 +152,11 @@ class Supervisor:
         # threads run is what makes preexec_fn unsafe.
         self._processes.start_guardian()
         for worker in self.workers:
+            worker.env[LOG_ONLY_VAR] = LOG_ONLY_MARK  # the printer keeps such lines off the console
             try:
                 self._processes.start(worker)
             except OSError as error:
-                raise StartError(f"cannot run {worker.argv[0]}: {error.strerror or error}") from None
+                raise StartError(worker.argv[0], error, worker.label) from None  # 126 or 127, as a shell says
         for worker in self.workers:
             self._watch[worker] = Watch(last_output=time.monotonic())
             worker.watch(self._events.put)
@@ -158,7 +168,11 @@ class Supervisor:
         return bool(self._running() or self._kill_at is not None and self._stopping_groups())
 
     def _next_event(self) -> Incoming | None:
-        deadlines = [d for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot) if d is not None]
+        deadlines = [
+            d
+            for d in (self._terminate_at, self._kill_at, self._hang_deadline(), self._next_snapshot, self._cause_deadline)
+            if d is not None
+        ]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
             return self._events.get(timeout=timeout)
@@ -172,15 +186,13 @@ class Supervisor:
             case OutputClosed(worker):
                 self._watch[worker].output_open = False
             case Exited(worker, returncode):
-                self._watch[worker].returncode = returncode
+                self._watch[worker].returncode, self._watch[worker].exited_at = returncode, time.monotonic()
                 self._dump_done(worker)
                 if self._stopped_with_another_node(returncode):
                     pass
                 elif self._is_first_failure(worker, returncode):
-                    self.printer.launcher_line(
-                        f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers"
-                    )
-                    self._fail(worker)
+                    self._on_failure(worker, returncode)
+                self._settle_consequences()
             case Interrupted(signum):
                 self._on_interrupt(signum)
             case NodeStop():
@@ -194,9 +206,46 @@ class Supervisor:
             return False
         return self._interrupted_by is None or returncode not in STOPPED_AS_ASKED  # rules 1 and 3
 
+    def _on_failure(self, worker: Worker, returncode: int) -> None:
+        """Rule 1: a worker failed, and none before it. A consequence (it lost the connection to a
+        rank) waits for the cause; any other failure is the first."""
+        if returncode not in self.options.consequence_exit_codes:
+            self.printer.launcher_line(f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers")
+            self._fail(worker)
+            return
+        self._awaiting_cause.append(worker)
+        if self._cause_deadline is None and self._running():
+            self._cause_deadline = time.monotonic() + self.options.cause_wait
+            self.printer.launcher_line(
+                f"{worker.label} failed as a consequence of another worker's failure ({summary.describe(returncode)}); "
+                f"waiting up to {self.options.cause_wait:g} s for that failure"
+            )
+
+    def _settle_consequences(self) -> None:
+        """Rule 1: once no cause can come (no other worker runs, or the wait is over), the first
+        consequence is the first failure."""
+        if self._failure is not None or self._remote is not None:
+            self._cause_deadline = None  # a cause came, or another node's word
+            return
+        if not self._awaiting_cause:
+            return
+        running = self._running()
+        if running and self._cause_deadline is not None and time.monotonic() < self._cause_deadline:
+            return
+        self._cause_deadline = None
+        first = self._awaiting_cause[0]
+        self.printer.launcher_line(
+            f"{first.label} failed ({summary.describe(self._watch[first].returncode or 0)}) and no other worker "
+            f"failed {f'within {self.options.cause_wait:g} s' if running else 'otherwise'}; stopping the other workers"
+        )
+        self._fail(first, at=self._watch[first].exited_at)
+        assert self._failure is not None
+        self._failure.cause_awaited = self.options.cause_wait
+        self._failure.still_running = [f"{w.label} (rank {w.rank})" for w in running]
+
     def _on_line(self, worker: Worker, text: str) -> None:
         watch = self._watch[worker]
-        watch.see(text, time.monotonic())
+        watch.see(text, time.monotonic(), log_only=is_log_only(text))
         if self._stacks_requested and watch.stacks.feed(text):
             self._dump_done(worker)
         self.printer.worker_line(worker.label, text)
@@ -225,9 +274,10 @@ class Supervisor:
         self._interrupted_by, self._interrupted_at = signum, time.monotonic()
         if told and self.peers is not None:
             self.peers.report_interrupt(signum)
-        again = "SIGINT or SIGTERM" if signum == signal.SIGHUP else "again"
+        again = "SIGINT or SIGTERM" if signum in (signal.SIGHUP, CONSOLE_CLOSED_SIGNAL) else "again"
+        cause = CONSOLE_CLOSED if signum == CONSOLE_CLOSED_SIGNAL else f"received {signal.Signals(signum).name}"
         self.printer.launcher_line(
-            f"received {signal.Signals(signum).name}: asking the workers to stop gracefully "
+            f"{cause}: asking the workers to stop gracefully "
             f"(at most {self.options.stop_timeout:g} s, --stop-timeout; {again} to kill them now)"
         )
         if self.options.stop_leaders_only:  # rule 3
@@ -241,10 +291,12 @@ class Supervisor:
         self._events.put(Interrupted(signum))
 
     def _check_deadlines(self) -> None:
+        self._settle_consequences()
         now = time.monotonic()
         if now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
             self._processes.report_to_guardian()
+            run_lock.check_held(self.options.run_dir)  # gone or replaced: RunDirLost ends the loop, rule 4 kills
         if self._terminate_at is not None and now >= self._terminate_at:
             self._terminate_running()
         if self._kill_at is not None and now >= self._kill_at:
@@ -288,12 +340,14 @@ class Supervisor:
         """Exited workers told to stop whose output some process of their group still holds."""
         return [w for w in self._groups_stopping if self._watch[w].returncode is not None and self._watch[w].output_open]
 
-    def _fail(self, worker: Worker, hung_for: float | None = None) -> None:
-        """Rules 1 and 2: remember the first failure, ask for stacks, stop the others."""
+    def _fail(self, worker: Worker, hung_for: float | None = None, at: float | None = None) -> None:
+        """Rules 1 and 2: remember the first failure, ask for stacks, stop the others. at: when it
+        failed, if before now (a consequence reported after the wait for its cause)."""
         running = self._running()
-        self._failure = FirstFailure(
-            worker, time.monotonic(), time.strftime("%H:%M:%S"), len([w for w in running if w is not worker]), hung_for
-        )
+        now = time.monotonic()
+        at = now if at is None else at
+        clock = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - at)))
+        self._failure = FirstFailure(worker, at, clock, len([w for w in running if w is not worker]), hung_for)
         self._tell_peers(worker, hung_for)
         if hung_for is None and self._watch[worker].returncode in self.options.agreed_exit_codes and running:
             self._failure.stopped = 0  # so far: they are on their way out too
@@ -402,6 +456,7 @@ class Supervisor:
             self.options.exit_meanings,
             self.options.agreed_exit_codes,
             self.options.logs_dir or (self.options.run_dir / "logs" if self.options.run_dir is not None else None),
+            consequence_exit_codes=self.options.consequence_exit_codes,
         )
 
     def _outcome(self) -> int:
@@ -426,6 +481,12 @@ class Supervisor:
             failed = self._failure.worker
             how = summary.describe(self._watch[failed].returncode or 0)
             lines.append(f"{failed.label} here failed after that ({how}): a consequence.")
+        else:
+            lines += [
+                f"{lost.label} here failed as a consequence of another rank's failure "
+                f"({summary.describe(self._watch[lost].returncode or 0)})."
+                for lost in self._awaiting_cause
+            ]
         lines += [
             f"Stopped this node's {running} worker(s); teardown took {took:.2f} s."
             + (" That node's launcher printed its summary." if stop.kind != "lost" else ""),
@@ -440,6 +501,7 @@ class Supervisor:
         run_dir = self.options.run_dir
         if run_dir is None:
             return
+        run_lock.check_held(run_dir)  # writing workers.json would recreate a run directory deleted meanwhile
         if warning := outcome.write_exit_record(
             run_dir, outcome.exit_record(self.workers, self._ending()), self.options.exit_record
         ):

@@ -65,6 +65,7 @@ from pretrain.model_state import (
     sharded_model_shapes,
 )
 from pretrain.parallel import has_fsdp
+from pretrain.peer_loss import PeerFailed
 from pretrain.rng import rng_states, seed_from, set_rng_states
 from pretrain.runfiles import atomic_write_text
 from pretrain.runtime import Runtime
@@ -116,6 +117,11 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
     except CheckpointError:
         if runtime.is_main:  # a full disk gets back the space of the unfinished save at once
             shutil.rmtree(tmp, ignore_errors=True)
+        elif not tmp.is_dir():  # rank 0 did that: its failure is the cause, this one's a consequence
+            raise PeerFailed(
+                f"cannot write this rank's part of checkpoint {tmp}: rank 0 removed the unfinished checkpoint, "
+                "its own part having failed (a consequence of that rank's failure, which its own lines name)"
+            ) from None
         raise
     _barrier(runtime)  # every rank's files are in tmp, on disk
     if runtime.is_main:

@@ -22,17 +22,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, debug, export, nonfinite, parallel, task_eval
+from pretrain import checkpoint, debug, export, nonfinite, parallel, peer_loss, task_eval
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
 from pretrain.config import Config
 from pretrain.data import DataError
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.hub import choose_hub_files, follow_checkpoint
-from pretrain.data.prepare import prepare
+from pretrain.data.prepare import prepare, sigterm_as_exit, stop_signal
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.debug import NumericalFailure
-from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE
+from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST
 from pretrain.loss import next_token_loss
 from pretrain.model_state import whole_model_on_cpu
 from pretrain.resume import ResumeError, resolve_resume
@@ -242,7 +242,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     """Set up the run directory and data, build, fit. Everything it built, the DDP wrapper
     included, is released when it returns: a process group destroyed while DDP still holds
     it is torn down at interpreter exit instead, where gloo's threads abort the process."""
-    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, runs_root())
+    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, runs_root(), runtime.world_size)
     run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
@@ -251,7 +251,8 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
             dataclasses.replace(config, training=dataclasses.replace(config.training, resume=str(resume_from)))
         )
     config = choose_hub_files(config, runtime.world_size, log.info)
-    dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
+    with sigterm_as_exit():  # a stop signal ends a build at once, its temporary files removed (main: 128 + signal)
+        dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
     log.debug(f"Run length: {length.describe()}")
     if runtime.is_main and not (run_dir / "config.json").exists():
@@ -282,6 +283,14 @@ def unexpected_error() -> int:
     return ERROR
 
 
+def lost_peer(error: BaseException, words: str, log: logging.Logger) -> int:
+    """A collective broke because another rank went away: a consequence of that rank's failure,
+    said in one line (the traceback goes to this worker's log), and PEER_LOST, on which the
+    launcher waits for the cause instead of blaming this rank (pretrain/peer_loss.py)."""
+    peer_loss.report(error, words, log)
+    return PEER_LOST
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -298,11 +307,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Stopped as stop:
         peers_alive = True
         return 128 + stop.signum
+    except (KeyboardInterrupt, SystemExit) as error:  # a stop signal before training: while preparing the data
+        if (signum := stop_signal(error)) is None:
+            raise
+        return 128 + signum
     except NumericalFailure as error:
         peers_alive = True  # every rank agreed on the step and stops there
         log.error(str(error))
         return NUMERICAL_FAILURE
+    except peer_loss.PeerFailed as error:
+        log.error(str(error))
+        return PEER_LOST
     except RuntimeError as error:
+        if runtime.distributed and (gone := peer_loss.peer_gone(error)) is not None:
+            return lost_peer(error, gone, log)
         if not (runtime.distributed and "timed out" in str(error).lower()):
             return unexpected_error()
         # gloo's message says only which operation timed out; say what it means.
@@ -318,7 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:  # an unwritable run or cache directory, a full disk
         log.error(os_error_message(error))
         return BAD_INPUT
-    except Exception:
+    except Exception as error:  # a lost peer may come wrapped in another error (DCP's, say)
+        if runtime.distributed and (gone := peer_loss.peer_gone(error)) is not None:
+            return lost_peer(error, gone, log)
         return unexpected_error()
     finally:
         shutdown(runtime, peers_alive)

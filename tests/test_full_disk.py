@@ -6,6 +6,7 @@ file; where mount is permitted, on a real tmpfs that fills up mid-run as well.""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import json
@@ -30,6 +31,7 @@ from pretrain.config import DataConfig
 from pretrain.data import prepare as prep
 from pretrain.data.cache import inspect_dataset
 from pretrain.metrics import MetricsLog
+from pretrain.peer_loss import PeerFailed
 from pretrain.runfiles import atomic_write_text, os_error_message
 from pretrain.train import train_step
 
@@ -322,6 +324,21 @@ def test_a_checkpoint_that_fills_a_tmpfs_names_the_file_gives_the_space_back_and
         assert checkpoint.restore(make_trainer(cache, tmp_path / "resumed"), previous) == 1
 
 
+def test_a_rank_whose_unfinished_checkpoint_rank_0_removed_fails_as_a_consequence_not_a_cause(cache, tmp_path):
+    trainer = make_trainer(cache, tmp_path / "run")
+    trainer.runtime = dataclasses.replace(trainer.runtime, rank=1)  # it writes into the directory rank 0 made
+    unfinished = trainer.run_dir / "checkpoints" / "step_1.tmp"
+    with pytest.raises(PeerFailed) as error:  # rank 0's part failed, and it took the directory away
+        checkpoint.save(trainer, 1, trainer.run_dir)
+    assert str(error.value) == (
+        f"cannot write this rank's part of checkpoint {unfinished}: rank 0 removed the unfinished checkpoint, "
+        "its own part having failed (a consequence of that rank's failure, which its own lines name)"
+    )
+    (unfinished / "rng_rank1.pt").mkdir(parents=True)  # the directory is there: this rank's own failure is a cause
+    with pytest.raises(CheckpointError, match="cannot write checkpoint file .*rng_rank1.pt"):
+        checkpoint.save(trainer, 1, trainer.run_dir)
+
+
 def test_a_state_file_that_hits_a_full_disk_names_the_file(tmp_path, monkeypatch):
     target = tmp_path / "state.json"
     target.write_text("old\n")
@@ -336,6 +353,55 @@ def test_a_state_file_that_hits_a_full_disk_names_the_file(tmp_path, monkeypatch
     monkeypatch.undo()
     assert os_error_message(error.value) == f"{target}: {NO_SPACE}"
     assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+# --- a full disk under two ranks: who failed first (issue 28) -------------------------------
+
+
+def launch_two_ranks_onto(disk: Path, cache: Path) -> subprocess.CompletedProcess:
+    """The debug preset on 2 gloo CPU workers for one step into disk/run: its final checkpoint
+    (weights 1.8 MB, optimizer state 3.7 MB) fills a 3 MB disk while rank 0 writes it, and rank 1
+    waits at the checkpoint's barrier."""
+    argv = ["--debug", "--device", "cpu", "--nproc", "2", "--max-steps", "1", "--run-dir", str(disk / "run")]
+    sets = [f"data.cache_dir={cache}", "data.context_length=64", "training.batch_size=4", "logging.tensorboard=false"]
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *argv, *[part for value in sets for part in ("--set", value)]],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeat", range(3))
+def test_a_checkpoint_that_fills_a_tmpfs_under_two_ranks_names_the_rank_that_could_not_write(cache, tmp_path, repeat):
+    with tmpfs(tmp_path / "tmpfs", "3m") as disk:
+        result = launch_two_ranks_onto(disk, cache)
+        record = json.loads((disk / "run" / "workers.json").read_text())
+        rank1_log = (disk / "run" / "logs" / "cpu1.log").read_text()
+    out = result.stdout
+    assert result.returncode == 2, out[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in out + result.stderr
+    # Rank 0 cannot write the optimizer's state. Rank 1 then loses the connection at the barrier,
+    # or finds the unfinished checkpoint removed: a consequence, exit 4 (unless the teardown's
+    # SIGTERM comes first: 143). Rarely, under load, its own small file lands while the disk is
+    # full: then it is a cause as well, and either may be named.
+    causes = [label for label in ("CPU0", "CPU1") if f"{label}:ERROR | [CPU {label[3]}] cannot write checkpoint file " in out]
+    assert causes[0] == "CPU0" and "0 KiB free on its disk" in out
+    summary = out.split("launcher: FAILED: ", 1)[1].splitlines()
+    named = summary[0].split(" ", 1)[0]
+    assert named in causes and summary[0].endswith(": exit code 2."), out[-3000:]
+    exits = {r["label"]: (r["exit_code"], r["failed_first"], r["consequence"]) for r in record}
+    assert exits[named] == (2, True, False)
+    if causes == ["CPU0"]:
+        assert named == "CPU0"
+        assert exits["CPU1"] in [(4, False, True), (143, False, False)], exits
+    if exits["CPU1"][0] == 4:
+        assert "launcher: Not a cause: CPU1 (rank 1), exit code 4, " in out
+    if "CPU1:ERROR | [CPU 1] lost the connection to another rank during barrier" in out:
+        assert "Traceback (most recent call last):" in rank1_log and "Connection closed by peer" in rank1_log
 
 
 # --- the dataset cache ----------------------------------------------------------------------
