@@ -36,6 +36,7 @@ class Watch:
     exited_at: float | None = None
     output_open: bool = True
     cuda_oom: bool = False
+    host_oom: bool = False
     nccl_watchdog: str | None = None
     """The hint for what NCCL's watchdog reported before it aborted the worker."""
     nonfinite_report: str | None = None
@@ -50,6 +51,7 @@ class Watch:
             return
         self.tail.append(text)
         self.cuda_oom = self.cuda_oom or summary.is_cuda_oom(text)
+        self.host_oom = self.host_oom or summary.is_host_oom(text)
         self.nccl_watchdog = self.nccl_watchdog or summary.nccl_watchdog(text)
         self.nonfinite_report = self.nonfinite_report or summary.nonfinite_banner(text)
 
@@ -117,6 +119,7 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
             cuda_oom=watch.cuda_oom,
             nccl_watchdog=watch.nccl_watchdog,
             nonfinite_reports=nonfinite,
+            host_oom=watch.host_oom,
         ),
         tail=list(watch.tail),
         stopped=first.stopped,

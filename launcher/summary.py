@@ -9,8 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.address_space import address_space_limit
+
 RULE = "=" * 72
 CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA error: out of memory")
+HOST_OOM_MARKERS = ("MemoryError", "DefaultCPUAllocator: can't allocate memory", "std::bad_alloc")
+"""A worker's own words for host memory (or address space, under `ulimit -v`) running out: a
+traceback's last line, torch's CPU allocator, C++'s allocation failure."""
 FRAMES_SHOWN = 3
 
 _NONFINITE_REPORT = re.compile(r"^(NaN|Inf) (GRADIENT|LOSS) DETECTED \[")
@@ -40,6 +45,11 @@ def describe(returncode: int) -> str:
 
 def is_cuda_oom(line: str) -> bool:
     return any(marker in line for marker in CUDA_OOM_MARKERS)
+
+
+def is_host_oom(line: str) -> bool:
+    """Whether a worker's line says host memory ran out (MemoryError ends a traceback's last line)."""
+    return line.startswith("MemoryError") or any(marker in line for marker in HOST_OOM_MARKERS[1:])
 
 
 def nonfinite_banner(line: str) -> str | None:
@@ -112,9 +122,11 @@ def hint(
     cuda_oom: bool,
     nonfinite_reports: Mapping[str, str] | None = None,
     nccl_watchdog: str | None = None,
+    host_oom: bool = False,
 ) -> str | None:
     """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf.
-    nccl_watchdog: what nccl_watchdog() made of the failed worker's output, if anything."""
+    nccl_watchdog: what nccl_watchdog() made of the failed worker's output, if anything.
+    host_oom: the worker said host memory ran out (is_host_oom)."""
     if nonfinite_reports:
         banners = sorted(set(nonfinite_reports.values()))
         return (
@@ -135,12 +147,29 @@ def hint(
         )
     if nccl_watchdog:
         return nccl_watchdog
+    if host_oom:
+        return host_memory_hint()
     if returncode == -signal.SIGKILL:
         return (
             "SIGKILL came from outside the launcher, most often the kernel's out-of-memory killer "
             "(check `dmesg | grep -i oom`): the host ran out of memory."
         )
     return None
+
+
+def host_memory_hint() -> str:
+    """What a worker that ran out of host memory should change: under `ulimit -v` (which the workers
+    inherit from the launcher) the limit, else the run's host memory."""
+    limit = address_space_limit()
+    if limit is not None:
+        return (
+            f"the worker ran out of address space: ulimit -v is {limit // 1024} KiB, which every worker inherits "
+            "(a training process maps several GiB); raise it (ulimit -v unlimited)"
+        )
+    return (
+        "the host ran out of memory: lower training.batch_size or data.num_workers, or stop what else uses "
+        "the host's memory (`free -g`)"
+    )
 
 
 @dataclass(frozen=True)

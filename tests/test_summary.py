@@ -106,6 +106,22 @@ def test_the_report_says_who_failed_how_and_what_it_printed_last():
     assert plain[1].endswith("0.3 s after start: exit code 7.") and not any(line.startswith("Hint") for line in plain)
 
 
+def test_a_worker_out_of_host_memory_is_told_the_address_space_limit_it_inherited(monkeypatch):
+    import resource
+
+    assert summary.is_host_oom("MemoryError")
+    assert summary.is_host_oom("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+    assert not summary.is_host_oom("INFO | [CPU 0] no MemoryError this step")
+    limit = 700000 * 1024
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, resource.RLIM_INFINITY))
+    limited = summary.hint(1, hung_for=None, cuda_oom=False, host_oom=True)
+    assert limited is not None and "ulimit -v is 700000 KiB" in limited and "ulimit -v unlimited" in limited
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    unlimited = summary.hint(1, hung_for=None, cuda_oom=False, host_oom=True)
+    assert unlimited is not None and "ulimit" not in unlimited and "training.batch_size" in unlimited
+    assert summary.hint(1, hung_for=None, cuda_oom=False, host_oom=False) is None
+
+
 def test_a_nan_report_banner_is_recognised_and_named_in_the_hint():
     assert summary.nonfinite_banner("NaN GRADIENT DETECTED [GPU 6]") == "NaN GRADIENT DETECTED"
     assert summary.nonfinite_banner("Inf LOSS DETECTED [CPU 0]") == "Inf LOSS DETECTED"
