@@ -102,8 +102,8 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint directory path names (absolute): path itself, or a run directory's latest
-    checkpoint, as --resume means it. Whether its model files are all there is checked when it is
-    read (read_checkpoint)."""
+    checkpoint, as --resume means it: one whose state, config and model files are all there and
+    whole (checkpoint_files.checkpoint_problem; the optimizer and random state are not needed here)."""
     try:
         return checkpoint_at(path)
     except ResumeError as error:  # its message starts with the path, for the option's name to go first

@@ -91,7 +91,10 @@ def atomic_write(path: Path, write: Callable[[Path], object], mode: int = 0o644)
             write(tmp)
             fsync(tmp)
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as error:  # named after the file meant (a directory in its place), not the temporary one
+            raise OSError(error.errno, error.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

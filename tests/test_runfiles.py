@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.runfiles import atomic_write, atomic_write_text
+from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
 
 
 def mode(path: Path) -> int:
@@ -47,3 +47,12 @@ def test_the_temporary_file_is_beside_the_target_so_the_rename_stays_on_one_file
     atomic_write(tmp_path / "out.png", lambda tmp: seen.append(tmp) or tmp.write_bytes(b"png"))
     assert seen[0].parent == tmp_path and seen[0] != tmp_path / "out.png"
     assert not seen[0].exists()
+
+
+def test_a_directory_where_the_file_should_go_is_an_error_naming_the_file_not_its_temporary_name(tmp_path):
+    target = tmp_path / "metrics.png"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError) as raised:
+        atomic_write_text(target, "x")
+    assert os_error_message(raised.value) == f"{target}: Is a directory"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.png"]  # no temporary file left beside it
