@@ -28,6 +28,8 @@ _NCCL_TIMEOUT = re.compile(
 _NCCL_STUCK = re.compile(r"ProcessGroupNCCL's watchdog got stuck for (?P<seconds>\d+) seconds")
 """Its heartbeat monitor: the watchdog thread itself stopped (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_FAULTHANDLER_NOTES = ("  Garbage-collecting", "  <no Python frame>", "  ...")
+"""faulthandler's own lines within a thread's stack (frames are _FAULTHANDLER_FRAME)."""
 _FAULTHANDLER_FRAME = re.compile(r'^  File (?:"(?P<file>.+)"|\?\?\?), line (?P<line>\d+|\?\?\?) in (?P<func>.+)$')
 """One frame as faulthandler writes it. It writes ??? for what it cannot tell: the line of a frame
 that is at an instruction without one, as a closure is on its first (COPY_FREE_VARS), say the
@@ -86,6 +88,8 @@ class StackDump:
     """Reads faulthandler's output (all threads, most recent call first) line by line."""
 
     threads: list[list[str]] = field(default_factory=list)
+    took_line: bool = False
+    """Whether the line fed last was part of the dump (a header, a frame, a note, the blank after)."""
     _in_thread: bool = False
 
     def feed(self, line: str) -> bool:
@@ -93,17 +97,22 @@ class StackDump:
         its header to the blank line before the next thread's: another line within it, such as
         faulthandler's own note ("  Garbage-collecting") or a line another thread of the worker
         wrote meanwhile, is passed over, never the frames after it."""
+        self.took_line = False
         if _THREAD_HEADER.match(line):
             self.threads.append([])
-            self._in_thread = True
+            self._in_thread = self.took_line = True
             return True
         if not self._in_thread:
             return False
         if frame := _FAULTHANDLER_FRAME.match(line):
             where = "/".join(Path(frame["file"]).parts[-2:]) if frame["file"] is not None else "???"
             self.threads[-1].append(f"{frame['func']} ({where}:{frame['line']})")
+            self.took_line = True
         elif not line.strip():
             self._in_thread = False
+            self.took_line = True
+        else:
+            self.took_line = line.startswith(_FAULTHANDLER_NOTES)
         return False
 
     def where(self) -> str | None:

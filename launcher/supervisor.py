@@ -245,10 +245,15 @@ class Supervisor:
 
     def _on_line(self, worker: Worker, text: str) -> None:
         watch = self._watch[worker]
-        watch.see(text, time.monotonic(), log_only=is_log_only(text))
-        if self._stacks_requested and watch.stacks.feed(text):
-            self._dump_done(worker)
-        self.printer.worker_line(worker.label, text)
+        in_dump = False
+        if self._stacks_requested:
+            if watch.stacks.feed(text):
+                self._dump_done(worker)
+            # Rule 2's stack dumps go to the logs only: the summary says where each worker was, and
+            # on the console a hundred lines per rank would bury the line of the one that failed.
+            in_dump = watch.stacks.took_line
+        watch.see(text, time.monotonic(), log_only=in_dump or is_log_only(text))
+        self.printer.worker_line(worker.label, LOG_ONLY_MARK + text if in_dump else text)
 
     def _stopped_with_another_node(self, returncode: int) -> bool:
         """Rule 5: a worker that stopped as asked (143) while this node was not asked: another

@@ -294,6 +294,7 @@ def test_before_teardown_the_summary_shows_where_each_surviving_worker_was(scrip
     summary = out.split("FAILED")[1]
     assert "Where each worker was" in summary and "CPU0: wait_for_peer (" in summary
     assert "most recent call first" in (tmp_path / "logs" / "cpu0.log").read_text()  # the full dump
+    assert "most recent call first" not in out and 'CPU0:  File "' not in out  # ... in the log, not on the console
 
 
 @pytest.mark.parametrize(
