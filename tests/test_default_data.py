@@ -254,6 +254,13 @@ def online_hub(hub_home, monkeypatch, tokenizer_file):
     monkeypatch.setattr(HfApi, "repo_info", repo_info)
     monkeypatch.setattr(HfApi, "list_repo_tree", list_repo_tree)
     monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    # A download runs in a child process (hub_process.py), which would not see this simulation.
+    from pretrain.data.hub_client import download_here
+
+    def in_this_process(repo: str, revision: str, pattern: str | list[str], repo_type: str, log: object) -> Path:
+        return download_here(repo, revision, pattern, repo_type)
+
+    monkeypatch.setattr("pretrain.data.hub_process.download_in_child", in_this_process)
     return requests
 
 

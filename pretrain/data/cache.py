@@ -53,6 +53,16 @@ def sigterm_as_exit() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def stop_signal(error: BaseException) -> signal.Signals | None:
+    """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and
+    sigterm_as_exit's SystemExit(128 + n) is SIGTERM or SIGHUP."""
+    if isinstance(error, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(error, SystemExit) and error.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
+        return signal.Signals(int(error.code) - 128)
+    return None
+
+
 def verify(dataset_dir: str | Path) -> None:
     """Check a prepared dataset completely, the sha256 of every file it uses included.
 

@@ -192,8 +192,9 @@ def selected(cfg: DataConfig, found: HubFiles) -> list[tuple[str, int]]:
     return found.files[:wanted] if wanted else list(found.files)
 
 
-def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]]) -> Path:
-    """The snapshot folder holding files, downloading those not in the Hub cache yet."""
+def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]], log: Log | None = None) -> Path:
+    """The snapshot folder holding files, downloading those not in the Hub cache yet (said in a
+    line to log; a stop signal ends the download at once, see hub_process.py)."""
     if found.folder is not None and all((found.folder / name).is_file() for name, _ in files):
         return found.folder
     if not found.online:
@@ -204,7 +205,7 @@ def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]]) -> Pat
             f"--repo-type dataset --include '{missing}'`), or lower data.hub_max_files"
         )
     # Exact names, escaped: only these files are downloaded, whatever else the pattern matches.
-    return hub_snapshot(cfg.hub_repo, found.commit, [glob.escape(name) for name, _ in files])
+    return hub_snapshot(cfg.hub_repo, found.commit, [glob.escape(name) for name, _ in files], log=log)
 
 
 def byte_count(n: int) -> str:

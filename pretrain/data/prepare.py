@@ -39,7 +39,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from pretrain.data.cache import (
     remove_leftovers,
     replace_dir,
     sigterm_as_exit,
+    stop_signal,
     verify,
     write_synced,
 )
@@ -117,7 +117,7 @@ def prepare(cfg: DataConfig, log: Log = print, *, documents: Sequence[str] | Non
     documents replaces cfg.source with these texts (source name "custom"; used by tests).
     force rebuilds even when a valid cache exists."""
     started = time.monotonic()
-    recipe = recipe_for(cfg, documents, force=force)
+    recipe = recipe_for(cfg, documents, force=force, log=log)
     final = recipe.path
     # Fast path without the lock: the final name only ever appears complete (by rename), so a
     # valid one can be used as is. This also keeps a read-only shared cache usable.
@@ -178,14 +178,14 @@ class Recipe:
     """Writes the dataset's files into a directory; returns the rest of meta.json."""
 
 
-def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None, force: bool = False) -> Recipe:
+def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None, force: bool = False, log: Log | None = None) -> Recipe:
     """What preparing cfg means: the cache key, the directory and how to build it (force: a
-    trained BPE tokenizer is trained again too)."""
+    trained BPE tokenizer is trained again too). log tells of a Hub dataset's download."""
     cfg.check_complete()
     if documents is None and cfg.source in ("llmc", "megatron"):
         return _shard_recipe(cfg)
-    train = documents_source(list(documents)) if documents is not None else text_source(cfg)
-    val = text_source(cfg, val=True) if cfg.val_path and documents is None else None
+    train = documents_source(list(documents)) if documents is not None else text_source(cfg, log=log)
+    val = text_source(cfg, val=True, log=log) if cfg.val_path and documents is None else None
     if val is not None:
         _check_disjoint(train.identity.get("files", []), val.identity.get("files", []))
     key = {
@@ -355,16 +355,6 @@ def _trained_bpe(cfg: DataConfig, source: TextSource, log: Log, force: bool) -> 
             f"in {time.monotonic() - started:.1f}s: {file}"
         )
     return file
-
-
-def stop_signal(error: BaseException) -> signal.Signals | None:
-    """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and
-    sigterm_as_exit's SystemExit(128 + n) is SIGTERM or SIGHUP."""
-    if isinstance(error, KeyboardInterrupt):
-        return signal.SIGINT
-    if isinstance(error, SystemExit) and error.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
-        return signal.Signals(int(error.code) - 128)
-    return None
 
 
 def _tokenizer_problem(file: Path) -> str | None:

@@ -61,12 +61,13 @@ class TextSource:
 # --- choosing the source ----------------------------------------------------------------------
 
 
-def text_source(cfg: DataConfig, *, val: bool = False) -> TextSource:
-    """The text source data.source names (data.val_path instead of data.path when val)."""
+def text_source(cfg: DataConfig, *, val: bool = False, log: Callable[[str], None] | None = None) -> TextSource:
+    """The text source data.source names (data.val_path instead of data.path when val); log tells
+    of a Hub download."""
     if cfg.source == "builtin":
         return documents_source(builtin_documents(), "builtin")
     if cfg.source == "hub":
-        return hub_source(cfg)
+        return hub_source(cfg, log)
     if cfg.source in registry.TEXT_FORMATS:
         path = cfg.val_path if val else cfg.path
         key = "data.val_path" if val else "data.path"
@@ -221,14 +222,14 @@ def parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
 # --- Hugging Face Hub -------------------------------------------------------------------------
 
 
-def hub_source(cfg: DataConfig) -> TextSource:
+def hub_source(cfg: DataConfig, log: Callable[[str], None] | None = None) -> TextSource:
     """A Hub dataset's files (the first data.hub_max_files of those data.hub_files matches, see
     hub.py), downloaded into the Hub cache once and read from there."""
     from pretrain.data.hub import fetch, find_files, selected
 
     found = find_files(cfg)
     files = selected(cfg, found)
-    folder = fetch(cfg, found, files)
+    folder = fetch(cfg, found, files, log)
     commit = found.commit  # the exact revision, also when hub_revision is a branch
     usable = [folder / name for name, _ in files]
     where = f"{cfg.hub_repo}@{cfg.hub_revision}"
