@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -102,4 +103,33 @@ def run_debug_training(tmp_path: Path, command: list[str], run_dir: Path, *optio
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+NOBODY = 65534
+"""A second user's uid and gid (nobody), for tests of what another user of a shared file meets."""
+
+
+def as_nobody(function: Callable[[], str]) -> str:
+    """What function returns when run as uid and gid NOBODY in a forked child, or 'raised Type:
+    message': forked, since the interpreter may live where that user cannot reach it. Needs root."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                result = function()
+            except BaseException as error:
+                result = f"raised {type(error).__name__}: {error}"
+            os.write(write, result.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        result = pipe.read().decode()
+    os.waitpid(pid, 0)
     return result

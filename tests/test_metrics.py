@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from checkpointing import make_trainer
+from helpers import as_nobody
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
 from pretrain.metrics import (
@@ -310,37 +311,19 @@ def test_a_metrics_file_that_cannot_be_opened_is_one_warning_naming_it_and_the_l
     ]
 
 
-NOBODY = 65534
-
-
 def warnings_as_nobody(run_dir: Path) -> str:
-    """The warnings a MetricsLog of run_dir gives when uid and gid 65534 open it and log a step:
-    in a forked child, since the interpreter may live where that user cannot reach it."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            messages: list[str] = []
-            logger = logging.getLogger("test-metrics-nobody")
-            logger.addHandler(logging.Handler())
-            logger.handlers[-1].emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-            try:
-                with MetricsLog(run_dir, enabled=True, tensorboard=False, logger=logger) as log:
-                    log_two_steps(log)
-            except BaseException as error:
-                messages.append(f"raised {type(error).__name__}: {error}")
-            os.write(write, "\n".join(messages).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        result = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return result
+    """The warnings a MetricsLog of run_dir gives when uid and gid 65534 open it and log a step."""
+
+    def open_and_log() -> str:
+        messages: list[str] = []
+        logger = logging.getLogger("test-metrics-nobody")
+        logger.addHandler(logging.Handler())
+        logger.handlers[-1].emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+        with MetricsLog(run_dir, enabled=True, tensorboard=False, logger=logger) as log:
+            log_two_steps(log)
+        return "\n".join(messages)
+
+    return as_nobody(open_and_log)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user (nobody)")

@@ -12,7 +12,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import one_line_error
-from helpers import data_config, prepared, run_launcher
+from helpers import NOBODY, as_nobody, data_config, prepared, run_launcher
 from launcher.compile_cache import kernel_cache_dir
 from launcher.errors import UsageError
 from pretrain.config import Config, DataConfig
@@ -30,7 +30,6 @@ from pretrain.data.cache import build_lock
 from pretrain.data.prepare import read_meta, recipe_for
 from pretrain.runfiles import CACHE_DIR_VAR
 
-NOBODY = 65534
 DOCUMENTS = ["the first user's text, " * 20, "and more of it. " * 30]
 OTHER_DOCUMENTS = ["the second user's own text, " * 20, "different words. " * 30]
 
@@ -58,30 +57,6 @@ def shared_root() -> Iterator[Path]:
     root.chmod(0o1777)
     yield root
     shutil.rmtree(root)
-
-
-def as_nobody(function: Callable[[], str]) -> str:
-    """What function returns when run as uid and gid 65534 in a forked child, or 'raised Type: message'."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                result = function()
-            except BaseException as error:
-                result = f"raised {type(error).__name__}: {error}"
-            os.write(write, result.encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        result = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return result
 
 
 def mode(path: Path) -> int:
