@@ -16,7 +16,11 @@ TCPStore, which node 0's launcher hosts on --master-port.
    others notice node 0's loss themselves: its store closes their connection (its launcher was
    killed) or stops answering for LOSS_AFTER seconds (frozen, or its machine gone). A node
    that was itself stopped (SIGSTOP, suspended, starved: launcher/pulse.py) past LOSS_AFTER
-   says so once it runs again: node 0 found it lost, and its silence is not node 0's.
+   says so once it runs again: the others found it lost, and its silence is not theirs. Node 0
+   learns it from a node that ended with EXIT_NODE_LOST (only a node that lost node 0 does,
+   while node 0 names no node lost) or fell silent during node 0's own pause, or from its own
+   worker failing just after it; it stops every node still running (the abort key names node 0
+   lost) and exits EXIT_NODE_LOST too.
 4. Finish. Each launcher writes done/<node>. Node 0, which hosts the store, waits for every
    other node's done (or its loss) before it exits, so no node loses the store it still needs.
 
@@ -34,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn, TypeVar
 
-from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
+from launcher.nodes import EXIT_NODE_LOST, NodeInterrupt, NodeSpec, NodeStop
 from launcher.pulse import Pulse
 from launcher.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
 
@@ -44,6 +48,7 @@ POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
 LOSS_AFTER = 3.0  # a node silent this long is lost (--node-timeout)
 ENDED_MEANWHILE = "node 0 found it lost and ended the job meanwhile (its rendezvous has closed)"
+OTHERS_STOPPED = "the other nodes found it lost and stopped the job"  # node 0's story of its own pause
 T = TypeVar("T")
 
 
@@ -133,9 +138,11 @@ class Node:
         self._stopping = threading.Event()
         self._last_contact = time.monotonic()
         self._pulse: Pulse | None = None
-        """Not node 0, once watched: this process's own pauses (the alarm thread's turns)."""
+        """Once watched: this process's own pauses (the turns of node 0's watch, the others' alarm)."""
         self._beats: dict[int, tuple[int, float]] = {}
         """Node 0: each node's beat count and when it last moved."""
+        self._left: set[int] = set()
+        """Node 0: nodes that fell silent while node 0 was stopped (they found it lost): not waited for."""
         self._claimed = False
         self._done_seen: set[int] = set()
         self.lost: dict[int, NodeStop] = {}
@@ -318,6 +325,9 @@ class Node:
         with self._lock:
             if self._stop is not None:
                 return self._stop
+        if self.spec.is_master and (frozen := self._frozen_here(OTHERS_STOPPED)) is not None:
+            self._stop_as_lost(frozen)  # its failure followed this node's pause: the others have stopped
+            return self._stop
         try:
             first = bounded(lambda: self._store.compare_set("abort", "", stop.to_json()), self.loss_after, "abort")
         except Exception:  # node 0 is gone; the watch says so, unless this node was the one stopped
@@ -388,16 +398,20 @@ class Node:
 
     def _start_watching(self) -> None:
         self._last_contact = time.monotonic()  # the join may have lasted minutes
+        self._pulse = Pulse(long_pause=max(self.loss_after - BEAT_INTERVAL, self.loss_after / 2))
         threading.Thread(target=self._watch, daemon=True, name="node-watch").start()
         if not self.spec.is_master:
-            self._pulse = Pulse(long_pause=max(self.loss_after - BEAT_INTERVAL, self.loss_after / 2))
             threading.Thread(target=self._alarm, daemon=True, name="node-alarm").start()
 
     def _watch(self) -> None:
+        """Beat, and look for the abort key; node 0 also reads the others' beats. Node 0's turns
+        here are its pulse (its store is in this process: the calls do not wait on the network)."""
         store, next_beat = self._watch_store, 0.0
         now = time.monotonic()
         self._beats = {n: (1, now) for n in range(self.spec.nnodes)}
         while not self._stopping.is_set():
+            if self.spec.is_master and self._pulse is not None:
+                self._pulse.beat()
             try:
                 now = time.monotonic()
                 if now >= next_beat:
@@ -416,15 +430,19 @@ class Node:
             except Exception as error:  # node 0's store closed the connection: it is gone
                 if self._stopping.is_set():
                     return
+                if self.spec.is_master and (frozen := self._frozen_here(OTHERS_STOPPED)) is not None:
+                    self._stop_as_lost(frozen)  # a call that timed out while this process was stopped
+                    return
                 self._deliver(self._contact_lost(f"its launcher closed the rendezvous connection ({first_line(error)})"))
                 return
             self._stopping.wait(POLL_INTERVAL)
 
     def _check_beats(self, store: Any, now: float) -> None:
-        """Node 0: a node whose beat has not moved for loss_after seconds, and has not finished,
-        is lost; one that finished with an error code while this node runs has stopped the job
-        (it lost this node: this node stopped answering for a while)."""
-        others = [n for n in range(1, self.spec.nnodes) if n not in self.lost]
+        """Node 0: a node whose beat has not moved for loss_after seconds while this node ran, and
+        has not finished, is lost; one that finished with an error code while this node runs has
+        stopped the job. One that ended with EXIT_NODE_LOST (no other word said) found this node
+        lost, as did one that fell silent while this node was stopped: this node stopped answering."""
+        others = [n for n in range(1, self.spec.nnodes) if n not in self.lost and n not in self._left]
         if not others:
             return
         counts = store.multi_get([f"beat/{n}" for n in others])
@@ -438,10 +456,16 @@ class Node:
                 code = int(store.get(f"done/{node}"))
                 if store.check(["abort"]):  # its own word, or the one it followed, says more
                     self._deliver(NodeStop.from_json(store.get("abort")))
+                elif code == EXIT_NODE_LOST and not store.check(["interrupt"]):  # an interrupted join ends 76 too
+                    self._stop_as_lost(self._found_lost_here(f"node {node} ended with exit code {code} while this node ran"))
                 elif code != 0 and not self._interrupt_seen:  # a graceful stop ends every node with 128 + n
                     detail = f"its launcher ended with exit code {code} while this node ran"
                     self._deliver(NodeStop(node, self.host_of(node), "error", detail))
-            elif now - since >= self.loss_after and node not in self._done_seen:
+            elif now - max(since, self._resumed_at) >= self.loss_after and node not in self._done_seen:
+                if (frozen := self._frozen_here(OTHERS_STOPPED, since)) is not None:  # silent since this node's pause
+                    self._left.add(node)
+                    self._stop_as_lost(frozen)
+                    continue
                 lost = NodeStop(node, self.host_of(node), "lost", f"its launcher stopped answering {now - since:.1f} s ago")
                 self.lost[node] = lost
                 store.set(f"lost/{node}", lost.to_json())
@@ -461,12 +485,18 @@ class Node:
 
     # --- this node's own silence ----------------------------------------------------------
 
-    def _frozen_here(self, then: str) -> NodeStop | None:
-        """This node's story when it was itself stopped just now, long enough for node 0 to find
-        it lost (its beats stalled past loss_after); None when it was not (or it is node 0)."""
+    @property
+    def _resumed_at(self) -> float:
+        """When this process ran again after its latest long pause (0.0 if none, or not watched)."""
+        return self._pulse.resumed_at if self._pulse is not None else 0.0
+
+    def _frozen_here(self, then: str, since: float | None = None) -> NodeStop | None:
+        """This node's story when it was itself stopped (a pause that ended after since; by
+        default just now), long enough for the others to find it lost (its beats, or node 0's
+        store, stalled past loss_after); None when it was not, or is not watched yet."""
         if self._pulse is None:
             return None
-        recent = min(self._last_contact, time.monotonic() - 2 * self.loss_after)
+        recent = since if since is not None else min(self._last_contact, time.monotonic() - 2 * self.loss_after)
         paused = self._pulse.paused_since(recent)
         if paused < self._pulse.long_pause:
             return None
@@ -482,13 +512,35 @@ class Node:
 
     def _told_lost(self, stop: NodeStop) -> NodeStop:
         """Node 0's word (the abort key, or its verdict) that this node was lost, as this node tells it."""
+        if self.spec.is_master:  # its own word to the others, read back
+            return self._found_lost_here(stop.detail)
         if (frozen := self._frozen_here("node 0 found it lost and stopped the job")) is not None:
             return frozen
+        return self._lost_unpaused("node 0", stop.detail)
+
+    def _found_lost_here(self, how: str) -> NodeStop:
+        """Node 0: another node found it lost (how); this node's story, as it tells it."""
+        if (frozen := self._frozen_here(OTHERS_STOPPED, since=0.0)) is not None:
+            return frozen
+        return self._lost_unpaused("the other nodes", how)
+
+    def _lost_unpaused(self, finder: str, how: str) -> NodeStop:
+        """This node was found lost by finder (how) although it never stopped: its heartbeats were late."""
         detail = (
-            f"was found lost by node 0 ({stop.detail}): its heartbeats did not reach node 0 in time "
+            f"was found lost by {finder} ({how}): its heartbeats did not reach {finder} in time "
             "(a network stall? raise --node-timeout)"
         )
         return NodeStop(self.rank, self.member.host, "lost", detail, here=True)
+
+    def _stop_as_lost(self, here: NodeStop) -> None:
+        """Node 0, found lost by the others: every node still running stops (the abort key names
+        node 0 lost; the first word counts), and this node tells its own story (here)."""
+        record = NodeStop(self.rank, self.member.host, "lost", f"its launcher {here.detail}")
+        try:
+            bounded(lambda: self._store.compare_set("abort", "", record.to_json()), self.loss_after, "abort")
+        except Exception:
+            pass  # its own store: it answers unless this process ends
+        self._deliver(here)
 
     # --- the end --------------------------------------------------------------------------
 
@@ -511,7 +563,7 @@ class Node:
         deadline = time.monotonic() + wait
         others = range(1, self.spec.nnodes)
         while time.monotonic() < deadline:
-            if all(n in self.lost or self._store.check([f"done/{n}"]) for n in others):
+            if all(n in self.lost or n in self._left or self._store.check([f"done/{n}"]) for n in others):
                 break
             time.sleep(POLL_INTERVAL)
         self._store.set("verdict", json.dumps([stop.to_json() for stop in self.lost.values()]))

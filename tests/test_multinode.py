@@ -255,7 +255,9 @@ def test_a_node_0_frozen_during_the_join_is_one_line_on_the_others_not_a_hang(tm
     assert "launcher: error: lost the rendezvous on 127.0.0.1:" in node1.text and "no answer within 1 s" in node1.text
 
 
-def test_node_0_frozen_past_the_node_timeout_stops_both_nodes_once_it_wakes(tmp_path, processes, worker):
+def test_node_0_frozen_past_the_node_timeout_stops_both_nodes_and_says_it_stopped_answering_once_it_wakes(
+    tmp_path, processes, worker
+):
     nodes = start_nodes(tmp_path, processes, ["--nproc", "1", "--node-timeout", "1", *worker])
     assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 2, timeout=120), nodes[0].text + nodes[1].text
     nodes[0].proc.send_signal(signal.SIGSTOP)
@@ -263,9 +265,14 @@ def test_node_0_frozen_past_the_node_timeout_stops_both_nodes_once_it_wakes(tmp_
         assert nodes[1].wait(timeout=30) == EXIT_NODE_LOST
     finally:
         nodes[0].proc.send_signal(signal.SIGCONT)
-    assert nodes[0].wait(timeout=30) == EXIT_OTHER_NODE_FAILED, nodes[0].text
+    assert nodes[0].wait(timeout=30) == EXIT_NODE_LOST, nodes[0].text
     assert "STOPPED: node 0 (" in nodes[1].text and "was lost: its launcher stopped answering" in nodes[1].text
-    assert "node 1 (" in nodes[0].text and "ended with exit code 76 while this node ran" in nodes[0].text
+    assert re.search(
+        r"STOPPED: this node, node 0 \(.*\), stopped answering for \d+\.\d s \(frozen, suspended or starved; "
+        r"--node-timeout 1 s\): the other nodes found it lost and stopped the job",
+        nodes[0].text,
+    ), nodes[0].text
+    assert "node 1 (" not in nodes[0].text, nodes[0].text
 
 
 def test_with_three_nodes_a_lost_one_is_named_by_both_others_which_exit_76(tmp_path, processes, worker):

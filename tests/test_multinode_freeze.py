@@ -1,7 +1,8 @@
 """A node's launcher frozen (SIGSTOP: Ctrl-Z, a suspended job, a starved machine) past
---node-timeout, then resumed (issue 28, item 9): node 0 stops the job naming the frozen node,
-and the frozen node, once it runs again, says that it was the one that stopped answering, not
-that node 0 was lost; both exit 76. Node 0 frozen (the reverse) is in tests/test_multinode.py."""
+--node-timeout, then resumed (issue 28, item 9): the other node stops the job naming the frozen
+node, and the frozen node, once it runs again, says that it was the one that stopped answering,
+not that the other node was lost or failed; both exit 76. Node 1 frozen, then node 0 frozen
+(node 0 frozen until node 1 has ended is in tests/test_multinode.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 
 from conftest import launcher_env, wait_until
@@ -17,8 +19,10 @@ from launcher.nodes import EXIT_NODE_LOST
 from launcher.pulse import Pulse
 from multinode_helpers import NodeRun, start_nodes
 
-# Node 0's worker, when asked, holds node 0's launcher in its teardown (it ignores SIGTERM) until
-# the test releases it: node 0's store still answers when node 1 runs again.
+# A node's worker, when asked (HOLD_NODE), holds its launcher in its teardown (it ignores SIGTERM)
+# until the test releases it: node 0's store still answers when node 1 runs again, or node 1's
+# launcher still runs when node 0 does. A worker fails (exit 3) when the test says so (fail<node>),
+# as one whose collective lost its peer does.
 WORKER = """
 import os, pathlib, signal, sys, time
 shared = pathlib.Path(sys.argv[1])
@@ -26,7 +30,10 @@ if os.environ["NODE_RANK"] == os.environ.get("HOLD_NODE"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 (shared / f"up{os.environ['RANK']}").write_text(str(os.getpid()))
 deadline = time.monotonic() + 120
-while not (shared / "release").exists() and time.monotonic() < deadline:
+release = [shared / "release", shared / f"release{os.environ['NODE_RANK']}"]  # every node's workers, or one node's
+while not any(path.exists() for path in release) and time.monotonic() < deadline:
+    if (shared / f"fail{os.environ['NODE_RANK']}").exists():
+        sys.exit(3)
     time.sleep(0.02)
 """
 NODE_1_LOST = re.compile(r"STOPPED: node 1 \(.*\) was lost: its launcher stopped answering")
@@ -93,6 +100,68 @@ def test_node_0_killed_is_still_blamed_on_node_1_which_was_not_frozen(tmp_path, 
     assert node1.wait(timeout=60) == EXIT_NODE_LOST, node1.text
     assert re.search(r"STOPPED: node 0 \(.*\) was lost: its launcher closed the rendezvous connection", node1.text), node1.text
     assert "this node" not in node1.text.split("all 2 nodes joined")[-1].replace("this node's", ""), node1.text
+
+
+NODE_0_LOST = re.compile(r"node 0 \(.*\) was lost: its launcher stopped answering")
+NODE_0_FROZEN = re.compile(
+    r"STOPPED: this node, node 0 \(.*\), stopped answering for (\d+\.\d) s \(frozen, suspended or starved; "
+    r"--node-timeout 1 s\): the other nodes found it lost and stopped the job\."
+)
+
+
+def frozen_node_0(tmp_path, processes, worker, fail_worker: bool = False) -> tuple[NodeRun, NodeRun, float]:
+    """Both nodes' workers up, then node 0's launcher stopped until node 1 (its worker holding it
+    in the teardown) has found it lost, and, if fail_worker, node 0's worker has failed; node 0
+    runs again. How long it was stopped."""
+    options = ["--nproc", "1", "--node-timeout", "1", "--kill-grace", "60", *worker]
+    node0, node1 = start_nodes(tmp_path, processes, options, env=launcher_env(HOLD_NODE="1"))
+    both_up = lambda: len(list((tmp_path / "shared").glob("up*"))) == 2  # noqa: E731
+    assert wait_until(lambda: both_up() or node0.proc.poll() is not None or node1.proc.poll() is not None, timeout=120)
+    assert both_up(), node0.text + node1.text
+    node0.proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        assert wait_until(lambda: NODE_0_LOST.search(node1.text) is not None, timeout=60), node1.text
+        if fail_worker:
+            (tmp_path / "shared" / "fail0").write_text("")
+            worker0 = psutil.Process(int((tmp_path / "shared" / "up0").read_text()))
+            assert wait_until(lambda: worker0.status() == psutil.STATUS_ZOMBIE, timeout=30)  # exited; not yet reaped
+    finally:
+        node0.proc.send_signal(signal.SIGCONT)
+    return node0, node1, time.monotonic() - stopped_at
+
+
+def assert_node_0_says_it_stopped_answering(node0: NodeRun, frozen_for: float) -> None:
+    assert node0.wait(timeout=60) == EXIT_NODE_LOST, node0.text
+    said = NODE_0_FROZEN.search(node0.text)
+    assert said is not None, node0.text
+    assert 0.5 <= float(said[1]) <= frozen_for + 1.0, (said[0], frozen_for)  # at least the pulse's long pause
+    assert "Exit code 76: a node was lost." in node0.text, node0.text
+    assert "node 1 (" not in node0.text and "failed first" not in node0.text, node0.text
+
+
+def test_node_0_frozen_while_node_1_stops_its_workers_says_it_stopped_answering_and_exits_76(tmp_path, processes, worker):
+    """Node 1's worker holds its launcher in the teardown: node 0 runs again while node 1 still
+    answers, and learns from node 1's end (or its silence) that node 1 found it lost."""
+    node0, node1, frozen_for = frozen_node_0(tmp_path, processes, worker)
+    wait_until(lambda: "STOPPED:" in node0.text, timeout=2.5)  # node 0 runs on for a while (longer than 2 x 1 s)
+    (tmp_path / "shared" / "release1").write_text("")
+    assert node1.wait(timeout=60) == EXIT_NODE_LOST, node1.text
+    assert "STOPPED: node 0 (" in node1.text and NODE_0_LOST.search(node1.text), node1.text
+    assert_node_0_says_it_stopped_answering(node0, frozen_for)
+
+
+def test_node_0s_worker_failing_after_node_0_was_frozen_is_a_consequence_not_the_first_failure(tmp_path, processes, worker):
+    """Node 0's worker failed while node 0's launcher was frozen (as one does when node 1 stops
+    its workers): node 0, once it runs again, tells why the job stopped (before node 1 has ended),
+    and that its worker's failure followed."""
+    node0, node1, frozen_for = frozen_node_0(tmp_path, processes, worker, fail_worker=True)
+    assert wait_until(lambda: re.search("STOPPED:|FAILED:", node0.text) or node0.proc.poll() is not None, timeout=60)
+    (tmp_path / "shared" / "release1").write_text("")
+    assert_node_0_says_it_stopped_answering(node0, frozen_for)
+    assert "CPU0 here failed after that (exit code 3): a consequence." in node0.text, node0.text
+    assert "FAILED" not in node0.text, node0.text
+    assert node1.wait(timeout=60) == EXIT_NODE_LOST, node1.text
 
 
 # --- the pulse: how long this process was stopped, on its own clock -------------------------
