@@ -78,8 +78,22 @@ class StartError(OSError):
         elif self.errno == errno.ENOEXEC:
             reason += " (neither a program nor a script whose first line is #! and its interpreter)"
         elif self.errno == errno.ENOENT and self.exit_code == EXIT_CANNOT_EXECUTE:
-            reason += " (bad interpreter: the program its #! line names is not there)"
+            named = _interpreter(shutil.which(self.command) or self.command)
+            reason += f" (bad interpreter: its #! line names {named or 'a program'}, which is not there)"
         return reason
+
+
+def _interpreter(script: str) -> str | None:
+    """The program a script's #! line names, or None (no #! line, or unreadable)."""
+    try:
+        with open(script, "rb") as file:
+            first = file.readline(256)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    return words[0] if words else None
 
 
 def _exit_code(command: str, error: OSError) -> int:

@@ -355,6 +355,15 @@ def test_a_command_that_cannot_be_executed_exits_126_with_one_line(tmp_path):
     assert_one_line_error(result, f"cannot run {no_shebang}: Exec format error", code=126, **REFUSAL)
 
 
+def test_a_script_whose_interpreter_is_not_there_exits_126_naming_the_interpreter(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("#!/no/such/python3 -u\nprint('hi')\n")
+    script.chmod(0o755)
+    result = launch("--device", "cpu", "--run-dir", str(tmp_path / "r"), "--", str(script))
+    said = f"cannot run {script}: No such file or directory (bad interpreter: its #! line names /no/such/python3, which is not"
+    assert_one_line_error(result, said, code=126, **REFUSAL)
+
+
 def test_a_script_without_its_execute_bit_exits_126_with_permission_denied(tmp_path):
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho hi\n")
