@@ -42,6 +42,18 @@ def test_prepare_dataset_script_prepares_the_builtin_corpus_and_prints_the_path(
     assert verified == f"dataset: verified {path} (every file matches its sha256 in meta.json)"
 
 
+def test_prepare_dataset_script_takes_the_launchers_cache_dir_option(tmp_path):
+    built = run_script("--debug", "--cache-dir", str(tmp_path / "mine"))
+    assert built.returncode == 0, built.stderr
+    (path,) = (tmp_path / "mine" / "datasets").iterdir()
+    assert built.stdout.startswith(f"dataset: prepared {path} (")
+    empty = run_script("--debug", "--cache-dir", "")
+    assert (empty.returncode, empty.stderr) == (
+        2,
+        "prepare_dataset: error: --cache-dir must not be empty; leave it out for the default\n",
+    )
+
+
 def test_prepare_dataset_script_names_the_closest_key_for_a_typo_in_one_line():
     result = run_script("--debug", "--set", "data.context_lenght=5")
 

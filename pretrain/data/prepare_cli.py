@@ -2,25 +2,27 @@
 (`python3 prepare_dataset.py` in a clone).
 
     pretrain-prepare [--preset NAME | --debug] [--config FILE] [--set section.key=value]
-                     [--world-size N] [--verify] [--force]
+                     [--world-size N] [--cache-dir DIR] [--verify] [--force]
 
 Training runs prepare the dataset themselves; this is for doing it ahead of time (on a machine
 with network, for one without: a Hub dataset's files and tokenizer land in the Hugging Face
 cache), checking a cache (--verify) or rebuilding it (--force). A Hub dataset's file count
 (data.hub_max_files null) is sized for --world-size ranks, 1 unless given. Datasets go under the
-cache root ($PRETRAIN_CACHE_DIR, else ./cache).
+cache root (--cache-dir, as the launcher's; else $PRETRAIN_CACHE_DIR, else ./cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from pretrain import config as configuration
 from pretrain.data import DataError
 from pretrain.data.hub import choose_hub_files
 from pretrain.data.prepare import prepare, sigterm_as_exit, verify
-from pretrain.runfiles import os_error_message
+from pretrain.runfiles import CACHE_DIR_VAR, os_error_message
 
 PROG = "pretrain-prepare"
 
@@ -31,6 +33,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument(
         "--world-size", type=int, metavar="N", help="ranks (GPUs) the run will have, to size a Hub download (default: 1)"
     )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help=f"prepared datasets (default: ${CACHE_DIR_VAR}, else ./cache)",
+    )
     parser.add_argument("--verify", action="store_true", help="also check the sha256 of every token file")
     parser.add_argument("--force", action="store_true", help="rebuild even when a valid cache exists")
     return parser
@@ -40,6 +47,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """prog: the name errors start with (prepare_dataset for the script in a clone)."""
     args = build_parser(prog).parse_args(argv)
     try:
+        if args.cache_dir is not None:
+            if not args.cache_dir:
+                raise configuration.ConfigError("--cache-dir must not be empty; leave it out for the default")
+            os.environ[CACHE_DIR_VAR] = str(Path(args.cache_dir).expanduser().resolve())  # read where datasets go
         config = configuration.from_args(args)
         if args.world_size is not None and args.world_size < 1:
             raise configuration.ConfigError(f"--world-size must be at least 1 (got {args.world_size})")
