@@ -43,7 +43,7 @@ from pretrain.build import Trainer, build  # noqa: E402
 from pretrain.data.fitting import fit_to_dataset  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
 from pretrain.metrics import flops_per_token  # noqa: E402
-from pretrain.runtime import Runtime, init_runtime, shutdown  # noqa: E402
+from pretrain.runtime import Runtime, exit_process, init_runtime, shutdown  # noqa: E402
 
 GIB = 2**30
 PLANNED = ("parallelism", "cpu_offload", "activation_checkpointing", "loss_chunk_tokens", "reshard_after_forward")
@@ -309,4 +309,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))  # as a training process ends: finalization can abort a gloo rank that succeeded

@@ -13,7 +13,6 @@ import signal
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 faulthandler.enable()  # and on a crash in native code (SIGSEGV, SIGFPE, SIGABRT, SIGBUS)
 
-import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -34,14 +33,8 @@ if __name__ == "__main__" and (problem := bad_thread_variable(os.environ)):
     print(f"pretrain: error: {problem}", file=sys.stderr)
     sys.exit(BAD_INPUT)
 
+from pretrain.runtime import exit_process  # noqa: E402
 from pretrain.train import main  # noqa: E402
 
 if __name__ == "__main__":
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter finalization: there, C++ threads of the distributed runtime (gloo)
-    # can be destroyed while joinable and abort a run that succeeded (seen in about 1 of 40
-    # two-rank CPU runs with torch 2.13, even after destroy_process_group).
-    os._exit(code)
+    exit_process(main())  # without interpreter finalization, where gloo's threads can abort a run that succeeded

@@ -23,7 +23,7 @@ from pretrain import config as cfg
 from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import parallelize
-from pretrain.runtime import init_runtime, shutdown
+from pretrain.runtime import init_runtime, exit_process, shutdown
 
 CONTEXT, VOCAB, SEED = 16, 512, 1234
 
@@ -95,3 +95,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_process(0)  # as a training process ends: finalization can abort a gloo rank that succeeded

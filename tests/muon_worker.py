@@ -21,7 +21,7 @@ from pretrain.model import Transformer
 from pretrain.muon import Muon, build_muon
 from pretrain.muon_sharing import newton_schulz_flops
 from pretrain.parallel import parallelize, unwrap
-from pretrain.runtime import Runtime, init_runtime, shutdown
+from pretrain.runtime import Runtime, init_runtime, exit_process, shutdown
 
 CONTEXT, STEPS, LR = 16, 2, 0.02
 
@@ -122,3 +122,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_process(0)  # as a training process ends: finalization can abort a gloo rank that succeeded

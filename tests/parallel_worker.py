@@ -26,7 +26,7 @@ from pretrain import config as cfg
 from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
-from pretrain.runtime import init_runtime, shutdown
+from pretrain.runtime import init_runtime, exit_process, shutdown
 
 CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 2
 
@@ -188,3 +188,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_process(0)  # as a training process ends: finalization can abort a gloo rank that succeeded

@@ -209,7 +209,8 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
                 sys.executable,
                 "-c",
                 f"import test_checkpoint_sharded; test_checkpoint_sharded.fsdp_worker({str(cache)!r}, "
-                f"{str(tmp_path)!r}, {str(single_path)!r})",
+                f"{str(tmp_path)!r}, {str(single_path)!r}); "
+                "from pretrain.runtime import exit_process; exit_process(0)",
             ],
             cwd=ROOT,
             env=dict(
