@@ -158,6 +158,24 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stop_as_a_user_would(
+    proc: subprocess.Popen, stop_signal: int, timeout: float
+) -> tuple[int, float, str, list[psutil.Process]]:
+    """Send stop_signal as a user would (SIGINT: Ctrl-C, to the terminal's whole process group;
+    any other: kill, to the process alone) and wait for it to end: its exit code, the seconds it
+    took, the rest of its output, and the processes it had (to check that none outlives it)."""
+    job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    sent = time.monotonic()
+    if stop_signal == signal.SIGINT:
+        os.killpg(proc.pid, stop_signal)
+    else:
+        proc.send_signal(stop_signal)
+    code = proc.wait(timeout=timeout)
+    took = time.monotonic() - sent
+    assert proc.stdout is not None
+    return code, took, proc.stdout.read(), job
+
+
 def wait_until(condition, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,7 +7,6 @@ hub_process.py downloads in a child process that they kill). A Hub served here o
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,10 +15,9 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import psutil
 import pytest
 
-from conftest import ROOT, alive, cache_leftovers, launcher_env, one_line_error, wait_until
+from conftest import ROOT, alive, cache_leftovers, launcher_env, one_line_error, stop_as_a_user_would, wait_until
 
 pytest.importorskip("huggingface_hub")
 
@@ -126,15 +124,7 @@ def test_a_stop_signal_during_a_hub_download_is_acted_on_at_once(processes, tmp_
         seen.append(line)
     # The file is on its way (the child takes ~1 s to start on a loaded machine).
     assert wait_until(lambda: list(hub_cache.rglob("*.incomplete")), timeout=15), "the download has not started"
-    job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    sent = time.monotonic()
-    if stop_signal == signal.SIGINT:
-        os.killpg(proc.pid, stop_signal)  # Ctrl-C: the terminal's whole process group, the child too
-    else:
-        proc.send_signal(stop_signal)  # kill: the launcher alone
-    code = proc.wait(timeout=STREAM_SECONDS + 30)
-    took = time.monotonic() - sent
-    out = proc.stdout.read()
+    code, took, out, job = stop_as_a_user_would(proc, stop_signal, timeout=STREAM_SECONDS + 30)  # SIGINT: the child too
 
     assert code == 128 + stop_signal, out
     assert took < STREAM_SECONDS / 3, f"stopped {took:.2f} s after {stop_signal.name}; the download takes {STREAM_SECONDS} s"

@@ -5,17 +5,15 @@ the signal (pretrain/data/bpe_process.py trains in a child process that they kil
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from conftest import ROOT, alive, cache_leftovers, launcher_env, wait_until
+from conftest import ROOT, alive, cache_leftovers, launcher_env, stop_as_a_user_would, wait_until
 from pretrain.data.sources import text_pieces
 from pretrain.data.tokenizer import train_bpe
 
@@ -80,15 +78,7 @@ def test_a_stop_signal_during_bpe_training_is_acted_on_at_once(processes, tmp_pa
         assert line, "".join(seen)
         seen.append(line)
     time.sleep(training_seconds / 4)  # past reading the corpus (milliseconds): the trainer is merging
-    job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    sent = time.monotonic()
-    if stop_signal == signal.SIGINT:
-        os.killpg(proc.pid, stop_signal)  # Ctrl-C: the terminal's whole process group, the trainer too
-    else:
-        proc.send_signal(stop_signal)  # kill: the launcher alone
-    code = proc.wait(timeout=training_seconds + 30)
-    took = time.monotonic() - sent
-    out = proc.stdout.read()
+    code, took, out, job = stop_as_a_user_would(proc, stop_signal, timeout=training_seconds + 30)  # SIGINT: the trainer too
 
     assert code == 128 + stop_signal, out
     assert took < training_seconds / 2, f"stopped {took:.2f} s after {stop_signal.name}; training takes {training_seconds:.2f} s"
