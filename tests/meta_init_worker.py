@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import resource
-import sys
-from pathlib import Path
 
 import psutil
 import torch
@@ -23,7 +20,8 @@ from pretrain import config as cfg
 from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import parallelize
-from pretrain.runtime import init_runtime, exit_process, shutdown
+from gloo_rank import report_as_gloo_rank
+from pretrain.runtime import Runtime
 
 CONTEXT, VOCAB, SEED = 16, 512, 1234
 
@@ -58,9 +56,8 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def main(out: Path) -> None:
+def measure(runtime: Runtime) -> dict:
     config = production_shaped()
-    runtime = init_runtime(config)
     x, y = batch(runtime.rank)
     gc.collect()
     before = psutil.Process().memory_info().rss
@@ -78,21 +75,15 @@ def main(out: Path) -> None:
     with torch.no_grad():
         eager_loss = float(next_token_loss(eager, x, y).total)
     rope = bool(torch.equal(sharded_rope_cos, eager.rope_cos))  # the rotary tables are a function of the config alone
-    (out / f"rank{runtime.rank}.json").write_text(
-        json.dumps(
-            {
-                "rss_before": before,
-                "initialised_peak": initialised_peak,
-                "full_bytes": full_bytes,
-                "sharded_loss": sharded_loss,
-                "eager_loss": eager_loss,
-                "rope_recomputed": rope,
-            }
-        )
-    )
-    shutdown(runtime, peers_alive=True)
+    return {
+        "rss_before": before,
+        "initialised_peak": initialised_peak,
+        "full_bytes": full_bytes,
+        "sharded_loss": sharded_loss,
+        "eager_loss": eager_loss,
+        "rope_recomputed": rope,
+    }
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-    exit_process(0)  # as a training process ends: finalization can abort a gloo rank that succeeded
+    report_as_gloo_rank(production_shaped(), measure)

@@ -9,9 +9,6 @@ Run as: RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/muo
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -21,7 +18,8 @@ from pretrain.model import Transformer
 from pretrain.muon import Muon, build_muon
 from pretrain.muon_sharing import newton_schulz_flops
 from pretrain.parallel import parallelize, unwrap
-from pretrain.runtime import Runtime, init_runtime, exit_process, shutdown
+from gloo_rank import report_as_gloo_rank
+from pretrain.runtime import Runtime
 
 CONTEXT, STEPS, LR = 16, 2, 0.02
 
@@ -108,18 +106,14 @@ def compare(config: cfg.Config, runtime: Runtime, mode: str) -> dict:
     return record
 
 
-def main(out: Path) -> None:
+def measure(runtime: Runtime) -> dict:
     config = tiny_config()
-    runtime = init_runtime(config)
-    runs = {
+    return {
         "ddp": compare(config, runtime, "ddp"),
         "fsdp": compare(config, runtime, "fsdp"),
         "fsdp_offload": compare(tiny_config(cpu_offload=True), runtime, "fsdp"),
     }
-    (out / f"rank{runtime.rank}.json").write_text(json.dumps(runs))
-    shutdown(runtime, peers_alive=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-    exit_process(0)  # as a training process ends: finalization can abort a gloo rank that succeeded
+    report_as_gloo_rank(tiny_config(), measure)

@@ -12,9 +12,6 @@ Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/par
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +23,8 @@ from pretrain import config as cfg
 from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
-from pretrain.runtime import init_runtime, exit_process, shutdown
+from gloo_rank import report_as_gloo_rank
+from pretrain.runtime import Runtime
 
 CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 2
 
@@ -164,10 +162,9 @@ def sharded_blocks_only(runtime) -> dict[str, bool]:
     return {"is_fsdp": is_fsdp(model), "has_fsdp": has_fsdp(model)}
 
 
-def main(out: Path) -> None:
+def measure(runtime: Runtime) -> dict:
     config = tiny_config()
-    runtime = init_runtime(config)
-    runs = {
+    return {
         "ddp": train(config, runtime, "ddp"),
         "fsdp": train(config, runtime, "fsdp"),
         "fsdp_checkpointed": train(untraced(tiny_config(activation_checkpointing="full")), runtime, "fsdp"),
@@ -182,10 +179,7 @@ def main(out: Path) -> None:
         "ddp_meta": train(config, runtime, "ddp", meta=True),
         "fsdp_offload": train(tiny_config(cpu_offload=True), runtime, "fsdp", meta=True),
     }
-    (out / f"rank{runtime.rank}.json").write_text(json.dumps(runs))
-    shutdown(runtime, peers_alive=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-    exit_process(0)  # as a training process ends: finalization can abort a gloo rank that succeeded
+    report_as_gloo_rank(tiny_config(), measure)

@@ -1,0 +1,24 @@
+"""One rank of conftest.run_gloo_ranks: what each worker script (tests/*_worker.py) does around
+its own measurements, in one place."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from pretrain.config import Config
+from pretrain.runtime import Runtime, exit_process, init_runtime, shutdown
+
+
+def report_as_gloo_rank(config: Config, measure: Callable[[Runtime], object]) -> NoReturn:
+    """Join the process group of config, write what measure(runtime) returns to
+    <argv[1]>/rank<r>.json, leave the group with the others, and end as a training process does
+    (exit_process: interpreter finalization can abort a gloo rank that succeeded)."""
+    out = Path(sys.argv[1])
+    runtime = init_runtime(config)
+    (out / f"rank{runtime.rank}.json").write_text(json.dumps(measure(runtime)))
+    shutdown(runtime, peers_alive=True)
+    exit_process(0)
