@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: the project's pretrain/ and benchmarks/ from this tree
-    sys.path.insert(0, str(REPO))
+if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
+    sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package, as in gpu_check.py)
 
 import torch  # noqa: E402
 
