@@ -46,7 +46,8 @@ naming where it came from and the closest valid key. The resolved config is writ
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (read from its source)."""
+    """The docstring under each field of a dataclass (read from its source), ending with the
+    field's upper bound where the class declares one (AT_MOST, checked in its __post_init__)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -58,6 +59,8 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(following.value, ast.Constant)
         ):
             docs[node.target.id] = " ".join(str(following.value.value).split())
+    for name, bound in getattr(cls, "AT_MOST", {}).items():
+        docs[name] += f" At most {bound}."
     return docs
 
 

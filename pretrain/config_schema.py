@@ -27,7 +27,8 @@ def _check(ok: bool, key: str, problem: str) -> None:
 
 # Upper bounds of the integer keys, where a larger value means nothing a run could do: checked in
 # each section's __post_init__ (_check_at_most), which every layer passes through (a file,
-# --max-steps, --set), and named in each key's docstring (tests/test_config.py holds them to it).
+# --max-steps, --set), and declared once, in each section's AT_MOST: the reference (config_reference.field_docs)
+# appends "At most N." to the key's docstring from there.
 MAX_STEPS = 10**12
 """Optimizer steps, and the intervals counted in them: 10^12 steps take 30 years at a millisecond each."""
 MAX_SIZE = 1 << 16
@@ -73,9 +74,9 @@ def not_one_of(value: Any, choices: Iterable[str]) -> str:
 @dataclass(frozen=True)
 class MoEConfig:
     num_experts: int = 0
-    """Experts per layer; 0 keeps the dense feed-forward block (model.ffn). Above 0, every layer's feed-forward block is a mixture of that many SwiGLU experts of width model.ffn_dim. At most 65536."""
+    """Experts per layer; 0 keeps the dense feed-forward block (model.ffn). Above 0, every layer's feed-forward block is a mixture of that many SwiGLU experts of width model.ffn_dim."""
     top_k: int = 2
-    """Experts each token is routed to (token-choice top-k); their outputs are summed, weighted by the router's renormalised probabilities. At most 65536."""
+    """Experts each token is routed to (token-choice top-k); their outputs are summed, weighted by the router's renormalised probabilities."""
     capacity_factor: float = 1.25
     """Each expert takes at most capacity_factor x tokens x top_k / num_experts tokens per batch; the tokens over it skip that expert (the residual carries them)."""
     aux_loss_weight: float = 0.01
@@ -100,19 +101,19 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     dim: int = 4096
-    """Width of the residual stream (embedding size). At most 65536."""
+    """Width of the residual stream (embedding size)."""
     n_layers: int = 32
-    """Number of transformer blocks. At most 65536."""
+    """Number of transformer blocks."""
     n_heads: int = 32
-    """Query heads per attention layer; dim must be divisible by it. At most 65536."""
+    """Query heads per attention layer; dim must be divisible by it."""
     n_kv_heads: int = 8
-    """Key/value heads (grouped-query attention); n_heads must be divisible by it. At most 65536."""
+    """Key/value heads (grouped-query attention); n_heads must be divisible by it."""
     ffn: str = "swiglu"
     """The feed-forward block of every layer, by its name in pretrain/registry.py (FEED_FORWARDS): "swiglu" (Llama's)."""
     ffn_dim: int = 14336
-    """Hidden width of the feed-forward block. At most 1048576."""
+    """Hidden width of the feed-forward block."""
     vocab_size: int | None = 128256
-    """Rows of the embedding and output projection: at least the tokenizer's vocabulary; null follows the tokenizer (set once the dataset is prepared). At most 1048576."""
+    """Rows of the embedding and output projection: at least the tokenizer's vocabulary; null follows the tokenizer (set once the dataset is prepared)."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
     rope_theta: float = 500000.0
@@ -120,7 +121,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
     max_seq_len: int | None = 8192
-    """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length. At most 1048576."""
+    """Longest sequence the model is built for; data.context_length may not exceed it. null follows data.context_length."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts (the MegaBlocks knobs); off while moe.num_experts is 0."""
 
@@ -197,19 +198,19 @@ class DataConfig:
     hub_files: str = "*.parquet"
     """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
     hub_max_files: int | None = None
-    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all. At most 1000000000000."""
+    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
     max_samples: int = 0
-    """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all. At most 1000000000000."""
+    """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
     tokenizer: str = "byte"
     """How text becomes token ids (TOKENIZERS in pretrain/registry.py): "byte" (one id per UTF-8 byte plus end-of-text, 257 ids), "bpe" (byte-level BPE trained on the source, cached), "huggingface" (a tokenizer.json file or Hub repo), "tiktoken" (an OpenAI encoding)."""
     tokenizer_name: str = ""
     """huggingface: a tokenizer.json path or a Hub model repo id; tiktoken: the encoding name (gpt2, cl100k_base, o200k_base)."""
     bpe_vocab_size: int = 8192
-    """Vocabulary size of the trained "bpe" tokenizer, end-of-text included. At most 1048576."""
+    """Vocabulary size of the trained "bpe" tokenizer, end-of-text included."""
     eot_token: str = ""
     """End-of-text token of a huggingface tokenizer; empty picks the first it has of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>`."""
     context_length: int = 8192
-    """Tokens per training sequence. Between 2 and 1048576."""
+    """Tokens per training sequence; at least 2."""
     val_fraction: float = 0.05
     """Share of the tokens held out for validation when val_path is empty."""
     cache_dir: str = "cache/datasets"
@@ -309,11 +310,11 @@ CHECKPOINTING_CHOICES = (*CHECKPOINTING_MODES, "auto")
 @dataclass(frozen=True)
 class TrainingConfig:
     batch_size: int = 1
-    """Sequences per forward pass on each rank (the micro-batch). At most 65536."""
+    """Sequences per forward pass on each rank (the micro-batch)."""
     grad_accum_nums: int = 8
-    """Micro-batches accumulated into one optimizer step. At most 65536."""
+    """Micro-batches accumulated into one optimizer step."""
     num_workers: int = 0
-    """DataLoader worker processes per rank; 0 loads batches in the training process. At most 1024."""
+    """DataLoader worker processes per rank; 0 loads batches in the training process."""
     optimizer: str = "adamw"
     """The optimizer, by its name in pretrain/registry.py (OPTIMIZERS): "adamw" (decoupled weight decay on matrices only), or "muon" (Muon for the matrices inside the blocks, AdamW for embeddings, norms and the output layer)."""
     lr_schedule: str = "cosine"
@@ -323,11 +324,11 @@ class TrainingConfig:
     min_lr_ratio: float = 0.1
     """Learning rate at the last step, as a fraction of the peak (cosine decay)."""
     warmup_steps: int = 2000
-    """Optimizer steps of linear warmup from zero to the peak learning rate. At most 1000000000000."""
+    """Optimizer steps of linear warmup from zero to the peak learning rate."""
     max_steps: int = 10000
-    """Optimizer steps to train for (when epochs is 0). At most 1000000000000."""
+    """Optimizer steps to train for (when epochs is 0)."""
     epochs: int = 0
-    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error). At most 1000000."""
+    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error)."""
     by_epoch: bool = False
     """Count the run in epochs: the step line shows how many are done, and a checkpoint is saved at the end of each. The launcher sets it for a run whose length is training.epochs (the workers then get that length as max_steps)."""
     weight_decay: float = 0.1
@@ -343,7 +344,7 @@ class TrainingConfig:
     muon_orthogonalize: str = "newton_schulz"
     """How Muon orthogonalizes an update, by its name in pretrain/registry.py (ORTHOGONALIZERS): "newton_schulz" (a few bfloat16 iterations) or "svd" (exact, slow)."""
     muon_ns_steps: int = 5
-    """Newton-Schulz iterations per Muon update. At most 100."""
+    """Newton-Schulz iterations per Muon update."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     use_amp: bool = True
@@ -351,11 +352,11 @@ class TrainingConfig:
     seed: int = 1337
     """Seed for initialisation and data order; identical on every rank. Below 2^63."""
     eval_interval: int = 0
-    """Compute validation loss every N steps; 0 only after the last step. At most 1000000000000."""
+    """Compute validation loss every N steps; 0 only after the last step."""
     eval_batches: int = 4
-    """Micro-batches per rank in one validation pass. At most 65536."""
+    """Micro-batches per rank in one validation pass."""
     global_batch_size: int = 0
-    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs. At most 4294967296."""
+    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
     parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
     """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
     cpu_offload: bool | None = None
@@ -365,13 +366,13 @@ class TrainingConfig:
     compile: bool | None = None
     """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
     loss_chunk_tokens: int | None = None
-    """Tokens per chunk of the output projection and cross-entropy, each chunk's fp32 logits recomputed in the backward pass (one more output-projection matmul) so that those of the whole micro-batch never exist at once; 0 computes them in one piece; null: one piece when the whole micro-batch's logits fit the GPU, else 2048 (the launcher's plan decides). At most 1000000000000."""
+    """Tokens per chunk of the output projection and cross-entropy, each chunk's fp32 logits recomputed in the backward pass (one more output-projection matmul) so that those of the whole micro-batch never exist at once; 0 computes them in one piece; null: one piece when the whole micro-batch's logits fit the GPU, else 2048 (the launcher's plan decides)."""
     reshard_after_forward: bool | None = None
     """FSDP: free each block's gathered bf16 weights after its forward and all-gather them again for its backward (true), or keep them gathered until then (false: one all-gather fewer per micro-batch, every block's weights unsharded at the start of the backward pass); null: false when those weights fit the GPU (the launcher's plan decides)."""
     checkpoint_interval: int = 1000
-    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step. At most 1000000000000."""
+    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
     keep_checkpoints: int = 3
-    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete. At most 1000000000000."""
+    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
     resume: str = ""
     """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
 
@@ -448,7 +449,7 @@ class SystemConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: "cuda", "cpu", or "auto" (every free GPU, else CPU workers)."""
     device_id: int | None = None
-    """Pin the run to this one physical GPU index; null lets the launcher choose. At most 1023."""
+    """Pin the run to this one physical GPU index; null lets the launcher choose."""
     collective_timeout: float = 600.0
     """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes."""
     gpu_memory_gib: float | None = None
@@ -478,7 +479,7 @@ class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
     """Lowest level of worker log lines printed."""
     log_interval: int = 10
-    """Print a step line every N optimizer steps (the first and last step always). At most 1000000000000."""
+    """Print a step line every N optimizer steps (the first and last step always)."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events to <run dir>/tensorboard/ when the tensorboard package is installed."""
     wandb: bool = False
@@ -500,11 +501,11 @@ class EvaluationConfig:
     data: str = ""
     """The task's examples: a .jsonl file (HellaSwag's hellaswag_val.jsonl) or a Hub dataset's file, hf://datasets/OWNER/NAME[@REVISION]/PATH; empty: no benchmark during training. python -m pretrain.evaluate scores a checkpoint afterwards."""
     interval: int = 0
-    """Score the task every N steps, and after the last step; 0: only after the last step. At most 1000000000000."""
+    """Score the task every N steps, and after the last step; 0: only after the last step."""
     max_examples: int = 0
-    """Score the first N examples of the file; 0: all (HellaSwag's validation file holds 10042). At most 1000000000000."""
+    """Score the first N examples of the file; 0: all (HellaSwag's validation file holds 10042)."""
     batch_examples: int = 8
-    """Examples per forward pass on each rank (four rows each, one per ending). At most 65536."""
+    """Examples per forward pass on each rank (four rows each, one per ending)."""
 
     AT_MOST: ClassVar[dict[str, int]] = {"interval": MAX_STEPS, "max_examples": MAX_COUNT, "batch_examples": MAX_SIZE}
 
@@ -522,7 +523,7 @@ class DebugConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """stop: report the bad tensors, save checkpoint nan_grad_step_<N> and the dump, exit 3. skip: drop that update and go on."""
     max_skips_in_a_row: int = 3
-    """With on_nonfinite=skip: skip at most this many updates in a row; the next non-finite step stops as with stop. At most 1000000000000."""
+    """With on_nonfinite=skip: skip at most this many updates in a row; the next non-finite step stops as with stop."""
     trace_nonfinite: bool = False
     """Hooks on every module name the first whose output or gradient is not finite (slow; turns off compile and activation checkpointing)."""
     dump_tensors: bool = True
