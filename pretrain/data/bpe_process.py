@@ -8,17 +8,15 @@ source, its formats and registered extensions, are read where they always were) 
 child through a pipe, length-prefixed so that each text reaches the trainer as it was; the
 child trains and writes tokenizer.json. This process only ever waits in a system call that a
 signal interrupts (a write to the pipe, waiting for the child), so its handler runs at once; on
-the way out (KeyboardInterrupt, SystemExit, any error) the child is SIGKILLed and reaped, and the
-caller removes the half-built directory (pretrain/data/prepare.py). A child whose parent is
-SIGKILLed dies with it (pretrain/parent_death.py).
+the way out (KeyboardInterrupt, SystemExit, any error) the child is SIGKILLed and reaped
+(child_process.py, shared with the Hub's downloads), and the caller removes the half-built
+directory (pretrain/data/prepare.py).
 
 Standard library only in this process: the launcher prepares data and must start fast.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -28,16 +26,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from pretrain.data import DataError, first_line
+from pretrain.data.child_process import child_args, child_code, ended_on_the_way_out, how_it_failed, start_child
 
 FRAME_HEADER = 8
 """Bytes of the little-endian length that precedes each text on the pipe."""
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What a terminal (Ctrl-C, hang-up) or a scheduler (SIGTERM) sends to every process of a job:
-a child that one of these ended means this process is being stopped too."""
 EXIT_CANNOT_WRITE = 3
 """The child's exit code when tokenizer.json cannot be written (its stderr says why)."""
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-_CHILD = f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); from pretrain.data.bpe_process import child_main; child_main()"
+_CHILD = child_code("pretrain.data.bpe_process")
 
 
 def train_in_child(texts: Iterator[str], vocab_size: int, end_of_text: str, destination: Path) -> None:
@@ -45,35 +40,24 @@ def train_in_child(texts: Iterator[str], vocab_size: int, end_of_text: str, dest
     child process; write its tokenizer.json to destination. DataError when the child fails (with
     its last line); a stop signal while it trains is acted on here at once."""
     with tempfile.TemporaryFile() as errors:  # a file, not a pipe: a chatty child never blocks on it
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(vocab_size), end_of_text, str(destination), str(os.getpid())],
+        child = start_child(
+            _CHILD,
+            [str(vocab_size), end_of_text, str(destination)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=errors,
         )
-        try:
+        with ended_on_the_way_out(child):  # stopped (a signal, an error reading the source): killed now
             assert child.stdin is not None
             _send(texts, child.stdin)
             returncode = child.wait()
-        finally:
-            if child.returncode is None:  # stopped (a signal, an error reading the source): end it now
-                child.kill()
-                with contextlib.suppress(BaseException):  # a second signal must not leave it unreaped
-                    child.wait()
-            with contextlib.suppress(OSError):
-                assert child.stdin is not None
-                child.stdin.close()
         errors.seek(0)
         said = errors.read().decode("utf-8", errors="replace").strip().splitlines()
     if returncode == 0:
         return
-    if -returncode in STOP_SIGNALS:
-        # The terminal or the scheduler signalled the child too, and it died first: this
-        # process's own signal is on its way; take it now, as if it had come first.
-        signal.raise_signal(-returncode)
+    how = how_it_failed(returncode)  # a stop signal that ended the child is this process's too: raised here
     if returncode == EXIT_CANNOT_WRITE:
         raise DataError(f"cannot write {destination}: {said[-1] if said else 'unknown error'}")
-    how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"failed (exit code {returncode})"
     detail = f": {said[-1]}" if said else ("; out of memory?" if returncode == -signal.SIGKILL else "")
     raise DataError(f"training the BPE tokenizer {how}{detail}")
 
@@ -95,20 +79,17 @@ def _send(texts: Iterator[str], pipe: IO[bytes]) -> None:
 
 
 def child_main() -> None:
-    """The child: argv vocab_size, end-of-text token, destination, parent pid; texts on stdin
+    """The child: argv vocab_size, end-of-text token, destination (then the parent's pid); texts on stdin
     (see _send)."""
     # The parent decides what a stop signal means, and kills this process: a Ctrl-C that the
     # terminal sends here too ends it quietly (no KeyboardInterrupt traceback). SIGTERM and
     # SIGHUP are already as exec left them: fatal, or ignored as the parent's were (nohup).
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    vocab_size, end_of_text, destination, parent = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-    from pretrain.parent_death import die_with_parent
-
-    die_with_parent(parent)
-    tokenizer = _train(_received(sys.stdin.buffer), vocab_size, end_of_text)
+    vocab_size, end_of_text, destination = child_args()
+    tokenizer = _train(_received(sys.stdin.buffer), int(vocab_size), end_of_text)
     try:
-        tokenizer.save(str(destination))
+        tokenizer.save(destination)
     except Exception as error:  # a plain Exception: "No space left on device (os error 28)"
         print(first_line(error), file=sys.stderr)
         sys.exit(EXIT_CANNOT_WRITE)

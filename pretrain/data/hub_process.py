@@ -7,8 +7,8 @@ process downloads (with its progress bars on the console, as before) and this pr
 for it in a system call that a signal interrupts, so its handler runs at once; on the way out the
 child is killed and reaped, and the partial files it was writing are removed (huggingface_hub
 gives each download a name of its own: a partial file is never resumed, only left behind). The
-files it finished stay in the Hub cache. A child whose parent is SIGKILLed dies with it
-(pretrain/parent_death.py).
+files it finished stay in the Hub cache. Starting, waiting for and ending the child is
+child_process.py's, shared with the BPE trainer; what is this one's own is here.
 
 Only a download runs here: hub_client.py finds what is cached already, and asks the Hub which
 commit a branch names, in this process (quick requests), so a run whose files are cached starts
@@ -27,15 +27,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pretrain.data import DataError
+from pretrain.data.child_process import (
+    STOP_SIGNALS,
+    Child,
+    child_args,
+    child_code,
+    ended_on_the_way_out,
+    how_it_failed,
+    reap,
+    start_child,
+)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What a terminal (Ctrl-C, hang-up) or a scheduler (SIGTERM) sends to every process of a job:
-the child ignores them, and this process ends it."""
 EXIT_DATA_ERROR = 2
 """The child's exit code for a download that failed as a DataError (its last stdout line, JSON,
 holds the message)."""
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-_CHILD = f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); from pretrain.data.hub_process import child_main; child_main()"
+_CHILD = child_code("pretrain.data.hub_process")
 
 Log = Callable[[str], None]
 
@@ -45,15 +51,13 @@ def download_in_child(repo: str, revision: str, pattern: str | list[str], repo_t
     the Hub cache in a child process. DataError as hub_client says it; a stop signal meanwhile is
     told in one line (log) and goes on as the exception it raised here."""
     request = json.dumps({"repo": repo, "revision": revision, "pattern": pattern, "repo_type": repo_type})
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, request, str(os.getpid())], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
-    )
+    child = start_child(_CHILD, [request], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     try:
-        assert child.stdout is not None
-        said = child.stdout.read().decode("utf-8", errors="replace").strip().splitlines()
-        returncode = child.wait()
+        with ended_on_the_way_out(child, _end):
+            assert child.stdout is not None
+            said = child.stdout.read().decode("utf-8", errors="replace").strip().splitlines()
+            returncode = child.wait()
     except BaseException as error:
-        _end(child)
         from pretrain.data.cache import stop_signal
 
         if (signum := stop_signal(error)) is not None:
@@ -62,19 +66,15 @@ def download_in_child(repo: str, revision: str, pattern: str | list[str], repo_t
                 "cache for the next run, the partial ones are removed"
             )
         raise
-    finally:
-        assert child.stdout is not None
-        child.stdout.close()
     result = json.loads(said[-1]) if said and said[-1].startswith("{") else {}
     if returncode == 0 and "folder" in result:
         return Path(result["folder"])
     if returncode == EXIT_DATA_ERROR and "error" in result:
         raise DataError(result["error"])
-    how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"failed (exit code {returncode})"
-    raise DataError(f"{repo_type} {repo}@{revision}: the download {how}; its error, if any, is above")
+    raise DataError(f"{repo_type} {repo}@{revision}: the download {how_it_failed(returncode)}; its error, if any, is above")
 
 
-def _end(child: subprocess.Popen[bytes]) -> None:
+def _end(child: Child) -> None:
     """Kill the child at once, reap it, and remove the files it was writing: huggingface_hub
     downloads each into a name of its own (`blobs/<etag>.<random>.incomplete`), which it removes
     when a download fails but which a killed process leaves behind, never to be used again. The
@@ -84,8 +84,7 @@ def _end(child: subprocess.Popen[bytes]) -> None:
         child.send_signal(signal.SIGSTOP)
         partial = _open_partial_files(child.pid)
         child.kill()
-    with contextlib.suppress(BaseException):  # a second signal must not leave it unreaped
-        child.wait()
+    reap(child)
     for path in partial:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -109,17 +108,14 @@ def _open_partial_files(pid: int) -> list[str]:
 
 
 def child_main() -> None:
-    """The child: argv the request (JSON: repo, revision, pattern, repo_type) and the parent's pid;
+    """The child: argv the request (JSON: repo, revision, pattern, repo_type), then the parent's pid;
     prints {"folder": ...} or {"error": ...} (a DataError) as its last stdout line."""
     # The parent decides what a stop signal means, and ends this process (_end): a Ctrl-C or a
     # hang-up that reaches the whole process group must not kill it first, which would leave its
     # partial files in the Hub cache.
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    request, parent = json.loads(sys.argv[1]), int(sys.argv[2])
-    from pretrain.parent_death import die_with_parent
-
-    die_with_parent(parent)
+    request = json.loads(child_args()[0])
     from pretrain.data.hub_client import download_here
 
     try:
