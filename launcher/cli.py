@@ -27,7 +27,7 @@ from launcher.compile_cache import kernel_cache_dir
 from launcher.nodes import Layout, NodeSpecError
 from launcher.rendezvous import Node, NodeInterrupted, NodeStopped, RendezvousError
 from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
-from launcher.printer import Printer, use_colour
+from launcher.printer import CONSOLE_CLOSED_SIGNAL, Printer, use_colour
 from launcher.scripted_nvml import BadScript
 from launcher.supervisor import Supervisor, SupervisorOptions
 from launcher.worker import StartError, Worker, check_runnable, with_package_root, without_package_root, worker_env
@@ -49,7 +49,7 @@ MAX_STOP_TIMEOUT = 86400
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain/__main__.py dumps every thread's stack on it
 CONSOLE_COMMAND = "pretrain-launch"  # pyproject.toml [project.scripts]
 
-EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, as a shell pipeline reports it
+EXIT_BROKEN_PIPE = 128 + CONSOLE_CLOSED_SIGNAL  # 141, as a shell pipeline reports it
 
 
 def program() -> str:

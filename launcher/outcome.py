@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import summary
-from launcher.printer import CONSOLE_CLOSED
+from launcher.printer import CONSOLE_CLOSED, CONSOLE_CLOSED_SIGNAL
 from launcher.worker import StartError, Worker
 from pretrain.runfiles import atomic_write_text, os_error_message
 
@@ -166,7 +166,7 @@ def stopped_line(ending: Ending, signum: int, interrupted_at: float) -> str:
     """After a graceful stop (rule 3): how long it took, and who had to be killed."""
     killed = [w.label for w, watch in ending.watches.items() if watch.returncode == -signal.SIGKILL]
     took = ending.teardown_done - interrupted_at
-    if signum == signal.SIGPIPE:  # not a signal: the console's reader went away (launcher/printer.py)
+    if signum == CONSOLE_CLOSED_SIGNAL:  # not a signal: the console's reader went away (launcher/printer.py)
         line = f"stopped: {CONSOLE_CLOSED}; every worker exited within {took:.2f} s"
     else:
         line = f"stopped: every worker exited within {took:.2f} s of {signal.Signals(signum).name}"

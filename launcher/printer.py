@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -29,6 +30,8 @@ LOG_ONLY_MARK = "\x1flog-only\x1f"
 none of Python's line boundaries is among them (str.splitlines splits at \\x1c-\\x1e)."""
 CONSOLE_CLOSED = "console output closed (broken pipe)"
 """What the combined log and the summary call a console whose reader went away."""
+CONSOLE_CLOSED_SIGNAL = signal.SIGPIPE
+"""The signal a closed console stops the run as (128 + 13 = 141, as a shell reports it); none is sent."""
 _COLOURS = ["36", "33", "35", "32", "34", "31", "96", "93"]  # cyan, yellow, magenta, ...
 
 

@@ -56,7 +56,7 @@ from launcher import outcome, run_lock, summary
 from launcher.nodes import NodeInterrupt, NodeStop, Peers
 from launcher.options import SupervisorOptions
 from launcher.outcome import EXIT_HANG, FirstFailure, Watch, exit_code
-from launcher.printer import CONSOLE_CLOSED, LOG_ONLY_MARK, LOG_ONLY_VAR, Printer, is_log_only
+from launcher.printer import CONSOLE_CLOSED, CONSOLE_CLOSED_SIGNAL, LOG_ONLY_MARK, LOG_ONLY_VAR, Printer, is_log_only
 from launcher.run_processes import RunProcesses
 from launcher.worker import Event, Exited, Line, OutputClosed, StartError, Worker
 
@@ -74,8 +74,6 @@ SNAPSHOT_INTERVAL = 0.5  # how often the guardian learns the run's processes (on
 STOPPED_AS_ASKED = {0, -signal.SIGTERM, 128 + signal.SIGTERM}
 # What asks the supervisor to stop gracefully (rule 3): Ctrl-C, a scheduler, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-CONSOLE_CLOSED_SIGNAL = signal.SIGPIPE
-"""A console whose reader went away stops the run as this signal would: 128 + 13 = 141, as a shell reports it."""
 
 
 @dataclass(frozen=True)
