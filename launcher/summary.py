@@ -13,9 +13,9 @@ from launcher.address_space import address_space_limit
 
 RULE = "=" * 72
 CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA error: out of memory")
-HOST_OOM_MARKERS = ("MemoryError", "DefaultCPUAllocator: can't allocate memory", "std::bad_alloc")
-"""A worker's own words for host memory (or address space, under `ulimit -v`) running out: a
-traceback's last line, torch's CPU allocator, C++'s allocation failure."""
+HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "std::bad_alloc")
+"""Where a worker's line says host memory (or address space, under `ulimit -v`) ran out, besides a
+traceback's last line starting with MemoryError: torch's CPU allocator, C++'s allocation failure."""
 FRAMES_SHOWN = 3
 
 _NONFINITE_REPORT = re.compile(r"^(NaN|Inf) (GRADIENT|LOSS) DETECTED \[")
@@ -51,7 +51,7 @@ def is_cuda_oom(line: str) -> bool:
 
 def is_host_oom(line: str) -> bool:
     """Whether a worker's line says host memory ran out (MemoryError ends a traceback's last line)."""
-    return line.startswith("MemoryError") or any(marker in line for marker in HOST_OOM_MARKERS[1:])
+    return line.startswith("MemoryError") or any(marker in line for marker in HOST_OOM_MARKERS)
 
 
 def nonfinite_banner(line: str) -> str | None:
