@@ -20,6 +20,15 @@ TRAIN = ["--debug", "--device", "cpu", "--nproc", "1", "--set", "data.context_le
 MARKER = "MULTINODE_TEST_MARKER"
 
 
+def worker_command(tmp_path: Path, source: str) -> list[str]:
+    """`-- python <tmp_path>/worker.py <tmp_path>/shared`: a worker script (source) for every node's
+    launcher, with a directory its ranks share to leave word in."""
+    (tmp_path / "shared").mkdir()
+    path = tmp_path / "worker.py"
+    path.write_text(source)
+    return ["--", sys.executable, str(path), str(tmp_path / "shared")]
+
+
 @dataclass
 class NodeRun:
     """One launcher started as one node; its output goes to a file (read while it runs)."""

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, free_port, launcher_env, wait_until
 from helpers import assert_one_line_error, run_launcher
 from launcher.nodes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
-from multinode_helpers import MARKER, NodeRun, start_nodes, runs_in, train_options, marked_processes
+from multinode_helpers import MARKER, NodeRun, marked_processes, runs_in, start_nodes, train_options, worker_command
 
 
 WORKER = """
@@ -37,10 +37,7 @@ time.sleep(600)
 
 @pytest.fixture
 def worker(tmp_path) -> list[str]:
-    (tmp_path / "shared").mkdir()
-    path = tmp_path / "worker.py"
-    path.write_text(WORKER)
-    return ["--", sys.executable, str(path), str(tmp_path / "shared")]
+    return worker_command(tmp_path, WORKER)
 
 
 def test_a_worker_failing_on_node_1_stops_both_nodes_within_3_seconds(tmp_path, processes, worker):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
 import time
 
 import psutil
@@ -17,7 +16,7 @@ import pytest
 from conftest import launcher_env, wait_until
 from launcher.nodes import EXIT_NODE_LOST
 from launcher.pulse import Pulse
-from multinode_helpers import NodeRun, start_nodes
+from multinode_helpers import NodeRun, start_nodes, worker_command
 
 # A node's worker, when asked (HOLD_NODE), holds its launcher in its teardown (it ignores SIGTERM)
 # until the test releases it: node 0's store still answers when node 1 runs again, or node 1's
@@ -44,10 +43,7 @@ FROZEN = re.compile(
 
 @pytest.fixture
 def worker(tmp_path) -> list[str]:
-    (tmp_path / "shared").mkdir()
-    path = tmp_path / "worker.py"
-    path.write_text(WORKER)
-    return ["--", sys.executable, str(path), str(tmp_path / "shared")]
+    return worker_command(tmp_path, WORKER)
 
 
 def frozen_node_1(tmp_path, processes, worker, hold_node_0: bool) -> tuple[NodeRun, NodeRun, float]:
