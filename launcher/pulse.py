@@ -3,10 +3,10 @@ suspended job, a machine too starved to run it). A thread that only sleeps and w
 every period; a gap much longer than that between two of its turns is time the whole process
 did not run, measured on its own monotonic clock.
 
-A node of several (launcher/rendezvous.py) asks this before it blames another node for a
-silence, or for ending the job: a node that was itself stopped past --node-timeout stopped
-answering first, and the others were right to find it lost (node 0 when node 1 was stopped,
-node 1 when node 0 was).
+A node of several (launcher/own_silence.py, for launcher/rendezvous.py) asks this before it
+blames another node for a silence, or for ending the job: a node that was itself stopped past
+--node-timeout stopped answering first, and the others were right to find it lost (node 0
+when node 1 was stopped, node 1 when node 0 was).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ TCPStore, which node 0's launcher hosts on --master-port.
    not moved for LOSS_AFTER seconds is lost, and node 0 writes that into the abort key. The
    others notice node 0's loss themselves: its store closes their connection (its launcher was
    killed) or stops answering for LOSS_AFTER seconds (frozen, or its machine gone). A node
-   that was itself stopped (SIGSTOP, suspended, starved: launcher/pulse.py) past LOSS_AFTER
-   says so once it runs again: the others found it lost, and its silence is not theirs. Node 0
+   that was itself stopped (SIGSTOP, suspended, starved) past LOSS_AFTER says so once it runs
+   again (launcher/own_silence.py): the others found it lost, and its silence is not theirs. Node 0
    learns it from a node that ended with EXIT_NODE_LOST (only a node that lost node 0 does,
    while node 0 names no node lost) or fell silent during node 0's own pause, or from its own
    worker failing just after it; it stops every node still running (the abort key names node 0
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NoReturn, TypeVar
 
 from launcher.nodes import EXIT_NODE_LOST, NodeInterrupt, NodeSpec, NodeStop
-from launcher.pulse import Pulse
+from launcher.own_silence import ENDED_MEANWHILE, OTHERS_STOPPED, OwnSilence
 from launcher.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
 
 __all__ = ["LOSS_AFTER", "Member", "Node", "NodeInterrupted", "NodeStopped", "RendezvousError", "differences", "join"]
@@ -47,8 +47,6 @@ __all__ = ["LOSS_AFTER", "Member", "Node", "NodeInterrupted", "NodeStopped", "Re
 POLL_INTERVAL = 0.1  # how often each launcher looks for the abort key
 BEAT_INTERVAL = 0.5
 LOSS_AFTER = 3.0  # a node silent this long is lost (--node-timeout)
-ENDED_MEANWHILE = "node 0 found it lost and ended the job meanwhile (its rendezvous has closed)"
-OTHERS_STOPPED = "the other nodes found it lost and stopped the job"  # node 0's story of its own pause
 T = TypeVar("T")
 
 
@@ -137,8 +135,7 @@ class Node:
         self._interrupt: NodeInterrupt | None = None
         self._stopping = threading.Event()
         self._last_contact = time.monotonic()
-        self._pulse: Pulse | None = None
-        """Once watched: this process's own pauses (the turns of node 0's watch, the others' alarm)."""
+        self._own = OwnSilence(self.rank, member.host, spec.is_master, loss_after, lambda: self._last_contact)
         self._beats: dict[int, tuple[int, float]] = {}
         """Node 0: each node's beat count and when it last moved."""
         self._left: set[int] = set()
@@ -325,13 +322,12 @@ class Node:
         with self._lock:
             if self._stop is not None:
                 return self._stop
-        if self.spec.is_master and (frozen := self._frozen_here(OTHERS_STOPPED)) is not None:
-            self._stop_as_lost(frozen)  # its failure followed this node's pause: the others have stopped
+        if self._stopped_as_lost():  # its failure followed this node's pause: the others have stopped
             return self._stop
         try:
             first = bounded(lambda: self._store.compare_set("abort", "", stop.to_json()), self.loss_after, "abort")
         except Exception:  # node 0 is gone; the watch says so, unless this node was the one stopped
-            if (frozen := self._frozen_here(ENDED_MEANWHILE)) is not None:
+            if (frozen := self._own.frozen(ENDED_MEANWHILE)) is not None:
                 self._deliver(frozen)
             return self._stop
         earlier = NodeStop.from_json(first)
@@ -385,7 +381,7 @@ class Node:
         if stop.node == self.rank and not stop.here:
             if stop.kind != "lost":
                 return
-            stop = self._told_lost(stop)
+            stop = self._own.found_lost(stop.detail)
         with self._lock:
             if self._stop is not None:
                 return
@@ -398,7 +394,7 @@ class Node:
 
     def _start_watching(self) -> None:
         self._last_contact = time.monotonic()  # the join may have lasted minutes
-        self._pulse = Pulse(long_pause=max(self.loss_after - BEAT_INTERVAL, self.loss_after / 2))
+        self._own.watch(long_pause=max(self.loss_after - BEAT_INTERVAL, self.loss_after / 2))
         threading.Thread(target=self._watch, daemon=True, name="node-watch").start()
         if not self.spec.is_master:
             threading.Thread(target=self._alarm, daemon=True, name="node-alarm").start()
@@ -406,12 +402,12 @@ class Node:
     def _watch(self) -> None:
         """Beat, and look for the abort key; node 0 also reads the others' beats. Node 0's turns
         here are its pulse (its store is in this process: the calls do not wait on the network)."""
-        store, next_beat = self._watch_store, 0.0
+        store, next_beat, pulse = self._watch_store, 0.0, self._own.pulse
         now = time.monotonic()
         self._beats = {n: (1, now) for n in range(self.spec.nnodes)}
         while not self._stopping.is_set():
-            if self.spec.is_master and self._pulse is not None:
-                self._pulse.beat()
+            if self.spec.is_master and pulse is not None:
+                pulse.beat()
             try:
                 now = time.monotonic()
                 if now >= next_beat:
@@ -430,8 +426,7 @@ class Node:
             except Exception as error:  # node 0's store closed the connection: it is gone
                 if self._stopping.is_set():
                     return
-                if self.spec.is_master and (frozen := self._frozen_here(OTHERS_STOPPED)) is not None:
-                    self._stop_as_lost(frozen)  # a call that timed out while this process was stopped
+                if self._stopped_as_lost():  # a call that timed out while this process was stopped
                     return
                 self._deliver(self._contact_lost(f"its launcher closed the rendezvous connection ({first_line(error)})"))
                 return
@@ -457,12 +452,12 @@ class Node:
                 if store.check(["abort"]):  # its own word, or the one it followed, says more
                     self._deliver(NodeStop.from_json(store.get("abort")))
                 elif code == EXIT_NODE_LOST and not store.check(["interrupt"]):  # an interrupted join ends 76 too
-                    self._stop_as_lost(self._found_lost_here(f"node {node} ended with exit code {code} while this node ran"))
+                    self._stop_as_lost(self._own.found_lost(f"node {node} ended with exit code {code} while this node ran"))
                 elif code != 0 and not self._interrupt_seen:  # a graceful stop ends every node with 128 + n
                     detail = f"its launcher ended with exit code {code} while this node ran"
                     self._deliver(NodeStop(node, self.host_of(node), "error", detail))
-            elif now - max(since, self._resumed_at) >= self.loss_after and node not in self._done_seen:
-                if (frozen := self._frozen_here(OTHERS_STOPPED, since)) is not None:  # silent since this node's pause
+            elif now - max(since, self._own.resumed_at) >= self.loss_after and node not in self._done_seen:
+                if (frozen := self._own.frozen(OTHERS_STOPPED, since)) is not None:  # silent since this node's pause
                     self._left.add(node)
                     self._stop_as_lost(frozen)
                     continue
@@ -475,69 +470,36 @@ class Node:
     def _alarm(self) -> None:
         """Not node 0: its store stopped answering (frozen, or its machine gone) while this node
         ran. The alarm's turns are this process's pulse: a pause of its own is not node 0's silence."""
-        assert self._pulse is not None
+        pulse = self._own.pulse
+        assert pulse is not None
         while not self._stopping.wait(POLL_INTERVAL * 2):
-            self._pulse.beat()
-            silent = time.monotonic() - max(self._last_contact, self._pulse.resumed_at)
+            pulse.beat()
+            silent = time.monotonic() - max(self._last_contact, pulse.resumed_at)
             if silent >= self.loss_after:
                 self._deliver(NodeStop(0, self.host_of(0), "lost", f"its launcher stopped answering for {silent:.1f} s"))
                 return
 
-    # --- this node's own silence ----------------------------------------------------------
-
-    @property
-    def _resumed_at(self) -> float:
-        """When this process ran again after its latest long pause (0.0 if none, or not watched)."""
-        return self._pulse.resumed_at if self._pulse is not None else 0.0
-
-    def _frozen_here(self, then: str, since: float | None = None) -> NodeStop | None:
-        """This node's story when it was itself stopped (a pause that ended after since; by
-        default just now), long enough for the others to find it lost (its beats, or node 0's
-        store, stalled past loss_after); None when it was not, or is not watched yet."""
-        if self._pulse is None:
-            return None
-        recent = since if since is not None else min(self._last_contact, time.monotonic() - 2 * self.loss_after)
-        paused = self._pulse.paused_since(recent)
-        if paused < self._pulse.long_pause:
-            return None
-        detail = (
-            f"stopped answering for {paused:.1f} s (frozen, suspended or starved; --node-timeout {self.loss_after:g} s): {then}"
-        )
-        return NodeStop(self.rank, self.member.host, "lost", detail, here=True)
+    # --- this node's own silence (launcher/own_silence.py) -------------------------------
 
     def _contact_lost(self, how: str) -> NodeStop:
         """Not node 0: its store closed or failed (how). Node 0 is lost, unless this node was
         the one stopped: then node 0 found it lost and ended the job meanwhile."""
-        return self._frozen_here(ENDED_MEANWHILE) or NodeStop(0, self.host_of(0), "lost", how)
+        return self._own.frozen(ENDED_MEANWHILE) or NodeStop(0, self.host_of(0), "lost", how)
 
-    def _told_lost(self, stop: NodeStop) -> NodeStop:
-        """Node 0's word (the abort key, or its verdict) that this node was lost, as this node tells it."""
-        if self.spec.is_master:  # its own word to the others, read back
-            return self._found_lost_here(stop.detail)
-        if (frozen := self._frozen_here("node 0 found it lost and stopped the job")) is not None:
-            return frozen
-        return self._lost_unpaused("node 0", stop.detail)
-
-    def _found_lost_here(self, how: str) -> NodeStop:
-        """Node 0: another node found it lost (how); this node's story, as it tells it."""
-        if (frozen := self._frozen_here(OTHERS_STOPPED, since=0.0)) is not None:
-            return frozen
-        return self._lost_unpaused("the other nodes", how)
-
-    def _lost_unpaused(self, finder: str, how: str) -> NodeStop:
-        """This node was found lost by finder (how) although it never stopped: its heartbeats were late."""
-        detail = (
-            f"was found lost by {finder} ({how}): its heartbeats did not reach {finder} in time "
-            "(a network stall? raise --node-timeout)"
-        )
-        return NodeStop(self.rank, self.member.host, "lost", detail, here=True)
+    def _stopped_as_lost(self) -> bool:
+        """Node 0, just stopped itself past loss_after: the others found it lost and stopped the
+        job, so it stops every node still running too (_stop_as_lost); True then."""
+        if not self.spec.is_master or (frozen := self._own.frozen(OTHERS_STOPPED)) is None:
+            return False
+        self._stop_as_lost(frozen)
+        return True
 
     def _stop_as_lost(self, here: NodeStop) -> None:
         """Node 0, found lost by the others: every node still running stops (the abort key names
         node 0 lost; the first word counts), and this node tells its own story (here)."""
         record = NodeStop(self.rank, self.member.host, "lost", f"its launcher {here.detail}")
         try:
-            bounded(lambda: self._store.compare_set("abort", "", record.to_json()), self.loss_after, "abort")
+            self._call(lambda: self._store.compare_set("abort", "", record.to_json()), "abort")
         except Exception:
             pass  # its own store: it answers unless this process ends
         self._deliver(here)
@@ -587,7 +549,7 @@ class Node:
             return  # node 0 is gone: this node has said so already
         for record in records:
             stop = NodeStop.from_json(record)
-            self.lost.setdefault(stop.node, self._told_lost(stop) if stop.node == self.rank else stop)
+            self.lost.setdefault(stop.node, self._own.found_lost(stop.detail) if stop.node == self.rank else stop)
 
     def close(self) -> None:
         self._stopping.set()
