@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import address_space
+from launcher.torchrun_env import NO_RESTARTS, Restarts, torchrun_defaults, torchrun_variables
 from pretrain.parent_death import die_with_parent
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
@@ -228,11 +229,17 @@ def worker_env(
     local_world_size: int | None = None,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
+    nnodes: int = 1,
+    run_id: str = "",
+    error_file: str = "",
+    restarts: Restarts = NO_RESTARTS,
 ) -> dict[str, str]:
     """The worker contract (docs/design.md): torchrun's variables, its GPU, bounded threads.
 
     rank and world_size are the job's; local_rank and local_world_size (default: the same)
-    this node's, which also share its cores.
+    this node's, which also share its cores. node_rank, nnodes, run_id, error_file and restarts
+    are torchrun's GROUP_RANK, GROUP_WORLD_SIZE, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE and
+    restart counts (launcher/torchrun_env.py says what each means here).
 
     gpu is CUDA_VISIBLE_DEVICES: the worker's own GPU (the launcher gives its UUID), or every
     run GPU of the node, comma-separated in local-rank order (launcher/gpu_visibility.py); None
@@ -244,14 +251,23 @@ def worker_env(
     threads = str(max(1, cpu_count // local_world_size))
     env = dict(base)
     env.update(
+        torchrun_variables(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            master_addr=master_addr,
+            master_port=master_port,
+            run_id=run_id,
+            error_file=error_file,
+            restarts=restarts,
+        )
+    )
+    env.update(
         {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(local_world_size),
             "NODE_RANK": str(node_rank),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.
             "CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "",
@@ -265,6 +281,8 @@ def worker_env(
         env.pop("GPU_RANK", None)
         env.pop(CUDA_DEVICE_INDEX_VAR, None)
     env.setdefault("OMP_NUM_THREADS", threads)
+    for name, value in torchrun_defaults().items():  # the user's own value wins
+        env.setdefault(name, value)
     # One compile cache for all ranks: they reuse each other's kernels instead of each
     # compiling the same ones. N ranks compiling at once would each start a pool as large as the machine.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
