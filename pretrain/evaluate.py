@@ -1,4 +1,4 @@
-"""Score a checkpoint on a benchmark task:
+"""Score a checkpoint (or an export, as pretrain/generate.py reads one) on a benchmark task:
 
     python -m pretrain.evaluate --checkpoint runs/<id>/checkpoints/step_1000 --task hellaswag \\
         --data hellaswag_val.jsonl [--max-examples N] [--batch-examples 8] [--device auto|cpu|cuda]
@@ -23,6 +23,7 @@ from pretrain import config as cfg
 from pretrain import hellaswag
 from pretrain.checkpoint import CheckpointError
 from pretrain.choices import score
+from pretrain.command_name import command_name
 from pretrain.export import (
     OneLineParser,
     add_checkpoint_argument,
@@ -40,7 +41,7 @@ TASKS = ("hellaswag",)
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = OneLineParser(
-        prog="python -m pretrain.evaluate",
+        prog=command_name("pretrain.evaluate", "pretrain-evaluate"),
         error_prefix="evaluate",
         description="Score a checkpoint's model on a benchmark task (HellaSwag).",
     )

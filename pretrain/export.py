@@ -1,22 +1,38 @@
-"""A checkpoint for use outside training: read it as a config and plain tensors, and export it as
-safetensors with a config.json that says how to rebuild the model.
+"""A checkpoint for use outside training, in the form Hugging Face transformers loads as it is.
 
     python -m pretrain.export --checkpoint runs/<id>/checkpoints/step_1000   # -> runs/<id>/export/
+        [--output DIR] [--dtype bfloat16|float32|float16] [--max-shard-size 5GB]
 
-writes
+writes (training writes the same into <run dir>/export/ at its end)
 
-    model.safetensors   every parameter under its plain name (tok_embed.weight,
-                        layers.0.attention.wq.weight, ...), in the dtype it was trained in
-    config.json         the model's shape and max_seq_len, the naming convention, the tokenizer
-                        (kind, name, end-of-text id) and the dtype
-    tokenizer.json      the tokenizer the model was trained with, when it has a file (bpe, huggingface)
+    model.safetensors             the weights under transformers' names (LlamaForCausalLM, or
+                                  MixtralForCausalLM for a mixture of experts), the query and key
+                                  rows permuted to transformers' rotary layout, bf16 by default;
+                                  a model over --max-shard-size (5 GB) is split into
+                                  model-00001-of-0000N.safetensors, ... with
+                                  model.safetensors.index.json
+    config.json                   transformers' config (model_type llama or mixtral), and ours
+                                  under "pretrain": the run's config, the tokenizer, the format
+    generation_config.json        the end-of-text id as eos_token_id, ids past the tokenizer's
+                                  vocabulary as suppress_tokens (greedy stays the default)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                  the run's tokenizer (pretrain/hf_tokenizer.py); a warning says
+                                  when the export has none (pre-tokenized shards, a file not found)
 
-each written to a temporary file and renamed, so a reader sees a whole file or none. Loading
-needs only safetensors and this repository's model:
+so that AutoModelForCausalLM.from_pretrained(export) and AutoTokenizer.from_pretrained(export)
+work unchanged, and so does lm-eval (`--model hf --model_args pretrained=<export>`); vLLM reads
+the same layout (Llama's, Mixtral's as on the Hub), not tested here (it needs a GPU).
+The conversion is pretrain/hf_format.py's; the files pretrain/safetensors_shards.py's, each
+written to a temporary file and renamed, config.json last, one tensor at a time: an export
+never holds two copies of the model (under FSDP the ranks gather one weight at a time, and the
+writer writes it before the next). A model whose feed-forward block is not Llama's has no
+Hugging Face form: it is written in this project's own format (format "pretrain-llama": our
+parameter names, config.json our description only), with a warning.
 
-    state, meta = load_exported(out_dir)
-    model = Transformer(ModelConfig(**meta["model"]), max_seq_len=meta["max_seq_len"])
-    model.load_state_dict(state)
+generate and evaluate read an export (or any Hugging Face Llama or Mixtral directory) as they
+read a checkpoint: `--checkpoint <run>/export` (pretrain/exported.py). In Python:
+
+    state, described = load_exported(out_dir)   # our parameter names, whichever format
 
 Finding what a checkpoint was made of (find_checkpoint, read_checkpoint, find_tokenizer_file,
 open_tokenizer) lives here as well: generation needs the same config, weights and tokenizer.
@@ -25,10 +41,10 @@ open_tokenizer) lives here as well: generation needs the same config, weights an
 from __future__ import annotations
 
 import argparse
+import math
 import json
-import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypedDict
 
@@ -39,22 +55,35 @@ from pretrain import checkpoint
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.checkpoint import CheckpointError
+from pretrain.command_name import command_name
 from pretrain.config import SHARD_SOURCES, Config
 from pretrain.data import DataError
 from pretrain.data.prepare import recipe_for
 from pretrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, huggingface_file, load_tokenizer, tokenizer_label
+from pretrain.dcp_files import DIRECTORY, read_dcp_metadata
+from pretrain.exported import LEGACY_FORMAT, is_export, load_exported, read_export
+from pretrain.hf_format import HfFormatError, expected_hf_shapes, hf_config, hf_model_type, hf_names, to_hf
+from pretrain.hf_tokenizer import SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE, HfTokenizerFiles, write_tokenizer_files
 from pretrain.model import Transformer
+from pretrain.model_state import model_shapes, read_sharded_tensors, sharded_model_shapes, whole_tensors
+from pretrain.parallel import has_fsdp
 from pretrain.resume import ResumeError, checkpoint_at
-from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
+from pretrain.runfiles import atomic_write_text, os_error_message
+from pretrain.safetensors_shards import DEFAULT_MAX_SHARD_BYTES, DTYPES, TensorSpec, parse_size, write_shards
 
-FORMAT = "pretrain-llama"
-FORMAT_VERSION = 1
-WEIGHTS_FILE = "model.safetensors"
+FORMAT = "huggingface"
+"""config.json's pretrain.format for an export in Hugging Face form (LEGACY_FORMAT: our own)."""
+FORMAT_VERSION = 2
+"""2: Hugging Face form by default, sharded safetensors in --dtype (1: our names, one file, the trained dtype)."""
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)
+DEFAULT_DTYPE = "bfloat16"
+__all__ = ["LEGACY_FORMAT", "load_exported"]  # re-exported: pretrain.export.load_exported is documented
 
 
 class ParameterNaming(TypedDict):
-    """config.json's parameter_naming (PARAMETER_NAMING, or parameter_naming's variant of it)."""
+    """config.json's parameter_naming in this project's own format (PARAMETER_NAMING, or parameter_naming's variant of it)."""
 
     convention: str
     renamed: dict[str, str]
@@ -68,7 +97,16 @@ PARAMETER_NAMING: ParameterNaming = {
     "rotary": "adjacent channel pairs (2i, 2i+1), Meta's layout; Hugging Face transformers' Llama permutes "
     "wq and wk to rotate halves instead",
 }
-"""How the names in model.safetensors map onto other Llama code: config.json carries this."""
+"""How the names of an export in this project's own format map onto other Llama code."""
+
+
+def parameter_naming(config: Config) -> ParameterNaming:
+    """PARAMETER_NAMING, with the feed-forward names model.ffn's block uses where they are not Llama's."""
+    if registry.FEED_FORWARDS[config.model.feed_forward].llama_layout:
+        return PARAMETER_NAMING
+    ffn = f"layers.{{i}}.feed_forward.* of model.ffn={config.model.ffn!r} (pretrain/registry.py), not Llama's w1, w2, w3"
+    convention = PARAMETER_NAMING["convention"].replace("layers.{i}.feed_forward.{w1,w2,w3}", ffn)
+    return PARAMETER_NAMING | {"convention": convention}
 
 
 class TokenizerNotFound(CheckpointError):
@@ -93,7 +131,8 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
         type=Path,
         required=True,
         metavar="PATH",
-        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), or a run directory for its latest checkpoint",
+        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), a run directory for its latest checkpoint, "
+        "or an export (<run dir>/export, or a Hugging Face Llama or Mixtral directory)",
     )
 
 
@@ -103,7 +142,10 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint directory path names (absolute): path itself, or a run directory's latest
     checkpoint, as --resume means it: one whose state, config and model files are all there and
-    whole (checkpoint_files.checkpoint_problem; the optimizer and random state are not needed here)."""
+    whole (checkpoint_files.checkpoint_problem; the optimizer and random state are not needed here).
+    An export directory (pretrain/exported.py) is taken as it is."""
+    if is_export(path):
+        return path.resolve()
     try:
         return checkpoint_at(path)
     except ResumeError as error:  # its message starts with the path, for the option's name to go first
@@ -112,11 +154,35 @@ def find_checkpoint(path: Path) -> Path:
 
 def read_checkpoint(path: Path) -> tuple[Config, dict[str, Tensor]]:
     """The resolved config and the model's state dict (CPU tensors, plain names) of a checkpoint,
-    in either format (full or sharded); CheckpointError when it is incomplete or does not fit."""
+    in either format (full or sharded), or of an export; CheckpointError when it is incomplete or
+    does not fit."""
+    if is_export(path):
+        config, state = read_export(path)
+        check_weights(config, state, f"export {path}")
+        return config, state
     config = checkpoint.load_config(path)
     state = checkpoint.load_model_state(path)
     check_weights(config, state, f"checkpoint {path}")
     return config, state
+
+
+def checkpoint_tensors(path: Path) -> tuple[Config, dict[str, tuple[int, ...]], Iterator[tuple[str, Tensor]]]:
+    """A checkpoint's config, the shapes of its model's tensors (checked against the config) and
+    the tensors themselves, whole, one at a time: a sharded checkpoint's are read from its DCP
+    files one key at a time, a full one's model.pt is memory-mapped (a tensor's pages are read
+    when it is written). So an export never holds the whole model."""
+    config = checkpoint.load_config(path)
+    checkpoint.read_state(path)
+    if (path / DIRECTORY).is_dir():
+        metadata = read_dcp_metadata(path)
+        shapes = sharded_model_shapes(metadata)
+        check_shapes(config, shapes, f"checkpoint {path}")
+        names = list(expected_shapes(config))  # the model's order
+        return config, {name: shapes[name] for name in names}, read_sharded_tensors(path, metadata, names)
+    state = checkpoint.load_model_state(path)
+    check_weights(config, state, f"checkpoint {path}")
+    names = list(expected_shapes(config))
+    return config, {name: tuple(state[name].shape) for name in names}, ((name, state.pop(name)) for name in names)
 
 
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
@@ -129,7 +195,12 @@ def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
 def check_weights(config: Config, state: dict[str, Tensor], where: str) -> None:
     """CheckpointError in one line when state is not exactly the model config describes
     (load_state_dict's own message spans many lines)."""
-    expected, got = expected_shapes(config), {name: tuple(t.shape) for name, t in state.items()}
+    check_shapes(config, {name: tuple(t.shape) for name, t in state.items()}, where)
+
+
+def check_shapes(config: Config, got: dict[str, tuple[int, ...]], where: str) -> None:
+    """check_weights, from the tensors' shapes alone."""
+    expected = expected_shapes(config)
     problems = []
     if missing := sorted(expected.keys() - got.keys()):
         problems.append(f"{len(missing)} missing ({_some(missing)})")
@@ -235,79 +306,178 @@ def tokenizer_description(config: Config, tokenizer_file: Path | None) -> dict[s
 
 
 def export(
-    state: dict[str, Tensor],
+    state: Mapping[str, Tensor],
     config: Config,
     out_dir: Path,
     tokenizer_file: Path | None = None,
     *,
     source: dict[str, Any] | None = None,
+    dtype: str = DEFAULT_DTYPE,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    warn: Callable[[str], None] | None = None,
 ) -> Path:
-    """Write model.safetensors, config.json and, given tokenizer_file, a copy of it as
-    tokenizer.json into out_dir; return it.
+    """Write the whole state dict state (plain names) of config's model into out_dir (write_export)."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    return write_export(
+        iter(state.items()),
+        shapes,
+        config,
+        out_dir,
+        tokenizer_file,
+        source=source,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        warn=warn,
+    )
 
-    Nothing is looked up: the caller knows where the tokenizer is (training: the prepared
-    dataset's copy; the command line: find_tokenizer_file), and finding it from the config alone
-    means recomputing the data recipe, which may hash the source files or reach the Hub.
-    source, when given, is recorded in config.json as "exported_from" (the checkpoint, its step)."""
-    from safetensors.torch import save_file  # only exporting needs safetensors
 
-    tensors = standalone_tensors(state)
-    atomic_write(out_dir / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    if tokenizer_file is not None:
-        atomic_write(out_dir / TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp))
-    # config.json last: it describes the other files, so it never points at weights not yet written.
-    described = export_config(config, tensors, tokenizer_file)
+def export_model(
+    model: torch.nn.Module,
+    config: Config,
+    out_dir: Path,
+    tokenizer_file: Path | None,
+    *,
+    writes: bool,
+    warn: Callable[[str], None] | None = None,
+    source: dict[str, Any] | None = None,
+) -> Path | None:
+    """Export the model being trained, whatever wraps it; the rank that writes passes writes=True
+    (source: what config.json records as exported_from).
+    Under FSDP a collective: every rank gathers each weight in turn (model_state.whole_tensors),
+    and the writer writes it before the next is gathered, so no process holds the whole model."""
+    tensors = whole_tensors(model)
+    try:
+        if writes:
+            return write_export(tensors, model_shapes(model), config, out_dir, tokenizer_file, warn=warn, source=source)
+    finally:
+        if has_fsdp(model):  # the other ranks gather every weight: take part in the rest, whatever happened here
+            for _ in tensors:
+                pass
+    return None
+
+
+def write_export(
+    tensors: Iterator[tuple[str, Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    config: Config,
+    out_dir: Path,
+    tokenizer_file: Path | None = None,
+    *,
+    source: dict[str, Any] | None = None,
+    dtype: str = DEFAULT_DTYPE,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    warn: Callable[[str], None] | None = None,
+) -> Path:
+    """Write config's model into out_dir in Hugging Face form (see the module docstring); return out_dir.
+
+    tensors yields (plain name, whole tensor) in shapes' order, one at a time, and each is
+    converted and written before the next is asked for. A model with no Hugging Face form (a
+    feed-forward block that is not Llama's) is written in this project's own format instead,
+    with a warning: training never fails at its end for want of a form. Nothing is looked up:
+    the caller knows where the tokenizer is (training: the prepared dataset's copy; the command
+    line: find_tokenizer_file). source, when given, is recorded as exported_from."""
+    warn = warn or _warn_on_stderr
+    try:
+        hf_model_type(config.model)
+        hf = True
+    except HfFormatError as error:
+        warn(f"{error}; exported in this project's own format ({LEGACY_FORMAT}), which transformers does not load")
+        hf = False
+    max_seq_len = cfg.max_seq_len(config)
+    expected = expected_hf_shapes(config.model, max_seq_len) if hf else shapes
+    specs = [
+        TensorSpec(piece, expected[piece], dtype) for name in shapes for piece in (hf_names(name, config.model) if hf else [name])
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_shards(out_dir, specs, _converted(tensors, config, dtype, hf), max_shard_bytes)
+    files = write_tokenizer_files(config, tokenizer_file, out_dir, max_seq_len)
+    if files.lacking:
+        warn(files.lacking)
+    for stale in set(TOKENIZER_FILES) - set(files.written):  # an earlier export's, which would not be this model's
+        (out_dir / stale).unlink(missing_ok=True)
+    own = own_description(config, shapes, files, tokenizer_file, dtype, hf)
     if source is not None:
-        described["exported_from"] = source
+        own["exported_from"] = source
+    if hf:
+        generation = generation_config(files, own["tokenizer"]["vocab_size"], config.model.vocab_size)
+        atomic_write_text(out_dir / GENERATION_CONFIG_FILE, json.dumps(generation, indent=2) + "\n")
+        described = hf_config(config.model, max_seq_len, bos_id=files.bos_id, eos_id=files.eos_id, dtype=dtype)
+        described["pretrain"] = own
+    else:
+        (out_dir / GENERATION_CONFIG_FILE).unlink(missing_ok=True)
+        described = own
+    # config.json last: it describes the other files, so it never points at weights not yet written.
     atomic_write_text(out_dir / CONFIG_FILE, json.dumps(described, indent=2) + "\n")
     return out_dir
 
 
-def standalone_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """CPU, contiguous tensors that share no storage with each other (safetensors refuses shared
-    storage); a tensor is copied only when it has to be."""
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        if tensor.untyped_storage().data_ptr() in seen:
-            tensor = tensor.clone()  # tied or a view of another entry: give it storage of its own
-        seen.add(tensor.untyped_storage().data_ptr())
-        tensors[name] = tensor
-    return tensors
+def _warn_on_stderr(message: str) -> None:
+    print(f"export: warning: {message}", file=sys.stderr)
 
 
-def parameter_naming(config: Config) -> ParameterNaming:
-    """PARAMETER_NAMING, with the feed-forward names model.ffn's block uses where they are not Llama's."""
-    if registry.FEED_FORWARDS[config.model.feed_forward].llama_layout:
-        return PARAMETER_NAMING
-    ffn = f"layers.{{i}}.feed_forward.* of model.ffn={config.model.ffn!r} (pretrain/registry.py), not Llama's w1, w2, w3"
-    convention = PARAMETER_NAMING["convention"].replace("layers.{i}.feed_forward.{w1,w2,w3}", ffn)
-    return PARAMETER_NAMING | {"convention": convention}
+def _converted(tensors: Iterator[tuple[str, Tensor]], config: Config, dtype: str, hf: bool) -> Iterator[tuple[str, Tensor]]:
+    """(written name, tensor in dtype) for every piece of every tensor, taken one at a time:
+    nothing here holds a tensor once its pieces are written."""
+    torch_dtype = getattr(torch, dtype)
+    for name, tensor in tensors:
+        pieces = to_hf(name, tensor, config.model) if hf else [(name, tensor)]
+        del tensor
+        while pieces:
+            written_name, piece = pieces.pop(0)
+            yield written_name, piece.to(torch_dtype)
+            del piece
 
 
-def export_config(config: Config, state: dict[str, Tensor], tokenizer_file: Path | None) -> dict[str, Any]:
-    """What config.json says: enough to rebuild the model and to know its tokenizer."""
+def generation_config(files: HfTokenizerFiles, tokenizer_vocab: int | None, model_vocab: int | None) -> dict[str, Any]:
+    """generation_config.json: the end-of-text id as eos and pad, and the ids past the tokenizer's
+    vocabulary (a model's may be rounded up beyond it) suppressed, as pretrain.generate never draws
+    them; greedy search stays transformers' default."""
+    generation: dict[str, Any] = {"bos_token_id": files.bos_id, "eos_token_id": files.eos_id, "pad_token_id": files.eos_id}
+    if tokenizer_vocab is not None and model_vocab is not None and tokenizer_vocab < model_vocab:
+        generation["suppress_tokens"] = list(range(tokenizer_vocab, model_vocab))
+    return {key: value for key, value in generation.items() if value is not None}
+
+
+def own_description(
+    config: Config, shapes: dict[str, tuple[int, ...]], files: HfTokenizerFiles, tokenizer_file: Path | None, dtype: str, hf: bool
+) -> dict[str, Any]:
+    """What this project says about an export (config.json's "pretrain", or all of it in its own
+    format): the format, the run's config (so that generate and evaluate treat the export as
+    they treat its checkpoint), the model, the tokenizer, the naming and the dtype."""
     max_seq_len = cfg.max_seq_len(config)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()})
+    exported_tokenizer = TOKENIZER_FILE if TOKENIZER_FILE in files.written else None
     return {
-        "format": FORMAT,
+        "format": FORMAT if hf else LEGACY_FORMAT,
         "format_version": FORMAT_VERSION,
         "model": cfg.to_dict(config)["model"] | {"max_seq_len": max_seq_len},
         "max_seq_len": max_seq_len,
-        "parameter_naming": parameter_naming(config),
-        "tokenizer": tokenizer_description(config, tokenizer_file),
-        "torch_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "num_parameters": sum(t.numel() for t in state.values()),
+        "parameter_naming": hf_parameter_naming(config) if hf else parameter_naming(config),
+        "tokenizer": tokenizer_description(config, tokenizer_file) | {"file": exported_tokenizer},
+        "torch_dtype": dtype,
+        "num_parameters": sum(math.prod(shape) for shape in shapes.values()),
+        "run_config": cfg.to_dict(config),
     }
 
 
-def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The tensors and the config.json of an export (see the module docstring to rebuild the model)."""
-    from safetensors.torch import load_file
-
-    config = json.loads((Path(out_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    return load_file(str(Path(out_dir) / WEIGHTS_FILE)), config
+def hf_parameter_naming(config: Config) -> dict[str, str]:
+    """config.json's pretrain.parameter_naming for an export in Hugging Face form."""
+    if hf_model_type(config.model) == "mixtral":
+        convention = (
+            "Hugging Face transformers' MixtralForCausalLM, each expert its own "
+            "model.layers.{i}.block_sparse_moe.experts.{j}.{w1,w2,w3}.weight (as Mixtral on the Hub), "
+            "the router model.layers.{i}.block_sparse_moe.gate.weight"
+        )
+    else:
+        convention = (
+            "Hugging Face transformers' LlamaForCausalLM: model.embed_tokens, "
+            "model.layers.{i}.self_attn.{q,k,v,o}_proj, model.layers.{i}.mlp.{gate,up,down}_proj, "
+            "model.layers.{i}.{input,post_attention}_layernorm, model.norm, lm_head"
+        )
+    return {
+        "convention": convention,
+        "rotary": "rotate halves, as transformers does: the rows of q_proj and k_proj are permuted "
+        "within each head from training's adjacent pairs (pretrain/hf_format.py permute_qk)",
+    }
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -322,7 +492,7 @@ def default_output(checkpoint_dir: Path) -> Path:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = OneLineParser(
-        prog="python -m pretrain.export",
+        prog=command_name("pretrain.export", "pretrain-export"),
         error_prefix="export",
         description="Export a checkpoint's model as safetensors, with a config.json "
         "and its tokenizer.json, for use outside training.",
@@ -331,20 +501,39 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--output", type=Path, metavar="DIR", help="where to write (default: <run dir>/export, or <checkpoint>/export)"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE, help=f"the weights' dtype (default {DEFAULT_DTYPE})"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="the largest weights file (such as 5GB, 200MB); a bigger model is split into several (default 5GB)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as error:
+        parser.error(f"--max-shard-size: {error}")
+    return args
 
 
 def run(args: argparse.Namespace) -> Path:
     checkpoint_dir = find_checkpoint(args.checkpoint)
-    config, state = read_checkpoint(checkpoint_dir)
+    if is_export(checkpoint_dir):
+        raise CheckpointError(f"--checkpoint {checkpoint_dir} is an export already; give a checkpoint or a run directory")
+    config, shapes, tensors = checkpoint_tensors(checkpoint_dir)
     try:
         tokenizer_file = find_tokenizer_file(config, checkpoint_dir)
     except TokenizerNotFound as error:  # the weights are still worth exporting
-        print(f"export: warning: {error}; exporting without tokenizer.json", file=sys.stderr)
+        _warn_on_stderr(str(error))  # and write_export says what the export lacks
         tokenizer_file = None
     source = {"checkpoint": str(checkpoint_dir), "steps_done": checkpoint.read_state(checkpoint_dir)["steps_done"]}
-    out_dir = export(state, config, args.output or default_output(checkpoint_dir), tokenizer_file, source=source)
-    count = sum(t.numel() for t in state.values())
+    out_dir = args.output or default_output(checkpoint_dir)
+    write_export(
+        tensors, shapes, config, out_dir, tokenizer_file, source=source, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes
+    )
+    count = sum(math.prod(shape) for shape in shapes.values())
     print(f"exported {checkpoint_dir} ({count / 1e6:.2f}M parameters) to {out_dir}")
     return out_dir
 

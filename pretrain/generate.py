@@ -1,4 +1,5 @@
-"""Sample text from a checkpoint, with the tokenizer the model was trained with.
+"""Sample text from a checkpoint (or an export: --checkpoint runs/<id>/export, or a Hugging Face Llama
+or Mixtral directory; pretrain/exported.py), with the tokenizer the model was trained with.
 
     python -m pretrain.generate --checkpoint runs/<id>/checkpoints/step_1000 --prompt "The module"
         [--max-tokens 100] [--temperature 0.8] [--top-k 50] [--seed N] [--device auto|cpu|cuda]
@@ -23,6 +24,7 @@ from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.checkpoint import CheckpointError
+from pretrain.command_name import command_name
 from pretrain.export import (
     OneLineParser,
     add_checkpoint_argument,
@@ -150,7 +152,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = OneLineParser(
-        prog="python -m pretrain.generate",
+        prog=command_name("pretrain.generate", "pretrain-generate"),
         error_prefix="generate",
         description="Print a prompt and the text a checkpoint's model continues it with.",
     )

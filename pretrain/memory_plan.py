@@ -10,7 +10,8 @@ Host memory per process: FSDP with CPU offload (training.cpu_offload) keeps the 
 weights, gradients and AdamW state there (16P/W bytes per rank, the pinned shards rounded up by
 the caching host allocator: PINNED_ROUNDING); on CPU workers the whole per-GPU estimate is host
 memory, less the CUDA allowance plus a process's own. At the end of a run rank 0 also gathers
-the whole model there to export it when the weights are sharded (export_copy_bytes). A run plans
+its largest tensor there, twice, to export the weights one tensor at a time when they are sharded
+(export_copy_bytes). A run plans
 on HOST_SHARE of the host memory available when it starts, shared by the ranks on that host.
 An offload the config leaves open (null) is taken only when the run does not fit the GPUs
 without it, fits them with it, training.parallelism is not ddp and the host has the memory.
@@ -28,9 +29,11 @@ from pretrain.memory import (
     GIB,
     LOSS_CHUNK_TOKENS,
     MemoryEstimate,
+    block_parameter_count,
     ceil_div,
     check_fits,
     choose_parallelism,
+    embedding_parameter_count,
     estimate,
     fits_gpu,
     gib,
@@ -121,16 +124,20 @@ def _host_need(config: Config, world_size: int, mode: str, local_ranks: int, on_
 
 def _export_part(config: Config, world_size: int, mode: str, offload: bool) -> str:
     copy = export_copy_bytes(config, world_size, mode, offload)
-    return f" + {gib(copy)} for the export's whole copy" if copy else ""
+    return f" + {gib(copy)} for the export's largest tensor" if copy else ""
 
 
 def export_copy_bytes(config: Config, world_size: int, mode: str, offload: bool) -> int:
-    """At the end of a run rank 0 gathers the whole model in fp32 into host memory to export it
-    (pretrain/export.py), on top of its shards: 4P bytes, once per host, when the weights are
-    sharded (FSDP over several ranks, or offloaded). A full replica (DDP, one process) is
-    exported from the tensors it already holds."""
+    """At the end of a run rank 0 exports the weights one tensor at a time (pretrain/export.py):
+    it gathers a tensor whole in fp32 into host memory and converts it (transformers' row order,
+    the export's dtype, at most fp32 again) before the next, so at most two copies of the largest
+    tensor are there on top of its shards, once per host, when the weights are sharded (FSDP over
+    several ranks, or offloaded). The largest is the embedding or the output projection, or for a
+    wide block one of its weights, which a block's whole count bounds. A full replica (DDP, one
+    process) converts from the tensors it already holds."""
     sharded = mode == "fsdp" and (world_size > 1 or offload)
-    return FP32 * parameter_count(config.model) if sharded else 0
+    largest = max(embedding_parameter_count(config.model), block_parameter_count(config.model))
+    return 2 * FP32 * largest if sharded else 0
 
 
 def _host_hint(config: Config, world_size: int, mode: str, host_memory_bytes: int, on_gpus: bool) -> str:

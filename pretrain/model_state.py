@@ -8,11 +8,13 @@ and loads only its shards, through torch.distributed.checkpoint (pretrain/dcp_fi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 
 from pretrain.checkpoint_files import CheckpointError
 from pretrain.dcp_files import dcp_load, dcp_save, tensor_entries
@@ -57,19 +59,20 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 # --- full state dicts -------------------------------------------------------------------
 
 
-def whole_model_on_cpu(model: torch.nn.Module, wanted_here: bool) -> dict[str, torch.Tensor] | None:
-    """Every weight, whole, on the CPU, under its plain name, where wanted_here (None elsewhere).
-    Under FSDP a collective: every rank must call it, as each holds a shard of every weight."""
-    if has_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # Typed as any DCP value, but a model's state dict holds only tensors, and full_state_dict
-        # gathers each DTensor into a whole one (on the CPU: cpu_offload).
-        return cast(dict[str, torch.Tensor], state) if wanted_here else None
-    if not wanted_here:
-        return None
-    return {plain_name(key): value.detach().cpu() for key, value in model.state_dict().items()}
+def whole_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every entry of the model's state dict, whole and on the CPU, one at a time, under its plain
+    name, in model_shapes' order: an export holds one whole tensor at a time, never the model.
+    Under FSDP a collective per tensor (each rank gathers its shards into it): every rank must
+    iterate it to the end."""
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            if value.device.type != value.device_mesh.device_type:  # offloaded to the CPU: gather on the mesh's device
+                value = value.to(value.device_mesh.device_type)
+            value = value.full_tensor()
+        whole = value.detach().cpu()
+        del value
+        yield plain_name(key), whole
+        del whole
 
 
 def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -172,3 +175,15 @@ def read_sharded_model(path: Path, metadata: Metadata) -> dict[str, torch.Tensor
 
 def sharded_model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
     return {key: tuple(item.size) for key, item in tensor_entries(metadata, "model.").items()}
+
+
+def read_sharded_tensors(path: Path, metadata: Metadata, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model tensors names of checkpoint path's DCP shards, whole, one at a time, in this
+    process alone: DCP reads only the keys asked for, so an export of a sharded checkpoint holds
+    one whole tensor at a time, never the model."""
+    entries = tensor_entries(metadata, "model.")
+    for name in names:
+        item = entries[name]
+        state = {f"model.{name}": torch.empty(item.size, dtype=item.properties.dtype)}
+        dcp_load(state, path, alone=True)
+        yield name, state.pop(f"model.{name}")

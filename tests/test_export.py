@@ -1,4 +1,5 @@
-"""Export to safetensors: the weights and config round-trip, files appear whole, the command line."""
+"""Export: the weights and config round-trip, files appear whole, the command line (the Hugging
+Face side, transformers loading it, is tests/test_hf_export.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 from tokenizers import Tokenizer as RustTokenizer
 
 from conftest import launcher_env
 from pretrain import checkpoint
 from pretrain import export as export_module
+from pretrain import safetensors_shards
 from pretrain.checkpoint import CheckpointError
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
@@ -57,20 +58,35 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+EXPORT_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+
+
 def test_an_export_holds_the_checkpoints_weights_and_a_config_that_rebuilds_the_model(trained, tmp_path, capsys):
     path, trainer = trained
-    code, out, err = run_cli(["--checkpoint", str(path), "--output", str(tmp_path / "out")], capsys)
+    argv = ["--checkpoint", str(path), "--output", str(tmp_path / "out"), "--dtype", "float32"]
+    code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "exported" in out and str(tmp_path / "out") in out
 
-    state, meta = load_exported(tmp_path / "out")
+    state, described = load_exported(tmp_path / "out")
     expected = trained_state(trainer)
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[name], expected[name]) for name in expected)
+    assert described["model_type"] == "llama" and described["max_position_embeddings"] == 32
+    meta = described["pretrain"]
+    assert meta["format"] == "huggingface" and meta["format_version"] == 2
     assert meta["max_seq_len"] == 32 and meta["model"]["max_seq_len"] == 32 and meta["model"]["vocab_size"] == 257
-    assert meta["torch_dtype"] == "float32"
-    assert meta["tokenizer"] == {"kind": "byte", "name": "byte", "eot_id": 256, "vocab_size": 257, "file": None}
+    assert meta["torch_dtype"] == "float32" and described["torch_dtype"] == "float32"
+    assert meta["tokenizer"] == {"kind": "byte", "name": "byte", "eot_id": 256, "vocab_size": 257, "file": "tokenizer.json"}
     assert meta["exported_from"]["steps_done"] == 1
+    assert meta["run_config"] == cfg.to_dict(trainer.config)
 
     rebuilt = Transformer(ModelConfig(**meta["model"]), max_seq_len=meta["max_seq_len"])
     rebuilt.load_state_dict(state)  # strict
@@ -79,12 +95,41 @@ def test_an_export_holds_the_checkpoints_weights_and_a_config_that_rebuilds_the_
         assert torch.equal(rebuilt(tokens).out, trainer.model(tokens).out)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_is_exported_reading_one_tensor_at_a_time(trained, tmp_path, capsys, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from pretrain import model_state
+
+    path, trainer = trained
+    sharded = shutil.copytree(path, tmp_path / "step_1")
+    (sharded / "model.pt").unlink()
+    dcp.save({"model": trained_state(trainer)}, storage_writer=dcp.FileSystemWriter(sharded / "dcp"), no_dist=True)
+    loads: list[list[str]] = []
+
+    def recording_load(state, path, alone=None):
+        loads.append(list(state))
+        return dcp_load(state, path, alone)
+
+    dcp_load = model_state.dcp_load
+    monkeypatch.setattr(model_state, "dcp_load", recording_load)
+    code, _, err = run_cli(["--checkpoint", str(sharded), "--output", str(tmp_path / "out"), "--dtype", "float32"], capsys)
+    assert code == 0, err
+    expected = trained_state(trainer)
+    assert sorted(key for keys in loads for key in keys) == sorted(f"model.{name}" for name in expected)
+    assert all(len(keys) == 1 for keys in loads)  # DCP read one tensor per call, never the model
+    state, _ = load_exported(tmp_path / "out")
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
 def test_without_output_a_run_is_exported_into_its_export_folder(trained, tmp_path, capsys):
     path, _ = trained
     run_dir = shutil.copytree(path.parent.parent, tmp_path / "run")
     code, _, err = run_cli(["--checkpoint", str(run_dir)], capsys)
     assert code == 0, err
     assert (run_dir / "export" / "model.safetensors").is_file()
+    state, _ = load_exported(run_dir / "export")
+    assert {tensor.dtype for tensor in state.values()} == {torch.bfloat16}  # the default
     assert default_output(tmp_path / "loose-checkpoint") == tmp_path / "loose-checkpoint" / "export"
 
 
@@ -93,18 +138,18 @@ def test_exporting_again_leaves_no_temporary_files_and_a_failed_write_keeps_the_
     out = tmp_path / "out"
     export(trained_state(trainer), trainer.config, out)
     export(trained_state(trainer), trainer.config, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == EXPORT_FILES
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}  # meant to be shared
     before = (out / "model.safetensors").read_bytes()
 
-    def disk_full(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"half a file")
+    def disk_full(file, spec, name, tensor):
+        file.write(b"half a tensor")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(safetensors_shards, "_write_tensor", disk_full)
     with pytest.raises(OSError, match="No space left"):
         export(trained_state(trainer), trainer.config, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == EXPORT_FILES
     assert (out / "model.safetensors").read_bytes() == before
 
 
@@ -112,7 +157,7 @@ def test_tensors_that_share_storage_are_written_as_separate_copies(trained, tmp_
     _, trainer = trained
     state = trained_state(trainer)
     state["output.weight"] = state["tok_embed.weight"]  # tied embeddings: safetensors refuses shared storage
-    export(state, trainer.config, tmp_path / "out")
+    export(state, trainer.config, tmp_path / "out", dtype="float32")
     loaded, _ = load_exported(tmp_path / "out")
     assert torch.equal(loaded["output.weight"], state["tok_embed.weight"])
     assert loaded["output.weight"].data_ptr() != loaded["tok_embed.weight"].data_ptr()
@@ -141,9 +186,18 @@ def test_a_bpe_models_tokenizer_is_found_copied_and_described(bpe_run, tmp_path)
     state = Transformer(config.model, max_seq_len=32).state_dict()
     eot = RustTokenizer.from_file(str(dataset / "tokenizer.json")).token_to_id("<|endoftext|>")
     export(state, config, tmp_path / "out", checkpoint_dir / "tokenizer.json")
-    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (dataset / "tokenizer.json").read_bytes()
-    described = json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer"]
-    assert described == {"kind": "bpe", "name": "bpe300", "eot_id": eot, "vocab_size": 300, "file": "tokenizer.json"}
+    exported = RustTokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert exported.get_vocab() == RustTokenizer.from_file(str(dataset / "tokenizer.json")).get_vocab()
+    described = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert described["pretrain"]["tokenizer"] == {
+        "kind": "bpe",
+        "name": "bpe300",
+        "eot_id": eot,
+        "vocab_size": 300,
+        "file": "tokenizer.json",
+    }
+    assert described["eos_token_id"] == eot
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == eot
 
 
 def test_export_looks_nothing_up_and_copies_only_the_tokenizer_it_is_given(bpe_run, tmp_path, monkeypatch):
@@ -156,12 +210,14 @@ def test_export_looks_nothing_up_and_copies_only_the_tokenizer_it_is_given(bpe_r
     monkeypatch.setattr(export_module, "huggingface_file", no_lookup)
     state = Transformer(config.model, max_seq_len=32).state_dict()
     export(state, config, tmp_path / "given", tokenizer_file=dataset / "tokenizer.json")
-    assert (tmp_path / "given" / "tokenizer.json").read_bytes() == (dataset / "tokenizer.json").read_bytes()
+    assert (tmp_path / "given" / "tokenizer.json").is_file()
 
-    export(state, config, tmp_path / "none", tokenizer_file=None)  # although the dataset beside it has one
-    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["config.json", "model.safetensors"]
-    described = json.loads((tmp_path / "none" / "config.json").read_text())["tokenizer"]
+    warnings = []
+    export(state, config, tmp_path / "none", tokenizer_file=None, warn=warnings.append)  # although the dataset beside it has one
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    described = json.loads((tmp_path / "none" / "config.json").read_text())["pretrain"]["tokenizer"]
     assert described == {"kind": "bpe", "name": "bpe300", "eot_id": None, "vocab_size": None, "file": None}
+    assert len(warnings) == 1 and "tokenizer.json was not found" in warnings[0]
 
 
 @pytest.mark.slow
@@ -175,7 +231,7 @@ def test_the_export_command_runs_as_a_module(trained, tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == EXPORT_FILES
 
 
 DAMAGE = {

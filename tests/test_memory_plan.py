@@ -211,9 +211,10 @@ def test_offload_keeps_only_what_is_in_flight_on_the_gpu_and_the_shards_on_the_h
 
 
 def test_production_on_one_80_gib_gpu_offloads_when_the_host_has_the_memory():
-    # rank 0's shards, and the whole model it gathers in host memory to export it at the end
+    # rank 0's shards, and the largest tensor (the embedding), twice: exporting gathers and converts one at a time
     export = export_copy_bytes(cfg.production(), 1, "fsdp", offload=True)
-    assert export == 4 * 8_030_261_248
+    assert export == 2 * 4 * 128_256 * 4096
+    assert export_copy_bytes(cfg.production(), 1, "ddp", offload=False) == 0  # a replica converts what it holds
     needed = host_estimate(cfg.production(), 1, "fsdp", on_gpus=True).total + export
     config, line = plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) + GIB)
     assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", True)
@@ -233,7 +234,7 @@ def test_the_ranks_on_one_host_share_its_memory_under_offload():
     per_rank = host_estimate(cfg.production(), 2, "fsdp", on_gpus=True).total
     enough_for_one = int((per_rank + export_copy_bytes(cfg.production(), 2, "fsdp", offload=True)) / 0.9) + GIB
     assert plan_parallelism(cfg.production(), 2, 40 * GIB, enough_for_one, local_ranks=1)[0].training.cpu_offload
-    with pytest.raises(ConfigError, match=r"x 2 \+ 29\.9 for the export's whole copy = "):
+    with pytest.raises(ConfigError, match=r"x 2 \+ 3\.9 for the export's largest tensor = "):
         plan_parallelism(cfg.production(), 2, 40 * GIB, enough_for_one)  # both ranks on this host
 
 

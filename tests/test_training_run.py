@@ -3,7 +3,6 @@ two DDP ranks under the launcher; the loss falls; what a finished run leaves beh
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -107,12 +106,13 @@ def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(finished
     assert "Tokens/s:" in out and "MFU" not in out  # no MFU on a CPU: its peak is not known
     kinds = [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert kinds.count("train") == 8 and kinds[-1] == "val"
-    from safetensors.torch import load_file
+    from pretrain.exported import load_exported
 
-    exported = load_file(run_dir / "export" / "model.safetensors")
+    exported, described = load_exported(run_dir / "export")  # transformers' names and row order, read back as ours
     final = checkpoint.load_model_state(run_dir / "checkpoints" / "step_8")
-    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
-    assert json.loads((run_dir / "export" / "config.json").read_text())
+    assert described["model_type"] == "llama" and described["pretrain"]["exported_from"]["steps_done"] == 8
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k].to(torch.bfloat16)) for k in final)  # the export's default dtype
 
 
 def test_a_context_longer_than_the_model_supports_is_refused_before_start_up(tmp_path):

@@ -1,0 +1,65 @@
+"""One rank of tests/test_hf_export.py's FSDP export: a tiny mixture-of-experts model sharded over
+two gloo ranks exports into <out>/fsdp (every rank gathers each weight in turn, rank 0 writes),
+and rank 0 exports the same model built whole, in one process, into <out>/single. Writes to
+<out>/rank<r>.json the paths written (none on rank 1).
+
+Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/hf_export_worker.py OUT
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from gloo_rank import report_as_gloo_rank
+from pretrain import config as cfg
+from pretrain.export import export_model
+from pretrain.model import Transformer
+from pretrain.parallel import parallelize
+from pretrain.runtime import Runtime
+
+CONTEXT, SEED = 16, 1234
+
+
+def tiny_moe() -> cfg.Config:
+    base = cfg.debug()
+    model = cfg.ModelConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=257, max_seq_len=CONTEXT, moe=cfg.MoEConfig(4, 2)
+    )
+    training = dataclasses.replace(
+        base.training,
+        use_amp=False,
+        compile=False,
+        activation_checkpointing=False,
+        seed=SEED,
+        parallelism="fsdp",
+        cpu_offload=False,
+    )
+    return dataclasses.replace(
+        base,
+        model=model,
+        training=training,
+        data=dataclasses.replace(base.data, context_length=CONTEXT),
+        system=dataclasses.replace(base.system, device="cpu"),
+    )
+
+
+def measure(runtime: Runtime) -> dict:
+    config = tiny_moe()
+    out = Path(sys.argv[1])
+    with torch.device("meta"):
+        model = Transformer(config.model, CONTEXT)
+    sharded = parallelize(model, config, runtime, "fsdp")  # initialised from training.seed, one weight at a time
+    written = export_model(sharded, config, out / "fsdp", None, writes=runtime.is_main, warn=lambda _: None)
+    single = None
+    if runtime.is_main:
+        whole = Transformer(config.model, CONTEXT, seed=SEED)
+        single = export_model(whole, config, out / "single", None, writes=True, warn=lambda _: None)
+    return {"fsdp": str(written) if written else None, "single": str(single) if single else None}
+
+
+if __name__ == "__main__":
+    report_as_gloo_rank(tiny_moe(), measure)
