@@ -1,8 +1,9 @@
 """Plot a run's metrics: python -m pretrain.plot RUN_DIR [--output PATH]
 
 One PNG, panels on a shared step axis: loss (train, and validation points), gradient norm,
-learning rate, and, for a run that scored HellaSwag (evaluation.data), its accuracy. matplotlib
-is optional for training, so it is imported only here, and only when a plot is drawn.
+learning rate, and, for a run that scored HellaSwag (evaluation.data), its accuracy. Every point
+at step N is of the weights after N steps, those checkpoint step_N holds (docs/training.md, Steps).
+matplotlib is optional for training, so it is imported only here, and only when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pretrain.command_name import command_name
 from pretrain.metrics import read_metrics
 from pretrain.runfiles import atomic_write, os_error_message
 
@@ -85,7 +87,7 @@ def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -
         ax.axhline(0.25, color="grey", linestyle=":", linewidth=1, label="chance (0.25)")
         ax.set_ylabel("HellaSwag accuracy")
         ax.legend()
-    (task_ax or [lr_ax])[0].set_xlabel("step")
+    (task_ax or [lr_ax])[0].set_xlabel("step N: the weights after N steps (checkpoint step_N)")
     for ax in (loss_ax, norm_ax, lr_ax, *task_ax):
         ax.grid(alpha=0.3)
     if title:
@@ -97,7 +99,8 @@ def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain.plot", description="Plot loss, gradient norm, learning rate and HellaSwag accuracy of a run."
+        prog=command_name("pretrain.plot", "pretrain-plot"),
+        description="Plot loss, gradient norm, learning rate and HellaSwag accuracy of a run.",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     parser.add_argument("--output", type=Path, metavar="PATH", help="the PNG to write (default: RUN_DIR/metrics.png)")

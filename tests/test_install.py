@@ -246,7 +246,8 @@ def run_installed(bin_dir: Path, command: str, *args: str, cwd: Path, timeout: f
 def test_pip_install_gives_every_console_command_and_the_worker_module(installed, tmp_path):
     assert sorted(p.name for p in installed.glob("pretrain-*")) == sorted(CONSOLE_COMMANDS)
     for command in CONSOLE_COMMANDS:
-        assert run_installed(installed, command, "--help", cwd=tmp_path).returncode == 0, command
+        helped = run_installed(installed, command, "--help", cwd=tmp_path)
+        assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {command} "), (command, helped.stdout[:200])
     worker = run_installed(installed, "python", "-m", "pretrain", "--help", cwd=tmp_path)
     assert worker.returncode == 0 and worker.stdout.startswith("usage: python -m pretrain"), worker.stderr
     assert run_installed(installed, "pretrain-launch", "--help", cwd=tmp_path).stdout.startswith("usage: pretrain-launch")

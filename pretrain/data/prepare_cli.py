@@ -19,15 +19,16 @@ import sys
 from pathlib import Path
 
 from pretrain import config as configuration
+from pretrain.command_name import command_name
 from pretrain.data import DataError
 from pretrain.data.hub import choose_hub_files
 from pretrain.data.prepare import prepare, sigterm_as_exit, verify
 from pretrain.runfiles import CACHE_DIR_VAR, os_error_message
 
-PROG = "pretrain-prepare"
+CONSOLE_COMMAND = "pretrain-prepare"  # pyproject.toml [project.scripts]
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Prepare and cache the dataset of a config, without training.")
     configuration.add_arguments(parser)
     parser.add_argument(
@@ -43,8 +44,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    """prog: the name errors start with (prepare_dataset for the script in a clone)."""
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """prog: the name usage and errors start with (prepare_dataset for the script in a clone; by
+    default the name this command was invoked by)."""
+    prog = prog or command_name("pretrain.data.prepare_cli", CONSOLE_COMMAND)
     args = build_parser(prog).parse_args(argv)
     try:
         if args.cache_dir is not None:
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         config = configuration.from_args(args)
         if args.world_size is not None and args.world_size < 1:
             raise configuration.ConfigError(f"--world-size must be at least 1 (got {args.world_size})")
-        if config.data.source == "hub" and config.data.hub_max_files is None and args.world_size is None:
+        sized = config.data.source == "hub" or config.data.path.startswith("hf://")  # a Hub dataset's files, or shards
+        if sized and config.data.hub_max_files is None and args.world_size is None:
             print(
                 "dataset: sizing the download for 1 rank; a run on N GPUs reads N times as many tokens: "
                 "pass --world-size N (or set data.hub_max_files)"
