@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pretrain.data import DataError, first_line
@@ -118,13 +118,26 @@ def not_cached_error(repo: str, pattern: str | list[str], repo_type: str) -> Dat
 LOCAL_FILES_INSTEAD = "train on local files: --set data.source=parquet --set data.path=DIR"
 
 
+TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE"})
+"""What huggingface_hub counts as true in a variable (constants.ENV_VARS_TRUE_VALUES), in any case."""
+
+
+def offline_variable(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The variable that puts huggingface_hub offline, read as huggingface_hub reads it
+    (constants.HF_HUB_OFFLINE): HF_HUB_OFFLINE, or TRANSFORMERS_OFFLINE where that is unset or
+    empty, true for 1, ON, YES or TRUE in any case and false for anything else (HF_HUB_OFFLINE=0
+    is online). None: neither puts it offline."""
+    variable = "HF_HUB_OFFLINE" if environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    return variable if environ.get(variable, "").upper() in TRUE_VALUES else None
+
+
 def offline_error(what: str, fetch: str, instead: str, reason: str = "no connection") -> DataError:
     """The one line for what the Hub cache lacks while the Hub cannot be reached: what, the
     command(s) that fetch it where there is network (fetch), and what to do instead."""
     from huggingface_hub import constants
 
-    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
-    why, unset = ("HF_HUB_OFFLINE is set", ", or unset HF_HUB_OFFLINE") if offline else (reason, "")
+    variable = offline_variable()
+    why, unset = (f"{variable}={os.environ[variable]}", f", or unset {variable}") if variable else (reason, "")
     return DataError(
         f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
         f"reached (offline: {why}); on a machine with network run {fetch} and copy the cache (HF_HOME) "
