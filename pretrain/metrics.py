@@ -228,7 +228,9 @@ class MetricsLog:
         elapsed_s: float | None,
         aux_losses: dict[str, float] | None = None,
     ) -> None:
-        """One optimizer step; mfu is a fraction, elapsed_s the seconds since training started;
+        """The optimizer step taken from the weights after step steps (checkpoint step_<step>'s, as
+        every record at that step measures): its loss and gradient norm are theirs, lr the rate it
+        updates them with. mfu is a fraction, elapsed_s the seconds since training started;
         aux_losses the weighted auxiliary losses by name (a mixture of experts' load balancing)."""
         scalars = {
             "loss": loss,
@@ -243,11 +245,13 @@ class MetricsLog:
         self._scalars("train", step, scalars)
 
     def log_val(self, step: int, val_loss: float) -> None:
+        """The validation loss of the weights after step steps (checkpoint step_<step>'s)."""
         self._write({"kind": "val", "step": int(step), "val_loss": val_loss})
         self._scalars("val", step, {"loss": val_loss})
 
     def log_task(self, task: str, step: int, tally: Tally) -> None:
-        """A benchmark's result (pretrain/hellaswag.py) with the model as it is after step."""
+        """A benchmark's result (pretrain/hellaswag.py) with the weights after step steps
+        (checkpoint step_<step>'s)."""
         scalars = {"accuracy": tally.accuracy, "accuracy_norm": tally.accuracy_norm, "examples": tally.examples}
         self._write({"kind": task, "step": int(step), **scalars})
         self._scalars(task, step, scalars)

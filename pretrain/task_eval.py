@@ -1,7 +1,8 @@
 """The benchmark task during training (evaluation.data): read and tokenized once when the run
-starts, scored every evaluation.interval steps and after the last step, by every rank (each its
-share of the examples, pretrain/choices.py), summed over the ranks and logged by rank 0: a line
-in the log, a "hellaswag" record in metrics.jsonl, and the plot's accuracy panel."""
+starts, scored every evaluation.interval steps (from step 0) and after the last step, by every
+rank (each its share of the examples, pretrain/choices.py), summed over the ranks and logged by
+rank 0: a line in the log, a "hellaswag" record in metrics.jsonl, and the plot's accuracy panel.
+A score logged at step N is that of the weights after N steps, those checkpoint step_N holds."""
 
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ def load_task(config: Config, tokenizer_file: Path | None) -> TaskExamples | Non
     return TaskExamples(encoded, hellaswag.longest_row(encoded))
 
 
-def is_due(config: Config, step: int) -> bool:
-    """Whether the task is scored after step on the way (every evaluation.interval steps; fit
-    scores it after the last step too)."""
+def is_due(config: Config, steps_done: int) -> bool:
+    """Whether the task is scored on the way with the weights after steps_done steps: every
+    evaluation.interval steps, from step 0 (before training; fit scores it after the last step too)."""
     interval = config.evaluation.interval
-    return bool(config.evaluation.data and interval and step > 0 and step % interval == 0)
+    return bool(config.evaluation.data and interval and steps_done % interval == 0)
 
 
 def summed(tally: Tally, runtime: Runtime) -> Tally:
@@ -57,8 +58,9 @@ def summed(tally: Tally, runtime: Runtime) -> Tally:
     return Tally(*(int(n) for n in counts.tolist()))
 
 
-def log_task(trainer: Trainer, step: int) -> Tally | None:
-    """Score the task with the model as it is after step, on every rank; rank 0 logs the result."""
+def log_task(trainer: Trainer, steps_done: int) -> Tally | None:
+    """Score the task with the weights after steps_done steps (those checkpoint step_<steps_done>
+    holds), on every rank; rank 0 logs the result at that step."""
     task, config, runtime = trainer.task, trainer.config, trainer.runtime
     if task is None:
         return None
@@ -75,6 +77,6 @@ def log_task(trainer: Trainer, step: int) -> Tally | None:
         ),
         runtime,
     )
-    trainer.log.info(f"HellaSwag | Step [{step}/{config.training.max_steps}] | {tally.describe()}")
-    trainer.metrics.log_task(config.evaluation.task, step, tally)
+    trainer.log.info(f"HellaSwag | Step [{steps_done}/{config.training.max_steps}] | {tally.describe()}")
+    trainer.metrics.log_task(config.evaluation.task, steps_done, tally)
     return tally

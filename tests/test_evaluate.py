@@ -165,13 +165,13 @@ def test_fsdp_ranks_score_their_shares_during_training_and_match_the_command_on_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FSDP" in result.stdout
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "hellaswag"]
-    assert [(r["step"], r["examples"]) for r in records] == [(4, 5), (5, 5)]
+    assert [(r["step"], r["examples"]) for r in records] == [(0, 5), (4, 5), (6, 5)]  # from step 0, and the last
     correct, correct_norm = expected_result(run_dir / "checkpoints" / "step_6", data)
     assert (records[-1]["accuracy"], records[-1]["accuracy_norm"]) == (
         pytest.approx(correct / 5),
         pytest.approx(correct_norm / 5),
     )
-    assert f"CPU0:INFO | [CPU 0] HellaSwag | Step [5/6] | 5 examples | Accuracy: {correct / 5:.4f} ({correct}/5)" in result.stdout
+    assert f"CPU0:INFO | [CPU 0] HellaSwag | Step [6/6] | 5 examples | Accuracy: {correct / 5:.4f} ({correct}/5)" in result.stdout
     config = json.loads((run_dir / "config.json").read_text())
     assert config["evaluation"]["data"] == str(data)  # made absolute: a resume from elsewhere finds it
     plotted = subprocess.run(

@@ -146,10 +146,10 @@ def test_a_run_that_scored_hellaswag_gets_a_fourth_panel_for_its_accuracy(tmp_pa
     plain = plot_metrics(load_records(write_run(tmp_path / "plain")), tmp_path / "plain.png")
     run_dir = write_run(tmp_path / "run")
     with MetricsLog(run_dir, enabled=True, tensorboard=False) as log:
-        for step, correct in [(9, 26), (19, 28), (29, 31)]:
+        for step, correct in [(0, 25), (10, 28), (30, 31)]:  # from step 0 to the last, 30
             log.log_task("hellaswag", step, Tally(100, correct - 2, correct))
     records = [r for r in load_records(run_dir) if r["kind"] == "hellaswag"]
-    assert [(r["step"], r["accuracy"], r["accuracy_norm"]) for r in records][-1] == (29, 0.29, 0.31)
+    assert [(r["step"], r["accuracy"], r["accuracy_norm"]) for r in records][-1] == (30, 0.29, 0.31)
     with_task = plot_metrics(load_records(run_dir), tmp_path / "task.png")
     plain_height, width, _ = matplotlib.image.imread(plain).shape
     task_height, task_width, _ = matplotlib.image.imread(with_task).shape
