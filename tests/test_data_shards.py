@@ -191,7 +191,10 @@ def test_a_truncated_llmc_shard_is_an_error(tmp_path):
 
 
 def test_a_shard_shorter_than_its_header_is_an_error(tmp_path):
-    (tmp_path / "tiny.bin").write_bytes(b"\x00" * 100)
+    # A download cut short: llm.c's magic number, then not even the rest of the header. (Without
+    # the magic, 100 bytes would be 50 of nanoGPT's header-less tokens: test_data_nanogpt.py.)
+    whole = write_llmc(tmp_path / "whole.bin", [1, 2, 3]).read_bytes()
+    (tmp_path / "tiny.bin").write_bytes(whole[:100])
 
     with pytest.raises(DataError) as excinfo:
         prepared(data_config(tmp_path, source="llmc", path=str(tmp_path / "tiny.bin")))

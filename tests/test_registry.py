@@ -87,7 +87,7 @@ def test_the_defaults_are_adamw_cosine_and_swiglu():
             "data.source",
             "jsonll",
             'data.source: "jsonll" (a string) is not one of "builtin", "text", "jsonl", "parquet", "hub", "llmc", '
-            '"megatron"; did you mean "jsonl"?',
+            '"nanogpt", "megatron"; did you mean "jsonl"?',
         ),
         (
             "data.tokenizer",

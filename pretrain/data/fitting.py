@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pretrain.config import Config, with_world_size
 from pretrain.data.cache import read_meta
+from pretrain.data.hub_shards import pinned_paths
 from pretrain.data.prepare import model_vocab_size
 from pretrain.data.windows import RunLength, plan_run
 
@@ -36,4 +37,5 @@ def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> 
         # Pin the branch to the commit prepared, so every worker finds this very dataset in the
         # cache without asking the Hub, even if the branch moves during the run.
         data = dataclasses.replace(data, hub_revision=meta["key"]["source"]["commit"])
+    data = pinned_paths(data, meta["key"]["source"])  # hf:// shards: the same pin
     return dataclasses.replace(config, model=model, training=training, data=data), length

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pretrain import registry
 
-SHARD_SUFFIXES = {"llmc": (".bin",)}
+SHARD_SUFFIXES = {"llmc": (".bin",), "nanogpt": (".bin",)}
 
 
 def format_suffixes(kind: str) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain import registry
+from pretrain.config_schema import SHARD_SOURCES
 from pretrain.data import DataError, first_line
 from pretrain.data.formats import file_format
 from pretrain.data.hub_client import LOCAL_FILES_INSTEAD, access_error, hub_snapshot, is_commit, offline_error
@@ -63,12 +64,15 @@ class HubFiles:
 # --- listing --------------------------------------------------------------------------------------
 
 
-def usable(path: str, pattern: str) -> bool:
-    """A data file (not a README or script) that the pattern matches."""
-    return fnmatch.fnmatch(path, pattern) and file_format(path) is not None
+def usable(path: str, pattern: str, suffixes: tuple[str, ...] | None = None) -> bool:
+    """A data file (not a README or script) that the pattern matches: one of a text format, or
+    with one of suffixes when given (pre-tokenized shards)."""
+    if not fnmatch.fnmatch(path, pattern):
+        return False
+    return path.endswith(suffixes) if suffixes else file_format(path) is not None
 
 
-def cached_files(repo: str, revision: str, pattern: str) -> HubFiles | None:
+def cached_files(repo: str, revision: str, pattern: str, suffixes: tuple[str, ...] | None = None) -> HubFiles | None:
     """The matching files in the Hub cache's snapshot of revision (perhaps none); None when the
     cache holds no snapshot of it."""
     from huggingface_hub import constants
@@ -87,7 +91,7 @@ def cached_files(repo: str, revision: str, pattern: str) -> HubFiles | None:
     files = sorted(
         (p.relative_to(folder).as_posix(), p.stat().st_size)
         for p in folder.rglob("*")
-        if p.is_file() and usable(p.relative_to(folder).as_posix(), pattern)
+        if p.is_file() and usable(p.relative_to(folder).as_posix(), pattern, suffixes)
     )
     return HubFiles(commit, files, online=False, folder=folder)
 
@@ -96,7 +100,7 @@ class Unreachable(Exception):
     """The Hub could not be asked (offline, no network, an error on its side)."""
 
 
-def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
+def listed_files(repo: str, revision: str, pattern: str, suffixes: tuple[str, ...] | None = None) -> HubFiles:
     """The matching files as the Hub lists them, with sizes. Unreachable, or DataError for a
     repository or revision that does not exist."""
     from huggingface_hub import HfApi, errors
@@ -115,7 +119,7 @@ def listed_files(repo: str, revision: str, pattern: str) -> HubFiles:
         entries = api.list_repo_tree(
             repo, path_in_repo="/".join(fixed) or None, recursive=True, revision=commit, repo_type="dataset"
         )
-        files = sorted((e.path, e.size) for e in entries if isinstance(e, RepoFile) and usable(e.path, pattern))
+        files = sorted((e.path, e.size) for e in entries if isinstance(e, RepoFile) and usable(e.path, pattern, suffixes))
     # RemoteEntryNotFoundError is new in huggingface_hub 1.0 (requirements allow older): an
     # attribute error here would hide every other failure, offline mode included.
     except (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)):
@@ -139,15 +143,10 @@ def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) 
     those in the Hub cache. A pinned commit whose cache already holds the files needed asks
     nothing. DataError when there are none."""
     repo, revision, pattern = cfg.hub_repo, cfg.hub_revision, cfg.hub_files
-    cached = cached_files(repo, revision, pattern)
-    if cached is not None and is_commit(revision) and cfg.hub_max_files and len(cached.files) >= cfg.hub_max_files:
-        return cached  # a commit never changes, and the workers of a run land here
     try:
-        found = listed_files(repo, revision, pattern)
+        found = matching_files(repo, revision, pattern, cfg.hub_max_files)
     except Unreachable as error:
-        if cached is None:
-            raise not_cached_error(cfg, preset, world_size, str(error)) from None
-        found = cached
+        raise not_cached_error(cfg, preset, world_size, str(error)) from None
     if not found.files:
         where = "" if found.online else " in the Hugging Face cache (the Hub cannot be reached)"
         raise DataError(
@@ -155,6 +154,23 @@ def find_files(cfg: DataConfig, preset: str | None = None, world_size: int = 1) 
             f"{where} matches {pattern!r}; set data.hub_files to a pattern of its data files"
         )
     return found
+
+
+def matching_files(
+    repo: str, revision: str, pattern: str, wanted: int | None, suffixes: tuple[str, ...] | None = None
+) -> HubFiles:
+    """The files of a dataset matching pattern (see usable): listed by the Hub, else (offline)
+    those in the Hub cache. A pinned commit whose cache already holds the wanted count of them
+    asks nothing. Unreachable when the Hub cannot be asked and the cache holds no snapshot."""
+    cached = cached_files(repo, revision, pattern, suffixes)
+    if cached is not None and is_commit(revision) and wanted and len(cached.files) >= wanted:
+        return cached  # a commit never changes, and the workers of a run land here
+    try:
+        return listed_files(repo, revision, pattern, suffixes)
+    except Unreachable:
+        if cached is None:
+            raise
+        return cached
 
 
 def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reason: str) -> DataError:
@@ -178,34 +194,33 @@ def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reaso
 # --- the files a run uses -------------------------------------------------------------------------
 
 
-def selected(cfg: DataConfig, found: HubFiles) -> list[tuple[str, int]]:
-    """The first data.hub_max_files files (all for 0 or None). Offline, DataError when the cache
-    holds fewer than that: a run must not quietly train on less than it was set up for."""
-    wanted = cfg.hub_max_files
+def selected(repo: str, pattern: str, wanted: int | None, found: HubFiles) -> list[tuple[str, int]]:
+    """The first wanted (data.hub_max_files) files (all for 0 or None). Offline, DataError when
+    the cache holds fewer than that: a run must not quietly train on less than it was set up for."""
     if wanted and len(found.files) < wanted and not found.online:
         raise DataError(
             f"data.hub_max_files is {wanted}, but the Hugging Face cache holds only {len(found.files)} "
-            f"file(s) of dataset {cfg.hub_repo} matching {cfg.hub_files} and the Hub cannot be "
-            f"reached; lower it, or fetch more where there is network (`hf download {cfg.hub_repo} "
-            f"--repo-type dataset --include '{cfg.hub_files}'`)"
+            f"file(s) of dataset {repo} matching {pattern} and the Hub cannot be "
+            f"reached; lower it, or fetch more where there is network (`hf download {repo} "
+            f"--repo-type dataset --include '{pattern}'`)"
         )
     return found.files[:wanted] if wanted else list(found.files)
 
 
-def fetch(cfg: DataConfig, found: HubFiles, files: list[tuple[str, int]], log: Log | None = None) -> Path:
+def fetch(repo: str, found: HubFiles, files: list[tuple[str, int]], log: Log | None = None) -> Path:
     """The snapshot folder holding files, downloading those not in the Hub cache yet (said in a
     line to log; a stop signal ends the download at once, see hub_process.py)."""
     if found.folder is not None and all((found.folder / name).is_file() for name, _ in files):
         return found.folder
     if not found.online:
-        missing = next(name for name, _ in files if not (found.folder / name).is_file())  # type: ignore[operator]
-        raise DataError(
-            f"dataset {cfg.hub_repo}: {missing} is not in the Hugging Face cache and the Hub "
-            f"cannot be reached; fetch it where there is network (`hf download {cfg.hub_repo} "
-            f"--repo-type dataset --include '{missing}'`), or lower data.hub_max_files"
+        missing = next(name for name, _ in files if found.folder is None or not (found.folder / name).is_file())
+        raise offline_error(
+            f"{missing} of dataset {repo}@{found.commit[:12]}",
+            f"`hf download {repo} --repo-type dataset --include '{missing}'`",
+            "lower data.hub_max_files",
         )
     # Exact names, escaped: only these files are downloaded, whatever else the pattern matches.
-    return hub_snapshot(cfg.hub_repo, found.commit, [glob.escape(name) for name, _ in files], log=log)
+    return hub_snapshot(repo, found.commit, [glob.escape(name) for name, _ in files], log=log)
 
 
 def byte_count(n: int) -> str:
@@ -247,7 +262,11 @@ def files_for_tokens(files: list[tuple[str, int]], tokens: int, val_fraction: fl
 def choose_hub_files(config: Config, world_size: int, log: Log) -> Config:
     """config with data.hub_max_files made concrete for a Hub source: the number of files this run
     uses, every rank alike. Lists the files (Hub, else cache) but downloads nothing."""
+    from pretrain.data.hub_shards import choose_hub_shards
+
     data = config.data
+    if data.source in SHARD_SOURCES:
+        return choose_hub_shards(config, world_size, log)  # an hf:// data.path; others unchanged
     if data.source != "hub" or data.hub_max_files:  # set by the user, or by the launcher for its workers
         return config
     found = find_files(data, config.preset, world_size)
@@ -276,19 +295,29 @@ def choose_hub_files(config: Config, world_size: int, log: Log) -> Config:
 
 def follow_checkpoint(config: Config) -> Config:
     """config reading the same Hub files as the checkpoint it resumes (training.resume, a path
-    once resolved): data.hub_max_files and data.hub_revision come from the checkpoint's config
-    unless set here. Without this, a resume with more steps or another number of GPUs would size
-    the download anew, prepare other files, and continue at a data position that means other
-    windows (pretrain/checkpoint.py refuses such a resume)."""
+    once resolved): data.hub_max_files and data.hub_revision (for shards, the commit in an hf://
+    data.path: hub_shards.follow_checkpoint_shards) come from the checkpoint's config unless set
+    here. Without this, a resume with more steps or another number of GPUs would size the
+    download anew, prepare other files, and continue at a data position that means other
+    windows (pretrain/checkpoint.py refuses such a resume of a Hub text dataset)."""
     from pretrain.config import ConfigError, DataConfig, load
+    from pretrain.data.hub_shards import follow_checkpoint_shards, is_hub_path
 
     data, resume = config.data, config.training.resume
-    if data.source != "hub" or not resume or resume == "auto" or not (Path(resume) / "config.json").is_file():
+    shards_on_hub = data.source in SHARD_SOURCES and is_hub_path(data.path)
+    if (
+        not (data.source == "hub" or shards_on_hub)
+        or not resume
+        or resume == "auto"
+        or not (Path(resume) / "config.json").is_file()
+    ):
         return config
     try:
         saved = load(Path(resume) / "config.json").data
     except ConfigError:
         return config  # restoring it says what is wrong with it
+    if shards_on_hub:
+        return dataclasses.replace(config, data=follow_checkpoint_shards(data, saved))
     if (saved.source, saved.hub_repo, saved.hub_files) != (data.source, data.hub_repo, data.hub_files):
         return config
     changes: dict[str, Any] = {}

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from pretrain import registry, shared_cache
+from pretrain.config_schema import SHARD_SOURCES
 from pretrain.data import DataError
 from pretrain.data.cache import (
     FORMAT_VERSION,
@@ -63,8 +64,8 @@ from pretrain.data.cache import (
 )
 from pretrain.data.encode import TokenWriter, encode_into, limited
 from pretrain.data.shard_index import index_shards
-from pretrain.data.shards import Shard, llmc_shard, megatron_shard
-from pretrain.data.sources import TextSource, documents_source, resolve_files, text_source
+from pretrain.data.shard_files import say_detected, shard_set
+from pretrain.data.sources import TextSource, documents_source, text_source
 from pretrain.data.tokenizer import (
     BPE_EOT,
     TOKENIZER_FILE,
@@ -182,8 +183,8 @@ def recipe_for(cfg: DataConfig, documents: Sequence[str] | None = None, force: b
     """What preparing cfg means: the cache key, the directory and how to build it (force: a
     trained BPE tokenizer is trained again too). log tells of a Hub dataset's download."""
     cfg.check_complete()
-    if documents is None and cfg.source in ("llmc", "megatron"):
-        return _shard_recipe(cfg)
+    if documents is None and cfg.source in SHARD_SOURCES:
+        return _shard_recipe(cfg, log)
     train = documents_source(list(documents)) if documents is not None else text_source(cfg, log=log)
     val = text_source(cfg, val=True, log=log) if cfg.val_path and documents is None else None
     if val is not None:
@@ -371,29 +372,27 @@ def _tokenizer_problem(file: Path) -> str | None:
 # --- pre-tokenized shards ---------------------------------------------------------------------
 
 
-def _shards(cfg: DataConfig, val: bool) -> list[Shard]:
-    path, key = (cfg.val_path, "data.val_path") if val else (cfg.path, "data.path")
-    if cfg.source == "megatron":
-        return [megatron_shard(Path(path).expanduser().resolve())]
-    return [llmc_shard(file) for file in resolve_files(path, "llmc", key)]
-
-
-def _shard_recipe(cfg: DataConfig) -> Recipe:
-    train = _shards(cfg, val=False)
-    val = _shards(cfg, val=True) if cfg.val_path else []
-    _check_disjoint([[str(s.path)] for s in train], [[str(s.path)] for s in val])
-    files = [s.path for s in train + val]
+def _shard_recipe(cfg: DataConfig, log: Log | None) -> Recipe:
+    train = shard_set(cfg, val=False, log=log)
+    val = shard_set(cfg, val=True, log=log)
+    say_detected(cfg.source, train.shards + val.shards, log)
+    _check_disjoint(train.stamps, val.stamps)
+    stamps = train.stamps + val.stamps
     if cfg.source == "megatron":  # the index holds the document boundaries: it is an input too
-        files += [s.path.with_suffix(".idx") for s in train + val]
-    stamps = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        indexes = [s.path.with_suffix(".idx") for s in train.shards + val.shards]
+        stamps += [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in indexes]
+    source: dict[str, Any] = {"source": cfg.source, "files": stamps, "val_files": len(val.shards)}
+    pinned = {key: found.pinned for key, found in (("path", train), ("val_path", val)) if found.pinned}
+    if pinned:  # the commits read, for the workers' config (hub_shards.pinned_paths)
+        source["pinned"] = pinned
     key = {
         "format_version": FORMAT_VERSION,
-        "source": {"source": cfg.source, "files": stamps, "val_files": len(val)},
-        "val_fraction": None if val else cfg.val_fraction,
+        "source": source,
+        "val_fraction": None if val.shards else cfg.val_fraction,
     }
-    if cfg.source == "megatron" and not val:
+    if cfg.source == "megatron" and not val.shards:
         # Datasets prepared before the cut moved to a document end were cut at the exact share:
         # a key of their own, so they are not reused as if they were these.
         key["val_cut"] = "document end"
     path = _dataset_path(cfg.cache_dir, cfg.source, key)
-    return Recipe(key, path, lambda directory, log: index_shards(train, val, cfg.val_fraction, log))
+    return Recipe(key, path, lambda directory, log: index_shards(train.shards, val.shards, cfg.val_fraction, log))

@@ -3,6 +3,8 @@
 - llm.c / modded-nanogpt `.bin`: a header of 256 little-endian int32 (magic, version, token
   count, then zeros) followed by the tokens: magic 20240520 has uint16 tokens (GPT-2),
   magic 20240801 uint32 tokens (Llama 3).
+- nanoGPT `.bin` (its prepare.py's train.bin / val.bin): little-endian uint16 token ids and
+  nothing else, no header. token_file tells it from an llm.c shard by the header (see there).
 - Megatron indexed dataset: `<prefix>.bin` holds the tokens of every sequence back to back;
   `<prefix>.idx` starts with b"MMIDIDX\\x00\\x00", a uint64 version (1), a uint8 dtype code,
   uint64 sequence and document counts, then int32 sizes, int64 pointers and int64 document
@@ -26,6 +28,7 @@ from pretrain.data.windows import DTYPES
 
 LLMC_HEADER_BYTES = 256 * 4
 LLMC_DTYPES = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
+LLMC_MAGICS = {magic for magic, _ in LLMC_DTYPES}
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")
 # Integer codes only. int32 ids are non-negative, so they read the same as uint32; a negative
@@ -41,6 +44,8 @@ class Shard:
     """Bytes before the first token."""
     tokens: int
     dtype: str
+    form: str = "llmc"
+    """What the file is: "llmc", "nanogpt" or "megatron"."""
     documents: int | None = None
     """Documents in the shard when its format records them (Megatron)."""
     document_ends: np.ndarray | None = field(default=None, compare=False, repr=False)
@@ -64,6 +69,50 @@ def llmc_shard(path: Path) -> Shard:
         )
     shard = Shard(path, LLMC_HEADER_BYTES, tokens, LLMC_DTYPES[magic, version])
     _check_size(shard, f"its header promises {tokens} tokens")
+    return shard
+
+
+def token_file(path: Path) -> Shard:
+    """An llm.c shard or a nanoGPT .bin, told apart by the header; DataError for anything else.
+
+    A file that starts with llm.c's magic number is llm.c (a nanoGPT file cannot: as uint16 ids
+    the magic reads 54984 or 55969, beyond GPT-2's 50257), and so is one shaped like an llm.c
+    header with another magic (a token count that matches the file's size, then zeros): that is
+    a damaged or unknown llm.c shard, refused, never read as tokens. Anything else of an even
+    size is nanoGPT's header-less uint16 ids, unless a Megatron index lies beside it."""
+    with open(path, "rb") as file:
+        data = file.read(LLMC_HEADER_BYTES)
+    head = np.frombuffer(data[: len(data) - len(data) % 4], dtype="<i4")
+    size = path.stat().st_size
+    if head.size and (int(head[0]) in LLMC_MAGICS or _llmc_shaped(head, size)):
+        return llmc_shard(path)
+    if path.with_suffix(".idx").is_file():
+        raise DataError(
+            f"{path}: half of a Megatron dataset (beside {path.with_suffix('.idx').name}); "
+            f"use data.source=megatron with data.path={path.with_suffix('')}"
+        )
+    return nanogpt_file(path)
+
+
+def _llmc_shaped(head: np.ndarray, size: int) -> bool:
+    """An llm.c header whatever its magic: a token count that fills the file exactly with 2- or
+    4-byte tokens, and zeros after it."""
+    if head.size < 256 or head[2] <= 0 or head[3:].any():
+        return False
+    return size - LLMC_HEADER_BYTES in (2 * int(head[2]), 4 * int(head[2]))
+
+
+def nanogpt_file(path: Path) -> Shard:
+    """A nanoGPT .bin: uint16 token ids, 2 bytes each, no header."""
+    size = path.stat().st_size
+    if size % 2:
+        raise DataError(
+            f"{path}: {size:,} bytes, an odd count: neither nanoGPT's header-less uint16 tokens (2 bytes each) "
+            f"nor an llm.c shard (no magic number {' or '.join(str(m) for m in sorted(LLMC_MAGICS))}); "
+            "the file is truncated or holds no token ids"
+        )
+    shard = Shard(path, 0, size // 2, "uint16", form="nanogpt")
+    _check_size(shard, "2 bytes a token")
     return shard
 
 
@@ -103,6 +152,7 @@ def megatron_shard(prefix: Path) -> Shard:
         0,
         int(sizes.sum(dtype=np.int64)),
         MEGATRON_DTYPES[code],
+        "megatron",
         max(0, documents - 1),
         _document_ends(index, sizes, document_starts),
     )

@@ -228,8 +228,8 @@ def hub_source(cfg: DataConfig, log: Callable[[str], None] | None = None) -> Tex
     from pretrain.data.hub import fetch, find_files, selected
 
     found = find_files(cfg)
-    files = selected(cfg, found)
-    folder = fetch(cfg, found, files, log)
+    files = selected(cfg.hub_repo, cfg.hub_files, cfg.hub_max_files, found)
+    folder = fetch(cfg.hub_repo, found, files, log)
     commit = found.commit  # the exact revision, also when hub_revision is a branch
     usable = [folder / name for name, _ in files]
     where = f"{cfg.hub_repo}@{cfg.hub_revision}"
