@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import address_space, devices, gpu_table, multinode, nvml, outcome, run_lock
+from launcher import address_space, devices, gpu_table, multinode, nvml, outcome, run_lock, torchrun_env
 from launcher.address_space import is_out_of_memory, refusal
 from launcher.errors import EXIT_USAGE, UsageError
 from launcher.run_dirs import cannot_create, own_run_dir, resume_point, run_dir_path
@@ -33,6 +33,7 @@ from launcher.supervisor import Supervisor, SupervisorOptions
 from launcher.worker import StartError, Worker, check_runnable, with_package_root, without_package_root, worker_env
 from pretrain import config as cfg
 from pretrain import exit_codes
+from pretrain.command_name import command_name
 from pretrain.thread_env import bad_thread_variable
 from pretrain.runfiles import (
     CACHE_DIR_VAR,
@@ -54,7 +55,7 @@ EXIT_BROKEN_PIPE = 128 + CONSOLE_CLOSED_SIGNAL  # 141, as a shell pipeline repor
 
 def program() -> str:
     """The name the user typed: the installed command, or `python -m launcher`."""
-    return CONSOLE_COMMAND if Path(sys.argv[0]).name == CONSOLE_COMMAND else "python -m launcher"
+    return command_name("launcher", CONSOLE_COMMAND)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +175,8 @@ def make_workers(
     layout: Layout | None = None,
     master_port: int | None = None,
     compile_cache: str | None = None,
+    run_dir: Path | None = None,
+    logs_dir: Path | None = None,
 ) -> list[Worker]:
     """One worker per rank. Training workers get HF_HUB_OFFLINE=1: the launcher has already
     fetched what they read from the Hugging Face Hub (the dataset's files, pinned to a commit, and
@@ -182,7 +185,9 @@ def make_workers(
     project on PYTHONPATH when Python would not find it otherwise (a clone, not installed). The
     user's own command gets the user's PYTHONPATH, without this project's packages. layout:
     where this node's workers sit in a job of several nodes (default: this machine alone).
-    compile_cache: their TORCHINDUCTOR_CACHE_DIR (launcher/compile_cache.py), None for torch's default."""
+    compile_cache: their TORCHINDUCTOR_CACHE_DIR (launcher/compile_cache.py), None for torch's default.
+    run_dir names the run (TORCHELASTIC_RUN_ID); each worker's TORCHELASTIC_ERROR_FILE is in
+    logs_dir, beside its log (launcher/torchrun_env.py); without them, both are empty."""
     layout = layout or Layout(placement.world_size)
     port, cpus = master_port or free_port(), os.cpu_count() or 1
     base = dict(os.environ)
@@ -198,6 +203,8 @@ def make_workers(
     for local in range(placement.world_size):
         gpu = placement.gpus[local] if placement.device == "cuda" else None
         rank = layout.global_rank(local)
+        label = layout.label(placement.label(local), local)
+        error_file = torchrun_env.error_file(logs_dir, label) if logs_dir is not None else None
         env = worker_env(
             base,
             rank=rank,
@@ -212,8 +219,11 @@ def make_workers(
             cuda_device_index=placement.cuda_device_index(local),
             cpu_count=cpus,
             compile_cache=compile_cache,
+            nnodes=layout.nnodes,
+            run_id=torchrun_env.run_id(run_dir) if run_dir is not None else "",
+            error_file=torchrun_env.fresh_error_file(error_file) if error_file is not None else "",
         )
-        workers.append(Worker(rank=rank, label=layout.label(placement.label(local), local), argv=command, env=env))
+        workers.append(Worker(rank=rank, label=label, argv=command, env=env))
     return workers
 
 
@@ -237,9 +247,12 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
 
     from pretrain import hellaswag, wandb_log
     from pretrain.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
+    from pretrain.hf_checkpoint import check_fits, for_workers
 
     if config.logging.wandb and not wandb_log.is_installed():
         raise UsageError(wandb_log.MISSING)
+    # Before the data: weights that cannot be found, or do not fit the model, stop the launch at once.
+    config, init = for_workers(config, printer.launcher_line)
     if config.evaluation.data:  # a damaged benchmark file is found now, not after the first interval
         data = hellaswag.checked_data(config.evaluation.data, config.evaluation.max_examples)
         config = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, data=data))
@@ -267,6 +280,8 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     with sigterm_as_exit():
         dataset_dir = prepare(config.data, log=printer.launcher_line)
     config, length = fit_to_dataset(config, dataset_dir, world_size)
+    if init is not None:  # again, with the vocabulary the tokenizer has set
+        check_fits(init, config)
     printer.launcher_line(f"run length: {length.describe()}")
     config, line = plan_parallelism(config, world_size, gpu_memory, host_memory)
     printer.launcher_line(line)
@@ -413,7 +428,8 @@ def run_owned(
     try:
         if not command:
             command = training_command(config, run_dir, printer)
-        workers = make_workers(placement, command, not generic, multinode.layout(node, placement), master_port, kernels)
+        layout = multinode.layout(node, placement)
+        workers = make_workers(placement, command, not generic, layout, master_port, kernels, run_dir=run_dir, logs_dir=logs_dir)
         options = SupervisorOptions(
             kill_grace=args.kill_grace,
             stop_timeout=args.stop_timeout,

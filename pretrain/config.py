@@ -61,6 +61,7 @@ from pretrain.config_schema import (
     LoggingConfig,
     ModelConfig,
     MoEConfig,
+    RopeScalingConfig,
     SystemConfig,
     TrainingConfig,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "Config",
     "ModelConfig",
     "MoEConfig",
+    "RopeScalingConfig",
     "DataConfig",
     "TrainingConfig",
     "SystemConfig",

@@ -395,6 +395,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from a checkpoint: auto (the latest one) or a checkpoint or run directory; "
         "same as --set training.resume=...",
     )
+    group.add_argument(
+        "--init-from",
+        metavar="PATH_OR_HUB_ID",
+        help="start from a Hugging Face Llama or Mixtral checkpoint: a directory or a Hub model id "
+        "(owner/name[@revision]); same as --set training.init_from=...",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Config:
@@ -405,4 +411,8 @@ def from_args(args: argparse.Namespace) -> Config:
         if not args.resume.strip():
             raise ConfigError("--resume: expected auto or a checkpoint path")
         sets.append(f"training.resume={json.dumps(args.resume)}")
+    if getattr(args, "init_from", None) is not None:
+        if not args.init_from.strip():
+            raise ConfigError("--init-from: expected a checkpoint directory or a Hub model id (owner/name)")
+        sets.append(f"training.init_from={json.dumps(args.init_from)}")
     return resolve(preset="debug" if args.debug else args.preset, config_file=args.config, max_steps=args.max_steps, sets=sets)

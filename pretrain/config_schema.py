@@ -99,6 +99,46 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScalingConfig:
+    """Llama 3.1's rotary scaling (rope_type "llama3" in a Hugging Face config.json): the slow
+    rotary frequencies, those whose wavelength exceeds the context the model was first trained at,
+    turn factor times slower, so that positions up to factor times further apart stay apart; the
+    fast ones are kept, and those between are blended. Off while factor is 1."""
+
+    factor: float = 1.0
+    """How many times slower the low rotary frequencies turn (Llama 3.1's "llama3" rope_scaling: 8 for Llama 3.1, 32 for Llama 3.2); 1 leaves the rotary embedding unscaled and the other keys unused."""
+    low_freq_factor: float = 1.0
+    """Frequencies whose wavelength exceeds original_max_seq_len / low_freq_factor positions are divided by factor."""
+    high_freq_factor: float = 4.0
+    """Frequencies whose wavelength is below original_max_seq_len / high_freq_factor positions are kept; those between the two bounds are blended. Above low_freq_factor."""
+    original_max_seq_len: int = 8192
+    """The context the unscaled model was trained at (original_max_position_embeddings), which sets both wavelength bounds."""
+
+    AT_MOST: ClassVar[dict[str, int]] = {"original_max_seq_len": MAX_LENGTH}
+
+    @property
+    def scales(self) -> bool:
+        """Whether the rotary embedding is scaled at all (factor 1 is the identity, whatever the other keys)."""
+        return self.factor != 1.0
+
+    def __post_init__(self) -> None:
+        key = "model.rope_scaling"
+        _check(
+            self.factor >= 1, f"{key}.factor", f"must be at least 1 (got {self.factor}); 1 leaves the rotary embedding unscaled"
+        )
+        _check(self.low_freq_factor > 0, f"{key}.low_freq_factor", f"must be positive (got {self.low_freq_factor})")
+        _check(
+            self.high_freq_factor > self.low_freq_factor,
+            f"{key}.high_freq_factor",
+            f"{self.high_freq_factor} must be above {key}.low_freq_factor ({self.low_freq_factor}); Llama 3.1's are 4 and 1",
+        )
+        _check(
+            self.original_max_seq_len >= 1, f"{key}.original_max_seq_len", f"must be at least 1 (got {self.original_max_seq_len})"
+        )
+        _check_at_most(self, key)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     dim: int = 4096
     """Width of the residual stream (embedding size)."""
@@ -118,6 +158,8 @@ class ModelConfig:
     """Epsilon of RMSNorm."""
     rope_theta: float = 500000.0
     """Base of the rotary position embedding frequencies."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Llama 3.1's scaling of the rotary frequencies (a Hugging Face config.json's rope_scaling of rope_type "llama3"); off while rope_scaling.factor is 1."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
     max_seq_len: int | None = 8192
@@ -143,6 +185,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # ModelConfig(**json_dict), as an export's config.json is read
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScalingConfig(**self.rope_scaling))
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             _check(getattr(self, name) >= 1, f"model.{name}", f"must be at least 1 (got {getattr(self, name)})")
         _check_at_most(self, "model")
@@ -168,7 +212,7 @@ class ModelConfig:
             _check(self.max_seq_len >= 2, "model.max_seq_len", f"must be at least 2 or null (got {self.max_seq_len})")
 
 
-SHARD_SOURCES = ("llmc", "megatron")
+SHARD_SOURCES = ("llmc", "nanogpt", "megatron")
 
 
 def sources_with_path() -> tuple[str, ...]:
@@ -184,9 +228,9 @@ def sources() -> tuple[str, ...]:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "builtin"
-    """Where the text comes from: "builtin" (Python's own documentation, no network), local "text", "jsonl" or "parquet" files (or another format of TEXT_FORMATS in pretrain/registry.py), a Hugging Face "hub" dataset, or pre-tokenized "llmc" (llm.c / modded-nanogpt .bin) or "megatron" (.bin + .idx) shards, used in place."""
+    """Where the text comes from: "builtin" (Python's own documentation, no network), local "text", "jsonl" or "parquet" files (or another format of TEXT_FORMATS in pretrain/registry.py), a Hugging Face "hub" dataset, or pre-tokenized "llmc" (llm.c / modded-nanogpt .bin), "nanogpt" (nanoGPT's header-less uint16 train.bin / val.bin) or "megatron" (.bin + .idx) shards, used in place."""
     path: str = ""
-    """Local source: a file, a directory or a glob pattern (text, jsonl, parquet, llmc); for megatron the path without .bin/.idx. Relative paths are from the current directory."""
+    """Local source: a file, a directory or a glob pattern (text, jsonl, parquet, llmc, nanogpt); for megatron the path without .bin/.idx. Relative paths are from the current directory. llmc and nanogpt also take a Hub dataset's shards, hf://datasets/OWNER/NAME[@REVISION]/PATTERN, fetched into the Hugging Face cache (only those the run reads) and read there."""
     val_path: str = ""
     """Validation files, same form as path; empty holds out the last val_fraction of the tokens instead."""
     text_field: str = "text"
@@ -198,7 +242,7 @@ class DataConfig:
     hub_files: str = "*.parquet"
     """Glob pattern of the files of hub_repo to use (.parquet, .jsonl, .json, .txt, optionally .gz)."""
     hub_max_files: int | None = None
-    """Use and download only the first N files matching hub_files, in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
+    """Use and download only the first N files matching hub_files (or an hf:// data.path's shards), in name order; null: as many as the run reads (estimated from the files' sizes, chosen before training and written into the run's config); 0: all."""
     max_samples: int = 0
     """Use at most this many documents of the source (data.val_path's files are not limited); 0 uses all."""
     tokenizer: str = "byte"
@@ -272,12 +316,19 @@ class DataConfig:
                     f'source "{self.source}" reads no local files; set data.source to '
                     f"{', '.join(with_path[:-1])} or {with_path[-1]} to use it",
                 )
+        hub_shards = self.path.startswith("hf://")
+        for key in ("path", "val_path"):
+            _check(
+                self.source in ("llmc", "nanogpt") or not getattr(self, key).startswith("hf://"),
+                f"data.{key}",
+                f'source "{self.source}" reads local files; hf:// paths are for llmc and nanogpt shards (a Hub dataset of text: data.source=hub)',
+            )
         if self.source != "hub":
             _check(self.hub_repo == "", "data.hub_repo", f'is set but data.source is "{self.source}"; set data.source=hub')
             _check(
-                self.hub_max_files is None,
+                self.hub_max_files is None or hub_shards,
                 "data.hub_max_files",
-                f'is set but data.source is "{self.source}"; set data.source=hub',
+                f'is set but data.source is "{self.source}"; set data.source=hub, or data.path to an hf:// path of shards',
             )
         named = [name for name, kind in registry.TOKENIZERS.items() if kind.takes_name]
         if self.tokenizer in named:
@@ -352,7 +403,7 @@ class TrainingConfig:
     seed: int = 1337
     """Seed for initialisation and data order; identical on every rank. Below 2^63."""
     eval_interval: int = 0
-    """Compute validation loss every N steps; 0 only after the last step."""
+    """Compute validation loss every N steps (a fresh run from step 0, before training) and after the last step; 0 only after the last step. The loss logged at step N is that of the weights checkpoint step_N holds."""
     eval_batches: int = 4
     """Micro-batches per rank in one validation pass."""
     global_batch_size: int = 0
@@ -375,6 +426,8 @@ class TrainingConfig:
     """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
     resume: str = ""
     """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
+    init_from: str = ""
+    """Start a fresh run from a Hugging Face Llama or Mixtral checkpoint: a local directory (config.json and safetensors) or a Hub model id (owner/name, or owner/name@revision), read through the Hugging Face cache (offline: what the cache holds). Every tensor's name and shape, and the fields that change what the model computes (heads, rotary base, norm epsilon, experts), are checked against model before any worker starts; the optimizer and the learning-rate schedule start afresh at step 0. A checkpoint to resume from (training.resume) wins over it. "" starts from random weights. Also --init-from."""
 
     AT_MOST: ClassVar[dict[str, int]] = {
         "batch_size": MAX_SIZE,
@@ -442,6 +495,11 @@ class TrainingConfig:
             "training.lr_schedule",
             not_one_of(self.lr_schedule, registry.LR_SCHEDULES),
         )
+        _check(
+            self.init_from == self.init_from.strip(),
+            "training.init_from",
+            f"{self.init_from!r} has leading or trailing spaces; give a directory or a Hub id (owner/name)",
+        )
 
 
 @dataclass(frozen=True)
@@ -501,7 +559,7 @@ class EvaluationConfig:
     data: str = ""
     """The task's examples: a .jsonl file (HellaSwag's hellaswag_val.jsonl) or a Hub dataset's file, hf://datasets/OWNER/NAME[@REVISION]/PATH; empty: no benchmark during training. python -m pretrain.evaluate scores a checkpoint afterwards."""
     interval: int = 0
-    """Score the task every N steps, and after the last step; 0: only after the last step."""
+    """Score the task every N steps (a fresh run from step 0, before training) and after the last step; 0: only after the last step. The score logged at step N is that of the weights checkpoint step_N holds."""
     max_examples: int = 0
     """Score the first N examples of the file; 0: all (HellaSwag's validation file holds 10042)."""
     batch_examples: int = 8

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from pretrain import registry
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, RopeScalingConfig
 
 
 class RMSNorm(nn.Module):
@@ -42,13 +42,38 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotation angle of every (position, channel pair): two (max_seq_len, head_dim // 2)."""
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScalingConfig | None = None
+) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotation angle of every (position, channel pair): two (max_seq_len, head_dim // 2).
+    scaling (Llama 3.1's, when it scales) slows the low frequencies down (llama3_frequencies)."""
     # Pair i turns by theta^(-2i / head_dim) radians per position: fast for the first pairs, slow for the last.
     # Angles are computed in float64 because position * frequency reaches thousands of radians.
     freqs = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (head_dim // 2,)
+    if scaling is not None and scaling.scales:
+        freqs = llama3_frequencies(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)  # (max_seq_len, head_dim // 2)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_frequencies(freqs: Tensor, scaling: RopeScalingConfig) -> Tensor:
+    """Llama 3.1's scaled rotary frequencies (head_dim // 2,), as transformers'
+    _compute_llama3_parameters computes them (in float64 here).
+
+    A pair whose wavelength (positions per turn) exceeds the original context never turned a whole
+    turn in training, so at longer contexts it would reach angles the model never saw: such slow
+    pairs turn factor times slower (interpolation). Fast pairs, which turned many times and encode
+    local order, keep their frequency; those between are blended linearly in context / wavelength.
+    """
+    wavelengths = 2 * math.pi / freqs  # (head_dim // 2,): positions per turn
+    context = scaling.original_max_seq_len
+    longest_kept = context / scaling.high_freq_factor  # shorter wavelengths are kept
+    shortest_slowed = context / scaling.low_freq_factor  # longer wavelengths are divided by factor
+    # 0 at the slowed bound, 1 at the kept one
+    smooth = (context / wavelengths - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    slowed_or_blended = torch.where(wavelengths > shortest_slowed, freqs / scaling.factor, blended)
+    return torch.where(wavelengths < longest_kept, freqs, slowed_or_blended)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -210,7 +235,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_rotary(self, device: torch.device | None = None) -> None:
         """(Re)compute the rotary tables, on device (default: where they are)."""
-        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
         device = device or self.rope_cos.device
         self.rope_cos = cos.to(device)  # a buffer stays a buffer when assigned a tensor
         self.rope_sin = sin.to(device)

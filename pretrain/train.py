@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -33,11 +33,12 @@ from pretrain.data.prepare import prepare, sigterm_as_exit, stop_signal
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.debug import NumericalFailure
 from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST
+from pretrain.hf_checkpoint import HfCheckpoint, check_fits, find_checkpoint
 from pretrain.loss import next_token_loss
-from pretrain.model_state import whole_model_on_cpu
 from pretrain.resume import ResumeError, resolve_resume
 from pretrain.runfiles import create_run_dir, new_run_id, os_error_message, runs_root
 from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
+from pretrain.init_from import load_weights
 from pretrain.step_line import step_line, throughput
 from pretrain.schedule import lr_at
 from pretrain.stopping import Stopped
@@ -127,6 +128,8 @@ def fit(trainer: Trainer) -> None:
     """Train from start_step to max_steps, or until trainer.stop is agreed: then save and raise
     Stopped. Saves a checkpoint every checkpoint_interval steps and after the last one."""
     t, log = trainer.config.training, trainer.log
+    if trainer.start_step == 0 < t.max_steps:  # a fresh run: where the curves start (untrained, or init_from's weights)
+        log_evaluations(trainer, 0)
     interval = trainer.config.logging.log_interval
     start = time.perf_counter()
     speed = throughput(trainer)
@@ -164,12 +167,9 @@ def fit(trainer: Trainer) -> None:
             trainer.metrics.log_train(
                 step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start, aux
             )
-        if t.eval_interval and step % t.eval_interval == 0 and step > 0 and not last:
+        if not last:  # the last step's are the final ones, below
             with speed.paused():
-                log_validation(trainer, step)
-        if task_eval.is_due(trainer.config, step) and not last:
-            with speed.paused():
-                task_eval.log_task(trainer, step)
+                log_evaluations(trainer, step + 1)
         if (signum := trainer.stop.agreed(trainer.runtime)) is not None:  # settled by train_step's check, if on
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
@@ -181,10 +181,10 @@ def fit(trainer: Trainer) -> None:
             epochs = math.ceil(t.max_steps / steps_per_epoch)
             done = f"Epoch {(step + 1) // steps_per_epoch} of {epochs} done; c" if epoch_end else "C"
             log.info(f"{done}heckpoint saved to {path}")
-    val_loss = log_validation(trainer, t.max_steps - 1)
-    task_eval.log_task(trainer, t.max_steps - 1)
+    val_loss = log_validation(trainer, t.max_steps)
+    task_eval.log_task(trainer, t.max_steps)
     path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
-    exported = export_final(trainer)
+    exported = export_final(trainer, path)
     log.info(
         f"Training complete: {t.max_steps - trainer.start_step} steps in {time.perf_counter() - start:.1f}s, "
         + (f"final loss {trainer.losses[-1]:.4f}" if trainer.losses else "nothing left to train")
@@ -195,20 +195,39 @@ def fit(trainer: Trainer) -> None:
     )
 
 
-def export_final(trainer: Trainer) -> Path | None:
-    """Rank 0 writes <run dir>/export/: model.safetensors, config.json and the dataset's
-    tokenizer.json. Under FSDP every rank takes part in gathering the shards."""
-    state = whole_model_on_cpu(trainer.model, wanted_here=trainer.runtime.is_main)
-    if state is None:
-        return None
-    return export.export(state, trainer.config, trainer.run_dir / "export", tokenizer_file=trainer.tokenizer_file)
+def export_final(trainer: Trainer, final_checkpoint: Path) -> Path | None:
+    """Rank 0 writes <run dir>/export/ in Hugging Face form (pretrain/export.py): the weights in
+    bf16, config.json (exported_from: the final checkpoint), generation_config.json and the
+    tokenizer's files. Under FSDP every rank takes part in gathering each weight in turn; no rank
+    holds the whole model."""
+    return export.export_model(
+        trainer.model,
+        trainer.config,
+        trainer.run_dir / "export",
+        trainer.tokenizer_file,
+        writes=trainer.runtime.is_main,
+        warn=trainer.log.warning,
+        source={"checkpoint": str(final_checkpoint), "steps_done": trainer.config.training.max_steps},
+    )
 
 
-def log_validation(trainer: Trainer, step: int) -> float | None:
+def log_evaluations(trainer: Trainer, steps_done: int) -> None:
+    """The validation loss and the benchmark task, each where its interval falls due (step 0
+    included), scored on the weights after steps_done steps: those checkpoint step_<steps_done>
+    holds, so a curve's point N and that checkpoint evaluated afterwards give the same number."""
+    eval_interval = trainer.config.training.eval_interval
+    if eval_interval and steps_done % eval_interval == 0:
+        log_validation(trainer, steps_done)
+    if task_eval.is_due(trainer.config, steps_done):
+        task_eval.log_task(trainer, steps_done)
+
+
+def log_validation(trainer: Trainer, steps_done: int) -> float | None:
+    """The validation loss of the weights after steps_done steps, logged at that step."""
     val_loss = evaluate(trainer)
     if val_loss is not None:
-        trainer.log.info(f"Validation | Step [{step}/{trainer.config.training.max_steps}] | Loss: {val_loss:.4f}")
-        trainer.metrics.log_val(step, val_loss)
+        trainer.log.info(f"Validation | Step [{steps_done}/{trainer.config.training.max_steps}] | Loss: {val_loss:.4f}")
+        trainer.metrics.log_val(steps_done, val_loss)
     return val_loss
 
 
@@ -250,11 +269,15 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
         config = follow_checkpoint(
             dataclasses.replace(config, training=dataclasses.replace(config.training, resume=str(resume_from)))
         )
+    # Before the data: a checkpoint that cannot be found, or does not fit, stops the run at once.
+    init = starting_weights(config, log.info) if resume_from is None else None
     config = choose_hub_files(config, runtime.world_size, log.info)
     with sigterm_as_exit():  # a stop signal ends a build at once, its temporary files removed (main: 128 + signal)
         dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
     log.debug(f"Run length: {length.describe()}")
+    if init is not None:  # again, with the vocabulary the tokenizer has set
+        check_fits(init, config)
     if runtime.is_main and not (run_dir / "config.json").exists():
         cfg.save(config, run_dir / "config.json")
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
@@ -266,11 +289,26 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     if resume_from is not None:
         trainer.start_step = checkpoint.restore(trainer, resume_from)
         trainer.batches = iter(trainer.loader)  # from the restored position
-        log.info(f"Resumed from {resume_from} at step {trainer.start_step}")
+        init_from = config.training.init_from
+        unused = f" (training.init_from {init_from} is not used: a resume wins)" if init_from else ""
+        log.info(f"Resumed from {resume_from} at step {trainer.start_step}{unused}")
+    elif init is not None:
+        load_weights(trainer.model, init, log)
     elif config.training.resume == "auto":
         log.info("No checkpoint to resume from; starting at step 0")
     with trainer.stop.installed(), trainer.metrics:  # SIGTERM, SIGINT or SIGHUP: finish the step, save, stop
         fit(trainer)
+
+
+def starting_weights(config: Config, say: Callable[[str], None]) -> HfCheckpoint | None:
+    """The Hugging Face checkpoint training.init_from names, found and checked against the model
+    (None without one). Under the launcher the workers get it already pinned and checked (a
+    directory, or a Hub id at a commit in the Hub cache), and this finds it again, offline."""
+    if not config.training.init_from:
+        return None
+    init = find_checkpoint(config.training.init_from, say)
+    check_fits(init, config)
+    return init
 
 
 def unexpected_error() -> int:
@@ -295,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = cfg.from_args(args)
+        if not config.training.resume:  # a fresh run: a checkpoint to start from is checked before anything starts
+            starting_weights(config, lambda line: print(f"pretrain: {line}", file=sys.stderr, flush=True))
         runtime = init_runtime(config)
     except (cfg.ConfigError, RuntimeSetupError) as error:
         print(f"pretrain: error: {error}", file=sys.stderr)

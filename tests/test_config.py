@@ -254,7 +254,8 @@ def test_every_integer_key_refuses_a_huge_value_and_documents_its_bound(prefix, 
     huge = 10**22
     message = error_of(preset="debug", sets=[f"{prefix}.{key}={huge}"])
     assert f"{prefix}.{key}: must " in message and str(huge) in message
-    cls = cfg.SECTIONS[prefix] if "." not in prefix else cfg.MoEConfig
+    section, _, group = prefix.partition(".")  # model.moe, model.rope_scaling: a group's own class
+    cls = typing.get_type_hints(cfg.SECTIONS[section])[group] if group else cfg.SECTIONS[section]
     bound = cls.AT_MOST.get(key)  # the seed has a check of its own: [0, 2**63)
     assert (str(bound) if bound is not None else "2^63") in cfg.field_docs(cls)[key]
 
