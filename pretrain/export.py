@@ -519,6 +519,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> Path:
+    if args.output is not None and args.output.exists() and not args.output.is_dir():
+        raise CheckpointError(f"--output {args.output} is a file; give a directory (it is created if missing)")
     checkpoint_dir = find_checkpoint(args.checkpoint)
     if is_export(checkpoint_dir):
         raise CheckpointError(f"--checkpoint {checkpoint_dir} is an export already; give a checkpoint or a run directory")

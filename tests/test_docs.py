@@ -74,3 +74,13 @@ def test_the_readme_links_every_page_of_docs():
 def test_the_readme_keeps_the_two_commands():
     text = README.read_text(encoding="utf-8")
     assert "bash run_training.sh --debug" in text and "bash run_tests.sh" in text
+
+
+def test_every_launcher_option_is_in_the_commands_page():
+    from launcher.cli import build_parser
+
+    page = (ROOT / "docs" / "commands.md").read_text(encoding="utf-8")
+    options = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}
+    # torchrun's underscore spellings are one row with the dashed ones ("dashes or underscores"); --help is argparse's
+    missing = sorted(o for o in options - {"--help"} if o not in page and o.replace("_", "-") not in page)
+    assert not missing, f"docs/commands.md does not describe {missing}"

@@ -262,6 +262,15 @@ def test_an_unusable_checkpoint_is_one_line_and_exit_2(trained, tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_an_output_that_is_a_file_is_one_line_and_exit_2(trained, tmp_path, capsys):
+    path, _ = trained
+    (tmp_path / "afile").write_text("mine")
+    code, out, err = run_cli(["--checkpoint", str(path), "--output", str(tmp_path / "afile")], capsys)
+    assert code == 2 and out == ""
+    assert err == f"export: error: --output {tmp_path / 'afile'} is a file; give a directory (it is created if missing)\n"
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_a_run_directory_means_its_latest_complete_checkpoint(trained, tmp_path):
     path, _ = trained
     run_dir = shutil.copytree(path.parent.parent, tmp_path / "run")
