@@ -196,13 +196,92 @@ def test_a_resume_reads_the_shards_and_commit_its_checkpoint_was_trained_on(tmp_
     assert followed.hub_max_files == 3 and followed.path == saved.data.path
 
 
+# --- a directory of the dataset, as a local directory ----------------------------------------------
+
+NG = "owner/ng"
+NANOGPT_IDS = np.arange(3000, dtype="<u2")
+NANOGPT_DIR = {
+    "data/train.bin": NANOGPT_IDS[:2000].tobytes(),
+    "data/val.bin": NANOGPT_IDS[2000:].tobytes(),
+    "README.md": "a card",
+}
+LLMC_DIR = {**{f"shards/{name}": data for name, data in SHARDS.items()}, "README.md": "a card"}
+
+
+def splits(data: cfg.DataConfig) -> tuple[list[int], list[int]]:
+    dataset = prepare(data, log=lambda line: None)
+    return split_tokens(dataset, "train").tolist(), split_tokens(dataset, "val").tolist()
+
+
+@pytest.mark.parametrize(
+    "source,files,folder",
+    [("nanogpt", NANOGPT_DIR, "data"), ("nanogpt", NANOGPT_DIR, "data/"), ("llmc", LLMC_DIR, "shards")],
+)
+def test_an_hf_directory_reads_what_the_same_local_directory_reads(tmp_path, hub_cache, source, files, folder):
+    hub_cache(NG, files)
+    local = tmp_path / "local"
+    for name, content in files.items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    on_hub = cfg.DataConfig(cache_dir=str(tmp_path / "cache"), source=source, path=f"hf://datasets/{NG}/{folder}")
+
+    train, val = splits(on_hub)
+
+    assert (train, val) == splits(dataclasses.replace(on_hub, path=str(local / folder)))
+    if source == "nanogpt":  # train.bin trains, val.bin beside it validates
+        assert (train, val) == (list(range(2000)), list(range(2000, 3000)))
+    else:  # every shard, in name order, the validation share their tail
+        assert train + val == np.concatenate([TOKENS[name] for name in sorted(TOKENS)]).tolist() and val
+
+
+def test_an_hf_nanogpt_directory_is_sized_pinned_and_found_again_by_the_workers(tmp_path, hub_cache):
+    hub_cache(NG, NANOGPT_DIR)
+    # 29 windows of 65 tokens: train.bin's 2,000 hold them all, as val.bin validates (none are its tail).
+    run = debug_config(
+        tmp_path, "data.source=nanogpt", f"data.path=hf://datasets/{NG}/data", "data.val_path=", "training.batch_size=29", steps=1
+    )
+
+    config, lines = chosen(run)
+
+    assert config.data.hub_max_files == 1
+    assert lines == [
+        f"dataset {NG}: nanoGPT's data/train.bin (data/val.bin validates) in the Hugging Face cache (the Hub cannot be "
+        "reached); using the first 1 of 1 (4.0 kB): the run reads 1,856 tokens, these hold 2,000; "
+        "data.hub_max_files sets the count"
+    ]
+    dataset = prepare(config.data, log=lambda line: None)
+    fitted, _ = fit_to_dataset(config, dataset, world_size=1)
+    assert fitted.data.path == f"hf://datasets/{NG}@{COMMIT}/data" and fitted.data.val_path == ""
+    assert prepare(fitted.data, log=lambda line: None) == dataset
+
+
+def test_an_hf_path_naming_nothing_in_the_cache_offline_says_so_with_the_download_that_fetches_it(tmp_path, hub_cache):
+    hub_cache(NG, NANOGPT_DIR)
+
+    with pytest.raises(DataError) as caught:
+        prepare(cfg.DataConfig(cache_dir=str(tmp_path / "cache"), source="nanogpt", path=f"hf://datasets/{NG}/other"), log=print)
+
+    message = one_line_error(caught)
+    assert message.startswith(
+        f"data.path: the file or directory 'other' of dataset {NG}@{COMMIT[:12]} is not in the Hugging Face cache"
+    )
+    assert f"`hf download {NG} --repo-type dataset --include 'other/*'`" in message
+
+
 # --- online: a Hub simulated in this process ---------------------------------------------------------
 
 
 @pytest.fixture
-def online_hub(hub_cache, monkeypatch):
-    """The Hub lists the shards at their sizes and a download writes the files asked for into the
-    cache. Returns the requests: ("tree",) and ("download", [names])."""
+def hub_files() -> dict[str, bytes]:
+    """The files of the simulated Hub's dataset (the shards at its root unless a test changes them)."""
+    return dict(SHARDS)
+
+
+@pytest.fixture
+def online_hub(hub_cache, hub_files, monkeypatch):
+    """The Hub lists hub_files at their sizes (those under the folder asked for) and a download
+    writes the files asked for into the cache. Returns the requests: ("tree", folder) and
+    ("download", [names])."""
     from huggingface_hub import HfApi, constants, errors
     from huggingface_hub.hf_api import RepoFile
 
@@ -214,14 +293,19 @@ def online_hub(hub_cache, monkeypatch):
         return type("Info", (), {"sha": COMMIT})()
 
     def list_repo_tree(self, repo_id, path_in_repo=None, *, recursive=False, revision=None, repo_type=None, **kw):
-        requests.append(("tree",))
-        return [RepoFile(path=name, size=len(data), oid="0", type="file") for name, data in SHARDS.items()]
+        requests.append(("tree", path_in_repo))
+        under = f"{path_in_repo}/" if path_in_repo else ""
+        return [
+            RepoFile(path=name, size=len(data), oid="0", type="file")
+            for name, data in hub_files.items()
+            if name.startswith(under)
+        ]
 
     def snapshot_download(repo_id, *, repo_type=None, revision=None, allow_patterns=None, local_files_only=False, **kw):
         if local_files_only:
             raise errors.LocalEntryNotFoundError("not cached")
         requests.append(("download", list(allow_patterns)))
-        return str(hub_cache(repo_id, {name: SHARDS[name] for name in allow_patterns}))
+        return str(hub_cache(repo_id, {name: hub_files[name] for name in allow_patterns}))
 
     monkeypatch.setattr(HfApi, "repo_info", repo_info)
     monkeypatch.setattr(HfApi, "list_repo_tree", list_repo_tree)
@@ -277,3 +361,21 @@ def test_a_commit_the_user_pins_is_sized_from_the_hubs_listing_not_from_what_is_
     config, lines = chosen(pinned)
 
     assert config.data.hub_max_files == 2 and "4 shard(s) match fineweb_train_*.bin; using the first 2 of 4" in lines[-1]
+
+
+def test_online_an_hf_directory_is_listed_and_only_its_files_the_run_reads_are_fetched(tmp_path, online_hub, hub_files):
+    hub_files.clear()
+    hub_files.update({**NANOGPT_DIR, "other/train.bin": b"\0\0" * 100})
+    data = cfg.DataConfig(cache_dir=str(tmp_path / "cache"), source="nanogpt", path=f"hf://datasets/{NG}/data")
+
+    assert splits(data) == (list(range(2000)), list(range(2000, 3000)))
+    assert [r for r in online_hub if r[0] == "download"] == [("download", ["data/train.bin"]), ("download", ["data/val.bin"])]
+
+
+def test_online_an_hf_path_the_dataset_lacks_is_one_line_saying_it_has_no_such_file_or_directory(tmp_path, online_hub):
+    with pytest.raises(DataError) as caught:
+        prepare(cfg.DataConfig(cache_dir=str(tmp_path / "cache"), source="llmc", path=f"hf://datasets/{REPO}/data"), log=print)
+
+    assert one_line_error(caught).startswith(
+        f"data.path: dataset {REPO}@{COMMIT[:12]} has no file or directory 'data' holding .bin shards"
+    )

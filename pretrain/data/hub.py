@@ -65,11 +65,32 @@ class HubFiles:
 
 
 def usable(path: str, pattern: str, suffixes: tuple[str, ...] | None = None) -> bool:
-    """A data file (not a README or script) that the pattern matches: one of a text format, or
-    with one of suffixes when given (pre-tokenized shards)."""
-    if not fnmatch.fnmatch(path, pattern):
-        return False
+    """A data file (not a README or script) that the pattern names (see named_by)."""
+    return named_by(path, pattern) and is_data_file(path, suffixes)
+
+
+def is_data_file(path: str, suffixes: tuple[str, ...] | None = None) -> bool:
+    """A file of a text format, or with one of suffixes when given (pre-tokenized shards)."""
     return path.endswith(suffixes) if suffixes else file_format(path) is not None
+
+
+def named_by(path: str, pattern: str) -> bool:
+    """Whether pattern names the file at path: a glob that matches it, or, as a local path does,
+    the file itself or a directory above it (a pattern without wildcards)."""
+    if fnmatch.fnmatch(path, pattern):
+        return True
+    return not glob.has_magic(pattern) and path.startswith(pattern.rstrip("/") + "/")
+
+
+def is_directory(pattern: str, suffixes: tuple[str, ...] | None = None) -> bool:
+    """A pattern that can only name a directory: no wildcards, and not a data file's name."""
+    return not glob.has_magic(pattern) and (pattern.endswith("/") or not is_data_file(pattern, suffixes))
+
+
+def include_pattern(pattern: str, suffixes: tuple[str, ...] | None = None) -> str:
+    """What `hf download --include` takes to fetch the files pattern names: a directory's files
+    (DIR/*: hf's globs match at any depth), else the pattern itself."""
+    return f"{pattern.rstrip('/')}/*" if is_directory(pattern, suffixes) else pattern
 
 
 def cached_files(repo: str, revision: str, pattern: str, suffixes: tuple[str, ...] | None = None) -> HubFiles | None:
@@ -185,7 +206,7 @@ def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reaso
     )
     return offline_error(
         f"dataset {cfg.hub_repo} ({cfg.hub_files})",
-        f"{prepare}`hf download {cfg.hub_repo} --repo-type dataset --include '{cfg.hub_files}'`",
+        f"{prepare}`hf download {cfg.hub_repo} --repo-type dataset --include '{include_pattern(cfg.hub_files)}'`",
         LOCAL_FILES_INSTEAD,
         reason,
     )
@@ -194,7 +215,9 @@ def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reaso
 # --- the files a run uses -------------------------------------------------------------------------
 
 
-def selected(repo: str, pattern: str, wanted: int | None, found: HubFiles) -> list[tuple[str, int]]:
+def selected(
+    repo: str, pattern: str, wanted: int | None, found: HubFiles, suffixes: tuple[str, ...] | None = None
+) -> list[tuple[str, int]]:
     """The first wanted (data.hub_max_files) files (all for 0 or None). Offline, DataError when
     the cache holds fewer than that: a run must not quietly train on less than it was set up for."""
     if wanted and len(found.files) < wanted and not found.online:
@@ -202,7 +225,7 @@ def selected(repo: str, pattern: str, wanted: int | None, found: HubFiles) -> li
             f"data.hub_max_files is {wanted}, but the Hugging Face cache holds only {len(found.files)} "
             f"file(s) of dataset {repo} matching {pattern} and the Hub cannot be "
             f"reached; lower it, or fetch more where there is network (`hf download {repo} "
-            f"--repo-type dataset --include '{pattern}'`)"
+            f"--repo-type dataset --include '{include_pattern(pattern, suffixes)}'`)"
         )
     return found.files[:wanted] if wanted else list(found.files)
 

@@ -10,12 +10,17 @@ header, over the token's width, read from the first shard), so the run's windows
 many. The count goes into data.hub_max_files, and the commit into the path the workers get
 (pinned_paths), so every rank finds the same files in the cache and asks the Hub nothing.
 
+A PATTERN without wildcards names a file, or a directory as a local data.path does
+(shard_files.py): nanoGPT's layout (train.bin, validated on val.bin beside it) when it holds
+train.bin, else all its .bin files; read from the Hub's listing, or offline the cache's snapshot.
+
 No torch here; huggingface_hub is imported only when such a path is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,7 +29,17 @@ from urllib.parse import unquote
 from pretrain.data import DataError
 from pretrain.data.formats import SHARD_SUFFIXES
 from pretrain.data.cache import sigterm_as_exit
-from pretrain.data.hub import HubFiles, Unreachable, byte_count, fetch, matching_files, run_tokens, selected
+from pretrain.data.hub import (
+    HubFiles,
+    Unreachable,
+    byte_count,
+    fetch,
+    include_pattern,
+    is_directory,
+    matching_files,
+    run_tokens,
+    selected,
+)
 from pretrain.data.hub_client import is_commit, offline_error
 from pretrain.data.shards import Shard, token_file
 from pretrain.data.windows import token_count
@@ -36,6 +51,8 @@ HUB_SCHEME = "hf://"
 DATASETS = "hf://datasets/"
 EXAMPLE = "hf://datasets/kjj0/fineweb10B-gpt2/fineweb_train_*.bin"
 SUFFIXES = SHARD_SUFFIXES["llmc"]
+NANOGPT_TRAIN, NANOGPT_VAL = "train.bin", "val.bin"
+"""nanoGPT's layout: a directory holding train.bin trains on it and validates on val.bin beside it."""
 
 Log = Callable[[str], None]
 
@@ -58,6 +75,11 @@ class HubPath:
     def at(self, commit: str) -> HubPath:
         return dataclasses.replace(self, revision=commit)
 
+    @property
+    def include(self) -> str:
+        """The `hf download --include` pattern that fetches what the path names."""
+        return include_pattern(self.pattern, SUFFIXES)
+
 
 def parse_hub_path(path: str, key: str) -> HubPath:
     """hf://datasets/OWNER/NAME[@REVISION]/PATTERN; DataError, one line, for anything else."""
@@ -77,10 +99,11 @@ def parse_hub_path(path: str, key: str) -> HubPath:
 
 
 def find_shards(hub: HubPath, wanted: int | None, key: str, *, every: bool = False) -> HubFiles:
-    """The .bin files hub's pattern matches: listed by the Hub, else those in the Hub cache
-    (every: all of them, as the Hub lists them when it can be reached, whatever is cached).
-    DataError when there are none, or when the Hub cannot be reached and nothing is cached."""
-    fetch_them = f"`hf download {hub.repo} --repo-type dataset --include '{hub.pattern}'`"
+    """The .bin files hub's pattern names (a directory's: all of them): listed by the Hub, else
+    those in the Hub cache (every: all of them, as the Hub lists them when it can be reached,
+    whatever is cached). DataError when there are none, or when the Hub cannot be reached and
+    nothing is cached."""
+    fetch_them = f"`hf download {hub.repo} --repo-type dataset --include '{hub.include}'`"
     instead = f"copy the shards here and set {key} to them"
     # At a commit (the workers' paths), the cache answers once it holds the wanted count, or for
     # all of them (wanted None: validation) any: the launcher fetched every one before they start.
@@ -89,14 +112,45 @@ def find_shards(hub: HubPath, wanted: int | None, key: str, *, every: bool = Fal
         found = matching_files(hub.repo, hub.revision, hub.pattern, cached_enough, SUFFIXES)
     except Unreachable as error:
         raise offline_error(f"dataset {hub.repo} ({hub.pattern})", fetch_them, instead, str(error)) from None
-    if not found.files and not found.online:  # the dataset is cached, but not these files
-        raise offline_error(f"{key} {hub.pattern} of dataset {hub.repo}@{found.commit[:12]}", fetch_them, instead)
-    if not found.files:
+    if found.files:
+        return found
+    at = f"dataset {hub.repo}@{found.commit[:12]}"
+    if glob.has_magic(hub.pattern):
+        if not found.online:  # the dataset is cached, but not these files
+            raise offline_error(f"{key} {hub.pattern} of {at}", fetch_them, instead)
         raise DataError(
-            f"{key}: no .bin file of dataset {hub.repo}@{hub.revision} matches {hub.pattern!r}; "
-            f"set it to a pattern of the dataset's shards ({EXAMPLE})"
+            f"{key}: no .bin file of {at} matches {hub.pattern!r}; set it to a pattern of the dataset's shards ({EXAMPLE})"
         )
-    return found
+    if not found.online:
+        raise offline_error(f"{key}: the file or directory {hub.pattern!r} of {at}", fetch_them, instead)
+    raise DataError(
+        f"{key}: {at} has no file or directory {hub.pattern!r} holding .bin shards; set it to a file, "
+        f"directory or pattern of the dataset's shards ({EXAMPLE})"
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a path's files give each split, as for a local path (shard_files.py)."""
+
+    train: HubFiles
+    beside: HubFiles
+    """val.bin beside nanoGPT's train.bin (validation, unless data.val_path is set); else none."""
+    nanogpt: bool
+
+
+def layout(hub: HubPath, found: HubFiles) -> Layout:
+    """nanoGPT's layout for a directory holding train.bin; else every file found trains."""
+    folder = hub.pattern.rstrip("/")
+    sizes = dict(found.files)
+    train, val = f"{folder}/{NANOGPT_TRAIN}", f"{folder}/{NANOGPT_VAL}"
+    if not is_directory(hub.pattern, SUFFIXES) or train not in sizes:
+        return Layout(found, dataclasses.replace(found, files=[]), nanogpt=False)
+    return Layout(
+        dataclasses.replace(found, files=[(train, sizes[train])]),
+        dataclasses.replace(found, files=[(val, sizes[val])] if val in sizes else []),
+        nanogpt=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -108,18 +162,21 @@ class HubShards:
     """The path at its commit: what the workers are given."""
 
 
-def hub_shards(path: str, wanted: int | None, key: str, log: Log | None = None) -> HubShards:
-    """The first wanted (all for 0 or None) shards an hf:// path matches, fetched into the Hub
-    cache when not there yet, and read where they lie in it."""
+def hub_shards(path: str, wanted: int | None, key: str, log: Log | None = None, *, beside: bool = False) -> HubShards:
+    """The first wanted (all for 0 or None) shards an hf:// path gives the train split (beside:
+    the val.bin beside nanoGPT's train.bin, perhaps none), fetched into the Hub cache when not
+    there yet, and read where they lie in it."""
     hub = parse_hub_path(path, key)
-    found = find_shards(hub, wanted, key)
-    files = selected(hub.repo, hub.pattern, wanted, found)
-    folder = fetch(hub.repo, found, files, log)
-    pinned = hub.at(found.commit)
+    if beside and not is_directory(hub.pattern, SUFFIXES):  # only a directory has a val.bin beside
+        return HubShards([], [], str(hub))
+    split = layout(hub, find_shards(hub, wanted, key))
+    found = split.beside if beside else split.train
+    files = selected(hub.repo, hub.include, wanted, found, SUFFIXES)
+    folder = fetch(hub.repo, found, files, log) if files else None
     return HubShards(
-        [token_file(folder / name) for name, _ in files],
+        [token_file(folder / name) for name, _ in files] if folder else [],
         [[f"{DATASETS}{hub.repo}@{found.commit}/{name}", size] for name, size in files],
-        str(pinned),
+        str(hub.at(found.commit)),
     )
 
 
@@ -135,8 +192,9 @@ def choose_hub_shards(config: Config, world_size: int, log: Log) -> Config:
     if data.hub_max_files is not None or not is_hub_path(data.path):  # set by the user, or by the launcher
         return config
     hub = parse_hub_path(data.path, "data.path")
-    found = find_shards(hub, None, "data.path", every=True)
-    where = f"dataset {hub.repo}: {len(found.files)} shard(s) match {hub.pattern}"
+    split = layout(hub, find_shards(hub, None, "data.path", every=True))
+    found = split.train
+    where = f"dataset {hub.repo}: {_described(hub, split)}"
     if not found.online:
         where += " in the Hugging Face cache (the Hub cannot be reached)"
     tokens = run_tokens(config, world_size)
@@ -145,7 +203,7 @@ def choose_hub_shards(config: Config, world_size: int, log: Log) -> Config:
     else:
         held = _tokens_held(hub, found, log)
         windows = tokens // data.context_length
-        share = 0.0 if data.val_path else data.val_fraction
+        share = 0.0 if data.val_path or split.beside.files else data.val_fraction
         count = _shards_for(held, windows, data.context_length, share)
         why = f"the run reads {token_count(tokens)} tokens" + (f" and validates on the last {share:.0%}" if share else "")
         why += f", these hold {token_count(sum(held[:count]))}; data.hub_max_files sets the count"
@@ -154,6 +212,16 @@ def choose_hub_shards(config: Config, world_size: int, log: Log) -> Config:
     size = byte_count(sum(s for _, s in found.files[:count]))
     log(f"{where}; using the first {count} of {len(found.files)} ({size}): {why}")
     return dataclasses.replace(config, data=dataclasses.replace(data, hub_max_files=count))
+
+
+def _described(hub: HubPath, split: Layout) -> str:
+    """What the path names, for the line that sizes the download."""
+    if split.nanogpt:
+        val = f" ({split.beside.files[0][0]} validates)" if split.beside.files else ""
+        return f"nanoGPT's {split.train.files[0][0]}{val}"
+    if is_directory(hub.pattern, SUFFIXES):
+        return f"{len(split.train.files)} shard(s) in {hub.pattern.rstrip('/')}/"
+    return f"{len(split.train.files)} shard(s) match {hub.pattern}"
 
 
 def _tokens_held(hub: HubPath, found: HubFiles, log: Log) -> list[int]:

@@ -3,7 +3,8 @@
 data.path (data.val_path for validation) is a file, a directory, a glob, or for llmc and nanogpt
 an hf:// path of a Hub dataset (hub_shards.py). A directory holding nanoGPT's `train.bin` gives
 that file as the train split and `val.bin` beside it as validation (unless data.val_path is
-set), as nanoGPT itself reads them; any other directory gives all its `.bin` files.
+set), as nanoGPT itself reads them; any other directory gives all its `.bin` files. An hf://
+path naming a directory of the dataset means the same (hub_shards.layout).
 
 llm.c shards and nanoGPT's header-less `.bin` files are told apart per file by their header
 (shards.token_file): either source reads either kind, and says in one line (say_detected) when
@@ -17,14 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretrain.data.hub_shards import hub_shards, is_hub_path
+from pretrain.data.hub_shards import NANOGPT_TRAIN, NANOGPT_VAL, hub_shards, is_hub_path
 from pretrain.data.shards import Shard, megatron_shard, token_file
 from pretrain.data.sources import resolve_files
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig
 
-NANOGPT_TRAIN, NANOGPT_VAL = "train.bin", "val.bin"
 FORMS = {"llmc": "llm.c shards, past their 1024-byte header", "nanogpt": "nanoGPT's header-less uint16 token ids"}
 
 Log = Callable[[str], None]
@@ -45,6 +45,9 @@ def shard_set(cfg: DataConfig, *, val: bool, log: Log | None = None) -> ShardSet
     path, key = (cfg.val_path, "data.val_path") if val else (cfg.path, "data.path")
     if cfg.source == "megatron":
         return _local([megatron_shard(Path(path).expanduser().resolve())] if path else [])
+    if val and not path and is_hub_path(cfg.path):  # val.bin beside nanoGPT's train.bin, if any
+        found = hub_shards(cfg.path, None, "data.path", log, beside=True)
+        return ShardSet(found.shards, found.stamps)
     if val and not path:
         beside = _nanogpt_val(cfg.path)
         return _local([token_file(beside)] if beside else [])
@@ -71,8 +74,8 @@ def _local_files(path: str, key: str) -> list[Path]:
 
 
 def _nanogpt_val(path: str) -> Path | None:
-    """val.bin beside train.bin in a directory given as data.path (nanoGPT's layout)."""
-    if is_hub_path(path) or not path:
+    """val.bin beside train.bin in a local directory given as data.path (nanoGPT's layout)."""
+    if not path:
         return None
     folder = Path(path).expanduser()
     if (folder / NANOGPT_TRAIN).is_file() and (folder / NANOGPT_VAL).is_file():
