@@ -7,9 +7,14 @@ checkpoint.
   config.json's own fields (model_fields_from_hf), the weights renamed to ours and the q/k rows
   permuted back (pretrain/hf_format.py). Our exports also carry the run's config under
   "pretrain", which generate and evaluate then read as they read a checkpoint's (the tokenizer,
-  whether it trained under bf16 autocast); a directory from elsewhere uses its tokenizer.json.
+  whether it trained under bf16 autocast); a directory from elsewhere uses its tokenizer.json,
+  and one with tied embeddings (Llama 3.2's: no lm_head.weight) gets the embedding as its output
+  projection, as training.init_from does.
 - this project's own format ("format": "pretrain-llama", a model with no Hugging Face form, or
   exports made before the Hugging Face form): our names as they are.
+
+Either way every weight file is checked against its header before safetensors opens it
+(pretrain/hf_checkpoint.py check_header): a truncated one is a CheckpointError naming its size.
 """
 
 from __future__ import annotations
@@ -25,9 +30,20 @@ from torch import Tensor
 from pretrain import config as cfg
 from pretrain.checkpoint_files import CheckpointError
 from pretrain.config import Config
-from pretrain.hf_format import HfFormatError, expected_hf_shapes, from_hf, hf_names, model_fields_from_hf
+from pretrain.data import first_line
+from pretrain.hf_checkpoint import SafetensorsDamage, check_header
+from pretrain.hf_format import (
+    HF_EMBEDDING,
+    HF_OUTPUT,
+    HfFormatError,
+    expected_hf_shapes,
+    from_hf,
+    hf_names,
+    model_fields_from_hf,
+    tied_output,
+)
 from pretrain.model import Transformer
-from pretrain.safetensors_shards import WeightFiles, weight_map
+from pretrain.safetensors_shards import INDEX_FILE, SINGLE_FILE, WeightFiles, weight_map
 
 CONFIG_FILE = "config.json"
 LEGACY_FORMAT = "pretrain-llama"
@@ -58,10 +74,7 @@ def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     Transformer(ModelConfig(**model_fields(described)), max_seq_len=...), or read_export's config."""
     path = Path(out_dir)
     described = _read_config(path)
-    try:
-        files_by_name = weight_map(path)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"export {path}: cannot find its weights ({error})") from None
+    files_by_name = _checked_weight_map(path)
     from safetensors import SafetensorError
 
     try:
@@ -69,9 +82,26 @@ def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
             with WeightFiles(path, files_by_name) as files:
                 return {name: files.get(name) for name in files_by_name}, described
         model, max_seq_len = _model(described, path)
-        return _from_hf_files(path, files_by_name, model, max_seq_len), described
-    except (OSError, SafetensorError) as error:
-        raise CheckpointError(f"export {path}: cannot read its weights ({error})") from None
+        return _from_hf_files(path, files_by_name, described, model, max_seq_len), described
+    except (OSError, SafetensorError) as error:  # a file changed since it was checked
+        raise CheckpointError(f"export {path}: cannot read its weights ({first_line(error)})") from None
+
+
+def _checked_weight_map(path: Path) -> dict[str, str]:
+    """Tensor name -> file of an export's weights, every file's header checked first (check_header:
+    a truncated or damaged file is one line naming its size and the size its header describes,
+    before safetensors opens it)."""
+    try:
+        if not (path / INDEX_FILE).is_file() and (path / SINGLE_FILE).is_file():
+            check_header(path / SINGLE_FILE)  # weight_map opens it to list its tensors
+        files_by_name = weight_map(path)
+        for file in sorted(set(files_by_name.values())):
+            check_header(path / file)
+        return files_by_name
+    except SafetensorsDamage as error:
+        raise CheckpointError(f"export {path}: {error}") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"export {path}: cannot find its weights ({first_line(error)})") from None
 
 
 def model_fields(described: dict[str, Any]) -> dict[str, Any]:
@@ -98,8 +128,8 @@ def export_config(described: dict[str, Any], path: Path) -> Config:
         data = _data_section(own["tokenizer"]) if isinstance(own, dict) else _foreign_tokenizer(path)
         data["context_length"] = model.get("max_seq_len") or data.get("context_length", 2048)
         return cfg.apply_overrides(Config(), {"model": model, "data": data}, where)
-    except HfFormatError as error:
-        raise CheckpointError(f"{where}: {error}") from None
+    except HfFormatError as error:  # its message names config.json
+        raise CheckpointError(f"export {path}: {error}") from None
     except cfg.ConfigError as error:
         raise CheckpointError(str(error)) from None
     except (KeyError, TypeError) as error:
@@ -149,20 +179,25 @@ def _model(described: dict[str, Any], path: Path) -> tuple[cfg.ModelConfig, int]
         fields = model_fields(described)
         max_seq_len = fields.pop("max_seq_len", None) or 2048
         return cfg.ModelConfig(**fields, max_seq_len=max_seq_len), max_seq_len
-    except HfFormatError as error:
-        raise CheckpointError(f"export {path}: {CONFIG_FILE}: {error}") from None
+    except HfFormatError as error:  # its message names config.json
+        raise CheckpointError(f"export {path}: {error}") from None
     except cfg.ConfigError as error:
         raise CheckpointError(f"export {path}: {CONFIG_FILE}: {error}") from None
 
 
-def _from_hf_files(path: Path, files_by_name: dict[str, str], model: cfg.ModelConfig, max_seq_len: int) -> dict[str, Tensor]:
-    """Our state dict from Hugging Face tensors, one of our tensors at a time."""
+def _from_hf_files(
+    path: Path, files_by_name: dict[str, str], described: dict[str, Any], model: cfg.ModelConfig, max_seq_len: int
+) -> dict[str, Tensor]:
+    """Our state dict from Hugging Face tensors, one of our tensors at a time; a tied output
+    projection (tied_output) read from the embedding, as training.init_from reads it."""
     expected = expected_hf_shapes(model, max_seq_len)
-    present = {name for name in files_by_name if not name.endswith(IGNORED_TENSORS)}
+    source = {name: name for name in files_by_name if not name.endswith(IGNORED_TENSORS)}  # the tensor each is read from
+    if tied_output(described, source):
+        source[HF_OUTPUT] = HF_EMBEDDING
     problems = []
-    if missing := sorted(expected.keys() - present):
+    if missing := sorted(expected.keys() - source.keys()):
         problems.append(f"{len(missing)} missing ({_some(missing)})")
-    if unexpected := sorted(present - expected.keys()):
+    if unexpected := sorted(source.keys() - expected.keys()):
         problems.append(f"{len(unexpected)} unexpected ({_some(unexpected)})")
     if problems:
         what = "; ".join(problems)
@@ -172,7 +207,7 @@ def _from_hf_files(path: Path, files_by_name: dict[str, str], model: cfg.ModelCo
     state = {}
     with WeightFiles(path, files_by_name) as files:
         for name in names:
-            pieces = [files.get(hf_name) for hf_name in hf_names(name, model)]
+            pieces = [files.get(source[hf_name]) for hf_name in hf_names(name, model)]
             for hf_name, piece in zip(hf_names(name, model), pieces, strict=True):
                 if tuple(piece.shape) != expected[hf_name]:
                     raise CheckpointError(

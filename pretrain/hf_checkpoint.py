@@ -6,10 +6,13 @@ Hugging Face cache, downloaded into it where the Hub can be reached (only config
 safetensors), and offline (HF_HUB_OFFLINE, or no network) taken from what the cache holds, as the
 data's Hub files are (pretrain/data/hub_client.py). What: config.json, and every tensor's name,
 dtype and shape from the safetensors headers (8 bytes of length, then JSON), no weight read.
-Fits: every tensor of the model's Hugging Face form (pretrain/hf_format.py) is there with its
-shape, and the fields that change what the model computes without changing a shape (heads,
-rotary base and scaling, norm epsilon, experts per token) agree. Each refusal is one line (InitFromError, a
-ConfigError: exit 2) naming the tensor or field, both values and the key to set.
+Whole: each file's size is what its header describes (data_offsets consistent with dtype x
+shape), so a truncated download is refused here, not by safetensors in a worker. Fits: every
+tensor of the model's Hugging Face form (pretrain/hf_format.py) is there with its shape, and the
+fields that change what the model computes without changing a shape (heads, rotary base and
+scaling, norm epsilon, experts per token) agree. Each refusal is one line (InitFromError, a
+ConfigError: exit 2) naming the tensor or field, both values, and every key that config.json
+says to set (all of them, so that one change fixes the command).
 
 No torch here: the launcher runs this (pretrain/init_from.py loads the weights in the workers).
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import re
 import shlex
 from collections.abc import Callable
@@ -28,7 +33,15 @@ from typing import Any
 from pretrain.config import Config, ConfigError, ModelConfig, RopeScalingConfig, max_seq_len
 from pretrain.data import DataError, first_line
 from pretrain.data.hub_client import access_error, is_commit, offline_error
-from pretrain.hf_format import MIXTRAL, HfFormatError, expected_hf_shapes, model_fields_from_hf
+from pretrain.hf_format import (
+    HF_EMBEDDING,
+    HF_OUTPUT,
+    MIXTRAL,
+    HfFormatError,
+    expected_hf_shapes,
+    model_fields_from_hf,
+    tied_output,
+)
 
 Log = Callable[[str], None]
 
@@ -38,8 +51,15 @@ HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", INDEX_FI
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+DTYPE_BYTES = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
+}
+"""Bytes per value of safetensors' dtypes (those of less than a byte, F4 and F6, are left out: not checked)."""
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
-TIED, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+TIED, EMBEDDING = HF_OUTPUT, HF_EMBEDDING
 """A Llama whose config.json says tie_word_embeddings stores no lm_head: the embedding stands for it."""
 BUFFERS = re.compile(r".*\.rotary_emb\.inv_freq")
 """What older checkpoints store besides the weights (computed here from rope_theta)."""
@@ -62,8 +82,10 @@ _AXIS_FIELDS = {
     "norm.weight": ("dim",),
     "layernorm.weight": ("dim",),
 }
-_SHAPE_FIELDS = ("dim", "n_layers", "ffn_dim", "n_kv_heads", "vocab_size", "moe.num_experts")
 _FUNCTION_FIELDS = ("n_heads", "rope_theta", "norm_eps", "moe.top_k")
+"""The fields that change what the model computes, and not always a shape (n_heads: not when n_kv_heads changes with it)."""
+_MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "moe.num_experts", *_FUNCTION_FIELDS[1:])
+"""Every field of config.json's that the model must share, in the order a refusal names them."""
 
 
 class InitFromError(ConfigError):
@@ -94,7 +116,7 @@ class HfCheckpoint:
     @property
     def tied(self) -> bool:
         """The embedding is also the output projection (no lm_head stored): our model gets a copy."""
-        return bool(self.config.get("tie_word_embeddings")) and TIED not in self.tensors
+        return tied_output(self.config, self.tensors)
 
 
 # --- where -------------------------------------------------------------------------------------
@@ -216,18 +238,78 @@ def _weight_files(directory: Path, where: str) -> list[str]:
 
 
 def read_header(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone."""
+    """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone, the
+    file checked whole (check_header); one line (InitFromError) for a damaged one."""
+    try:
+        return check_header(path)
+    except SafetensorsDamage as error:
+        raise InitFromError(f"{where}: {error}") from None
+
+
+_FIX = "download or copy it again"
+
+
+class SafetensorsDamage(ValueError):
+    """A safetensors file that safetensors would refuse to open: the one-line reason and what to do."""
+
+
+def check_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in a safetensors file, read from its header, which is
+    checked as safetensors checks it when the file is opened: each tensor's data_offsets hold
+    exactly its dtype x shape bytes, one after another from 0, and the file ends where the last
+    one does (8 bytes of length + the header + the data). A truncated or damaged file is thus
+    refused here, in one line naming its size and the size its header describes, and not by a
+    SafetensorError from the workers. SafetensorsDamage otherwise."""
+    size, length, raw = _raw_header(path)
+    try:
+        tensors = {
+            name: (info["dtype"], tuple(int(n) for n in info["shape"]), _offsets(info["data_offsets"]))
+            for name, info in json.loads(raw).items()
+            if name != "__metadata__"
+        }
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise SafetensorsDamage(f"{path.name} is not a readable safetensors file ({first_line(error)}); {_FIX}") from None
+    end = 0
+    for name, (dtype, shape, (begin, stop)) in sorted(tensors.items(), key=lambda item: item[1][2]):
+        if begin != end:
+            raise SafetensorsDamage(f"{path.name}: {name}'s data_offsets start at {begin}, not {end} (damaged); {_FIX}")
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else stop - begin
+        if stop - begin != nbytes:
+            raise SafetensorsDamage(
+                f"{path.name}: {name}'s data_offsets hold {stop - begin} bytes but {dtype} {list(shape)} takes {nbytes} "
+                f"(damaged); {_FIX}"
+            )
+        end = stop
+    if size != 8 + length + end:
+        what = "truncated" if size < 8 + length + end else "damaged"
+        raise SafetensorsDamage(f"{path.name} is {size} bytes but its header describes {8 + length + end} ({what}); {_FIX}")
+    return {name: (dtype, shape) for name, (dtype, shape, _) in tensors.items()}
+
+
+def _raw_header(path: Path) -> tuple[int, int, bytes]:
+    """A safetensors file's size, its header's length and the header's bytes; SafetensorsDamage
+    for a file too short to hold them."""
     try:
         with path.open("rb") as file:
-            size = int.from_bytes(file.read(8), "little")
-            if not 2 <= size <= MAX_HEADER:
-                raise ValueError(f"a header of {size} bytes")
-            header = json.loads(file.read(size))
-        return {
-            name: (info["dtype"], tuple(int(n) for n in info["shape"])) for name, info in header.items() if name != "__metadata__"
-        }
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise InitFromError(f"{where}: {path.name} is not a readable safetensors file ({first_line(error)})") from None
+            size = os.fstat(file.fileno()).st_size
+            length = int.from_bytes(file.read(8), "little")
+            raw = file.read(length) if 8 + length <= size and length <= MAX_HEADER else b""
+    except OSError as error:
+        raise SafetensorsDamage(f"{path.name} cannot be read ({first_line(error)})") from None
+    if size < 8 or not 2 <= length <= MAX_HEADER:
+        what = f"a header of {length} bytes" if size >= 8 else f"{size} bytes"
+        raise SafetensorsDamage(f"{path.name} is not a readable safetensors file ({what}); {_FIX}")
+    if size < 8 + length:
+        raise SafetensorsDamage(f"{path.name} is {size} bytes but its header describes at least {8 + length} (truncated); {_FIX}")
+    return size, length, raw
+
+
+def _offsets(value: Any) -> tuple[int, int]:
+    """A tensor's data_offsets [begin, end) as safetensors writes them; ValueError for anything else."""
+    begin, end = (int(n) for n in value)
+    if not 0 <= begin <= end:
+        raise ValueError(f"data_offsets {value}")
+    return begin, end
 
 
 # --- fits ------------------------------------------------------------------------------------------
@@ -235,12 +317,13 @@ def read_header(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...]]
 
 def check_fits(checkpoint: HfCheckpoint, config: Config) -> None:
     """InitFromError unless checkpoint holds exactly the model's tensors, with its shapes, and
-    agrees on what the model computes. model.vocab_size null (before the dataset is prepared)
-    takes the checkpoint's, checked again once the tokenizer has set it."""
+    agrees on what the model computes; each refusal names every key where config.json differs
+    from the model. model.vocab_size null (before the dataset is prepared) takes the
+    checkpoint's, checked again once the tokenizer has set it."""
     where = f"training.init_from: {checkpoint.source}"
     model = config.model
     try:
-        theirs = model_fields_from_hf({**checkpoint.config, "tie_word_embeddings": False})  # a tie is untied here
+        theirs = model_fields_from_hf(checkpoint.config)
     except HfFormatError as error:
         raise InitFromError(f"{where}: {error}") from None
     except (TypeError, ValueError, ArithmeticError, AttributeError) as error:  # a field of the wrong type
@@ -258,35 +341,33 @@ def check_fits(checkpoint: HfCheckpoint, config: Config) -> None:
         )
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=theirs["vocab_size"])
-    sets = " ".join(f"model.{key}={value}" for key, value in _differences(theirs, model, _SHAPE_FIELDS))
-    _check_tensors(checkpoint, model, max_seq_len(config), where, sets)
-    if differences := _differences(theirs, model, _FUNCTION_FIELDS):
-        key, value = differences[0]
-        raise InitFromError(
-            f"{where}: its {key} is {value} but model.{key} is {_field(model, key)} (the same shapes computing "
-            f"another function); set model.{key}={value}"
-        )
     try:
         their_scaling = RopeScalingConfig(**theirs["rope_scaling"])
     except ConfigError as error:
         raise InitFromError(f"{where}: its rotary scaling (rope_scaling) is not one this model computes ({error})") from None
-    _check_rope_scaling(their_scaling, model.rope_scaling, where)
+    # Every key where config.json describes another model, in each refusal: one change fixes them all.
+    rope_sets = _rope_scaling_sets(their_scaling, model.rope_scaling)
+    sets = " ".join([f"model.{key}={value}" for key, value in _differences(theirs, model, _MODEL_FIELDS)] + rope_sets)
+    _check_tensors(checkpoint, model, max_seq_len(config), where, sets)
+    if differences := _differences(theirs, model, _FUNCTION_FIELDS):
+        said = ", ".join(f"its {key} is {value} but model.{key} is {_field(model, key)}" for key, value in differences)
+        raise InitFromError(f"{where}: {said} (the same shapes computing another function); set {sets}")
+    if rope_sets:
+        raise InitFromError(
+            f"{where}: its rotary scaling (rope_scaling) is {_scaling(their_scaling)} but model.rope_scaling is "
+            f"{_scaling(model.rope_scaling)} (the same shapes computing another function); set {sets}"
+        )
 
 
-def _check_rope_scaling(theirs: RopeScalingConfig, ours: RopeScalingConfig, where: str) -> None:
-    """InitFromError unless the checkpoint's rotary scaling computes what model.rope_scaling does
-    (any two with factor 1 are the same: unscaled)."""
+def _rope_scaling_sets(theirs: RopeScalingConfig, ours: RopeScalingConfig) -> list[str]:
+    """The model.rope_scaling keys to set for the model to compute the checkpoint's rotary scaling
+    (none where both are unscaled: any two with factor 1 are the same)."""
     if theirs == ours or not (theirs.scales or ours.scales):
-        return
+        return []
+    if not theirs.scales:
+        return ["model.rope_scaling.factor=1"]
     ours_by_key = dataclasses.asdict(ours)
-    differing = [
-        f"model.rope_scaling.{key}={value}" for key, value in dataclasses.asdict(theirs).items() if value != ours_by_key[key]
-    ]
-    sets = " ".join(differing) if theirs.scales else "model.rope_scaling.factor=1"
-    raise InitFromError(
-        f"{where}: its rotary scaling (rope_scaling) is {_scaling(theirs)} but model.rope_scaling is {_scaling(ours)} "
-        f"(the same shapes computing another function); set {sets}"
-    )
+    return [f"model.rope_scaling.{key}={value}" for key, value in dataclasses.asdict(theirs).items() if value != ours_by_key[key]]
 
 
 def _scaling(scaling: RopeScalingConfig) -> str:
@@ -296,7 +377,8 @@ def _scaling(scaling: RopeScalingConfig) -> str:
 
 def _check_tensors(checkpoint: HfCheckpoint, model: ModelConfig, seq_len: int, where: str, sets: str) -> None:
     """InitFromError for the first tensor missing, of another shape or not a float, or one too many;
-    sets: the keys to set, where the checkpoint's config.json says another shape than the model."""
+    sets: every key to set, where the checkpoint's config.json describes another model than this one
+    (else the fields behind the axes that differ are named)."""
     expected = expected_hf_shapes(model, seq_len)
     held = dict(checkpoint.tensors)
     if checkpoint.tied and EMBEDDING in held:

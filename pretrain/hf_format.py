@@ -19,6 +19,7 @@ model config (expected_hf_shapes, model_fields_from_hf) before any worker starts
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from pretrain import registry
@@ -53,10 +54,11 @@ _DENSE_NAMES = {
 }
 _ROUTER = ("feed_forward.router.weight", "block_sparse_moe.gate.weight")
 _EXPERTS = ("w1", "w2", "w3")  # our batched feed_forward.{w} -> block_sparse_moe.experts.{j}.{w}.weight
+HF_EMBEDDING, HF_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
 _TOP_NAMES = {
-    "tok_embed.weight": "model.embed_tokens.weight",
+    "tok_embed.weight": HF_EMBEDDING,
     "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "output.weight": HF_OUTPUT,
 }
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")
@@ -128,7 +130,9 @@ def hf_config(model: ModelConfig, max_seq_len: int, *, bos_id: int | None, eos_i
 
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Our ModelConfig's fields (and max_seq_len) from a transformers config.json of a Llama or a
-    Mixtral; HfFormatError for what our model cannot express."""
+    Mixtral; HfFormatError for what our model cannot express. Tied embeddings (tie_word_embeddings,
+    Llama 3.2's) are untied: our model holds its output projection apart, and the loaders start it
+    as a copy of the embedding (tied_output)."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise HfFormatError(f"config.json's model_type is {model_type!r}: only llama and mixtral models load here")
@@ -146,7 +150,6 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         f"head_dim {hf.get('head_dim')} other than hidden_size / num_attention_heads",
     )
     _refuse(bool(hf.get("attention_bias")) or bool(hf.get("mlp_bias")), "biases (attention_bias or mlp_bias)")
-    _refuse(bool(hf.get("tie_word_embeddings")), "tied input and output embeddings (tie_word_embeddings)")
     _refuse(hf.get("sliding_window") is not None, f"sliding-window attention (sliding_window {hf.get('sliding_window')})")
     fields: dict[str, Any] = {
         "dim": dim,
@@ -220,6 +223,13 @@ def _refuse(condition: bool, what: str) -> None:
 # --- tensor names and shapes ------------------------------------------------------------------
 
 
+def tied_output(hf: dict[str, Any], names: Collection[str]) -> bool:
+    """Whether a checkpoint's output projection is its embedding: config.json ties them
+    (tie_word_embeddings, as Llama 3.2 does) and no lm_head.weight is among its tensor names.
+    Our model's output projection then starts as a copy of the embedding."""
+    return bool(hf.get("tie_word_embeddings")) and HF_OUTPUT not in names
+
+
 def hf_names(name: str, model: ModelConfig) -> list[str]:
     """The transformers tensor names our state-dict entry name becomes: one, or num_experts (in
     expert order) for a mixture of experts' batched w1, w2, w3."""
@@ -251,7 +261,7 @@ def expected_hf_shapes(model: ModelConfig, max_seq_len: int) -> dict[str, tuple[
         raise HfFormatError("model.vocab_size is not set: resolve the config (pretrain.config.resolve) first")
     d, f, head_dim = model.dim, model.ffn_dim, model.dim // model.n_heads
     q, kv = model.n_heads * head_dim, model.n_kv_heads * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab_size, d)}
+    shapes: dict[str, tuple[int, ...]] = {HF_EMBEDDING: (model.vocab_size, d)}
     for i in range(model.n_layers):
         layer = f"model.layers.{i}."
         shapes |= {
@@ -273,7 +283,7 @@ def expected_hf_shapes(model: ModelConfig, max_seq_len: int) -> dict[str, tuple[
         for j in range(model.moe.num_experts):
             expert = f"{layer}block_sparse_moe.experts.{j}."
             shapes |= {expert + "w1.weight": (f, d), expert + "w3.weight": (f, d), expert + "w2.weight": (d, f)}
-    return shapes | {"model.norm.weight": (d,), "lm_head.weight": (model.vocab_size, d)}
+    return shapes | {"model.norm.weight": (d,), HF_OUTPUT: (model.vocab_size, d)}
 
 
 # --- tensors ------------------------------------------------------------------------------------

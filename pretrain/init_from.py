@@ -23,12 +23,13 @@ import math
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from pretrain.config import ModelConfig
-from pretrain.hf_checkpoint import EMBEDDING, TIED, HfCheckpoint, model_type
+from pretrain.data import first_line
+from pretrain.hf_checkpoint import EMBEDDING, TIED, HfCheckpoint, InitFromError, model_type
 from pretrain.hf_format import from_hf, hf_names
 from pretrain.parallel import unwrap
 
@@ -43,11 +44,19 @@ class CheckpointReader:
         self._files: dict[str, Any] = {}
 
     def rows(self, name: str, start: int, stop: int) -> Tensor:
-        """Rows [start, stop) of the tensor name (of a 1-D tensor: its elements), in its stored dtype."""
+        """Rows [start, stop) of the tensor name (of a 1-D tensor: its elements), in its stored dtype.
+        InitFromError in one line where its file cannot be read (damaged or replaced since the
+        launcher checked it: pretrain/hf_checkpoint.py check_header)."""
         file = self.checkpoint.tensors[name].file
-        if file not in self._files:
-            self._files[file] = safe_open(self.checkpoint.directory / file, framework="pt", device="cpu")
-        return self._files[file].get_slice(name)[start:stop]
+        try:
+            if file not in self._files:
+                self._files[file] = safe_open(self.checkpoint.directory / file, framework="pt", device="cpu")
+            return self._files[file].get_slice(name)[start:stop]
+        except (SafetensorError, OSError) as error:
+            raise InitFromError(
+                f"training.init_from: {self.checkpoint.source}: {file} cannot be read ({first_line(error)}); "
+                "download or copy it again"
+            ) from None
 
     def whole(self, name: str) -> Tensor:
         return self.rows(name, 0, self.checkpoint.tensors[name].shape[0])

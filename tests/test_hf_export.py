@@ -120,7 +120,6 @@ def test_a_config_json_gives_back_the_model_config_it_was_written_from(model_con
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rotary scaling ('llama3'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rotary scaling ('yarn'"),
         ({"attention_bias": True}, "biases"),
-        ({"tie_word_embeddings": True}, "tied input and output embeddings"),
         ({"sliding_window": 4096}, "sliding-window attention"),
         ({"head_dim": 128}, "head_dim 128"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -331,18 +330,25 @@ def test_generate_and_evaluate_read_an_export_as_they_read_its_checkpoint(saved,
     assert [line.split(" | ", 2)[2] for line in scored] == [scored[0].split(" | ", 2)[2]] * 2  # the same tallies
 
 
-@pytest.mark.parametrize("model_config, architecture", [(DENSE, "Llama"), (MOE, "Mixtral")])
-def test_a_model_saved_by_transformers_is_read_as_a_checkpoint(tmp_path, capsys, model_config, architecture):
+@pytest.mark.parametrize(
+    "model_config, architecture, tied",
+    [(DENSE, "Llama", False), (DENSE, "Llama", True), (MOE, "Mixtral", False)],
+    ids=["llama", "tied llama", "mixtral"],
+)
+def test_a_model_saved_by_transformers_is_read_as_a_checkpoint(tmp_path, capsys, model_config, architecture, tied):
     import transformers
 
-    hf = hf_config(model_config, SEQ, bos_id=None, eos_id=None, dtype="float32")
+    hf = hf_config(model_config, SEQ, bos_id=None, eos_id=None, dtype="float32") | {"tie_word_embeddings": tied}
     hf_class = getattr(transformers, f"{architecture}Config")
     settings = {key: value for key, value in hf.items() if key not in ("architectures", "model_type")}
     theirs = getattr(transformers, f"{architecture}ForCausalLM")(hf_class(**settings)).eval()
     theirs.save_pretrained(tmp_path / "model")  # transformers' own files, not ours
     write_tokenizer_files(run_config(model_config), None, tmp_path / "model", SEQ)  # a byte-level tokenizer.json, its eos_token
+    if tied:  # Llama 3.2's form: no lm_head stored, the embedding stands for it
+        assert "lm_head.weight" not in safetensors.safe_open(str(tmp_path / "model" / "model.safetensors"), "pt").keys()
     config, state = read_checkpoint(tmp_path / "model")
     assert config.model == model_config and config.data.tokenizer == "huggingface" and config.data.eot_token == "<|endoftext|>"
+    assert torch.equal(state["output.weight"], state["tok_embed.weight"]) == tied  # untied here: the output starts as a copy
     ours = load_model(config, state, torch.device("cpu"))
     with torch.no_grad():
         assert (theirs(tokens()).logits - ours(tokens()).out).abs().max() < 1e-5
@@ -352,17 +358,40 @@ def test_a_model_saved_by_transformers_is_read_as_a_checkpoint(tmp_path, capsys,
     assert result.returncode == 0 and result.stdout.startswith("Hi"), result.stderr
 
 
-BROKEN = {
-    "another model": (lambda out: _edit_config(out, model_type="gpt2"), "model_type is 'gpt2': only llama and mixtral"),
-    "scaled rotary": (lambda out: _edit_config(out, rope_scaling={"rope_type": "llama3"}), "rotary scaling ('llama3'"),
-    "no weights": (lambda out: (out / "model.safetensors").unlink(), "cannot find its weights"),
-    "a tensor short": (lambda out: _drop_tensor(out, "model.norm.weight"), "1 missing (model.norm.weight)"),
+BROKEN = {  # the fragment follows "export <out>"
+    "another model": (
+        lambda out: _edit_config(out, model_type="gpt2"),
+        ": config.json's model_type is 'gpt2': only llama and mixtral",
+    ),
+    "scaled rotary": (
+        lambda out: _edit_config(out, rope_scaling={"rope_type": "llama3"}),
+        ": config.json's rotary scaling ('llama3'",
+    ),
+    "biases": (lambda out: _edit_config(out, attention_bias=True), ": config.json describes biases"),
+    "no weights": (lambda out: (out / "model.safetensors").unlink(), ": cannot find its weights"),
+    "a tensor short": (
+        lambda out: _drop_tensor(out, "model.norm.weight"),
+        ": the weights do not fit the model its config.json describes: 1 missing (model.norm.weight)",
+    ),
+    "a truncated file": (
+        lambda out: _truncate(out / "model.safetensors", 5000),
+        ": model.safetensors is 5000 bytes but its header describes",
+    ),
+    "a truncated shard": (
+        lambda out: _truncate(out / "model-00002-of-00003.safetensors", 5000),
+        ": model-00002-of-00003.safetensors is 5000 bytes but its header describes",
+    ),
 }
 
 
 def _edit_config(out: Path, **changes) -> None:
     described = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({k: v for k, v in described.items() if k != "pretrain"} | changes))
+
+
+def _truncate(path: Path, size: int) -> None:
+    with path.open("r+b") as file:
+        file.truncate(size)
 
 
 def _drop_tensor(out: Path, name: str) -> None:
@@ -374,10 +403,11 @@ def _drop_tensor(out: Path, name: str) -> None:
 @pytest.mark.parametrize("broken", BROKEN)
 def test_an_export_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys, broken):
     damage, fragment = BROKEN[broken]
-    exported(DENSE, tmp_path / "export")
+    shards = {"max_shard_bytes": 80_000} if "shard" in broken else {}
+    exported(DENSE, tmp_path / "export", **shards)
     damage(tmp_path / "export")
     result = run_in_process(generate_main, ["--checkpoint", str(tmp_path / "export"), "--prompt", "x"], capsys)
-    assert_one_line_error(result, fragment, prefix="generate: error: export ")
+    assert_one_line_error(result, f"{tmp_path / 'export'}{fragment}", prefix="generate: error: export ")
 
 
 def test_a_bad_max_shard_size_is_one_line_and_exit_2(saved, tmp_path, capsys):

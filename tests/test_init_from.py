@@ -336,6 +336,27 @@ def test_a_gated_repo_says_to_accept_its_license_and_log_in(tmp_path, capsys, mo
             ["holds model.layers.2.", "set model.n_layers=3"],
             id="more layers",
         ),
+        pytest.param(  # the key shapes differ (k_proj), but by the heads: n_heads is what to set, not n_kv_heads
+            dataclasses.replace(DEBUG, n_heads=8),
+            {},
+            [
+                "k_proj.weight is [32, 128] in the checkpoint but [64, 128]",
+                "in the model; set model.n_heads=8 (from its config.json)",
+            ],
+            id="other heads",
+        ),
+        pytest.param(  # every difference in the first line, so that one change fixes them all
+            dataclasses.replace(DEBUG, n_heads=8, rope_theta=500000.0),
+            {},
+            ["in the model; set model.n_heads=8 model.rope_theta=500000.0 (from its config.json)"],
+            id="other heads and rotary base",
+        ),
+        pytest.param(  # the same shapes (8 heads of 16 and 4 key/value heads: k_proj [64, 128] either way)
+            dataclasses.replace(DEBUG, n_heads=8, n_kv_heads=4),
+            {},
+            ["its n_heads is 8 but model.n_heads is 4", "set model.n_heads=8 model.n_kv_heads=4"],
+            id="other heads of the same shapes",
+        ),
     ],
 )
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_training(tmp_path, capsys, model, written, fragments):
@@ -377,6 +398,73 @@ def test_a_directory_without_config_or_safetensors_is_refused(tmp_path, capsys, 
     result = run_pretrain(tmp_path, capsys, "--init-from", str(tmp_path / "ckpt"))
 
     assert_one_line_error(result, fragment, prefix="pretrain: error: training.init_from: ")
+
+
+def truncate(path: Path, size: int) -> None:
+    with path.open("r+b") as file:
+        file.truncate(size)
+
+
+def rewrite_header(path: Path, change) -> None:
+    """path's safetensors header, changed in place by change(header), its data left as it is."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+def _reshape_norm(header: dict) -> None:
+    header["model.norm.weight"]["shape"] = [64]  # 256 bytes of offsets, 64 floats
+
+
+def _add_a_gap(header: dict) -> None:
+    first = min(header.values(), key=lambda info: info.get("data_offsets", [1 << 62])[0])
+    first["data_offsets"] = [8, first["data_offsets"][1]]  # the data no longer starts at 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragments"),
+    [
+        (lambda path: truncate(path, 50_000), ["model.safetensors is 50000 bytes but its header describes {size}"]),
+        (lambda path: truncate(path, 8 + 20), ["model.safetensors is 28 bytes but its header describes at least"]),
+        (
+            lambda path: path.write_bytes(path.read_bytes() + b"xyz"),
+            ["model.safetensors is {longer} bytes but its header describes {size}"],
+        ),
+        (
+            lambda path: rewrite_header(path, _reshape_norm),
+            ["model.norm.weight's data_offsets hold 512 bytes", "F32 [64] takes 256"],
+        ),
+        (lambda path: rewrite_header(path, _add_a_gap), ["data_offsets start at 8, not 0"]),
+    ],
+    ids=["truncated", "cut inside the header", "longer", "a shape its bytes do not fit", "a gap"],
+)
+def test_a_damaged_safetensors_file_is_refused_before_training_naming_the_file_and_its_sizes(tmp_path, capsys, damage, fragments):
+    write_checkpoint(tmp_path / "ckpt", DEBUG)
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    size = weights.stat().st_size
+    damage(weights)
+
+    result = run_pretrain(tmp_path, capsys, "--init-from", str(tmp_path / "ckpt"))
+
+    fragments = [fragment.format(size=size, longer=size + 3) for fragment in fragments]
+    assert_one_line_error(result, *fragments, "download or copy it again", prefix="pretrain: error: training.init_from: ")
+    assert not (tmp_path / "cache").exists()  # refused before the data is prepared
+
+
+def test_a_file_damaged_after_the_check_is_one_line_in_the_worker(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", LLAMA)
+    checkpoint = read_checkpoint(str(tmp_path / "ckpt"), tmp_path / "ckpt")
+    truncate(tmp_path / "ckpt" / "model.safetensors", 50_000)  # after the launcher's check, before the worker reads it
+
+    with pytest.raises(InitFromError) as excinfo:
+        load_weights(Transformer(LLAMA, SEQ), checkpoint, logging.getLogger("test"))
+
+    assert "\n" not in str(excinfo.value)
+    assert f"training.init_from: {tmp_path / 'ckpt'}: model.safetensors cannot be read" in str(excinfo.value)
 
 
 def test_a_vocabulary_other_than_the_tokenizers_is_found_once_the_data_is_prepared(tmp_path):

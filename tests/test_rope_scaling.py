@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -253,13 +254,19 @@ def test_a_scaled_models_resolved_config_loads_back_the_same(tmp_path):
 
 def header_only_checkpoint(directory: Path, config: dict) -> Path:
     """config.json and a model.safetensors whose header describes every tensor of config (bf16,
-    tied: no lm_head) and which holds no weights: what check_fits reads of a 2.5 GB checkpoint."""
+    tied: no lm_head) and which holds no weights (a sparse file of the size its header describes):
+    what check_fits reads of a 2.5 GB checkpoint."""
     model = cfg.ModelConfig(**model_fields_from_hf(config | {"tie_word_embeddings": False}))
     shapes = {name: shape for name, shape in expected_hf_shapes(model, SEQ).items() if name != "lm_head.weight"}
-    header = {name: {"dtype": "BF16", "shape": list(shape), "data_offsets": [0, 0]} for name, shape in shapes.items()}
+    header, end = {}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [end, end + 2 * math.prod(shape)]}
+        end += 2 * math.prod(shape)
     directory.mkdir(parents=True)
     encoded = json.dumps(header).encode()
-    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded)
+    with (directory / "model.safetensors").open("wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        file.truncate(8 + len(encoded) + end)  # holes: nothing written, nothing stored
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
