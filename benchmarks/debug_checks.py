@@ -46,7 +46,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
-    sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package, as in gpu_check.py)
+    sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package)
 
 from benchmarks.train import (  # noqa: E402
     RESULT_MARK,

@@ -69,7 +69,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
-    sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package, as in gpu_check.py)
+    sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package)
 from benchmarks.efficiency_report import machine_slug, report  # noqa: E402
 from launcher.cli import free_port  # noqa: E402
 

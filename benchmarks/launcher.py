@@ -25,12 +25,8 @@ Progress goes to stderr; the Markdown table goes to stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
-import platform
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,14 +39,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import psutil
-
 REPO = Path(__file__).resolve().parent.parent
-MARKER_VAR = "LAUNCHER_BENCH_MARKER"
+if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
+    sys.path[0] = str(REPO)  # (this file would shadow the launcher package there)
+from benchmarks.harness import (  # noqa: E402
+    MARKER_VAR,
+    count_survivors,
+    free_port,
+    kill_marked,
+    print_table,
+    ratio,
+    unwind_on_signals,
+    yes_no,
+)
+
 KILL_GRACE_S = 2.0  # ours: --kill-grace; torchrun: --shutdown-timeout (parity)
 CRASH_TARGET_S = 0.3
 LATENCY_TARGET_MS = 5.0
-SURVIVOR_POLL_S = 1.0
 LINE_PACE = (5, 0.005)  # the printing worker sleeps 5 ms after every 5 lines (~1000 lines/s)
 
 WORKER_SOURCE = r"""
@@ -154,12 +159,6 @@ class LineReader:
         self._thread.join(timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def tool_argv(tool: str, worker: Path, work: Path) -> list[str]:
     python = sys.executable
     if tool == "ours":
@@ -215,33 +214,6 @@ def tool_env(marker: str, mode: str, work: Path, lines: int) -> dict[str, str]:
     return env
 
 
-def marked_pids(marker: str) -> list[int]:
-    """Live (non-zombie) processes whose environment carries this run's marker."""
-    pids = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARKER_VAR) == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                pids.append(proc.pid)
-        except psutil.Error:
-            pass  # gone, zombie or not ours to read
-    return pids
-
-
-def count_survivors(marker: str) -> int:
-    deadline = time.monotonic() + SURVIVOR_POLL_S
-    while (survivors := len(marked_pids(marker))) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return survivors
-
-
-def kill_marked(marker: str) -> None:
-    for pid in marked_pids(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def run_once(tool: str, mode: str, lines: int) -> RunResult:
     """Start the tool on the worker script in `mode`, wait for its exit, measure."""
     marker = uuid.uuid4().hex
@@ -268,7 +240,7 @@ def run_once(tool: str, mode: str, lines: int) -> RunResult:
                 proc.kill()  # the tool's own pid only
             returncode = proc.wait(timeout=120)
             exited = time.monotonic()
-            survivors = count_survivors(marker)
+            survivors = count_survivors({marker})
         finally:
             kill_marked(marker)
             if proc is not None and proc.poll() is None:
@@ -321,16 +293,6 @@ def values(results: Results, mode: str, tool: str, pick: Callable[[RunResult], f
 
 def cell(vals: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.median(vals):{fmt}} / {max(vals):{fmt}}" if vals else "n/a"
-
-
-def ratio(ours: list[float], theirs: list[float]) -> str:
-    if not ours or not theirs or statistics.median(theirs) == 0:
-        return "—"
-    return f"{statistics.median(ours) / statistics.median(theirs):.3g}"
-
-
-def yes_no(ok: bool) -> str:
-    return "yes" if ok else "no"
 
 
 def comparison_row(name: str, ours: list[float], theirs: list[float], fmt: str, target: str, met: bool | None) -> list[str]:
@@ -404,25 +366,17 @@ def survivor_rows(results: Results) -> list[list[str]]:
     return rows
 
 
-def print_table(results: Results, repeat: int, lines: int, elapsed: float) -> None:
+def print_results(results: Results, repeat: int, lines: int, elapsed: float) -> None:
     slow_runs = len(results[SLOW_RUN])
-    print(
-        f"Machine: {os.cpu_count()} CPUs, {platform.platform()}; Python {platform.python_version()}; "
-        f"torch {importlib.metadata.version('torch')}"
-    )
-    print(
+    note = (
         f"{repeat} repeats per cell, shown as median / max; `met?` judges the max, except first line "
         f"(median vs torchrun's median). Line latency: {lines} lines from rank 0, "
         f"{LINE_PACE[1] * 1000:g} ms sleep every {LINE_PACE[0]} lines. Grace: --kill-grace "
         f"{KILL_GRACE_S:g} (ours), --shutdown-timeout {KILL_GRACE_S:g} (torchrun; its failure path ignores it "
         f"and waits 30 s, so torchrun (c) ran {slow_runs} time(s)). "
-        f"Total {elapsed:.0f} s.\n"
+        f"Total {elapsed:.0f} s."
     )
-    header = ["metric", "this launcher", "torchrun", "ratio (ours/torchrun)", "target", "met?"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in first_line_rows(results) + crash_rows(results) + latency_rows(results) + survivor_rows(results):
-        print("| " + " | ".join(row) + " |")
+    print_table([note], first_line_rows(results) + crash_rows(results) + latency_rows(results) + survivor_rows(results))
 
 
 def main() -> None:
@@ -434,12 +388,10 @@ def main() -> None:
     if args.repeat < 1 or args.lines < 2:
         parser.error("--repeat must be at least 1 and --lines at least 2")
     repeat, lines, slow_runs = (2, 500, 1) if args.quick else (args.repeat, args.lines, 2)
-    # Ctrl-C or SIGTERM unwinds through run_once's cleanup instead of leaving processes behind.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    unwind_on_signals()  # through run_once's cleanup
     started = time.monotonic()
     results = run_all(repeat, lines, slow_runs)
-    print_table(results, repeat, lines, time.monotonic() - started)
+    print_results(results, repeat, lines, time.monotonic() - started)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,8 @@ Progress goes to stderr; the Markdown table goes to stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
-import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,25 +49,36 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-MARKER_VAR = "LAUNCHER_BENCH_MARKER"
+if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
+    sys.path[0] = str(REPO)  # (launcher.py there would shadow the launcher package)
+from benchmarks.harness import (  # noqa: E402
+    MARKER_VAR,
+    SURVIVOR_POLL_S,
+    count_survivors,
+    free_port,
+    kill_marked,
+    print_table,
+    ratio,
+    unwind_on_signals,
+    yes_no,
+)
+
 KILL_GRACE_S = 2.0  # ours: --kill-grace; torchrun: --shutdown-timeout (parity)
 CRASH_CODE = 7
-# launcher/nodes.py and launcher/rendezvous.py (not imported: from benchmarks/, `launcher`
-# would be benchmarks/launcher.py)
+# the launcher's exit codes for another node's failure and a lost node, copied: this benchmark
+# runs the launcher only as a command, as it runs torchrun
 EXIT_OTHER_NODE_FAILED = 75
 EXIT_NODE_LOST = 76
 LOSS_AFTER_S = 3.0
 FAILURE_TARGET_S = 2.0  # issue 18: any node's failure tears down every node within 2 s
 LOSS_TARGET_S = 5.0  # issue 18: node 1's launcher SIGKILLed, node 0 stops within 5 s
 STARTUP_TIMEOUT_S = 120.0  # four processes importing torch on a small machine
-SURVIVOR_POLL_S = 1.0
 SLOW_RUNS = 2
 STEP_PAUSE_S = 0.01
 TOOLS = ("ours", "torchrun")
@@ -172,12 +180,6 @@ class Tool:
         self._thread.join(5)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def tool_argv(tool: str, index: int, port: int, rdzv_id: str, worker: Path, work: Path) -> list[str]:
     python = sys.executable
     if tool == "ours":
@@ -247,34 +249,6 @@ def tool_env(marker: str, case: Case, work: Path) -> dict[str, str]:
         }
     )
     return env
-
-
-def marked_pids(matches: Callable[[str], bool]) -> list[int]:
-    """Live (non-zombie) processes whose marker matches."""
-    pids = []
-    for proc in psutil.process_iter():
-        try:
-            marker = proc.environ().get(MARKER_VAR)
-            if marker is not None and matches(marker) and proc.status() != psutil.STATUS_ZOMBIE:
-                pids.append(proc.pid)
-        except psutil.Error:
-            pass  # gone, zombie or not ours to read
-    return pids
-
-
-def count_survivors(markers: set[str]) -> int:
-    deadline = time.monotonic() + SURVIVOR_POLL_S
-    while (survivors := len(marked_pids(markers.__contains__))) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return survivors
-
-
-def kill_marked(run: str) -> None:
-    for pid in marked_pids(lambda marker: marker.startswith(run)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def wait_ready(sync: Path, tools: list[Tool], deadline: float) -> dict[int, int]:
@@ -410,28 +384,17 @@ def format_codes(codes: tuple[int | None, int | None]) -> str:
 
 
 def time_cell(runs: list[RunResult], timeout: float) -> str:
-    finished = [r.seconds for r in runs if r.seconds is not None]
-    timed_out = len(runs) - len(finished)
-    parts = [f"{statistics.median(finished):.3f} / {max(finished):.3f}"] if finished else []
+    times = finished(runs)
+    timed_out = len(runs) - len(times)
+    parts = [f"{statistics.median(times):.3f} / {max(times):.3f}"] if times else []
     if timed_out:
         parts.append(f"{timed_out} of {len(runs)} > {timeout:g} (timeout)")
     return "; ".join(parts) or "n/a"
 
 
-def ratio(ours: list[RunResult], theirs: list[RunResult], timeout: float) -> str:
-    mine = [r.seconds for r in ours if r.seconds is not None]
-    other = [r.seconds for r in theirs if r.seconds is not None]
-    if not mine:
-        return "—"
-    if not other:  # every torchrun run timed out: a bound
-        return f"< {statistics.median(mine) / timeout:.3g}"
-    if statistics.median(other) == 0:
-        return "—"
-    return f"{statistics.median(mine) / statistics.median(other):.3g}"
-
-
-def yes_no(ok: bool) -> str:
-    return "yes" if ok else "no"
+def finished(runs: list[RunResult]) -> list[float]:
+    """The times of the runs that ended before the timeout."""
+    return [r.seconds for r in runs if r.seconds is not None]
 
 
 def codes_cell(runs: list[RunResult]) -> str:
@@ -454,7 +417,7 @@ def case_rows(results: Results, scenario: str, gloo: bool, timeout: float) -> li
             f"{label} (s)",
             time_cell(ours, timeout),
             time_cell(theirs, timeout),
-            ratio(ours, theirs, timeout),
+            ratio(finished(ours), finished(theirs), timeout),
             f"≤ {limit:g} s",
             yes_no(met_time),
         ],
@@ -482,17 +445,13 @@ def survivors_cell(runs: list[RunResult]) -> str:
     return f"{statistics.median(counts):.0f} / {max(counts)}" if counts else "n/a"
 
 
-def print_table(results: Results, repeat: int, timeout: float, slow_runs: int, elapsed: float) -> None:
-    print(
-        f"Machine: {os.cpu_count()} CPUs, {platform.platform()}; Python {platform.python_version()}; "
-        f"torch {importlib.metadata.version('torch')}"
-    )
-    print(
+def print_results(results: Results, repeat: int, timeout: float, slow_runs: int, elapsed: float) -> None:
+    setup = (
         f"Two nodes on 127.0.0.1, one CPU worker each; {repeat} repeats per cell, except that a cell stops "
         f"after {slow_runs} timed-out run(s) (timeout {timeout:g} s). Grace: --kill-grace {KILL_GRACE_S:g} (ours), "
-        f"--shutdown-timeout {KILL_GRACE_S:g} (torchrun, --max-restarts 0, c10d rendezvous). Total {elapsed:.0f} s.\n"
+        f"--shutdown-timeout {KILL_GRACE_S:g} (torchrun, --max-restarts 0, c10d rendezvous). Total {elapsed:.0f} s."
     )
-    print(
+    columns = (
         "Columns: times are median / max over the runs that finished (s), and how many reached the timeout. "
         "Cross-node failure: from rank 1's os._exit(7) until both tool processes have exited. Node loss: from "
         "SIGKILL of node 1's tool process until node 0's has exited. Exit codes: node 0 / node 1 (the nodes of "
@@ -500,15 +459,10 @@ def print_table(results: Results, repeat: int, timeout: float, slow_runs: int, e
         f"marked processes still alive once the measurement is over (polled for up to {SURVIVOR_POLL_S:g} s) whose "
         "tool has ended, the killed one included (a tool killed at the timeout is not counted), median / max. "
         "Ratio: medians, ours / torchrun (`< x` when every torchrun run timed out). "
-        "`met?` judges every run of this launcher against the target.\n"
+        "`met?` judges every run of this launcher against the target."
     )
-    header = ["metric", "this launcher", "torchrun", "ratio (ours/torchrun)", "target", "met?"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for scenario in SCENARIOS:
-        for gloo in VARIANTS:
-            for row in case_rows(results, scenario, gloo, timeout):
-                print("| " + " | ".join(row) + " |")
+    rows = [row for scenario in SCENARIOS for gloo in VARIANTS for row in case_rows(results, scenario, gloo, timeout)]
+    print_table([setup, columns], rows)
 
 
 def main() -> None:
@@ -520,12 +474,10 @@ def main() -> None:
     if args.repeat < 1 or args.timeout <= 0:
         parser.error("--repeat must be at least 1 and --timeout positive")
     repeat, slow_runs = (2, 1) if args.quick else (args.repeat, SLOW_RUNS)
-    # Ctrl-C or SIGTERM unwinds through run_once's cleanup instead of leaving processes behind.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    unwind_on_signals()  # through run_once's cleanup
     started = time.monotonic()
     results = run_all(repeat, args.timeout, slow_runs)
-    print_table(results, repeat, args.timeout, slow_runs, time.monotonic() - started)
+    print_results(results, repeat, args.timeout, slow_runs, time.monotonic() - started)
 
 
 if __name__ == "__main__":

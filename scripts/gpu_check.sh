@@ -12,4 +12,4 @@ source "$ROOT/scripts/setup.sh"
 setup_python "$ROOT" "$ROOT/requirements.txt"  # the NVML test row also needs pytest
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
-exec "$PYTHON" benchmarks/gpu_check.py "$@"
+exec "$PYTHON" -m benchmarks.gpu_acceptance "$@"

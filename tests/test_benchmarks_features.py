@@ -11,7 +11,8 @@ import pytest
 from conftest import ROOT, launcher_env
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import features, gpu_checks, gpu_checks_features, gpu_procs, newton_schulz  # noqa: E402
+from benchmarks import features, newton_schulz  # noqa: E402
+from benchmarks.gpu_acceptance import checks, checks_features, procs  # noqa: E402
 from launcher.cli import build_parser  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
 from pretrain.step_line import step_line  # noqa: E402
@@ -60,14 +61,14 @@ def test_the_newton_schulz_benchmark_prints_one_row_per_size_with_its_times():
     result = run_newton_schulz("--device", "cpu", "--sizes", "64x64,32x96", "--repeats", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("Machine: ") and "CPUs" in result.stdout.splitlines()[0]
-    rows = gpu_checks_features.table_rows(result.stdout, "size")
+    rows = checks_features.table_rows(result.stdout, "size")
     assert [(row[0], row[1], row[2]) for row in rows] == [
         ("64x64", "bfloat16 -> bfloat16", "cpu"),
         ("32x96", "bfloat16 -> bfloat16", "cpu"),
     ]
     assert all(float(row[3]) > 0 and 0 < float(row[4]) <= float(row[3]) and float(row[5]) >= 0 for row in rows)
     assert "64x64 on cpu" in result.stderr  # progress on stderr, the table alone on stdout
-    checked = gpu_checks_features.newton_schulz_rows(result.stdout, "1 GPU")
+    checked = checks_features.newton_schulz_rows(result.stdout, "1 GPU")
     assert [row.check for row in checked] == [
         "Muon Newton-Schulz, 5 iterations, 64x64, bfloat16 -> bfloat16, 1 GPU",
         "Muon Newton-Schulz, 5 iterations, 32x96, bfloat16 -> bfloat16, 1 GPU",
@@ -97,7 +98,7 @@ def test_the_newton_schulz_flops_are_those_of_its_matmuls():
 
 
 def test_the_gpu_check_reads_the_four_rows_of_the_features_table_with_steps_per_second():
-    rows = gpu_checks_features.feature_rows(CAPTURED_FEATURES + "\nrunning x ...\n", "1 GPU", step_tokens=65536)
+    rows = checks_features.feature_rows(CAPTURED_FEATURES + "\nrunning x ...\n", "1 GPU", step_tokens=65536)
     assert [row.check for row in rows] == [
         "`small` AdamW, dense, 1 GPU",
         "`small` Muon, dense, 1 GPU",
@@ -106,7 +107,7 @@ def test_the_gpu_check_reads_the_four_rows_of_the_features_table_with_steps_per_
     ]
     assert rows[0].result == "21,975 tokens/s (0.34 steps/s of 65,536 tokens), 1.00x AdamW dense's, last loss 3.0385"
     assert [row.met for row in rows] == ["yes", "yes", "yes", "no"]  # a NaN loss is not a measurement
-    assert gpu_checks_features.feature_rows("launcher: error: x\n", "1 GPU", 65536) == []
+    assert checks_features.feature_rows("launcher: error: x\n", "1 GPU", 65536) == []
 
 
 def test_the_features_check_runs_the_small_preset_offline_on_one_gpu(tmp_path, monkeypatch):
@@ -116,14 +117,14 @@ def test_the_features_check_runs_the_small_preset_offline_on_one_gpu(tmp_path, m
     def fake_run(argv, timeout, env=None):
         ran.append((argv, env))
         if "benchmarks/features.py" in argv:
-            return gpu_procs.Proc(argv, 0, CAPTURED_FEATURES.replace("nan", "2.6288"), 1.0)
+            return procs.Proc(argv, 0, CAPTURED_FEATURES.replace("nan", "2.6288"), 1.0)
         table = "| size | dtype (in -> out) | device | median ms | min ms | TFLOP/s (median) |\n| --- |\n"
         table += "| 768x768 | bfloat16 -> bfloat16 | cuda | 0.210 | 0.200 | 32.35 |\n"
-        return gpu_procs.Proc(argv, 0, table, 1.0)  # one of the two sizes: a failed row
+        return procs.Proc(argv, 0, table, 1.0)  # one of the two sizes: a failed row
 
-    monkeypatch.setattr(gpu_checks_features, "run", fake_run)
-    ctx = gpu_checks.Context(quick=True, sets=[], gpus=[3], tmp=tmp_path, log=lambda _: None, data_note="offline")
-    rows = gpu_checks.CHECKS["features"](ctx)
+    monkeypatch.setattr(checks_features, "run", fake_run)
+    ctx = checks.Context(quick=True, sets=[], gpus=[3], tmp=tmp_path, log=lambda _: None, data_note="offline")
+    rows = checks.CHECKS["features"](ctx)
     (features_argv, _), (ns_argv, ns_env) = ran
     assert features_argv[1:9] == ["benchmarks/features.py", "--preset", "small", "--device", "cuda", "--gpus", "3", "--steps"]
     sets = [features_argv[i + 1] for i, arg in enumerate(features_argv) if arg == "--set"]

@@ -17,8 +17,9 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import efficiency, gpu_checks, gpu_checks_efficiency, gpu_checks_flash, gpu_checks_gpus, gpu_procs  # noqa: E402
-from benchmarks.gpu_checks_groups import ESTIMATED_S, GROUP_LIMIT_S, group_seconds, minutes  # noqa: E402
+from benchmarks import efficiency  # noqa: E402
+from benchmarks.gpu_acceptance import checks, checks_efficiency, checks_flash, checks_gpus, procs  # noqa: E402
+from benchmarks.gpu_acceptance.groups import ESTIMATED_S, GROUP_LIMIT_S, group_seconds, minutes  # noqa: E402
 
 # --- flash attention's kernels ---------------------------------------------------------------
 
@@ -48,30 +49,30 @@ CUDNN = ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x
 
 
 def test_flash_kernels_are_told_apart_from_the_math_path_and_the_other_fused_kernels():
-    found = gpu_checks_flash.attention_kernels([FLASH_FWD, FLASH_BWD, FLASH_BWD_DOT, *UNRELATED])
+    found = checks_flash.attention_kernels([FLASH_FWD, FLASH_BWD, FLASH_BWD_DOT, *UNRELATED])
     assert found.flash_forward == ("pytorch_flash::flash_fwd_kernel",)
     assert found.flash_backward == (
         "pytorch_flash::flash_bwd_dot_do_o_kernel",
         "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel",
     )
     assert found.other_fused == () and found.math == () and found.flash
-    assert not gpu_checks_flash.attention_kernels([FLASH_FWD, *UNRELATED]).flash  # no backward kernel
-    math = gpu_checks_flash.attention_kernels([*MATH, *UNRELATED])
+    assert not checks_flash.attention_kernels([FLASH_FWD, *UNRELATED]).flash  # no backward kernel
+    math = checks_flash.attention_kernels([*MATH, *UNRELATED])
     assert math.math == tuple(sorted(MATH)) and not math.flash
     assert "math path (softmax): triton_poi_fused__softmax_backward_data_7" in math.describe()
-    assert not gpu_checks_flash.attention_kernels([FLASH_FWD, FLASH_BWD, *MATH]).flash  # flash, yet a softmax beside it
+    assert not checks_flash.attention_kernels([FLASH_FWD, FLASH_BWD, *MATH]).flash  # flash, yet a softmax beside it
     for names in (EFFICIENT, CUDNN):  # cuDNN's kernel says "flash" too, but is not PyTorch's flash
-        other = gpu_checks_flash.attention_kernels([*names, *UNRELATED])
+        other = checks_flash.attention_kernels([*names, *UNRELATED])
         assert len(other.other_fused) == len(names) and not other.flash_forward and not other.flash
-    assert gpu_checks_flash.attention_kernels(UNRELATED).describe() == "no attention kernel recognised"
+    assert checks_flash.attention_kernels(UNRELATED).describe() == "no attention kernel recognised"
 
 
 def test_a_flash_row_lists_the_kernels_and_is_met_only_with_flash_forward_and_backward():
     result = {"preset": "small", "head_dim": 64, "heads": 12, "kv_heads": 4, "batch": 16, "context": 1024, "compile_s": 41.2}
-    row = gpu_checks_flash.flash_row({**result, "kernels": [FLASH_FWD, FLASH_BWD, *UNRELATED], "torch": "2.13"})
+    row = checks_flash.flash_row({**result, "kernels": [FLASH_FWD, FLASH_BWD, *UNRELATED], "torch": "2.13"})
     assert row.met == "yes" and "`small` block (head_dim 64, 12/4 heads, batch 16 x 1024)" in row.check
     assert row.result.startswith("flash forward: pytorch_flash::flash_fwd_kernel; flash backward: ")
-    efficient = gpu_checks_flash.flash_row({**result, "kernels": EFFICIENT, "torch": "2.13"})
+    efficient = checks_flash.flash_row({**result, "kernels": EFFICIENT, "torch": "2.13"})
     assert efficient.met == "no" and "other fused attention: fmha_cutlassB_bf16_aligned_64x64_k64_sm80" in efficient.result
 
 
@@ -82,49 +83,49 @@ OWN = 4242
 
 
 def test_the_holder_is_found_under_its_own_pid_in_one_pid_namespace():
-    found = gpu_checks_gpus.find_holder({77: 500}, {77: 500, OWN: 1536}, OWN, used_rise_mib=1536)
+    found = checks_gpus.find_holder({77: 500}, {77: 500, OWN: 1536}, OWN, used_rise_mib=1536)
     assert (found.pid, found.ok) == (OWN, True) and "one pid namespace" in found.how
 
 
 @pytest.mark.parametrize("memory", [1536, None])
 def test_in_a_container_the_one_new_process_on_the_gpu_is_the_holder_under_its_host_pid(memory):
-    found = gpu_checks_gpus.find_holder({77: 500}, {77: 500, 90123: memory}, OWN, used_rise_mib=1536)
+    found = checks_gpus.find_holder({77: 500}, {77: 500, 90123: memory}, OWN, used_rise_mib=1536)
     assert (found.pid, found.ok) == (90123, True)
     assert found.how == f"NVML lists our holder (pid {OWN} here) as host pid 90123: another pid namespace, a container"
 
 
 def test_a_new_process_that_holds_less_than_the_holder_allocated_is_not_accepted():
-    found = gpu_checks_gpus.find_holder({}, {90123: 300}, OWN, used_rise_mib=1536)
+    found = checks_gpus.find_holder({}, {90123: 300}, OWN, used_rise_mib=1536)
     assert (found.pid, found.ok) == (90123, False) and "300 MiB, below the 1024 MiB it holds" in found.how
 
 
 def test_of_several_new_processes_only_one_holding_the_gigabyte_is_taken_and_two_are_ambiguous():
-    assert gpu_checks_gpus.find_holder({}, {90123: 1536, 90200: 200}, OWN, 1736).pid == 90123
-    both = gpu_checks_gpus.find_holder({}, {90123: 1536, 90200: 1600}, OWN, 3136)
+    assert checks_gpus.find_holder({}, {90123: 1536, 90200: 200}, OWN, 1736).pid == 90123
+    both = checks_gpus.find_holder({}, {90123: 1536, 90200: 1600}, OWN, 3136)
     assert (both.pid, both.ok) == (None, False) and both.how.startswith("2 processes appeared")
 
 
 def test_our_pid_listed_before_the_holder_started_is_another_namespaces_process():
-    found = gpu_checks_gpus.find_holder({OWN: 700}, {OWN: 700, 90123: 1536}, OWN, 1536)
+    found = checks_gpus.find_holder({OWN: 700}, {OWN: 700, 90123: 1536}, OWN, 1536)
     assert found.pid == 90123 and found.ok
 
 
 @pytest.mark.parametrize("rise, ok", [(1536, True), (100, False), (None, False)])
 def test_where_nvml_lists_no_process_the_gpus_used_memory_must_rise_by_what_the_holder_holds(rise, ok):
-    found = gpu_checks_gpus.find_holder({}, {}, OWN, used_rise_mib=rise)
+    found = checks_gpus.find_holder({}, {}, OWN, used_rise_mib=rise)
     assert (found.pid, found.ok) == (None, ok) and "NVML lists no process on the GPU" in found.how
 
 
 def test_processes_listed_but_none_new_is_a_failure():
-    found = gpu_checks_gpus.find_holder({77: 500}, {77: 500}, OWN, used_rise_mib=1536)
+    found = checks_gpus.find_holder({77: 500}, {77: 500}, OWN, used_rise_mib=1536)
     assert (found.pid, found.ok) == (None, False) and "none new" in found.how
 
 
 def test_nvidia_smis_process_rows_are_read_by_gpu_and_pid_with_memory_where_reported():
     rows = [["GPU-a", "123", "1536"], ["GPU-b", "456", "[N/A]"], ["No running processes found"]]
-    apps = gpu_checks_gpus.compute_apps(rows)
+    apps = checks_gpus.compute_apps(rows)
     assert apps == {("GPU-a", 123): 1536, ("GPU-b", 456): None}
-    assert gpu_checks_gpus.on_gpu(apps, "GPU-b") == {456: None}
+    assert checks_gpus.on_gpu(apps, "GPU-b") == {456: None}
 
 
 def fake_gpus_check(monkeypatch, table_out: str):
@@ -148,21 +149,21 @@ def fake_gpus_check(monkeypatch, table_out: str):
             "processes": [(555, 700 * 2**20), (987654, 1536 * 2**20)],
         }
     ]
-    table = gpu_procs.Proc(["python", "-m", "launcher", "gpus"], 0, table_out, 1.0)
-    monkeypatch.setattr(gpu_checks_gpus, "smi_query", smi_query)
-    monkeypatch.setattr(gpu_checks_gpus, "start_holder", lambda index: types.SimpleNamespace(pid=OWN, stdin=io.StringIO()))
-    monkeypatch.setattr(gpu_checks_gpus, "kill_group", lambda proc: None)
-    monkeypatch.setattr(gpu_checks_gpus, "worker", lambda name, timeout: nvml)
-    monkeypatch.setattr(gpu_checks_gpus, "launcher", lambda *args, timeout: table)
+    table = procs.Proc(["python", "-m", "launcher", "gpus"], 0, table_out, 1.0)
+    monkeypatch.setattr(checks_gpus, "smi_query", smi_query)
+    monkeypatch.setattr(checks_gpus, "start_holder", lambda index: types.SimpleNamespace(pid=OWN, stdin=io.StringIO()))
+    monkeypatch.setattr(checks_gpus, "kill_group", lambda proc: None)
+    monkeypatch.setattr(checks_gpus, "worker", lambda name, timeout: nvml)
+    monkeypatch.setattr(checks_gpus, "launcher", lambda *args, timeout: table)
 
 
 def test_the_gpus_check_passes_in_a_container_when_the_table_shows_the_holders_host_pid(monkeypatch, tmp_path):
-    ctx = gpu_checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path, log=lambda _: None)
+    ctx = checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path, log=lambda _: None)
     fake_gpus_check(monkeypatch, "GPU  name\n0    H100  987654 (1.5 GiB)\n")
-    (row,) = gpu_checks.CHECKS["gpus"](ctx)
+    (row,) = checks.CHECKS["gpus"](ctx)
     assert row.met == "yes" and "host pid 987654: another pid namespace" in row.result
     fake_gpus_check(monkeypatch, "GPU  name\n0    H100  555 (0.7 GiB)\n")
-    (row,) = gpu_checks.CHECKS["gpus"](ctx)
+    (row,) = checks.CHECKS["gpus"](ctx)
     assert row.met == "no" and "the table does not show our holder (pid 987654 in NVML)" in row.result
 
 
@@ -177,7 +178,7 @@ def efficiency_json(features: str, **values) -> dict:
 
 
 def test_an_efficiency_row_is_met_with_no_graph_break_no_recompile_and_one_host_sync():
-    row = gpu_checks_efficiency.efficiency_row("moe", efficiency_json("moe"), "1 GPU")
+    row = checks_efficiency.efficiency_row("moe", efficiency_json("moe"), "1 GPU")
     assert (
         row.met == "yes"
         and row.check == "graph breaks, recompiles, host syncs: `small`, mixture of experts (4 experts, top-2), 1 GPU"
@@ -186,19 +187,19 @@ def test_an_efficiency_row_is_met_with_no_graph_break_no_recompile_and_one_host_
         row.result == "0 graph breaks, 0 recompiles, 1 host syncs per step; checkpointing auto; executed 1.012 x the model FLOPs"
     )
     for bad in ({"graph_breaks": 2}, {"recompiles": 1}, {"host_syncs_per_step": 4}):
-        assert gpu_checks_efficiency.efficiency_row("moe", efficiency_json("moe", **bad), "1 GPU").met == "no", bad
+        assert checks_efficiency.efficiency_row("moe", efficiency_json("moe", **bad), "1 GPU").met == "no", bad
 
 
 def test_an_efficiency_row_that_was_not_measured_or_is_missing_fails():
-    unmeasured = gpu_checks_efficiency.efficiency_row("muon", efficiency_json("muon", graph_breaks=None), "1 GPU")
+    unmeasured = checks_efficiency.efficiency_row("muon", efficiency_json("muon", graph_breaks=None), "1 GPU")
     assert unmeasured.met == "no" and unmeasured.result.startswith("FAILED: not measured")
     for data in (None, efficiency_json("dense")):
-        missing = gpu_checks_efficiency.efficiency_row("muon", data, "1 GPU")
+        missing = checks_efficiency.efficiency_row("muon", data, "1 GPU")
         assert missing.met == "no" and missing.result == "FAILED: no row in efficiency.py's --json"
 
 
 def test_the_efficiency_command_is_one_efficiency_py_accepts_for_one_compiled_cuda_row(tmp_path):
-    argv = gpu_checks_efficiency.efficiency_argv("muon", tmp_path / "e.json", 79.647)
+    argv = checks_efficiency.efficiency_argv("muon", tmp_path / "e.json", 79.647)
     assert argv[1] == "benchmarks/efficiency.py" and (ROOT / argv[1]).exists()
     args = efficiency.parse_args(argv[2:])
     assert (args.device, args.presets, args.features, args.ranks, args.checkpointing) == (
@@ -219,15 +220,15 @@ def test_the_efficiency_check_runs_one_process_per_model_on_the_chosen_gpu_and_k
         features = argv[argv.index("--features") + 1]
         seen.append((features, env["CUDA_VISIBLE_DEVICES"], timeout))
         if features == "muon":
-            return gpu_procs.Proc(argv, 1, "Traceback ...\nRuntimeError: boom\n", 12.0)
+            return procs.Proc(argv, 1, "Traceback ...\nRuntimeError: boom\n", 12.0)
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(efficiency_json(features)))
-        return gpu_procs.Proc(argv, 0, "", 100.0)
+        return procs.Proc(argv, 0, "", 100.0)
 
-    monkeypatch.setattr(gpu_checks_efficiency, "run", fake_run)
-    monkeypatch.setattr(gpu_checks_efficiency, "smi_query", lambda *fields, index=None: [["81559"]])
-    ctx = gpu_checks.Context(quick=False, sets=[], gpus=[3], tmp=tmp_path, log=lambda _: None)
-    rows = gpu_checks.CHECKS["efficiency"](ctx)
-    assert sorted(seen) == [(f, "3", gpu_checks_efficiency.TIMEOUT_S) for f in ("dense", "moe", "muon")]
+    monkeypatch.setattr(checks_efficiency, "run", fake_run)
+    monkeypatch.setattr(checks_efficiency, "smi_query", lambda *fields, index=None: [["81559"]])
+    ctx = checks.Context(quick=False, sets=[], gpus=[3], tmp=tmp_path, log=lambda _: None)
+    rows = checks.CHECKS["efficiency"](ctx)
+    assert sorted(seen) == [(f, "3", checks_efficiency.TIMEOUT_S) for f in ("dense", "moe", "muon")]
     assert [r.met for r in rows] == ["yes", "yes", "no"] and not rows[0].failure
     assert rows[2].result.endswith("efficiency.py exit 1 after 12 s") and "RuntimeError: boom" in rows[2].failure
 
@@ -245,9 +246,9 @@ def test_a_syncs_row_needs_at_most_one_sync_and_a_compiled_model():
         "profiler_syncs": 1.0,
         "pageable_h2d": 0.0,
     }
-    assert gpu_checks.syncs_row(r, "1 process").met == "yes"
-    assert gpu_checks.syncs_row({**r, "max_syncs": 2, "where": "loss.py:80"}, "1 process").met == "no"
-    eager = gpu_checks.syncs_row({**r, "compiled": False}, "1 process")
+    assert checks.syncs_row(r, "1 process").met == "yes"
+    assert checks.syncs_row({**r, "max_syncs": 2, "where": "loss.py:80"}, "1 process").met == "no"
+    eager = checks.syncs_row({**r, "compiled": False}, "1 process")
     assert eager.met == "no" and "NOT compiled" in eager.check
 
 
@@ -260,12 +261,12 @@ def test_the_documented_groups_name_every_check_once_and_each_fits_its_estimated
     text = (ROOT / "docs" / "gpu-acceptance.md").read_text()
     groups = [(m["checks"].split(","), float(m["minutes"])) for m in GROUP_LINE.finditer(text)]
     named = [name for checks, _ in groups for name in checks]
-    assert sorted(named) == sorted(gpu_checks.CHECKS), "each check in exactly one documented group"
-    assert sorted(ESTIMATED_S) == sorted(gpu_checks.CHECKS)
-    for checks, stated in groups:
-        seconds = group_seconds(checks)
-        assert seconds <= GROUP_LIMIT_S, (checks, seconds)
-        assert stated == minutes(seconds), (checks, stated, minutes(seconds))
+    assert sorted(named) == sorted(checks.CHECKS), "each check in exactly one documented group"
+    assert sorted(ESTIMATED_S) == sorted(checks.CHECKS)
+    for names, stated in groups:
+        seconds = group_seconds(names)
+        assert seconds <= GROUP_LIMIT_S, (names, seconds)
+        assert stated == minutes(seconds), (names, stated, minutes(seconds))
 
 
 def test_every_check_has_a_row_in_the_documented_table_of_checks():
@@ -273,4 +274,4 @@ def test_every_check_has_a_row_in_the_documented_table_of_checks():
     table = text.split("## The checks", 1)[1].split("## How it runs", 1)[0]
     first_cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     documented = [name for cell in first_cells for name in re.findall(r"`([a-z0-9-]+)`", cell)]
-    assert sorted(documented) == sorted(gpu_checks.CHECKS)
+    assert sorted(documented) == sorted(checks.CHECKS)

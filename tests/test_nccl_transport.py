@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_checks_nccl
-from benchmarks.gpu_context import Context
-from benchmarks.gpu_workers_runtime import HOLDING
-from benchmarks.nccl_transport import bus_bandwidth, run_contexts, smi_processes, transport, transport_kind
+from benchmarks.gpu_acceptance import checks_nccl
+from benchmarks.gpu_acceptance.context import Context
+from benchmarks.gpu_acceptance.workers_runtime import HOLDING
+from benchmarks.gpu_acceptance.nccl_transport import bus_bandwidth, run_contexts, smi_processes, transport, transport_kind
 
 NVLINK_LOG = """\
 GPU0:node1:4101:4190 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
@@ -128,11 +128,11 @@ def test_the_check_launches_both_ways_and_holds_the_pcie_choice_to_the_faster_wa
     monkeypatch.setenv("LAUNCHER_CLAIMS_NAMESPACE", f"nccl-transport-{tmp_path.name}")
     stand_in = tmp_path / "stand_in.py"
     stand_in.write_text(textwrap.dedent(STAND_IN.format(holding=HOLDING)))
-    monkeypatch.setattr(gpu_checks_nccl, "worker_argv", lambda name, *args: [sys.executable, str(stand_in), *args])
+    monkeypatch.setattr(checks_nccl, "worker_argv", lambda name, *args: [sys.executable, str(stand_in), *args])
     readings = iter([{}, {"GPU-a": {4101}, "GPU-b": {4102}}, {}, {"GPU-a": {4101}, "GPU-b": {4101, 4102}}])
-    monkeypatch.setattr(gpu_checks_nccl, "_gpu_processes", lambda: next(readings))
-    monkeypatch.setattr(gpu_checks_nccl, "_pair", lambda indices: (["GPU-a", "GPU-b"], "pcie", True))
-    own, node = gpu_checks_nccl.check_nccl_transport(Context(quick=True, sets=[], gpus=[0, 1], tmp=tmp_path))
+    monkeypatch.setattr(checks_nccl, "_gpu_processes", lambda: next(readings))
+    monkeypatch.setattr(checks_nccl, "_pair", lambda indices: (["GPU-a", "GPU-b"], "pcie", True))
+    own, node = checks_nccl.check_nccl_transport(Context(quick=True, sets=[], gpus=[0, 1], tmp=tmp_path))
     assert own.check == "NCCL all-reduce, GPUs 0,1 (pcie), each worker sees only its own GPU"
     assert own.result.startswith("SHM (2 connections); bus bandwidth 25.0 GB/s (256 MiB fp32); workers on cuda:0, cuda:0")
     assert own.result.endswith("other GPUs with a context in a worker: none; torch.compile: yes") and own.met == "yes"
@@ -142,5 +142,5 @@ def test_the_check_launches_both_ways_and_holds_the_pcie_choice_to_the_faster_wa
 
 
 def test_on_one_gpu_the_check_says_skipped():
-    (row,) = gpu_checks_nccl.check_nccl_transport(Context(quick=True, sets=[], gpus=[0], tmp=Path("/nonexistent")))
+    (row,) = checks_nccl.check_nccl_transport(Context(quick=True, sets=[], gpus=[0], tmp=Path("/nonexistent")))
     assert (row.result, row.met) == ("skipped: one GPU", "n.a.")

@@ -3,7 +3,7 @@ all-reduce also carries the ranks' agreement on a stop request (pretrain/debug.p
 agree_on_step, pretrain/stopping.py). Counted here as collectives, in one process that plays
 rank 0 of two: torch.distributed.all_reduce is replaced by a peer that answers as rank 1
 would. On a GPU each of these all-reduces is followed by one read to the host, and
-benchmarks/gpu_check.py counts the synchronizations themselves."""
+the GPU acceptance (benchmarks/gpu_acceptance/checks.py) counts the synchronizations themselves."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""GPU acceptance: every path of this project that needs an NVIDIA GPU, run once, in one table.
+"""The GPU acceptance's command: its arguments, the machine it runs on, running the chosen
+checks one after another, and the report.
 
     bash scripts/gpu_check.sh [--quick] [--only ROW[,ROW]] [--output FILE] [--set SECTION.KEY=VALUE ...]
 
@@ -29,14 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-REPO = Path(__file__).resolve().parent.parent
-if __name__ == "__main__" and Path(sys.path[0]).resolve() == REPO / "benchmarks":
-    sys.path[0] = str(REPO)  # else benchmarks/launcher.py would be imported as the launcher package
-
-from benchmarks.gpu_checks import CHECKS, Context, Row  # noqa: E402
-from benchmarks.gpu_checks_groups import ESTIMATED_S, group_seconds, minutes  # noqa: E402
-from benchmarks.gpu_procs import CheckFailed, smi_query, worker  # noqa: E402
-from benchmarks.gpu_workers import WORKERS  # noqa: E402
+from benchmarks.gpu_acceptance.checks import CHECKS, Context, Row
+from benchmarks.gpu_acceptance.groups import ESTIMATED_S, group_seconds, minutes
+from benchmarks.gpu_acceptance.procs import REPO, CheckFailed, smi_query, worker
+from benchmarks.gpu_acceptance.workers import WORKERS
 
 RESULTS = REPO / "benchmarks" / "results"
 PROG = "gpu_check"
@@ -277,7 +274,3 @@ def run_checks(args: argparse.Namespace, info: dict[str, Any]) -> int:
     print(text)
     print(f"{PROG}: table written to {output}", file=sys.stderr)
     return 0 if all(r.met != "no" for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-ENTRY = REPO / "benchmarks" / "gpu_check.py"
-"""The script the workers run in: `python benchmarks/gpu_check.py --worker NAME ARG...`."""
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = REPO / "benchmarks" / "gpu_acceptance"
+"""What the workers run: `python benchmarks/gpu_acceptance --worker NAME ARG...` (its __main__.py), by
+path, so that a worker started by the launcher in any directory finds it."""
 RESULT_MARK = "GPU_CHECK_RESULT "
 """Prefix of the one stdout line that carries a worker's JSON result."""
 LAST_LINES = 25
@@ -144,7 +145,7 @@ def worker_argv(name: str, *args: str) -> list[str]:
 
 
 def worker(name: str, timeout: float, *args: str, env: dict[str, str] | None = None) -> Any:
-    """Run one of the workers (benchmarks/gpu_workers.py) in a fresh Python process; its JSON result
+    """Run one of the workers (benchmarks/gpu_acceptance/workers.py) in a fresh Python process; its JSON result
     (an object or a list, as the worker prints it)."""
     proc = run(worker_argv(name, *args), timeout, env)
     found = results(proc.out)

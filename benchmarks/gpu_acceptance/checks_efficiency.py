@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import Proc, child_env, run, smi_query
+from benchmarks.gpu_acceptance.context import Context, Row
+from benchmarks.gpu_acceptance.procs import Proc, child_env, run, smi_query
 
 PRESET = "small"
 FEATURES = {"dense": "dense", "moe": "mixture of experts (4 experts, top-2)", "muon": "Muon"}
@@ -115,4 +115,4 @@ def check_efficiency(ctx: Context) -> list[Row]:
 
 
 EFFICIENCY_CHECKS = {"efficiency": check_efficiency}
-"""Registered in gpu_checks.CHECKS after the syncs check."""
+"""Registered in checks.CHECKS after the syncs check."""

@@ -1,6 +1,6 @@
 """What NCCL says it used between two GPUs, how fast an all-reduce went, and whether a worker
 opened a CUDA context on another worker's GPU: the parts of the GPU acceptance's nccl-transport
-check (benchmarks/gpu_checks_nccl.py) that need no GPU, so the tests can hold them to real logs.
+check (benchmarks/gpu_acceptance/checks_nccl.py) that need no GPU, so the tests can hold them to real logs.
 
 NVML names processes by their host pid, which inside a container is not the pid the process has
 there. So the contexts are compared by GPU, not by pid: the processes NVML lists on each GPU
@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from benchmarks.gpu_procs import compute_apps
+from benchmarks.gpu_acceptance.procs import compute_apps
 
 CONNECTION = re.compile(
     r"Channel \d+(?:/\d+)? : \d+\[[0-9a-fA-F]+\] -> \d+\[[0-9a-fA-F]+\](?: \[(?:send|receive)\])? via (?P<via>.+?)\s*$"

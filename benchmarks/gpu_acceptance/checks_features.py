@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import sys
 
-from benchmarks.gpu_context import Context, Row, sets_args
-from benchmarks.gpu_procs import child_env, run
+from benchmarks.gpu_acceptance.context import Context, Row, sets_args
+from benchmarks.gpu_acceptance.procs import child_env, run
 
 NS_SIZES = "768x768,4096x4096"
 NS_STEPS = 5
@@ -117,4 +117,4 @@ def check_features(ctx: Context) -> list[Row]:
 
 
 FEATURE_CHECKS = {"features": check_features}
-"""Registered in gpu_checks.CHECKS after the others."""
+"""Registered in checks.CHECKS after the others."""

@@ -1,5 +1,5 @@
 """The workers of the GPU checks: each worker_* runs in a fresh Python process, started as
-`python benchmarks/gpu_check.py --worker NAME ARG...` (gpu_procs.worker), and prints its result
+`python benchmarks/gpu_acceptance --worker NAME ARG...` (procs.worker), and prints its result
 as one JSON line after RESULT_MARK (emit)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_procs import emit
-from benchmarks.gpu_workers_flash import FLASH_WORKERS
-from benchmarks.gpu_workers_runtime import RUNTIME_WORKERS
+from benchmarks.gpu_acceptance.procs import emit
+from benchmarks.gpu_acceptance.workers_flash import FLASH_WORKERS
+from benchmarks.gpu_acceptance.workers_runtime import RUNTIME_WORKERS
 
 SYNC_WARNING = "synchronizing CUDA operation"
 """What torch.cuda.set_sync_debug_mode("warn") says at each synchronizing call."""
@@ -195,7 +195,7 @@ def worker_syncs(mode: str, steps: str, data_sets: str) -> None:
     preset as a run has it: its batch, context and micro-batches, compiled, and the loss head in
     one piece or in chunks as the memory plan decides for this GPU (build plans as the launcher
     would), so what is counted is what a real run pays. data_sets: the JSON list of --set options
-    for the data (gpu_context.Context.small_sets).
+    for the data (context.Context.small_sets).
 
     Two counts, over the same steps (after warm-up steps that compile and create the NCCL
     communicator): torch.cuda.set_sync_debug_mode("warn") warns at every synchronizing call

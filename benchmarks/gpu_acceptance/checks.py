@@ -13,19 +13,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.gpu_context import (
+from benchmarks.gpu_acceptance.context import (
     OFFLINE_DATA,  # noqa: F401  (re-exported)
     SMALL_FALLBACK_VOCAB,  # noqa: F401  (re-exported)
     Context,
     Row,  # noqa: F401  (re-exported)
     sets_args,
 )
-from benchmarks.gpu_checks_efficiency import EFFICIENCY_CHECKS
-from benchmarks.gpu_checks_features import FEATURE_CHECKS
-from benchmarks.gpu_checks_flash import FLASH_CHECKS
-from benchmarks.gpu_checks_gpus import check_gpus
-from benchmarks.gpu_checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
-from benchmarks.gpu_procs import (
+from benchmarks.gpu_acceptance.checks_efficiency import EFFICIENCY_CHECKS
+from benchmarks.gpu_acceptance.checks_features import FEATURE_CHECKS
+from benchmarks.gpu_acceptance.checks_flash import FLASH_CHECKS
+from benchmarks.gpu_acceptance.checks_gpus import check_gpus
+from benchmarks.gpu_acceptance.checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
+from benchmarks.gpu_acceptance.procs import (
     LAST_LINES,
     GpuMemory,
     child_env,
@@ -39,7 +39,7 @@ from benchmarks.gpu_procs import (
     watch,
     worker,
 )
-from benchmarks.gpu_workers import POISONED, TINY
+from benchmarks.gpu_acceptance.workers import POISONED, TINY
 
 
 def check_nvml_test(ctx: Context) -> list[Row]:
@@ -482,7 +482,7 @@ SYNC_MODES = (
 def check_syncs(ctx: Context) -> list[Row]:
     """Host synchronizations in the steps of fit() that log nothing, on `small` as a run has it
     (its batch and context, the loss head as the memory plan decides it, compiled), counted two
-    ways (see gpu_workers.worker_syncs): one process, a 1-rank NCCL group (the collective path),
+    ways (see workers.worker_syncs): one process, a 1-rank NCCL group (the collective path),
     and that group without the finite check (the stop agreement's own all-reduce)."""
     steps = "4" if ctx.quick else "6"
     rows = []
@@ -530,4 +530,4 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     **FEATURE_CHECKS,
 }
 """Every command a check runs has its own timeout, and a check's timeouts add up to at most
-gpu_checks_groups.CHECK_LIMIT_S, so no check hangs and a group fits its device call."""
+groups.CHECK_LIMIT_S, so no check hangs and a group fits its device call."""

@@ -1,7 +1,7 @@
 """GPU check `flash-attention`: compiled bf16 attention runs FlashAttention's kernels.
 
 A compiled transformer block of `small` (head_dim 64) and of `production` (head_dim 128), forward
-and backward under bf16 autocast (benchmarks/gpu_workers_flash.py), profiled: the CUDA kernels
+and backward under bf16 autocast (benchmarks/gpu_acceptance/workers_flash.py), profiled: the CUDA kernels
 that ran must include PyTorch's flash forward and backward kernels (pytorch_flash::flash_fwd_kernel,
 flash_bwd_...), and not the math path, which inductor builds from a softmax kernel and matmuls
 around the whole (B, heads, T, T) score matrix. The attention kernels seen are listed either way:
@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import CheckFailed, child_env, worker
+from benchmarks.gpu_acceptance.context import Context, Row
+from benchmarks.gpu_acceptance.procs import CheckFailed, child_env, worker
 
 PRESETS = ("small", "production")
 TIMEOUT_S = 180
@@ -114,4 +114,4 @@ def check_flash_attention(ctx: Context) -> list[Row]:
 
 
 FLASH_CHECKS = {"flash-attention": check_flash_attention}
-"""Registered in gpu_checks.CHECKS after the runtime checks (beside fp32-attention)."""
+"""Registered in checks.CHECKS after the runtime checks (beside fp32-attention)."""

@@ -12,10 +12,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import LAST_LINES, child_env, kill_group, results, smi_query, watch, worker_argv
-from benchmarks.gpu_workers_runtime import ALL_REDUCE_MIB, HOLD_S, HOLDING
-from benchmarks.nccl_transport import Contexts, Transport, bus_bandwidth, run_contexts, smi_processes, transport
+from benchmarks.gpu_acceptance.context import Context, Row
+from benchmarks.gpu_acceptance.procs import LAST_LINES, child_env, kill_group, results, smi_query, watch, worker_argv
+from benchmarks.gpu_acceptance.workers_runtime import ALL_REDUCE_MIB, HOLD_S, HOLDING
+from benchmarks.gpu_acceptance.nccl_transport import Contexts, Transport, bus_bandwidth, run_contexts, smi_processes, transport
 
 NAME = "nccl-transport"
 SLOWER_ALLOWED = 0.9

@@ -1,4 +1,4 @@
-"""Worker of the flash-attention check (benchmarks/gpu_checks_flash.py): one compiled transformer
+"""Worker of the flash-attention check (benchmarks/gpu_acceptance/checks_flash.py): one compiled transformer
 block of a preset, forward and backward under bf16 autocast as training runs it, with the names of
 the CUDA kernels that ran. It prints its result with emit."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from benchmarks.gpu_procs import emit
+from benchmarks.gpu_acceptance.procs import emit
 
 NAME_CHARS = 200
 """Kernel names are cut here (template arguments make some thousands of characters long)."""
@@ -61,4 +61,4 @@ def worker_flash_attention(preset: str) -> None:
 
 
 FLASH_WORKERS: dict[str, Callable[..., None]] = {"flash-attention": worker_flash_attention}
-"""Registered in gpu_workers.WORKERS."""
+"""Registered in workers.WORKERS."""

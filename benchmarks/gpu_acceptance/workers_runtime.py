@@ -1,4 +1,4 @@
-"""Workers of the runtime checks (benchmarks/gpu_checks_runtime.py): what runs inside a GPU
+"""Workers of the runtime checks (benchmarks/gpu_acceptance/checks_runtime.py): what runs inside a GPU
 process to show how the trainer's runtime behaves there. Each prints its result with emit."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_procs import emit
+from benchmarks.gpu_acceptance.procs import emit
 
 RAISING = "rank 1 raises now"
 """What the nccl-error worker's failing rank prints just before it raises (the check times from it)."""

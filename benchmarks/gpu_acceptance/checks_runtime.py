@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 
-from benchmarks.gpu_checks_nccl import check_nccl_transport
-from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import (
+from benchmarks.gpu_acceptance.checks_nccl import check_nccl_transport
+from benchmarks.gpu_acceptance.context import Context, Row
+from benchmarks.gpu_acceptance.procs import (
     LAST_LINES,
     Proc,
     child_env,
@@ -26,7 +26,7 @@ from benchmarks.gpu_procs import (
     worker,
     worker_argv,
 )
-from benchmarks.gpu_workers_runtime import FAILURE, RAISING
+from benchmarks.gpu_acceptance.workers_runtime import FAILURE, RAISING
 
 SUMMARY_RULE = "=" * 72
 """The line above the launcher's failure summary (launcher/summary.py RULE)."""
@@ -234,7 +234,7 @@ def check_nccl_timeout(ctx: Context) -> list[Row]:
 
 
 def check_nccl_error(ctx: Context) -> list[Row]:
-    """Two launched GPU workers in an NCCL all_reduce loop; rank 1 raises (gpu_workers_runtime):
+    """Two launched GPU workers in an NCCL all_reduce loop; rank 1 raises (workers_runtime):
     its traceback must reach the launcher's summary and everything end within TEARDOWN_S."""
     name = "NCCL: rank 1 raises in an all_reduce loop, 2 GPUs under the launcher"
     target = f"rank 1's traceback printed, the launcher done <= {TEARDOWN_S} s after the raise"
@@ -337,4 +337,4 @@ RUNTIME_CHECKS = {
     "alloc-conf": check_alloc_conf,
     "fp32-attention": check_fp32_attention,
 }
-"""Registered in gpu_checks.CHECKS after the checks there."""
+"""Registered in checks.CHECKS after the checks there."""

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from benchmarks.gpu_context import Context, Row
-from benchmarks.gpu_procs import (
+from benchmarks.gpu_acceptance.context import Context, Row
+from benchmarks.gpu_acceptance.procs import (
     ENTRY,
     REPO,
     CheckFailed,
@@ -35,7 +35,7 @@ from benchmarks.gpu_procs import (
 )
 
 HELD_MIB = 1024
-"""What the hold worker allocates (gpu_workers.worker_hold: 2^30 bytes); NVML counts its CUDA context on top."""
+"""What the hold worker allocates (workers.worker_hold: 2^30 bytes); NVML counts its CUDA context on top."""
 READY_S = 180
 """How long the holder may take to start (import torch, create its context, allocate)."""
 
