@@ -20,7 +20,8 @@ import resource
 import sys
 from collections.abc import Iterator
 
-EXIT_CODE = 2  # as any refusal of bad input (launcher/errors.py): nothing is left running
+from launcher.exit_codes import EXIT_NO_ADDRESS_SPACE
+
 _NO_MAPPING = ("failed to map segment from shared object", "Cannot allocate memory")
 """What the dynamic loader says (in an ImportError) when a library does not fit the address space."""
 
@@ -105,4 +106,4 @@ def start() -> None:
             raise
         print(f"launcher: error: {refusal()}", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(EXIT_CODE)
+        os._exit(EXIT_NO_ADDRESS_SPACE)

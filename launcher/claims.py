@@ -27,13 +27,15 @@ from dataclasses import dataclass
 
 import psutil
 
+from pretrain.refusal import Refusal
+
 NAMESPACE_VAR = "LAUNCHER_CLAIMS_NAMESPACE"
 DEFAULT_NAMESPACE = "gpu-launcher"
 MAX_NAME_BYTES = 107  # sun_path is 108 bytes, the first of them the abstract marker \0
 LOOK_TIMEOUT = 1.0  # seconds a look at a claim waits for the holder's socket
 
 
-class ClaimError(OSError):
+class ClaimError(Refusal, OSError):
     """A claim cannot be made or looked at (one line)."""
 
 

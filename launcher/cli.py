@@ -20,20 +20,20 @@ from pathlib import Path
 
 from launcher import address_space, devices, gpu_table, multinode, nvml, outcome, run_lock, torchrun_env
 from launcher.address_space import is_out_of_memory, refusal
-from launcher.errors import EXIT_USAGE, UsageError
+from launcher.errors import UsageError
+from launcher.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_NO_ADDRESS_SPACE, EXIT_USAGE, by_signal
 from launcher.run_dirs import cannot_create, own_run_dir, resume_point, run_dir_path
-from launcher.claims import ClaimError
 from launcher.compile_cache import kernel_cache_dir
-from launcher.nodes import Layout, NodeSpecError
-from launcher.rendezvous import Node, NodeInterrupted, NodeStopped, RendezvousError
+from launcher.nodes import Layout
+from launcher.rendezvous import Node, NodeInterrupted, NodeStopped
 from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
-from launcher.printer import CONSOLE_CLOSED_SIGNAL, Printer, use_colour
-from launcher.scripted_nvml import BadScript
+from launcher.printer import Printer, use_colour
 from launcher.supervisor import Supervisor, SupervisorOptions
 from launcher.worker import StartError, Worker, check_runnable, with_package_root, without_package_root, worker_env
 from pretrain import config as cfg
 from pretrain import exit_codes
 from pretrain.command_name import command_name
+from pretrain.refusal import Refusal
 from pretrain.thread_env import bad_thread_variable
 from pretrain.runfiles import (
     CACHE_DIR_VAR,
@@ -49,8 +49,6 @@ MAX_KILL_GRACE = 3600
 MAX_STOP_TIMEOUT = 86400
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # pretrain/__main__.py dumps every thread's stack on it
 CONSOLE_COMMAND = "pretrain-launch"  # pyproject.toml [project.scripts]
-
-EXIT_BROKEN_PIPE = 128 + CONSOLE_CLOSED_SIGNAL  # 141, as a shell pipeline reports it
 
 
 def program() -> str:
@@ -455,9 +453,6 @@ def run_owned(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from pretrain.data import DataError
-    from pretrain.resume import ResumeError
-
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except BrokenPipeError:
@@ -465,35 +460,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         # supervisor stops the run gracefully instead (launcher/printer.py on_console_closed).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         code = EXIT_BROKEN_PIPE
-    except StartError as error:  # 126 or 127 as a shell says; 2 where no memory was left to start it
-        print(f"launcher: error: {error}", file=sys.stderr)
-        code = error.exit_code
     except NodeStopped as stopped:
         print(f"launcher: {stopped}; exit code {stopped.stop.our_exit_code}", file=sys.stderr)
         code = stopped.stop.our_exit_code
     except NodeInterrupted as interrupted:
         print(f"launcher: {interrupted}", file=sys.stderr)
-        code = 128 + interrupted.interrupt.signum
-    except UsageError as error:
+        code = by_signal(interrupted.interrupt.signum)
+    except Refusal as error:  # bad input, one line: 2; a worker's command: 126 or 127; a lost run directory: 74
         print(f"launcher: error: {error}", file=sys.stderr)
-        code = error.exit_code
-    except devices.DeviceError as error:
-        print(f"launcher: error: {error}", file=sys.stderr)
-        if error.verdicts:
+        if isinstance(error, devices.DeviceError) and error.verdicts:
             print(gpu_table.render(error.verdicts), file=sys.stderr)
-        code = EXIT_USAGE
-    except (
-        cfg.ConfigError,
-        DataError,
-        ResumeError,
-        BadScript,
-        ClaimError,
-        nvml.NvmlFailure,
-        NodeSpecError,
-        RendezvousError,
-    ) as error:
-        print(f"launcher: error: {error}", file=sys.stderr)
-        code = EXIT_USAGE
+        code = error.exit_code
     except OSError as error:  # an unwritable cache directory, a full disk, no memory left to fork
         print(f"launcher: error: {refusal() if is_out_of_memory(error) else os_error_message(error)}", file=sys.stderr)
         code = EXIT_USAGE
@@ -501,9 +478,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not is_out_of_memory(error):
             raise
         print(f"launcher: error: {refusal()}", file=sys.stderr)
-        code = address_space.EXIT_CODE
+        code = EXIT_NO_ADDRESS_SPACE
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
     if "torch" in sys.modules:
         # Several nodes: torch (the TCPStore) makes the interpreter's own exit take ~0.5 s,
         # which every node would add to its teardown. Nothing of ours runs at exit: the

@@ -15,6 +15,7 @@ from typing import Literal
 
 from launcher import claims
 from launcher.nvml import Gpu
+from pretrain.refusal import Refusal
 
 GIB = 1 << 30
 DEFAULT_MIN_FREE_MEMORY = "90%"
@@ -27,7 +28,7 @@ ONE_MIG_DEVICE = (
 NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
 
 
-class DeviceError(ValueError):
+class DeviceError(Refusal, ValueError):
     """The GPUs asked for cannot be had. The message is one line; `verdicts` (when there
     are some) say of every GPU why it was refused: the command line shows them as the GPU
     table (launcher/gpu_table.py)."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-EXIT_USAGE = 2
+from pretrain.refusal import Refusal
 
 
-class UsageError(Exception):
-    """Bad input: printed as one line, exit 2."""
-
-    exit_code = EXIT_USAGE
+class UsageError(Refusal):
+    """Bad input: printed as one line, exit 2 (launcher/exit_codes.py EXIT_USAGE)."""

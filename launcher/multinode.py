@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from launcher.nodes import EXIT_NODE_LOST, Layout, NodeSpec, NodeStop, node_spec
+from launcher.exit_codes import EXIT_INTERRUPTED, EXIT_NODE_LOST, by_signal
+from launcher.nodes import Layout, NodeSpec, NodeStop, node_spec
 from launcher.placement import Placement
 from launcher.rendezvous import LOSS_AFTER, Member, Node, NodeInterrupted, NodeStopped, RendezvousError, differences, join
 
@@ -113,10 +114,11 @@ def telling_others(node: Node) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit) as stopped:
         # Ctrl-C, or SIGTERM / SIGHUP (sigterm_as_exit) before the supervisor took over: every
         # node stops the same way, as it would once the workers run.
-        signum = signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else int(stopped.code or 0) - 128
-        if signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            node.report_interrupt(signum)
-        node.finish(128 + signum, node.loss_after)
+        code = EXIT_INTERRUPTED if isinstance(stopped, KeyboardInterrupt) else int(stopped.code or 0)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if code == by_signal(signum):
+                node.report_interrupt(signum)
+        node.finish(code, node.loss_after)
         raise
     except BaseException as error:
         detail = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__

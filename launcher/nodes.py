@@ -20,16 +20,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
+from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
 from launcher.slurm import SlurmError, SlurmJob
+from pretrain.refusal import Refusal
 
-EXIT_OTHER_NODE_FAILED = 75
-EXIT_NODE_LOST = 76
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 MAX_NODES = 65536
 HOST_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-\[\]%]+$")  # a name, IPv4 or IPv6 (bracketed or not)
 
 
-class NodeSpecError(ValueError):
+class NodeSpecError(Refusal, ValueError):
     """Bad multi-node options: one line naming the option and the fix."""
 
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import psutil
 
+from pretrain.refusal import Refusal
+
 SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
 UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
 UTILIZATION_SAMPLES = 5
@@ -30,7 +32,7 @@ class NoGpuDriver(Exception):
     """NVML cannot be used: no NVIDIA driver, or the library is missing."""
 
 
-class NvmlFailure(Exception):
+class NvmlFailure(Refusal):
     """NVML started but cannot list the GPUs (one line)."""
 
 

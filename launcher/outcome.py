@@ -11,18 +11,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import summary
+from launcher.exit_codes import EXIT_HANG, by_signal
 from launcher.printer import CONSOLE_CLOSED, CONSOLE_CLOSED_SIGNAL
 from launcher.worker import StartError, Worker
 from pretrain.runfiles import atomic_write_text, os_error_message
 
 TAIL_LINES = 20
-EXIT_HANG = 124  # as timeout(1) reports it
 NO_DUMP = "no stack dump: the process was stopped (SIGSTOP) or is stuck in the kernel"
 
 
 def exit_code(returncode: int) -> int:
-    """A shell-style exit status: a death by signal n becomes 128 + n."""
-    return 128 - returncode if returncode < 0 else returncode
+    """A shell-style exit status: a death by signal n (returncode -n) becomes by_signal(n)."""
+    return by_signal(-returncode) if returncode < 0 else returncode
 
 
 @dataclass

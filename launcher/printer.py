@@ -31,7 +31,7 @@ none of Python's line boundaries is among them (str.splitlines splits at \\x1c-\
 CONSOLE_CLOSED = "console output closed (broken pipe)"
 """What the combined log and the summary call a console whose reader went away."""
 CONSOLE_CLOSED_SIGNAL = signal.SIGPIPE
-"""The signal a closed console stops the run as (128 + 13 = 141, as a shell reports it); none is sent."""
+"""The signal a closed console stops the run as (exit code 141, as a shell reports it: launcher/exit_codes.py); none is sent."""
 _COLOURS = ["36", "33", "35", "32", "34", "31", "96", "93"]  # cyan, yellow, magenta, ...
 
 

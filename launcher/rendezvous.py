@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn, TypeVar
 
-from launcher.nodes import EXIT_NODE_LOST, NodeInterrupt, NodeSpec, NodeStop
+from launcher.exit_codes import EXIT_NODE_LOST
+from launcher.nodes import NodeInterrupt, NodeSpec, NodeStop
 from launcher.own_silence import ENDED_MEANWHILE, OTHERS_STOPPED, OwnSilence
 from launcher.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
 
@@ -453,7 +454,7 @@ class Node:
                     self._deliver(NodeStop.from_json(store.get("abort")))
                 elif code == EXIT_NODE_LOST and not store.check(["interrupt"]):  # an interrupted join ends 76 too
                     self._stop_as_lost(self._own.found_lost(f"node {node} ended with exit code {code} while this node ran"))
-                elif code != 0 and not self._interrupt_seen:  # a graceful stop ends every node with 128 + n
+                elif code != 0 and not self._interrupt_seen:  # a graceful stop ends every node with by_signal(n)
                     detail = f"its launcher ended with exit code {code} while this node ran"
                     self._deliver(NodeStop(node, self.host_of(node), "error", detail))
             elif now - max(since, self._own.resumed_at) >= self.loss_after and node not in self._done_seen:

@@ -37,14 +37,12 @@ from pathlib import Path
 from launcher import claims
 from launcher.claims import Claim, ClaimError, started_at
 from launcher.errors import UsageError
+from launcher.exit_codes import EXIT_RUN_DIR_LOST
 from launcher.reaper import start_time
 from pretrain.runfiles import is_file_at
 
 LOCK_NAME = "launcher.lock"
 LOOK_TIMEOUT = 1.0  # seconds to wait for a new holder to write who it is
-EXIT_RUN_DIR_LOST = 74
-"""The launcher's exit code when its run directory or lock vanished while the run was live
-(sysexits' EX_IOERR: the files the run writes are no longer where it writes them)."""
 
 
 class RunDirLost(UsageError):

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.refusal import Refusal
+
 MIB = 1 << 20
 GPU_KEYS = {"lost", "name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
 MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
@@ -37,7 +39,7 @@ MACHINE_KEYS = {"driver", "gpus", "p2p", "links"}
 P2P_KINDS = ("nvlink", "pcie", "none", "unsupported")
 
 
-class BadScript(ValueError):
+class BadScript(Refusal, ValueError):
     """The scripted machine's file is missing or malformed (one line)."""
 
 

@@ -13,12 +13,13 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from launcher.nodes import NodeSpec
+from pretrain.refusal import Refusal
 
 CONNECT_RETRY = 0.5
 T = TypeVar("T")
 
 
-class RendezvousError(Exception):
+class RendezvousError(Refusal):
     """The nodes could not form one job: one line saying why and what to do."""
 
 

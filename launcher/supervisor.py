@@ -2,8 +2,8 @@
 
 Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launcher_cli.py):
 1. The first worker to fail decides the outcome: the supervisor returns its exit code (a
-   death by signal n returns 128 + n). A worker that prints nothing for hang_timeout
-   seconds has failed, with exit code 124. Success means every worker exited 0.
+   death by signal n returns by_signal(n), launcher/exit_codes.py). A worker that
+   prints nothing for hang_timeout seconds has failed, with exit code 124. Success means every worker exited 0.
    A failure that another worker's caused (consequence_exit_codes: it lost the connection to
    a rank that failed) decides nothing while another worker runs that may report the cause:
    the supervisor waits up to cause_wait seconds for another worker to fail otherwise, and
@@ -39,10 +39,10 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
    other nodes, and another node's word that the job stops (its worker failed first, or a node
    was lost) stops this node's workers as in rule 2, without the stack dump: the cause is
    elsewhere. The first word across the nodes decides: a failure here that follows another
-   node's is a consequence, and the supervisor returns launcher/nodes.py's code for the other
+   node's is a consequence, and the supervisor returns launcher/exit_codes.py's code for the other
    node's (75: it failed; 76: it was lost), unless both are the same agreed exit code.
    A node asked to stop gracefully (rule 3) tells the others, and they stop the same way:
-   every rank finishes the same step and saves, and every node returns 128 + that signal.
+   every rank finishes the same step and saves, and every node returns that signal's exit code.
 """
 
 from __future__ import annotations
@@ -55,12 +55,13 @@ from dataclasses import dataclass
 from launcher import outcome, run_lock, summary
 from launcher.nodes import NodeInterrupt, NodeStop, Peers
 from launcher.options import SupervisorOptions
-from launcher.outcome import EXIT_HANG, FirstFailure, Watch, exit_code
+from launcher.exit_codes import EXIT_HANG, by_signal
+from launcher.outcome import FirstFailure, Watch, exit_code
 from launcher.printer import CONSOLE_CLOSED, CONSOLE_CLOSED_SIGNAL, LOG_ONLY_MARK, LOG_ONLY_VAR, Printer, is_log_only
 from launcher.run_processes import RunProcesses
 from launcher.worker import Event, Exited, Line, OutputClosed, StartError, Worker
 
-__all__ = ["EXIT_HANG", "StartError", "Supervisor", "SupervisorOptions", "exit_code"]
+__all__ = ["StartError", "Supervisor", "SupervisorOptions", "exit_code"]
 
 OUTPUT_DRAIN_SECONDS = 1.0  # after teardown, wait at most this long for the rest of the output
 # SIGTERM right after the stack-dump signal would kill a worker before it dumps (a default
@@ -71,7 +72,7 @@ AGREED_EXIT_GRACE = 5.0
 STACK_DUMP_SETTLE = 0.03
 SNAPSHOT_INTERVAL = 0.5  # how often the guardian learns the run's processes (one /proc pass)
 # How a worker ends when asked to stop: 0, or by (or after handling) SIGTERM.
-STOPPED_AS_ASKED = {0, -signal.SIGTERM, 128 + signal.SIGTERM}
+STOPPED_AS_ASKED = {0, -signal.SIGTERM, by_signal(signal.SIGTERM)}
 # What asks the supervisor to stop gracefully (rule 3): Ctrl-C, a scheduler, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -472,7 +473,7 @@ class Supervisor:
             return failure.exit_code
         if self._interrupted_by is not None:
             self.printer.launcher_line(outcome.stopped_line(self._ending(), self._interrupted_by, self._interrupted_at))
-            return 128 + self._interrupted_by
+            return by_signal(self._interrupted_by)
         return 0
 
     def _remote_outcome(self, stop: NodeStop) -> int:

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import address_space
+from launcher.exit_codes import EXIT_CANNOT_EXECUTE, EXIT_COMMAND_NOT_FOUND, EXIT_NO_ADDRESS_SPACE
 from launcher.torchrun_env import NO_RESTARTS, Restarts, torchrun_defaults, torchrun_variables
 from pretrain.parent_death import die_with_parent
+from pretrain.refusal import Refusal
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
 CUDA_DEVICE_INDEX_VAR = "LAUNCHER_CUDA_DEVICE_INDEX"
@@ -51,11 +53,8 @@ class OutputClosed:
 
 Event = Line | Exited | OutputClosed
 
-EXIT_CANNOT_EXECUTE = 126
-EXIT_COMMAND_NOT_FOUND = 127
 
-
-class StartError(OSError):
+class StartError(Refusal, OSError):
     """A worker's command could not be started, with the exit code a shell gives that: 127 when
     there is no such command, 126 when it exists but cannot be executed (no execute permission,
     a directory, not a program nor a script with #!, or a #! naming a missing interpreter).
@@ -69,7 +68,7 @@ class StartError(OSError):
         self.exit_code = _exit_code(command, error)
 
     def __str__(self) -> str:
-        if self.exit_code == address_space.EXIT_CODE:  # no memory left to start it
+        if self.exit_code == EXIT_NO_ADDRESS_SPACE:  # no memory left to start it
             return address_space.refusal()
         if self.errno == errno.ENOENT and "/" not in self.command:
             return f"command not found: {self.command}"
@@ -101,7 +100,7 @@ def _exit_code(command: str, error: OSError) -> int:
     """127 for a command that is not there, else 126. A missing #! interpreter is also ENOENT, but
     the command is there: 126, as bash says "bad interpreter"."""
     if address_space.is_out_of_memory(error):
-        return address_space.EXIT_CODE
+        return EXIT_NO_ADDRESS_SPACE
     missing = error.errno in (errno.ENOENT, errno.ENOTDIR) and shutil.which(command) is None
     return EXIT_COMMAND_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
 

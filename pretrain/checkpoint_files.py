@@ -35,6 +35,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pretrain.refusal import Refusal
 from pretrain.runfiles import fsync
 
 FORMAT_VERSION = 2
@@ -47,7 +48,7 @@ UNFINISHED_SUFFIXES = (TMP, OLD, DELETING)
 """Directories no one resumes from (an alone .old is the exception: see is_unfinished)."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Refusal, ValueError):
     """A checkpoint that cannot be used here; the message is one line that says what to do."""
 
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_type_hints
 
 from pretrain import registry
+from pretrain.refusal import Refusal
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A configuration problem the user can fix; the message is one line."""
 
 

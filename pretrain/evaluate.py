@@ -21,7 +21,6 @@ from typing import Any
 
 from pretrain import config as cfg
 from pretrain import hellaswag
-from pretrain.checkpoint import CheckpointError
 from pretrain.choices import score
 from pretrain.command_name import command_name
 from pretrain.export import (
@@ -32,8 +31,9 @@ from pretrain.export import (
     open_tokenizer,
     read_checkpoint,
 )
-from pretrain.generate import GenerateError, add_device_argument, check_vocabulary, load_model, pick_device
-from pretrain.hellaswag import HellaSwagError, Tally
+from pretrain.generate import add_device_argument, check_vocabulary, load_model, pick_device
+from pretrain.hellaswag import Tally
+from pretrain.refusal import Refusal
 from pretrain.runfiles import atomic_write_text, os_error_message
 
 TASKS = ("hellaswag",)
@@ -118,9 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         scored = run(args)
         if args.output is not None:
             atomic_write_text(args.output, json.dumps(scored, indent=2) + "\n")
-    except (CheckpointError, GenerateError, HellaSwagError) as error:
+    except Refusal as error:
         print(f"evaluate: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except OSError as error:
         print(f"evaluate: error: {os_error_message(error)}", file=sys.stderr)
         return 2

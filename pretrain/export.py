@@ -67,6 +67,7 @@ from pretrain.hf_tokenizer import SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE
 from pretrain.model import Transformer
 from pretrain.model_state import model_shapes, read_sharded_tensors, sharded_model_shapes, whole_tensors
 from pretrain.parallel import has_fsdp
+from pretrain.refusal import Refusal
 from pretrain.resume import ResumeError, checkpoint_at
 from pretrain.runfiles import atomic_write_text, os_error_message
 from pretrain.safetensors_shards import DEFAULT_MAX_SHARD_BYTES, DTYPES, TensorSpec, parse_size, write_shards
@@ -544,9 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
-    except CheckpointError as error:
+    except Refusal as error:
         print(f"export: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except OSError as error:  # an unwritable output directory, a full disk
         print(f"export: error: {os_error_message(error)}", file=sys.stderr)
         return 2

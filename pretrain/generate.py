@@ -23,7 +23,6 @@ from torch import Tensor
 from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
-from pretrain.checkpoint import CheckpointError
 from pretrain.command_name import command_name
 from pretrain.export import (
     OneLineParser,
@@ -34,10 +33,11 @@ from pretrain.export import (
     read_checkpoint,
 )
 from pretrain.model import Transformer
+from pretrain.refusal import Refusal
 from pretrain.runfiles import os_error_message
 
 
-class GenerateError(Exception):
+class GenerateError(Refusal):
     """A problem with the request (the device, the tokenizer) the user can fix; one line."""
 
 
@@ -207,9 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         text = run(args)
-    except (CheckpointError, GenerateError) as error:
+    except Refusal as error:
         print(f"generate: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except OSError as error:
         print(f"generate: error: {os_error_message(error)}", file=sys.stderr)
         return 2

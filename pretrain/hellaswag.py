@@ -32,6 +32,7 @@ from pathlib import Path
 from pretrain.data import DataError
 from pretrain.data.hub_client import hub_snapshot
 from pretrain.data.tokenizer import Tokenizer
+from pretrain.refusal import Refusal
 
 ENDINGS = 4
 FIELDS = "ctx (the text), endings (4 texts) and label (0-3)"
@@ -39,7 +40,7 @@ HUB_PREFIX = "hf://datasets/"
 HUB_FORM = "hf://datasets/OWNER/NAME[@REVISION]/PATH.jsonl"
 
 
-class HellaSwagError(Exception):
+class HellaSwagError(Refusal):
     """A HellaSwag file that cannot be used, or that is not there; the message is one line."""
 
 

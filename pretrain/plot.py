@@ -16,10 +16,11 @@ from typing import Any
 
 from pretrain.command_name import command_name
 from pretrain.metrics import read_metrics
+from pretrain.refusal import Refusal
 from pretrain.runfiles import atomic_write, os_error_message
 
 
-class PlotError(Exception):
+class PlotError(Refusal):
     """A problem the user can fix; the message is one line."""
 
 
@@ -113,9 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         records = load_records(args.run_dir)
         plot_metrics(records, output, title=args.run_dir.resolve().name)
-    except PlotError as error:
+    except Refusal as error:
         print(f"plot: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except OSError as error:  # an unreadable metrics file, an unwritable output directory
         print(f"plot: error: {os_error_message(error)}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pretrain.refusal import Refusal
 from pretrain.checkpoint_files import (
     OLD,
     STEP_NAME,
@@ -33,7 +34,7 @@ __all__ = [
 RESULTS = ("checkpoints", "metrics.jsonl", "tensorboard", "export", "debug")
 
 
-class ResumeError(ValueError):
+class ResumeError(Refusal, ValueError):
     """--resume names nothing to resume from; the message is one line."""
 
 

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import Config
+from pretrain.refusal import Refusal
 
 CUDA_DEVICE_INDEX_VAR = "LAUNCHER_CUDA_DEVICE_INDEX"
 """Set by the launcher (launcher/worker.py): this worker's own GPU among those it sees, cuda:<n>."""
 
 
-class RuntimeSetupError(RuntimeError):
+class RuntimeSetupError(Refusal, RuntimeError):
     """The requested device cannot be used here; the message is one line."""
 
 

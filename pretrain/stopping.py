@@ -1,7 +1,8 @@
 """A graceful stop: SIGTERM, SIGINT or SIGHUP asks the training loop to finish its current
-step, save a checkpoint and exit with 128 + the signal. A second SIGTERM or SIGINT, a second or
-more after the first, ends the process at once: one sooner is the same request arriving twice
-(Slurm signals every process of a job, and the launcher forwards its own SIGTERM as well).
+step, save a checkpoint and exit with the signal's exit code (pretrain/exit_codes.py by_signal).
+A second SIGTERM or SIGINT, a second or more after the first, ends the process at once: one
+sooner is the same request arriving twice (Slurm signals every process of a job, and the
+launcher forwards its own SIGTERM as well).
 A SIGHUP never ends it at once: a terminal that closes is no request to hurry, and its hang-up
 can arrive more than once.
 

@@ -26,18 +26,18 @@ from pretrain import checkpoint, debug, export, nonfinite, parallel, peer_loss, 
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
 from pretrain.config import Config
-from pretrain.data import DataError
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.hub import choose_hub_files, follow_checkpoint
 from pretrain.data.prepare import prepare, sigterm_as_exit, stop_signal
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.debug import NumericalFailure
-from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST
+from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST, by_signal
 from pretrain.hf_checkpoint import HfCheckpoint, check_fits, find_checkpoint
 from pretrain.loss import next_token_loss
-from pretrain.resume import ResumeError, resolve_resume
+from pretrain.refusal import Refusal
+from pretrain.resume import resolve_resume
 from pretrain.runfiles import create_run_dir, new_run_id, os_error_message, runs_root
-from pretrain.runtime import Runtime, RuntimeSetupError, init_runtime, mean_across_ranks, setup_logging, shutdown
+from pretrain.runtime import Runtime, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.init_from import load_weights
 from pretrain.step_line import step_line, throughput
 from pretrain.schedule import lr_at
@@ -272,7 +272,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
     # Before the data: a checkpoint that cannot be found, or does not fit, stops the run at once.
     init = starting_weights(config, log.info) if resume_from is None else None
     config = choose_hub_files(config, runtime.world_size, log.info)
-    with sigterm_as_exit():  # a stop signal ends a build at once, its temporary files removed (main: 128 + signal)
+    with sigterm_as_exit():  # a stop signal ends a build at once, its temporary files removed (main: by_signal(signal))
         dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
     log.debug(f"Run length: {length.describe()}")
@@ -336,9 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not config.training.resume:  # a fresh run: a checkpoint to start from is checked before anything starts
             starting_weights(config, lambda line: print(f"pretrain: {line}", file=sys.stderr, flush=True))
         runtime = init_runtime(config)
-    except (cfg.ConfigError, RuntimeSetupError) as error:
+    except Refusal as error:
         print(f"pretrain: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     log = setup_logging(runtime.label, config.logging.level)
     peers_alive = False  # whether every rank reaches shutdown() together
     try:
@@ -346,11 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers_alive = True
     except Stopped as stop:
         peers_alive = True
-        return 128 + stop.signum
+        return by_signal(stop.signum)
     except (KeyboardInterrupt, SystemExit) as error:  # a stop signal before training: while preparing the data
         if (signum := stop_signal(error)) is None:
             raise
-        return 128 + signum
+        return by_signal(signum)
     except NumericalFailure as error:
         peers_alive = True  # every rank agreed on the step and stops there
         log.error(str(error))
@@ -370,9 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"gone (its log says which); {str(error).splitlines()[0]}"
         )
         return ERROR
-    except (DataError, cfg.ConfigError, ResumeError, checkpoint.CheckpointError) as error:
+    except Refusal as error:  # below RuntimeError, which takes a RuntimeSetupError raised in training
         log.error(str(error))
-        return BAD_INPUT
+        return error.exit_code
     except OSError as error:  # an unwritable run or cache directory, a full disk
         log.error(os_error_message(error))
         return BAD_INPUT

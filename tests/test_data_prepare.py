@@ -355,12 +355,6 @@ def test_the_content_digest_changes_with_the_corpus_and_its_document_boundaries(
     assert content_digest(["ab", "c"]) != content_digest(["a", "bc"])
 
 
-def test_importing_prepare_does_not_import_torch():
-    code = "import sys, pretrain.data.prepare; print('torch' in sys.modules, 'tqdm' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], env=launcher_env(), capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["False", "False"]
-
-
 def test_document_ends_far_before_the_validation_cut_are_dropped_without_changing_the_split(tmp_path, monkeypatch):
     documents = [f"doc {i} " + "x" * (i % 13) for i in range(3000)]
     reference, _ = prepare_quietly(data_config(tmp_path / "a", val_fraction=0.1), documents=documents)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -359,23 +357,6 @@ def test_an_id_beyond_the_vocabulary_is_an_error_and_nothing_is_left_half_writte
 
 
 # --- imports -------------------------------------------------------------------------------------
-
-
-def test_importing_prepare_pulls_in_no_heavy_library():
-    heavy = ["torch", "tokenizers", "pyarrow", "tiktoken", "huggingface_hub"]
-    code = f"import sys, pretrain.data.prepare; print(','.join(m for m in {heavy!r} if m in sys.modules) or 'none')"
-
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=60,
-    )
-
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "none"
 
 
 def test_padding_and_truncation_saved_in_a_tokenizer_json_are_not_applied(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -195,8 +193,3 @@ def test_a_train_split_too_small_for_one_step_is_refused_with_the_numbers_and_th
         "batch_size 8 x grad_accum_nums 4 x 2 rank(s) = 64; "
         "reduce training.batch_size, training.grad_accum_nums or data.context_length, or add data"
     )
-
-
-def test_importing_windows_does_not_import_torch():
-    code = "import sys, pretrain.data.windows; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

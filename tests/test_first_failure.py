@@ -21,7 +21,7 @@ import torch.distributed as dist
 from launcher.printer import LOG_ONLY_MARK, LOG_ONLY_VAR, Printer
 from launcher.supervisor import Supervisor, SupervisorOptions
 from pretrain import exit_codes, peer_loss
-from launcher.nodes import EXIT_OTHER_NODE_FAILED
+from launcher.exit_codes import EXIT_OTHER_NODE_FAILED
 from test_supervisor import make_worker
 from test_supervisor_nodes import NODE_1_FAILED, OtherNodes
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import launcher_env, wait_until
-from launcher.nodes import EXIT_NODE_LOST
+from launcher.exit_codes import EXIT_NODE_LOST
 from launcher.pulse import Pulse
 from multinode_helpers import NodeRun, start_nodes, worker_command
 

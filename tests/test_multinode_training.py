@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT, free_port, launcher_env, wait_until
 from helpers import run_launcher
-from launcher.nodes import EXIT_OTHER_NODE_FAILED
+from launcher.exit_codes import EXIT_OTHER_NODE_FAILED
 from multinode_helpers import STEP, MARKER, NodeRun, start_nodes, losses, train_options, training_worker, marked_processes
 
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
 from launcher.nodes import (
     DEFAULT_MASTER_PORT,
-    EXIT_NODE_LOST,
-    EXIT_OTHER_NODE_FAILED,
     Layout,
     NodeSpec,
     NodeSpecError,

@@ -254,13 +254,6 @@ def test_a_checkpoint_with_a_damaged_state_file_is_refused(tmp_path, runs):
     )
 
 
-def test_resolving_imports_no_torch():
-    # The launcher resolves --resume before any worker starts; torch would cost it seconds.
-    code = "import sys, pretrain.resume; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
-    assert result.stdout.strip() == "False", result.stderr
-
-
 # --- what makes a checkpoint complete: every file a resume reads ---------------------------
 
 DAMAGE = {

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ROOT, launcher_env, wait_until
 from launcher import run_lock
-from launcher.run_lock import EXIT_RUN_DIR_LOST, LockHolder, RunDirLock, RunDirLost
+from launcher.exit_codes import EXIT_RUN_DIR_LOST
+from launcher.run_lock import LockHolder, RunDirLock, RunDirLost
 
 SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
 

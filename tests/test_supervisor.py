@@ -13,7 +13,8 @@ import pytest
 
 from conftest import alive, wait_until
 from launcher.printer import Printer
-from launcher.supervisor import EXIT_HANG, Supervisor, SupervisorOptions, exit_code
+from launcher.exit_codes import EXIT_HANG
+from launcher.supervisor import Supervisor, SupervisorOptions, exit_code
 from launcher.worker import Worker, worker_env
 
 # A handshake: the peer of FAILS_WITH_7 touches this file (next to the scripts) once it has set

@@ -9,7 +9,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from launcher.nodes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, NodeInterrupt, NodeStop
+from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
+from launcher.nodes import NodeInterrupt, NodeStop
 from launcher.printer import Printer
 from launcher.supervisor import Supervisor, SupervisorOptions
 from test_supervisor import FAILS_WITH_7, SLEEPS, make_worker

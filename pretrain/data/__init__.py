@@ -6,8 +6,10 @@ pull in torch, so nothing here imports a submodule.
 
 from __future__ import annotations
 
+from pretrain.refusal import Refusal
 
-class DataError(Exception):
+
+class DataError(Refusal):
     """A data problem the user can fix; the message is one line."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from pretrain.data import DataError
 from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
+from pretrain.exit_codes import by_signal
 from pretrain.runfiles import fsync, is_file_at, naming
 from pretrain.shared_cache import mode_in
 
@@ -37,13 +38,13 @@ Log = Callable[[str], None]
 
 @contextmanager
 def sigterm_as_exit() -> Iterator[None]:
-    """Within: SIGTERM or SIGHUP (a closed terminal) raises SystemExit(128 + signal: 143, 129),
+    """Within: SIGTERM or SIGHUP (a closed terminal) raises SystemExit(by_signal(signal): 143, 129),
     so a build that is stopped removes its temporary directory (possibly gigabytes) instead of
     leaving it in the cache. For entry points, in the main thread; the previous handlers come
     back afterwards. (SIGINT already raises KeyboardInterrupt.)"""
 
     def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        raise SystemExit(by_signal(signum))
 
     previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -55,11 +56,11 @@ def sigterm_as_exit() -> Iterator[None]:
 
 def stop_signal(error: BaseException) -> signal.Signals | None:
     """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and
-    sigterm_as_exit's SystemExit(128 + n) is SIGTERM or SIGHUP."""
+    sigterm_as_exit's SystemExit(by_signal(n)) is SIGTERM or SIGHUP."""
     if isinstance(error, KeyboardInterrupt):
         return signal.SIGINT
-    if isinstance(error, SystemExit) and error.code in (128 + signal.SIGTERM, 128 + signal.SIGHUP):
-        return signal.Signals(int(error.code) - 128)
+    if isinstance(error, SystemExit):
+        return next((sig for sig in (signal.SIGTERM, signal.SIGHUP) if error.code == by_signal(sig)), None)
     return None
 
 

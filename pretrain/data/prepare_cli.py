@@ -20,9 +20,9 @@ from pathlib import Path
 
 from pretrain import config as configuration
 from pretrain.command_name import command_name
-from pretrain.data import DataError
 from pretrain.data.hub import choose_hub_files
 from pretrain.data.prepare import prepare, sigterm_as_exit, verify
+from pretrain.refusal import Refusal
 from pretrain.runfiles import CACHE_DIR_VAR, os_error_message
 
 CONSOLE_COMMAND = "pretrain-prepare"  # pyproject.toml [project.scripts]
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if args.verify:
             verify(dataset_dir)
             print(f"dataset: verified {dataset_dir} (every file matches its sha256 in meta.json)")
-    except (configuration.ConfigError, DataError) as error:
+    except Refusal as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except OSError as error:
         print(f"{prog}: error: {os_error_message(error)}", file=sys.stderr)
         return 2
