@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import Config
+from pretrain.peer_loss import peer_gone
 from pretrain.refusal import Refusal
 
 CUDA_DEVICE_INDEX_VAR = "LAUNCHER_CUDA_DEVICE_INDEX"
@@ -167,7 +168,16 @@ def shutdown(runtime: Runtime, peers_alive: bool) -> None:
     abort with SIGABRT. After a failure there is no barrier, since the peers may never arrive."""
     if dist.is_initialized():  # also the one-process group of FSDP with CPU offload (pretrain/parallel.py)
         if peers_alive and runtime.distributed:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError as error:
+                if peer_gone(error) is None:
+                    raise
+                # A peer that passed the barrier can exit, closing its connection, before gloo here
+                # has taken the barrier's last message: "Connection closed by peer" after the run
+                # ended together. This rank's work is done (a peer that crashed instead reports its
+                # own exit code to the launcher): leave the broken group to the process's exit.
+                return
         elif runtime.distributed and "nccl" in str(dist.get_backend()):
             # After a failure NCCL's destroy can block on peers that will never come: leave the
             # group to the process's exit (the launcher tears the other ranks down).

@@ -13,7 +13,7 @@ import torch
 
 from pretrain import config as cfg
 from pretrain import runtime
-from pretrain.runtime import RuntimeSetupError, choose_device
+from pretrain.runtime import Runtime, RuntimeSetupError, choose_device
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = ("GPU_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LAUNCHER_CUDA_DEVICE_INDEX")
@@ -160,3 +160,29 @@ def test_the_entry_point_asks_for_expandable_segments_unless_the_user_chose_an_a
     assert (
         seen_by_torch(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")[1] == "allocator when torch loads: max_split_size_mb:512"
     )
+
+
+def _ended_together(monkeypatch, barrier_error: RuntimeError) -> list[str]:
+    """shutdown after a run that ended together, its final barrier raising barrier_error."""
+    calls: list[str] = []
+
+    def barrier() -> None:
+        calls.append("barrier")
+        raise barrier_error
+
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime.dist, "barrier", barrier)
+    monkeypatch.setattr(runtime.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    runtime.shutdown(Runtime(rank=0, world_size=2, device=torch.device("cpu"), label="CPU0"), peers_alive=True)
+    return calls
+
+
+def test_a_peer_that_closes_its_connection_after_the_final_barrier_ends_no_run_in_error(monkeypatch):
+    # Seen in a two-node Ctrl-C: rank 1 passed the barrier and exited before gloo on rank 0 took its last message.
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2978")
+    assert _ended_together(monkeypatch, gone) == ["barrier"]  # no error, and no destroy on a broken group
+
+
+def test_any_other_error_in_the_final_barrier_is_raised(monkeypatch):
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _ended_together(monkeypatch, RuntimeError("CUDA out of memory"))
