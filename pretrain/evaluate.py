@@ -23,7 +23,7 @@ from pretrain import config as cfg
 from pretrain import hellaswag
 from pretrain.choices import score
 from pretrain.command_name import command_name
-from pretrain.export import (
+from pretrain.checkpoint_reading import (
     OneLineParser,
     add_checkpoint_argument,
     find_checkpoint,

@@ -24,7 +24,7 @@ from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.command_name import command_name
-from pretrain.export import (
+from pretrain.checkpoint_reading import (
     OneLineParser,
     add_checkpoint_argument,
     find_checkpoint,

@@ -94,7 +94,7 @@ class TokenizerUnavailable(Exception):
 
 def tokenizer_definition(config: Config, tokenizer_file: Path | None) -> tuple[dict[str, Any], int]:
     """(the tokenizer.json content, the end-of-text id) of the run's tokenizer."""
-    from pretrain.export import shards_without_tokenizer  # pretrain.export imports this module
+    from pretrain.checkpoint_reading import shards_without_tokenizer  # it loads torch, which writing a tokenizer does not need
 
     data = config.data
     without = "so the export has no tokenizer files"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 def load_task(config: Config, tokenizer_file: Path | None) -> TaskExamples | None:
     """The examples of evaluation.data in the run's tokens (None: no benchmark); DataError when the
     file or the tokenizer cannot be had (the launcher has checked the file before the workers)."""
-    from pretrain.export import open_tokenizer  # only a run with a benchmark needs it
+    from pretrain.checkpoint_reading import open_tokenizer  # only a run with a benchmark needs it
 
     e = config.evaluation
     if not e.data:

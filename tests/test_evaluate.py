@@ -17,7 +17,7 @@ from pretrain import config as cfg
 from pretrain.choices import score
 from pretrain.data.tokenizer import ByteTokenizer
 from pretrain.evaluate import main
-from pretrain.export import read_checkpoint
+from pretrain.checkpoint_reading import read_checkpoint
 from pretrain.generate import load_model
 from pretrain.hellaswag import encode, load, longest_row
 from pretrain.metrics import read_metrics

@@ -16,14 +16,15 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from conftest import launcher_env
 from pretrain import checkpoint
-from pretrain import export as export_module
+from pretrain import checkpoint_reading
 from pretrain import safetensors_shards
 from pretrain.checkpoint import CheckpointError
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.export import default_output, export, find_checkpoint, find_tokenizer_file, load_exported, main
+from pretrain.checkpoint_reading import find_checkpoint, find_tokenizer_file
+from pretrain.export import default_output, export, load_exported, main
 from pretrain.model import Transformer
 from pretrain.runtime import Runtime, setup_logging
 from pretrain.build import Trainer, build
@@ -206,8 +207,8 @@ def test_export_looks_nothing_up_and_copies_only_the_tokenizer_it_is_given(bpe_r
     def no_lookup(*args, **kwargs):
         raise AssertionError("export recomputed the data recipe to find the tokenizer")
 
-    monkeypatch.setattr(export_module, "recipe_for", no_lookup)  # finding the dataset: may hash files, reach the Hub
-    monkeypatch.setattr(export_module, "huggingface_file", no_lookup)
+    monkeypatch.setattr(checkpoint_reading, "recipe_for", no_lookup)  # finding the dataset: may hash files, reach the Hub
+    monkeypatch.setattr(checkpoint_reading, "huggingface_file", no_lookup)
     state = Transformer(config.model, max_seq_len=32).state_dict()
     export(state, config, tmp_path / "given", tokenizer_file=dataset / "tokenizer.json")
     assert (tmp_path / "given" / "tokenizer.json").is_file()

@@ -19,7 +19,7 @@ from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import BYTE_EOT
-from pretrain.export import read_checkpoint
+from pretrain.checkpoint_reading import read_checkpoint
 from pretrain.generate import generate, load_model, main, next_token
 from pretrain.model import Transformer
 from pretrain.runtime import Runtime, setup_logging

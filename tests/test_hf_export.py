@@ -19,7 +19,8 @@ from pretrain import config as cfg
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.data.tokenizer import BYTE_EOT
 from pretrain.evaluate import main as evaluate_main
-from pretrain.export import export, load_exported, read_checkpoint, write_export
+from pretrain.checkpoint_reading import read_checkpoint
+from pretrain.export import export, load_exported, write_export
 from pretrain.export import main as export_main
 from pretrain.generate import generate, load_model
 from pretrain.generate import main as generate_main

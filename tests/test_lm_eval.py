@@ -20,7 +20,7 @@ from pretrain import hellaswag
 from pretrain.choices import TokenLosses, pack
 from pretrain.evaluate import main as evaluate_main
 from pretrain.export import main as export_main
-from pretrain.export import find_checkpoint, find_tokenizer_file, open_tokenizer, read_checkpoint
+from pretrain.checkpoint_reading import find_checkpoint, find_tokenizer_file, open_tokenizer, read_checkpoint
 from pretrain.generate import load_model
 from pretrain.generate import main as generate_main
 from pretrain.runtime import Runtime, setup_logging
