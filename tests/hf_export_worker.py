@@ -8,13 +8,12 @@ Run as: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/hf_
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
-from gloo_rank import report_as_gloo_rank
+from gloo_rank import fsdp_on_cpu, report_as_gloo_rank
 from pretrain import config as cfg
 from pretrain.export import export_model
 from pretrain.model import Transformer
@@ -29,22 +28,7 @@ def tiny_moe() -> cfg.Config:
     model = cfg.ModelConfig(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=257, max_seq_len=CONTEXT, moe=cfg.MoEConfig(4, 2)
     )
-    training = dataclasses.replace(
-        base.training,
-        use_amp=False,
-        compile=False,
-        activation_checkpointing=False,
-        seed=SEED,
-        parallelism="fsdp",
-        cpu_offload=False,
-    )
-    return dataclasses.replace(
-        base,
-        model=model,
-        training=training,
-        data=dataclasses.replace(base.data, context_length=CONTEXT),
-        system=dataclasses.replace(base.system, device="cpu"),
-    )
+    return fsdp_on_cpu(base, model, CONTEXT, SEED)
 
 
 def measure(runtime: Runtime) -> dict:

@@ -20,7 +20,7 @@ from pretrain import config as cfg
 from pretrain.loss import next_token_loss
 from pretrain.model import Transformer
 from pretrain.parallel import parallelize
-from gloo_rank import report_as_gloo_rank
+from gloo_rank import fsdp_on_cpu, report_as_gloo_rank
 from pretrain.runtime import Runtime
 
 CONTEXT, VOCAB, SEED = 16, 512, 1234
@@ -29,22 +29,7 @@ CONTEXT, VOCAB, SEED = 16, 512, 1234
 def production_shaped() -> cfg.Config:
     base = cfg.production()
     model = dataclasses.replace(base.model, n_layers=2, vocab_size=VOCAB)  # dim 4096, 32/8 heads, ffn 14336
-    training = dataclasses.replace(
-        base.training,
-        use_amp=False,
-        compile=False,
-        activation_checkpointing=False,
-        seed=SEED,
-        parallelism="fsdp",
-        cpu_offload=False,
-    )
-    return dataclasses.replace(
-        base,
-        model=model,
-        training=training,
-        data=dataclasses.replace(base.data, context_length=CONTEXT),
-        system=dataclasses.replace(base.system, device="cpu"),
-    )
+    return fsdp_on_cpu(base, model, CONTEXT, SEED)
 
 
 def peak_rss() -> int:

@@ -135,21 +135,25 @@ def test_a_launched_worker_gets_every_variable_torchrun_gives_meaning_the_same(t
     assert [e["TORCHELASTIC_ERROR_FILE"] for e in mine] == [str(run_dir / "logs" / f"cpu{r}.error.json") for r in (0, 1)]
 
 
-def test_a_worker_wrapped_in_torchs_record_writes_its_error_file_beside_its_log(tmp_path):
-    run_dir = tmp_path / "run"
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "logs" / "cpu0.error.json").write_text("an earlier launch's error")
-    script = tmp_path / "fails.py"
-    script.write_text(RECORDED_FAILURE)
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--run-dir", str(run_dir)]
-        + ["--", sys.executable, str(script)],
+def launch_two_cpu_workers(script: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """python -m launcher --device cpu --nproc 2 [options] -- python script."""
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", *options, "--", sys.executable, str(script)],
         cwd=ROOT,
         env=launcher_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_a_worker_wrapped_in_torchs_record_writes_its_error_file_beside_its_log(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "cpu0.error.json").write_text("an earlier launch's error")
+    script = tmp_path / "fails.py"
+    script.write_text(RECORDED_FAILURE)
+    result = launch_two_cpu_workers(script, "--run-dir", str(run_dir))
     assert result.returncode == 1, result.stdout + result.stderr
     error = json.loads((run_dir / "logs" / "cpu1.error.json").read_text())
     assert error["message"]["message"] == "ValueError: rank 1 cannot go on"
@@ -159,15 +163,7 @@ def test_a_worker_wrapped_in_torchs_record_writes_its_error_file_beside_its_log(
 def test_lightning_fabric_under_the_launcher_detects_torchelastic(tmp_path):
     script = tmp_path / "fabric_worker.py"
     script.write_text(FABRIC)
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", "--device", "cpu", "--nproc", "2", "--runs-dir", str(tmp_path)]
-        + ["--", sys.executable, str(script)],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = launch_two_cpu_workers(script, "--runs-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     seen = [json.loads(line.split("FABRIC ", 1)[1]) for line in result.stdout.splitlines() if "FABRIC " in line]
     assert sorted(seen, key=lambda worker: worker["global_rank"]) == [
