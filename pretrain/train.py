@@ -32,7 +32,7 @@ from pretrain.data.prepare import prepare, sigterm_as_exit, stop_signal
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.debug import NumericalFailure
 from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST, by_signal
-from pretrain.hf_checkpoint import HfCheckpoint, check_fits, find_checkpoint
+from pretrain.hf_checkpoint import HfCheckpoint, check_fits, find_checkpoint, for_workers
 from pretrain.loss import next_token_loss
 from pretrain.refusal import Refusal
 from pretrain.resume import resolve_resume
@@ -333,8 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = cfg.from_args(args)
-        if not config.training.resume:  # a fresh run: a checkpoint to start from is checked before anything starts
-            starting_weights(config, lambda line: print(f"pretrain: {line}", file=sys.stderr, flush=True))
+        if not config.training.resume:  # a fresh run: a checkpoint to start from is checked before anything starts,
+            # and pinned as the launcher pins it (a Hub id at its commit), so train() finds it again in the cache
+            config, _ = for_workers(config, lambda line: print(f"pretrain: {line}", file=sys.stderr, flush=True))
         runtime = init_runtime(config)
     except Refusal as error:
         print(f"pretrain: error: {error}", file=sys.stderr)
