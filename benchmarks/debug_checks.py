@@ -5,7 +5,7 @@ Run from the repository root:
     python benchmarks/debug_checks.py [--device cpu|cuda] [--configs NAME,...] [--steps N] [--warmup N]
                                       [--block N] [--repeats N] [--threads N] [--cache-dir DIR] [--quick]
 
-Three settings of the debug section (pretrain/debug.py), on every config of --configs (the
+Three settings of the debug section (pretrain/numerics/debug.py), on every config of --configs (the
 workloads of benchmarks/train.py: `debug` is the debug preset's model, `10m` one of ~10M):
 1. off:    debug.check_finite=false, debug.trace_nonfinite=false
 2. checks: debug.check_finite=true,  debug.trace_nonfinite=false (the default of every preset):
@@ -84,7 +84,7 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
     from pretrain import config as cfg
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
-    from pretrain.runtime import Runtime
+    from pretrain.distributed.runtime import Runtime
     from pretrain.build import build
     from pretrain.train import train_step
 

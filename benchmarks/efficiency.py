@@ -15,7 +15,7 @@ with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles ever
 - executed / model FLOPs: torch's FlopCounterMode over forward, backward and optimizer of one
   step (pretrain.train.train_step, every micro-batch) at the preset's own geometry (batch,
   context, micro-batches), counted on the meta device so that no memory or time is needed,
-  divided by the model FLOPs the step line's MFU uses (pretrain/metrics.py flops_per_token x
+  divided by the model FLOPs the step line's MFU uses (pretrain/observe/metrics.py flops_per_token x
   tokens). FlopCounterMode counts matmuls and attention, not element-wise ops. The count is one
   rank's: DDP and FSDP add no counted FLOPs, except Muon's orthogonalization, whose part is
   scaled by the share this rank does (measured in the real run below, largest rank).
@@ -27,7 +27,7 @@ with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles ever
   kind, `.tolist()`, nonzero, boolean-mask indexing, unique, bincount, ...), counted with a
   dispatch mode over steps 1 and 2 (the largest, over the steps and the ranks), so a CPU counts
   what a GPU would pay. The step's one intended sync is the finite check
-  (pretrain/debug.py agree_on_step). torch AdamW's `step` counters, in host memory on a GPU too,
+  (pretrain/numerics/debug.py agree_on_step). torch AdamW's `step` counters, in host memory on a GPU too,
   are left out by identity.
 - collective bytes per token, per kind: the payload each rank hands to collectives in a step
   (the gathered tensor of an all-gather, the input of a reduce-scatter, the buffer of an

@@ -274,7 +274,7 @@ def short_reason(reason: str) -> str:
 def newton_schulz_flops(shape: Iterable[int], steps: int) -> float:
     """Matmul FLOPs of Newton-Schulz on a (..., m, n) batch: per iteration and matrix, with
     s = min(m, n) and l = max(m, n), the Gram matrix (2 s^2 l), its square (2 s^3) and the
-    product with x (2 s^2 l): what FlopCounterMode counts of pretrain/muon.py's newton_schulz."""
+    product with x (2 s^2 l): what FlopCounterMode counts of pretrain/optim/muon.py's newton_schulz."""
     *batch, m, n = shape
     small, large = min(m, n), max(m, n)
     return math.prod(batch) * steps * (4.0 * small * small * large + 2.0 * small**3)
@@ -302,9 +302,9 @@ class Orthogonalizations:
 
 
 def hidden_matrix_flops(named_parameters: Iterable[tuple[str, torch.Tensor]], steps: int) -> float:
-    """Newton-Schulz FLOPs of every hidden matrix (pretrain/muon.py's is_hidden_matrix: a matrix
+    """Newton-Schulz FLOPs of every hidden matrix (pretrain/optim/muon.py's is_hidden_matrix: a matrix
     inside a block), at its whole (unsharded) shape: what one rank does alone."""
-    from pretrain.muon import is_hidden_matrix
+    from pretrain.optim.muon import is_hidden_matrix
 
     return sum(newton_schulz_flops(p.shape, steps) for name, p in named_parameters if is_hidden_matrix(name, p))
 

@@ -10,7 +10,7 @@ patched stays out of the real runs). `run` is one rank of a group that runs ever
 the imports and the group are paid once). Both build the trainer with the project's own
 pretrain.build.build and step it with pretrain.train.train_step and evaluate, so what is counted
 is what training runs. The config is the row's with the decisions the launcher's memory plan
-makes for a GPU of --plan-gpu-gib (pretrain/memory_plan.py plan_parallelism): the counts follow
+makes for a GPU of --plan-gpu-gib (pretrain/plan/parallelism.py plan_parallelism): the counts follow
 the choices a GPU run would get, whatever device measures them. Results are written as JSON lists
 (`run`: RESULTS.rank<r>), one entry per row, {"error": ...} for a row that failed.
 """
@@ -37,13 +37,14 @@ import torch  # noqa: E402
 
 from benchmarks import efficiency_counters as counters  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
-from pretrain import memory_plan, parallel  # noqa: E402
+from pretrain.plan import parallelism  # noqa: E402
+from pretrain.distributed import parallel  # noqa: E402
 from pretrain import train as training  # noqa: E402
 from pretrain.build import Trainer, build  # noqa: E402
 from pretrain.data.fitting import fit_to_dataset  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
-from pretrain.metrics import flops_per_token  # noqa: E402
-from pretrain.runtime import Runtime, exit_process, init_runtime, shutdown  # noqa: E402
+from pretrain.observe.metrics import flops_per_token  # noqa: E402
+from pretrain.distributed.runtime import Runtime, exit_process, init_runtime, shutdown  # noqa: E402
 
 GIB = 2**30
 PLANNED = ("parallelism", "cpu_offload", "activation_checkpointing", "loss_chunk_tokens", "reshard_after_forward")
@@ -74,7 +75,7 @@ def planned(job: dict[str, Any]) -> tuple[cfg.Config, cfg.Config, Path]:
     decisions for the row's world size on a GPU of job["plan_gpu_bytes"]."""
     world = job["ranks"]
     true_config, dataset = resolved(job["preset"], job["true_sets"], world)
-    true_config, _ = memory_plan.plan_parallelism(true_config, world, job["plan_gpu_bytes"], None, world)
+    true_config, _ = parallelism.plan_parallelism(true_config, world, job["plan_gpu_bytes"], None, world)
     run_config, _ = resolved(job["preset"], job["run_sets"], world)
     t, r = true_config.training, run_config.training
     decided = {name: getattr(t, name) for name in PLANNED if hasattr(t, name)}
@@ -163,7 +164,7 @@ def count(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def gathered_bytes(model: torch.nn.Module, use_amp: bool) -> int:
-    """The bytes of one all-gather of every weight as FSDP2 gathers them here (pretrain/parallel.py
+    """The bytes of one all-gather of every weight as FSDP2 gathers them here (pretrain/distributed/parallel.py
     shard): bf16 under use_amp, except the embedding, gathered in fp32."""
     embedding = {id(p) for p in model.tok_embed.parameters()}  # type: ignore[union-attr]
     return sum(p.numel() * (4 if id(p) in embedding or not use_amp else 2) for p in model.parameters())

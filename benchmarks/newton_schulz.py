@@ -1,4 +1,4 @@
-"""Benchmark: the time of Muon's orthogonalization (pretrain/muon.py) of one update matrix.
+"""Benchmark: the time of Muon's orthogonalization (pretrain/optim/muon.py) of one update matrix.
 
 Run from the repository root:
 

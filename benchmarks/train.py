@@ -12,7 +12,7 @@ failure (an out-of-memory error) are its own:
    rank, one micro-batch per step. The --warmup steps are timed apart (they include compiling)
    and left out of steps/s and tokens/s; CUDA is synchronized before each clock read. Peak
    memory: CUDA max_memory_allocated; CPU the growth of the peak resident set (ru_maxrss) over
-   the resident set just before build(). MFU on CUDA when pretrain/metrics.py exists.
+   the resident set just before build(). MFU on CUDA when pretrain/observe/metrics.py exists.
    CUDA: bf16 autocast, each config compiled and not (training.compile); CPU: fp32, not compiled.
 2. `chunked_cross_entropy(hidden, output, targets, chunk)` forward + backward, N tokens against
    Llama-3's 128256-token vocabulary, for several chunk sizes (0: the whole batch at once). Peak
@@ -199,9 +199,9 @@ def is_compiled(model: Any) -> bool:
 
 
 def mfu(model_cfg: Any, seq_len: int, tokens_per_s: float, device_name: str) -> float | None:
-    """Model FLOPs utilisation against the GPU's dense bf16 peak, when pretrain.metrics exists."""
+    """Model FLOPs utilisation against the GPU's dense bf16 peak, when pretrain.observe.metrics exists."""
     try:
-        from pretrain import metrics
+        from pretrain.observe import metrics
     except ImportError:
         return None
     peak = metrics.peak_bf16_flops(device_name)
@@ -216,7 +216,7 @@ def measure_training(job: dict[str, Any]) -> dict[str, Any]:
     from pretrain import config as cfg
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
-    from pretrain.runtime import Runtime
+    from pretrain.distributed.runtime import Runtime
     from pretrain.build import build
     from pretrain.train import train_step
 
@@ -282,7 +282,7 @@ def measure_cross_entropy(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from pretrain.loss import chunked_cross_entropy
+    from pretrain.model.loss import chunked_cross_entropy
 
     device = bench_device(job["device"])
     torch.manual_seed(0)  # the same inputs in every variant's process, so their losses must agree

@@ -18,24 +18,29 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher import address_space, devices, gpu_table, multinode, nvml, outcome, run_lock, torchrun_env
+from launcher import address_space
+from launcher.gpus import nvml, selection, table
+from launcher.nodes import multinode
+from launcher.supervise import outcome
+from launcher.rundir import lock
+from launcher.processes import torchrun_env
 from launcher.address_space import is_out_of_memory, refusal
 from launcher.errors import UsageError
 from launcher.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_NO_ADDRESS_SPACE, EXIT_USAGE, by_signal
-from launcher.run_dirs import cannot_create, own_run_dir, resume_point, run_dir_path
+from launcher.rundir.choice import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.compile_cache import kernel_cache_dir
-from launcher.nodes import Layout
-from launcher.rendezvous import Node, NodeInterrupted, NodeStopped
-from launcher.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
-from launcher.printer import Printer, use_colour
-from launcher.supervisor import Supervisor, SupervisorOptions
-from launcher.worker import StartError, Worker, check_runnable, with_package_root, without_package_root, worker_env
+from launcher.nodes.node import Layout
+from launcher.nodes.rendezvous import Node, NodeInterrupted, NodeStopped
+from launcher.gpus.placement import DEFAULT_CPU_WORKERS, GpuOptions, Placement, place
+from launcher.supervise.printer import Printer, use_colour
+from launcher.supervise.supervisor import Supervisor, SupervisorOptions
+from launcher.processes.worker import StartError, Worker, check_runnable, with_package_root, without_package_root, worker_env
 from pretrain import config as cfg
-from pretrain import exit_codes
-from pretrain.command_name import command_name
-from pretrain.refusal import Refusal
-from pretrain.thread_env import bad_thread_variable
-from pretrain.runfiles import (
+from pretrain.run import exit_codes
+from pretrain.run.command_name import command_name
+from pretrain.run.refusal import Refusal
+from pretrain.run.thread_env import bad_thread_variable
+from pretrain.run.files import (
     CACHE_DIR_VAR,
     PACKAGE_ROOT,
     RUNS_DIR_VAR,
@@ -114,17 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
 def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-free-memory",
-        default=devices.DEFAULT_MIN_FREE_MEMORY,
+        default=selection.DEFAULT_MIN_FREE_MEMORY,
         metavar="AMOUNT",
         help="a GPU is free with at least this much memory free: a share of its memory "
-        "(90%%) or an amount (20GiB) (default: " + devices.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")",
+        "(90%%) or an amount (20GiB) (default: " + selection.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")",
     )
     parser.add_argument(
         "--max-utilization",
-        default=f"{devices.DEFAULT_MAX_UTILIZATION:g}",
+        default=f"{selection.DEFAULT_MAX_UTILIZATION:g}",
         metavar="PERCENT",
         help="a GPU is free when busy at most this share of the time, averaged over "
-        f"{nvml.UTILIZATION_WINDOW:g} s (default: {devices.DEFAULT_MAX_UTILIZATION:g})",
+        f"{nvml.UTILIZATION_WINDOW:g} s (default: {selection.DEFAULT_MAX_UTILIZATION:g})",
     )
 
 
@@ -135,7 +140,7 @@ def show_gpus(argv: Sequence[str]) -> int:
     )
     add_criteria_arguments(parser)
     args = parser.parse_args(argv)
-    criteria = devices.Criteria.parse(args.min_free_memory, args.max_utilization)
+    criteria = selection.Criteria.parse(args.min_free_memory, args.max_utilization)
     # What applies to a listing (not the training launch's --device cpu): why there is nothing to list.
     try:
         gpus = nvml.discover()
@@ -146,8 +151,8 @@ def show_gpus(argv: Sequence[str]) -> int:
         raise UsageError(str(error).removesuffix(", or use --device cpu")) from None
     if not gpus:
         raise UsageError("the NVIDIA driver reports no GPU: none to show; `nvidia-smi -L` lists what it sees")
-    visible = devices.visible_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    print(gpu_table.render([devices.judge(gpu, criteria, visible) for gpu in gpus]))
+    visible = selection.visible_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    print(table.render([selection.judge(gpu, criteria, visible) for gpu in gpus]))
     return 0
 
 
@@ -185,7 +190,7 @@ def make_workers(
     where this node's workers sit in a job of several nodes (default: this machine alone).
     compile_cache: their TORCHINDUCTOR_CACHE_DIR (launcher/compile_cache.py), None for torch's default.
     run_dir names the run (TORCHELASTIC_RUN_ID); each worker's TORCHELASTIC_ERROR_FILE is in
-    logs_dir, beside its log (launcher/torchrun_env.py); without them, both are empty."""
+    logs_dir, beside its log (launcher/processes/torchrun_env.py); without them, both are empty."""
     layout = layout or Layout(placement.world_size)
     port, cpus = master_port or free_port(), os.cpu_count() or 1
     base = dict(os.environ)
@@ -232,7 +237,7 @@ def check_command(command: list[str]) -> None:
 
 def prepare_training(config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None) -> cfg.Config:
     """Prepare the dataset once (per node), check one global batch fits the data and the model
-    fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/memory_plan.py), before
+    fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/plan/parallelism.py), before
     anything is spawned or written; return the config as the workers will run it (training.parallelism
     "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
     In a job of several nodes, the whole job's worker count and smallest GPU decide."""
@@ -241,11 +246,12 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
-    from pretrain.memory_plan import host_memory_bytes, plan_parallelism, planned_gpu_memory, with_gpu_memory
+    from pretrain.plan.parallelism import host_memory_bytes, plan_parallelism, planned_gpu_memory, with_gpu_memory
 
-    from pretrain import hellaswag, wandb_log
-    from pretrain.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
-    from pretrain.hf_checkpoint import check_fits, for_workers
+    from pretrain.evaluation import hellaswag
+    from pretrain.observe import wandb_log
+    from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
+    from pretrain.hf.init_checkpoint import check_fits, for_workers
 
     if config.logging.wandb and not wandb_log.is_installed():
         raise UsageError(wandb_log.MISSING)
@@ -320,7 +326,7 @@ def run(argv: Sequence[str]) -> int:
     check_seconds("--node-timeout", args.node_timeout, 1, MAX_STOP_TIMEOUT)
     if args.hang_timeout is not None:
         check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
-    if problem := bad_thread_variable(os.environ):  # the workers get them (launcher/worker.py)
+    if problem := bad_thread_variable(os.environ):  # the workers get them (launcher/processes/worker.py)
         raise UsageError(problem)
     spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     set_roots(args.runs_dir, args.cache_dir)
@@ -375,7 +381,7 @@ def run_placed(
             console.launcher_line(
                 f"warning: --run-dir {args.run_dir} is not node 0's; every node uses node 0's, {plan['run_dir']}"
             )
-        owned = own_run_dir(Path(plan["run_dir"]), lock_name=run_lock.node_lock_name(node.rank))
+        owned = own_run_dir(Path(plan["run_dir"]), lock_name=lock.node_lock_name(node.rank))
         config = dataclasses.replace(config, training=dataclasses.replace(config.training, resume=plan["resume"]))
         master_port = int(plan["worker_port"])
     else:
@@ -457,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = run(sys.argv[1:] if argv is None else argv)
     except BrokenPipeError:
         # The reader of our output went away (`| head`) before a worker started; afterwards the
-        # supervisor stops the run gracefully instead (launcher/printer.py on_console_closed).
+        # supervisor stops the run gracefully instead (launcher/supervise/printer.py on_console_closed).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         code = EXIT_BROKEN_PIPE
     except NodeStopped as stopped:
@@ -468,8 +474,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = by_signal(interrupted.interrupt.signum)
     except Refusal as error:  # bad input, one line: 2; a worker's command: 126 or 127; a lost run directory: 74
         print(f"launcher: error: {error}", file=sys.stderr)
-        if isinstance(error, devices.DeviceError) and error.verdicts:
-            print(gpu_table.render(error.verdicts), file=sys.stderr)
+        if isinstance(error, selection.DeviceError) and error.verdicts:
+            print(table.render(error.verdicts), file=sys.stderr)
         code = error.exit_code
     except OSError as error:  # an unwritable cache directory, a full disk, no memory left to fork
         print(f"launcher: error: {refusal() if is_out_of_memory(error) else os_error_message(error)}", file=sys.stderr)

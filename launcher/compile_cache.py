@@ -25,8 +25,8 @@ from pathlib import Path
 
 from launcher.errors import UsageError
 from pretrain.config import Config
-from pretrain.runfiles import CACHE_DIR_VAR, cache_root
-from pretrain.shared_cache import make_dirs, user_name
+from pretrain.run.files import CACHE_DIR_VAR, cache_root
+from pretrain.run.shared_cache import make_dirs, user_name
 
 VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -34,7 +34,7 @@ VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 def kernel_cache_dir(config: Config, device: str, warn: Callable[[str], None]) -> str | None:
     """The compiled-kernel directory the workers of config get, created; None when the run does
     not compile (torch's default then). UsageError when a user-set directory cannot be written."""
-    from pretrain.compile_prerequisites import compile_requested
+    from pretrain.plan.compile_prerequisites import compile_requested
 
     if not compile_requested(config, device):
         return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pretrain.refusal import Refusal
+from pretrain.run.refusal import Refusal
 
 
 class UsageError(Refusal):

@@ -20,20 +20,20 @@ import sys  # noqa: E402
 # NVML, nvidia-smi and system.device_id do. CUDA's default puts the fastest GPU first, so
 # on a mixed machine device_id 1 could be another GPU than nvidia-smi's GPU 1.
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-# As the launcher gives its workers (launcher/worker.py): segments that grow in place, for far
+# As the launcher gives its workers (launcher/processes/worker.py): segments that grow in place, for far
 # less fragmentation when allocation sizes vary (FSDP's gathered groups, the chunked loss).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 # Before torch reads them: a thread count that is not one (OMP_NUM_THREADS=abc) would cost a
 # libgomp warning and a run on all cores, or a ValueError at the first compile.
-from pretrain.exit_codes import BAD_INPUT  # noqa: E402
-from pretrain.thread_env import bad_thread_variable  # noqa: E402
+from pretrain.run.exit_codes import BAD_INPUT  # noqa: E402
+from pretrain.run.thread_env import bad_thread_variable  # noqa: E402
 
 if __name__ == "__main__" and (problem := bad_thread_variable(os.environ)):
     print(f"pretrain: error: {problem}", file=sys.stderr)
     sys.exit(BAD_INPUT)
 
-from pretrain.runtime import exit_process  # noqa: E402
+from pretrain.distributed.runtime import exit_process  # noqa: E402
 from pretrain.train import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -15,19 +15,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import memory, memory_plan, parallel
+from pretrain.plan import gpu_memory as memory, parallelism as memory_plan
+from pretrain.distributed import parallel
 from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data import DataError
 from pretrain.data.loader import TokenIdError, TrainBatches, validation_batches
-from pretrain.debug import FirstNonFinite
-from pretrain.metrics import MetricsLog
-from pretrain.wandb_log import WandbRun
-from pretrain.model import Transformer
-from pretrain.optim import build_optimizer
-from pretrain.runtime import Runtime
-from pretrain.hellaswag import TaskExamples
-from pretrain.stopping import StopRequest
+from pretrain.numerics.debug import FirstNonFinite
+from pretrain.observe.metrics import MetricsLog
+from pretrain.observe.wandb_log import WandbRun
+from pretrain.model.transformer import Transformer
+from pretrain.optim.optimizers import build_optimizer
+from pretrain.distributed.runtime import Runtime
+from pretrain.evaluation.hellaswag import TaskExamples
+from pretrain.run.stopping import StopRequest
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Trainer:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """The last step's auxiliary losses (a mixture of experts' load balancing), this rank's, by name."""
     task: TaskExamples | None = None
-    """With evaluation.data: the benchmark's examples, scored during training (pretrain/task_eval.py)."""
+    """With evaluation.data: the benchmark's examples, scored during training (pretrain/evaluation/task_eval.py)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -81,7 +82,7 @@ def gpu_memory(config: Config, device: torch.device) -> int | None:
 
 def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
     """The config as the launcher's plan makes it concrete (training.parallelism, cpu_offload,
-    activation_checkpointing, loss_chunk_tokens, reshard_after_forward: pretrain/memory_plan.py),
+    activation_checkpointing, loss_chunk_tokens, reshard_after_forward: pretrain/plan/parallelism.py),
     and the mode: fsdp with CPU offload (even for one process), else single for one process,
     else the planned mode. A run that cannot fit the GPU fails here, before the model is built.
     Under the launcher everything is decided already and this only checks it; run without it,

@@ -49,26 +49,26 @@ class FeedForwardKind:
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
-    "adamw": OptimizerKind("pretrain.optim:build_adamw", state_bytes_per_param=8),
+    "adamw": OptimizerKind("pretrain.optim.optimizers:build_adamw", state_bytes_per_param=8),
     # Muon keeps one fp32 momentum per matrix entry, AdamW two moments for the rest: 8 bounds both.
-    "muon": OptimizerKind("pretrain.muon:build_muon", state_bytes_per_param=8),
+    "muon": OptimizerKind("pretrain.optim.muon:build_muon", state_bytes_per_param=8),
 }
 
 ORTHOGONALIZERS: dict[str, str] = {
     # (update (..., m, n), steps) -> the update with its singular values near 1 (training.muon_orthogonalize)
-    "newton_schulz": "pretrain.muon:newton_schulz",
-    "svd": "pretrain.muon:svd_orthogonalize",
+    "newton_schulz": "pretrain.optim.muon:newton_schulz",
+    "svd": "pretrain.optim.muon:svd_orthogonalize",
 }
 
 LR_SCHEDULES: dict[str, str] = {
-    "cosine": "pretrain.schedule:warmup_cosine",  # (step, TrainingConfig) -> learning rate
+    "cosine": "pretrain.optim.schedule:warmup_cosine",  # (step, TrainingConfig) -> learning rate
 }
 
 FEED_FORWARDS: dict[str, FeedForwardKind] = {
     # SwiGLU: w1, w3 (dim -> ffn_dim) and w2 (ffn_dim -> dim); it keeps w1's and w3's outputs,
     # silu's output and the gated product (w2's input) for the backward pass.
     "swiglu": FeedForwardKind(
-        "pretrain.feed_forward:SwiGLU",
+        "pretrain.model.feed_forward:SwiGLU",
         parameters=lambda m: 3 * m.dim * m.ffn_dim,
         saved_per_token=lambda m: 4 * m.ffn_dim,
         llama_layout=True,
@@ -77,7 +77,7 @@ FEED_FORWARDS: dict[str, FeedForwardKind] = {
     # SwiGLU experts; a token runs through top_k of them, and each keeps SwiGLU's four values per
     # routed token, capacity_factor-padded.
     "moe": FeedForwardKind(
-        "pretrain.moe:MixtureOfExperts",
+        "pretrain.model.moe:MixtureOfExperts",
         parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.num_experts * m.dim * m.ffn_dim,
         saved_per_token=lambda m: m.moe.num_experts + int(4 * m.ffn_dim * m.moe.top_k * m.moe.capacity_factor) + 2 * m.dim,
         active_parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.top_k * m.dim * m.ffn_dim,

@@ -3,8 +3,8 @@
 One process trains on one device. Under the launcher (or torchrun) the processes form a
 DDP group; alone, the same code trains a single process. The build phase (the Trainer, and
 how the ranks share the model) is pretrain/build.py; the step line's measurements are
-pretrain/step_line.py; what a step with NaN or Inf does is pretrain/nonfinite.py; the optimizer
-and the loss are pretrain/optim.py and pretrain/loss.py."""
+pretrain/observe/step_line.py; what a step with NaN or Inf does is pretrain/numerics/nonfinite.py; the optimizer
+and the loss are pretrain/optim/optimizers.py and pretrain/model/loss.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, debug, export, nonfinite, parallel, peer_loss, task_eval
+from pretrain.checkpoint import save_restore as checkpoint
+from pretrain.numerics import debug, nonfinite
+from pretrain.hf import export
+from pretrain.distributed import parallel, peer_loss
+from pretrain.evaluation import task_eval
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
 from pretrain.config import Config
@@ -30,18 +34,18 @@ from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.hub import choose_hub_files, follow_checkpoint
 from pretrain.data.prepare import prepare, sigterm_as_exit, stop_signal
 from pretrain.data.tokenizer import TOKENIZER_FILE
-from pretrain.debug import NumericalFailure
-from pretrain.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST, by_signal
-from pretrain.hf_checkpoint import HfCheckpoint, check_fits, find_checkpoint, for_workers
-from pretrain.loss import next_token_loss
-from pretrain.refusal import Refusal
-from pretrain.resume import resolve_resume
-from pretrain.runfiles import create_run_dir, new_run_id, os_error_message, runs_root
-from pretrain.runtime import Runtime, init_runtime, mean_across_ranks, setup_logging, shutdown
-from pretrain.init_from import load_weights
-from pretrain.step_line import step_line, throughput
-from pretrain.schedule import lr_at
-from pretrain.stopping import Stopped
+from pretrain.numerics.debug import NumericalFailure
+from pretrain.run.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST, by_signal
+from pretrain.hf.init_checkpoint import HfCheckpoint, check_fits, find_checkpoint, for_workers
+from pretrain.model.loss import next_token_loss
+from pretrain.run.refusal import Refusal
+from pretrain.checkpoint.resume import resolve_resume
+from pretrain.run.files import create_run_dir, new_run_id, os_error_message, runs_root
+from pretrain.distributed.runtime import Runtime, init_runtime, mean_across_ranks, setup_logging, shutdown
+from pretrain.hf.init_from import load_weights
+from pretrain.observe.step_line import step_line, throughput
+from pretrain.optim.schedule import lr_at
+from pretrain.run.stopping import Stopped
 
 
 # --- fit ------------------------------------------------------------------------------
@@ -54,7 +58,7 @@ def autocast(trainer: Trainer):
 def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step over grad_accum_nums micro-batches: (local loss, grad norm, lr).
     A step whose loss or gradient norm is not finite on any rank updates nothing: it is
-    skipped or stops the run (debug.on_nonfinite; see pretrain/debug.py)."""
+    skipped or stops the run (debug.on_nonfinite; see pretrain/numerics/debug.py)."""
     t, device = trainer.config.training, trainer.runtime.device
     lr = lr_at(step, t)
     for group in trainer.optimizer.param_groups:
@@ -196,7 +200,7 @@ def fit(trainer: Trainer) -> None:
 
 
 def export_final(trainer: Trainer, final_checkpoint: Path) -> Path | None:
-    """Rank 0 writes <run dir>/export/ in Hugging Face form (pretrain/export.py): the weights in
+    """Rank 0 writes <run dir>/export/ in Hugging Face form (pretrain/hf/export.py): the weights in
     bf16, config.json (exported_from: the final checkpoint), generation_config.json and the
     tokenizer's files. Under FSDP every rank takes part in gathering each weight in turn; no rank
     holds the whole model."""
@@ -324,7 +328,7 @@ def unexpected_error() -> int:
 def lost_peer(error: BaseException, words: str, log: logging.Logger) -> int:
     """A collective broke because another rank went away: a consequence of that rank's failure,
     said in one line (the traceback goes to this worker's log), and PEER_LOST, on which the
-    launcher waits for the cause instead of blaming this rank (pretrain/peer_loss.py)."""
+    launcher waits for the cause instead of blaming this rank (pretrain/distributed/peer_loss.py)."""
     peer_loss.report(error, words, log)
     return PEER_LOST
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain import checkpoint
+from pretrain.checkpoint import save_restore
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.runtime import Runtime, setup_logging
+from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.build import Trainer, build
 from pretrain.train import train_step
 
@@ -44,7 +44,7 @@ def trained_trainer(cache: Path, tmp_path: Path) -> tuple[Trainer, Path]:
     trainer = make_trainer(cache, tmp_path / "run")
     for step in range(2):
         train_step(trainer, step)
-    return trainer, checkpoint.save(trainer, 2, trainer.run_dir)
+    return trainer, save_restore.save(trainer, 2, trainer.run_dir)
 
 
 def draws() -> tuple[torch.Tensor, float, np.ndarray]:

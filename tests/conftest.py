@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(autouse=True)
 def private_gpu_claims(monkeypatch):
     """No test claims a GPU of the machine it runs on, or meets another test's claims:
-    each test has claim names of its own (launcher/claims.py)."""
+    each test has claim names of its own (launcher/gpus/claims.py)."""
     monkeypatch.setenv("LAUNCHER_CLAIMS_NAMESPACE", f"gpu-launcher-test-{uuid.uuid4().hex[:12]}")
 
 
@@ -127,7 +127,7 @@ def processes() -> Iterator[Callable[..., subprocess.Popen]]:
 
 @pytest.fixture
 def scripted_gpus(tmp_path, monkeypatch):
-    """Make NVML see a scripted machine (launcher/scripted_nvml.py), here and in the
+    """Make NVML see a scripted machine (launcher/gpus/scripted_nvml.py), here and in the
     launchers a test starts: scripted_gpus([{}, {"utilization": [90]}]) is two H100s, one busy."""
 
     def make(gpus: list[dict], driver: bool = True) -> Path:

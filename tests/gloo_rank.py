@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pretrain.config import Config, ModelConfig
-from pretrain.runtime import Runtime, exit_process, init_runtime, shutdown
+from pretrain.distributed.runtime import Runtime, exit_process, init_runtime, shutdown
 
 
 def report_as_gloo_rank(config: Config, measure: Callable[[Runtime], object]) -> NoReturn:

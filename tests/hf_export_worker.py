@@ -15,10 +15,10 @@ import torch
 
 from gloo_rank import fsdp_on_cpu, report_as_gloo_rank
 from pretrain import config as cfg
-from pretrain.export import export_model
-from pretrain.model import Transformer
-from pretrain.parallel import parallelize
-from pretrain.runtime import Runtime
+from pretrain.hf.export import export_model
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.parallel import parallelize
+from pretrain.distributed.runtime import Runtime
 
 CONTEXT, SEED = 16, 1234
 

@@ -1,5 +1,5 @@
 """One rank of tests/test_init_from.py: Hugging Face checkpoints (<out>/dense and <out>/moe, written
-by the test) loaded under FSDP2 on two gloo ranks by pretrain/init_from.py. Writes to
+by the test) loaded under FSDP2 on two gloo ranks by pretrain/hf/init_from.py. Writes to
 <out>/rank<r>.json every read this rank made of the checkpoint (tensor, first row, end row) and,
 per parameter, whether the whole tensor its shards make equals what one process loads.
 
@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor
 
 from gloo_rank import report_as_gloo_rank
 from pretrain import config as cfg
-from pretrain import init_from
-from pretrain.hf_checkpoint import read_checkpoint
-from pretrain.model import Transformer
-from pretrain.parallel import parallelize
-from pretrain.runtime import Runtime
+from pretrain.hf import init_from
+from pretrain.hf.init_checkpoint import read_checkpoint
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.parallel import parallelize
+from pretrain.distributed.runtime import Runtime
 
 SEQ = 16
 DENSE = cfg.ModelConfig(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher import nvml
+from launcher.gpus import nvml
 from pretrain import config as cfg
-from pretrain.memory import GIB
+from pretrain.plan.gpu_memory import GIB
 
 GPU_80 = 80 * GIB
 

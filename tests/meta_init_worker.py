@@ -1,5 +1,5 @@
 """One rank of tests/test_meta_init.py: a Llama-3-8B-shaped model cut to two layers and a small
-vocabulary, built on the meta device and materialised under FSDP2 by pretrain/parallel.py, on
+vocabulary, built on the meta device and materialised under FSDP2 by pretrain/distributed/parallel.py, on
 two gloo ranks. Writes to <out>/rank<r>.json this rank's resident memory before building, its peak
 once the model is initialised, the model's whole fp32 size, and the loss of the first batch
 under FSDP and of the same model built whole (eagerly) from the same seed.
@@ -17,11 +17,11 @@ import psutil
 import torch
 
 from pretrain import config as cfg
-from pretrain.loss import next_token_loss
-from pretrain.model import Transformer
-from pretrain.parallel import parallelize
+from pretrain.model.loss import next_token_loss
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.parallel import parallelize
 from gloo_rank import fsdp_on_cpu, report_as_gloo_rank
-from pretrain.runtime import Runtime
+from pretrain.distributed.runtime import Runtime
 
 CONTEXT, VOCAB, SEED = 16, 512, 1234
 

@@ -14,12 +14,12 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pretrain import config as cfg
-from pretrain.model import Transformer
-from pretrain.muon import Muon, build_muon
-from pretrain.muon_sharing import newton_schulz_flops
-from pretrain.parallel import parallelize, unwrap
+from pretrain.model.transformer import Transformer
+from pretrain.optim.muon import Muon, build_muon
+from pretrain.optim.muon_sharing import newton_schulz_flops
+from pretrain.distributed.parallel import parallelize, unwrap
 from gloo_rank import report_as_gloo_rank
-from pretrain.runtime import Runtime
+from pretrain.distributed.runtime import Runtime
 
 CONTEXT, STEPS, LR = 16, 2, 0.02
 

@@ -20,11 +20,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from pretrain import config as cfg
-from pretrain.loss import next_token_loss
-from pretrain.model import Transformer
-from pretrain.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
+from pretrain.model.loss import next_token_loss
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
 from gloo_rank import report_as_gloo_rank
-from pretrain.runtime import Runtime
+from pretrain.distributed.runtime import Runtime
 
 CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 2
 

@@ -14,8 +14,9 @@ import pytest
 
 from conftest import ROOT, launcher_env
 from helpers import run_in_process
-from launcher import address_space, cli
-from launcher.worker import StartError
+from launcher import address_space
+from launcher import cli
+from launcher.processes.worker import StartError
 
 KIB = 1024
 

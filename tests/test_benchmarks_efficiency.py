@@ -15,9 +15,9 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import efficiency, efficiency_counters as counters, efficiency_worker as worker  # noqa: E402
-from pretrain import model as model_module  # noqa: E402
-from pretrain.muon import newton_schulz  # noqa: E402
-from pretrain.runtime import Runtime  # noqa: E402
+from pretrain.model import transformer as model_module  # noqa: E402
+from pretrain.optim.muon import newton_schulz  # noqa: E402
+from pretrain.distributed.runtime import Runtime  # noqa: E402
 
 TINY_MODEL = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "debug.trace_nonfinite=false"]
 

@@ -15,7 +15,7 @@ from benchmarks import features, newton_schulz  # noqa: E402
 from benchmarks.gpu_acceptance import checks, checks_features, procs  # noqa: E402
 from launcher.cli import build_parser  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
-from pretrain.step_line import step_line  # noqa: E402
+from pretrain.observe.step_line import step_line  # noqa: E402
 
 
 @pytest.mark.slow

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import one_line_error
-from pretrain import checkpoint, checkpoint_files
-from pretrain.checkpoint import CheckpointError
-from pretrain.model import Transformer
+from pretrain.checkpoint import files, save_restore as checkpoint
+from pretrain.checkpoint.save_restore import CheckpointError
+from pretrain.model.transformer import Transformer
 from pretrain.build import Trainer
-from pretrain.schedule import lr_at
+from pretrain.optim.schedule import lr_at
 from pretrain.train import train_step
 from checkpointing import assert_same_tensors, draws, make_trainer, trained_trainer
 
@@ -252,7 +252,7 @@ def test_a_name_taken_by_an_earlier_supersede_gets_a_number(tmp_path):
     directory = tmp_path / "checkpoints"
     for name in ("step_1", "step_2", "step_2.superseded"):
         (directory / name).mkdir(parents=True)
-    assert checkpoint_files.supersede_after(directory, 1) == [directory / "step_2.superseded.2"]
+    assert files.supersede_after(directory, 1) == [directory / "step_2.superseded.2"]
 
 
 def test_a_checkpoint_past_the_runs_last_step_is_refused(trained, cache, tmp_path):

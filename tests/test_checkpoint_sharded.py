@@ -22,12 +22,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from conftest import ROOT, free_port, one_line_error
-from pretrain import checkpoint, dcp_files
-from pretrain.checkpoint import CheckpointError
-from pretrain.model import Transformer
-from pretrain.model_state import named_optimizer_state
-from pretrain.parallel import is_fsdp
-from pretrain.runtime import setup_logging
+from pretrain.checkpoint import dcp_files, save_restore as checkpoint
+from pretrain.checkpoint.save_restore import CheckpointError
+from pretrain.model.transformer import Transformer
+from pretrain.checkpoint.model_state import named_optimizer_state
+from pretrain.distributed.parallel import is_fsdp
+from pretrain.distributed.runtime import setup_logging
 from pretrain.build import Trainer, build
 from pretrain.train import train_step
 from checkpointing import assert_same_tensors, make_trainer, resolved, trained_trainer
@@ -155,7 +155,7 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
     """One of two FSDP2 ranks: train 2 steps, save (DCP), train 2 more; a fresh trainer restores
     the save and trains the same 2; a third restores the single-process checkpoint. Writes what
     it saw to out/rank<r>.json and, on rank 0, full tensors to out/*.pt."""
-    from pretrain.runtime import init_runtime, shutdown
+    from pretrain.distributed.runtime import init_runtime, shutdown
 
     config, dataset = resolved(Path(cache), "training.parallelism=fsdp", world_size=2)
     runtime = init_runtime(config)
@@ -210,7 +210,7 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
                 "-c",
                 f"import test_checkpoint_sharded; test_checkpoint_sharded.fsdp_worker({str(cache)!r}, "
                 f"{str(tmp_path)!r}, {str(single_path)!r}); "
-                "from pretrain.runtime import exit_process; exit_process(0)",
+                "from pretrain.distributed.runtime import exit_process; exit_process(0)",
             ],
             cwd=ROOT,
             env=dict(

@@ -1,4 +1,4 @@
-"""Per-GPU claims (launcher/claims.py): a listening Unix socket bound to the abstract name
+"""Per-GPU claims (launcher/gpus/claims.py): a listening Unix socket bound to the abstract name
 `\\0<namespace>/<GPU UUID>`, which other processes see (holder_of, via SO_PEERCRED), which
 exactly one of many claimers gets, which the kernel frees when the holder dies and which
 children do not inherit; and the names that are refused."""
@@ -20,14 +20,14 @@ import psutil
 import pytest
 
 from conftest import launcher_env, one_line_error, wait_until
-from launcher import claims
+from launcher.gpus import claims
 
 UUID = "GPU-12345678-aaaa-bbbb-cccc-dddddddddddd"
 USER = pwd.getpwuid(os.getuid()).pw_name
 
 CLAIM_ONCE = """
 import json, sys
-from launcher import claims
+from launcher.gpus import claims
 result = claims.try_claim(sys.argv[1])
 if isinstance(result, claims.Claim):
     print(json.dumps({"type": "Claim"}))
@@ -37,7 +37,7 @@ else:
 
 CLAIM_AND_SLEEP = """
 import sys, time
-from launcher import claims
+from launcher.gpus import claims
 assert isinstance(claims.try_claim(sys.argv[1]), claims.Claim)
 time.sleep(30)
 """
@@ -46,7 +46,7 @@ time.sleep(30)
 # reports, then keeps what it got until the file `stop` exists.
 CLAIM_ON_GO = """
 import json, os, sys, time
-from launcher import claims
+from launcher.gpus import claims
 go, stop, uuid = sys.argv[1:4]
 print("ready", flush=True)
 while not os.path.exists(go):

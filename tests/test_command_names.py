@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from pretrain.command_name import command_name
+from pretrain.run.command_name import command_name
 
 # The module `python -m` runs for each console command (the launcher's entry point is a wrapper
 # around launcher/__main__.py's).

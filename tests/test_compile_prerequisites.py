@@ -1,4 +1,4 @@
-"""pretrain/compile_prerequisites.py: torch.compile's compiler and Python headers, found missing
+"""pretrain/plan/compile_prerequisites.py: torch.compile's compiler and Python headers, found missing
 before the first forward needs them, and compile turned off with one line."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import ROOT, launcher_env
-from pretrain import compile_prerequisites
-from pretrain.compile_prerequisites import missing_python_headers
+from pretrain.plan import compile_prerequisites
+from pretrain.plan.compile_prerequisites import missing_python_headers
 from pretrain.config import Config, DebugConfig, TrainingConfig
-from pretrain.parallel import compile_enabled
+from pretrain.distributed.parallel import compile_enabled
 
 
 def asking_for_compile() -> Config:

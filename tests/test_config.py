@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pretrain import config as cfg
-from pretrain import config_reference
-from pretrain.config_loading import loads_strictly
-from pretrain.config_schema import MAX_STEPS
+from pretrain.config import reference
+from pretrain.config.loading import loads_strictly
+from pretrain.config.schema import MAX_STEPS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
@@ -304,14 +304,14 @@ def test_reference_table_lists_every_key_the_users_know():
 
 
 def test_docs_config_md_is_what_the_generator_makes_from_the_code():
-    on_disk = config_reference.REFERENCE.read_text(encoding="utf-8")
-    assert on_disk == config_reference.render(), (
-        f"docs/config.md is stale (a config field or its docstring changed): run {config_reference.COMMAND}"
+    on_disk = reference.REFERENCE.read_text(encoding="utf-8")
+    assert on_disk == reference.render(), (
+        f"docs/config.md is stale (a config field or its docstring changed): run {reference.COMMAND}"
     )
 
 
 def test_the_config_reference_lists_every_key_with_its_docstring_in_each_preset_column():
-    page = config_reference.render()
+    page = reference.render()
 
     def check(prefix: str, cls: type) -> None:
         for f in dataclasses.fields(cls):
@@ -320,7 +320,7 @@ def test_the_config_reference_lists_every_key_with_its_docstring_in_each_preset_
                 check(f"{prefix}.{f.name}", kind)
                 continue
             row = next(line for line in page.splitlines() if line.startswith(f"| `{prefix}.{f.name}` |"))
-            assert row.count(" | ") == len(config_reference.PRESETS) + 1
+            assert row.count(" | ") == len(reference.PRESETS) + 1
             assert row.endswith(f" {cfg.field_docs(cls)[f.name].replace('|', chr(92) + '|')} |")
 
     for section, cls in cfg.SECTIONS.items():
@@ -330,11 +330,11 @@ def test_the_config_reference_lists_every_key_with_its_docstring_in_each_preset_
 
 def test_the_check_mode_fails_on_a_stale_page_naming_the_command_and_passes_on_a_fresh_one(tmp_path, capsys):
     page = tmp_path / "config.md"
-    page.write_text(config_reference.render().replace("Number of transformer blocks.", "Blocks."))
-    assert config_reference.main(["--check", str(page)]) == 1
-    assert config_reference.COMMAND in capsys.readouterr().err
-    page.write_text(config_reference.render())
-    assert config_reference.main(["--check", str(page)]) == 0
+    page.write_text(reference.render().replace("Number of transformer blocks.", "Blocks."))
+    assert reference.main(["--check", str(page)]) == 1
+    assert reference.COMMAND in capsys.readouterr().err
+    page.write_text(reference.render())
+    assert reference.main(["--check", str(page)]) == 0
 
 
 def test_infinite_or_nan_numbers_are_refused():
@@ -421,7 +421,7 @@ def test_a_complete_data_source_config_resolves():
 
 def test_the_small_preset_is_gpt2_small_sized_with_gpt2s_vocabulary_at_context_1024():
     import torch  # noqa: F401  (the model needs it; the config module does not)
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
 
     c = cfg.small()
     with torch.device("meta"):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from helpers import run_debug_training
-from pretrain import checkpoint
+from pretrain.checkpoint import save_restore
 from pretrain import config as cfg
-from pretrain.metrics import read_metrics
-from pretrain.model import Transformer
-from pretrain.optim import build_optimizer, decay_groups
+from pretrain.observe.metrics import read_metrics
+from pretrain.model.transformer import Transformer
+from pretrain.optim.optimizers import build_optimizer, decay_groups
 
 SINGLE = ["pretrain_main.py"]
 TWO_RANKS = ["-m", "launcher", "--device", "cpu", "--nproc", "2"]
@@ -46,7 +46,7 @@ def test_an_offloaded_run_trains_the_losses_of_a_plain_one_and_checkpoints_and_e
     assert exported.is_file()
     resumed = run(tmp_path, command, "offloaded", "--set", "training.cpu_offload=true", "--max-steps", "5", "--resume", "auto")
     assert f"Resumed from {final} at step 4" in resumed.stdout
-    assert checkpoint.load_model_state(tmp_path / "offloaded" / "checkpoints" / "step_5")["output.weight"].isfinite().all()
+    assert save_restore.load_model_state(tmp_path / "offloaded" / "checkpoints" / "step_5")["output.weight"].isfinite().all()
 
 
 def test_the_optimizer_is_fused_for_parameters_on_the_gpu_and_in_host_memory():

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from checkpointing import make_trainer
-from pretrain import checkpoint, debug
-from pretrain.debug import FirstNonFinite, NonFinite, NpzWriter, NumericalFailure
-from pretrain.runtime import Runtime
+from pretrain.checkpoint import save_restore
+from pretrain.numerics import debug
+from pretrain.numerics.debug import FirstNonFinite, NonFinite, NpzWriter, NumericalFailure
+from pretrain.distributed.runtime import Runtime
 from pretrain.train import fit, train_step
 
 ONE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
@@ -179,11 +180,11 @@ def test_a_nan_weight_stops_the_step_with_a_report_a_dump_and_a_checkpoint_that_
     with np.load(tmp_path / "run" / "debug" / "nan_debug_step_1.npz", allow_pickle=False) as dump:
         assert np.isnan(dump[f"param/{POISONED}"]).sum() == 1 and np.isnan(dump["grad/output.weight"]).all()
     saved = tmp_path / "run" / "checkpoints" / "nan_grad_step_1"
-    assert checkpoint.read_state(saved)["steps_done"] == 1
-    assert checkpoint.read_state(saved)["loader"] == position  # the failed step's own batches
+    assert save_restore.read_state(saved)["steps_done"] == 1
+    assert save_restore.read_state(saved)["loader"] == position  # the failed step's own batches
 
     again = make_trainer(tmp_path / "cache", tmp_path / "run", *CHECKS)
-    assert checkpoint.restore(again, saved) == 1
+    assert save_restore.restore(again, saved) == 1
     with pytest.raises(NumericalFailure, match="step 1: NaN"):
         train_step(again, 1)
 

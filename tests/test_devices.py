@@ -1,14 +1,14 @@
-"""GPU selection policies (launcher/devices.py) and the GPU table (launcher/gpu_table.py),
+"""GPU selection policies (launcher/gpus/selection.py) and the GPU table (launcher/gpus/table.py),
 on GPUs described directly, with claims replaced by a dictionary."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher import claims, devices
-from launcher.devices import Criteria, DeviceError, GpuRequest, parse_request, select
-from launcher.gpu_table import render
-from launcher.nvml import Gpu, GpuProcess
+from launcher.gpus import claims, selection as devices
+from launcher.gpus.selection import Criteria, DeviceError, GpuRequest, parse_request, select
+from launcher.gpus.table import render
+from launcher.gpus.nvml import Gpu, GpuProcess
 
 GIB = 1 << 30
 

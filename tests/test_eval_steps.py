@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from helpers import run_in_process
-from pretrain import checkpoint, task_eval
+from pretrain.checkpoint import save_restore
+from pretrain.evaluation import task_eval
 from pretrain import config as cfg
 from pretrain.build import build
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.evaluate import main as evaluate_command
-from pretrain.metrics import read_metrics
-from pretrain.runtime import Runtime, setup_logging
+from pretrain.evaluation.evaluate import main as evaluate_command
+from pretrain.observe.metrics import read_metrics
+from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.train import evaluate, fit, log_evaluations
 from test_evaluate import EXAMPLES, write_examples
 
@@ -83,7 +84,7 @@ def test_a_validation_loss_logged_at_step_n_is_that_of_checkpoint_step_n(trained
     trainer = built(config, tmp_path / "other")  # the same seed: the weights before training
     assert evaluate(trainer) == pytest.approx(logged[0], abs=1e-6)
     for step in (2, 4):
-        trainer.model.load_state_dict(checkpoint.load_model_state(run_dir / "checkpoints" / f"step_{step}"))
+        trainer.model.load_state_dict(save_restore.load_model_state(run_dir / "checkpoints" / f"step_{step}"))
         assert evaluate(trainer) == pytest.approx(logged[step], abs=1e-6), step
 
 

@@ -14,13 +14,13 @@ import torch
 from conftest import ROOT, launcher_env
 from helpers import assert_one_line_error, run_in_process, run_launcher
 from pretrain import config as cfg
-from pretrain.choices import score
+from pretrain.evaluation.choices import score
 from pretrain.data.tokenizer import ByteTokenizer
-from pretrain.evaluate import main
-from pretrain.checkpoint_reading import read_checkpoint
-from pretrain.generate import load_model
-from pretrain.hellaswag import encode, load, longest_row
-from pretrain.metrics import read_metrics
+from pretrain.evaluation.evaluate import main
+from pretrain.checkpoint.reading import read_checkpoint
+from pretrain.evaluation.generate import load_model
+from pretrain.evaluation.hellaswag import encode, load, longest_row
+from pretrain.observe.metrics import read_metrics
 from test_generate import saved  # noqa: F401 (a fixture: a checkpoint of the debug model)
 
 EXAMPLES = [

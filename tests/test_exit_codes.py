@@ -1,7 +1,7 @@
 """Exit codes in one module per side and refusals under one base (issue 30, item 3): the table in
 docs/failures.md ("Exit codes") names exactly the codes launcher/exit_codes.py and
-pretrain/exit_codes.py define, with their values; 128 + a signal is written only there; every
-one-line refusal an entry point prints derives from pretrain.refusal.Refusal and keeps its code."""
+pretrain/run/exit_codes.py define, with their values; 128 + a signal is written only there; every
+one-line refusal an entry point prints derives from pretrain.run.refusal.Refusal and keeps its code."""
 
 from __future__ import annotations
 
@@ -15,25 +15,25 @@ import pytest
 from conftest import ROOT
 from launcher import cli
 from launcher import exit_codes as launcher_codes
-from launcher.claims import ClaimError
-from launcher.devices import DeviceError
+from launcher.gpus.claims import ClaimError
+from launcher.gpus.selection import DeviceError
 from launcher.errors import UsageError
-from launcher.nodes import NodeSpecError
-from launcher.nvml import NvmlFailure
-from launcher.run_lock import RunDirLost
-from launcher.scripted_nvml import BadScript
-from launcher.store import RendezvousError
-from launcher.worker import StartError
-from pretrain import exit_codes as worker_codes
-from pretrain.checkpoint_files import CheckpointError
+from launcher.nodes.node import NodeSpecError
+from launcher.gpus.nvml import NvmlFailure
+from launcher.rundir.lock import RunDirLost
+from launcher.gpus.scripted_nvml import BadScript
+from launcher.nodes.store import RendezvousError
+from launcher.processes.worker import StartError
+from pretrain.run import exit_codes as worker_codes
+from pretrain.checkpoint.files import CheckpointError
 from pretrain.config import ConfigError
 from pretrain.data import DataError
-from pretrain.hellaswag import HellaSwagError
-from pretrain.plot import PlotError
-from pretrain.refusal import Refusal
-from pretrain.resume import ResumeError
+from pretrain.evaluation.hellaswag import HellaSwagError
+from pretrain.observe.plot import PlotError
+from pretrain.run.refusal import Refusal
+from pretrain.checkpoint.resume import ResumeError
 
-EXIT_CODE_MODULES = {Path("launcher/exit_codes.py"), Path("pretrain/exit_codes.py")}
+EXIT_CODE_MODULES = {Path("launcher/exit_codes.py"), Path("pretrain/run/exit_codes.py")}
 
 
 def documented_codes() -> dict[str, str]:

@@ -15,18 +15,18 @@ import torch
 from tokenizers import Tokenizer as RustTokenizer
 
 from conftest import launcher_env
-from pretrain import checkpoint
-from pretrain import checkpoint_reading
-from pretrain import safetensors_shards
-from pretrain.checkpoint import CheckpointError
+from pretrain.checkpoint import save_restore as checkpoint
+from pretrain.checkpoint import reading as checkpoint_reading
+from pretrain.hf import safetensors_shards
+from pretrain.checkpoint.save_restore import CheckpointError
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.checkpoint_reading import find_checkpoint, find_tokenizer_file
-from pretrain.export import default_output, export, load_exported, main
-from pretrain.model import Transformer
-from pretrain.runtime import Runtime, setup_logging
+from pretrain.checkpoint.reading import find_checkpoint, find_tokenizer_file
+from pretrain.hf.export import default_output, export, load_exported, main
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.build import Trainer, build
 from pretrain.train import train_step
 
@@ -100,7 +100,7 @@ def test_an_export_holds_the_checkpoints_weights_and_a_config_that_rebuilds_the_
 def test_a_sharded_checkpoint_is_exported_reading_one_tensor_at_a_time(trained, tmp_path, capsys, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from pretrain import model_state
+    from pretrain.checkpoint import model_state
 
     path, trainer = trained
     sharded = shutil.copytree(path, tmp_path / "step_1")

@@ -1,5 +1,5 @@
 """Who failed first when one rank's failure makes the others fail (issue 28, defect 1 and the peer
-tracebacks): a consequence (exit code 4, pretrain/exit_codes.py) never decides while the cause
+tracebacks): a consequence (exit code 4, pretrain/run/exit_codes.py) never decides while the cause
 may still come, however the exits are timed; its traceback stays off the console, in its log.
 
 The supervisor's side runs small real child scripts whose exits are ordered by files they
@@ -18,9 +18,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from launcher.printer import LOG_ONLY_MARK, LOG_ONLY_VAR, Printer
-from launcher.supervisor import Supervisor, SupervisorOptions
-from pretrain import exit_codes, peer_loss
+from launcher.supervise.printer import LOG_ONLY_MARK, LOG_ONLY_VAR, Printer
+from launcher.supervise.supervisor import Supervisor, SupervisorOptions
+from pretrain.run import exit_codes
+from pretrain.distributed import peer_loss
 from launcher.exit_codes import EXIT_OTHER_NODE_FAILED
 from test_supervisor import make_worker
 from test_supervisor_nodes import NODE_1_FAILED, OtherNodes

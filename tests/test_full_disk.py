@@ -24,15 +24,15 @@ import torch
 
 from checkpointing import make_trainer
 from conftest import ROOT, launcher_env
-from launcher.printer import Printer
-from pretrain import checkpoint
-from pretrain.checkpoint import CheckpointError
+from launcher.supervise.printer import Printer
+from pretrain.checkpoint import save_restore as checkpoint
+from pretrain.checkpoint.save_restore import CheckpointError
 from pretrain.config import DataConfig
 from pretrain.data import prepare as prep
 from pretrain.data.cache import inspect_dataset
-from pretrain.metrics import MetricsLog
-from pretrain.peer_loss import PeerFailed
-from pretrain.runfiles import atomic_write_text, os_error_message
+from pretrain.observe.metrics import MetricsLog
+from pretrain.distributed.peer_loss import PeerFailed
+from pretrain.run.files import atomic_write_text, os_error_message
 from pretrain.train import train_step
 
 NO_SPACE = os.strerror(errno.ENOSPC)

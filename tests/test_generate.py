@@ -14,15 +14,15 @@ import torch
 
 from conftest import launcher_env
 from helpers import assert_one_line_error, run_in_process
-from pretrain import checkpoint
+from pretrain.checkpoint import save_restore as checkpoint
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import BYTE_EOT
-from pretrain.checkpoint_reading import read_checkpoint
-from pretrain.generate import generate, load_model, main, next_token
-from pretrain.model import Transformer
-from pretrain.runtime import Runtime, setup_logging
+from pretrain.checkpoint.reading import read_checkpoint
+from pretrain.evaluation.generate import generate, load_model, main, next_token
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.build import build
 
 CONTEXT = 32

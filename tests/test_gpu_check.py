@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_acceptance import checks, checks_runtime, cli, procs  # noqa: E402
 from benchmarks.gpu_acceptance.workers_runtime import FAILURE, RAISING  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
-from pretrain import memory, memory_plan  # noqa: E402
-from pretrain.step_line import step_line  # noqa: E402
+from pretrain.plan import gpu_memory, parallelism  # noqa: E402
+from pretrain.observe.step_line import step_line  # noqa: E402
 
 HAS_NVIDIA_SMI = shutil.which("nvidia-smi") is not None
 
@@ -260,9 +260,9 @@ def test_a_rank_that_raises_under_the_launcher_prints_its_traceback_and_all_end_
 
 
 def memory_run(estimate_gib: float | None, mems: list[float | None]) -> procs.Proc:
-    """A launcher's output: its parallelism line (as pretrain.memory_plan writes it) and step lines."""
+    """A launcher's output: its parallelism line (as pretrain.plan.parallelism writes it) and step lines."""
     config = cfg.resolve(preset="small", sets=["model.vocab_size=50304"])
-    _, line = memory_plan.plan_parallelism(config, 1, 80 * 2**30)
+    _, line = parallelism.plan_parallelism(config, 1, 80 * 2**30)
     if estimate_gib is not None:
         line = checks_runtime.ESTIMATE.sub(f"estimated {estimate_gib:.1f} GiB of 80.0 GiB per GPU", line)
     trainer = SimpleNamespace(config=cfg.debug())
@@ -286,9 +286,9 @@ def test_the_memory_row_compares_the_launchers_estimate_with_what_the_run_used()
 
 def test_the_launchers_estimate_line_is_the_one_the_memory_row_reads():
     config = cfg.resolve(preset="small", sets=["model.vocab_size=50304"])
-    _, line = memory_plan.plan_parallelism(config, 1, 80 * 2**30)
+    _, line = parallelism.plan_parallelism(config, 1, 80 * 2**30)
     found = checks_runtime.ESTIMATE.search(line)
-    assert found and float(found["gib"]) == float(memory.gib(memory.estimate(config, 1, "ddp").total))
+    assert found and float(found["gib"]) == float(gpu_memory.gib(gpu_memory.estimate(config, 1, "ddp").total))
 
 
 def test_the_8b_shape_memory_row_fails_when_the_reserved_peak_exceeds_the_estimate():

@@ -14,14 +14,14 @@ import torch
 from conftest import one_line_error
 from memory_configs import scripted_gpu
 from launcher.cli import prepare_training
-from launcher.placement import Placement
-from launcher.printer import Printer
+from launcher.gpus.placement import Placement
+from launcher.supervise.printer import Printer
 from pretrain import build
 from pretrain import config as cfg
 from pretrain.config import ConfigError
-from pretrain.memory import GIB, GPU_SHARE, estimate
-from pretrain.memory_plan import planned_gpu_memory
-from pretrain.runtime import Runtime
+from pretrain.plan.gpu_memory import GIB, GPU_SHARE, estimate
+from pretrain.plan.parallelism import planned_gpu_memory
+from pretrain.distributed.runtime import Runtime
 
 TORCH_SEES_LESS = GIB // 2
 """What torch's total_memory reports below NVML's total for the same GPU (the CUDA context's reservation)."""

@@ -1,4 +1,4 @@
-"""Which GPUs each worker sees (launcher/gpu_visibility.py) on scripted machines: its own where
+"""Which GPUs each worker sees (launcher/gpus/visibility.py) on scripted machines: its own where
 NVLink joins the run's GPUs, every run GPU of the node in local-rank order where some pair
 reaches over PCIe only, and the environment a worker gets from it."""
 
@@ -12,14 +12,14 @@ import sys
 import pytest
 
 from conftest import ROOT, launcher_env
-from launcher import claims, nvml
+from launcher.gpus import claims, nvml
 from launcher.cli import make_workers
-from launcher.devices import DeviceError
-from launcher.gpu_visibility import VISIBILITY_VAR
-from launcher.placement import GpuOptions, Placement, place
-from launcher.printer import Printer
-from launcher.worker import CUDA_DEVICE_INDEX_VAR
-from pretrain import runtime
+from launcher.gpus.selection import DeviceError
+from launcher.gpus.visibility import VISIBILITY_VAR
+from launcher.gpus.placement import GpuOptions, Placement, place
+from launcher.supervise.printer import Printer
+from launcher.processes.worker import CUDA_DEVICE_INDEX_VAR
+from pretrain.distributed import runtime
 
 PRINT_DEVICES = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['LAUNCHER_CUDA_DEVICE_INDEX'], flush=True)"
 

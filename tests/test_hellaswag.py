@@ -1,5 +1,5 @@
-"""HellaSwag: reading the public .jsonl format (pretrain/hellaswag.py) and scoring the endings by
-likelihood (pretrain/choices.py), checked against answers worked out by hand."""
+"""HellaSwag: reading the public .jsonl format (pretrain/evaluation/hellaswag.py) and scoring the endings by
+likelihood (pretrain/evaluation/choices.py), checked against answers worked out by hand."""
 
 from __future__ import annotations
 
@@ -14,10 +14,20 @@ from torch import nn
 
 from conftest import one_line_error
 from pretrain import config as cfg
-from pretrain.choices import TokenLosses, pack, score, shares
+from pretrain.evaluation.choices import TokenLosses, pack, score, shares
 from pretrain.data.tokenizer import ByteTokenizer
-from pretrain.hellaswag import Encoded, Example, HellaSwagError, Tally, choose, encode, load, longest_row, parse_hub_path
-from pretrain.model import ModelOutput, Transformer, project_logits
+from pretrain.evaluation.hellaswag import (
+    Encoded,
+    Example,
+    HellaSwagError,
+    Tally,
+    choose,
+    encode,
+    load,
+    longest_row,
+    parse_hub_path,
+)
+from pretrain.model.transformer import ModelOutput, Transformer, project_logits
 from test_data_hub import hub_cache  # noqa: F401 (a fixture)
 
 LN2 = math.log(2)

@@ -18,13 +18,13 @@ from helpers import assert_one_line_error, run_in_process
 from pretrain import config as cfg
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.data.tokenizer import BYTE_EOT
-from pretrain.evaluate import main as evaluate_main
-from pretrain.checkpoint_reading import read_checkpoint
-from pretrain.export import export, load_exported, write_export
-from pretrain.export import main as export_main
-from pretrain.generate import generate, load_model
-from pretrain.generate import main as generate_main
-from pretrain.hf_format import (
+from pretrain.evaluation.evaluate import main as evaluate_main
+from pretrain.checkpoint.reading import read_checkpoint
+from pretrain.hf.export import export, load_exported, write_export
+from pretrain.hf.export import main as export_main
+from pretrain.evaluation.generate import generate, load_model
+from pretrain.evaluation.generate import main as generate_main
+from pretrain.hf.transformers_form import (
     HfFormatError,
     expected_hf_shapes,
     from_hf,
@@ -35,8 +35,8 @@ from pretrain.hf_format import (
     to_hf,
     unpermute_qk,
 )
-from pretrain.hf_tokenizer import write_tokenizer_files
-from pretrain.model import Transformer
+from pretrain.hf.tokenizer_files import write_tokenizer_files
+from pretrain.model.transformer import Transformer
 from test_evaluate import write_examples
 from test_generate import saved  # noqa: F401 (a fixture: a checkpoint of the debug model)
 

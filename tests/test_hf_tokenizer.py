@@ -1,4 +1,4 @@
-"""The run's tokenizer in Hugging Face form (pretrain/hf_tokenizer.py): transformers' AutoTokenizer,
+"""The run's tokenizer in Hugging Face form (pretrain/hf/tokenizer_files.py): transformers' AutoTokenizer,
 loading only the files written, gives the ids and the text the run's own tokenizer gives."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tokenizers import models, pre_tokenizers, processors, trainers
 
 from pretrain import config as cfg
 from pretrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, TiktokenTokenizer
-from pretrain.hf_tokenizer import write_tokenizer_files
+from pretrain.hf.tokenizer_files import write_tokenizer_files
 
 TEXTS = [
     "Hello world. The list, sorted in place.",
@@ -113,7 +113,7 @@ def test_a_tiktoken_encoding_becomes_a_tokenizer_with_the_same_ids(tmp_path, mon
     rust.train_from_iterator(
         [text[: len(text) // 2]], trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     )
-    from pretrain.hf_tokenizer import byte_to_char
+    from pretrain.hf.tokenizer_files import byte_to_char
 
     byte_of = {char: byte for byte, char in byte_to_char().items()}
     ranks = {bytes([byte]): byte for byte in range(256)}

@@ -1,5 +1,5 @@
 """Starting a run from a Hugging Face Llama or Mixtral checkpoint (training.init_from, --init-from):
-pretrain/hf_checkpoint.py finds and checks it before any worker starts, pretrain/init_from.py
+pretrain/hf/init_checkpoint.py finds and checks it before any worker starts, pretrain/hf/init_from.py
 loads it, each rank its own rows."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from conftest import ROOT, launcher_env, run_gloo_ranks
 from helpers import assert_one_line_error, run_in_process
 from init_from_worker import DENSE, MOE
 from pretrain import config as cfg
-from pretrain.hf_checkpoint import InitFromError, check_fits, find_checkpoint, read_checkpoint
-from pretrain.hf_format import expected_hf_shapes, hf_config
-from pretrain.init_from import load_weights
-from pretrain.model import Transformer
+from pretrain.hf.init_checkpoint import InitFromError, check_fits, find_checkpoint, read_checkpoint
+from pretrain.hf.transformers_form import expected_hf_shapes, hf_config
+from pretrain.hf.init_from import load_weights
+from pretrain.model.transformer import Transformer
 from pretrain.train import main as pretrain_main
 from test_data_hub import add_snapshot
 
@@ -97,7 +97,7 @@ def test_a_checkpoint_transformers_saved_gives_our_model_its_logits(tmp_path, ki
     "model", [LLAMA, dataclasses.replace(LLAMA, moe=cfg.MoEConfig(num_experts=4, top_k=2))], ids=["llama", "mixtral"]
 )
 def test_an_export_started_from_gives_the_exported_models_weights_and_logits(tmp_path, model):
-    from pretrain.export import export
+    from pretrain.hf.export import export
 
     exported = Transformer(model, SEQ, seed=3).eval()
     # fp32, and sharded small enough to need model.safetensors.index.json
@@ -170,7 +170,7 @@ def test_online_a_hub_id_whose_commit_is_cached_is_not_downloaded_again(tmp_path
 def test_the_launcher_checks_and_pins_the_weights_without_loading_torch(tmp_path):
     write_checkpoint(tmp_path / "ckpt", DEBUG)
     probe = (
-        "import sys; from pretrain import config as cfg; from pretrain.hf_checkpoint import for_workers; "
+        "import sys; from pretrain import config as cfg; from pretrain.hf.init_checkpoint import for_workers; "
         f"c = cfg.resolve(preset='debug', sets=['training.init_from={tmp_path / 'ckpt'}']); "
         "c, found = for_workers(c, print); print(c.training.init_from, 'torch' in sys.modules)"
     )

@@ -17,11 +17,11 @@ from conftest import ROOT, launcher_env
 from helpers import run_launcher
 from launcher import cli
 from launcher.compile_cache import kernel_cache_dir
-from launcher.placement import Placement
-from launcher.worker import with_package_root, without_package_root
+from launcher.gpus.placement import Placement
+from launcher.processes.worker import with_package_root, without_package_root
 from pretrain import config as cfg
-from pretrain.runfiles import CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_path, cache_root, create_run_dir, runs_root
-from pretrain.shared_cache import user_name
+from pretrain.run.files import CACHE_DIR_VAR, PACKAGE_ROOT, RUNS_DIR_VAR, cache_path, cache_root, create_run_dir, runs_root
+from pretrain.run.shared_cache import user_name
 
 CONSOLE_COMMANDS = [
     "pretrain-launch",
@@ -298,9 +298,9 @@ def test_the_installed_preparation_command_caches_in_the_current_directory(insta
 
 @pytest.mark.slow
 def test_the_installed_launchers_guardian_runs_from_another_directory(installed, tmp_path):
-    # The guardian reads `done` and exits 0; one that could not import launcher.guardian exits 1.
+    # The guardian reads `done` and exits 0; one that could not import launcher.processes.guardian exits 1.
     probe = (
-        "import os; from launcher.guardian import Guardian; g = Guardian('t', dict(os.environ)); g.dismiss();"
+        "import os; from launcher.processes.guardian import Guardian; g = Guardian('t', dict(os.environ)); g.dismiss();"
         "print('guardian exit', g._process.returncode)"
     )
     result = run_installed(installed, "python", "-c", probe, cwd=tmp_path, timeout=60)

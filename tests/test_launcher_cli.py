@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, alive, launcher_env, wait_until
 from helpers import assert_one_line_error
 from helpers import run_launcher as launch
-from launcher.reaper import TOKEN_VAR
+from launcher.processes.reaper import TOKEN_VAR
 
 
 def launch_debug(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -443,7 +443,7 @@ def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(processes, sc
 
 def test_training_workers_never_ask_the_hub_but_generic_commands_keep_the_users_setting(monkeypatch):
     from launcher.cli import make_workers
-    from launcher.placement import Placement
+    from launcher.gpus.placement import Placement
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     training = make_workers(Placement("cpu", 2), ["python3", "pretrain_main.py"], training=True)

@@ -69,8 +69,19 @@ def with_packages(name: str) -> list[str]:
 
 
 def launcher_modules() -> list[str]:
-    """Every module of the launcher package; __main__ only starts it (its imports are read like the rest)."""
-    return sorted(f"launcher.{path.stem}" for path in (ROOT / "launcher").glob("*.py") if path.stem != "__init__")
+    """Every module of the launcher package and its folders; __main__ only starts it (its imports are
+    read like the rest)."""
+    paths = (ROOT / "launcher").rglob("*.py")
+    return sorted(".".join(path.relative_to(ROOT).with_suffix("").parts) for path in paths if path.stem != "__init__")
+
+
+def has_code(module: str) -> bool:
+    """Whether a module holds more than its docstring: a folder's __init__.py that only says what
+    the folder owns is imported with each of its modules but brings nothing, so the design does not list it."""
+    path = source_file(module)
+    assert path is not None, module
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in body)
 
 
 def launcher_reach() -> tuple[set[str], set[str]]:
@@ -80,7 +91,7 @@ def launcher_reach() -> tuple[set[str], set[str]]:
         for module in launcher_modules()
         for imported in imported_names(module)
         for name in with_packages(imported)
-        if name.startswith("pretrain.") and source_file(name)
+        if name.startswith("pretrain.") and source_file(name) and has_code(name)
     }
     seen: set[str] = set()
     todo = [*launcher_modules(), "launcher"]
@@ -91,7 +102,7 @@ def launcher_reach() -> tuple[set[str], set[str]]:
         seen.add(module)
         for imported in imported_names(module):
             todo += [name for name in with_packages(imported) if name.startswith(PROJECT_PACKAGES) and source_file(name)]
-    return direct, {name for name in seen if name.startswith("pretrain.")}
+    return direct, {name for name in seen if name.startswith("pretrain.") and has_code(name)}
 
 
 def torch_importing_functions(modules: set[str]) -> set[str]:

@@ -1,7 +1,7 @@
 """A run's export in the Hugging Face tools, as a user runs them (issue 29): lm-eval, offline, on a
-local task in HellaSwag form gets pretrain.evaluate's acc (and, from the same log-likelihoods, its
+local task in HellaSwag form gets pretrain.evaluation.evaluate's acc (and, from the same log-likelihoods, its
 own acc_norm by characters and acc_bytes by bytes, where ours divides by tokens); transformers'
-AutoModelForCausalLM and AutoTokenizer greedy-continue a prompt with pretrain.generate's text."""
+AutoModelForCausalLM and AutoTokenizer greedy-continue a prompt with pretrain.evaluation.generate's text."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from pretrain import config as cfg
-from pretrain import hellaswag
-from pretrain.choices import TokenLosses, pack
-from pretrain.evaluate import main as evaluate_main
-from pretrain.export import main as export_main
-from pretrain.checkpoint_reading import find_checkpoint, find_tokenizer_file, open_tokenizer, read_checkpoint
-from pretrain.generate import load_model
-from pretrain.generate import main as generate_main
-from pretrain.runtime import Runtime, setup_logging
+from pretrain.evaluation import hellaswag
+from pretrain.evaluation.choices import TokenLosses, pack
+from pretrain.evaluation.evaluate import main as evaluate_main
+from pretrain.hf.export import main as export_main
+from pretrain.checkpoint.reading import find_checkpoint, find_tokenizer_file, open_tokenizer, read_checkpoint
+from pretrain.evaluation.generate import load_model
+from pretrain.evaluation.generate import main as generate_main
+from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.train import train
 
 pytestmark = pytest.mark.slow  # a real (if short) training run, and lm-eval in a subprocess: about 15 s
@@ -105,8 +105,8 @@ def bpe_run(tmp_path_factory) -> Path:
 
 
 def our_loglikelihoods(run_dir: Path, data: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(each ending's log-likelihood, each ending's token count), (examples, 4), as pretrain.evaluate
-    scores them (pretrain/hellaswag.py, pretrain/choices.py)."""
+    """(each ending's log-likelihood, each ending's token count), (examples, 4), as pretrain.evaluation.evaluate
+    scores them (pretrain/evaluation/hellaswag.py, pretrain/evaluation/choices.py)."""
     checkpoint_dir = find_checkpoint(run_dir)
     config, state = read_checkpoint(checkpoint_dir)
     encoded = hellaswag.encode(

@@ -1,4 +1,4 @@
-"""pretrain/loss.py: the next-token loss outside the model, chunked or not, with the blocks'
+"""pretrain/model/loss.py: the next-token loss outside the model, chunked or not, with the blocks'
 auxiliary losses added to what the backward pass starts from."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 from pretrain import registry
 from pretrain.config import ModelConfig
-from pretrain.feed_forward import SwiGLU
-from pretrain.loss import chunked_cross_entropy, cross_entropy_loss, next_token_loss
-from pretrain.model import Transformer
+from pretrain.model.feed_forward import SwiGLU
+from pretrain.model.loss import chunked_cross_entropy, cross_entropy_loss, next_token_loss
+from pretrain.model.transformer import Transformer
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97)
 
@@ -103,7 +103,7 @@ def test_the_compiled_loss_head_equals_the_chunked_one_with_no_graph_break():
 
 
 def test_a_model_with_compiled_blocks_compiles_its_loss_head(monkeypatch):
-    from pretrain import loss as loss_module
+    from pretrain.model import loss as loss_module
 
     calls = []
     monkeypatch.setattr(

@@ -1,4 +1,4 @@
-"""pretrain/memory.py: the per-GPU memory estimate, the DDP/FSDP choice and the pre-flight check.
+"""pretrain/plan/gpu_memory.py: the per-GPU memory estimate, the DDP/FSDP choice and the pre-flight check.
 Host memory, CPU offload and the launcher's plan: test_memory_plan.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from conftest import one_line_error
 from memory_configs import GPU_80, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
-from pretrain.loss import next_token_loss
-from pretrain.memory import (
+from pretrain.model.loss import next_token_loss
+from pretrain.plan.gpu_memory import (
     GIB,
     LOGIT_COPIES,
     activation_bytes,
@@ -39,7 +39,7 @@ from pretrain.memory import (
     ],
 )
 def test_the_parameter_count_from_the_config_is_the_real_models(shape):
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
 
     model = dataclasses.replace(cfg.debug().model, **({"vocab_size": 257} | shape))
     assert parameter_count(model) == Transformer(model, max_seq_len=8).num_params()
@@ -151,7 +151,7 @@ def saved_bytes(config: cfg.Config) -> int:
     bf16 copies of the weights (matmuls may save them transposed), which the estimate counts
     as weights."""
     import torch
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(config.model, max_seq_len=16)
@@ -195,8 +195,8 @@ def live_bytes(config: cfg.Config) -> int:
     import gc
 
     import torch
-    from pretrain.model import Transformer
-    from pretrain.parallel import checkpoint_activations
+    from pretrain.model.transformer import Transformer
+    from pretrain.distributed.parallel import checkpoint_activations
 
     torch.manual_seed(0)
     model = Transformer(config.model, max_seq_len=16)

@@ -1,4 +1,4 @@
-"""pretrain/memory_plan.py: host memory, CPU offload, and the launcher's plan: the mode and
+"""pretrain/plan/parallelism.py: host memory, CPU offload, and the launcher's plan: the mode and
 offload it chooses, and the launcher refusing a config that cannot fit before any worker starts."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import time
 import pytest
 
 from conftest import ROOT, cache_leftovers, launcher_env, one_line_error
-from launcher import nvml
+from launcher.gpus import nvml
 from launcher.cli import prepare_training
-from launcher.placement import Placement
-from launcher.printer import Printer
+from launcher.gpus.placement import Placement
+from launcher.supervise.printer import Printer
 from memory_configs import GPU_80, scripted_gpu, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
-from pretrain.memory import GIB, OVERHEAD_BYTES, estimate
-from pretrain.memory_plan import (
+from pretrain.plan.gpu_memory import GIB, OVERHEAD_BYTES, estimate
+from pretrain.plan.parallelism import (
     HOST_MEMORY_ENV,
     HOST_OVERHEAD_BYTES,
     PINNED_ROUNDING,
@@ -29,7 +29,7 @@ from pretrain.memory_plan import (
     plan_parallelism,
     undecided,
 )
-from pretrain import recompute
+from pretrain.model import recompute
 
 
 # --- the launcher ---------------------------------------------------------------------
@@ -403,7 +403,7 @@ def test_a_worker_run_alone_plans_for_itself(monkeypatch):
     import torch
 
     from pretrain.build import parallel_mode
-    from pretrain.runtime import Runtime
+    from pretrain.distributed.runtime import Runtime
 
     config = with_model(cfg.debug(), vocab_size=257)
     planned, mode = parallel_mode(config, Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0"))

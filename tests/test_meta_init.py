@@ -1,4 +1,4 @@
-"""Meta-device initialisation under FSDP2 (pretrain/parallel.py materialize): a model shaped like
+"""Meta-device initialisation under FSDP2 (pretrain/distributed/parallel.py materialize): a model shaped like
 Llama-3 8B, cut to two layers and a small vocabulary, on two gloo ranks (tests/meta_init_worker.py).
 No rank ever holds the whole model, and the weights are those of the model built whole."""
 

@@ -21,7 +21,7 @@ from checkpointing import make_trainer
 from helpers import as_nobody
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
-from pretrain.metrics import (
+from pretrain.observe.metrics import (
     MetricsLog,
     flops_per_token,
     mfu,
@@ -30,7 +30,7 @@ from pretrain.metrics import (
     read_metrics,
     reset_peak_memory,
 )
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 from pretrain.train import train_step
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257, rope_theta=10000.0, max_seq_len=32)

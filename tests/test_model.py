@@ -1,4 +1,4 @@
-"""Tests of the Llama-style transformer in pretrain/model.py (CPU, tiny shapes, a few seconds)."""
+"""Tests of the Llama-style transformer in pretrain/model/transformer.py (CPU, tiny shapes, a few seconds)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
-from pretrain.model import (
+from pretrain.model.transformer import (
     RMSNorm,
     Transformer,
     apply_rotary,
     rotary_tables,
 )
-from pretrain.loss import cross_entropy_loss
+from pretrain.model.loss import cross_entropy_loss
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257, rope_theta=10000.0, init_std=0.02)
 SEQ_LEN = 32

@@ -1,4 +1,4 @@
-"""The mixture of experts block (pretrain/moe.py): routing, capacity, the load-balancing loss,
+"""The mixture of experts block (pretrain/model/moe.py): routing, capacity, the load-balancing loss,
 static shapes (the same results as the boolean-indexing algorithm it replaced, no host sync, no
 graph break or recompile under torch.compile), and training the debug model with it on 2 CPU workers."""
 
@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from helpers import run_debug_training
 from pretrain import config as cfg
-from pretrain.model import Transformer
-from pretrain.moe import AUX_LOSS, MixtureOfExperts, Route, capacity, load_balance_loss
+from pretrain.model.transformer import Transformer
+from pretrain.model.moe import AUX_LOSS, MixtureOfExperts, Route, capacity, load_balance_loss
 
 aten = torch.ops.aten
 
@@ -211,7 +211,7 @@ def test_a_forward_and_backward_make_no_host_sync_in_training_or_eval():
 
 
 class Checkpointed(nn.Module):
-    """The block's forward under activation checkpointing, as pretrain/parallel.py wraps a transformer block."""
+    """The block's forward under activation checkpointing, as pretrain/distributed/parallel.py wraps a transformer block."""
 
     def __init__(self, block: MixtureOfExperts) -> None:
         super().__init__()

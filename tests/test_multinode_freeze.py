@@ -15,7 +15,7 @@ import pytest
 
 from conftest import launcher_env, wait_until
 from launcher.exit_codes import EXIT_NODE_LOST
-from launcher.pulse import Pulse
+from launcher.nodes.pulse import Pulse
 from multinode_helpers import NodeRun, start_nodes, worker_command
 
 # A node's worker, when asked (HOLD_NODE), holds its launcher in its teardown (it ignores SIGTERM)
@@ -164,7 +164,7 @@ def test_node_0s_worker_failing_after_node_0_was_frozen_is_a_consequence_not_the
 
 
 class Clock:
-    """time.monotonic for launcher.pulse, moved by hand."""
+    """time.monotonic for launcher.nodes.pulse, moved by hand."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -176,7 +176,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr("launcher.pulse.time.monotonic", clock)
+    monkeypatch.setattr("launcher.nodes.pulse.time.monotonic", clock)
     return clock
 
 

@@ -1,4 +1,4 @@
-"""Muon (pretrain/muon.py): orthogonalized updates for the hidden matrices, AdamW for the rest."""
+"""Muon (pretrain/optim/muon.py): orthogonalized updates for the hidden matrices, AdamW for the rest."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 from conftest import run_gloo_ranks
 from helpers import run_debug_training
 from pretrain import config as cfg
-from pretrain import muon_sharing, registry
-from pretrain.model import Transformer
-from pretrain.muon import Muon, MuonError, build_muon, is_hidden_matrix, newton_schulz, svd_orthogonalize
-from pretrain.muon_sharing import balanced_owners, newton_schulz_flops
+from pretrain import registry
+from pretrain.optim import muon_sharing
+from pretrain.model.transformer import Transformer
+from pretrain.optim.muon import Muon, MuonError, build_muon, is_hidden_matrix, newton_schulz, svd_orthogonalize
+from pretrain.optim.muon_sharing import balanced_owners, newton_schulz_flops
 
 CALLS: list[tuple[tuple[int, ...], int]] = []
 

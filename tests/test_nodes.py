@@ -1,13 +1,13 @@
-"""Which node this launcher is (launcher/nodes.py): the flags and Slurm variables that make a
+"""Which node this launcher is (launcher/nodes/node.py): the flags and Slurm variables that make a
 NodeSpec, the numbering and labels of a node's workers, the stop record one node sends the
-others, and the config comparison the rendezvous makes (launcher/rendezvous.py's differences)."""
+others, and the config comparison the rendezvous makes (launcher/nodes/rendezvous.py's differences)."""
 
 from __future__ import annotations
 
 import pytest
 
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
-from launcher.nodes import (
+from launcher.nodes.node import (
     DEFAULT_MASTER_PORT,
     Layout,
     NodeSpec,
@@ -15,8 +15,8 @@ from launcher.nodes import (
     NodeStop,
     node_spec,
 )
-from launcher.rendezvous import differences
-from launcher.slurm import derived_port
+from launcher.nodes.rendezvous import differences
+from launcher.nodes.slurm import derived_port
 
 
 def slurm_env(**overrides: str) -> dict[str, str]:

@@ -9,10 +9,10 @@ import re
 import pytest
 
 from helpers import run_launcher
-from launcher import nvml
-from launcher.devices import DeviceError
-from launcher.placement import GpuOptions, place
-from launcher.printer import Printer
+from launcher.gpus import nvml
+from launcher.gpus.selection import DeviceError
+from launcher.gpus.placement import GpuOptions, place
+from launcher.supervise.printer import Printer
 
 
 @pytest.fixture(autouse=True)

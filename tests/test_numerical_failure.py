@@ -16,8 +16,8 @@ import torch
 from checkpointing import make_trainer
 from conftest import alive
 from helpers import run_launcher
-from pretrain import checkpoint
-from pretrain.exit_codes import NUMERICAL_FAILURE
+from pretrain.checkpoint import save_restore
+from pretrain.run.exit_codes import NUMERICAL_FAILURE
 
 POISONED = "layers.1.feed_forward.w1.weight"
 
@@ -27,7 +27,7 @@ def poisoned_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path / "cache", tmp_path / "run")
     with torch.no_grad():
         trainer.model.get_parameter(POISONED)[3, 5] = float("nan")
-    return checkpoint.save(trainer, 0, trainer.run_dir)
+    return save_restore.save(trainer, 0, trainer.run_dir)
 
 
 def launch_from(tmp_path, resume_from, *sets: str) -> subprocess.CompletedProcess:
@@ -96,8 +96,8 @@ def test_the_dump_loads_without_pickle_and_holds_the_nans_the_report_counted(fai
 def test_the_checkpoint_holds_the_state_before_the_step_and_loads(failed_run):
     run_dir, _ = failed_run
     saved = run_dir / "checkpoints" / "nan_grad_step_0"
-    assert checkpoint.read_state(saved)["steps_done"] == 0
-    weights = checkpoint.load_tensors(saved, "model.pt")
+    assert save_restore.read_state(saved)["steps_done"] == 0
+    weights = save_restore.load_tensors(saved, "model.pt")
     assert torch.isnan(weights[POISONED]).sum() == 1  # the evidence, as it was before the step
     assert torch.isfinite(weights["output.weight"]).all()  # the bad update was never applied
 

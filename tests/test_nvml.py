@@ -1,4 +1,4 @@
-"""GPU discovery (launcher/nvml.py) run against scripted machines (launcher/scripted_nvml.py):
+"""GPU discovery (launcher/gpus/nvml.py) run against scripted machines (launcher/gpus/scripted_nvml.py):
 what each GPU and MIG device is, utilization sampled over a window, the processes on a GPU
 and their owners, and the errors for a missing driver or a malformed script."""
 
@@ -15,8 +15,8 @@ import pynvml
 import pytest
 
 from conftest import one_line_error
-from launcher import nvml, scripted_nvml
-from launcher.scripted_nvml import ScriptedNvml
+from launcher.gpus import nvml, scripted_nvml
+from launcher.gpus.scripted_nvml import ScriptedNvml
 
 MIB = 1 << 20
 NOT_HERE_PID = 4_000_000  # above any pid_max: a process of another container

@@ -1,4 +1,4 @@
-"""pretrain/parallel.py: DDP and FSDP2 over two real gloo ranks (tests/parallel_worker.py),
+"""pretrain/distributed/parallel.py: DDP and FSDP2 over two real gloo ranks (tests/parallel_worker.py),
 activation checkpointing, compile and the single-process path."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 
 from conftest import ROOT, run_gloo_ranks
 from pretrain import config as cfg
-from pretrain.loss import next_token_loss
-from pretrain.model import Transformer
-from pretrain.parallel import clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
-from pretrain.runtime import Runtime
+from pretrain.model.loss import next_token_loss
+from pretrain.model.transformer import Transformer
+from pretrain.distributed.parallel import clip_grad_norm, compile_enabled, gradient_sync, has_fsdp, is_fsdp, parallelize, unwrap
+from pretrain.distributed.runtime import Runtime
 
 SINGLE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
 
@@ -352,10 +352,10 @@ def test_one_process_with_cpu_offload_is_sharded_over_a_group_of_its_own(tmp_pat
     probe = (
         "import torch, torch.distributed as dist\n"
         "from pretrain import config as cfg\n"
-        "from pretrain.loss import next_token_loss\n"
-        "from pretrain.model import Transformer\n"
-        "from pretrain.parallel import grad_norm, is_fsdp, parallelize\n"
-        "from pretrain.runtime import Runtime, shutdown\n"
+        "from pretrain.model.loss import next_token_loss\n"
+        "from pretrain.model.transformer import Transformer\n"
+        "from pretrain.distributed.parallel import grad_norm, is_fsdp, parallelize\n"
+        "from pretrain.distributed.runtime import Runtime, shutdown\n"
         "import dataclasses, sys\n"
         "sys.path.insert(0, 'tests')\n"
         "from test_parallel import tiny, batch\n"

@@ -1,4 +1,4 @@
-"""Where workers run (launcher/placement.py) on scripted machines, and the GPU paths end to
+"""Where workers run (launcher/gpus/placement.py) on scripted machines, and the GPU paths end to
 end: `python -m launcher gpus`, real launchers racing for GPUs, train_gpu.sh and
 train_auto_gpu.sh."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, launcher_env, wait_until
-from launcher import claims, nvml
-from launcher.devices import DeviceError
-from launcher.placement import GpuOptions, Placement, place
-from launcher.printer import Printer
+from launcher.gpus import claims, nvml
+from launcher.gpus.selection import DeviceError
+from launcher.gpus.placement import GpuOptions, Placement, place
+from launcher.supervise.printer import Printer
 
 PRINT_GPU = (
     "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPU_RANK'], os.environ['CUDA_DEVICE_ORDER'], flush=True)"
@@ -81,7 +81,7 @@ def test_without_a_driver_the_production_preset_or_a_gpu_request_is_an_error(scr
 def test_a_broken_driver_is_an_error_even_where_cpu_would_do(scripted_gpus, monkeypatch):
     scripted_gpus([{}])
     import pynvml
-    from launcher import scripted_nvml
+    from launcher.gpus import scripted_nvml
 
     def mismatch(self):
         raise pynvml.NVMLError_LibRmVersionMismatch()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from conftest import ROOT
 from helpers import assert_one_line_error
-from pretrain.metrics import MetricsLog
-from pretrain.plot import latest_by_step, load_records, plot_metrics
+from pretrain.observe.metrics import MetricsLog
+from pretrain.observe.plot import latest_by_step, load_records, plot_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -130,7 +130,7 @@ def test_without_matplotlib_the_error_says_how_to_install_it(tmp_path):
 
 
 def test_importing_the_plot_command_imports_neither_matplotlib_nor_torch():
-    code = "import sys, pretrain.plot; print(sorted({'matplotlib', 'torch'} & set(sys.modules)))"
+    code = "import sys, pretrain.observe.plot; print(sorted({'matplotlib', 'torch'} & set(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT))
     )
@@ -141,7 +141,7 @@ def test_importing_the_plot_command_imports_neither_matplotlib_nor_torch():
 def test_a_run_that_scored_hellaswag_gets_a_fourth_panel_for_its_accuracy(tmp_path):
     import matplotlib.image
 
-    from pretrain.hellaswag import Tally
+    from pretrain.evaluation.hellaswag import Tally
 
     plain = plot_metrics(load_records(write_run(tmp_path / "plain")), tmp_path / "plain.png")
     run_dir = write_run(tmp_path / "run")

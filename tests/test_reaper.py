@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import alive, wait_until
-from launcher import guardian, reaper
-from launcher.reaper import ProcessInfo
+from launcher.processes import guardian, reaper
+from launcher.processes.reaper import ProcessInfo
 
 
 def info(

@@ -15,17 +15,17 @@ from conftest import ROOT
 from helpers import all_tokens, data_config, prepared
 from pretrain import config as cfg
 from pretrain import registry
-from pretrain.checkpoint import CheckpointError, check_same_model, check_same_optimizer
+from pretrain.checkpoint.save_restore import CheckpointError, check_same_model, check_same_optimizer
 from pretrain.data.hub import estimated_tokens
 from pretrain.data.prepare import read_meta
 from pretrain.data.sources import Piece
 from pretrain.data.tokenizer import BYTE_EOT, ByteRecipe, ByteTokenizer
-from pretrain.export import parameter_naming
-from pretrain.memory import estimate, parameter_count
-from pretrain.metrics import flops_per_token
-from pretrain.model import Transformer
-from pretrain.optim import build_optimizer
-from pretrain.schedule import lr_at
+from pretrain.hf.export import parameter_naming
+from pretrain.plan.gpu_memory import estimate, parameter_count
+from pretrain.observe.metrics import flops_per_token
+from pretrain.model.transformer import Transformer
+from pretrain.optim.optimizers import build_optimizer
+from pretrain.optim.schedule import lr_at
 
 
 def build_sgd(model: torch.nn.Module, training: cfg.TrainingConfig, device: torch.device) -> torch.optim.Optimizer:

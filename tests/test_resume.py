@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, one_line_error
-from launcher.printer import Printer
-from launcher.run_dirs import resume_point
+from launcher.supervise.printer import Printer
+from launcher.rundir.choice import resume_point
 from pretrain import config as cfg
-from pretrain.checkpoint_files import checkpoint_problem
-from pretrain.resume import ResumeError, checkpoint_at, damaged_after, latest, resolve_resume
+from pretrain.checkpoint.files import checkpoint_problem
+from pretrain.checkpoint.resume import ResumeError, checkpoint_at, damaged_after, latest, resolve_resume
 
 
 def checkpoint_dir(run: Path, steps: int, complete: bool = True, name: str | None = None) -> Path:
@@ -30,7 +30,7 @@ def checkpoint_dir(run: Path, steps: int, complete: bool = True, name: str | Non
 
 
 def state(steps: int) -> dict:
-    """A valid state.json (pretrain/checkpoint_files.py state_problem) after `steps` steps."""
+    """A valid state.json (pretrain/checkpoint/files.py state_problem) after `steps` steps."""
     return {
         "format_version": 2,
         "steps_done": steps,
@@ -298,7 +298,7 @@ def test_an_explicit_resume_of_an_incomplete_checkpoint_is_refused_naming_the_fi
 
 
 def test_the_random_state_files_a_checkpoint_needs_are_those_of_the_ranks_both_runs_have(tmp_path, runs):
-    # A rank the saving run did not have seeds its generators afresh (pretrain/checkpoint.py), and
+    # A rank the saving run did not have seeds its generators afresh (pretrain/checkpoint/save_restore.py), and
     # a rank the resuming run does not have reads nothing: neither file is needed.
     two = fill(checkpoint_dir(tmp_path / "two", 3, complete=False), 3, world_size=2)
     (two / "rng_rank1.pt").unlink()

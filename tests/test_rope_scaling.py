@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pretrain import config as cfg
-from pretrain.hf_checkpoint import InitFromError, check_fits, read_checkpoint
-from pretrain.hf_format import HfFormatError, expected_hf_shapes, hf_config, model_fields_from_hf
-from pretrain.model import Transformer, llama3_frequencies
+from pretrain.hf.init_checkpoint import InitFromError, check_fits, read_checkpoint
+from pretrain.hf.transformers_form import HfFormatError, expected_hf_shapes, hf_config, model_fields_from_hf
+from pretrain.model.transformer import Transformer, llama3_frequencies
 from test_init_from import LLAMA, SEQ, config_with, loaded_model, write_checkpoint
 
 # Head size 8 at base 1e4: wavelengths of 6.3, 63, 628 and 6283 positions. Against an original
@@ -158,7 +158,7 @@ def test_a_scaled_llama_with_tied_embeddings_starts_a_run_with_transformers_logi
 def test_an_export_of_a_scaled_model_loads_in_transformers_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from pretrain.export import export
+    from pretrain.hf.export import export
 
     ours = Transformer(SCALED, SEQ, seed=3).eval()
     export(ours.state_dict(), config_with(SCALED), tmp_path / "export", dtype="float32", warn=print)

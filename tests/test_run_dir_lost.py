@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from conftest import ROOT, launcher_env, wait_until
-from launcher import run_lock
+from launcher.rundir import lock as run_lock
 from launcher.exit_codes import EXIT_RUN_DIR_LOST
-from launcher.run_lock import LockHolder, RunDirLock, RunDirLost
+from launcher.rundir.lock import LockHolder, RunDirLock, RunDirLost
 
 SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
 
@@ -136,7 +136,7 @@ def test_a_launcher_whose_run_directory_is_deleted_stops_its_workers_at_once_and
 HOLDER = """
 import sys, time
 from pathlib import Path
-from launcher import run_lock
+from launcher.rundir import lock as run_lock
 owned = run_lock.take(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(60)

@@ -1,4 +1,4 @@
-"""A run directory has one owner (launcher/run_lock.py): a second launch into a live run, a
+"""A run directory has one owner (launcher/rundir/lock.py): a second launch into a live run, a
 --resume of a live run, and a fresh run over a finished one's checkpoints are refused in one line;
 the lock dies with its launcher, SIGKILL included. CPU workers, debug preset, a few steps."""
 
@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, launcher_env, wait_until
-from launcher import cli, run_lock
-from launcher.printer import Printer
-from launcher.reaper import start_time
+from launcher import cli
+from launcher.rundir import lock
+from launcher.supervise.printer import Printer
+from launcher.processes.reaper import start_time
 from pretrain import config as cfg
-from pretrain.resume import latest
+from pretrain.checkpoint.resume import latest
 
 CPU = ("--device", "cpu", "--nproc", "1")
 
@@ -168,8 +169,8 @@ def test_resume_auto_alone_refuses_the_newest_run_while_it_trains_and_takes_it_o
     monkeypatch.setenv("PRETRAIN_RUNS_DIR", str(tmp_path / "runs"))
     config = cfg.resolve("debug", sets=["training.resume=auto"])
     printer = Printer(io.StringIO(), None, colour=False)
-    held = run_lock.take(live)  # as the launcher of that run would (another open file: a lock of its own)
-    assert isinstance(held, run_lock.RunDirLock)
+    held = lock.take(live)  # as the launcher of that run would (another open file: a lock of its own)
+    assert isinstance(held, lock.RunDirLock)
     with pytest.raises(cli.UsageError) as refused:
         cli.resume_point(config, None, printer)
     assert str(refused.value).startswith(f"run directory {live.resolve()} is still training under the launcher pid ")

@@ -1,4 +1,4 @@
-"""A checkpoint's state.json is validated like a config file (pretrain/checkpoint_files.py
+"""A checkpoint's state.json is validated like a config file (pretrain/checkpoint/files.py
 state_problem): every damaged or hand-edited value is one line naming the file and the key, in
 the launcher and in a training process alike (exit 2, no traceback), and a damaged checkpoint is
 never the one `--resume auto` continues."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, launcher_env, one_line_error
-from pretrain.checkpoint_files import StateError, latest, read_state
-from pretrain.resume import ResumeError, damaged_after, resolve_resume
+from pretrain.checkpoint.files import StateError, latest, read_state
+from pretrain.checkpoint.resume import ResumeError, damaged_after, resolve_resume
 
 HINT = "the checkpoint is damaged: resume from an earlier one with --resume <run dir>/checkpoints/step_<N>"
 

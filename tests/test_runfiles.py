@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.runfiles import atomic_write, atomic_write_text, os_error_message
+from pretrain.run.files import atomic_write, atomic_write_text, os_error_message
 
 
 def mode(path: Path) -> int:

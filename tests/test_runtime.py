@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pretrain import config as cfg
-from pretrain import runtime
-from pretrain.runtime import Runtime, RuntimeSetupError, choose_device
+from pretrain.distributed import runtime
+from pretrain.distributed.runtime import Runtime, RuntimeSetupError, choose_device
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = ("GPU_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LAUNCHER_CUDA_DEVICE_INDEX")

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pretrain import config as cfg
-from pretrain.schedule import lr_at
+from pretrain.optim.schedule import lr_at
 
 
 def training(**changes) -> cfg.TrainingConfig:

@@ -24,11 +24,11 @@ from helpers import NOBODY, as_nobody, data_config, prepared, run_launcher
 from launcher.compile_cache import kernel_cache_dir
 from launcher.errors import UsageError
 from pretrain.config import Config, DataConfig
-from pretrain.config_presets import debug
+from pretrain.config.presets import debug
 from pretrain.data import DataError
 from pretrain.data.cache import build_lock
 from pretrain.data.prepare import read_meta, recipe_for
-from pretrain.runfiles import CACHE_DIR_VAR
+from pretrain.run.files import CACHE_DIR_VAR
 
 DOCUMENTS = ["the first user's text, " * 20, "and more of it. " * 30]
 OTHER_DOCUMENTS = ["the second user's own text, " * 20, "different words. " * 30]

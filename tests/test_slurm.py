@@ -1,4 +1,4 @@
-"""Reading a Slurm job's environment (launcher/slurm.py): the compressed node list, and the
+"""Reading a Slurm job's environment (launcher/nodes/slurm.py): the compressed node list, and the
 nodes, rank and rendezvous address it gives, from a dictionary standing in for os.environ."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from launcher.slurm import DERIVED_PORT_BASE, DERIVED_PORT_SPAN, MAX_HOSTS, SlurmError, SlurmJob, expand_nodelist
+from launcher.nodes.slurm import DERIVED_PORT_BASE, DERIVED_PORT_SPAN, MAX_HOSTS, SlurmError, SlurmJob, expand_nodelist
 
 
 def slurm_env(**overrides: str) -> dict[str, str]:

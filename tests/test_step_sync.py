@@ -1,6 +1,6 @@
 """At most one host synchronization per optimizer step that logs nothing: the finite check's
-all-reduce also carries the ranks' agreement on a stop request (pretrain/debug.py
-agree_on_step, pretrain/stopping.py). Counted here as collectives, in one process that plays
+all-reduce also carries the ranks' agreement on a stop request (pretrain/numerics/debug.py
+agree_on_step, pretrain/run/stopping.py). Counted here as collectives, in one process that plays
 rank 0 of two: torch.distributed.all_reduce is replaced by a peer that answers as rank 1
 would. On a GPU each of these all-reduces is followed by one read to the host, and
 the GPU acceptance (benchmarks/gpu_acceptance/checks.py) counts the synchronizations themselves."""
@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from checkpointing import make_trainer
-from pretrain import debug, train
+from pretrain import train
+from pretrain.numerics import debug
 from pretrain.build import Trainer
-from pretrain.runtime import Runtime
-from pretrain.stopping import Stopped
+from pretrain.distributed.runtime import Runtime
+from pretrain.run.stopping import Stopped
 
 RANK0_OF_TWO = Runtime(rank=0, world_size=2, device=torch.device("cpu"), label="CPU 0")
 STEPS = 6
@@ -128,7 +129,7 @@ def test_this_ranks_own_signal_travels_in_the_finite_check(run_as_rank0, monkeyp
 
 
 def test_a_signal_that_arrives_after_the_steps_check_stops_the_ranks_after_the_next_step(run_as_rank0, monkeypatch):
-    from pretrain.stopping import StopRequest
+    from pretrain.run.stopping import StopRequest
 
     settle = StopRequest.settle
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, alive, launcher_env, wait_until
-from pretrain import checkpoint
+from pretrain.checkpoint import save_restore
 from pretrain.data import loader
 from test_data_loader import Part, write_dataset
 from test_supervised_training import read_until, start_training
@@ -47,7 +47,7 @@ def saved_checkpoint(run_dir, out: str, stop_signal: str) -> None:
     assert len(stopped) == 2 and stopped[0].split("after step")[1] == stopped[1].split("after step")[1], out[-3000:]
     saved = run_dir / "checkpoints" / stopped[0].rsplit("/", 1)[1]
     assert {p.name for p in saved.iterdir()} >= {"model.pt", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt"}
-    assert checkpoint.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
+    assert save_restore.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
 
 
 def exit_codes(run_dir) -> list[int]:
@@ -174,7 +174,7 @@ def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits
     stopped = [line for line in out.splitlines() if "Stopped by SIGHUP after step" in line]
     assert len(stopped) == 1 and "Traceback" not in out, out[-3000:]
     saved = run_dir / "checkpoints" / stopped[0].rsplit("/", 1)[1]
-    assert checkpoint.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
+    assert save_restore.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
     assert wait_until(lambda: not any(alive(p.pid) for p in job), timeout=5)
 
 
@@ -303,7 +303,7 @@ def ignored_signals(pid: int) -> set[int]:
 
 def test_the_guardian_outlives_a_sigterm_to_every_process_and_leaves_when_told_done():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.guardian", "unused-token"],
+        [sys.executable, "-m", "launcher.processes.guardian", "unused-token"],
         cwd=ROOT,
         env=launcher_env(),
         stdin=subprocess.PIPE,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from launcher import summary
+from launcher.supervise import summary
 
 FAULTHANDLER_DUMP = """\
 Thread 0x00007f3a1b7fe640 (most recent call first):
@@ -27,7 +27,7 @@ def test_the_stack_dump_reader_names_the_innermost_frames_of_the_deepest_thread(
     assert starts.count(True) == 2
     assert dump.where() == (
         "all_reduce (distributed/distributed_c10d.py:3252) <- "
-        "wrapper (distributed/c10d_logger.py:83) <- agreed (pretrain/stopping.py:58)"
+        "wrapper (distributed/c10d_logger.py:83) <- agreed (pretrain/run/stopping.py:58)"
     )
 
 
@@ -53,7 +53,7 @@ def test_a_frame_whose_line_faulthandler_cannot_tell_is_read_with_the_frames_aft
     ]:
         dump.feed(line)
     assert dump.where() == (
-        "<lambda> (pretrain/debug.py:???) <- hook (utils/hooks.py:137) <- _engine_run_backward (autograd/graph.py:979)"
+        "<lambda> (pretrain/numerics/debug.py:???) <- hook (utils/hooks.py:137) <- _engine_run_backward (autograd/graph.py:979)"
     )
     assert dump.threads[0][-1] == "??? (???:???)"
 
@@ -70,7 +70,7 @@ def test_other_lines_within_a_threads_stack_are_passed_over_up_to_the_blank_line
         '  File "/work/pretrain/other.py", line 5 in not_in_any_thread',
     ]:
         dump.feed(line)
-    assert dump.threads == [["_not_finite (pretrain/debug.py:139)", "train_step (pretrain/train.py:73)"]]
+    assert dump.threads == [["_not_finite (pretrain/numerics/debug.py:139)", "train_step (pretrain/train.py:73)"]]
 
 
 def test_hints_name_the_likely_cause():

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, alive, launcher_env, wait_until
-from pretrain import checkpoint
+from pretrain.checkpoint import save_restore
 
 pytestmark = pytest.mark.slow  # each test trains for real: 2 to 10 s apiece
 
@@ -93,7 +93,7 @@ def test_ctrl_c_ends_training_after_a_step_with_a_checkpoint_and_exit_130(proces
     assert len(stopped) == 2 and stopped[0].split("after step")[1] == stopped[1].split("after step")[1]
     saved = tmp_path / "run" / "checkpoints" / stopped[0].rsplit("/", 1)[1]
     assert {p.name for p in saved.iterdir()} >= {"model.pt", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt"}
-    assert checkpoint.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
+    assert save_restore.read_state(saved)["steps_done"] == int(saved.name.removeprefix("step_"))
     assert "launcher: stopped: every worker exited within" in out and "had to be killed" not in out
     record = json.loads((tmp_path / "run" / "workers.json").read_text())
     assert [r["exit_code"] for r in record] == [128 + signal.SIGTERM] * 2

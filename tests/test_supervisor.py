@@ -12,10 +12,10 @@ import psutil
 import pytest
 
 from conftest import alive, wait_until
-from launcher.printer import Printer
+from launcher.supervise.printer import Printer
 from launcher.exit_codes import EXIT_HANG
-from launcher.supervisor import Supervisor, SupervisorOptions, exit_code
-from launcher.worker import Worker, worker_env
+from launcher.supervise.supervisor import Supervisor, SupervisorOptions, exit_code
+from launcher.processes.worker import Worker, worker_env
 
 # A handshake: the peer of FAILS_WITH_7 touches this file (next to the scripts) once it has set
 # itself up, so that the failure, and the teardown it starts, find it ready however slow its start.
@@ -433,7 +433,7 @@ def test_after_an_agreed_exit_code_the_others_may_exit_on_their_own_within_the_g
 
 
 def test_after_an_agreed_exit_code_a_worker_that_does_not_follow_is_stopped_after_the_grace(script, tmp_path, monkeypatch):
-    monkeypatch.setattr("launcher.supervisor.AGREED_EXIT_GRACE", 0.5)
+    monkeypatch.setattr("launcher.supervise.supervisor.AGREED_EXIT_GRACE", 0.5)
     workers = [make_worker(0, [*script(AGREED_EXIT, "agreed.py"), "0.1"]), make_worker(1, script(SLEEPS, "sleep.py"))]
     code, out, elapsed = supervise(workers, tmp_path, agreed_exit_codes=frozenset({3}))
     assert code == 3 and elapsed < 3.0

@@ -1,4 +1,4 @@
-"""Rule 5 of launcher/supervisor.py: a job of several nodes, with the other nodes played by a
+"""Rule 5 of launcher/supervise/supervisor.py: a job of several nodes, with the other nodes played by a
 fake (the real ones, through a TCPStore, are in tests/test_multinode.py)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable
 
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
-from launcher.nodes import NodeInterrupt, NodeStop
-from launcher.printer import Printer
-from launcher.supervisor import Supervisor, SupervisorOptions
+from launcher.nodes.node import NodeInterrupt, NodeStop
+from launcher.supervise.printer import Printer
+from launcher.supervise.supervisor import Supervisor, SupervisorOptions
 from test_supervisor import FAILS_WITH_7, SLEEPS, make_worker
 
 NODE_1_FAILED = NodeStop(1, "gpu-b", "failed", "exit code 9", "CPU3", 3, 9)

@@ -10,8 +10,8 @@ import time
 
 from conftest import alive
 from helpers import run_launcher
-from launcher.printer import Printer
-from launcher.supervisor import Supervisor, SupervisorOptions
+from launcher.supervise.printer import Printer
+from launcher.supervise.supervisor import Supervisor, SupervisorOptions
 from test_supervisor import make_worker
 
 # Rank 0 starts `sleep 1000` in a session of its own, which inherits (and so holds) its output;

@@ -1,4 +1,4 @@
-"""Thread-count variables (pretrain/thread_env.py): refused in one line by the launcher and by
+"""Thread-count variables (pretrain/run/thread_env.py): refused in one line by the launcher and by
 `python -m pretrain` before anything starts, instead of a libgomp warning and a slow run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, launcher_env
 from helpers import assert_one_line_error
-from pretrain.thread_env import bad_thread_variable
+from pretrain.run.thread_env import bad_thread_variable
 
 FIX = "set it to a whole number from 1 to 65536 (export OMP_NUM_THREADS=4) or unset it (unset OMP_NUM_THREADS)"
 

@@ -1,4 +1,4 @@
-"""A launched worker's environment against torchrun's (launcher/torchrun_env.py): the same
+"""A launched worker's environment against torchrun's (launcher/processes/torchrun_env.py): the same
 variables, with values that mean the same, so what recognizes torchrun recognizes the launcher:
 torch's env:// init, its @record error files, Lightning Fabric's TorchElasticEnvironment."""
 
@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT, launcher_env
-from launcher.torchrun_env import Restarts
-from launcher.worker import worker_env
+from launcher.processes.torchrun_env import Restarts
+from launcher.processes.worker import worker_env
 from multinode_helpers import start_nodes, worker_command
 
 # Writes its environment to <out>/<RANK>.json; with --init, joins the job through torch's env://

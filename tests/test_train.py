@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port
-from pretrain import checkpoint
+from pretrain.checkpoint import save_restore
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
-from pretrain.runtime import Runtime, device_label, setup_logging
-from pretrain.stopping import Stopped
-from pretrain.debug import NumericalFailure
+from pretrain.distributed.runtime import Runtime, device_label, setup_logging
+from pretrain.run.stopping import Stopped
+from pretrain.numerics.debug import NumericalFailure
 from pretrain.build import build
-from pretrain.step_line import format_eta
-from pretrain.schedule import lr_at
+from pretrain.observe.step_line import format_eta
+from pretrain.optim.schedule import lr_at
 from pretrain.train import fit, train_step
 
 
@@ -80,18 +80,18 @@ def test_a_requested_stop_ends_training_after_the_step_with_a_loadable_checkpoin
     saved = trainer.run_dir / "checkpoints" / "step_1"
     assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
     assert not list(saved.parent.glob("*.tmp"))
-    state = checkpoint.read_state(saved)
+    state = save_restore.read_state(saved)
     assert state["steps_done"] == 1 and state["loader"] == trainer.loader.state_dict()
-    weights = checkpoint.load_tensors(saved, "model.pt")
+    weights = save_restore.load_tensors(saved, "model.pt")
     assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
-    assert checkpoint.load_tensors(saved, "optimizer.pt")["state"]  # the Adam moments are there
+    assert save_restore.load_tensors(saved, "optimizer.pt")["state"]  # the Adam moments are there
     assert cfg.load(saved / "config.json") == trainer.config
 
 
 def test_a_second_stop_signal_ends_the_process_at_once_unless_it_is_the_same_request_twice(tmp_path):
     source = (
         "import os, signal, time\n"
-        "from pretrain.stopping import StopRequest\n"
+        "from pretrain.run.stopping import StopRequest\n"
         "with StopRequest().installed():\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)  # within a second: the same request\n"
@@ -140,7 +140,7 @@ def test_a_failing_rank_prints_its_traceback_before_it_leaves_the_process_group(
     ],
 )
 def test_after_a_failure_a_rank_leaves_an_nccl_group_to_the_process_exit(monkeypatch, backend, peers_alive, destroyed):
-    import pretrain.runtime as runtime_module
+    import pretrain.distributed.runtime as runtime_module
 
     calls = []
     monkeypatch.setattr(runtime_module.dist, "is_initialized", lambda: True)
@@ -153,7 +153,7 @@ def test_after_a_failure_a_rank_leaves_an_nccl_group_to_the_process_exit(monkeyp
 
 
 def test_the_throughput_window_leaves_out_a_checkpoint_save_between_two_step_lines():
-    from pretrain.step_line import Throughput
+    from pretrain.observe.step_line import Throughput
 
     speed = Throughput(
         tokens_per_step=1000, world_size=1, flops_per_token=1.0, peak_flops=None, device=torch.device("cpu"), window_start=0.0
@@ -171,14 +171,14 @@ def test_the_throughput_window_leaves_out_a_checkpoint_save_between_two_step_lin
 def test_ranks_plan_on_the_smallest_memory_any_of_them_reports(tmp_path):
     probe = (
         "import os, torch, torch.distributed as dist\n"
-        "from pretrain.runtime import Runtime\n"
+        "from pretrain.distributed.runtime import Runtime\n"
         "from pretrain.build import smallest_across_ranks\n"
         "rank = int(os.environ['RANK'])\n"
         "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
         "runtime = Runtime(rank=rank, world_size=2, device=torch.device('cpu'), label=f'CPU {rank}')\n"
         "print(smallest_across_ranks(runtime, *((80, 500) if rank == 0 else (40, 900))))\n"
         "dist.destroy_process_group()\n"
-        "from pretrain.runtime import exit_process; exit_process(0)\n"  # finalization can abort a gloo rank
+        "from pretrain.distributed.runtime import exit_process; exit_process(0)\n"  # finalization can abort a gloo rank
     )
     port = str(free_port())
     procs = [

@@ -13,8 +13,8 @@ import torch
 
 from conftest import ROOT, free_port, launcher_env
 from helpers import run_debug_training, run_launcher
-from pretrain import checkpoint
-from pretrain.metrics import read_metrics
+from pretrain.checkpoint import save_restore
+from pretrain.observe.metrics import read_metrics
 
 SMALL_RUN = ["--set", "data.context_length=64", "--set", "training.batch_size=4", "--set", "logging.log_interval=1"]
 
@@ -45,8 +45,8 @@ def test_twenty_steps_equal_ten_then_ten_resumed_from_the_checkpoint_at_every_st
     assert sorted(first) == list(range(20)) and sorted(second) == list(range(10, 20))
     assert {step: first[step] for step in range(10, 20)} == second  # bit for bit
     assert torch.equal(
-        checkpoint.load_model_state(whole / "checkpoints" / "step_20")["output.weight"],
-        checkpoint.load_model_state(resumed / "checkpoints" / "step_20")["output.weight"],
+        save_restore.load_model_state(whole / "checkpoints" / "step_20")["output.weight"],
+        save_restore.load_model_state(resumed / "checkpoints" / "step_20")["output.weight"],
     )
 
 
@@ -106,10 +106,10 @@ def test_a_finished_run_leaves_checkpoints_metrics_and_exported_weights(finished
     assert "Tokens/s:" in out and "MFU" not in out  # no MFU on a CPU: its peak is not known
     kinds = [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert kinds.count("train") == 8 and kinds[-1] == "val"
-    from pretrain.exported import load_exported
+    from pretrain.hf.exported import load_exported
 
     exported, described = load_exported(run_dir / "export")  # transformers' names and row order, read back as ours
-    final = checkpoint.load_model_state(run_dir / "checkpoints" / "step_8")
+    final = save_restore.load_model_state(run_dir / "checkpoints" / "step_8")
     assert described["model_type"] == "llama" and described["pretrain"]["exported_from"]["steps_done"] == 8
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k].to(torch.bfloat16)) for k in final)  # the export's default dtype

@@ -1,4 +1,4 @@
-"""Weights & Biases as an optional extra (pretrain/wandb_log.py), with a fake `wandb` package made
+"""Weights & Biases as an optional extra (pretrain/observe/wandb_log.py), with a fake `wandb` package made
 in the test (the real one is not a dependency): what a run sends it, and that nothing imports it
 unless the config asks."""
 

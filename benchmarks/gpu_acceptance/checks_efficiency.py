@@ -27,7 +27,7 @@ FEATURES = {"dense": "dense", "moe": "mixture of experts (4 experts, top-2)", "m
 CHECKPOINTING = "auto"
 """What a run gets by default: the memory plan's choice for this GPU."""
 MAX_HOST_SYNCS = 1
-"""The step's one intended sync: the finite check (pretrain/debug.py agree_on_step)."""
+"""The step's one intended sync: the finite check (pretrain/numerics/debug.py agree_on_step)."""
 TARGET = f"0 graph breaks; 0 recompiles after the first train and eval compiles; <= {MAX_HOST_SYNCS} host sync per step"
 TIMEOUT_S = 420
 """One efficiency.py (a row: its FLOP count, then its run with a cold compile, about 4 minutes with

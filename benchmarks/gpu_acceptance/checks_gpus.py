@@ -1,4 +1,4 @@
-"""GPU check `gpus`: the launcher's GPU list (`python -m launcher gpus`, and launcher.nvml as its
+"""GPU check `gpus`: the launcher's GPU list (`python -m launcher gpus`, and launcher.gpus.nvml as its
 workers read it) against nvidia-smi's, while a process of ours holds 1 GiB on the first GPU.
 
 NVML names processes by their pid in the host's pid namespace; inside a container our holder

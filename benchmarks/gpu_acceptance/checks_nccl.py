@@ -2,7 +2,7 @@
 their own GPU and once seeing both (LAUNCHER_GPU_VISIBILITY=own, node), with NCCL_DEBUG=INFO
 naming the transport it chose (P2P, NVLS, SHM), the bus bandwidth measured, and NVML's process
 lists read while the workers hold their GPUs: no worker may have a context on the other's GPU.
-The way the launcher chooses for training (launcher/gpu_visibility.py) must be at least as fast.
+The way the launcher chooses for training (launcher/gpus/visibility.py) must be at least as fast.
 Reported as skipped on a machine with one GPU."""
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ def _ids(ctx: Context) -> str:
 def _pair(indices: list[int]) -> tuple[list[str], str, bool]:
     """The two GPUs' UUIDs, how NVML says they reach each other, and whether the launcher shows
     training workers both (as it would for these two)."""
-    from launcher import gpu_visibility, nvml
+    from launcher.gpus import nvml, visibility
 
     gpus = [g for g in nvml.discover(window=0, samples=1) if not g.mig and g.index in indices]
     links = nvml.peer_links(gpus)
-    shared = gpu_visibility.choose(gpus, links, own_command=False, wanted="auto").shared
+    shared = visibility.choose(gpus, links, own_command=False, wanted="auto").shared
     return [g.uuid for g in gpus], "/".join(sorted(set(links.values()))) or "?", shared
 
 

@@ -29,9 +29,9 @@ from benchmarks.gpu_acceptance.procs import (
 from benchmarks.gpu_acceptance.workers_runtime import FAILURE, RAISING
 
 SUMMARY_RULE = "=" * 72
-"""The line above the launcher's failure summary (launcher/summary.py RULE)."""
+"""The line above the launcher's failure summary (launcher/supervise/summary.py RULE)."""
 ESTIMATE = re.compile(r"estimated (?P<gib>[\d.]+) GiB of [\d.]+ GiB per GPU")
-"""The launcher's line with pretrain.memory's estimate for the run as the workers run it."""
+"""The launcher's line with pretrain.plan.gpu_memory's estimate for the run as the workers run it."""
 MODEL_LINE = re.compile(r"\[(?P<label>(GPU|CPU) \d+)\] Model: .*?; device (?P<device>\S+); world size (?P<world>\d+)")
 COLLECTIVE_TIMEOUT_S = 20
 """system.collective_timeout of the nccl-timeout check."""
@@ -85,7 +85,7 @@ def estimate_row(name: str, proc: Proc, used_gib: float | None) -> Row:
 
 
 def shape_estimate_row(r: dict) -> Row:
-    """The production-shape worker's own peaks (torch, whole run) against pretrain.memory.estimate."""
+    """The production-shape worker's own peaks (torch, whole run) against pretrain.plan.gpu_memory.estimate."""
     ok = r["run_reserved_gib"] <= r["estimate_gib"]
     return Row(
         "memory estimate vs measured, 8B shape, 4 layers, 1 GPU",

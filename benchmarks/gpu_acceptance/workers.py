@@ -66,7 +66,7 @@ def worker_hold(index: str) -> None:
 
 
 def worker_nvml() -> None:
-    from launcher import nvml
+    from launcher.gpus import nvml
 
     emit(
         [
@@ -86,11 +86,11 @@ def worker_poison(run_dir: str) -> None:
     """A step_0 checkpoint of the debug model (TINY) whose POISONED weight holds one NaN."""
     import torch
 
-    from pretrain import checkpoint
+    from pretrain.checkpoint import save_restore
     from pretrain import config as cfg
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
-    from pretrain.runtime import Runtime, setup_logging
+    from pretrain.distributed.runtime import Runtime, setup_logging
     from pretrain.build import build
 
     config = cfg.resolve(preset="debug", sets=[*TINY, "system.device=cpu", "logging.tensorboard=false"])
@@ -100,7 +100,7 @@ def worker_poison(run_dir: str) -> None:
     trainer = build(config, runtime, dataset, Path(run_dir), setup_logging("CPU 0", "WARNING"))
     with torch.no_grad():
         trainer.model.get_parameter(POISONED)[3, 5] = float("nan")
-    emit({"checkpoint": str(checkpoint.save(trainer, 0, trainer.run_dir))})
+    emit({"checkpoint": str(save_restore.save(trainer, 0, trainer.run_dir))})
 
 
 def worker_shape(layers: str, steps: str, data_sets: str) -> None:
@@ -112,8 +112,8 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
     from pretrain import config as cfg
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
-    from pretrain.metrics import flops_per_token, peak_bf16_flops
-    from pretrain.runtime import Runtime
+    from pretrain.observe.metrics import flops_per_token, peak_bf16_flops
+    from pretrain.distributed.runtime import Runtime
     from pretrain.build import build
     from pretrain.train import train_step
 
@@ -173,11 +173,11 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
 
 
 def memory_against_estimate(trainer: Any, warmup_peaks: tuple[int, int]) -> dict[str, Any]:
-    """pretrain.memory's estimate for this run's config and mode, and the peaks of the whole
+    """pretrain.plan.gpu_memory's estimate for this run's config and mode, and the peaks of the whole
     run (warm-up steps included) in GiB: what the caching allocator handed out and reserved."""
     import torch
 
-    from pretrain import memory
+    from pretrain.plan import gpu_memory as memory
 
     offload = bool(trainer.config.training.cpu_offload)
     mode = "fsdp" if trainer.mode == "fsdp" else "ddp"  # "single" is the one-rank case of ddp's formula
@@ -214,7 +214,7 @@ def worker_syncs(mode: str, steps: str, data_sets: str) -> None:
     from pretrain.build import Trainer, build
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
-    from pretrain.runtime import Runtime
+    from pretrain.distributed.runtime import Runtime
 
     warmup, counted = 3, int(steps)
     total = warmup + counted + 1  # and a last step, which logs

@@ -14,13 +14,13 @@ NAME_CHARS = 200
 
 
 def worker_flash_attention(preset: str) -> None:
-    """A pretrain.model.TransformerBlock of preset's model (fp32 weights, compiled in place as
-    pretrain/parallel.py compiles each block), at the preset's micro-batch and context; one
+    """A pretrain.model.transformer.TransformerBlock of preset's model (fp32 weights, compiled in place as
+    pretrain/distributed/parallel.py compiles each block), at the preset's micro-batch and context; one
     forward+backward compiles it, the next runs under torch.profiler."""
     import torch
 
     from pretrain import config as cfg
-    from pretrain.model import TransformerBlock, rotary_tables
+    from pretrain.model.transformer import TransformerBlock, rotary_tables
 
     config = cfg.resolve(preset=preset)
     model, context, batch = config.model, config.data.context_length, config.training.batch_size

@@ -33,7 +33,7 @@ def worker_attention(dtype: str = "float32") -> None:
     import torch
 
     from pretrain import config as cfg
-    from pretrain.model import Attention, rotary_tables
+    from pretrain.model.transformer import Attention, rotary_tables
 
     production = cfg.resolve(preset="production")
     model, context, batch = production.model, production.data.context_length, 1
@@ -97,7 +97,7 @@ def worker_alloc_conf() -> None:
 
 
 def worker_nccl_error(device: str = "cuda") -> None:
-    """Run as two launched GPU workers: the trainer's runtime (pretrain.runtime.init_runtime,
+    """Run as two launched GPU workers: the trainer's runtime (pretrain.distributed.runtime.init_runtime,
     NCCL), all_reduce in a loop, and on rank 1 a RuntimeError after some rounds, handled as
     pretrain/train.py main handles one (unexpected_error, then shutdown without peers, then
     os._exit as pretrain_main.py). Rank 0 waits in its next all_reduce for a peer that is gone.
@@ -108,7 +108,7 @@ def worker_nccl_error(device: str = "cuda") -> None:
     import torch.distributed as dist
 
     from pretrain import config as cfg
-    from pretrain.runtime import init_runtime, shutdown
+    from pretrain.distributed.runtime import init_runtime, shutdown
     from pretrain.train import unexpected_error
 
     config = cfg.resolve(preset="debug", sets=[f"system.device={device}", "training.cpu_offload=false"])
@@ -138,7 +138,7 @@ def _doubled_sum(t: Any) -> Any:
 
 
 def worker_nccl_transport(release: str, device: str = "cuda") -> None:
-    """Run as two launched GPU workers: the trainer's runtime (pretrain.runtime.init_runtime, so
+    """Run as two launched GPU workers: the trainer's runtime (pretrain.distributed.runtime.init_runtime, so
     the device LAUNCHER_CUDA_DEVICE_INDEX names), one small torch.compile (which starts inductor's
     compile processes, as training does: they see the worker's GPUs too), a 256 MiB fp32
     all-reduce timed over 20 rounds after 5 unmeasured ones, and which other visible GPUs hold a
@@ -151,7 +151,7 @@ def worker_nccl_transport(release: str, device: str = "cuda") -> None:
     import torch.distributed as dist
 
     from pretrain import config as cfg
-    from pretrain.runtime import init_runtime, shutdown
+    from pretrain.distributed.runtime import init_runtime, shutdown
 
     runtime = init_runtime(cfg.resolve(preset="debug", sets=[f"system.device={device}", "training.cpu_offload=false"]))
     synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)

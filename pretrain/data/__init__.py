@@ -6,7 +6,7 @@ pull in torch, so nothing here imports a submodule.
 
 from __future__ import annotations
 
-from pretrain.refusal import Refusal
+from pretrain.run.refusal import Refusal
 
 
 class DataError(Refusal):

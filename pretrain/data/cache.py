@@ -25,9 +25,9 @@ from typing import Any
 from pretrain.data import DataError
 from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
-from pretrain.exit_codes import by_signal
-from pretrain.runfiles import fsync, is_file_at, naming
-from pretrain.shared_cache import mode_in
+from pretrain.run.exit_codes import by_signal
+from pretrain.run.files import fsync, is_file_at, naming
+from pretrain.run.shared_cache import mode_in
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")

@@ -6,7 +6,7 @@ thread: Ctrl-C or SIGTERM was acted on when the work ended. Run in a child (bpe_
 hub_process.py), the work no longer holds this process, which only waits in system calls that a
 signal interrupts (a pipe, waitpid), so its handler runs at once. What both children share is
 here: starting `python -c` with this process's pid (the child dies with it:
-pretrain/parent_death.py), ending it (killed and reaped) when anything, a stop signal first, ends
+pretrain/run/parent_death.py), ending it (killed and reaped) when anything, a stop signal first, ends
 the wait, and what its exit status means. Standard library only: the launcher must start fast.
 """
 
@@ -84,7 +84,7 @@ def how_it_failed(returncode: int) -> str:
 def child_args() -> list[str]:
     """In the child, first thing after its signal handling: die with the parent, and the
     arguments start_child was given."""
-    from pretrain.parent_death import die_with_parent
+    from pretrain.run.parent_death import die_with_parent
 
     die_with_parent(int(sys.argv[-1]))
     return sys.argv[1:-1]

@@ -23,7 +23,7 @@ from pretrain.data.windows import RunLength, plan_run
 def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> tuple[Config, RunLength]:
     """config with model.vocab_size and training.max_steps made concrete for this dataset and
     world size, and the run's length. A run set in epochs gets them as max_steps, and epochs 0:
-    the config the workers read then sets the run length once (pretrain/config.py
+    the config the workers read then sets the run length once (pretrain/config/__init__.py
     one_run_length refuses both). DataError when they do not fit; ConfigError when
     training.global_batch_size does not divide over the ranks."""
     config = with_world_size(config, world_size)

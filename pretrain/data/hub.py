@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain import registry
-from pretrain.config_schema import SHARD_SOURCES
+from pretrain.config.schema import SHARD_SOURCES
 from pretrain.data import DataError, first_line
 from pretrain.data.formats import file_format
 from pretrain.data.hub_client import LOCAL_FILES_INSTEAD, access_error, hub_snapshot, is_commit, offline_error
@@ -322,7 +322,7 @@ def follow_checkpoint(config: Config) -> Config:
     data.path: hub_shards.follow_checkpoint_shards) come from the checkpoint's config unless set
     here. Without this, a resume with more steps or another number of GPUs would size the
     download anew, prepare other files, and continue at a data position that means other
-    windows (pretrain/checkpoint.py refuses such a resume of a Hub text dataset)."""
+    windows (pretrain/checkpoint/save_restore.py refuses such a resume of a Hub text dataset)."""
     from pretrain.config import ConfigError, DataConfig, load
     from pretrain.data.hub_shards import follow_checkpoint_shards, is_hub_path
 

@@ -12,7 +12,7 @@ batch.
 
 DataLoader worker processes ignore the signals meant for the whole job (JOB_SIGNALS): Slurm
 sends SIGTERM to every process of a job, a terminal sends Ctrl-C and hang-ups to a whole process
-group. The training process decides how to stop (pretrain/stopping.py) and needs its workers for
+group. The training process decides how to stop (pretrain/run/stopping.py) and needs its workers for
 the step it finishes; a worker that died of the signal would fail that step instead. Workers
 still end with the training process: it shuts them down (at the latest at exit, _shut_down_at_exit),
 and they leave on their own when it dies (torch's worker watchdog).
@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from pretrain.data import DataError
 from pretrain.data.cache import read_meta
 from pretrain.data.windows import DTYPES, check_segment_file, open_segment, segments, steps_per_epoch
-from pretrain.parent_death import die_with_parent
+from pretrain.run.parent_death import die_with_parent
 
 Batch = tuple[Tensor, Tensor]
 

@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from pretrain import registry, shared_cache
-from pretrain.config_schema import SHARD_SOURCES
+from pretrain import registry
+from pretrain.run import shared_cache
+from pretrain.config.schema import SHARD_SOURCES
 from pretrain.data import DataError
 from pretrain.data.cache import (
     FORMAT_VERSION,
@@ -78,8 +79,8 @@ from pretrain.data.tokenizer import (
 )
 from pretrain.data.splits import split_point, splits_meta
 from pretrain.data.windows import DTYPES, Segment
-from pretrain.runfiles import cache_path, naming
-from pretrain.shared_cache import make_dirs
+from pretrain.run.files import cache_path, naming
+from pretrain.run.shared_cache import make_dirs
 
 if TYPE_CHECKING:
     from pretrain.config import DataConfig

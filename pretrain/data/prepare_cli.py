@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 from pretrain import config as configuration
-from pretrain.command_name import command_name
+from pretrain.run.command_name import command_name
 from pretrain.data.hub import choose_hub_files
 from pretrain.data.prepare import prepare, sigterm_as_exit, verify
-from pretrain.refusal import Refusal
-from pretrain.runfiles import CACHE_DIR_VAR, os_error_message
+from pretrain.run.refusal import Refusal
+from pretrain.run.files import CACHE_DIR_VAR, os_error_message
 
 CONSOLE_COMMAND = "pretrain-prepare"  # pyproject.toml [project.scripts]
 

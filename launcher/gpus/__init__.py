@@ -1,0 +1,2 @@
+"""Which GPUs a run gets: NVML (or a scripted machine), the free criteria and the --gpus request,
+the GPU table, claims between launchers, which GPUs each worker sees, and the placement."""

@@ -1,0 +1,289 @@
+"""What the GPUs of this machine are and how busy they are, read through NVML.
+
+The one seam between the launcher and the hardware is `nvml_library()`: the nvidia-ml-py
+package (imported as pynvml), or, when LAUNCHER_SCRIPTED_GPUS names a JSON file, a scripted
+machine with the same functions (launcher/gpus/scripted_nvml.py), so every policy and every
+error can be tried, and tested, on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import psutil
+
+from pretrain.run.refusal import Refusal
+
+SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
+UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
+UTILIZATION_SAMPLES = 5
+
+
+PeerLink = Literal["nvlink", "pcie", "none", "unknown"]
+"""How two GPUs reach each other: NVLink peer-to-peer, PCIe peer-to-peer, no peer-to-peer at all
+(NCCL goes through host memory), or unknown (NVML cannot say: an old driver, a MIG device)."""
+
+
+class NoGpuDriver(Exception):
+    """NVML cannot be used: no NVIDIA driver, or the library is missing."""
+
+
+class NvmlFailure(Refusal):
+    """NVML started but cannot list the GPUs (one line)."""
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    memory: int | None
+    """Bytes of GPU memory it holds; None where the driver does not say."""
+    user: str | None
+    """Its owner; None when the process is not visible from here (another container's PID
+    namespace, or gone) or its owner cannot be read."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One device a worker can be given: a whole GPU, or one MIG device of a GPU."""
+
+    id: str
+    """How users and logs name it: the NVML index ("3"), or index.slot for a MIG device ("0.1")."""
+    index: int
+    """NVML index of the physical GPU (the PCI bus order; CUDA_DEVICE_ORDER=PCI_BUS_ID gives CUDA the same)."""
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total: int
+    memory_used: int
+    utilization: float | None
+    """Mean percent of time a kernel ran, over the sampling window; None when not supported."""
+    processes: tuple[GpuProcess, ...]
+    mig: bool = False
+    """A MIG device (addressed by its UUID)."""
+    mig_enabled: bool = False
+    """A whole GPU in MIG mode: CUDA can only use its MIG devices, never the GPU itself."""
+    error: str | None = None
+    """Why NVML could not describe it (GPU is lost, no permission); such a GPU is never chosen."""
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_used)
+
+    @property
+    def cuda_visible_id(self) -> str:
+        """What a worker's CUDA_VISIBLE_DEVICES names it by: its UUID. NVML lists GPUs that
+        CUDA skips (lost, or not accessible to this process), which would shift every CUDA
+        index after them; a UUID always names the GPU that was chosen and claimed."""
+        return self.uuid
+
+
+def nvml_library() -> Any:
+    """pynvml, or the scripted machine that LAUNCHER_SCRIPTED_GPUS names."""
+    script = os.environ.get(SCRIPTED_GPUS_VAR)
+    if script:
+        from launcher.gpus.scripted_nvml import ScriptedNvml
+
+        return ScriptedNvml.from_file(script)
+    try:
+        import pynvml
+    except ImportError as error:  # a broken install: requirements.txt has nvidia-ml-py
+        raise NoGpuDriver(f"cannot import pynvml ({error}); install nvidia-ml-py") from None
+    return pynvml
+
+
+def discover(window: float | None = None, samples: int | None = None) -> list[Gpu]:
+    """Every usable device, in NVML order, a MIG device right after its GPU; utilization
+    is sampled `samples` times over `window` seconds (default UTILIZATION_*).
+
+    Raises NoGpuDriver when NVML cannot start (no driver, library not found), NvmlFailure
+    when it cannot count the GPUs. A GPU it cannot read is listed with its error."""
+    window = UTILIZATION_WINDOW if window is None else window
+    samples = UTILIZATION_SAMPLES if samples is None else samples
+    nvml = nvml_library()
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as error:
+        if error.value in (nvml.NVML_ERROR_LIBRARY_NOT_FOUND, nvml.NVML_ERROR_DRIVER_NOT_LOADED):
+            raise NoGpuDriver(str(error)) from None
+        # A driver that is there but broken (library/driver version mismatch after an
+        # upgrade, no permission) must not pass for a machine without GPUs.
+        raise NvmlFailure(f"NVML cannot start ({error}); check `nvidia-smi`, or use --device cpu") from None
+    try:
+        handles = _device_handles(nvml)
+        utilization = _sample_utilization(nvml, [h for _, h, _ in handles], window, samples)
+        return [
+            _describe(nvml, gpu_id, handle, mig, util) for (gpu_id, handle, mig), util in zip(handles, utilization, strict=True)
+        ]
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _device_handles(nvml: Any) -> list[tuple[str, Any, str]]:
+    """(id, handle, kind) for each GPU and each MIG device; kind is "gpu", "mig" or
+    "mig-parent", or the error NVML gave for a GPU it has no handle for."""
+    try:
+        count = nvml.nvmlDeviceGetCount()
+    except nvml.NVMLError as error:
+        raise NvmlFailure(f"NVML cannot count the GPUs ({error}); check `nvidia-smi`, or use --device cpu") from None
+    handles = []
+    for index in range(count):
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        except nvml.NVMLError as error:  # GPU is lost, no permission
+            handles.append((str(index), None, str(error)))
+            continue
+        migs = _mig_handles(nvml, handle)
+        handles.append((str(index), handle, "mig-parent" if migs is not None else "gpu"))
+        for slot, mig in migs or []:
+            handles.append((f"{index}.{slot}", mig, "mig"))
+    return handles
+
+
+def _mig_handles(nvml: Any, handle: Any) -> list[tuple[int, Any]] | None:
+    """The MIG devices of a GPU in MIG mode (slot, handle); None when MIG is off or unsupported."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:  # NotSupported: a GPU without MIG
+        return None
+    if current != nvml.NVML_DEVICE_MIG_ENABLE:
+        return None
+    devices: list[tuple[int, Any]] = []
+    try:
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except nvml.NVMLError:  # no permission: the GPU is listed in MIG mode, with no device to use
+        return devices
+    for slot in range(slots):
+        try:
+            devices.append((slot, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)))
+        except nvml.NVMLError:  # NotFound: an empty slot
+            continue
+    return devices
+
+
+def _sample_utilization(nvml: Any, handles: list[Any], window: float, samples: int) -> list[float | None]:
+    """Mean utilization of each device over `window` seconds: one reading is a single
+    instant, and a training job between two steps reads 0%. None where unsupported (MIG)."""
+    readings: list[list[float] | None] = [[] for _ in handles]
+    for round_ in range(samples):
+        if round_:
+            time.sleep(window / max(1, samples - 1))
+        for i, handle in enumerate(handles):
+            if readings[i] is None or handle is None:
+                readings[i] = None
+                continue
+            try:
+                readings[i].append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))  # type: ignore[union-attr]
+            except nvml.NVMLError:  # NotSupported (MIG devices, some boards), GPU lost
+                readings[i] = None
+    return [sum(r) / len(r) if r else None for r in readings]
+
+
+def _describe(nvml: Any, gpu_id: str, handle: Any, kind: str, utilization: float | None) -> Gpu:
+    index = int(gpu_id.split(".")[0])
+    if handle is not None:
+        try:
+            return _read(nvml, gpu_id, index, handle, kind, utilization)
+        except nvml.NVMLError as error:
+            kind = str(error)
+    return Gpu(
+        id=gpu_id,
+        index=index,
+        uuid="",
+        name="?",
+        pci_bus_id="?",
+        memory_total=0,
+        memory_used=0,
+        utilization=None,
+        processes=(),
+        mig="." in gpu_id,
+        error=kind,
+    )
+
+
+def _read(nvml: Any, gpu_id: str, index: int, handle: Any, kind: str, utilization: float | None) -> Gpu:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    parent = nvml.nvmlDeviceGetHandleByIndex(index) if kind == "mig" else handle
+    return Gpu(
+        id=gpu_id,
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(parent).busId),
+        memory_total=int(memory.total),
+        memory_used=int(memory.used),
+        utilization=utilization,
+        processes=_processes(nvml, handle),
+        mig=kind == "mig",
+        mig_enabled=kind == "mig-parent",
+    )
+
+
+def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
+    try:
+        running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError:  # NoPermission, NotSupported
+        return ()
+    return tuple(
+        GpuProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory), _owner(int(p.pid))) for p in running
+    )
+
+
+def _owner(pid: int) -> str | None:
+    """NVML reports host PIDs: inside a container, other containers' processes are not
+    there at all. (A PID that names an unrelated local process cannot be told apart.)"""
+    try:
+        return psutil.Process(pid).username()
+    except (psutil.Error, KeyError):  # NoSuchProcess, AccessDenied; KeyError: uid without a name
+        return None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def peer_links(gpus: Sequence[Gpu]) -> dict[tuple[str, str], PeerLink]:
+    """How each pair of these devices reaches the other, keyed by their ids in the order given
+    (("0", "1"), never ("1", "0")). NVLink when NVML's NVLink peer-to-peer status is OK; else
+    PCIe when peer reads or writes are OK (through the PCIe fabric); else none. A MIG device, or
+    a pair NVML cannot judge, is unknown; so is every pair when NVML cannot start."""
+    pairs = [(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
+    if not pairs:
+        return {}
+    nvml = nvml_library()
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:
+        return {(a.id, b.id): "unknown" for a, b in pairs}
+    try:
+        handles = {gpu.id: _handle_by_uuid(nvml, gpu) for gpu in gpus}
+        return {(a.id, b.id): _link(nvml, handles[a.id], handles[b.id]) for a, b in pairs}
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _handle_by_uuid(nvml: Any, gpu: Gpu) -> Any:
+    """The handle of a whole GPU (None for a MIG device, or one NVML cannot find)."""
+    if gpu.mig or not gpu.uuid:
+        return None
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+    except nvml.NVMLError:
+        return None
+
+
+def _link(nvml: Any, a: Any, b: Any) -> PeerLink:
+    if a is None or b is None:
+        return "unknown"
+    try:
+        if nvml.nvmlDeviceGetP2PStatus(a, b, nvml.NVML_P2P_CAPS_INDEX_NVLINK) == nvml.NVML_P2P_STATUS_OK:
+            return "nvlink"
+        for direction in (nvml.NVML_P2P_CAPS_INDEX_READ, nvml.NVML_P2P_CAPS_INDEX_WRITE):
+            if nvml.nvmlDeviceGetP2PStatus(a, b, direction) == nvml.NVML_P2P_STATUS_OK:
+                return "pcie"
+    except nvml.NVMLError:  # NotSupported: a driver too old to say
+        return "unknown"
+    return "none"

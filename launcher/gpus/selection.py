@@ -1,0 +1,356 @@
+"""Which GPUs a run gets: the --gpus request, the free criteria, CUDA_VISIBLE_DEVICES, and
+the claims that keep two launches off the same GPU.
+
+A device's verdict is one of: free; busy (over --max-utilization, or under --min-free-memory:
+skipped by `all` and `auto:N`, a warning in an explicit list unless --strict); or unusable
+(hidden by CUDA_VISIBLE_DEVICES, a GPU in MIG mode, claimed by another launcher).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from launcher.gpus import claims
+from launcher.gpus.nvml import Gpu
+from pretrain.run.refusal import Refusal
+
+GIB = 1 << 30
+DEFAULT_MIN_FREE_MEMORY = "90%"
+DEFAULT_MAX_UTILIZATION = 10.0
+NO_GPU_FOUND = "no NVIDIA GPU found; use --device cpu"
+ONE_MIG_DEVICE = (
+    "a run uses at most one MIG device: NCCL does not support MIG, and the MIG devices of "
+    "one GPU share its PCI bus id, which NCCL refuses as a duplicate GPU"
+)
+NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
+
+
+class DeviceError(Refusal, ValueError):
+    """The GPUs asked for cannot be had. The message is one line; `verdicts` (when there
+    are some) say of every GPU why it was refused: the command line shows them as the GPU
+    table (launcher/gpus/table.py)."""
+
+    def __init__(self, message: str, verdicts: Sequence[Verdict] = ()) -> None:
+        super().__init__(message)
+        self.verdicts = tuple(verdicts)
+
+
+# --- what the user asks for ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    kind: Literal["all", "auto", "list", "none"]
+    count: int = 0
+    """auto: how many."""
+    ids: tuple[str, ...] = ()
+    """list: GPU ids ("3", MIG "0.1") or UUIDs (a unique prefix is enough)."""
+
+    def __str__(self) -> str:
+        return {"all": "all", "none": "none", "auto": f"auto:{self.count}"}.get(self.kind, ",".join(self.ids))
+
+
+def parse_request(text: str) -> GpuRequest:
+    """--gpus: all | auto:N | none | a comma-separated list of GPU ids or UUIDs."""
+    value = text.strip()
+    if value.lower() in ("all", "none"):
+        return GpuRequest(value.lower())  # type: ignore[arg-type]
+    if value.lower() == "auto" or value.lower().startswith("auto:"):
+        count = value[5:] or "1"
+        if not count.isdigit() or int(count) < 1:
+            raise DeviceError(f"--gpus {text}: the count after auto: must be a whole number of at least 1, as in auto:2")
+        return GpuRequest("auto", count=int(count))
+    ids = tuple(str(int(part)) if part.strip().isdigit() else part.strip() for part in value.split(","))
+    if not value or not all(re.fullmatch(r"\d+(\.\d+)?|(GPU|MIG)-[0-9A-Za-z-]+", i) for i in ids):
+        raise DeviceError(
+            f"--gpus {text!r} is not all, auto:N, none, or a list of GPU ids like 0,3 (`python -m launcher gpus` lists them)"
+        )
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise DeviceError(f"--gpus {text} names GPU {', '.join(duplicates)} twice; one worker runs per GPU")
+    return GpuRequest("list", ids=ids)
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """When a GPU counts as free."""
+
+    min_free_memory: float = 0.9
+    """Free memory needed: bytes when above 1, else a fraction of the device's total."""
+    max_utilization: float = DEFAULT_MAX_UTILIZATION
+    """Percent; a GPU busier than this (mean over the sampling window) is busy."""
+
+    @classmethod
+    def parse(cls, min_free_memory: str, max_utilization: str) -> Criteria:
+        """From the --min-free-memory and --max-utilization option values."""
+        return cls(parse_min_free_memory(min_free_memory), parse_max_utilization(max_utilization))
+
+    def describe_memory(self) -> str:
+        m = self.min_free_memory
+        return f"{m:.0%}" if m <= 1 else f"{m / GIB:g} GiB"
+
+    def needed(self, gpu: Gpu) -> float:
+        return self.min_free_memory * gpu.memory_total if self.min_free_memory <= 1 else self.min_free_memory
+
+
+_UNITS = {"": GIB, "g": GIB, "gib": GIB, "gb": 1e9, "m": 1 << 20, "mib": 1 << 20, "mb": 1e6}
+
+
+def parse_min_free_memory(text: str) -> float:
+    """--min-free-memory: a percentage of each GPU's memory ("90%") or an amount ("20GiB", "20")."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|[a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or (unit != "%" and unit not in _UNITS):
+        raise DeviceError(f"--min-free-memory {text!r} is not a percentage (90%) or an amount (20GiB, 500MiB)")
+    number = float(match.group(1))
+    if unit == "%":
+        if number > 100:
+            raise DeviceError(f"--min-free-memory {text} is over 100%")
+        return number / 100
+    amount = number * _UNITS[unit]
+    return max(amount, 1.01)  # above 1: an amount in bytes, never read as a fraction
+
+
+def parse_max_utilization(text: str) -> float:
+    """--max-utilization: percent, 0 to 100 ("10" or "10%")."""
+    try:
+        value = float(text.strip().rstrip("%"))
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:
+        raise DeviceError(f"--max-utilization {text!r} must be a percentage from 0 to 100")
+    return value
+
+
+# --- what each GPU is ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gpu: Gpu
+    state: Literal["free", "busy", "hidden", "mig", "claimed", "error", "chosen"]
+    reasons: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.state in ("free", "chosen"):
+            return self.state + ("" if self.gpu.utilization is not None else " (utilization unknown)")
+        return ("busy: " if self.state == "busy" else "") + "; ".join(self.reasons)
+
+
+def judge(
+    gpu: Gpu, criteria: Criteria, visible: set[str] | None, holder: Callable[[str], claims.Holder | None] = claims.holder_of
+) -> Verdict:
+    if gpu.error is not None:
+        return Verdict(gpu, "error", (f"NVML cannot read it: {gpu.error}",))
+    if visible is not None and gpu.id not in visible:
+        return Verdict(gpu, "hidden", ("not in CUDA_VISIBLE_DEVICES",))
+    if gpu.mig_enabled:
+        return Verdict(gpu, "mig", ("MIG mode: use its MIG devices",))
+    held = holder(gpu.uuid)
+    if held is not None:
+        return Verdict(gpu, "claimed", (held.describe(),))
+    reasons = []
+    if gpu.utilization is not None and gpu.utilization > criteria.max_utilization:
+        reasons.append(f"utilization {gpu.utilization:.0f}% > {criteria.max_utilization:g}%")
+    if gpu.memory_free < criteria.needed(gpu):
+        reasons.append(f"{gpu.memory_free / GIB:.1f} GiB free < {criteria.describe_memory()}")
+    return Verdict(gpu, "busy" if reasons else "free", tuple(reasons))
+
+
+def visible_ids(gpus: list[Gpu], cuda_visible_devices: str | None) -> set[str] | None:
+    """The ids of the devices an existing CUDA_VISIBLE_DEVICES allows (None: no limit).
+
+    Entries are NVML indices (the PCI order, as CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them)
+    or UUIDs (GPU-..., MIG-...; a unique prefix is enough, as for CUDA). As for CUDA, -1
+    ends the list. A GPU in MIG mode named here allows its MIG devices."""
+    if cuda_visible_devices is None:
+        return None
+    allowed: set[str] = set()
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.lower() in NO_GPUS_VISIBLE or entry.startswith("-"):
+            break
+        device = find(gpus, entry, f"CUDA_VISIBLE_DEVICES={cuda_visible_devices} names")
+        allowed.add(device.id)
+        allowed.update(g.id for g in gpus if g.mig and device.mig_enabled and g.index == device.index)
+    return allowed
+
+
+def find(gpus: list[Gpu], name: str, context: str) -> Gpu:
+    """The device an id or UUID (or a unique UUID prefix) names."""
+    if name.startswith(("GPU-", "MIG-")):
+        matches = [g for g in gpus if g.uuid.startswith(name)]
+    else:
+        matches = [g for g in gpus if g.id == name]
+    if len(matches) == 1:
+        return matches[0]
+    known = ", ".join(g.id for g in gpus if not g.mig_enabled) or "none"
+    if matches:
+        raise DeviceError(f"{context} {name}, which matches {len(matches)} GPUs; give more of the UUID")
+    raise DeviceError(f"{context} GPU {name}, which does not exist; GPUs here: {known} (`python -m launcher gpus` shows them)")
+
+
+# --- choosing and claiming -----------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    chosen: list[Gpu] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    held: list[claims.Claim] = field(default_factory=list)
+
+    def release(self) -> None:
+        for claim in self.held:
+            claim.release()
+        self.held.clear()
+
+
+def freest_first(verdict: Verdict) -> tuple:
+    """auto:N order: lowest utilization (unknown after every known value), then most free memory."""
+    gpu = verdict.gpu
+    return (gpu.utilization is None, gpu.utilization or 0.0, -gpu.memory_free, gpu.index, gpu.id)
+
+
+def select(
+    gpus: list[Gpu],
+    request: GpuRequest,
+    criteria: Criteria,
+    *,
+    strict: bool = False,
+    cuda_visible_devices: str | None = None,
+    claim: Callable[[str], claims.Claim | claims.Holder] = claims.try_claim,
+    holder: Callable[[str], claims.Holder | None] = claims.holder_of,
+) -> Selection:
+    """Choose and claim the GPUs `request` asks for. The claims are held on return;
+    on error none is."""
+    visible = visible_ids(gpus, cuda_visible_devices)
+    selection = Selection(verdicts=[judge(g, criteria, visible, holder) for g in gpus])
+    try:
+        if request.kind == "list":
+            _claim_listed(selection, gpus, request, strict, claim)
+        else:
+            _claim_free(selection, request, criteria, claim)
+    except BaseException:
+        selection.release()
+        raise
+    order = {g.id: at for at, g in enumerate(gpus)}
+    selection.chosen.sort(key=lambda g: order[g.id])  # ranks in NVML order
+    chosen_ids = {g.id for g in selection.chosen}
+    selection.verdicts = [replace(v, state="chosen") if v.gpu.id in chosen_ids else v for v in selection.verdicts]
+    return selection
+
+
+def _claim_free(
+    selection: Selection, request: GpuRequest, criteria: Criteria, claim: Callable[[str], claims.Claim | claims.Holder]
+) -> None:
+    """all: every free GPU, in NVML order; auto:N: the N freest. A GPU another launcher
+    claims between the look and the claim is skipped like any claimed GPU."""
+    _keep_mig_devices_apart(selection)
+    only_mig = any(v.gpu.mig and v.state in ("free", "busy") for v in selection.verdicts)
+    if only_mig and request.kind == "auto" and request.count > 1:
+        raise DeviceError(
+            f"--gpus {request} needs {request.count} GPUs, but only MIG devices are usable here "
+            f"and {ONE_MIG_DEVICE}; use --gpus auto:1, or whole GPUs",
+            verdicts=selection.verdicts,
+        )
+    free = [v for v in selection.verdicts if v.state == "free"]
+    if request.kind == "auto":
+        free.sort(key=freest_first)
+    wanted = 1 if only_mig else request.count if request.kind == "auto" else len(free)
+    for verdict in free:
+        if len(selection.chosen) == wanted:
+            break
+        _claim_one(selection, verdict, claim)
+    if only_mig and selection.chosen:  # say why `all` left the other MIG devices out
+        selection.verdicts = [
+            Verdict(v.gpu, "mig", ("MIG device: one per run (NCCL does not support MIG)",))
+            if v.state in ("free", "busy") and v.gpu not in selection.chosen
+            else v
+            for v in selection.verdicts
+        ]
+    if not selection.chosen or (request.kind == "auto" and len(selection.chosen) < wanted):
+        usable = [v for v in selection.verdicts if v.state not in ("hidden", "mig", "error")]
+        have = (
+            f"{len(selection.chosen)} of {len(usable)} GPU(s) are free"
+            if selection.chosen
+            else f"none of the {len(usable)} GPU(s) is free"
+        )
+        need = "" if request.kind == "all" else f"--gpus {request} needs {request.count}, but "
+        raise DeviceError(
+            f"{need}{have} (free: utilization <= {criteria.max_utilization:g}% and at least "
+            f"{criteria.describe_memory()} memory free, unclaimed); wait, loosen --max-utilization "
+            f"or --min-free-memory, or name GPUs with --gpus",
+            verdicts=selection.verdicts,
+        )
+
+
+def _keep_mig_devices_apart(selection: Selection) -> None:
+    """all and auto:N never put MIG devices and whole GPUs in one run (a 10 GB slice would
+    pace an 80 GB GPU); MIG devices are theirs only on a machine with no whole GPU to use."""
+    whole = [v for v in selection.verdicts if not v.gpu.mig and v.state not in ("hidden", "mig", "error")]
+    if whole:
+        selection.verdicts = [
+            Verdict(v.gpu, "mig", ("MIG device: not mixed with whole GPUs; name it in --gpus",))
+            if v.gpu.mig and v.state in ("free", "busy")
+            else v
+            for v in selection.verdicts
+        ]
+
+
+def _claim_listed(
+    selection: Selection, gpus: list[Gpu], request: GpuRequest, strict: bool, claim: Callable[[str], claims.Claim | claims.Holder]
+) -> None:
+    by_id = {v.gpu.id: v for v in selection.verdicts}
+    listed = [by_id[find(gpus, name, "--gpus names").id] for name in request.ids]
+    if len({v.gpu.id for v in listed}) < len(listed):
+        raise DeviceError(f"--gpus {request} names one GPU twice (by id and by UUID); one worker runs per GPU")
+    slices = [v.gpu.id for v in listed if v.gpu.mig]
+    if len(slices) > 1:
+        raise DeviceError(
+            f"--gpus {request} names {len(slices)} MIG devices ({', '.join(slices)}), but "
+            f"{ONE_MIG_DEVICE}; name one of them, or use whole GPUs"
+        )
+    for verdict in listed:
+        gpu = verdict.gpu
+        if verdict.state == "hidden":
+            raise DeviceError(
+                f"GPU {gpu.id} is not in CUDA_VISIBLE_DEVICES; choose among "
+                f"{', '.join(v.gpu.id for v in selection.verdicts if v.state not in ('hidden', 'mig'))}"
+            )
+        if verdict.state == "error":
+            raise DeviceError(f"GPU {gpu.id}: {verdict.reasons[0]}; check `nvidia-smi`, or choose another GPU")
+        if verdict.state == "mig":
+            migs = ", ".join(g.id for g in gpus if g.mig and g.index == gpu.index) or "none configured"
+            raise DeviceError(
+                f"GPU {gpu.id} is in MIG mode, so CUDA cannot use it whole; choose its MIG devices ({migs}) or their UUIDs"
+            )
+        if verdict.state == "busy":
+            problem = f"GPU {gpu.id} is busy ({'; '.join(verdict.reasons)})"
+            if strict:
+                raise DeviceError(f"{problem}; --strict refuses busy GPUs", verdicts=selection.verdicts)
+            selection.warnings.append(f"{problem}; using it anyway as --gpus names it (--strict refuses)")
+    for verdict in listed:
+        if not _claim_one(selection, verdict, claim):
+            raise DeviceError(
+                f"GPU {verdict.gpu.id} is {selection_reason(selection, verdict.gpu)}; "
+                f"choose another GPU or wait for that run to end"
+            )
+
+
+def _claim_one(selection: Selection, verdict: Verdict, claim: Callable[[str], claims.Claim | claims.Holder]) -> bool:
+    """Claim verdict's GPU; on losing the race, record who holds it."""
+    result = claim(verdict.gpu.uuid)
+    if isinstance(result, claims.Claim):
+        selection.held.append(result)
+        selection.chosen.append(verdict.gpu)
+        return True
+    at = selection.verdicts.index(verdict)
+    selection.verdicts[at] = Verdict(verdict.gpu, "claimed", (result.describe(),))
+    return False
+
+
+def selection_reason(selection: Selection, gpu: Gpu) -> str:
+    return next(v.describe() for v in selection.verdicts if v.gpu.id == gpu.id)

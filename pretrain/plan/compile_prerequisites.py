@@ -1,0 +1,76 @@
+"""What torch.compile needs on the machine besides torch, found before the first forward needs it.
+
+torch.compile builds kernels on first use: on CUDA, Triton builds each kernel's launcher with a C
+compiler; on CPU, Inductor builds C++ kernels. Both compile C files that include Python.h, so a
+host without the Python headers (a distribution's Python without its -dev package) fails at the
+first step, with a compiler error deep in a traceback. Checked here instead, torch-free, so the
+launcher can turn compile off once, with one line, before any worker starts (launcher/cli.py),
+and a worker run alone does the same (pretrain/distributed/parallel.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from pretrain.config import Config
+
+
+def compile_requested(config: Config, device_type: str) -> bool:
+    """Whether the run asks for torch.compile on device_type: training.compile, or, when it is
+    null, on CUDA only (a first compile on CPU is slow); never with debug.trace_nonfinite (compiled
+    blocks hide their modules from its hooks)."""
+    if config.debug.trace_nonfinite:
+        return False
+    chosen = config.training.compile
+    return device_type == "cuda" if chosen is None else chosen
+
+
+def missing_compile_prerequisite(device_type: str) -> str | None:
+    """What torch.compile will look for on device_type ("cuda" or "cpu") and not find, said as
+    what to install; None when everything is there."""
+    return missing_compiler(device_type) or missing_python_headers()
+
+
+def missing_compiler(device_type: str) -> str | None:
+    """The compiler torch.compile will look for and not find, or None. Searched the way the
+    compilers do, so a missing one is found before the first forward raises."""
+    if device_type == "cuda":
+        # Triton builds its kernel launcher with $CC, else gcc, else clang (triton/runtime/build.py).
+        if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
+            return None
+        return "a C compiler (gcc or clang on PATH, or CC)"
+    # Inductor's CPU kernels are C++, built with $CXX, else g++ (torch._inductor.config.cpp.cxx).
+    if shutil.which(os.environ.get("CXX") or "g++"):
+        return None
+    return "a C++ compiler (g++ on PATH, or CXX)"
+
+
+def python_include_dir() -> Path:
+    """Where the compilers look for Python.h: the interpreter's include directory, as Inductor's
+    and Triton's builds ask sysconfig for it."""
+    return Path(sysconfig.get_paths()["include"])
+
+
+def missing_python_headers(include_dir: Path | None = None) -> str | None:
+    """The Python headers, said as the package that installs them, when Python.h is not in
+    include_dir (default: this interpreter's); None when it is there."""
+    include_dir = include_dir or python_include_dir()
+    if (include_dir / "Python.h").is_file():
+        return None
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        f"the Python headers (no Python.h in {include_dir}: e.g. apt-get install python{version}-dev, "
+        f"or dnf install python{version}-devel)"
+    )
+
+
+def compile_off_line(missing: str) -> str:
+    """The one warning line for a compile turned off for want of missing."""
+    return (
+        f"training.compile is off: torch.compile needs {missing} on first use, and none was found; "
+        "install it, or set training.compile=false to silence this"
+    )

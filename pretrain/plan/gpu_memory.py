@@ -1,0 +1,426 @@
+"""How much GPU memory a run needs per GPU, from its config alone, before anything is built.
+
+The estimate, the choice between DDP and FSDP and the check that refuses a config that cannot
+fit, with one line that says what would help. The launcher's plan (pretrain/plan/parallelism.py, which
+also counts host memory and decides CPU offload, activation checkpointing, loss chunks and FSDP's
+resharding) uses them before any worker starts: no torch here. The estimate is a model of the
+peak, not a measurement: parameters, gradients and AdamW state are exact counts; activations
+follow the per-layer formulas of each activation checkpointing mode (`_activation_bytes_per_token`
+without, `_selective_bytes_per_token` for selective, the block's input for full; both checked
+against what autograd and the checkpoint keep, tests/test_memory.py); the backward's temporaries
+are one block's activation gradients; the loss counts three fp32 copies of one chunk's logits, or
+of the whole micro-batch's in one piece (measured); a fixed allowance covers the CUDA context,
+NCCL and the caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the
+GPU, for what the model still leaves out. A config the plan has not made concrete yet counts
+as its first choice: "auto" checkpointing as none, a null loss chunk as one piece, a null
+reshard_after_forward as true.
+
+What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4,
+s bytes of optimizer state per parameter: AdamW's two fp32 moments, 8; pretrain/registry.py):
+
+    DDP   weights 4P (+ 2P: autocast's bf16 copies of the matrices, kept for the backward)
+          gradients 4P (DDP's buckets hold them: gradient_as_bucket_view), optimizer state sP
+    FSDP  weights 4P/W + a x (head + 2 blocks): the unsharded copies in flight (the root group,
+          the final norm and output projection, stays gathered through the step; one block
+          runs while the next is prefetched; every block, when training.reshard_after_forward
+          is false, keeps them from its forward to its backward); gradients 4P/W + a x head (the root's, unsharded
+          until the end of the backward pass) + (a + 4) x block (one block's unsharded
+          gradients and the fp32 buffer they are reduce-scattered from); optimizer state sP/W
+
+FSDP with CPU offload (training.cpu_offload) keeps the sharded weights, gradients and AdamW
+state in host memory (counted in pretrain/plan/parallelism.py) and on the GPU only what is in flight:
+the unsharded groups and gradients above, the activations and the logits.
+
+FSDP reduce-scatters on every micro-batch of gradient accumulation (pretrain/distributed/parallel.py,
+gradient_sync), so no rank ever holds the full gradient and grad_accum_nums changes nothing
+here. The embedding is gathered in fp32 around its own forward and backward, where the
+activations are few, so it is not part of the peak; when training.reshard_after_forward is false
+it stays gathered from its forward to its backward with the blocks (4 bytes a parameter more).
+
+One process is never wrapped (pretrain/distributed/parallel.py) unless it offloads, so world_size 1 is
+estimated as the plain model whatever the mode, and as FSDP over one rank with offload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pretrain import config as cfg
+from pretrain import registry
+from pretrain.config import Config, ConfigError, ModelConfig
+
+GIB = 1 << 30
+FP32 = 4
+BF16 = 2
+OVERHEAD_BYTES = 2 * GIB
+"""The CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's fragmentation."""
+GPU_SHARE = 0.9
+"""A run plans on this share of each GPU: the estimate is a model, and what it leaves out
+(fragmentation beyond the allowance, kernels' workspaces, a longer NCCL buffer) must still fit.
+"auto" picks DDP when DDP's estimate fits it, and a run whose estimate does not is refused."""
+LOGIT_COPIES = 3
+"""fp32 tensors of one loss chunk's size at the peak of its backward: the recomputed logits, the
+log-probabilities cross_entropy keeps, and their gradient. benchmarks/train.py measured 2.95 GiB
+for 2048 tokens x 128,256 ids, where two copies would be 1.96."""
+MODES = ("ddp", "fsdp")
+LOSS_CHUNK_TOKENS = 2048
+"""The chunk a loss is split into when its logits do not fit in one piece (the launcher's plan,
+for training.loss_chunk_tokens null, and the refusal's suggestion)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU at the peak of a training step (the start of the backward pass)."""
+
+    mode: str
+    world_size: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """What autograd keeps for one micro-batch's backward pass, over every block."""
+    logits: int
+    """The fp32 logits of one loss chunk, their log-probabilities and gradient (LOGIT_COPIES)."""
+    overhead: int
+    temporaries: int = 0
+    """The backward pass's short-lived buffers: the gradients of one block's activations, as large
+    as what the block saved."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.temporaries + self.logits + self.overhead
+
+    def describe(self) -> str:
+        """~61.3 GiB per GPU: weights 30.0, gradients 30.0, optimizer 60.0, ... GiB"""
+        return f"~{gib(self.total)} GiB per GPU: {self.parts()}"
+
+    def parts(self) -> str:
+        """The parts that are not zero (host memory under CPU offload has no activations)."""
+        names = ("weights", "gradients", "optimizer", "activations", "temporaries", "logits", "overhead")
+        return ", ".join(f"{name} {gib(getattr(self, name))}" for name in names if getattr(self, name)) + " GiB"
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.1f}"
+
+
+# --- parameters -------------------------------------------------------------------------
+
+
+def _require_vocab(model: ModelConfig) -> int:
+    if model.vocab_size is None:
+        raise ValueError("model.vocab_size is null: count parameters once the dataset has fixed it (fit_to_dataset)")
+    return model.vocab_size
+
+
+def block_parameter_count(model: ModelConfig) -> int:
+    """One TransformerBlock: two RMSNorm weights, wq/wk/wv/wo, and the feed-forward block
+    (its own count, from pretrain/registry.py: SwiGLU's w1/w2/w3 are 3 x dim x ffn_dim)."""
+    d, head_dim = model.dim, model.dim // model.n_heads
+    attention = d * model.n_heads * head_dim * 2 + d * model.n_kv_heads * head_dim * 2  # wq, wo; wk, wv
+    return 2 * d + attention + registry.FEED_FORWARDS[model.feed_forward].parameters(model)
+
+
+def embedding_parameter_count(model: ModelConfig) -> int:
+    """The token embedding: a lookup table, no matmul (FLOPs per token leave it out)."""
+    return _require_vocab(model) * model.dim
+
+
+def head_parameter_count(model: ModelConfig) -> int:
+    """The final norm and the (untied) output projection: FSDP's root group."""
+    return _require_vocab(model) * model.dim + model.dim
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Every parameter of Transformer(model); equals Transformer.num_params(). The one count:
+    pretrain/observe/metrics.py counts FLOPs from it."""
+    return embedding_parameter_count(model) + model.n_layers * block_parameter_count(model) + head_parameter_count(model)
+
+
+def _matrix_parameter_count(model: ModelConfig) -> int:
+    """The parameters autocast copies to bf16 (the Linear weights; not the embedding or norms)."""
+    norms = 2 * model.dim
+    return model.n_layers * (block_parameter_count(model) - norms) + _require_vocab(model) * model.dim
+
+
+# --- activations ------------------------------------------------------------------------
+
+
+def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
+    """What one block keeps per token for its backward pass (flash attention: nothing of T x T).
+
+    The residual stream is fp32 in every mode (autocast leaves it so, and so does FSDP:
+    pretrain/distributed/parallel.py), so each RMSNorm keeps its fp32 input and normalised value (2 x 2 dim).
+    In the compute dtype: each matmul's input, which under autocast is a bf16 copy of the fp32
+    norm output per consumer (wq, wk, wv, w1, w3: 5 dim) and in fp32 the norm output itself, shared
+    (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim; in fp32 k and v are repeated
+    to every query head, dim + 2 dim: pretrain/model/transformer.py) and its output, which wo reads through a
+    view (dim); and what the feed-forward block keeps (its own count, from pretrain/registry.py:
+    for SwiGLU, w1's and w3's outputs, silu's output and the gated product, w2's input: 4 ffn_dim).
+    Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one per head). The
+    rotation keeps nothing: its tables are constants.
+    """
+    d, ffn = model.dim, registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
+    kv = model.n_kv_heads * (d // model.n_heads) if compute_bytes != FP32 else d
+    norm_outputs = 5 * d if compute_bytes != FP32 else 2 * d
+    return compute_bytes * (norm_outputs + 2 * d + 2 * kv + ffn) + FP32 * (4 * d + 2 + model.n_heads)
+
+
+def _selective_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
+    """What one block keeps per token under selective checkpointing (pretrain/distributed/parallel.py keeps
+    the outputs of the matmuls and attention kernels and recomputes everything else).
+
+    In fp32: the block's input, which the checkpoint keeps (dim), and attention's logsumexp (one
+    per head). In the compute dtype: the matmuls' outputs, wq's (dim), wk's and wv's (kv_dim
+    each: the fp32 path repeats them to every head after the matmul, and that is recomputed)
+    and wo's (dim), attention's output (dim), and the feed-forward block's matmul outputs
+    (_selective_feed_forward_per_token; SwiGLU: w1's and w3's, 2 ffn_dim, and w2's, dim).
+    """
+    d, kv = model.dim, model.n_kv_heads * (model.dim // model.n_heads)
+    return compute_bytes * (3 * d + 2 * kv + _selective_feed_forward_per_token(model)) + FP32 * (d + model.n_heads)
+
+
+def _selective_feed_forward_per_token(model: ModelConfig) -> int:
+    """Values the feed-forward block's matmuls return per token (what selective checkpointing keeps
+    of it). SwiGLU: w1, w3 (ffn_dim each) and w2 (dim); a mixture of experts: its router (one per
+    expert) and each routed token's SwiGLU, capacity_factor-padded; another block: everything it
+    keeps (registry.FeedForwardKind.saved_per_token), which cannot be less."""
+    if model.feed_forward == "swiglu":
+        return 2 * model.ffn_dim + model.dim
+    if model.feed_forward == "moe":
+        return model.moe.num_experts + int((2 * model.ffn_dim + model.dim) * model.moe.top_k * model.moe.capacity_factor)
+    return registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
+
+
+def _kept_per_token(model: ModelConfig, mode: cfg.CheckpointingMode, compute_bytes: int) -> int:
+    """What one block keeps per token between its forward and its backward in each mode."""
+    if mode == "full":
+        return FP32 * model.dim  # its input: the fp32 residual stream
+    if mode == "selective":
+        return _selective_bytes_per_token(model, compute_bytes)
+    return _activation_bytes_per_token(model, compute_bytes)
+
+
+def _head_bytes_per_token(config: Config, compute_bytes: int) -> int:
+    """What the model keeps per token outside its blocks: the token ids and targets (int64), the
+    final RMSNorm (its fp32 input, normalised value and reciprocal RMS) and the loss's input: the
+    fp32 hidden states a chunked loss keeps for its recomputation, or the output projection's
+    input (a bf16 copy under autocast) when the loss is computed in one piece."""
+    dim = config.model.dim
+    return 2 * 8 + FP32 * (2 * dim + 1) + (FP32 if loss_chunked(config) else compute_bytes) * dim
+
+
+def loss_chunked(config: Config) -> bool:
+    """Whether the loss runs in more than one chunk of the micro-batch (training.loss_chunk_tokens;
+    null, before the launcher's plan decides, counts as 0: one piece)."""
+    chunk = cfg.loss_chunk_tokens(config)
+    return 0 < chunk < config.training.batch_size * config.data.context_length
+
+
+def activation_bytes(config: Config) -> int:
+    """Autograd's saved tensors for one micro-batch (batch_size x context_length tokens).
+
+    Each block keeps what its checkpointing mode keeps (`_kept_per_token`: everything,
+    `_activation_bytes_per_token`, without checkpointing; its matmul and attention outputs under
+    selective; its input under full), and one block at a time, the one whose backward runs,
+    holds everything again once recomputed. The final norm and the hidden states fed to the
+    loss are kept in every mode. Before the launcher's plan makes "auto" concrete it counts
+    as none.
+    """
+    model, t = config.model, config.training
+    tokens = t.batch_size * config.data.context_length
+    compute = BF16 if t.use_amp else FP32
+    whole = _activation_bytes_per_token(model, compute)
+    kept = _kept_per_token(model, cfg.activation_checkpointing(config), compute)
+    return tokens * (model.n_layers * kept + whole - kept + _head_bytes_per_token(config, compute))
+
+
+def logits_bytes(config: Config) -> int:
+    """LOGIT_COPIES fp32 tensors of one loss chunk's logits (of the whole micro-batch when
+    training.loss_chunk_tokens is 0 or larger than it)."""
+    tokens = config.training.batch_size * config.data.context_length
+    chunk = cfg.loss_chunk_tokens(config)
+    return (min(tokens, chunk) if chunk > 0 else tokens) * _require_vocab(config.model) * FP32 * LOGIT_COPIES
+
+
+def temporary_bytes(config: Config) -> int:
+    """The backward's buffers for one block at a time: the gradients of its saved activations."""
+    t = config.training
+    tokens = t.batch_size * config.data.context_length
+    return tokens * _activation_bytes_per_token(config.model, BF16 if t.use_amp else FP32)
+
+
+# --- the estimate -----------------------------------------------------------------------
+
+
+def estimate(config: Config, world_size: int, mode: str, offload: bool = False) -> MemoryEstimate:
+    """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"
+    (offload: FSDP with CPU offload, the shards in host memory: see memory_plan.host_estimate)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+    if offload and mode != "fsdp":
+        raise ValueError("CPU offload is a mode of FSDP")
+    model, amp = config.model, config.training.use_amp
+    params = parameter_count(model)
+    unsharded = BF16 if amp else FP32  # the dtype FSDP gathers into (MixedPrecisionPolicy under amp)
+    if offload:
+        head, block = head_parameter_count(model), block_parameter_count(model)
+        # The fp32 shards of the groups being gathered are copied in from the host first.
+        weights = (unsharded + ceil_div(FP32, world_size)) * (head + 2 * block)
+        gradients = unsharded * head + (unsharded + FP32) * block
+        optimizer = 0
+    elif mode == "fsdp" and world_size > 1:
+        head, block = head_parameter_count(model), block_parameter_count(model)
+        weights = ceil_div(FP32 * params, world_size) + unsharded * (head + gathered_blocks(config) * block)
+        if config.training.reshard_after_forward is False:  # the embedding kept gathered too, in fp32
+            weights += FP32 * embedding_parameter_count(model)
+        gradients = ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
+        optimizer = ceil_div(optimizer_state_bytes(config.training) * params, world_size)
+    else:
+        weights = FP32 * params + (BF16 * _matrix_parameter_count(model) if amp else 0)
+        gradients = FP32 * params
+        optimizer = optimizer_state_bytes(config.training) * params
+    return MemoryEstimate(
+        mode=mode,
+        world_size=world_size,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activation_bytes(config),
+        logits=logits_bytes(config),
+        overhead=OVERHEAD_BYTES,
+        temporaries=temporary_bytes(config),
+    )
+
+
+def gathered_blocks(config: Config) -> int:
+    """Blocks whose weights FSDP holds unsharded at the start of the backward pass: the one that
+    runs and the one prefetched, or, when blocks are not resharded after their forward
+    (training.reshard_after_forward false), all of them."""
+    return 2 if config.training.reshard_after_forward is not False else max(2, config.model.n_layers)
+
+
+def optimizer_state_bytes(training: cfg.TrainingConfig) -> int:
+    """Bytes of state per parameter of training.optimizer (pretrain/registry.py; AdamW: 8)."""
+    return registry.OPTIMIZERS[training.optimizer].state_bytes_per_param
+
+
+def ceil_div(a: int, b: int) -> int:
+    """a / b rounded up: one rank's share of a sharded tensor."""
+    return -(-a // b)
+
+
+# --- choosing and checking --------------------------------------------------------------
+
+
+def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> Literal["ddp", "fsdp"]:
+    """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
+    memory limit (CPU: None), or when DDP's estimate fits GPU_SHARE of the GPU (DDP
+    communicates less); FSDP otherwise."""
+    chosen = config.training.parallelism
+    if chosen != "auto":
+        return chosen
+    if world_size == 1 or gpu_memory_bytes is None:
+        return "ddp"
+    fits = fits_gpu(estimate(config, world_size, "ddp").total, gpu_memory_bytes)
+    return "ddp" if fits else "fsdp"
+
+
+def fits_gpu(needed_bytes: int, gpu_memory_bytes: int) -> bool:
+    """Whether an estimate fits GPU_SHARE of the GPU, the margin every decision keeps."""
+    return needed_bytes <= GPU_SHARE * gpu_memory_bytes
+
+
+def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str, offload: bool = False, note: str = "") -> None:
+    """ConfigError (one line: the estimate, the GPU's memory, what would help) when the
+    estimate exceeds gpu_memory_bytes. note goes after the GPU's memory (why offload does not help)."""
+    needed = estimate(config, world_size, mode, offload)
+    if fits_gpu(needed.total, gpu_memory_bytes):
+        return
+    suggestions = _suggestions(config, world_size, mode, needed.total, gpu_memory_bytes)
+    hint = "try " + join_or(suggestions) if suggestions else "use a smaller model or a shorter data.context_length"
+    where = "with FSDP" if mode == "fsdp" and world_size > 1 else "with DDP" if world_size > 1 else "on one GPU"
+    if offload:
+        where += " and CPU offload"
+    raise ConfigError(
+        f"preset {config.preset} needs ~{gib(needed.total)} GiB per GPU {where} ({needed.parts()}) "
+        f"but the GPU has {gib(gpu_memory_bytes)} GiB (a run plans on {GPU_SHARE:.0%} of it){note}; {hint}"
+    )
+
+
+def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> list[str]:
+    """The changes not already made that lower the estimate, each as the user would make it."""
+    t = config.training
+    found = []
+
+    def helps(changed: Config, ranks: int = world_size, as_mode: str = mode) -> bool:
+        return estimate(changed, ranks, as_mode).total < total
+
+    if mode == "ddp" and world_size > 1 and helps(config, as_mode="fsdp"):
+        found.append("--set training.parallelism=fsdp")
+    untraced = dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))
+    if t.activation_checkpointing == "auto":
+        untraced = with_training(untraced, activation_checkpointing="full")  # what "auto" may choose without the hooks
+    if t.activation_checkpointing != "none" and cfg.activation_checkpointing(config) == "none" and helps(untraced):
+        found.append("--set debug.trace_nonfinite=false (its hooks turn activation checkpointing off)")
+    elif less_kept := _more_checkpointing(config, world_size, mode, total, gpu_memory_bytes):
+        found.append(f"--set training.activation_checkpointing={less_kept}")
+    if not loss_chunked(config) and helps(with_training(config, loss_chunk_tokens=LOSS_CHUNK_TOKENS)):
+        found.append(f"--set training.loss_chunk_tokens={LOSS_CHUNK_TOKENS}")
+    kept_gathered = mode == "fsdp" and world_size > 1 and t.reshard_after_forward is False
+    if kept_gathered and helps(with_training(config, reshard_after_forward=True)):
+        found.append("--set training.reshard_after_forward=true")
+    if t.batch_size > 1:
+        found.append(
+            "a smaller training.batch_size"
+            if t.global_batch_size
+            else "a smaller training.batch_size with a larger training.grad_accum_nums"
+        )
+    if mode == "fsdp" or world_size == 1:
+        if helps(config, ranks=max(2, 2 * world_size), as_mode="fsdp"):
+            # "auto" picks FSDP by itself once there are GPUs to shard over
+            gpus = _gpus_that_fit(config, world_size, gpu_memory_bytes)
+            more = f"{gpus} or more GPUs" if gpus else "more GPUs"
+            found.append(
+                f"{more} (FSDP shards the model over them)"
+                if mode == "fsdp" or t.parallelism == "auto"
+                else f"{more} with --set training.parallelism=fsdp"
+            )
+    return found
+
+
+def _more_checkpointing(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> str | None:
+    """The least activation checkpointing beyond config's that makes it fit the GPU, else the most
+    if that lowers the estimate at all; None when the debug hooks turn it off or nothing helps."""
+    if config.debug.trace_nonfinite:
+        return None
+    current = cfg.CHECKPOINTING_MODES.index(cfg.activation_checkpointing(config))
+    more = [with_training(config, activation_checkpointing=name) for name in cfg.CHECKPOINTING_MODES[current + 1 :]]
+    estimates = [estimate(changed, world_size, mode).total for changed in more]
+    for changed, needed in zip(more, estimates, strict=True):
+        if fits_gpu(needed, gpu_memory_bytes):
+            return cfg.activation_checkpointing(changed)
+    return cfg.activation_checkpointing(more[-1]) if more and estimates[-1] < total else None
+
+
+def _gpus_that_fit(config: Config, world_size: int, gpu_memory_bytes: int, most: int = 1024) -> int | None:
+    """The fewest GPUs (more than world_size, at most `most`) over which FSDP fits, if any."""
+    for gpus in range(world_size + 1, most + 1):
+        if fits_gpu(estimate(config, gpus, "fsdp").total, gpu_memory_bytes):
+            return gpus
+    return None
+
+
+def with_training(config: Config, **changes: Any) -> Config:
+    """config with training's fields changed. (Any: a TypedDict of TrainingConfig's fields would
+    repeat them; dataclasses.replace checks the names when it runs.)"""
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
+
+
+def join_or(items: list[str]) -> str:
+    """a; a or b; a, b, or c"""
+    if len(items) <= 2:
+        return " or ".join(items)
+    return ", ".join(items[:-1]) + ", or " + items[-1]

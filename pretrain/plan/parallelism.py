@@ -1,0 +1,373 @@
+"""Host memory, and the launcher's plan: which parallelism a run uses and whether it offloads.
+
+plan_parallelism is the one decision, made by the launcher (launcher/cli.py) before any worker
+starts and, run without it, by each worker (pretrain/build.py): it makes training.parallelism
+and training.cpu_offload concrete from the per-GPU estimate (pretrain/plan/gpu_memory.py) and the host
+memory counted here, or refuses the run in one line that says what would help. Torch-free: the
+launcher imports it.
+
+Host memory per process: FSDP with CPU offload (training.cpu_offload) keeps the sharded
+weights, gradients and AdamW state there (16P/W bytes per rank, the pinned shards rounded up by
+the caching host allocator: PINNED_ROUNDING); on CPU workers the whole per-GPU estimate is host
+memory, less the CUDA allowance plus a process's own. At the end of a run rank 0 also gathers
+its largest tensor there, twice, to export the weights one tensor at a time when they are sharded
+(export_copy_bytes). A run plans
+on HOST_SHARE of the host memory available when it starts, shared by the ranks on that host.
+An offload the config leaves open (null) is taken only when the run does not fit the GPUs
+without it, fits them with it, training.parallelism is not ddp and the host has the memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from pretrain.model import recompute
+from pretrain.config import CHECKPOINTING_MODES, Config, ConfigError, activation_checkpointing
+from pretrain.plan.gpu_memory import (
+    FP32,
+    GIB,
+    LOSS_CHUNK_TOKENS,
+    MemoryEstimate,
+    block_parameter_count,
+    ceil_div,
+    check_fits,
+    choose_parallelism,
+    embedding_parameter_count,
+    estimate,
+    fits_gpu,
+    gib,
+    join_or,
+    loss_chunked,
+    optimizer_state_bytes,
+    parameter_count,
+    with_training,
+)
+
+HOST_OVERHEAD_BYTES = GIB
+"""Host memory of one training process besides its tensors: Python, torch's libraries, the data loader."""
+HOST_SHARE = 0.9
+"""A run may plan on this share of the host memory available when it starts (the rest: the OS,
+the launcher, other processes' growth)."""
+PINNED_ROUNDING = 8 / 7
+"""Pinned host memory per byte asked for, at worst for Llama shapes (224 MiB rounded to 256 MiB)."""
+HOST_MEMORY_ENV = "LAUNCHER_HOST_MEMORY_GIB"
+"""Tests (and users who know better) set the host memory available, in GiB, instead of psutil's figure."""
+
+
+# --- host memory ---------------------------------------------------------------------
+
+
+def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> MemoryEstimate:
+    """Host memory per process: on GPUs, FSDP with CPU offload's shards of the weights,
+    gradients and AdamW state (mode "fsdp" only); on CPU workers, everything the GPU estimate
+    counts but the CUDA allowance."""
+    if not on_gpus:
+        return dataclasses.replace(estimate(config, world_size, mode), overhead=HOST_OVERHEAD_BYTES)
+    if mode != "fsdp":
+        raise ValueError("on GPUs only FSDP with CPU offload keeps the model in host memory")
+    shard = ceil_div(FP32 * parameter_count(config.model), world_size)
+    # The weights' and gradients' shards are pinned, through the caching host allocator, which
+    # rounds a block up to a power of two (a 224 MiB shard of a 14336 x 4096 matrix takes 256).
+    pinned = int(shard * PINNED_ROUNDING)
+    return MemoryEstimate(
+        mode=mode,
+        world_size=world_size,
+        weights=pinned,
+        gradients=pinned,
+        optimizer=ceil_div(optimizer_state_bytes(config.training) * parameter_count(config.model), world_size),
+        activations=0,
+        logits=0,
+        overhead=HOST_OVERHEAD_BYTES,
+    )
+
+
+def host_memory_bytes() -> int:
+    """The host memory available now (psutil), or LAUNCHER_HOST_MEMORY_GIB when set."""
+    given = os.environ.get(HOST_MEMORY_ENV, "").strip()
+    if given:
+        try:
+            value = float(given)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{HOST_MEMORY_ENV}={given!r} is not a positive number of GiB; unset it or give one")
+        return int(value * GIB)
+    import psutil  # here: only the launcher's memory checks need it
+
+    return psutil.virtual_memory().available
+
+
+def check_host_fits(config: Config, world_size: int, mode: str, host_memory_bytes: int, local_ranks: int, on_gpus: bool) -> None:
+    """ConfigError (one line: the estimate per process and for this machine, its memory, what
+    would help) when local_ranks processes need more than HOST_SHARE of the host's memory: CPU
+    workers (on_gpus False) or GPU ranks with CPU offload."""
+    per, needed = _host_need(config, world_size, mode, local_ranks, on_gpus)
+    if needed <= HOST_SHARE * host_memory_bytes:
+        return
+    what = "GPU with CPU offload" if on_gpus else "CPU worker"
+    ranks = "GPUs" if on_gpus else "workers"
+    raise ConfigError(
+        f"preset {config.preset} needs ~{gib(per.total)} GiB of host memory per {what} "
+        f"({per.parts()}) x {local_ranks} {ranks}{_export_part(config, world_size, mode, on_gpus)} "
+        f"= {gib(needed)} GiB but this machine has "
+        f"{gib(host_memory_bytes)} GiB available (a run plans on {HOST_SHARE:.0%} of it); "
+        + _host_hint(config, world_size, mode, host_memory_bytes, on_gpus)
+    )
+
+
+def _host_need(config: Config, world_size: int, mode: str, local_ranks: int, on_gpus: bool) -> tuple[MemoryEstimate, int]:
+    """One process's host memory, and the host's: local_ranks processes, plus the export's copy."""
+    per = host_estimate(config, world_size, mode, on_gpus)
+    return per, per.total * local_ranks + export_copy_bytes(config, world_size, mode, offload=on_gpus)
+
+
+def _export_part(config: Config, world_size: int, mode: str, offload: bool) -> str:
+    copy = export_copy_bytes(config, world_size, mode, offload)
+    return f" + {gib(copy)} for the export's largest tensor" if copy else ""
+
+
+def export_copy_bytes(config: Config, world_size: int, mode: str, offload: bool) -> int:
+    """At the end of a run rank 0 exports the weights one tensor at a time (pretrain/hf/export.py):
+    it gathers a tensor whole in fp32 into host memory and converts it (transformers' row order,
+    the export's dtype, at most fp32 again) before the next, so at most two copies of the largest
+    tensor are there on top of its shards, once per host, when the weights are sharded (FSDP over
+    several ranks, or offloaded). The largest is the embedding or the output projection, or for a
+    wide block one of its weights, which a block's whole count bounds. A full replica (DDP, one
+    process) converts from the tensors it already holds."""
+    sharded = mode == "fsdp" and (world_size > 1 or offload)
+    largest = max(embedding_parameter_count(config.model), block_parameter_count(config.model))
+    return 2 * FP32 * largest if sharded else 0
+
+
+def _host_hint(config: Config, world_size: int, mode: str, host_memory_bytes: int, on_gpus: bool) -> str:
+    def fits(ranks: int, as_mode: str) -> bool:
+        return _host_need(config, ranks, as_mode, ranks, on_gpus)[1] <= HOST_SHARE * host_memory_bytes
+
+    found = []
+    if on_gpus:
+        found.append("--set training.cpu_offload=false with more GPUs")
+    else:
+        if mode == "ddp" and world_size > 1 and fits(world_size, "fsdp"):
+            found.append("--set training.parallelism=fsdp")
+        if world_size > 1 and fits(1, "ddp"):
+            found.append("--nproc 1")
+    if config.preset not in ("small", "debug"):
+        found.append("--preset small or --debug")
+    return "use " + join_or(found) if found else "use a smaller model or a machine with more memory"
+
+
+# --- the launcher's decision ------------------------------------------------------------
+
+
+def plan_parallelism(
+    config: Config,
+    world_size: int,
+    gpu_memory_bytes: int | None,
+    host_memory_bytes: int | None = None,
+    local_ranks: int | None = None,
+) -> tuple[Config, str]:
+    """config with everything the plan decides made concrete for the workers (training.parallelism
+    "ddp" or "fsdp", cpu_offload, activation_checkpointing never "auto", loss_chunk_tokens and
+    reshard_after_forward never null), and the launcher's line saying what was chosen and what
+    its recomputation costs.
+
+    What is recomputed comes first: of the choices config leaves open (recompute_choices), the
+    one with the fewest extra FLOPs that fits, each with the parallelism that fits it (DDP where
+    it fits, else FSDP, for "auto"); then, under FSDP, blocks stay gathered from their forward to
+    their backward where that still fits (less traffic). gpu_memory_bytes is the smallest GPU's
+    memory, None on CPU workers (DDP unless the user chose FSDP; the least recomputation the
+    host memory allows). host_memory_bytes is the host memory available (None: no host check,
+    and no automatic offload), shared by local_ranks processes (default world_size).
+    ConfigError, one line, when the run fits neither the GPUs nor, with CPU offload, the GPUs
+    and the host."""
+    local_ranks = local_ranks or world_size
+    on_gpus = gpu_memory_bytes is not None
+    choices = recompute_choices(config)
+    if gpu_memory_bytes is not None:
+        config, mode, offload = _choose_on_gpus(choices, world_size, gpu_memory_bytes, host_memory_bytes, local_ranks)
+    else:
+        config, mode, offload = _choose_on_cpus(choices, world_size, host_memory_bytes, local_ranks)
+    planned = with_training(
+        config,
+        parallelism=mode,
+        cpu_offload=offload,
+        reshard_after_forward=_reshard_after_forward(config, world_size, mode, offload, gpu_memory_bytes),
+    )
+    unit = ("GPU" if on_gpus else "CPU worker") + ("" if world_size == 1 else "s")
+    if offload:
+        line = f"parallelism: FSDP with CPU offload over {world_size} {unit}"
+    elif world_size == 1:
+        line = f"parallelism: none, one {unit}"
+    else:
+        line = f"parallelism: {mode.upper()} over {world_size} {unit}"
+    if gpu_memory_bytes is None:
+        recomputes = activation_checkpointing(planned) != "none" or loss_chunked(planned)
+        return planned, f"{line}; {recomputation(planned)}" if recomputes else line  # CPU lines say only what is recomputed
+    detail = f"estimated {gib(estimate(planned, world_size, mode, offload).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
+    if offload:
+        _, host_needed = _host_need(planned, world_size, mode, local_ranks, on_gpus=True)
+        detail += f" and {gib(host_needed)} GiB of host memory"
+        if host_memory_bytes is not None:
+            detail += f" of {gib(host_memory_bytes)} GiB available"
+        least = choices[-1]  # what the run would need at least without offload: more recomputed
+        without = estimate(least, world_size, choose_parallelism(least, world_size, gpu_memory_bytes))
+        detail += f"; without offload ~{gib(without.total)} GiB per GPU"
+    elif planned.training.parallelism == "fsdp" and config.training.parallelism == "auto":
+        detail += f"; DDP would need ~{gib(estimate(planned, world_size, 'ddp').total)} GiB"
+    return planned, f"{line} ({detail}); {recomputation(planned)}{_gathering(planned, world_size, gpu_memory_bytes)}"
+
+
+def undecided(config: Config) -> bool:
+    """Whether config leaves anything to plan_parallelism (a worker started by the launcher gets
+    everything decided; one run alone decides for itself)."""
+    t = config.training
+    left = (t.cpu_offload, t.loss_chunk_tokens, t.reshard_after_forward)
+    return t.parallelism == "auto" or t.activation_checkpointing == "auto" or None in left
+
+
+def recompute_choices(config: Config) -> list[Config]:
+    """config with what it leaves to the plan made concrete in every way it may be: each activation
+    checkpointing mode for "auto", a loss in one piece and in chunks of LOSS_CHUNK_TOKENS for a
+    null training.loss_chunk_tokens. Fewest extra FLOPs first (pretrain/model/recompute.py); among
+    equals (selective costs no matmul FLOPs, and under debug.trace_nonfinite no mode recomputes
+    anything) less recomputed, then the loss in one piece. The last keeps the least memory."""
+    t = config.training
+    modes = CHECKPOINTING_MODES if t.activation_checkpointing == "auto" else (t.activation_checkpointing,)
+    chunks = (0, LOSS_CHUNK_TOKENS) if t.loss_chunk_tokens is None else (t.loss_chunk_tokens,)
+    choices = [
+        with_training(config, activation_checkpointing=mode, loss_chunk_tokens=chunk) for mode in modes for chunk in chunks
+    ]
+    if config.model.vocab_size is None:  # no FLOPs to count yet (the plan before the dataset fixes it)
+        return choices
+    return sorted(choices, key=recompute.extra_flops_share)  # stable: ties keep the order above
+
+
+def recomputation(config: Config) -> str:
+    """What a planned config recomputes and its cost in FLOPs, as the parallelism line says it:
+    "activation checkpointing: selective (+0% FLOPs); loss: one piece"."""
+    mode = activation_checkpointing(config)
+    share = recompute.checkpointing_flops_per_token(config) / recompute.model_flops_per_token(config)
+    text = "activation checkpointing: " + (mode if mode == "none" else f"{mode} ({recompute.percent(share)} FLOPs)")
+    if loss_chunked(config):
+        loss = recompute.loss_flops_per_token(config) / recompute.model_flops_per_token(config)
+        return text + f"; loss: chunks of {config.training.loss_chunk_tokens} tokens ({recompute.percent(loss)} FLOPs)"
+    return text + "; loss: one piece"
+
+
+def _gathering(config: Config, world_size: int, gpu_memory_bytes: int | None) -> str:
+    """Under FSDP over several GPUs, whether blocks stay gathered from forward to backward, and
+    what keeping them would take where they do not."""
+    t = config.training
+    if t.parallelism != "fsdp" or world_size == 1 or t.cpu_offload:
+        return ""
+    if not t.reshard_after_forward:
+        return "; blocks stay gathered from forward to backward (one all-gather fewer per micro-batch)"
+    kept = estimate(with_training(config, reshard_after_forward=False), world_size, "fsdp").total
+    return f"; blocks gathered again for the backward (keeping them would need ~{gib(kept)} GiB)"
+
+
+def _reshard_after_forward(config: Config, world_size: int, mode: str, offload: bool, gpu_memory_bytes: int | None) -> bool:
+    """training.reshard_after_forward made concrete: as set, else false (keep the blocks gathered)
+    under FSDP on several GPUs without offload when that fits, else true."""
+    chosen = config.training.reshard_after_forward
+    if chosen is not None:
+        return chosen
+    if mode != "fsdp" or world_size == 1 or offload or gpu_memory_bytes is None:
+        return True
+    kept = with_training(config, reshard_after_forward=False)
+    return not fits_gpu(estimate(kept, world_size, "fsdp").total, gpu_memory_bytes)
+
+
+def _choose_on_cpus(
+    choices: list[Config], world_size: int, host_memory_bytes: int | None, local_ranks: int
+) -> tuple[Config, str, bool]:
+    """(config, mode, offload) on CPU workers: DDP unless FSDP or offload was chosen, and the first
+    of choices whose workers fit the host (any, without a host figure)."""
+    t = choices[0].training
+    offload = bool(t.cpu_offload)
+    mode = "fsdp" if offload else choose_parallelism(choices[0], world_size, None)
+    if host_memory_bytes is None:
+        return choices[0], mode, offload
+    for config in choices:
+        if _host_need(config, world_size, mode, local_ranks, on_gpus=False)[1] <= HOST_SHARE * host_memory_bytes:
+            return config, mode, offload
+    check_host_fits(choices[-1], world_size, mode, host_memory_bytes, local_ranks, on_gpus=False)
+    raise AssertionError("check_host_fits raises when the run does not fit")  # unreachable
+
+
+def _choose_on_gpus(
+    choices: list[Config], world_size: int, gpu_memory_bytes: int, host_memory_bytes: int | None, local_ranks: int
+) -> tuple[Config, str, bool]:
+    """(config, mode, offload): the first of choices that fits the GPUs without offload, unless
+    offload is asked for; with it (null) when only it fits, the host's memory permitting. A run
+    that fits in no way is refused with the estimate of the last choice, which keeps the least."""
+    t, least = choices[0].training, choices[-1]
+    if t.cpu_offload:
+        if t.parallelism == "ddp":
+            raise ConfigError(
+                "training.cpu_offload=true needs FSDP but training.parallelism is ddp; set training.parallelism=fsdp or auto"
+            )
+        config = _first_fitting_offload(choices, world_size, gpu_memory_bytes) or least
+        check_fits(config, world_size, gpu_memory_bytes, "fsdp", offload=True)
+        if host_memory_bytes is not None:
+            check_host_fits(config, world_size, "fsdp", host_memory_bytes, local_ranks, on_gpus=True)
+        return config, "fsdp", True
+    for config in choices:
+        mode = choose_parallelism(config, world_size, gpu_memory_bytes)
+        if fits_gpu(estimate(config, world_size, mode).total, gpu_memory_bytes):
+            return config, mode, False
+    mode = choose_parallelism(least, world_size, gpu_memory_bytes)
+    offloaded = _first_fitting_offload(choices, world_size, gpu_memory_bytes)
+    if t.cpu_offload is False or t.parallelism == "ddp" or host_memory_bytes is None or offloaded is None:
+        check_fits(least, world_size, gpu_memory_bytes, mode)  # raises: say what does fit
+    assert offloaded is not None and host_memory_bytes is not None  # check_fits raised otherwise
+    per, needed = _host_need(offloaded, world_size, "fsdp", local_ranks, on_gpus=True)
+    if needed <= HOST_SHARE * host_memory_bytes:
+        return offloaded, "fsdp", True
+    check_fits(
+        least,
+        world_size,
+        gpu_memory_bytes,
+        mode,
+        note=f", and CPU offload would need ~{gib(per.total)} GiB of host memory per GPU ({per.parts()}) "
+        f"x {local_ranks}{_export_part(offloaded, world_size, 'fsdp', True)} = {gib(needed)} GiB but this "
+        f"machine has {gib(host_memory_bytes)} GiB available",
+    )
+    raise AssertionError("check_fits raises when the run does not fit")  # unreachable: nothing fitted
+
+
+def _first_fitting_offload(choices: list[Config], world_size: int, gpu_memory_bytes: int) -> Config | None:
+    """The first of choices whose GPU part fits with FSDP and CPU offload."""
+    for config in choices:
+        if fits_gpu(estimate(config, world_size, "fsdp", offload=True).total, gpu_memory_bytes):
+            return config
+    return None
+
+
+# --- the one GPU memory figure -----------------------------------------------------------
+
+
+def planned_gpu_memory(config: Config, measured_bytes: int | None) -> int | None:
+    """The GPU memory, in bytes, a run plans on: system.gpu_memory_gib when set, else
+    measured_bytes (the launcher's NVML total; None on CPU workers). The launcher writes the
+    figure into the workers' config (with_gpu_memory), and a worker plans on that figure, not on
+    torch's total_memory, which reports ~0.5 GiB less for the same GPU: a run the launcher accepts
+    at the line is never refused by its workers. ConfigError when the setting exceeds what was
+    measured."""
+    given = config.system.gpu_memory_gib
+    if given is None or measured_bytes is None:
+        return measured_bytes
+    planned = int(given * GIB)
+    if planned > measured_bytes:
+        raise ConfigError(
+            f"system.gpu_memory_gib is {given:g} but the GPU has {gib(measured_bytes)} GiB; "
+            "set it to at most that, or to null to plan on the whole GPU"
+        )
+    return planned
+
+
+def with_gpu_memory(config: Config, gpu_memory_bytes: int) -> Config:
+    """config with system.gpu_memory_gib set to gpu_memory_bytes (exact: a byte count over 2^30 is
+    a float that multiplies back to the same count)."""
+    return dataclasses.replace(config, system=dataclasses.replace(config.system, gpu_memory_gib=gpu_memory_bytes / GIB))
