@@ -71,7 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
     sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package)
 from benchmarks.efficiency_report import machine_slug, report  # noqa: E402
-from launcher.cli import free_port  # noqa: E402
+from launcher.launch import free_port  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
 PRESETS = ("small", "production")

@@ -13,7 +13,7 @@ import torch
 
 from conftest import one_line_error
 from memory_configs import scripted_gpu
-from launcher.cli import prepare_training
+from launcher.prepare import prepare_training
 from launcher.gpus.placement import Placement
 from launcher.supervise.printer import Printer
 from pretrain import build

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, launcher_env
 from launcher.gpus import claims, nvml
-from launcher.cli import make_workers
+from launcher.launch import make_workers
 from launcher.gpus.selection import DeviceError
 from launcher.gpus.visibility import VISIBILITY_VAR
 from launcher.gpus.placement import GpuOptions, Placement, place

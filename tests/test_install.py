@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT, launcher_env
 from helpers import run_launcher
-from launcher import cli
+from launcher import cli, launch
 from launcher.compile_cache import kernel_cache_dir
 from launcher.gpus.placement import Placement
 from launcher.processes.worker import with_package_root, without_package_root
@@ -86,7 +86,7 @@ def test_launcher_options_set_the_roots_its_training_workers_get_absolute(no_roo
     kernels = kernel_cache_dir(
         dataclasses.replace(config, training=dataclasses.replace(config.training, compile=True)), "cpu", print
     )
-    (worker,) = cli.make_workers(Placement("cpu", 1), ["true"], training=True, compile_cache=kernels)
+    (worker,) = launch.make_workers(Placement("cpu", 1), ["true"], training=True, compile_cache=kernels)
     assert worker.env[RUNS_DIR_VAR] == str(no_roots / "r")
     assert worker.env[CACHE_DIR_VAR] == str(no_roots / "c")
     assert worker.env["TORCHINDUCTOR_CACHE_DIR"] == str(no_roots / "c" / f"inductor-{user_name(os.geteuid())}")

@@ -442,7 +442,7 @@ def test_a_second_sigint_kills_workers_that_ignore_sigterm_at_once(processes, sc
 
 
 def test_training_workers_never_ask_the_hub_but_generic_commands_keep_the_users_setting(monkeypatch):
-    from launcher.cli import make_workers
+    from launcher.launch import make_workers
     from launcher.gpus.placement import Placement
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, cache_leftovers, launcher_env, one_line_error
 from launcher.gpus import nvml
-from launcher.cli import prepare_training
+from launcher.prepare import prepare_training
 from launcher.gpus.placement import Placement
 from launcher.supervise.printer import Printer
 from memory_configs import GPU_80, scripted_gpu, small, with_model, with_training

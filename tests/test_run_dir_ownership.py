@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ROOT, launcher_env, wait_until
 from launcher import cli
+from launcher.rundir import choice
 from launcher.rundir import lock
 from launcher.supervise.printer import Printer
 from launcher.processes.reaper import start_time
@@ -172,10 +173,10 @@ def test_resume_auto_alone_refuses_the_newest_run_while_it_trains_and_takes_it_o
     held = lock.take(live)  # as the launcher of that run would (another open file: a lock of its own)
     assert isinstance(held, lock.RunDirLock)
     with pytest.raises(cli.UsageError) as refused:
-        cli.resume_point(config, None, printer)
+        choice.resume_point(config, None, printer)
     assert str(refused.value).startswith(f"run directory {live.resolve()} is still training under the launcher pid ")
     assert str(refused.value).endswith("or for a new run leave out --resume")  # no --run-dir given: none to change
     held.release()
-    owned, resumed = cli.resume_point(config, None, printer)
+    owned, resumed = choice.resume_point(config, None, printer)
     assert owned.path == live.resolve() and resumed.training.resume == str(live.resolve() / "checkpoints" / "step_2")
     owned.release()

@@ -95,7 +95,7 @@ def read_state(path: Path) -> dict:
     return state
 
 
-# What state.json holds; checkpoint.py's _state writes it. Every key this code reads is checked
+# What state.json holds; save_restore.py's _state writes it. Every key this code reads is checked
 # here, so a damaged or hand-edited file is one line naming the key instead of a traceback or,
 # worse, a resume "at step -1" that sets the run's checkpoints aside. Keys beyond these are
 # ignored: a later version may add informational ones (it bumps format_version to change these).

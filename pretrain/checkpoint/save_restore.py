@@ -20,7 +20,7 @@ into place, so a checkpoint directory is either complete or absent (pretrain/che
 Every .pt file loads with torch.load(weights_only=True), and the DCP files are read without
 unpickling anything but DCP's own metadata classes (pretrain/checkpoint/dcp_files.py).
 
-This module orchestrates; the parts live in checkpoint_files (directories on disk), dcp_files
+This module orchestrates; the parts live in files (directories on disk), dcp_files
 (the sharded format, read safely), model_state (state dicts by parameter name) and rng.
 """
 

@@ -5,21 +5,21 @@ A config is resolved in layers: a preset, then JSON files, then `--max-steps` an
 the layer it came from (the file, or the option), the key path and, for a typo, the
 closest valid key. Nothing here imports torch: the launcher resolves configs too.
 
-This module is the public face; import from it (`from pretrain import config as cfg`,
+This package's __init__ is its public face; import from it (`from pretrain import config as cfg`,
 `from pretrain.config import Config`). The code lives in layers, each importing only
 the ones before it:
 
-    config_schema.py     ConfigError, the section dataclasses (fields, defaults, the docstring
+    schema.py            ConfigError, the section dataclasses (fields, defaults, the docstring
                          under each field, per-section checks), Config, SECTIONS,
                          sources_with_path, SHARD_SOURCES
-    config_presets.py    production(), small(), debug(), PRESETS
-    config_loading.py    strict loading: overrides, JSON files, --set, resolve() and its
+    presets.py           production(), small(), debug(), PRESETS
+    loading.py           strict loading: overrides, JSON files, --set, resolve() and its
                          whole-config rules (one run length, context, unused preset keys),
                          with_world_size, to_dict/save/load, add_arguments/from_args
-    config_reference.py  field_docs, reference_table, and docs/config.md
+    reference.py         field_docs, reference_table, and docs/config.md
                          (python -m pretrain.config_reference)
 
-`python -m pretrain.config` prints every key as one Markdown table.
+`python -m pretrain.config` (__main__.py) prints every key as one Markdown table.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from pretrain.config.schema import (
 )
 
 __all__ = [
-    # config_schema
+    # schema
     "ConfigError",
     "Config",
     "ModelConfig",
@@ -84,13 +84,13 @@ __all__ = [
     "SHARD_SOURCES",
     "CHECKPOINTING_MODES",
     "CheckpointingMode",
-    # config_presets
+    # presets
     "FINEWEB_EDU",
     "PRESETS",
     "production",
     "small",
     "debug",
-    # config_loading
+    # loading
     "apply_overrides",
     "read_config_file",
     "parse_set",
@@ -110,7 +110,7 @@ __all__ = [
     "load",
     "add_arguments",
     "from_args",
-    # config_reference
+    # reference
     "field_docs",
     "reference_table",
 ]

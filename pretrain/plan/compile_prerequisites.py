@@ -4,7 +4,7 @@ torch.compile builds kernels on first use: on CUDA, Triton builds each kernel's 
 compiler; on CPU, Inductor builds C++ kernels. Both compile C files that include Python.h, so a
 host without the Python headers (a distribution's Python without its -dev package) fails at the
 first step, with a compiler error deep in a traceback. Checked here instead, torch-free, so the
-launcher can turn compile off once, with one line, before any worker starts (launcher/cli.py),
+launcher can turn compile off once, with one line, before any worker starts (launcher/prepare.py),
 and a worker run alone does the same (pretrain/distributed/parallel.py).
 """
 

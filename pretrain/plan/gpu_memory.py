@@ -257,7 +257,7 @@ def temporary_bytes(config: Config) -> int:
 
 def estimate(config: Config, world_size: int, mode: str, offload: bool = False) -> MemoryEstimate:
     """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"
-    (offload: FSDP with CPU offload, the shards in host memory: see memory_plan.host_estimate)."""
+    (offload: FSDP with CPU offload, the shards in host memory: see parallelism.host_estimate)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     if offload and mode != "fsdp":

@@ -1,6 +1,6 @@
 """Host memory, and the launcher's plan: which parallelism a run uses and whether it offloads.
 
-plan_parallelism is the one decision, made by the launcher (launcher/cli.py) before any worker
+plan_parallelism is the one decision, made by the launcher (launcher/prepare.py) before any worker
 starts and, run without it, by each worker (pretrain/build.py): it makes training.parallelism
 and training.cpu_offload concrete from the per-GPU estimate (pretrain/plan/gpu_memory.py) and the host
 memory counted here, or refuses the run in one line that says what would help. Torch-free: the

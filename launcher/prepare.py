@@ -1,0 +1,83 @@
+"""Preparing a training launch, once per node and before any worker starts: the weights to start
+from, the dataset (prepared and cached), the run length, and the plan (DDP or FSDP, what is
+recomputed, offload), each refused in one line while nothing is spawned or written; then the
+resolved config written into the run directory as the workers' command reads it.
+This is where the launcher imports most of its `pretrain` modules (docs/design.md names them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from launcher import address_space
+from launcher.errors import UsageError
+from launcher.gpus.placement import Placement
+from launcher.nodes.rendezvous import Node
+from launcher.supervise.printer import Printer
+from pretrain import config as cfg
+
+
+def prepare_training(config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None) -> cfg.Config:
+    """Prepare the dataset once (per node), check one global batch fits the data and the model
+    fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/plan/parallelism.py), before
+    anything is spawned or written; return the config as the workers will run it (training.parallelism
+    "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
+    In a job of several nodes, the whole job's worker count and smallest GPU decide."""
+    with address_space.loading_numpy():  # its first import: a limit on address space is one line
+        from pretrain.data.fitting import fit_to_dataset
+    from pretrain.data.cache import sigterm_as_exit
+    from pretrain.data.hub import choose_hub_files, follow_checkpoint
+    from pretrain.data.prepare import prepare
+    from pretrain.plan.parallelism import host_memory_bytes, plan_parallelism, planned_gpu_memory, with_gpu_memory
+
+    from pretrain.evaluation import hellaswag
+    from pretrain.observe import wandb_log
+    from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
+    from pretrain.hf.init_checkpoint import check_fits, for_workers
+
+    if config.logging.wandb and not wandb_log.is_installed():
+        raise UsageError(wandb_log.MISSING)
+    # Before the data: weights that cannot be found, or do not fit the model, stop the launch at once.
+    config, init = for_workers(config, printer.launcher_line)
+    if config.evaluation.data:  # a damaged benchmark file is found now, not after the first interval
+        data = hellaswag.checked_data(config.evaluation.data, config.evaluation.max_examples)
+        config = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, data=data))
+    config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
+    if compile_requested(config, placement.device) and (missing := missing_compile_prerequisite(placement.device)):
+        # Said once here, not once per worker, and the workers get compile off in their config.
+        printer.launcher_line(f"warning: {compile_off_line(missing)}")
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False))
+    # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
+    gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
+    if node is not None:
+        gpu_memory = node.smallest_gpu_memory
+    gpu_memory = planned_gpu_memory(config, gpu_memory)
+    if gpu_memory is not None:  # the workers plan on this very figure (pretrain/build.py)
+        config = with_gpu_memory(config, gpu_memory)
+    world_size = node.world_size if node is not None else placement.world_size
+    host_memory = host_memory_bytes()
+    if config.model.vocab_size is not None:
+        # The model's size is known before the data: a run that fits neither the GPUs nor this
+        # machine's memory is refused now, not after a long download or tokenization.
+        plan_parallelism(config, world_size, gpu_memory, host_memory)
+    # A Hub dataset's file count is fixed here, for this world size, and written into the config
+    # the workers get: every rank then prepares (finds) exactly these files.
+    config = choose_hub_files(follow_checkpoint(config), world_size, printer.launcher_line)
+    with sigterm_as_exit():
+        dataset_dir = prepare(config.data, log=printer.launcher_line)
+    config, length = fit_to_dataset(config, dataset_dir, world_size)
+    if init is not None:  # again, with the vocabulary the tokenizer has set
+        check_fits(init, config)
+    printer.launcher_line(f"run length: {length.describe()}")
+    config, line = plan_parallelism(config, world_size, gpu_memory, host_memory)
+    printer.launcher_line(line)
+    return config
+
+
+def training_command(config: cfg.Config, run_dir: Path, printer: Printer) -> list[str]:
+    """Write the resolved config into the run directory; return the worker command."""
+    config_path = run_dir / "config.json"
+    cfg.save(config, config_path)
+    printer.launcher_line(f"run directory: {run_dir}")
+    return [sys.executable, "-m", "pretrain", "--config", str(config_path), "--run-dir", str(run_dir)]
