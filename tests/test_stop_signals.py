@@ -181,7 +181,7 @@ def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits
 def test_a_training_process_stops_on_sighup_and_a_second_one_never_ends_it_at_once():
     source = (
         "import os, signal\n"
-        "from pretrain import stopping\n"
+        "from pretrain.run import stopping\n"
         "stopping.REPEAT_AFTER_SECONDS = 0  # any repeat would be a second request\n"
         "request = stopping.StopRequest()\n"
         "with request.installed():\n"
