@@ -15,7 +15,7 @@ Thread 0x00007f3a1b7fe640 (most recent call first):
 Current thread 0x00007f3a2c1e4b80 (most recent call first):
   File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
   File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
-  File "/work/pretrain/stopping.py", line 58 in agreed
+  File "/work/pretrain/run/stopping.py", line 58 in agreed
   File "/work/pretrain/train.py", line 191 in fit
 INFO | [CPU 0] a normal line after the dump
 """.splitlines()
@@ -45,7 +45,7 @@ def test_a_frame_whose_line_faulthandler_cannot_tell_is_read_with_the_frames_aft
     dump = summary.StackDump()
     for line in [
         "Current thread 0x00007f9dd541eb80 (most recent call first):",
-        '  File "/work/main/pretrain/debug.py", line ??? in <lambda>',
+        '  File "/work/main/pretrain/numerics/debug.py", line ??? in <lambda>',
         '  File "/work/main/.venv/lib/python3.11/site-packages/torch/utils/hooks.py", line 137 in hook',
         '  File "/work/main/.venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward',
         '  File "/work/main/pretrain/train.py", line 73 in train_step',
@@ -63,7 +63,7 @@ def test_other_lines_within_a_threads_stack_are_passed_over_up_to_the_blank_line
     for line in [
         "Current thread 0x00007f637d25ab80 (most recent call first):",
         "  Garbage-collecting",  # faulthandler's own note, when the signal came during a collection
-        '  File "/work/pretrain/debug.py", line 139 in _not_finite',
+        '  File "/work/pretrain/numerics/debug.py", line 139 in _not_finite',
         "[W1121 08:10:23 ProcessGroupGloo.cpp:12] a line another thread wrote meanwhile",
         '  File "/work/pretrain/train.py", line 73 in train_step',
         "",

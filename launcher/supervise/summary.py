@@ -27,6 +27,8 @@ _NCCL_TIMEOUT = re.compile(
 """torch's ProcessGroupNCCL watchdog on a collective past its timeout (system.collective_timeout)."""
 _NCCL_STUCK = re.compile(r"ProcessGroupNCCL's watchdog got stuck for (?P<seconds>\d+) seconds")
 """Its heartbeat monitor: the watchdog thread itself stopped (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
+OUR_PACKAGES = ("pretrain", "launcher")
+"""A frame in them is named from the package on: their folders go two deep."""
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _FAULTHANDLER_NOTES = ("  Garbage-collecting", "  <no Python frame>", "  ...")
 """faulthandler's own lines within a thread's stack (frames are _FAULTHANDLER_FRAME)."""
@@ -83,6 +85,14 @@ def nccl_watchdog(line: str) -> str | None:
     return None
 
 
+def short_path(file: str) -> str:
+    """A frame's file as the summary names it: from this project's package on (pretrain/run/stopping.py),
+    or its last two parts elsewhere (distributed/c10d_logger.py)."""
+    parts = Path(file).parts
+    ours = [i for i, part in enumerate(parts[:-1]) if part in OUR_PACKAGES and len(parts) - i <= 3]
+    return "/".join(parts[ours[-1] :] if ours else parts[-2:])
+
+
 @dataclass
 class StackDump:
     """Reads faulthandler's output (all threads, most recent call first) line by line."""
@@ -105,7 +115,7 @@ class StackDump:
         if not self._in_thread:
             return False
         if frame := _FAULTHANDLER_FRAME.match(line):
-            where = "/".join(Path(frame["file"]).parts[-2:]) if frame["file"] is not None else "???"
+            where = short_path(frame["file"]) if frame["file"] is not None else "???"
             self.threads[-1].append(f"{frame['func']} ({where}:{frame['line']})")
             self.took_line = True
         elif not line.strip():
