@@ -19,6 +19,7 @@ from pathlib import Path
 from launcher.gpus import nvml, selection, table
 from launcher.nodes import multinode
 from launcher.address_space import is_out_of_memory, refusal
+from launcher import attempts
 from launcher.errors import UsageError
 from launcher.launch import launch
 from launcher.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_NO_ADDRESS_SPACE, EXIT_USAGE, by_signal
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hang-timeout", type=float, metavar="S", help="a worker that prints nothing for S seconds has failed (default: off)"
     )
+    attempts.add_arguments(parser)
     multinode.add_arguments(parser)
     cfg.add_arguments(parser)
     return parser
@@ -183,6 +185,7 @@ def run(argv: Sequence[str]) -> int:
     if problem := bad_thread_variable(os.environ):  # the workers get them (launcher/processes/worker.py)
         raise UsageError(problem)
     spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    attempts.check_arguments(args, several_nodes=spec is not None)
     set_roots(args.runs_dir, args.cache_dir)
     config = cfg.from_args(args)
     if command:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from launcher import address_space
+from launcher.attempts import Attempts
 from launcher.compile_cache import kernel_cache_dir
 from launcher.gpus.placement import GpuOptions, Placement, place
 from launcher.nodes import multinode
@@ -22,10 +24,12 @@ from launcher.nodes.node import Layout, NodeSpec
 from launcher.nodes.rendezvous import Node
 from launcher.prepare import prepare_training, training_command
 from launcher.processes import torchrun_env
+from launcher.processes.torchrun_env import NO_RESTARTS, Restarts
 from launcher.processes.worker import StartError, Worker, with_package_root, without_package_root, worker_env
 from launcher.rundir import lock
 from launcher.rundir.choice import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.supervise import outcome
+from launcher.supervise.restarts import AttemptEnd
 from launcher.supervise.printer import Printer, use_colour
 from launcher.supervise.supervisor import Supervisor, SupervisorOptions
 from pretrain import config as cfg
@@ -40,47 +44,56 @@ def launch(args: argparse.Namespace, config: cfg.Config, command: list[str], spe
     the user's own (`-- CMD`), empty for training; spec is this node's place in a job of several,
     None for a single machine."""
     console = Printer(sys.stdout, None, colour=use_colour(sys.stdout))
-    placement = place(
-        GpuOptions(
-            device=args.device or config.system.device,
-            gpus=args.gpus,
-            nproc=args.nproc,
-            device_id=config.system.device_id,
-            min_free_memory=args.min_free_memory,
-            max_utilization=args.max_utilization,
-            strict=args.strict,
-            cpu_fallback=bool(command) or config.preset == "debug",
-            own_command=bool(command),
-        ),
-        console,
+    options = GpuOptions(
+        device=args.device or config.system.device,
+        gpus=args.gpus,
+        nproc=args.nproc,
+        device_id=config.system.device_id,
+        min_free_memory=args.min_free_memory,
+        max_utilization=args.max_utilization,
+        strict=args.strict,
+        cpu_fallback=bool(command) or config.preset == "debug",
+        own_command=bool(command),
     )
+    devices = Devices(options, place(options, console))
     try:
         if spec is None:
-            return run_placed(args, config, command, placement, console)
+            return run_placed(args, config, command, devices, console)
         with address_space.loading_numpy():  # several nodes: numpy's first import is here
             from pretrain.data.cache import sigterm_as_exit
 
         identity = {"command": command} if command else cfg.to_dict(config)
+        placement = devices.placement
         with sigterm_as_exit():  # until the supervisor takes the signals: the others are told
             node = multinode.join_job(spec, placement, identity, args.join_timeout, console.launcher_line, args.node_timeout)
             with multinode.telling_others(node):
-                code = run_placed(args, config, command, placement, console, node)
+                code = run_placed(args, config, command, devices, console, node)
             return multinode.settle(node, code, args.stop_timeout + args.kill_grace + args.node_timeout, console.launcher_line)
     finally:
-        placement.release()
+        devices.placement.release()
+
+
+@dataclass
+class Devices:
+    """What the workers run on: the options they were chosen by, and the current placement, which
+    a restart replaces (launcher/attempts.py)."""
+
+    options: GpuOptions
+    placement: Placement
 
 
 def run_placed(
     args: argparse.Namespace,
     config: cfg.Config,
     command: list[str],
-    placement: Placement,
+    devices: Devices,
     console: Printer,
     node: Node | None = None,
 ) -> int:
     """Take the run directory, prepare, spawn and supervise, on devices already chosen (and
-    claimed). In a job of several nodes, node 0 chooses the run directory and the checkpoint to
-    resume, and the others take them (the run directory is on a filesystem they share)."""
+    claimed), again after a transient failure when --max-restarts allows (launcher/attempts.py).
+    In a job of several nodes, node 0 chooses the run directory and the checkpoint to resume, and
+    the others take them (the run directory is on a filesystem they share)."""
     if node is not None and not node.spec.is_master:
         plan = node.receive("run")
         if args.run_dir and run_dir_path(args.run_dir) != Path(plan["run_dir"]):
@@ -95,15 +108,22 @@ def run_placed(
             owned = own_run_dir(run_dir_path(args.run_dir))
         else:
             # The checkpoint first: a resumed run reads the Hub files its checkpoint was trained on.
-            world_size = node.world_size if node is not None else placement.world_size
+            world_size = node.world_size if node is not None else devices.placement.world_size
             owned, config = resume_point(config, args.run_dir, console, world_size)
         master_port = free_port()
         if node is not None:
             node.share("run", {"run_dir": str(owned.path), "resume": config.training.resume, "worker_port": master_port})
+    attempts = Attempts(args, config, command, owned.path, console)
+
+    def attempt(config: cfg.Config, restarts: Restarts) -> tuple[int, AttemptEnd]:
+        port = master_port if restarts.count == 0 else free_port()  # the last one's may linger
+        return run_owned(args, config, command, devices.placement, console, owned.path, node, port, restarts)
+
     try:
-        code = run_owned(args, config, command, placement, console, owned.path, node, master_port)
+        code = attempts.run(attempt, devices)
     except BaseException:
-        owned.abandon()  # nothing left behind by a launch that ends in an error before it starts
+        if not attempts.started:
+            owned.abandon()  # nothing left behind by a launch that ends in an error before it starts
         raise
     owned.release()
     return code
@@ -118,7 +138,9 @@ def run_owned(
     run_dir: Path,
     node: Node | None = None,
     master_port: int | None = None,
-) -> int:
+    restarts: Restarts = NO_RESTARTS,
+) -> tuple[int, AttemptEnd]:
+    """One attempt: prepare (training), spawn and supervise; its exit code and how it ended."""
     generic = bool(command)
     kernels = None  # the user's own command keeps the user's (or torch's) compile cache
     if not generic:
@@ -139,7 +161,9 @@ def run_owned(
         if not command:
             command = training_command(config, run_dir, printer)
         layout = multinode.layout(node, placement)
-        workers = make_workers(placement, command, not generic, layout, master_port, kernels, run_dir=run_dir, logs_dir=logs_dir)
+        workers = make_workers(
+            placement, command, not generic, layout, master_port, kernels, run_dir=run_dir, logs_dir=logs_dir, restarts=restarts
+        )
         options = SupervisorOptions(
             kill_grace=args.kill_grace,
             stop_timeout=args.stop_timeout,
@@ -154,8 +178,10 @@ def run_owned(
             agreed_exit_codes=frozenset() if generic else exit_codes.AGREED,
             consequence_exit_codes=frozenset() if generic else exit_codes.CONSEQUENCES,
         )
+        supervisor = Supervisor(workers, printer, options, peers=node)
         try:
-            return Supervisor(workers, printer, options, peers=node).run()
+            code = supervisor.run()
+            return code, supervisor.attempt_end(code)
         except StartError as error:  # workers.json says which worker, why, and the exit code
             if warning := outcome.write_exit_record(run_dir, outcome.start_failure_record(workers, error), options.exit_record):
                 printer.launcher_line(warning)
@@ -179,6 +205,7 @@ def make_workers(
     compile_cache: str | None = None,
     run_dir: Path | None = None,
     logs_dir: Path | None = None,
+    restarts: Restarts = NO_RESTARTS,
 ) -> list[Worker]:
     """One worker per rank. Training workers get HF_HUB_OFFLINE=1: the launcher has already
     fetched what they read from the Hugging Face Hub (the dataset's files, pinned to a commit, and
@@ -189,7 +216,8 @@ def make_workers(
     where this node's workers sit in a job of several nodes (default: this machine alone).
     compile_cache: their TORCHINDUCTOR_CACHE_DIR (launcher/compile_cache.py), None for torch's default.
     run_dir names the run (TORCHELASTIC_RUN_ID); each worker's TORCHELASTIC_ERROR_FILE is in
-    logs_dir, beside its log (launcher/processes/torchrun_env.py); without them, both are empty."""
+    logs_dir, beside its log (launcher/processes/torchrun_env.py); without them, both are empty.
+    restarts: this attempt's number and the budget (TORCHELASTIC_RESTART_COUNT, _MAX_RESTARTS)."""
     layout = layout or Layout(placement.world_size)
     port, cpus = master_port or free_port(), os.cpu_count() or 1
     base = dict(os.environ)
@@ -224,6 +252,7 @@ def make_workers(
             nnodes=layout.nnodes,
             run_id=torchrun_env.run_id(run_dir) if run_dir is not None else "",
             error_file=torchrun_env.fresh_error_file(error_file) if error_file is not None else "",
+            restarts=restarts,
         )
         workers.append(Worker(rank=rank, label=label, argv=command, env=env))
     return workers

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_JOIN_TIMEOUT,
         metavar="S",
-        help=f"seconds to wait for every node to join (default: {DEFAULT_JOIN_TIMEOUT:g})",
+        help=f"seconds to wait for every node to join, and for a restart's devices (default: {DEFAULT_JOIN_TIMEOUT:g})",
     )
     nodes.add_argument(
         "--node-timeout",

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.supervise import summary
+from launcher.supervise import restarts, summary
 from launcher.exit_codes import EXIT_HANG, by_signal
 from launcher.supervise.printer import CONSOLE_CLOSED, CONSOLE_CLOSED_SIGNAL
 from launcher.processes.worker import StartError, Worker
@@ -42,6 +42,8 @@ class Watch:
     nonfinite_report: str | None = None
     """The banner of the NaN/Inf report the worker logged."""
     stacks: summary.StackDump = field(default_factory=summary.StackDump)
+    last_step: int | None = None
+    """The step of the last training step line it printed (launcher/supervise/restarts.py reads it)."""
 
     def see(self, text: str, now: float, log_only: bool = False) -> None:
         """One line of the worker's output: what the summary may need of it. log_only: a line for
@@ -54,6 +56,8 @@ class Watch:
         self.host_oom = self.host_oom or summary.is_host_oom(text)
         self.nccl_watchdog = self.nccl_watchdog or summary.nccl_watchdog(text)
         self.nonfinite_report = self.nonfinite_report or summary.nonfinite_banner(text)
+        if (step := restarts.last_step((text,))) is not None:
+            self.last_step = step
 
 
 @dataclass

@@ -52,7 +52,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from launcher.supervise import outcome, summary
+from launcher.supervise import outcome, restarts, summary
 from launcher.rundir import lock
 from launcher.nodes.node import NodeInterrupt, NodeStop, Peers
 from launcher.supervise.options import SupervisorOptions
@@ -123,6 +123,8 @@ class Supervisor:
         self._awaiting_cause: list[Worker] = []
         """Workers that exited with a consequence code before any other failure (rule 1)."""
         self._cause_deadline: float | None = None
+        self._described: summary.Failure | None = None
+        """The first failure as the summary told it, once the run is over."""
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -469,13 +471,32 @@ class Supervisor:
         if self._remote is not None:
             return self._remote_outcome(self._remote)
         if self._failure is not None:
-            failure = outcome.describe_failure(self._ending(), self._failure)
+            failure = self._described = outcome.describe_failure(self._ending(), self._failure)
             self.printer.launcher_line("\n".join(summary.render(failure)))
             return failure.exit_code
         if self._interrupted_by is not None:
             self.printer.launcher_line(outcome.stopped_line(self._ending(), self._interrupted_by, self._interrupted_at))
             return by_signal(self._interrupted_by)
         return 0
+
+    def attempt_end(self, code: int) -> restarts.AttemptEnd:
+        """What the run that returned code came to, as the restart rules read it (after run())."""
+        steps = [watch.last_step for watch in self._watch.values() if watch.last_step is not None]
+        step = max(steps) if steps else None
+        if self._remote is not None:
+            return restarts.AttemptEnd(code, how=self._remote.describe(), step=step, lost_node=self._remote.kind == "lost")
+        if (failed := self._described) is not None:
+            return restarts.AttemptEnd(
+                code,
+                worker=failed.label,
+                rank=failed.rank,
+                how=failed.how,
+                tail=tuple(failed.tail),
+                step=step,
+                hung=self._failure is not None and self._failure.hung_for is not None,
+                stopped=self._interrupted_by is not None,  # a failure while stopping as asked
+            )
+        return restarts.AttemptEnd(code, step=step, stopped=self._interrupted_by is not None)
 
     def _remote_outcome(self, stop: NodeStop) -> int:
         """The account of a stop that began on another node (rule 5); its code."""
