@@ -8,9 +8,18 @@ import pytest
 from launcher.gpus import claims, selection as devices
 from launcher.gpus.selection import Criteria, DeviceError, GpuRequest, parse_request, select
 from launcher.gpus.table import render
-from launcher.gpus.nvml import Gpu, GpuProcess
+from launcher.gpus.nvml import Gpu, GpuProcess, Health
 
 GIB = 1 << 30
+HEALTHY = Health(
+    ecc_uncorrected=0,
+    retired_pages_pending=False,
+    remapping_pending=False,
+    remapping_failed=False,
+    clock_reasons=frozenset({"gpu_idle"}),
+    pcie_width=16,
+    pcie_max_width=16,
+)
 
 
 def gpu(
@@ -22,6 +31,7 @@ def gpu(
     mig_of: int | None = None,
     mig_enabled: bool = False,
     processes=(),
+    health: Health = HEALTHY,
 ) -> Gpu:
     gpu_id = f"{mig_of}.{index}" if mig_of is not None else str(index)
     uuid = f"MIG-{mig_of}{index}aa" if mig_of is not None else f"GPU-{index}{index}ff-0000"
@@ -37,6 +47,7 @@ def gpu(
         processes=tuple(processes),
         mig=mig_of is not None,
         mig_enabled=mig_enabled,
+        health=health,
     )
 
 
@@ -394,7 +405,7 @@ def test_the_table_shows_every_device_with_its_numbers_and_verdict():
     processes = (GpuProcess(pid=4121, memory=70 * GIB, user="bob"), GpuProcess(pid=77, memory=None, user=None))
     gpus = [gpu(0), gpu(1, util=97, used_gib=70.5, processes=processes), gpu(2, util=None)] + mig_machine()
     lines = render(choose(gpus[:3], "all").verdicts).splitlines()
-    assert lines[0].split() == ["GPU", "NAME", "BUS", "ID", "MEMORY", "USED", "UTIL", "PROCESSES", "VERDICT"]
+    assert lines[0].split() == ["GPU", "NAME", "BUS", "ID", "MEMORY", "USED", "UTIL", "PROCESSES", "HEALTH", "VERDICT"]
     assert lines[1].split()[0] == "0" and lines[1].rstrip().endswith("chosen")
     assert "70.5 / 80.0 GiB" in lines[2] and "97%" in lines[2]
     assert "4121 (bob) 70.0 GiB, 77 (not visible here)" in lines[2]

@@ -1,6 +1,6 @@
 """GPU discovery (launcher/gpus/nvml.py) run against scripted machines (launcher/gpus/scripted_nvml.py):
 what each GPU and MIG device is, utilization sampled over a window, the processes on a GPU
-and their owners, and the errors for a missing driver or a malformed script."""
+and their owners, its health readings, and the errors for a missing driver or a malformed script."""
 
 from __future__ import annotations
 
@@ -179,6 +179,15 @@ def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
         json.dumps({"gpus": [{"utilization": "busy"}]}),
         '{"gpus": [{"memory_total_mib": Infinity}]}',
         json.dumps({"gpus": [{"processes": [{"pid": -4}]}]}),
+        json.dumps({"gpus": [{"ecc_uncorrected": -1}]}),
+        json.dumps({"gpus": [{"ecc_uncorrected": True}]}),
+        json.dumps({"gpus": [{"retired_pages_pending": "yes"}]}),
+        json.dumps({"gpus": [{"remapped_rows": {"pending": True, "spare": 3}}]}),
+        json.dumps({"gpus": [{"remapped_rows": {"failure": 1}}]}),
+        json.dumps({"gpus": [{"throttle": ["too_hot"]}]}),
+        json.dumps({"gpus": [{"throttle": "hw_thermal"}]}),
+        json.dumps({"gpus": [{"pcie_width": 0}]}),
+        json.dumps({"gpus": [{"mig": [{"slot": 0, "ecc_uncorrected": 1}]}]}),
     ],
     ids=[
         "not-json",
@@ -192,6 +201,15 @@ def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
         "utilization-not-a-list",
         "infinite-memory",
         "negative-pid",
+        "negative-ecc",
+        "ecc-as-bool",
+        "pending-as-text",
+        "unknown-remapped-rows-key",
+        "remapped-rows-flag-not-bool",
+        "unknown-throttle-reason",
+        "throttle-not-a-list",
+        "no-pcie-lanes",
+        "health-of-a-mig-device",
     ],
 )
 def test_a_malformed_script_is_one_line_naming_the_file_and_the_fix(machine, content):
@@ -330,3 +348,130 @@ def test_real_nvml_says_how_every_pair_of_gpus_reaches_the_other(monkeypatch):
     links = nvml.peer_links(whole)
     assert len(links) == len(whole) * (len(whole) - 1) // 2
     assert set(links.values()) <= {"nvlink", "pcie", "none", "unknown"}
+
+
+# --- health readings -----------------------------------------------------------------
+
+
+def test_each_health_reading_comes_from_its_gpu(machine):
+    machine(
+        {
+            "gpus": [
+                {},
+                {
+                    "ecc_uncorrected": 3,
+                    "retired_pages_pending": True,
+                    "remapped_rows": {"pending": True, "failure": True},
+                    "throttle": ["gpu_idle", "hw_thermal"],
+                    "pcie_width": 8,
+                    "pcie_max_width": 16,
+                },
+            ]
+        }
+    )
+    healthy, sick = (gpu.health for gpu in nvml.discover(window=0))
+    assert healthy == nvml.Health(0, False, False, False, frozenset(), 16, 16)
+    assert sick == nvml.Health(3, True, True, True, frozenset({"gpu_idle", "hw_thermal"}), 8, 16)
+
+
+def test_every_clock_reason_name_maps_to_its_own_pynvml_bit(machine):
+    machine({"gpus": [{"throttle": [name]} for name in nvml.CLOCK_REASONS]})
+    assert [gpu.health.clock_reasons for gpu in nvml.discover(window=0)] == [frozenset({n}) for n in nvml.CLOCK_REASONS]
+
+
+def test_readings_nvml_does_not_support_are_none_not_errors(machine):
+    keys = ("ecc_uncorrected", "retired_pages_pending", "remapped_rows", "throttle", "pcie_width", "pcie_max_width")
+    machine({"gpus": [dict.fromkeys(keys)]})
+    (gpu,) = nvml.discover(window=0)
+    assert gpu.error is None and gpu.health == nvml.Health()
+
+
+def test_a_lost_gpu_has_health_lost_and_an_unreadable_one_does_not(machine, monkeypatch):
+    machine({"gpus": [{"lost": True}, {}]})
+    original = ScriptedNvml.nvmlDeviceGetHandleByIndex
+
+    def no_permission_for_gpu_1(self, index):
+        if index == 1:
+            raise pynvml.NVMLError_NoPermission()
+        return original(self, index)
+
+    monkeypatch.setattr(ScriptedNvml, "nvmlDeviceGetHandleByIndex", no_permission_for_gpu_1)
+    lost, unreadable = nvml.discover(window=0)
+    assert lost.health == nvml.Health(lost=True)
+    assert unreadable.error == "Insufficient Permissions" and unreadable.health == nvml.Health()
+
+
+def test_a_gpu_lost_between_its_handle_and_its_health_reading_is_listed_as_lost(machine, monkeypatch):
+    machine({"gpus": [{}, {}]})
+
+    def lost(self, device):
+        raise pynvml.NVMLError_GpuIsLost()
+
+    monkeypatch.setattr(ScriptedNvml, "nvmlDeviceGetRemappedRows", lost)
+    assert [(gpu.error, gpu.health.lost) for gpu in nvml.discover(window=0)] == [("GPU is lost", True)] * 2
+
+
+def test_clock_reasons_fall_back_to_the_throttle_name_of_an_older_pynvml_or_driver(machine, monkeypatch):
+    machine({"gpus": [{"throttle": ["sw_thermal"]}]})
+
+    def older_driver(self, device):
+        raise pynvml.NVMLError_FunctionNotFound()
+
+    monkeypatch.setattr(ScriptedNvml, "nvmlDeviceGetCurrentClocksEventReasons", older_driver)
+    assert nvml.discover(window=0)[0].health.clock_reasons == {"sw_thermal"}
+    monkeypatch.delattr(ScriptedNvml, "nvmlDeviceGetCurrentClocksEventReasons")  # an older pynvml
+    assert nvml.discover(window=0)[0].health.clock_reasons == {"sw_thermal"}
+
+
+def test_a_mig_device_carries_the_health_of_its_gpu(machine):
+    machine({"gpus": [{"ecc_uncorrected": 1, "mig": [{"slot": 0}]}]})
+    parent, child = nvml.discover(window=0)
+    assert parent.health.ecc_uncorrected == child.health.ecc_uncorrected == 1
+
+
+def test_the_scripted_machine_reads_its_file_again_only_when_the_file_changes(machine, tmp_path):
+    path = machine({"gpus": [{}]})
+    scripted = ScriptedNvml.from_file(str(path))
+    first = scripted.nvmlDeviceGetHandleByIndex(0)
+    assert scripted.nvmlDeviceGetHandleByIndex(0) is first  # unchanged: not read again
+    replacement = tmp_path / "next.json"
+    replacement.write_text(json.dumps({"gpus": [{"ecc_uncorrected": 2}]}))
+    os.replace(replacement, path)
+    assert scripted.nvmlDeviceGetTotalEccErrors(scripted.nvmlDeviceGetHandleByIndex(0), 1, 0) == 2
+    path.write_text("{broken")
+    with pytest.raises(scripted_nvml.BadScript, match="fix the file or unset LAUNCHER_SCRIPTED_GPUS"):
+        scripted.nvmlDeviceGetCount()
+
+
+def test_the_health_reader_reads_the_run_gpus_again_and_again_and_says_lost(machine, tmp_path):
+    path = machine({"gpus": [{}, {"throttle": ["hw_slowdown"]}]})
+    gpus = nvml.discover(window=0)
+    reader = nvml.HealthReader(gpus[1:])
+    try:
+        assert reader.read() == {"1": nvml.Health(0, False, False, False, frozenset({"hw_slowdown"}), 16, 16)}
+        replacement = tmp_path / "next.json"
+        replacement.write_text(json.dumps({"gpus": [{}, {"lost": True}]}))
+        os.replace(replacement, path)
+        assert reader.read() == {"1": nvml.Health(lost=True)}
+    finally:
+        reader.close()
+
+
+@pytest.mark.skipif(not Path("/proc/driver/nvidia/version").exists(), reason="needs an NVIDIA driver (run on a GPU machine)")
+def test_real_nvml_gives_health_readings_of_the_right_kind_for_every_gpu(monkeypatch):
+    monkeypatch.delenv(nvml.SCRIPTED_GPUS_VAR, raising=False)
+    gpus = [gpu for gpu in nvml.discover(window=0) if gpu.error is None]
+    for gpu in gpus:
+        health = gpu.health
+        assert health.ecc_uncorrected is None or health.ecc_uncorrected >= 0
+        assert health.clock_reasons is None or health.clock_reasons <= set(nvml.CLOCK_REASONS)
+        assert all(lanes is None or lanes in (1, 2, 4, 8, 12, 16, 32) for lanes in (health.pcie_width, health.pcie_max_width))
+        assert not health.lost
+    reader = nvml.HealthReader([gpu for gpu in gpus if not gpu.mig_enabled])
+    try:
+        again = reader.read()
+    finally:
+        reader.close()
+    assert {gpu_id: h.ecc_uncorrected for gpu_id, h in again.items()} == {
+        g.id: g.health.ecc_uncorrected for g in gpus if not g.mig_enabled
+    }

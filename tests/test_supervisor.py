@@ -438,3 +438,19 @@ def test_after_an_agreed_exit_code_a_worker_that_does_not_follow_is_stopped_afte
     code, out, elapsed = supervise(workers, tmp_path, agreed_exit_codes=frozenset({3}))
     assert code == 3 and elapsed < 3.0
     assert "Stopped 1 other running worker(s)" in out and not alive(workers[1].process.pid)
+
+
+def test_a_straggler_line_gets_the_clock_reasons_of_that_gpu_and_another_threads_lines_come_out_whole(script, tmp_path):
+    straggler = "import sys\nprint('INFO | [GPU 0] straggler: GPU5 1.31x the median over the last 50 steps', flush=True)\n"
+    workers = [make_worker(0, script(straggler, "straggler.py"), label="GPU0")]
+    console = io.StringIO()
+    printer = Printer(console, tmp_path)
+    supervisor = Supervisor(workers, printer, SupervisorOptions(run_dir=tmp_path))
+    supervisor.clocks_of = {"GPU5": "thermal slowdown"}.get
+    supervisor.on_started = lambda: supervisor.say("GPU5: clocks: thermal slowdown")  # as the health watch's thread does
+    assert supervisor.run() == 0
+    printer.close()
+    out = console.getvalue()
+    assert "GPU0:INFO | [GPU 0] straggler: GPU5 1.31x the median over the last 50 steps; clocks: thermal slowdown\n" in out
+    assert "launcher: GPU5: clocks: thermal slowdown\n" in out
+    assert supervisor.attempt_end(0).step is None

@@ -1,2 +1,3 @@
 """Which GPUs a run gets: NVML (or a scripted machine), the free criteria and the --gpus request,
-the GPU table, claims between launchers, which GPUs each worker sees, and the placement."""
+GPU health (before the run and during it), the GPU table, claims between launchers, which GPUs
+each worker sees, and the placement."""

@@ -1,4 +1,4 @@
-"""What the GPUs of this machine are and how busy they are, read through NVML.
+"""What the GPUs of this machine are, how busy and how healthy they are, read through NVML.
 
 The one seam between the launcher and the hardware is `nvml_library()`: the nvidia-ml-py
 package (imported as pynvml), or, when LAUNCHER_SCRIPTED_GPUS names a JSON file, a scripted
@@ -28,6 +28,22 @@ PeerLink = Literal["nvlink", "pcie", "none", "unknown"]
 (NCCL goes through host memory), or unknown (NVML cannot say: an old driver, a MIG device)."""
 
 
+CLOCK_REASONS = {
+    "gpu_idle": "GpuIdle",
+    "applications_clocks": "ApplicationsClocksSetting",
+    "sw_power_cap": "SwPowerCap",
+    "hw_slowdown": "HwSlowdown",
+    "sync_boost": "SyncBoost",
+    "sw_thermal": "SwThermalSlowdown",
+    "hw_thermal": "HwThermalSlowdown",
+    "hw_power_brake": "HwPowerBrakeSlowdown",
+    "display_clocks": "DisplayClockSetting",
+}
+"""Why a GPU's clocks are below their maximum, by the names the launcher (and a scripted machine)
+uses, to the suffix of pynvml's bit constants (nvmlClocksEventReason<suffix>, called
+nvmlClocksThrottleReason<suffix> before nvidia-ml-py 12.535). Bits not named here are ignored."""
+
+
 class NoGpuDriver(Exception):
     """NVML cannot be used: no NVIDIA driver, or the library is missing."""
 
@@ -44,6 +60,29 @@ class GpuProcess:
     user: str | None
     """Its owner; None when the process is not visible from here (another container's PID
     namespace, or gone) or its owner cannot be read."""
+
+
+@dataclass(frozen=True)
+class Health:
+    """NVML's health readings of one GPU (a MIG device has its GPU's). None: NVML cannot tell
+    (not supported by this GPU or driver, no permission), which never counts against a GPU."""
+
+    ecc_uncorrected: int | None = None
+    """Uncorrectable ECC errors since the driver loaded (the volatile counter)."""
+    retired_pages_pending: bool | None = None
+    """Memory pages waiting to be retired, which needs a GPU reset (GPUs before Ampere)."""
+    remapping_pending: bool | None = None
+    """A memory row waits to be remapped, which needs a GPU reset (Ampere and later)."""
+    remapping_failed: bool | None = None
+    """A row could not be remapped: the GPU is out of spare rows."""
+    clock_reasons: frozenset[str] | None = None
+    """Why the clocks are below their maximum now (CLOCK_REASONS names)."""
+    pcie_width: int | None = None
+    """Lanes of the PCIe link now."""
+    pcie_max_width: int | None = None
+    """Lanes the link can have."""
+    lost: bool = False
+    """NVML cannot reach the GPU: lost (fallen off the bus), or it needs a reset."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +107,8 @@ class Gpu:
     """A whole GPU in MIG mode: CUDA can only use its MIG devices, never the GPU itself."""
     error: str | None = None
     """Why NVML could not describe it (GPU is lost, no permission); such a GPU is never chosen."""
+    health: Health = Health()
+    """Its health readings (launcher/gpus/health.py judges them); all unknown where NVML could not describe it."""
 
     @property
     def memory_free(self) -> int:
@@ -122,9 +163,9 @@ def discover(window: float | None = None, samples: int | None = None) -> list[Gp
         nvml.nvmlShutdown()
 
 
-def _device_handles(nvml: Any) -> list[tuple[str, Any, str]]:
+def _device_handles(nvml: Any) -> list[tuple[str, Any, Any]]:
     """(id, handle, kind) for each GPU and each MIG device; kind is "gpu", "mig" or
-    "mig-parent", or the error NVML gave for a GPU it has no handle for."""
+    "mig-parent", or the NVMLError NVML gave for a GPU it has no handle for."""
     try:
         count = nvml.nvmlDeviceGetCount()
     except nvml.NVMLError as error:
@@ -134,7 +175,7 @@ def _device_handles(nvml: Any) -> list[tuple[str, Any, str]]:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
         except nvml.NVMLError as error:  # GPU is lost, no permission
-            handles.append((str(index), None, str(error)))
+            handles.append((str(index), None, error))
             continue
         migs = _mig_handles(nvml, handle)
         handles.append((str(index), handle, "mig-parent" if migs is not None else "gpu"))
@@ -182,13 +223,13 @@ def _sample_utilization(nvml: Any, handles: list[Any], window: float, samples: i
     return [sum(r) / len(r) if r else None for r in readings]
 
 
-def _describe(nvml: Any, gpu_id: str, handle: Any, kind: str, utilization: float | None) -> Gpu:
+def _describe(nvml: Any, gpu_id: str, handle: Any, kind: Any, utilization: float | None) -> Gpu:
     index = int(gpu_id.split(".")[0])
     if handle is not None:
         try:
             return _read(nvml, gpu_id, index, handle, kind, utilization)
         except nvml.NVMLError as error:
-            kind = str(error)
+            kind = error
     return Gpu(
         id=gpu_id,
         index=index,
@@ -200,8 +241,14 @@ def _describe(nvml: Any, gpu_id: str, handle: Any, kind: str, utilization: float
         utilization=None,
         processes=(),
         mig="." in gpu_id,
-        error=kind,
+        error=str(kind),
+        health=Health(lost=_is_lost(nvml, kind)),
     )
+
+
+def _is_lost(nvml: Any, error: Any) -> bool:
+    """NVML's errors that say the GPU is failing (rather than that NVML cannot ask it)."""
+    return error.value in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED)
 
 
 def _read(nvml: Any, gpu_id: str, index: int, handle: Any, kind: str, utilization: float | None) -> Gpu:
@@ -219,7 +266,97 @@ def _read(nvml: Any, gpu_id: str, index: int, handle: Any, kind: str, utilizatio
         processes=_processes(nvml, handle),
         mig=kind == "mig",
         mig_enabled=kind == "mig-parent",
+        health=read_health(nvml, parent),
     )
+
+
+def read_health(nvml: Any, handle: Any) -> Health:
+    """The health readings of the GPU `handle` names. A reading NVML cannot give is None; an
+    error that means the GPU is lost goes up (discovery lists that GPU with its error)."""
+    ecc = _reading(
+        nvml, nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+    )
+    pending = _reading(nvml, nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    remapped = _reading(nvml, nvml.nvmlDeviceGetRemappedRows, handle)  # (corrected, uncorrected, pending, failure)
+    return Health(
+        ecc_uncorrected=None if ecc is None else int(ecc),
+        retired_pages_pending=None if pending is None else pending == nvml.NVML_FEATURE_ENABLED,
+        remapping_pending=None if remapped is None else bool(remapped[2]),
+        remapping_failed=None if remapped is None else bool(remapped[3]),
+        clock_reasons=_clock_reasons(nvml, handle),
+        pcie_width=_reading(nvml, nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+        pcie_max_width=_reading(nvml, nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+    )
+
+
+def _reading(nvml: Any, read: Any, *args: Any) -> Any:
+    """read(*args), or None where NVML cannot tell (not supported, no permission, a driver
+    without the function); an error that means the GPU is lost goes up."""
+    try:
+        return read(*args)
+    except nvml.NVMLError as error:
+        if _is_lost(nvml, error):
+            raise
+        return None
+
+
+def _clock_reasons(nvml: Any, handle: Any) -> frozenset[str] | None:
+    """The CLOCK_REASONS now set. nvmlDeviceGetCurrentClocksEventReasons is the name since
+    nvidia-ml-py 12.535 and drivers 535; older ones have only ...ClocksThrottleReasons."""
+    mask = None
+    for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        read = getattr(nvml, name, None)
+        if read is None:
+            continue
+        try:
+            mask = read(handle)
+            break
+        except nvml.NVMLError as error:
+            if _is_lost(nvml, error):
+                raise
+            if error.value != nvml.NVML_ERROR_FUNCTION_NOT_FOUND:  # NotSupported: the older name says no more
+                return None
+    if mask is None:
+        return None
+    return frozenset(name for name, suffix in CLOCK_REASONS.items() if mask & _clock_bit(nvml, suffix))
+
+
+def _clock_bit(nvml: Any, suffix: str) -> int:
+    bit = getattr(nvml, f"nvmlClocksEventReason{suffix}", None)
+    return int(getattr(nvml, f"nvmlClocksThrottleReason{suffix}", 0) if bit is None else bit)
+
+
+class HealthReader:
+    """The health of a run's devices, read again and again with NVML started once (nvmlInit can
+    take a while; the run-time watch, launcher/gpus/health.py, reads every few seconds). Only the
+    health readings, never the process list or utilization, so each reading is cheap."""
+
+    def __init__(self, gpus: Sequence[Gpu]) -> None:
+        """Start NVML: NoGpuDriver or NvmlFailure where it cannot."""
+        self._gpus = list(gpus)
+        self._nvml = nvml_library()
+        try:
+            self._nvml.nvmlInit()
+        except self._nvml.NVMLError as error:
+            raise NvmlFailure(f"NVML cannot start ({error})") from None
+
+    def read(self) -> dict[str, Health]:
+        """Each device's readings by id (a MIG device: its GPU's); Health(lost=True) for a GPU
+        NVML says is lost. Any other NVML error goes up."""
+        return {gpu.id: self._read(gpu) for gpu in self._gpus}
+
+    def _read(self, gpu: Gpu) -> Health:
+        nvml = self._nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index) if gpu.mig else nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            return read_health(nvml, handle)
+        except nvml.NVMLError as error:
+            if _is_lost(nvml, error):
+                return Health(lost=True)
+            raise
+
+    def close(self) -> None:
+        self._nvml.nvmlShutdown()
 
 
 def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:

@@ -158,7 +158,9 @@ def _explain(selection: devices.Selection, request: GpuRequest, printer: Printer
         printer.launcher_line(f"Using GPU{plural} {ids} (lowest utilization)")
         printer.launcher_line(render(selection.verdicts))
     elif request.kind == "all":
-        skipped = [v for v in selection.verdicts if v.state in ("busy", "claimed", "error", "mig") and not v.gpu.mig_enabled]
+        skipped = [
+            v for v in selection.verdicts if v.state in ("busy", "unhealthy", "claimed", "error", "mig") and not v.gpu.mig_enabled
+        ]
         printer.launcher_line(f"using GPU{plural} {ids}" + (f"; skipped {len(skipped)}:" if skipped else ""))
         for verdict in skipped:
             printer.launcher_line(f"  GPU {verdict.gpu.id}: {verdict.describe()}")

@@ -1,8 +1,9 @@
 """A scripted GPU machine with the pynvml functions the launcher calls.
 
 `LAUNCHER_SCRIPTED_GPUS=machine.json python -m launcher gpus` shows how the launcher would
-judge that machine; the tests use it for every policy, and for real launcher processes
-racing for GPUs. The file:
+judge that machine; the tests use it for every policy, for real launcher processes racing for
+GPUs, and for GPUs that go bad during a run: the machine reads its file again whenever the file
+changes (replace it atomically, with os.replace, so no reader sees half of it). The file:
 
     {"driver": true,                      # false: NVML library not found
      "p2p": "nvlink",                     # how every two GPUs reach each other unless "links" says
@@ -12,28 +13,49 @@ racing for GPUs. The file:
                "memory_total_mib": 81559, "memory_used_mib": 0,
                "utilization": [0, 100, 0],  # successive readings (cycled); null: not supported
                "lost": false,               # true: NVML says "GPU is lost" for it
+               "ecc_uncorrected": 0,         # volatile uncorrectable ECC errors
+               "retired_pages_pending": false,
+               "remapped_rows": {"pending": false, "failure": false},
+               "throttle": [],              # clock reasons now: names of nvml.CLOCK_REASONS,
+                                            # such as "gpu_idle", "sw_power_cap", "hw_thermal"
+               "pcie_width": 16, "pcie_max_width": 16,  # PCIe lanes now, and at most
                "processes": [{"pid": 4242, "memory_mib": 1024}],
                "mig": [{"slot": 0, "uuid": "MIG-...", "name": "...", "memory_total_mib": 9856,
                         "memory_used_mib": 0, "processes": []}]}]}
 
-Every key is optional; the defaults make idle H100s joined by NVLink. Errors are pynvml's own
-exception classes, so the launcher's handling of them is what runs against a real driver.
+Every key is optional; the defaults make healthy idle H100s joined by NVLink. A health key set
+to null is a reading NVML does not support on that GPU (NVMLError_NotSupported). Errors are
+pynvml's own exception classes, so the launcher's handling of them is what runs against a real driver.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.gpus.nvml import CLOCK_REASONS
 from pretrain.run.refusal import Refusal
 
 MIB = 1 << 20
-GPU_KEYS = {"lost", "name", "uuid", "pci_bus_id", "memory_total_mib", "memory_used_mib", "utilization", "processes", "mig"}
+HEALTH_KEYS = {"ecc_uncorrected", "retired_pages_pending", "remapped_rows", "throttle", "pcie_width", "pcie_max_width"}
+GPU_KEYS = {
+    "lost",
+    "name",
+    "uuid",
+    "pci_bus_id",
+    "memory_total_mib",
+    "memory_used_mib",
+    "utilization",
+    "processes",
+    "mig",
+} | HEALTH_KEYS
 MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
 MACHINE_KEYS = {"driver", "gpus", "p2p", "links"}
 P2P_KINDS = ("nvlink", "pcie", "none", "unsupported")
@@ -69,6 +91,14 @@ class _Device:
     migs: dict[int, _Device] = field(default_factory=dict)
     mig_mode: bool = False
     lost: bool = False
+    ecc_uncorrected: int | None = 0
+    """None (here and below): NVML does not support the reading on this GPU."""
+    retired_pages_pending: bool | None = False
+    remapped_rows: tuple[bool, bool] | None = (False, False)
+    """(pending, failure)."""
+    throttle: frozenset[str] | None = frozenset()
+    pcie_width: int | None = 16
+    pcie_max_width: int | None = 16
 
 
 class ScriptedNvml:
@@ -83,12 +113,28 @@ class ScriptedNvml:
             "NVML_DEVICE_MIG_ENABLE",
             "NVML_ERROR_LIBRARY_NOT_FOUND",
             "NVML_ERROR_DRIVER_NOT_LOADED",
+            "NVML_ERROR_FUNCTION_NOT_FOUND",
+            "NVML_ERROR_GPU_IS_LOST",
+            "NVML_ERROR_RESET_REQUIRED",
+            "NVML_FEATURE_ENABLED",
+            "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
+            "NVML_VOLATILE_ECC",
             "NVML_P2P_CAPS_INDEX_NVLINK",
             "NVML_P2P_CAPS_INDEX_READ",
             "NVML_P2P_CAPS_INDEX_WRITE",
             "NVML_P2P_STATUS_OK",
         ):
             setattr(self, constant, getattr(pynvml, constant))
+        self._clock_bits = {name: getattr(pynvml, f"nvmlClocksEventReason{suffix}") for name, suffix in CLOCK_REASONS.items()}
+        for name, suffix in CLOCK_REASONS.items():
+            setattr(self, f"nvmlClocksEventReason{suffix}", self._clock_bits[name])
+            setattr(self, f"nvmlClocksThrottleReason{suffix}", self._clock_bits[name])
+        self._path: str | None = None
+        """The file it was read from, read again when it changes (None: a machine given as a dict)."""
+        self._signature: tuple[int, int, int] | None = None
+        self._load(machine)
+
+    def _load(self, machine: dict) -> None:
         _check_keys(machine, MACHINE_KEYS, "the machine")
         self.driver = bool(machine.get("driver", True))
         self.devices = [_gpu(i, spec) for i, spec in enumerate(machine.get("gpus", []))]
@@ -96,15 +142,24 @@ class ScriptedNvml:
 
     @classmethod
     def from_file(cls, path: str) -> ScriptedNvml:
-        try:
-            machine = json.loads(Path(path).read_text(encoding="utf-8"))
-            if not isinstance(machine, dict):
-                raise ValueError("the top level must be an object")
-            return cls(machine)
-        except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
-            raise BadScript(f"scripted GPU machine {path}: {error}; fix the file or unset LAUNCHER_SCRIPTED_GPUS") from None
+        signature = _signature(path)  # before reading: a change made while it is read is seen next time
+        with _script_errors(path):
+            machine = cls(_read_json(path))
+        machine._path, machine._signature = path, signature
+        return machine
+
+    def _refresh(self) -> None:
+        """Read the file again if it changed since it was read (a GPU going bad during a run)."""
+        if self._path is None:
+            return
+        signature = _signature(self._path)
+        if signature != self._signature:
+            with _script_errors(self._path):
+                self._load(_read_json(self._path))
+            self._signature = signature
 
     def nvmlInit(self) -> None:
+        self._refresh()
         if not self.driver:
             raise self._pynvml.NVMLError_LibraryNotFound()
 
@@ -112,9 +167,11 @@ class ScriptedNvml:
         pass
 
     def nvmlDeviceGetCount(self) -> int:
+        self._refresh()
         return len(self.devices)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> _Device:
+        self._refresh()
         if not 0 <= index < len(self.devices):
             raise self._pynvml.NVMLError_InvalidArgument()
         if self.devices[index].lost:
@@ -122,8 +179,11 @@ class ScriptedNvml:
         return self.devices[index]
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _Device:
+        self._refresh()
         for device in self.devices:
-            if device.uuid == uuid and not device.lost:
+            if device.uuid == uuid:
+                if device.lost:
+                    raise self._pynvml.NVMLError_GpuIsLost()
                 return device
         raise self._pynvml.NVMLError_NotFound()
 
@@ -159,6 +219,44 @@ class ScriptedNvml:
             for p in device.processes
         ]
 
+    def nvmlDeviceGetTotalEccErrors(self, device: _Device, error_type: int, counter_type: int) -> int:
+        """Only the volatile uncorrectable count is scripted; other counters are not supported."""
+        wanted = (self._pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, self._pynvml.NVML_VOLATILE_ECC)
+        return self._health(device, device.ecc_uncorrected if (error_type, counter_type) == wanted else None)
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device: _Device) -> int:
+        pending = self._health(device, device.retired_pages_pending)
+        return self._pynvml.NVML_FEATURE_ENABLED if pending else self._pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, device: _Device) -> tuple[int, int, int, int]:
+        """(corrected rows, uncorrected rows, pending, failure), as pynvml returns them."""
+        pending, failure = self._health(device, device.remapped_rows)
+        return (0, 0, int(pending), int(failure))
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, device: _Device) -> int:
+        return self._clock_mask(device)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, device: _Device) -> int:
+        """The name before nvidia-ml-py 12.535."""
+        return self._clock_mask(device)
+
+    def _clock_mask(self, device: _Device) -> int:
+        return sum(self._clock_bits[name] for name in self._health(device, device.throttle))
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, device: _Device) -> int:
+        return self._health(device, device.pcie_width)
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, device: _Device) -> int:
+        return self._health(device, device.pcie_max_width)
+
+    def _health(self, device: _Device, reading: Any) -> Any:
+        """A health reading as NVML gives it: lost, not supported (None in the script), or the value."""
+        if device.lost:
+            raise self._pynvml.NVMLError_GpuIsLost()
+        if reading is None:
+            raise self._pynvml.NVMLError_NotSupported()
+        return reading
+
     def nvmlDeviceGetMigMode(self, device: _Device) -> list[int]:
         if not device.migs and not device.mig_mode:
             raise self._pynvml.NVMLError_NotSupported()
@@ -189,6 +287,7 @@ def _gpu(index: int, spec: dict) -> _Device:
         processes=_process_list(spec, where),
         mig_mode="mig" in spec,
         lost=spec.get("lost") is True,
+        **_health(spec, where),
     )
     for mig_spec in spec.get("mig", []):
         mig_where = f"{where}.mig[]"
@@ -206,6 +305,71 @@ def _gpu(index: int, spec: dict) -> _Device:
             processes=_process_list(mig_spec, mig_where),
         )
     return device
+
+
+def _health(spec: dict, where: str) -> dict[str, Any]:
+    """The health keys of a GPU's spec, checked; a key set to null stays None (not supported)."""
+    health: dict[str, Any] = {}
+    if "ecc_uncorrected" in spec:
+        health["ecc_uncorrected"] = _count(spec, "ecc_uncorrected", where, minimum=0)
+    if "retired_pages_pending" in spec:
+        pending = spec["retired_pages_pending"]
+        if pending is not None and not isinstance(pending, bool):
+            raise ValueError(f"{where}.retired_pages_pending must be true, false or null")
+        health["retired_pages_pending"] = pending
+    if "remapped_rows" in spec:
+        rows = spec["remapped_rows"]
+        shape = f'{where}.remapped_rows must be {{"pending": true|false, "failure": true|false}} or null'
+        if rows is not None:
+            if not (
+                isinstance(rows, dict) and set(rows) <= {"pending", "failure"} and all(isinstance(v, bool) for v in rows.values())
+            ):
+                raise ValueError(shape)
+            rows = (rows.get("pending", False), rows.get("failure", False))
+        health["remapped_rows"] = rows
+    if "throttle" in spec:
+        reasons = spec["throttle"]
+        if reasons is not None and not (isinstance(reasons, list) and all(r in CLOCK_REASONS for r in reasons)):
+            raise ValueError(f"{where}.throttle must be a list of {', '.join(CLOCK_REASONS)}, or null")
+        health["throttle"] = None if reasons is None else frozenset(reasons)
+    for key in ("pcie_width", "pcie_max_width"):
+        if key in spec:
+            health[key] = _count(spec, key, where, minimum=1)
+    return health
+
+
+def _count(spec: dict, key: str, where: str, minimum: int) -> int | None:
+    value = spec[key]
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        raise ValueError(f"{where}.{key} must be a whole number of at least {minimum}, or null")
+    return value
+
+
+def _read_json(path: str) -> dict:
+    machine = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(machine, dict):
+        raise ValueError("the top level must be an object")
+    return machine
+
+
+@contextlib.contextmanager
+def _script_errors(path: str) -> Iterator[None]:
+    """A file that cannot be read, or describes no machine, is one BadScript line naming it."""
+    try:
+        yield
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
+        raise BadScript(f"scripted GPU machine {path}: {error}; fix the file or unset LAUNCHER_SCRIPTED_GPUS") from None
+
+
+def _signature(path: str | None) -> tuple[int, int, int] | None:
+    """What tells a changed file: its mtime, its inode (os.replace makes a new one) and size."""
+    if path is None:
+        return None
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_ino, stat.st_size)
 
 
 def _links(machine: dict, count: int) -> Callable[[int, int], str]:

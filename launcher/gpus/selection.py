@@ -1,9 +1,11 @@
 """Which GPUs a run gets: the --gpus request, the free criteria, CUDA_VISIBLE_DEVICES, and
 the claims that keep two launches off the same GPU.
 
-A device's verdict is one of: free; busy (over --max-utilization, or under --min-free-memory:
-skipped by `all` and `auto:N`, a warning in an explicit list unless --strict); or unusable
-(hidden by CUDA_VISIBLE_DEVICES, a GPU in MIG mode, claimed by another launcher).
+A device's verdict is one of: free; busy (over --max-utilization, or under --min-free-memory)
+or unhealthy (launcher/gpus/health.py: memory errors, a clock slowdown that means trouble, a
+narrowed PCIe link): skipped by `all` and `auto:N`, a warning in an explicit list unless
+--strict; or unusable (hidden by CUDA_VISIBLE_DEVICES, a GPU in MIG mode, claimed by another
+launcher, one NVML cannot read).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from launcher.gpus import claims
+from launcher.gpus import claims, health
 from launcher.gpus.nvml import Gpu
 from pretrain.run.refusal import Refusal
 
@@ -131,13 +133,13 @@ def parse_max_utilization(text: str) -> float:
 @dataclass(frozen=True)
 class Verdict:
     gpu: Gpu
-    state: Literal["free", "busy", "hidden", "mig", "claimed", "error", "chosen"]
+    state: Literal["free", "busy", "unhealthy", "hidden", "mig", "claimed", "error", "chosen"]
     reasons: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.state in ("free", "chosen"):
             return self.state + ("" if self.gpu.utilization is not None else " (utilization unknown)")
-        return ("busy: " if self.state == "busy" else "") + "; ".join(self.reasons)
+        return (f"{self.state}: " if self.state in ("busy", "unhealthy") else "") + "; ".join(self.reasons)
 
 
 def judge(
@@ -152,6 +154,9 @@ def judge(
     held = holder(gpu.uuid)
     if held is not None:
         return Verdict(gpu, "claimed", (held.describe(),))
+    assessment = health.assess(gpu.health)
+    if not assessment.healthy:
+        return Verdict(gpu, "unhealthy", assessment.reasons)
     reasons = []
     if gpu.utilization is not None and gpu.utilization > criteria.max_utilization:
         reasons.append(f"utilization {gpu.utilization:.0f}% > {criteria.max_utilization:g}%")
@@ -281,7 +286,7 @@ def _claim_free(
         need = "" if request.kind == "all" else f"--gpus {request} needs {request.count}, but "
         raise DeviceError(
             f"{need}{have} (free: utilization <= {criteria.max_utilization:g}% and at least "
-            f"{criteria.describe_memory()} memory free, unclaimed); wait, loosen --max-utilization "
+            f"{criteria.describe_memory()} memory free, unclaimed, healthy); wait, loosen --max-utilization "
             f"or --min-free-memory, or name GPUs with --gpus",
             verdicts=selection.verdicts,
         )
@@ -331,6 +336,11 @@ def _claim_listed(
             problem = f"GPU {gpu.id} is busy ({'; '.join(verdict.reasons)})"
             if strict:
                 raise DeviceError(f"{problem}; --strict refuses busy GPUs", verdicts=selection.verdicts)
+            selection.warnings.append(f"{problem}; using it anyway as --gpus names it (--strict refuses)")
+        if verdict.state == "unhealthy":
+            problem = f"GPU {gpu.id} is unhealthy ({'; '.join(verdict.reasons)})"
+            if strict:
+                raise DeviceError(f"{problem}; --strict refuses unhealthy GPUs; choose another GPU")
             selection.warnings.append(f"{problem}; using it anyway as --gpus names it (--strict refuses)")
     for verdict in listed:
         if not _claim_one(selection, verdict, claim):

@@ -1,13 +1,14 @@
-"""The GPU table: every device, what it is doing, and the launcher's verdict on it."""
+"""The GPU table: every device, what it is doing, its health, and the launcher's verdict on it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from launcher.gpus import health
 from launcher.gpus.selection import GIB, Verdict
 from launcher.gpus.nvml import Gpu, GpuProcess
 
-HEADER = ("GPU", "NAME", "BUS ID", "MEMORY USED", "UTIL", "PROCESSES", "VERDICT")
+HEADER = ("GPU", "NAME", "BUS ID", "MEMORY USED", "UTIL", "PROCESSES", "HEALTH", "VERDICT")
 MAX_PROCESSES_SHOWN = 3
 
 
@@ -26,7 +27,8 @@ def _row(verdict: Verdict) -> tuple[str, ...]:
         f"{gpu.memory_used / GIB:.1f} / {gpu.memory_total / GIB:.1f} GiB",
         "n/a" if gpu.mig_enabled else "?" if gpu.utilization is None else f"{gpu.utilization:.0f}%",
         _processes(gpu),
-        verdict.describe(),
+        health.assess(gpu.health).describe(),
+        "unhealthy" if verdict.state == "unhealthy" else verdict.describe(),  # HEALTH says why
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from launcher.exit_codes import EXIT_HANG
-from pretrain.run.exit_codes import BAD_INPUT, NUMERICAL_FAILURE, PEER_LOST
+from pretrain.run.exit_codes import BAD_INPUT, NUMERICAL_FAILURE, PEER_LOST, signal_of
 from pretrain.run.files import atomic_write_text
 
 RECORD = "restarts.jsonl"
@@ -78,7 +78,7 @@ def transient_cause(end: AttemptEnd, training: bool = True) -> str | None:
         return "a worker hung (no output for --hang-timeout)"
     if end.lost_node:
         return "a node was lost"
-    if (name := UNASKED_SIGNALS.get(end.exit_code - 128)) is not None:  # the shell's 128 + n
+    if (name := UNASKED_SIGNALS.get(signal_of(end.exit_code) or 0)) is not None:
         return f"{end.worker or 'a worker'} was killed by {name}"
     for pattern, what in HARDWARE:
         if any(pattern.search(line) for line in end.tail):

@@ -48,8 +48,10 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from launcher.supervise import outcome, restarts, summary
@@ -85,8 +87,17 @@ class Interrupted:
     signum: int
 
 
-Incoming = Event | Interrupted | NodeStop | NodeInterrupt
-"""What the loop handles: a worker's line or exit, a signal, another node's word."""
+@dataclass(frozen=True)
+class Said:
+    """A line another thread of the launcher has for the console (the GPU health watch)."""
+
+    text: str
+
+
+Incoming = Event | Interrupted | NodeStop | NodeInterrupt | Said
+"""What the loop handles: a worker's line or exit, a signal, another node's word, a line to print."""
+STRAGGLER = re.compile(r"\bstraggler: (\S+) ")
+"""The trainer's straggler line (pretrain/observe/stragglers.py), which names the slow rank's label."""
 
 
 class Supervisor:
@@ -125,6 +136,15 @@ class Supervisor:
         self._cause_deadline: float | None = None
         self._described: summary.Failure | None = None
         """The first failure as the summary told it, once the run is over."""
+        self.on_started: Callable[[], object] = lambda: None
+        """Called once every worker is spawned: where a helper thread may start (forking while
+        another thread runs is what makes the workers' preexec_fn unsafe)."""
+        self.clocks_of: Callable[[str], str | None] = lambda label: None
+        """What slows a worker's GPU down now (clock reasons), by its label, for the straggler line."""
+
+    def say(self, text: str) -> None:
+        """Print a launcher line from another thread: the loop prints it, between the workers' lines."""
+        self._events.put(Said(text))
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -135,6 +155,7 @@ class Supervisor:
         self.printer.on_console_closed = lambda: self._events.put(Interrupted(CONSOLE_CLOSED_SIGNAL))
         try:
             self._start_all()
+            self.on_started()
             while self._watching():
                 self._handle(self._next_event())
                 self._check_deadlines()
@@ -199,6 +220,8 @@ class Supervisor:
                 self._on_interrupt(signum)
             case NodeStop():
                 self._on_node_stop(event)
+            case Said(text):
+                self.printer.launcher_line(text)
             case NodeInterrupt(node, signum) if not self._tearing_down:
                 self.printer.launcher_line(f"node {node} was asked to stop ({signal.Signals(signum).name}); so is this node")
                 self._on_interrupt(signum, told=False)
@@ -255,6 +278,8 @@ class Supervisor:
             # on the console a hundred lines per rank would bury the line of the one that failed.
             in_dump = watch.stacks.took_line
         watch.see(text, time.monotonic(), log_only=in_dump or is_log_only(text))
+        if (slow := STRAGGLER.search(text)) and (clocks := self.clocks_of(slow[1])):
+            text += f"; clocks: {clocks}"  # what NVML says slows that GPU down
         self.printer.worker_line(worker.label, LOG_ONLY_MARK + text if in_dump else text)
 
     def _stopped_with_another_node(self, returncode: int) -> bool:

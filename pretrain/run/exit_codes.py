@@ -2,6 +2,8 @@
 so the launcher can name them without importing torch). The launcher's own codes are in
 launcher/exit_codes.py; docs/failures.md ("Exit codes") lists both."""
 
+import signal
+
 SUCCESS = 0
 """Training finished (or a tool did what it was asked)."""
 ERROR = 1
@@ -24,6 +26,12 @@ def by_signal(signum: int) -> int:
     (129: SIGHUP, 130: SIGINT, 141: SIGPIPE, 143: SIGTERM). A training process stopped by a signal
     exits with it after saving. The one place this sum is written."""
     return 128 + signum
+
+
+def signal_of(exit_code: int) -> int | None:
+    """The signal a shell-style exit code reports (by_signal's inverse), None for an ordinary exit."""
+    signum = exit_code - by_signal(0)
+    return signum if 0 < signum < signal.NSIG else None
 
 
 MEANINGS = {
