@@ -23,11 +23,13 @@ from pretrain.data import DataError
 from pretrain.data.loader import TokenIdError, TrainBatches, validation_batches
 from pretrain.numerics.debug import FirstNonFinite
 from pretrain.observe.metrics import MetricsLog
+from pretrain.observe.stragglers import StragglerWatch, watch_for
 from pretrain.observe.wandb_log import WandbRun
 from pretrain.model.transformer import Transformer
 from pretrain.optim.optimizers import build_optimizer
 from pretrain.distributed.runtime import Runtime
 from pretrain.evaluation.hellaswag import TaskExamples
+from pretrain.run.faults import Faults
 from pretrain.run.stopping import StopRequest
 
 
@@ -63,6 +65,12 @@ class Trainer:
     """The last step's auxiliary losses (a mixture of experts' load balancing), this rank's, by name."""
     task: TaskExamples | None = None
     """With evaluation.data: the benchmark's examples, scored during training (pretrain/evaluation/task_eval.py)."""
+    stragglers: StragglerWatch | None = None
+    """With several ranks: this rank's compute time per step, compared across ranks every
+    logging.straggler_window steps (pretrain/observe/stragglers.py)."""
+    faults: Faults | None = None
+    """The faults PRETRAIN_FAULTS scripts for this rank and attempt (pretrain/run/faults.py, a
+    testing aid); None in an ordinary run."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -166,6 +174,7 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     wandb = WandbRun(run_dir, config, log) if config.logging.wandb and runtime.is_main else None
     metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log, wandb=wandb)
     trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
+    trainer.stragglers = watch_for(config, runtime)
     if config.debug.trace_nonfinite:
         trainer.tracer = FirstNonFinite(parallel.unwrap(model))
         log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")

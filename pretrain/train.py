@@ -38,6 +38,7 @@ from pretrain.numerics.debug import NumericalFailure
 from pretrain.run.exit_codes import BAD_INPUT, ERROR, NUMERICAL_FAILURE, PEER_LOST, by_signal
 from pretrain.hf.init_checkpoint import HfCheckpoint, check_fits, find_checkpoint, for_workers
 from pretrain.model.loss import next_token_loss
+from pretrain.run import faults
 from pretrain.run.refusal import Refusal
 from pretrain.checkpoint.resume import resolve_resume
 from pretrain.run.files import create_run_dir, new_run_id, os_error_message, runs_root
@@ -68,13 +69,24 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         trainer.tracer.reset()
     loss_sum = torch.zeros((), device=device)  # the cross-entropy; auxiliary losses only train
     aux_sums: dict[str, torch.Tensor] = {}
+    # This rank's compute, for the straggler line: each micro-batch's forward and loss, where DDP
+    # runs no collective (pretrain/observe/stragglers.py); timed outside the compiled blocks.
+    timer = trainer.stragglers.timer if trainer.stragglers is not None else None
+    if timer is not None:
+        timer.new_step()
+    if trainer.faults is not None:  # PRETRAIN_FAULTS (a testing aid); None in an ordinary run
+        slow_down(trainer, step)
     for micro in range(t.grad_accum_nums):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
         # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
         # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
         with parallel.gradient_sync(trainer.model, enabled=micro == t.grad_accum_nums - 1):
+            if timer is not None:
+                timer.begin()
             with autocast(trainer):
                 loss = next_token_loss(trainer.model, x, y, cfg.loss_chunk_tokens(trainer.config))
+            if timer is not None:
+                timer.end()
             (loss.total / t.grad_accum_nums).backward()
         loss_sum += loss.cross_entropy.detach() / t.grad_accum_nums
         for name, value in loss.aux_losses.items():
@@ -94,6 +106,24 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, lr
+
+
+def slow_down(trainer: Trainer, step: int) -> None:
+    """PRETRAIN_FAULTS' sleep=S from its step on: this rank sleeps S seconds inside the interval
+    its compute is timed by, so it looks like a slow GPU (on one, the GPU first finishes its queue
+    and then idles through the sleep)."""
+    assert trainer.faults is not None
+    seconds = trainer.faults.sleep_seconds(step)
+    if not seconds:
+        return
+    timer = trainer.stragglers.timer if trainer.stragglers is not None else None
+    if trainer.runtime.device.type == "cuda":
+        torch.cuda.synchronize(trainer.runtime.device)
+    if timer is not None:
+        timer.begin()
+    time.sleep(seconds)
+    if timer is not None:
+        timer.end()
 
 
 def aux_means(trainer: Trainer) -> dict[str, float]:
@@ -171,6 +201,10 @@ def fit(trainer: Trainer) -> None:
             trainer.metrics.log_train(
                 step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start, aux
             )
+            if trainer.stragglers is not None:  # after the step line's sync: a window's exchange, when one is full
+                trainer.stragglers.at_logging_step(trainer.runtime, log.warning)
+        if trainer.faults is not None:  # PRETRAIN_FAULTS: a kill or exit after this step, its line printed
+            trainer.faults.after_step(step, log.warning)
         if not last:  # the last step's are the final ones, below
             with speed.paused():
                 log_evaluations(trainer, step + 1)
@@ -261,10 +295,13 @@ def shared_run_dir(run_dir: Path | None, runtime: Runtime) -> Path:
     return Path(chosen[0])
 
 
-def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: logging.Logger) -> None:
+def train(
+    config: Config, runtime: Runtime, run_dir_arg: str | None, log: logging.Logger, injected: faults.Faults | None = None
+) -> None:
     """Set up the run directory and data, build, fit. Everything it built, the DDP wrapper
     included, is released when it returns: a process group destroyed while DDP still holds
-    it is torn down at interpreter exit instead, where gloo's threads abort the process."""
+    it is torn down at interpreter exit instead, where gloo's threads abort the process.
+    injected: the faults PRETRAIN_FAULTS scripts for this rank (pretrain/run/faults.py)."""
     resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, runs_root(), runtime.world_size)
     run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
@@ -286,6 +323,7 @@ def train(config: Config, runtime: Runtime, run_dir_arg: str | None, log: loggin
         cfg.save(config, run_dir / "config.json")
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
     trainer = build(config, runtime, dataset_dir, run_dir, log)
+    trainer.faults = injected
     if (dataset_dir / TOKENIZER_FILE).exists():
         trainer.tokenizer_file = dataset_dir / TOKENIZER_FILE
     trainer.task = task_eval.load_task(config, trainer.tokenizer_file)
@@ -340,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not config.training.resume:  # a fresh run: a checkpoint to start from is checked before anything starts,
             # and pinned as the launcher pins it (a Hub id at its commit), so train() finds it again in the cache
             config, _ = for_workers(config, lambda line: print(f"pretrain: {line}", file=sys.stderr, flush=True))
+        scripted = faults.scripted()  # PRETRAIN_FAULTS, refused here if malformed
         runtime = init_runtime(config)
     except Refusal as error:
         print(f"pretrain: error: {error}", file=sys.stderr)
@@ -347,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = setup_logging(runtime.label, config.logging.level)
     peers_alive = False  # whether every rank reaches shutdown() together
     try:
-        train(config, runtime, args.run_dir, log)
+        train(config, runtime, args.run_dir, log, faults.for_rank(scripted, runtime.rank))
         peers_alive = True
     except Stopped as stop:
         peers_alive = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_type_hints
@@ -545,11 +546,21 @@ class LoggingConfig:
     """Also log the metrics to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps the run in <run dir>/wandb/ for a later `wandb sync`)."""
     wandb_project: str = "pretrain"
     """The Weights & Biases project the runs go to (with logging.wandb)."""
+    straggler_window: int = 50
+    """With several ranks: every N steps the ranks compare the median of their own compute time per step (the forwards and losses of a step's micro-batches, docs/training.md) in one tiny all-gather, and rank 0 names a rank slower than the median of all ranks by logging.straggler_threshold; 0: off."""
+    straggler_threshold: float = 1.2
+    """A rank whose window median is above this many times the median of all ranks is logged as a straggler (1.2: 20% slower)."""
 
-    AT_MOST: ClassVar[dict[str, int]] = {"log_interval": MAX_STEPS}
+    AT_MOST: ClassVar[dict[str, int]] = {"log_interval": MAX_STEPS, "straggler_window": MAX_STEPS}
 
     def __post_init__(self) -> None:
         _check(self.log_interval >= 1, "logging.log_interval", f"must be at least 1 (got {self.log_interval})")
+        _check(self.straggler_window >= 0, "logging.straggler_window", f"must not be negative (got {self.straggler_window})")
+        _check(
+            math.isfinite(self.straggler_threshold) and self.straggler_threshold > 1,
+            "logging.straggler_threshold",
+            f"must be a number above 1, a ratio to the median rank (got {self.straggler_threshold})",
+        )
         _check_at_most(self, "logging")
 
 

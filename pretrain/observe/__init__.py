@@ -1,1 +1,1 @@
-"""What a run shows: metrics (throughput, MFU, memory), the step line, Weights & Biases, and plots."""
+"""What a run shows: metrics (throughput, MFU, memory), the step line, stragglers, Weights & Biases, and plots."""

@@ -1,0 +1,170 @@
+"""Stragglers: the rank that is persistently slower than the others, named in one line.
+
+Each rank times its own compute in every step: the forward and loss of each of the step's
+micro-batches, summed. Under DDP no collective runs there (DDP all-reduces gradients during the
+last micro-batch's backward, and broadcasts no buffers), so a fast rank's figure holds no wait
+for a slow one. The timing adds no device synchronization: on a GPU a pair of CUDA events around
+each forward, read only at a logging step, after the step line has synchronized; on a CPU
+time.perf_counter. Over logging.straggler_window steps a rank keeps the median of its steps;
+at the first logging step once a window is full, the ranks exchange that one number (one
+all-gather of a few bytes per window) and rank 0 logs a line for each rank slower than the
+median of all ranks by more than logging.straggler_threshold:
+
+    straggler: GPU5 1.31x the median over the last 50 steps
+
+(the launcher appends the GPU's throttle reasons to such a line; it finds it by the prefix
+`straggler: <label> `). docs/training.md says what the figure shows under FSDP, where the
+forward gathers the weights."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import Config
+from pretrain.distributed.runtime import Runtime
+
+LABEL_BYTES = 16
+"""A rank's label ("GPU5", "CPU12") travels with its median, as character codes."""
+PREFIX = "straggler: "
+
+
+class StepTimer(Protocol):
+    """A rank's compute time per step, from intervals opened and closed within each step."""
+
+    def new_step(self) -> None: ...
+    def begin(self) -> None: ...
+    def end(self) -> None: ...
+    def drain(self) -> list[float]:
+        """The seconds of each step since the last drain, oldest first."""
+        ...
+
+
+@dataclass
+class HostTimer:
+    """On a CPU the work is done when the call returns: time.perf_counter around it."""
+
+    keep: int
+    """The most recent steps kept between drains (the window: older ones would not be used)."""
+    steps: deque[float] = field(init=False)
+    began: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.steps = deque(maxlen=self.keep)
+
+    def new_step(self) -> None:
+        self.steps.append(0.0)
+
+    def begin(self) -> None:
+        self.began = time.perf_counter()
+
+    def end(self) -> None:
+        self.steps[-1] += time.perf_counter() - self.began
+
+    def drain(self) -> list[float]:
+        drained = list(self.steps)
+        self.steps.clear()
+        return drained
+
+
+@dataclass
+class CudaTimer:
+    """On a GPU the host runs ahead of the kernels: a CUDA event pair around each interval, on
+    the current stream, read at drain(), which the caller makes only after a synchronization
+    (the step line's), so elapsed_time waits for nothing."""
+
+    keep: int
+    """The most recent steps kept between drains (the window), so a long log_interval holds few events."""
+    steps: deque[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = field(init=False)
+    began: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        self.steps = deque(maxlen=self.keep)
+
+    def new_step(self) -> None:
+        self.steps.append([])
+
+    def begin(self) -> None:
+        self.began = torch.cuda.Event(enable_timing=True)
+        self.began.record()
+
+    def end(self) -> None:
+        assert self.began is not None
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record()
+        self.steps[-1].append((self.began, stop))
+
+    def drain(self) -> list[float]:
+        drained = list(self.steps)
+        self.steps.clear()
+        if drained and drained[-1]:
+            drained[-1][-1][1].synchronize()  # already done after the step line's sync: returns at once
+        return [sum(start.elapsed_time(stop) for start, stop in pairs) / 1000 for pairs in drained]
+
+
+def slower_ranks(medians: Sequence[tuple[str, float]], threshold: float) -> list[tuple[str, float]]:
+    """(label, ratio to the median of all ranks) of every rank above threshold times that median, slowest first."""
+    middle = statistics.median(seconds for _, seconds in medians)
+    if middle <= 0:
+        return []
+    slow = [(label, seconds / middle) for label, seconds in medians if seconds > threshold * middle]
+    return sorted(slow, key=lambda named: -named[1])
+
+
+def straggler_line(label: str, ratio: float, steps: int) -> str:
+    return f"{PREFIX}{label} {ratio:.2f}x the median over the last {steps} steps"
+
+
+def short_label(runtime_label: str) -> str:
+    """A rank as the launcher's line prefixes name it: "GPU 5" -> "GPU5"."""
+    return runtime_label.replace(" ", "")
+
+
+def exchange(seconds: float, runtime: Runtime) -> list[tuple[str, float]]:
+    """Every rank's (label, median seconds), in rank order: one all-gather of 1 + LABEL_BYTES
+    float64 values per rank (136 bytes), on the device the process group reduces there."""
+    codes = short_label(runtime.label).encode()[:LABEL_BYTES].ljust(LABEL_BYTES, b"\0")
+    mine = torch.tensor([seconds, *codes], dtype=torch.float64, device=runtime.device)  # (1 + LABEL_BYTES,)
+    gathered = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+    dist.all_gather(gathered, mine)
+    rows = torch.stack(gathered).tolist()  # (world, 1 + LABEL_BYTES); one host read per window
+    return [(bytes(int(code) for code in row[1:]).rstrip(b"\0").decode(), row[0]) for row in rows]
+
+
+@dataclass
+class StragglerWatch:
+    """This rank's compute times over the current window, and the exchange that ends a window."""
+
+    window: int
+    threshold: float
+    timer: StepTimer
+    seconds: list[float] = field(default_factory=list)
+    """The compute time of each step of the window so far (the last `window` steps at most)."""
+
+    def at_logging_step(self, runtime: Runtime, log_warning: Callable[[str], None]) -> None:
+        """Called by every rank at every logging step, after the step line: once a window is full,
+        the exchange, and rank 0's line for each straggler; then the next window starts."""
+        self.seconds = (self.seconds + self.timer.drain())[-self.window :]
+        if len(self.seconds) < self.window:
+            return
+        medians = exchange(statistics.median(self.seconds), runtime)
+        self.seconds = []
+        if runtime.is_main:
+            for label, ratio in slower_ranks(medians, self.threshold):
+                log_warning(straggler_line(label, ratio, self.window))
+
+
+def watch_for(config: Config, runtime: Runtime) -> StragglerWatch | None:
+    """The watch of this rank; None with one rank (nobody to compare with) or logging.straggler_window=0."""
+    window = config.logging.straggler_window
+    if not runtime.distributed or window == 0:
+        return None
+    timer: StepTimer = CudaTimer(window) if runtime.device.type == "cuda" else HostTimer(window)
+    return StragglerWatch(window, config.logging.straggler_threshold, timer)
