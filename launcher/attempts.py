@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 from launcher.errors import UsageError
 from launcher.exit_codes import by_signal
-from launcher.gpus.placement import Placement, place
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.placement import GpuOptions, Placement, place
+from launcher.gpus.selection import DeviceError, parse_request
+from launcher.nodes import multinode
 from launcher.processes.torchrun_env import Restarts
 from launcher.supervise import restarts
 from launcher.supervise.printer import Printer
@@ -101,6 +102,8 @@ class Attempts:
                 self.console.launcher_line(f"stopped by {stopped}: no restart; the run's checkpoints are kept")
                 return by_signal(stopped.signum)
             except DeviceError as error:  # the devices did not come back: the last failure stands
+                if warning := record.end(entry, end, restarts.Verdict(False, str(error))):
+                    self.console.launcher_line(warning)
                 self.console.launcher_line(f"{error}\n" + "\n".join(record.summary()))
                 return code
             config = self.restart_config(devices.placement.world_size, first_world)
@@ -136,17 +139,17 @@ class Attempts:
             problems = []
             for size in range(first_world, low - 1, -1):
                 try:
-                    return place(dataclasses.replace(devices.options, nproc=size), self.console)
+                    return place(sized(devices, size), self.console)
                 except DeviceError as error:
                     problems.append(str(error))
+            if not said:
+                self.console.launcher_line(f"waiting up to {self.args.join_timeout:g} s for devices to restart on: {problems[0]}")
+                said = True
             if time.monotonic() >= deadline:
                 raise DeviceError(
                     f"no restart: {problems[0]}; waited {self.args.join_timeout:g} s (--join-timeout) for "
                     f"{first_world} device(s)" + (f" or at least {low} (--min-nproc)" if low < first_world else "")
                 )
-            if not said:
-                self.console.launcher_line(f"waiting up to {self.args.join_timeout:g} s for devices to restart on: {problems[0]}")
-                said = True
             time.sleep(min(RETRY_SECONDS, max(0.0, deadline - time.monotonic())))
 
     def restart_config(self, world_size: int, first_world: int) -> cfg.Config:
@@ -215,11 +218,18 @@ def check_arguments(args: argparse.Namespace, several_nodes: bool) -> None:
             raise UsageError(f"--min-nproc must be at least 1 (got {args.min_nproc})")
         if args.max_restarts == 0:
             raise UsageError("--min-nproc only applies to restarts: add --max-restarts N")
-    if several_nodes and args.max_restarts > 0:
-        raise UsageError(
-            "--max-restarts on several nodes is not built yet (each node would restart alone); "
-            "run with --max-restarts 0, or restart the job (Slurm: --requeue) with --resume auto"
-        )
+    multinode.check_restart_arguments(args, several_nodes)
+
+
+def sized(devices: Devices, size: int) -> GpuOptions:
+    """The first attempt's device options, asking for size workers: CPU workers, or the size
+    freest healthy GPUs (a list of GPUs given with --gpus is kept as it is: those GPUs or none)."""
+    options = devices.options
+    if devices.placement.device == "cpu":
+        return dataclasses.replace(options, nproc=size)
+    if options.gpus is not None and parse_request(options.gpus).kind == "list" or options.device_id is not None:
+        return options
+    return dataclasses.replace(options, gpus=f"auto:{size}", nproc=None)
 
 
 def global_batch(training: cfg.TrainingConfig, world_size: int) -> int:

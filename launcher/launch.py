@@ -7,6 +7,7 @@ torch's run.py sits over its elastic launcher, cli.py sits over this."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 import os
@@ -18,10 +19,12 @@ from pathlib import Path
 from launcher import address_space
 from launcher.attempts import Attempts
 from launcher.compile_cache import kernel_cache_dir
+from launcher.gpus.health import HealthWatch
 from launcher.gpus.placement import GpuOptions, Placement, place
 from launcher.nodes import multinode
 from launcher.nodes.node import Layout, NodeSpec
 from launcher.nodes.rendezvous import Node
+from launcher.nodes.restart_rounds import RestartRounds
 from launcher.prepare import prepare_training, training_command
 from launcher.processes import torchrun_env
 from launcher.processes.torchrun_env import NO_RESTARTS, Restarts
@@ -62,6 +65,9 @@ def launch(args: argparse.Namespace, config: cfg.Config, command: list[str], spe
         with address_space.loading_numpy():  # several nodes: numpy's first import is here
             from pretrain.data.cache import sigterm_as_exit
 
+        if args.max_restarts > 0:  # a restart is a new round of the rendezvous (launcher/nodes/restart_rounds.py)
+            with sigterm_as_exit():
+                return restarting_job(args, config, command, devices, console, spec).run()
         identity = {"command": command} if command else cfg.to_dict(config)
         placement = devices.placement
         with sigterm_as_exit():  # until the supervisor takes the signals: the others are told
@@ -80,6 +86,17 @@ class Devices:
 
     options: GpuOptions
     placement: Placement
+
+
+def restarting_job(
+    args: argparse.Namespace, config: cfg.Config, command: list[str], devices: Devices, console: Printer, spec: NodeSpec
+) -> RestartRounds:
+    """This node's part of a job of several nodes that restarts: each attempt as run_owned runs it."""
+
+    def attempt(config: cfg.Config, node: Node, run_dir: Path, port: int, restarts: Restarts) -> tuple[int, AttemptEnd]:
+        return run_owned(args, config, command, devices.placement, console, run_dir, node, port, restarts)
+
+    return RestartRounds(args, config, command, devices, console, spec, attempt, free_port)
 
 
 def run_placed(
@@ -179,8 +196,15 @@ def run_owned(
             consequence_exit_codes=frozenset() if generic else exit_codes.CONSEQUENCES,
         )
         supervisor = Supervisor(workers, printer, options, peers=node)
+        gpus = placement.gpus if placement.device == "cuda" else ()
+        gpu_watch = HealthWatch(gpus, [worker.label for worker in workers], supervisor.say)
+        supervisor.clocks_of = gpu_watch.clocks
         try:
-            code = supervisor.run()
+            # The run's GPUs watched for new errors and slowdowns while it lasts (launcher/gpus/health.py),
+            # from when every worker is spawned.
+            with contextlib.ExitStack() as watching:
+                supervisor.on_started = lambda: watching.enter_context(gpu_watch)
+                code = supervisor.run()
             return code, supervisor.attempt_end(code)
         except StartError as error:  # workers.json says which worker, why, and the exit code
             if warning := outcome.write_exit_record(run_dir, outcome.start_failure_record(workers, error), options.exit_record):

@@ -4,6 +4,7 @@ checkpoint with the same losses as an uninterrupted run, and the refusals of bad
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import signal
@@ -11,8 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import wait_until
+import psutil
+import pytest
+
+from conftest import ROOT, launcher_env, wait_until
 from helpers import run_launcher as launch
+from launcher import cli
+from launcher.attempts import Attempts
+from launcher.supervise.printer import Printer
+from pretrain import config as cfg
 
 # Rank 1 dies by SIGKILL in the first FAILING attempts; every rank says what it sees first.
 KILLED_WHILE = """
@@ -118,3 +126,117 @@ def test_the_launcher_help_names_the_restart_options():
     out = launch("--help").stdout
     for option in ("--max-restarts N", "--min-nproc M", "--restart-backoff S"):
         assert option in out
+
+
+# Rank 1 of the first attempt reports its GPU failing (the scripted machine's file, re-read by NVML's
+# stand-in when it changes) and dies; the restart finds one healthy GPU.
+GPU_FAILS = """
+import json, os, signal, sys
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+print(f"attempt {attempt}: rank {rank} of {os.environ['WORLD_SIZE']} on {os.environ['CUDA_VISIBLE_DEVICES']}", flush=True)
+if attempt == 0 and rank == 1:
+    path = os.environ["LAUNCHER_SCRIPTED_GPUS"]
+    machine = json.load(open(path))
+    machine["gpus"][1]["ecc_uncorrected"] = 2
+    with open(path + ".new", "w") as file:
+        json.dump(machine, file)
+    os.replace(path + ".new", path)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_restart_leaves_a_failing_gpu_out_and_with_min_nproc_continues_on_fewer(tmp_path, script, scripted_gpus):
+    scripted_gpus([{"uuid": "GPU-a"}, {"uuid": "GPU-b"}])
+    run_dir = tmp_path / "run"
+    options = ["--gpus", "all", "--max-restarts", "1", "--restart-backoff", "0", "--min-nproc", "1", "--run-dir", str(run_dir)]
+    result = launch(*options, "--", *script(GPU_FAILS))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "GPU1:attempt 0: rank 1 of 2 on GPU-b" in result.stdout
+    assert "GPU0:attempt 1: rank 0 of 1 on GPU-a" in result.stdout  # GPU 1 failed its health check: left out
+    assert [a["devices"] for a in attempts(run_dir)] == [["GPU0", "GPU1"], ["GPU0"]]
+
+
+def test_a_restart_that_cannot_get_its_gpus_back_waits_then_stops_with_the_last_failures_code(tmp_path, script, scripted_gpus):
+    scripted_gpus([{"uuid": "GPU-a"}, {"uuid": "GPU-b"}])
+    run_dir = tmp_path / "run"
+    options = ["--gpus", "all", "--max-restarts", "1", "--restart-backoff", "0", "--join-timeout", "1", "--run-dir", str(run_dir)]
+    result = launch(*options, "--", *script(GPU_FAILS))
+    assert result.returncode == 137, result.stdout[-3000:]
+    assert "launcher: waiting up to 1 s for devices to restart on" in result.stdout
+    assert "launcher: no restart: " in result.stdout and "waited 1 s (--join-timeout) for 2 device(s)" in result.stdout
+    (only,) = attempts(run_dir)
+    assert not only["restarted"] and only["why"].startswith("no restart: ")
+
+
+def train(tmp_path: Path, run_dir: Path, *options: str, faults: str = "", nproc: int = 2) -> subprocess.CompletedProcess:
+    """A debug run of 12 steps on nproc CPU ranks, a checkpoint every 3, into run_dir, with PRETRAIN_FAULTS."""
+    argv = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", str(nproc), "--max-steps", "12"]
+    argv += ["--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    argv += ["--set", "training.checkpoint_interval=3", *options]
+    env = launcher_env(PRETRAIN_FAULTS=faults) if faults else launcher_env()
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def losses(run_dir: Path) -> dict[int, list[float]]:
+    """Every training loss metrics.jsonl holds, by step (a step redone after a restart twice)."""
+    found: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "train":
+            found.setdefault(row["step"], []).append(row["loss"])
+    return found
+
+
+def test_training_killed_twice_resumes_from_its_checkpoints_with_the_losses_of_an_uninterrupted_run(tmp_path):
+    plain = train(tmp_path, tmp_path / "plain")
+    assert plain.returncode == 0, plain.stdout[-2000:]
+    healed = train(
+        tmp_path, tmp_path / "healed", "--max-restarts", "2", "--restart-backoff", "0", faults="0:1:4:sigkill,1:1:8:sigkill"
+    )
+    assert healed.returncode == 0, healed.stdout[-3000:]
+    assert "launcher: resuming from " in healed.stdout and healed.stdout.count("launcher: restart ") == 2
+    reference, redone = losses(tmp_path / "plain"), losses(tmp_path / "healed")
+    assert sorted(redone) == sorted(reference) == list(range(12))
+    for step, values in redone.items():  # steps 3-4 and 6-8 ran twice: the same loss each time
+        assert values == [reference[step][0]] * len(values), step
+    assert [(a["resumed_from"] or "").rpartition("/")[2] for a in attempts(tmp_path / "healed")] == ["", "step_3", "step_6"]
+
+
+def test_the_same_failure_at_the_same_step_twice_in_a_row_is_not_restarted_again(tmp_path):
+    result = train(tmp_path, tmp_path / "r", "--max-restarts", "5", "--restart-backoff", "0", faults="*:1:4:sigkill")
+    assert result.returncode == 137, result.stdout[-3000:]
+    assert "launcher: not restarted: the same failure (killed by SIGKILL) at the same step (4) twice in a row" in result.stdout
+    assert [a["step"] for a in attempts(tmp_path / "r")] == [4, 4]
+
+
+def test_a_training_worker_killed_before_its_first_step_is_not_restarted(tmp_path, processes):
+    argv = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", "2", "--max-restarts", "2"]
+    argv += ["--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    launcher = processes(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=launcher_env())
+    seen: list[str] = []
+    # The handshake: rank 1 says it built its model; its first step is still to come.
+    assert wait_until(lambda: seen.append(launcher.stdout.readline()) or "CPU1:INFO | [CPU 1] Model:" in seen[-1], timeout=120)
+    rank1 = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    rank1[0].send_signal(signal.SIGKILL)
+    out = "".join(seen) + launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 137, out[-3000:]
+    assert "launcher: not restarted: CPU1 was killed by SIGKILL before the first step" in out
+
+
+def test_a_restart_on_fewer_workers_keeps_the_global_batch_and_the_losses(tmp_path):
+    two = train(tmp_path, tmp_path / "two", "--max-steps", "6")
+    assert two.returncode == 0, two.stdout[-2000:]
+    args = cli.build_parser().parse_args(["--debug", "--max-restarts", "1", "--min-nproc", "1"])
+    config = cfg.with_world_size(cfg.from_args(args), 2)
+    attempts_ = Attempts(args, config, [], tmp_path / "two", Printer(io.StringIO(), None))
+    shrunk = attempts_.restart_config(world_size=1, first_world=2)  # what a restart onto 1 worker runs
+    assert shrunk.training.global_batch_size == 16 and shrunk.training.resume.endswith("checkpoints/step_6")
+    batch = f"training.global_batch_size={shrunk.training.global_batch_size}"
+    step_3 = str(tmp_path / "two" / "checkpoints" / "step_3")
+    one = train(tmp_path, tmp_path / "one", "--max-steps", "6", "--resume", step_3, "--set", batch, nproc=1)
+    assert one.returncode == 0, one.stdout[-2000:]
+    assert "accum 2 x 1 rank" in one.stdout  # 2,048 tokens per step, as on 2 ranks
+    reference, resumed = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(resumed) == [3, 4, 5]
+    for step in resumed:
+        assert resumed[step][0] == pytest.approx(reference[step][0], rel=1e-5), step

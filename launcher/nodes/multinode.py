@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from launcher.errors import UsageError
 from launcher.exit_codes import EXIT_INTERRUPTED, EXIT_NODE_LOST, by_signal
 from launcher.nodes.node import Layout, NodeSpec, NodeStop, node_spec
 from launcher.gpus.placement import Placement
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_JOIN_TIMEOUT,
         metavar="S",
-        help=f"seconds to wait for every node to join, and for a restart's devices (default: {DEFAULT_JOIN_TIMEOUT:g})",
+        help="seconds to wait for every node to join, and at a restart for its devices and a lost node "
+        f"(default: {DEFAULT_JOIN_TIMEOUT:g})",
     )
     nodes.add_argument(
         "--node-timeout",
@@ -67,6 +69,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a node whose launcher is silent this long is lost and stops the job (default: {LOSS_AFTER:g}; "
         "raise it on a network that stalls for longer)",
     )
+
+    nodes.add_argument(
+        "--min-nnodes",
+        "--min_nnodes",
+        dest="min_nnodes",
+        type=int,
+        metavar="M",
+        help="a restart (--max-restarts) whose lost nodes do not come back within --join-timeout goes on with "
+        "at least M nodes, keeping the global batch (default: every node, else the job stops)",
+    )
+
+
+def check_restart_arguments(args: argparse.Namespace, several_nodes: bool) -> None:
+    """--min-nnodes and --min-nproc as a job of several nodes reads them: one line each."""
+    low = args.min_nnodes
+    if low is not None:
+        if low < 1:
+            raise UsageError(f"--min-nnodes must be at least 1 (got {low})")
+        if args.max_restarts == 0:
+            raise UsageError("--min-nnodes only applies to restarts: add --max-restarts N")
+        spec = spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port) if several_nodes else None
+        nnodes = spec.nnodes if spec is not None else 1
+        if low > nnodes:
+            raise UsageError(f"--min-nnodes {low} is more than this job's {nnodes} node(s) (--nnodes); give at most {nnodes}")
+    if several_nodes and args.min_nproc is not None:
+        raise UsageError(
+            "--min-nproc applies to one machine; on several nodes a restart keeps every node's worker count (see --min-nnodes)"
+        )
 
 
 def spec_from(nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None) -> NodeSpec | None:
@@ -81,8 +111,11 @@ def join_job(
     timeout: float,
     say: Callable[[str], None],
     loss_after: float = LOSS_AFTER,
+    namespace: str = "",
+    hosted: Any = None,
 ) -> Node:
-    """Join the other nodes; identity is what every node must agree on (the config, or the command)."""
+    """Join the other nodes; identity is what every node must agree on (the config, or the command).
+    namespace and hosted: a restart's round (launcher/nodes/restart_rounds.py)."""
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" and placement.gpus else None
     member = Member(
         node=spec.node_rank,
@@ -93,7 +126,7 @@ def join_job(
         gpu_memory=gpu_memory,
         config=identity,
     )
-    return join(spec, member, timeout, say, loss_after)
+    return join(spec, member, timeout, say, loss_after, namespace, hosted)
 
 
 def layout(node: Node | None, placement: Placement) -> Layout:

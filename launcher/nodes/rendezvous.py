@@ -83,26 +83,33 @@ class Member:
     """The config as this node resolved it from its options (None for a `-- COMMAND`)."""
 
 
-def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], None], loss_after: float = LOSS_AFTER) -> Node:
+def join(
+    spec: NodeSpec,
+    member: Member,
+    timeout: float,
+    say: Callable[[str], None],
+    loss_after: float = LOSS_AFTER,
+    namespace: str = "",
+    hosted: Any = None,
+) -> Node:
     """Host (node 0) or reach the store, join, and wait until every node has; the Node, watched
     from now on (a node silent for loss_after seconds is lost). RendezvousError when the nodes
-    cannot form the job."""
+    cannot form the job. namespace: a restart's round of the rendezvous ("round1/"), whose keys
+    never meet an earlier round's (launcher/nodes/restart_rounds.py); hosted: node 0's store,
+    which it keeps hosting from one round to the next."""
     dist = torch_distributed()
     deadline = time.monotonic() + timeout
     if spec.is_master:
-        store = host_store(dist, spec, timeout)
+        store = hosted if hosted is not None else host_store(dist, spec, timeout)
         say(f"node 0 of {spec.nnodes}: rendezvous on {spec.endpoint}; waiting for {spec.nnodes - 1} more node(s)")
     else:
-        wait_reachable(spec, deadline, timeout)
-        left = max(1.0, deadline - time.monotonic())
-        try:
-            store = bounded(lambda: client(dist, spec, left), left + loss_after, "connect")
-        except TimeoutError:
-            raise RendezvousError(f"node 0 at {spec.endpoint} accepts connections but does not answer (frozen?)") from None
-    node = Node(spec, store, member, loss_after)
+        store = connect(dist, spec, deadline, timeout, loss_after)
+    node = Node(spec, in_namespace(dist, store, namespace), member, loss_after)
+    node.hosted = store if spec.is_master else None
     try:
         node._join(deadline, timeout, say)
-        node._watch_store = bounded(lambda: client(dist, spec, loss_after * 2), loss_after * 3, "connect")
+        watch = bounded(lambda: client(dist, spec, loss_after * 2), loss_after * 3, "connect")
+        node._watch_store = in_namespace(dist, watch, namespace)
     except RendezvousError:
         node._withdraw()
         raise
@@ -119,6 +126,21 @@ def join(spec: NodeSpec, member: Member, timeout: float, say: Callable[[str], No
     return node
 
 
+def connect(dist: Any, spec: NodeSpec, deadline: float, timeout: float, loss_after: float) -> Any:
+    """Not node 0: a connection to node 0's store, once it listens (until the deadline)."""
+    wait_reachable(spec, deadline, timeout)
+    left = max(1.0, deadline - time.monotonic())
+    try:
+        return bounded(lambda: client(dist, spec, left), left + loss_after, "connect")
+    except TimeoutError:
+        raise RendezvousError(f"node 0 at {spec.endpoint} accepts connections but does not answer (frozen?)") from None
+
+
+def in_namespace(dist: Any, store: Any, namespace: str) -> Any:
+    """The store as one round of the rendezvous sees it: its keys under namespace (the first round's bare)."""
+    return dist.PrefixStore(namespace, store) if namespace else store
+
+
 class Node:
     """This launcher's membership in a job of several nodes."""
 
@@ -129,6 +151,8 @@ class Node:
         self.members: list[Member] = []
         self._store = store
         self._watch_store: Any = None
+        self.hosted: Any = None
+        """Node 0: the store it hosts (kept for a restart's next round)."""
         self._lock = threading.Lock()
         self._stop: NodeStop | None = None
         self._emit: Callable[[NodeStop | NodeInterrupt], None] | None = None
@@ -554,6 +578,28 @@ class Node:
 
     def close(self) -> None:
         self._stopping.set()
+
+    # --- after the attempt (launcher/nodes/restart_rounds.py) -----------------------------
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        """Say what restarts need to know (after/<key>): how this node's attempt ended, node 0's decision."""
+        self._call(lambda: self._store.set(f"after/{key}", json.dumps(value)), "post")
+
+    def read(self, key: str) -> dict[str, Any] | None:
+        """after/<key>, None while nobody has said it."""
+        if not self._call(lambda: self._store.check([f"after/{key}"]), "read"):
+            return None
+        return json.loads(self._call(lambda: self._store.get(f"after/{key}"), "read"))
+
+    def tally(self, key: str, add: int = 1) -> int:
+        """Count to after/<key> (add 0 to read the count)."""
+        return int(self._call(lambda: self._store.add(f"after/{key}", add), "tally"))
+
+    def first_stop(self) -> NodeStop | None:
+        """The word that stopped the job's attempt (the abort key), None when none did."""
+        if not self._call(lambda: self._store.check(["abort"]), "abort"):
+            return None
+        return NodeStop.from_json(self._call(lambda: self._store.get("abort"), "abort"))
 
 
 def differences(a: Any, b: Any, prefix: str = "") -> list[str]:

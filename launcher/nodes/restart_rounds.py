@@ -1,0 +1,434 @@
+"""Restarts on several nodes (--max-restarts N with --nnodes above 1): one decision for the job,
+which every node follows, and a new round of the rendezvous for each restart.
+
+1. The end. Every node tears its workers down as on its own and settles (launcher/nodes/
+   multinode.py), after posting how its attempt ended (after/end/<node>: launcher/supervise/
+   restarts.py's AttemptEnd). Node 0 takes the job's first failure (the node the abort key
+   names, or a lost node: `lost_node`), judges it by the one-machine rules, writes restarts.jsonl
+   (every node's devices) and posts the decision; every node says it and follows it.
+2. The next round. Node 0's launcher keeps hosting its store; each round's keys live under
+   round<r>/ (torch's PrefixStore), so they never meet an earlier round's. Node 0 opens the
+   round (the bare key `round`), every node checks in (back/<node>), and node 0 waits up to
+   --join-timeout for every node of the last round (Slurm may requeue a lost one; a relaunched
+   launcher finds the open round by that key). A node that does not come back stops the job with
+   the last failure's code, or, with --min-nnodes M, the round goes on with the nodes back (at
+   least M, renumbered in order), keeping the global batch through gradient accumulation. Then
+   every node joins the round as it joined the first (launcher/nodes/rendezvous.py), and node 0
+   shares the run directory, the checkpoint to resume (the run's latest complete one) and the
+   worker port. If node 0 is the node lost, the job stops: the rendezvous went with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launcher.attempts import Attempts, StoppedBetweenAttempts, global_batch, stop_signals_raise
+from launcher.errors import UsageError
+from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, by_signal
+from launcher.gpus.selection import DeviceError
+from launcher.nodes import multinode
+from launcher.nodes.node import NodeSpec
+from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect, in_namespace
+from launcher.nodes.store import first_line, torch_distributed
+from launcher.processes.torchrun_env import Restarts
+from launcher.rundir import lock
+from launcher.rundir.choice import own_run_dir, resume_point, run_dir_path
+from launcher.rundir.lock import RunDirLock
+from launcher.supervise import restarts
+from launcher.supervise.printer import Printer
+from launcher.supervise.restarts import AttemptEnd
+from pretrain import config as cfg
+
+if TYPE_CHECKING:
+    from launcher.launch import Devices
+
+Attempt = Callable[[cfg.Config, Node, Path, int, Restarts], tuple[int, AttemptEnd]]
+"""One attempt on this node: its config, the round's Node, the run directory, the rank-0 worker's
+port and the restart count -> this node's exit code and how its attempt ended."""
+
+ROUND_KEY = "round"
+"""A bare key of node 0's store: the round whose check-in is open (absent: the first round)."""
+
+
+def check_global_batch(args: argparse.Namespace, config: cfg.Config, command: list[str], nproc: int, nnodes: int) -> None:
+    """--min-nnodes M on a training run: a global batch that every node count from M up keeps."""
+    low = args.min_nnodes
+    if low is None or command:
+        return
+    t = config.training
+    batch = global_batch(t, nproc * nnodes)
+    for count in range(low, nnodes):
+        if batch % (t.batch_size * nproc * count):
+            raise UsageError(
+                f"--min-nnodes {low}: the global batch of {batch} sequences cannot be kept on {count} node(s) of {nproc} "
+                f"worker(s) (not a multiple of training.batch_size {t.batch_size} x {nproc * count}); raise --min-nnodes, "
+                "or set training.global_batch_size to a multiple of every such product"
+            )
+
+
+@dataclass
+class Decision:
+    """Node 0's word after an attempt, which every node follows."""
+
+    restart: bool
+    why: str
+    wait: float = 0.0
+
+
+@dataclass
+class RestartRounds:
+    """This node's part of a job of several nodes that restarts (the module's steps)."""
+
+    args: argparse.Namespace
+    config: cfg.Config
+    """As given (node 0 resolves its resume on the first round)."""
+    command: list[str]
+    devices: Devices
+    console: Printer
+    spec: NodeSpec
+    """This node's place in the job as launched (its rank names it in every round's check-in)."""
+    attempt: Attempt
+    free_port: Callable[[], int]
+    hosted: Any = None
+    """Node 0: the store it hosts, from the first round to the last."""
+    roster: list[int] = field(default_factory=list)
+    """The nodes (their launch ranks) of the current round, in their order."""
+    owned: RunDirLock | None = None
+    first_config: cfg.Config | None = None
+    """Node 0: the first attempt's config, its resume resolved (restarts start from it)."""
+    first_nproc: int = 0
+    """This node's workers in the first attempt (every restart asks for as many)."""
+    first_world: int = 0
+    """The job's workers in the first attempt (its global batch is kept)."""
+    record: restarts.Record | None = None
+    started: bool = False
+
+    @property
+    def say(self) -> Callable[[str], None]:
+        return self.console.launcher_line
+
+    @property
+    def training(self) -> bool:
+        return not self.command
+
+    def run(self) -> int:
+        """Every attempt of the job on this node; the exit code of its last."""
+        nproc = self.devices.placement.world_size
+        check_global_batch(self.args, self.config, self.command, nproc, self.spec.nnodes)
+        self.first_nproc, self.first_world = nproc, nproc * self.spec.nnodes
+        try:
+            code = self._attempts()
+        except BaseException:
+            if self.owned is not None and not self.started:
+                self.owned.abandon()
+            raise
+        if self.owned is not None:
+            self.owned.release()
+        return code
+
+    def _attempts(self) -> int:
+        number = 0
+        previous: AttemptEnd | None = None
+        node = self._rejoin() if not self.spec.is_master else None
+        if node is None:
+            node = self._join(self.spec, "")
+        while True:
+            with multinode.telling_others(node):
+                config, port, number = self._plan(node, number)
+                entry = self._begin(config)
+                self.started = True
+                code, end = self.attempt(config, node, self.owned_path, port, Restarts(number, self.args.max_restarts))
+                self._post(node, f"end/{node.rank}", end_record(end))
+            code = multinode.settle(node, code, self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout, self.say)
+            decision, job = self._decide(node, number, previous, entry, code)
+            if not decision.restart:
+                if code != 0:
+                    self.say(f"not restarted: {decision.why}")
+                if number > 0 and self.record is not None:
+                    self.say("\n".join(self.record.summary()))
+                return code
+            previous = job
+            self.say(f"restart {number + 1} of {self.args.max_restarts} in {decision.wait:g} s: {decision.why}")
+            try:
+                with stop_signals_raise():
+                    time.sleep(decision.wait)
+                    self.devices.placement.release()
+                    self.devices.placement = self._attempts_of().place_again(self.devices, self.first_nproc)
+                    next_node = self._next_round(number + 1)
+            except StoppedBetweenAttempts as stopped:
+                self.say(f"stopped by {stopped}: no restart; the run's checkpoints are kept")
+                return by_signal(stopped.signum)
+            except (DeviceError, RendezvousError) as error:
+                self.say(f"no restart: {error}")
+                next_node = None
+            if next_node is None:  # the last failure stands
+                self._stopped_between(entry, job)
+                return code
+            node, number = next_node, number + 1
+
+    def _stopped_between(self, entry: restarts.Attempt | None, job: AttemptEnd | None) -> None:
+        """Node 0: the restart it decided did not happen; the record says so, and lists the attempts."""
+        if self.record is None or entry is None or job is None:
+            return
+        if warning := self.record.end(entry, job, restarts.Verdict(False, "the next round of the rendezvous did not form")):
+            self.say(warning)
+        self.say("\n".join(self.record.summary()))
+
+    # --- one round ------------------------------------------------------------------------
+
+    def _join(self, spec: NodeSpec, namespace: str) -> Node:
+        identity = {"command": self.command} if self.command else cfg.to_dict(self.config)
+        node = multinode.join_job(
+            spec,
+            self.devices.placement,
+            identity,
+            self.args.join_timeout,
+            self.say,
+            self.args.node_timeout,
+            namespace=namespace,
+            hosted=self.hosted,
+        )
+        if spec.is_master:
+            self.hosted = node.hosted
+        if not self.roster:
+            self.roster = list(range(spec.nnodes))
+        layout = multinode.layout(node, self.devices.placement)
+        labels = [layout.label(self.devices.placement.label(local), local) for local in range(layout.nproc)]
+        self._post(node, f"devices/{node.rank}", {"devices": labels})
+        return node
+
+    @property
+    def owned_path(self) -> Path:
+        assert self.owned is not None
+        return self.owned.path
+
+    def _plan(self, node: Node, number: int) -> tuple[cfg.Config, int, int]:
+        """Node 0 chooses the run directory (the first round), the checkpoint and the worker port,
+        and shares them; the others take them. The config, the port and the attempt's number."""
+        if not node.spec.is_master:
+            plan = node.receive("run")
+            if self.owned is None:
+                if self.args.run_dir and run_dir_path(self.args.run_dir) != Path(plan["run_dir"]):
+                    given, used = self.args.run_dir, plan["run_dir"]
+                    self.say(f"warning: --run-dir {given} is not node 0's; every node uses node 0's, {used}")
+                self.owned = own_run_dir(Path(plan["run_dir"]), lock_name=lock.node_lock_name(self.spec.node_rank))
+            training = dataclasses.replace(
+                self.config.training, resume=plan["resume"], global_batch_size=plan["global_batch_size"]
+            )
+            return dataclasses.replace(self.config, training=training), int(plan["worker_port"]), int(plan["attempt"])
+        if self.owned is None:
+            if self.command:
+                self.owned = own_run_dir(run_dir_path(self.args.run_dir))
+                config = self.config
+            else:
+                self.owned, config = resume_point(self.config, self.args.run_dir, self.console, node.world_size)
+            self.first_config = config
+            self.record = restarts.Record(self.owned.path / restarts.RECORD)
+            self._warn_without_checkpoints()
+        else:
+            config = self._attempts_of().restart_config(node.world_size, self.first_world)
+        port = self.free_port()
+        node.share(
+            "run",
+            {
+                "run_dir": str(self.owned.path),
+                "resume": config.training.resume,
+                "global_batch_size": config.training.global_batch_size,
+                "worker_port": port,
+                "attempt": number,
+            },
+        )
+        return config, port, number
+
+    def _attempts_of(self) -> Attempts:
+        """The one-machine restart loop's helpers: devices again, the restart's config."""
+        return Attempts(self.args, self.first_config or self.config, self.command, self.owned_path, self.console)
+
+    def _warn_without_checkpoints(self) -> None:
+        if self.training and self.config.training.checkpoint_interval == 0:
+            self.say(
+                "warning: training.checkpoint_interval is 0 (no checkpoint before the end): a restart starts again "
+                "at step 0; set it (e.g. --set training.checkpoint_interval=100) to restart from the last checkpoint"
+            )
+
+    def _begin(self, config: cfg.Config) -> restarts.Attempt | None:
+        """Node 0: the attempt's line of restarts.jsonl (every node's devices come at its end)."""
+        if self.record is None:
+            return None
+        resumed = config.training.resume or None if self.training else None
+        return self.record.begin([], resumed)
+
+    def _post(self, node: Node, key: str, value: dict[str, Any]) -> None:
+        try:
+            node.post(key, value)
+        except Exception:
+            pass  # node 0 is gone: the decision below says so
+
+    # --- the decision ---------------------------------------------------------------------
+
+    def _decide(
+        self, node: Node, number: int, previous: AttemptEnd | None, entry: restarts.Attempt | None, code: int
+    ) -> tuple[Decision, AttemptEnd | None]:
+        if not node.spec.is_master:
+            return self._follow(node), None
+        ends = {n: end for n in range(node.spec.nnodes) if (end := read_end(node, n)) is not None}
+        end = job_end(node, ends)
+        verdict = restarts.judge(end, number, self.args.max_restarts, previous, self.training)
+        wait = restarts.backoff(number + 1, self.args.restart_backoff) if verdict.restart else 0.0
+        if entry is not None and self.record is not None:
+            entry.devices = [d for n in range(node.spec.nnodes) for d in (node.read(f"devices/{n}") or {}).get("devices", [])]
+            if warning := self.record.end(entry, end, verdict):
+                self.say(warning)
+        node.post("decision", asdict(Decision(verdict.restart, verdict.why, wait)))
+        readers = [n for n in ends if n != 0]
+        deadline = time.monotonic() + node.loss_after
+        while node.tally("decision_read", 0) < len(readers) and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL / 2)
+        return Decision(verdict.restart, verdict.why, wait), end
+
+    def _follow(self, node: Node) -> Decision:
+        """Not node 0: its decision, once node 0 has gathered every node's end."""
+        patience = self.args.stop_timeout + self.args.kill_grace + 2 * self.args.node_timeout + 2.0
+        deadline = time.monotonic() + patience
+        try:
+            while (said := node.read("decision")) is None:
+                if time.monotonic() >= deadline:
+                    return Decision(False, f"node 0 said nothing within {patience:g} s of this node's end")
+                time.sleep(POLL_INTERVAL)
+            node.tally("decision_read")
+        except Exception as error:
+            return Decision(False, f"node 0, which hosts the rendezvous, is gone ({first_line(error)}): the job stops")
+        return Decision(**said)
+
+    # --- the next round -------------------------------------------------------------------
+
+    def _next_round(self, number: int) -> Node | None:
+        """Round `number`: check in, wait for node 0's roster, join. None when the job stops."""
+        dist = torch_distributed()
+        if self.spec.is_master:
+            roster = self._gather_round(dist, number)
+        else:
+            roster = self._check_in(dist, number)
+        if roster is None:
+            return None
+        self.roster = roster
+        spec = dataclasses.replace(self.spec, nnodes=len(roster), node_rank=roster.index(self.spec.node_rank))
+        self.say(f"round {number} of the rendezvous: node(s) {', '.join(map(str, roster))} of {self.spec.nnodes}")
+        return self._join(spec, f"round{number}")
+
+    def _gather_round(self, dist: Any, number: int) -> list[int] | None:
+        """Node 0: open the round, wait for the last round's nodes up to --join-timeout, and name
+        the round's nodes (or why the job stops)."""
+        store = in_namespace(dist, self.hosted, f"round{number}")
+        store.set(f"back/{self.spec.node_rank}", socket.gethostname())
+        self.hosted.set(ROUND_KEY, str(number))
+        timeout = self.args.join_timeout
+        deadline, said = time.monotonic() + timeout, False
+        while True:
+            back = [n for n in range(self.spec.nnodes) if store.check([f"back/{n}"])]
+            missing = [n for n in self.roster if n not in back]
+            if not missing or time.monotonic() >= deadline:
+                break
+            if not said:
+                self.say(f"waiting up to {timeout:g} s (--join-timeout) for node(s) {', '.join(map(str, missing))} to come back")
+                said = True
+            time.sleep(POLL_INTERVAL)
+        least = self.args.min_nnodes or self.spec.nnodes
+        if len(back) < least:
+            gone = ", ".join(str(n) for n in range(self.spec.nnodes) if n not in back)
+            why = f"node(s) {gone} did not come back within {timeout:g} s (--join-timeout)"
+            why += f"; fewer than --min-nnodes {least} are left" if self.args.min_nnodes else "; the job stops"
+            store.set("roster", json.dumps({"stop": why}))
+            self.say(f"no restart: {why}")
+            return None
+        store.set("roster", json.dumps({"nodes": back}))
+        if len(back) < self.spec.nnodes:
+            self.say(f"going on with {len(back)} of {self.spec.nnodes} node(s) (--min-nnodes {least})")
+        return back
+
+    def _check_in(self, dist: Any, number: int) -> list[int] | None:
+        """Not node 0: say this node is back for the round, and take node 0's roster."""
+        timeout = self.args.join_timeout
+        patience = 2 * timeout + self.args.node_timeout  # node 0 may wait for its devices first
+        deadline = time.monotonic() + patience
+        try:
+            raw = connect(dist, self.spec, deadline, timeout, self.args.node_timeout)
+            store = in_namespace(dist, raw, f"round{number}")
+            store.set(f"back/{self.spec.node_rank}", socket.gethostname())
+            while not store.check(["roster"]):
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(f"node 0 did not form round {number} of the rendezvous within {patience:g} s")
+                time.sleep(POLL_INTERVAL)
+            roster = json.loads(store.get("roster"))
+        except RendezvousError:
+            raise
+        except Exception as error:
+            raise RendezvousError(f"node 0, which hosts the rendezvous, is gone ({first_line(error)}): the job stops") from None
+        if "stop" in roster:
+            self.say(f"no restart: {roster['stop']}")
+            return None
+        if self.spec.node_rank not in roster["nodes"]:
+            self.say(f"no restart: round {number} went on without this node")
+            return None
+        return roster["nodes"]
+
+    def _rejoin(self) -> Node | None:
+        """Not node 0, launched while the job restarts (Slurm requeued this node): join the open
+        round; None when the job is in its first round (join it as usual)."""
+        dist = torch_distributed()
+        deadline = time.monotonic() + self.args.join_timeout
+        raw = connect(dist, self.spec, deadline, self.args.join_timeout, self.args.node_timeout)
+        if not raw.check([ROUND_KEY]):
+            return None
+        number = int(raw.get(ROUND_KEY))
+        while in_namespace(dist, raw, f"round{number}").check(["roster"]):  # formed already: wait for the next
+            if time.monotonic() >= deadline:
+                raise RendezvousError(
+                    f"the job went on without node {self.spec.node_rank} (round {number} formed before it came back); "
+                    "it joins again at the job's next restart: relaunch it then"
+                )
+            time.sleep(POLL_INTERVAL)
+            number = int(raw.get(ROUND_KEY))
+        self.say(f"the job is restarting: joining round {number} of the rendezvous")
+        node = self._next_round(number)
+        if node is None:
+            raise RendezvousError(f"round {number} of the rendezvous went on without this node")
+        return node
+
+
+def end_record(end: AttemptEnd) -> dict[str, Any]:
+    return asdict(end)
+
+
+def read_end(node: Node, rank: int) -> AttemptEnd | None:
+    try:
+        record = node.read(f"end/{rank}")
+    except Exception:
+        return None
+    return None if record is None else AttemptEnd(**{**record, "tail": tuple(record["tail"])})
+
+
+def job_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:
+    """Node 0: the job's attempt as the restart rules read it: a lost node (it outranks what
+    followed), else the end of the node whose word stopped the job, else the first failing node's
+    (a graceful stop: every node's), with the last step any node's workers printed."""
+    steps = [end.step for end in ends.values() if end.step is not None]
+    step = max(steps) if steps else None
+    first = node.first_stop()
+    lost = next(iter(node.lost.values()), None) or (first if first is not None and first.kind == "lost" else None)
+    if lost is not None:
+        return AttemptEnd(EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", step=step, lost_node=True)
+    if first is not None and first.node in ends:
+        return dataclasses.replace(ends[first.node], step=step)
+    if first is not None:  # its launcher stopped in error: nothing to restart
+        return AttemptEnd(EXIT_OTHER_NODE_FAILED, how=first.describe(), step=step)
+    failed = [end for _, end in sorted(ends.items()) if end.exit_code != 0]
+    return dataclasses.replace((failed or [ends.get(0, AttemptEnd(0))])[0], step=step)

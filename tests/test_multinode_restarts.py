@@ -1,0 +1,157 @@
+"""--max-restarts on several nodes (launcher/nodes/restart_rounds.py): two launchers on 127.0.0.1
+with a worker script of their own. A worker killed on node 1 restarts both nodes together; bad
+input on node 1 restarts neither; node 1's launcher killed is waited for up to --join-timeout, then
+the job stops, or goes on alone with --min-nnodes 1; and the new option's refusals."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, launcher_env, wait_until
+from helpers import assert_one_line_error, run_launcher
+from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
+from multinode_helpers import STEP, NodeRun, start_nodes, train_options, worker_command
+
+# Every rank says its attempt and waits for the others; in attempt 0, rank FAIL_RANK does FAIL.
+# A later attempt ends at once with 0.
+WORKER = """
+import os, pathlib, signal, sys, time
+shared = pathlib.Path(sys.argv[1])
+attempt, rank, world = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+print(f"attempt {attempt}: rank {rank} of {world}", flush=True)
+if attempt > 0:
+    sys.exit(0)
+(shared / f"up{rank}").write_text("")
+while len(list(shared.glob("up*"))) < world:
+    time.sleep(0.01)
+if rank == int(os.environ.get("FAIL_RANK", "-1")):
+    if os.environ["FAIL"] == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(os.environ["FAIL"]))
+time.sleep(600)
+"""
+RESTARTS = ["--nproc", "1", "--max-restarts", "1", "--restart-backoff", "0", "--node-timeout", "1", "--kill-grace", "2"]
+
+
+def two_nodes(tmp_path: Path, processes, *options: str, **env: str) -> list[NodeRun]:
+    command = worker_command(tmp_path, WORKER)
+    return start_nodes(
+        tmp_path, processes, [*RESTARTS, "--run-dir", str(tmp_path / "run"), *options, *command], env=launcher_env(**env)
+    )
+
+
+def attempts(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+
+
+def test_a_worker_killed_on_node_1_restarts_both_nodes_together_and_node_0_records_both_attempts(tmp_path, processes):
+    nodes = two_nodes(tmp_path, processes, FAIL_RANK="1", FAIL="sigkill")
+    codes = [run.wait(timeout=120) for run in nodes]
+    assert codes == [0, 0], nodes[0].text + nodes[1].text
+    for run in nodes:
+        assert "launcher: restart 1 of 1 in 0 s: CPU1 was killed by SIGKILL" in run.text, run.text
+    assert "CPU0:attempt 1: rank 0 of 2" in nodes[0].text and "CPU1:attempt 1: rank 1 of 2" in nodes[1].text
+    record = attempts(tmp_path)
+    assert [(a["attempt"], a["exit_code"], a["worker"], a["restarted"]) for a in record] == [
+        (0, 137, "CPU1", True),
+        (1, 0, None, False),
+    ]
+    assert record[0]["devices"] == ["CPU0", "CPU1"] and record[1]["devices"] == ["CPU0", "CPU1"]
+    assert "launcher: attempts: 2 (restarts.jsonl)" in nodes[0].text
+
+
+def test_bad_input_on_node_1_restarts_neither_node_and_each_exits_as_without_restarts(tmp_path, processes):
+    nodes = two_nodes(tmp_path, processes, FAIL_RANK="1", FAIL="2")
+    assert [run.wait(timeout=120) for run in nodes] == [EXIT_OTHER_NODE_FAILED, 2], nodes[0].text + nodes[1].text
+    for run in nodes:
+        assert "launcher: not restarted: bad input (exit 2) fails again the same way" in run.text, run.text
+        assert "restart 1" not in run.text
+    assert [(a["exit_code"], a["worker"], a["restarted"]) for a in attempts(tmp_path)] == [(2, "CPU1", False)]
+
+
+def killed_node_1(tmp_path: Path, processes, *options: str) -> NodeRun:
+    """Node 1's launcher SIGKILLed once both workers run; node 0, left."""
+    node0, node1 = two_nodes(tmp_path, processes, "--join-timeout", "4", *options)
+
+    def both_up() -> bool:
+        return len(list((tmp_path / "shared").glob("up*"))) == 2 or node0.proc.poll() is not None
+
+    assert wait_until(both_up, timeout=120) and node0.proc.poll() is None, node0.text + node1.text
+    node1.proc.send_signal(signal.SIGKILL)
+    node1.wait(timeout=30)
+    return node0
+
+
+def test_node_1s_launcher_killed_is_waited_for_up_to_the_join_timeout_then_the_job_stops_with_the_last_code(tmp_path, processes):
+    node0 = killed_node_1(tmp_path, processes)
+    assert node0.wait(timeout=60) == EXIT_NODE_LOST, node0.text
+    assert "launcher: restart 1 of 1 in 0 s: a node was lost" in node0.text
+    assert "launcher: waiting up to 4 s (--join-timeout) for node(s) 1 to come back" in node0.text
+    assert "launcher: no restart: node(s) 1 did not come back within 4 s (--join-timeout); the job stops" in node0.text
+    assert [(a["exit_code"], a["restarted"]) for a in attempts(tmp_path)] == [(EXIT_NODE_LOST, False)]
+
+
+def test_with_min_nnodes_1_node_0_goes_on_alone_after_node_1_is_lost(tmp_path, processes):
+    node0 = killed_node_1(tmp_path, processes, "--min-nnodes", "1")
+    assert node0.wait(timeout=60) == 0, node0.text
+    assert "launcher: going on with 1 of 2 node(s) (--min-nnodes 1)" in node0.text
+    assert "CPU0:attempt 1: rank 0 of 1" in node0.text
+    assert [(a["exit_code"], a["restarted"], a["devices"]) for a in attempts(tmp_path)] == [
+        (EXIT_NODE_LOST, True, ["CPU0", "CPU1"]),
+        (0, False, ["CPU0"]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nnodes", "2", "--max-restarts", "1", "--min-nnodes", "3"], "--min-nnodes 3 is more than this job's 2 node(s)"),
+        (["--nnodes", "2", "--min-nnodes", "1"], "--min-nnodes only applies to restarts: add --max-restarts N"),
+        (["--nnodes", "2", "--max-restarts", "1", "--min-nproc", "1"], "--min-nproc applies to one machine"),
+    ],
+)
+def test_min_nnodes_above_nnodes_or_without_restarts_is_refused_in_one_line(options, message):
+    result = run_launcher(*options, "--node-rank", "0", "--master-addr", "127.0.0.1", "--", "true")
+    assert_one_line_error(result, message)
+
+
+def test_a_relaunched_node_1_joins_the_restart_node_0_waits_for(tmp_path, processes):
+    node0 = killed_node_1(tmp_path, processes, "--join-timeout", "60")
+    assert wait_until(lambda: "for node(s) 1 to come back" in node0.text or node0.proc.poll() is not None, timeout=60), node0.text
+    port = node0.proc.args[node0.proc.args.index("--master-port") + 1]
+    command = ["--", *node0.proc.args[node0.proc.args.index("--") + 1 :]]
+    options = [*RESTARTS, "--run-dir", str(tmp_path / "run"), "--join-timeout", "60", *command]
+    (again,) = start_nodes(tmp_path, processes, options, ranks=(1,), port=int(port), env=launcher_env())
+    assert [node0.wait(timeout=60), again.wait(timeout=60)] == [0, 0], node0.text + again.text
+    assert "launcher: the job is restarting: joining round 1 of the rendezvous" in again.text
+    assert "CPU1:attempt 1: rank 1 of 2" in again.text
+
+
+@pytest.mark.slow
+def test_a_training_worker_killed_on_node_1_restarts_both_nodes_from_node_0s_checkpoint_with_the_same_losses(tmp_path, processes):
+    options = train_options(
+        tmp_path, tmp_path / "run", "--max-steps", "6", "--set", "training.checkpoint_interval=2", *RESTARTS[2:]
+    )
+    nodes = start_nodes(tmp_path, processes, options, env=launcher_env(PRETRAIN_FAULTS="0:1:3:sigkill"))
+    assert [run.wait(timeout=240) for run in nodes] == [0, 0], nodes[0].text[-3000:] + nodes[1].text[-3000:]
+    assert f"launcher: resuming from {tmp_path / 'run' / 'checkpoints' / 'step_2'}" in nodes[0].text
+    for run in nodes:
+        steps = [(int(step), loss) for _, _, step, loss in STEP.findall(run.text)]
+        first, again = steps[:4], steps[4:]  # steps 0-3, killed after 3; then 2-5 from step_2
+        assert [s for s, _ in first] == [0, 1, 2, 3] and [s for s, _ in again] == [2, 3, 4, 5], steps
+        assert again[:2] == first[2:], steps
+    assert [a["resumed_from"] for a in attempts(tmp_path)] == [None, str(tmp_path / "run" / "checkpoints" / "step_2")]
+
+
+def test_min_nnodes_with_a_global_batch_fewer_nodes_cannot_keep_is_refused_before_the_join():
+    # 3 nodes x 1 worker x batch 8 = 24 sequences: 2 nodes (2 x 8) cannot keep them
+    options = ["--nnodes", "3", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    result = run_launcher("--debug", "--device", "cpu", "--nproc", "1", *options, "--max-restarts", "1", "--min-nnodes", "2")
+    assert_one_line_error(
+        result, "--min-nnodes 2: the global batch of 24 sequences cannot be kept on 2 node(s) of 1 worker(s)", quiet_stdout=False
+    )
+    assert "rendezvous" not in result.stdout
