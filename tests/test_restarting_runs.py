@@ -168,13 +168,22 @@ def test_a_restart_that_cannot_get_its_gpus_back_waits_then_stops_with_the_last_
     assert not only["restarted"] and only["why"].startswith("no restart: ")
 
 
-def train(tmp_path: Path, run_dir: Path, *options: str, faults: str = "", nproc: int = 2) -> subprocess.CompletedProcess:
+def train(cache: Path, run_dir: Path, *options: str, faults: str = "", nproc: int = 2) -> subprocess.CompletedProcess:
     """A debug run of 12 steps on nproc CPU ranks, a checkpoint every 3, into run_dir, with PRETRAIN_FAULTS."""
     argv = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", str(nproc), "--max-steps", "12"]
-    argv += ["--run-dir", str(run_dir), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    argv += ["--run-dir", str(run_dir), "--set", f"data.cache_dir={cache}"]
     argv += ["--set", "training.checkpoint_interval=3", *options]
     env = launcher_env(PRETRAIN_FAULTS=faults) if faults else launcher_env()
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The reference: the same 2-rank run without a fault (its data cache beside it, for the others too)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    plain = train(root / "cache", root / "plain")
+    assert plain.returncode == 0, plain.stdout[-2000:]
+    return root / "plain"
 
 
 def losses(run_dir: Path) -> dict[int, list[float]]:
@@ -187,15 +196,12 @@ def losses(run_dir: Path) -> dict[int, list[float]]:
     return found
 
 
-def test_training_killed_twice_resumes_from_its_checkpoints_with_the_losses_of_an_uninterrupted_run(tmp_path):
-    plain = train(tmp_path, tmp_path / "plain")
-    assert plain.returncode == 0, plain.stdout[-2000:]
-    healed = train(
-        tmp_path, tmp_path / "healed", "--max-restarts", "2", "--restart-backoff", "0", faults="0:1:4:sigkill,1:1:8:sigkill"
-    )
+def test_training_killed_twice_resumes_from_its_checkpoints_with_the_losses_of_an_uninterrupted_run(uninterrupted, tmp_path):
+    restarts = ["--max-restarts", "2", "--restart-backoff", "0"]
+    healed = train(uninterrupted.parent / "cache", tmp_path / "healed", *restarts, faults="0:1:4:sigkill,1:1:8:sigkill")
     assert healed.returncode == 0, healed.stdout[-3000:]
     assert "launcher: resuming from " in healed.stdout and healed.stdout.count("launcher: restart ") == 2
-    reference, redone = losses(tmp_path / "plain"), losses(tmp_path / "healed")
+    reference, redone = losses(uninterrupted), losses(tmp_path / "healed")
     assert sorted(redone) == sorted(reference) == list(range(12))
     for step, values in redone.items():  # steps 3-4 and 6-8 ran twice: the same loss each time
         assert values == [reference[step][0]] * len(values), step
@@ -203,7 +209,7 @@ def test_training_killed_twice_resumes_from_its_checkpoints_with_the_losses_of_a
 
 
 def test_the_same_failure_at_the_same_step_twice_in_a_row_is_not_restarted_again(tmp_path):
-    result = train(tmp_path, tmp_path / "r", "--max-restarts", "5", "--restart-backoff", "0", faults="*:1:4:sigkill")
+    result = train(tmp_path / "cache", tmp_path / "r", "--max-restarts", "5", "--restart-backoff", "0", faults="*:1:4:sigkill")
     assert result.returncode == 137, result.stdout[-3000:]
     assert "launcher: not restarted: the same failure (killed by SIGKILL) at the same step (4) twice in a row" in result.stdout
     assert [a["step"] for a in attempts(tmp_path / "r")] == [4, 4]
@@ -223,20 +229,18 @@ def test_a_training_worker_killed_before_its_first_step_is_not_restarted(tmp_pat
     assert "launcher: not restarted: CPU1 was killed by SIGKILL before the first step" in out
 
 
-def test_a_restart_on_fewer_workers_keeps_the_global_batch_and_the_losses(tmp_path):
-    two = train(tmp_path, tmp_path / "two", "--max-steps", "6")
-    assert two.returncode == 0, two.stdout[-2000:]
+def test_a_restart_on_fewer_workers_keeps_the_global_batch_and_the_losses(uninterrupted, tmp_path):
     args = cli.build_parser().parse_args(["--debug", "--max-restarts", "1", "--min-nproc", "1"])
     config = cfg.with_world_size(cfg.from_args(args), 2)
-    attempts_ = Attempts(args, config, [], tmp_path / "two", Printer(io.StringIO(), None))
+    attempts_ = Attempts(args, config, [], uninterrupted, Printer(io.StringIO(), None))
     shrunk = attempts_.restart_config(world_size=1, first_world=2)  # what a restart onto 1 worker runs
-    assert shrunk.training.global_batch_size == 16 and shrunk.training.resume.endswith("checkpoints/step_6")
+    assert shrunk.training.global_batch_size == 16 and shrunk.training.resume.endswith("checkpoints/step_12")
     batch = f"training.global_batch_size={shrunk.training.global_batch_size}"
-    step_3 = str(tmp_path / "two" / "checkpoints" / "step_3")
-    one = train(tmp_path, tmp_path / "one", "--max-steps", "6", "--resume", step_3, "--set", batch, nproc=1)
+    step_9 = str(uninterrupted / "checkpoints" / "step_9")
+    one = train(uninterrupted.parent / "cache", tmp_path / "one", "--resume", step_9, "--set", batch, nproc=1)
     assert one.returncode == 0, one.stdout[-2000:]
     assert "accum 2 x 1 rank" in one.stdout  # 2,048 tokens per step, as on 2 ranks
-    reference, resumed = losses(tmp_path / "two"), losses(tmp_path / "one")
-    assert sorted(resumed) == [3, 4, 5]
+    reference, resumed = losses(uninterrupted), losses(tmp_path / "one")
+    assert sorted(resumed) == [9, 10, 11]
     for step in resumed:
         assert resumed[step][0] == pytest.approx(reference[step][0], rel=1e-5), step
