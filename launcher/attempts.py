@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import itertools
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING
 from launcher.errors import UsageError
 from launcher.exit_codes import by_signal
 from launcher.gpus.placement import GpuOptions, Placement, place
-from launcher.gpus.selection import DeviceError, parse_request
+from launcher.gpus import health, nvml
+from launcher.gpus.selection import DeviceError, find, parse_request
 from launcher.nodes import multinode
 from launcher.processes.torchrun_env import Restarts
 from launcher.supervise import restarts
-from launcher.supervise.printer import Printer
+from launcher.supervise.printer import Printer, use_colour
 from pretrain import config as cfg
 from pretrain.run.files import runs_root
 
@@ -81,33 +83,48 @@ class Attempts:
             entry = record.begin(labels(devices.placement), config.training.resume or None if self.training else None)
             code, end = attempt(config, Restarts(number, max_restarts))
             self.started = True
-            verdict = restarts.judge(end, number, max_restarts, previous, self.training)
-            if warning := record.end(entry, end, verdict):
-                self.console.launcher_line(warning)
-            if not verdict.restart:
-                if code != 0:
-                    self.console.launcher_line(f"not restarted: {verdict.why}")
-                if number > 0:
-                    self.console.launcher_line("\n".join(record.summary()))
-                return code
-            previous = end
-            wait = restarts.backoff(number + 1, self.args.restart_backoff)
-            self.console.launcher_line(f"restart {number + 1} of {max_restarts} in {wait:g} s: {verdict.why}")
-            try:
-                with stop_signals_raise():
-                    time.sleep(wait)
-                    devices.placement.release()
-                    devices.placement = self.place_again(devices, first_world)
-            except StoppedBetweenAttempts as stopped:
-                self.console.launcher_line(f"stopped by {stopped}: no restart; the run's checkpoints are kept")
-                return by_signal(stopped.signum)
-            except DeviceError as error:  # the devices did not come back: the last failure stands
-                if warning := record.end(entry, end, restarts.Verdict(False, str(error))):
+            with self.logged():  # what happens between two attempts goes into combined.log too
+                verdict = restarts.judge(end, number, max_restarts, previous, self.training)
+                if warning := record.end(entry, end, verdict):
                     self.console.launcher_line(warning)
-                self.console.launcher_line(f"{error}\n" + "\n".join(record.summary()))
-                return code
-            config = self.restart_config(devices.placement.world_size, first_world)
+                if not verdict.restart:
+                    if code != 0:
+                        self.console.launcher_line(f"not restarted: {verdict.why}")
+                    if number > 0:
+                        self.console.launcher_line("\n".join(record.summary()))
+                    return code
+                previous = end
+                wait = restarts.backoff(number + 1, self.args.restart_backoff)
+                self.console.launcher_line(f"restart {number + 1} of {max_restarts} in {wait:g} s: {verdict.why}")
+                try:
+                    with stop_signals_raise():
+                        time.sleep(wait)
+                        devices.placement.release()
+                        devices.placement = self.place_again(devices, first_world)
+                except StoppedBetweenAttempts as stopped:
+                    if warning := record.end(entry, end, restarts.Verdict(False, f"stopped by {stopped} before the restart")):
+                        self.console.launcher_line(warning)
+                    self.console.launcher_line(f"stopped by {stopped}: no restart; the run's checkpoints are kept")
+                    return by_signal(stopped.signum)
+                except DeviceError as error:  # the devices did not come back: the last failure stands
+                    if warning := record.end(entry, end, restarts.Verdict(False, str(error))):
+                        self.console.launcher_line(warning)
+                    self.console.launcher_line(f"{error}\n" + "\n".join(record.summary()))
+                    return code
+                config = self.restart_config(devices.placement.world_size, first_world)
         raise AssertionError("unreachable")
+
+    @contextmanager
+    def logged(self) -> Iterator[None]:
+        """Launcher lines to the console and the run's combined.log (its workers' printer is closed
+        between attempts: only one writes the log at a time)."""
+        console = self.console
+        self.console = Printer(sys.stdout, self.run_dir / "logs", colour=use_colour(sys.stdout))
+        try:
+            yield
+        finally:
+            self.console.close()
+            self.console = console
 
     def check_min_nproc(self, world_size: int) -> None:
         """--min-nproc M: at most the run's worker count, and (training) a global batch every
@@ -143,7 +160,11 @@ class Attempts:
                 except DeviceError as error:
                     problems.append(str(error))
             if not said:
-                self.console.launcher_line(f"waiting up to {self.args.join_timeout:g} s for devices to restart on: {problems[0]}")
+                fewer = "" if low < first_world else " (--min-nproc M would go on with fewer)"
+                self.console.launcher_line(
+                    f"waiting up to {self.args.join_timeout:g} s for {first_world} free, healthy device(s) to restart on"
+                    f"{fewer}; the restart asked for the run's count: {problems[0]}"
+                )
                 said = True
             if time.monotonic() >= deadline:
                 raise DeviceError(
@@ -174,7 +195,7 @@ class Attempts:
 
 
 MAX_RESTARTS = 1000
-MAX_BACKOFF_START = 600.0
+MAX_BACKOFF_START = restarts.MAX_BACKOFF
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,14 +243,24 @@ def check_arguments(args: argparse.Namespace, several_nodes: bool) -> None:
 
 
 def sized(devices: Devices, size: int) -> GpuOptions:
-    """The first attempt's device options, asking for size workers: CPU workers, or the size
-    freest healthy GPUs (a list of GPUs given with --gpus is kept as it is: those GPUs or none)."""
+    """The first attempt's device options, asking for size workers: CPU workers, the size freest
+    healthy GPUs, or, where --gpus (or system.device_id) named the GPUs, the first size of those
+    that pass their health check now (DeviceError when fewer do)."""
     options = devices.options
     if devices.placement.device == "cpu":
         return dataclasses.replace(options, nproc=size)
-    if options.gpus is not None and parse_request(options.gpus).kind == "list" or options.device_id is not None:
-        return options
-    return dataclasses.replace(options, gpus=f"auto:{size}", nproc=None)
+    named = parse_request(options.gpus).ids if options.gpus is not None else ()
+    if options.device_id is not None:
+        named = (str(options.device_id),)
+    if not named:
+        return dataclasses.replace(options, gpus=f"auto:{size}", nproc=None)
+    gpus = nvml.discover(window=0)
+    failing = {name: health.assess(find(gpus, name, "--gpus names").health) for name in named}
+    healthy = [name for name in named if failing[name].healthy]
+    if len(healthy) < size:
+        reasons = "; ".join(f"GPU {name}: {a.describe()}" for name, a in failing.items() if not a.healthy)
+        raise DeviceError(f"{len(healthy)} of the {len(named)} GPUs --gpus names pass their health check ({reasons})")
+    return dataclasses.replace(options, gpus=",".join(healthy[:size]), device_id=None, nproc=None)
 
 
 def global_batch(training: cfg.TrainingConfig, world_size: int) -> int:

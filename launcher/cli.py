@@ -27,6 +27,7 @@ from launcher.nodes.rendezvous import NodeInterrupted, NodeStopped
 from launcher.gpus.placement import DEFAULT_CPU_WORKERS
 from launcher.processes.worker import check_runnable
 from pretrain import config as cfg
+from pretrain.run import faults
 from pretrain.run.command_name import command_name
 from pretrain.run.refusal import Refusal
 from pretrain.run.thread_env import bad_thread_variable
@@ -184,6 +185,7 @@ def run(argv: Sequence[str]) -> int:
         check_seconds("--hang-timeout", args.hang_timeout, 1, MAX_STOP_TIMEOUT)
     if problem := bad_thread_variable(os.environ):  # the workers get them (launcher/processes/worker.py)
         raise UsageError(problem)
+    faults.parse(os.environ.get(faults.FAULTS_VAR, ""))  # a malformed PRETRAIN_FAULTS: one line, before any worker
     spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     attempts.check_arguments(args, several_nodes=spec is not None)
     set_roots(args.runs_dir, args.cache_dir)

@@ -238,6 +238,16 @@ def test_the_watch_says_one_line_when_a_gpu_of_the_run_gets_ecc_errors_mid_run(s
     assert lines.said == [f"GPU1: 2 new uncorrectable ECC errors (volatile): {health.FAILING}"]
 
 
+def test_an_error_that_came_between_choosing_the_gpus_and_the_watchs_first_reading_is_said(scripted_gpus):
+    path = scripted_gpus([{}, {}])
+    lines = Lines()
+    watch = watched(path, lines)  # the GPUs as they were chosen: healthy
+    replace_machine(path, [{}, {"ecc_uncorrected": 1}])  # before the watch reads them
+    with watch:
+        assert wait_until(lambda: lines.said, timeout=5)
+    assert lines.said == [f"GPU1: 1 new uncorrectable ECC error (volatile): {health.FAILING}"]
+
+
 def test_the_watch_says_when_a_bad_clock_reason_starts_and_stops_and_remembers_it(scripted_gpus):
     path = scripted_gpus([{}, {}])
     lines = Lines()

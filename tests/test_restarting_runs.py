@@ -53,6 +53,8 @@ def test_a_command_whose_worker_is_killed_runs_again_and_its_workers_see_the_res
         (1, 0, None, False),
     ]
     assert "launcher: attempts: 2 (restarts.jsonl)" in result.stdout
+    combined = (run_dir / "logs" / "combined.log").read_text()  # the log tells the whole story too
+    assert "launcher: restart 1 of 2 in 0 s" in combined and "launcher: attempts: 2" in combined
 
 
 def test_a_spent_budget_ends_with_the_last_failures_code_and_every_attempt_listed(tmp_path, script):
@@ -101,7 +103,7 @@ def test_restart_options_out_of_range_are_refused_in_one_line(tmp_path):
         (["--max-restarts", "-1"], "--max-restarts must be between 0 and 1000 (got -1); 0 turns restarts off"),
         (["--min-nproc", "1"], "--min-nproc only applies to restarts: add --max-restarts N"),
         (["--max-restarts", "1", "--min-nproc", "0"], "--min-nproc must be at least 1 (got 0)"),
-        (["--max-restarts", "1", "--restart-backoff", "nan"], "--restart-backoff must be between 0 and 600 seconds (got nan)"),
+        (["--max-restarts", "1", "--restart-backoff", "nan"], "--restart-backoff must be between 0 and 60 seconds (got nan)"),
     ]:
         result = launch(*args, "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"))
         assert (result.returncode, result.stderr) == (2, f"launcher: error: {text}\n"), args
@@ -156,13 +158,25 @@ def test_a_restart_leaves_a_failing_gpu_out_and_with_min_nproc_continues_on_fewe
     assert [a["devices"] for a in attempts(run_dir)] == [["GPU0", "GPU1"], ["GPU0"]]
 
 
+def test_gpus_named_with_gpus_are_chosen_again_too_leaving_out_the_one_that_failed_its_health_check(
+    tmp_path, script, scripted_gpus
+):
+    scripted_gpus([{"uuid": "GPU-a"}, {"uuid": "GPU-b"}, {"uuid": "GPU-c"}])
+    run_dir = tmp_path / "run"
+    options = ["--gpus", "0,1", "--max-restarts", "1", "--restart-backoff", "0", "--min-nproc", "1", "--run-dir", str(run_dir)]
+    result = launch(*options, "--", *script(GPU_FAILS))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "GPU0:attempt 1: rank 0 of 1 on GPU-a" in result.stdout and "unhealthy" not in result.stdout.split("restart 1")[1]
+    assert [a["devices"] for a in attempts(run_dir)] == [["GPU0", "GPU1"], ["GPU0"]]  # never GPU 2, which --gpus left out
+
+
 def test_a_restart_that_cannot_get_its_gpus_back_waits_then_stops_with_the_last_failures_code(tmp_path, script, scripted_gpus):
     scripted_gpus([{"uuid": "GPU-a"}, {"uuid": "GPU-b"}])
     run_dir = tmp_path / "run"
     options = ["--gpus", "all", "--max-restarts", "1", "--restart-backoff", "0", "--join-timeout", "1", "--run-dir", str(run_dir)]
     result = launch(*options, "--", *script(GPU_FAILS))
     assert result.returncode == 137, result.stdout[-3000:]
-    assert "launcher: waiting up to 1 s for devices to restart on" in result.stdout
+    assert "launcher: waiting up to 1 s for 2 free, healthy device(s) to restart on (--min-nproc M would" in result.stdout
     assert "launcher: no restart: " in result.stdout and "waited 1 s (--join-timeout) for 2 device(s)" in result.stdout
     (only,) = attempts(run_dir)
     assert not only["restarted"] and only["why"].startswith("no restart: ")
@@ -213,6 +227,16 @@ def test_the_same_failure_at_the_same_step_twice_in_a_row_is_not_restarted_again
     assert result.returncode == 137, result.stdout[-3000:]
     assert "launcher: not restarted: the same failure (killed by SIGKILL) at the same step (4) twice in a row" in result.stdout
     assert [a["step"] for a in attempts(tmp_path / "r")] == [4, 4]
+    assert "launcher: Hint: the worker failed on purpose: PRETRAIN_FAULTS injected this fault" in result.stdout
+
+
+def test_a_malformed_pretrain_faults_is_refused_by_the_launcher_before_anything_runs(tmp_path):
+    argv = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r")]
+    env = launcher_env(PRETRAIN_FAULTS="0:1:x:sigkill")
+    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("launcher: error: PRETRAIN_FAULTS entry '0:1:x:sigkill': STEP 'x' is not a whole number")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_training_worker_killed_before_its_first_step_is_not_restarted(tmp_path, processes):

@@ -64,6 +64,7 @@ def test_an_exception_without_a_hardware_cause_would_repeat_and_is_not_restarted
         ("RuntimeError: CUDA error: an illegal memory access was encountered", "a CUDA illegal memory access"),
         ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)", "a collective timed out"),
         ("RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv", "a collective timed"),
+        ("ERROR | [CPU 1] a collective waited longer than system.collective_timeout (600 s) for the other ranks", "a collective"),
     ],
 )
 def test_a_worker_whose_last_lines_name_the_hardware_or_a_timeout_is_restarted(line, cause):
@@ -74,6 +75,8 @@ def test_a_worker_whose_last_lines_name_the_hardware_or_a_timeout_is_restarted(l
 
 def test_a_hang_and_a_lost_peer_are_transient_and_exit_4_means_a_lost_peer_only_for_training():
     assert judge(AttemptEnd(EXIT_HANG, worker="GPU0", hung=True, step=3), 0, 1, None, training=True).restart
+    # a command that exits 124 by itself (timeout(1) inside it) did not hang for the supervisor
+    assert not judge(AttemptEnd(EXIT_HANG, worker="GPU0", how="exit code 124", step=3), 0, 1, None, training=True).restart
     assert judge(AttemptEnd(4, worker="GPU0", step=3), 0, 1, None, training=True).restart
     assert not judge(AttemptEnd(4, worker="GPU0"), 0, 1, None, training=False).restart
 

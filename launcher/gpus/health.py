@@ -152,11 +152,13 @@ class HealthWatch:
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last: dict[str, Health] = {}
+        # The baseline is what the GPUs were chosen on: an error that came between the choice and
+        # the watch's first reading is still news (the first reading is compared with it).
+        self._last: dict[str, Health] = {gpu.id: gpu.health for gpu in self._gpus}
         self._clocks: dict[str, str | None] = {}
         self._complained = False
         self.polls = 0
-        """Readings tried so far (the first is the baseline)."""
+        """Readings tried so far."""
 
     def __enter__(self) -> HealthWatch:
         if self._gpus:

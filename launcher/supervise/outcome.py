@@ -124,6 +124,7 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
             nccl_watchdog=watch.nccl_watchdog,
             nonfinite_reports=nonfinite,
             host_oom=watch.host_oom,
+            injected=bool(watch.tail) and "fault injected:" in watch.tail[-1],
         ),
         tail=list(watch.tail),
         stopped=first.stopped,

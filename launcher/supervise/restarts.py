@@ -20,7 +20,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from launcher.exit_codes import EXIT_HANG
 from pretrain.run.exit_codes import BAD_INPUT, NUMERICAL_FAILURE, PEER_LOST, signal_of
 from pretrain.run.files import atomic_write_text
 
@@ -36,6 +35,7 @@ HARDWARE = (
     (re.compile(r"unspecified launch failure", re.I), "a CUDA unspecified launch failure"),
     (re.compile(r"Watchdog caught collective operation timeout|collective operation timeout", re.I), "a collective timed out"),
     (re.compile(r"Timed out waiting .* for|Socket Timeout|timed out after \d+", re.I), "a collective timed out"),
+    (re.compile(r"a collective waited longer than system\.collective_timeout"), "a collective timed out"),
 )
 """What a worker's last lines say when the hardware or the network let it down, and how the restart
 line words it. A CUDA error that names no hardware (out of memory, an assert) repeats: not here."""
@@ -74,7 +74,7 @@ class Verdict:
 def transient_cause(end: AttemptEnd, training: bool = True) -> str | None:
     """What let the attempt down from outside the run, or None when the failure is its own.
     training: the workers are training processes, whose exit code 4 means a lost peer."""
-    if end.hung or end.exit_code == EXIT_HANG:
+    if end.hung:  # the supervisor's own finding; a command exiting 124 by itself is no hang of ours
         return "a worker hung (no output for --hang-timeout)"
     if end.lost_node:
         return "a node was lost"

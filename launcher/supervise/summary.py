@@ -142,10 +142,14 @@ def hint(
     nonfinite_reports: Mapping[str, str] | None = None,
     nccl_watchdog: str | None = None,
     host_oom: bool = False,
+    injected: bool = False,
 ) -> str | None:
     """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf.
     nccl_watchdog: what nccl_watchdog() made of the failed worker's output, if anything.
-    host_oom: the worker said host memory ran out (is_host_oom)."""
+    host_oom: the worker said host memory ran out (is_host_oom).
+    injected: its last line says PRETRAIN_FAULTS made it fail (pretrain/run/faults.py)."""
+    if injected:
+        return "the worker failed on purpose: PRETRAIN_FAULTS injected this fault (a testing aid, docs/testing.md)."
     if nonfinite_reports:
         banners = sorted(set(nonfinite_reports.values()))
         return (
