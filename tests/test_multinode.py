@@ -56,6 +56,28 @@ def test_a_worker_failing_on_node_1_stops_both_nodes_within_3_seconds(tmp_path, 
     assert wait_until(lambda: not marked_processes(marker), timeout=2.0)
 
 
+# Node 0's worker finishes at once; node 1's fails once node 0's supervisor is done with its own
+# (it has written workers.node0.json in the run directory both share).
+FINISHES_FIRST = """
+import os, pathlib, sys, time
+if os.environ["RANK"] == "0":
+    sys.exit(0)
+record = pathlib.Path(os.environ["PRETRAIN_RUNS_DIR"]) / os.environ["TORCHELASTIC_RUN_ID"] / "workers.node0.json"
+while not record.exists():
+    time.sleep(0.01)
+sys.exit(2)
+"""
+
+
+def test_node_0_whose_workers_finished_exits_75_when_node_1_fails_afterwards(tmp_path, processes):
+    command = worker_command(tmp_path, FINISHES_FIRST)
+    nodes = start_nodes(tmp_path, processes, ["--nproc", "1", *command])
+    codes = [run.wait(timeout=60) for run in nodes]
+    assert codes == [EXIT_OTHER_NODE_FAILED, 2], nodes[0].text + nodes[1].text
+    assert re.search(r"launcher: node 1 \(.*\) failed after this node's workers had finished \(exit code 2\)", nodes[0].text)
+    assert f"launcher: exit code {EXIT_OTHER_NODE_FAILED}: another node failed" in nodes[0].text
+
+
 def test_node_1s_launcher_killed_stops_node_0_within_5_seconds_naming_the_lost_node(tmp_path, processes, worker):
     marker = uuid.uuid4().hex
     env = launcher_env(**{MARKER: marker})

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from launcher.errors import UsageError
-from launcher.exit_codes import EXIT_INTERRUPTED, EXIT_NODE_LOST, by_signal
+from launcher.exit_codes import EXIT_INTERRUPTED, EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, by_signal
 from launcher.nodes.node import Layout, NodeSpec, NodeStop, node_spec
 from launcher.gpus.placement import Placement
 from launcher.nodes.rendezvous import LOSS_AFTER, Member, Node, NodeInterrupted, NodeStopped, RendezvousError, differences, join
@@ -166,6 +166,12 @@ def settle(node: Node, code: int, wait: float, say: Callable[[str], None]) -> in
     here come first, the lost node would have heard it and finished; collectives failing, and
     failures following, are what a dead node does to the others. Returns the exit code."""
     node.finish(code, wait)
+    if code == 0 and (failed := {n: c for n, c in node.others_done.items() if c != 0}):
+        # Node 0's workers finished, and another node failed afterwards: the job did not succeed.
+        for other, its_code in sorted(failed.items()):
+            say(f"node {other} ({node.host_of(other)}) failed after this node's workers had finished (exit code {its_code})")
+        say(f"exit code {EXIT_OTHER_NODE_FAILED}: another node failed")
+        return EXIT_OTHER_NODE_FAILED
     if not node.lost or code == 0:
         return code
     if code == EXIT_NODE_LOST and node.stopped is not None and node.stopped.kind == "lost":

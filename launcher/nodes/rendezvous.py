@@ -164,6 +164,8 @@ class Node:
         self._beats: dict[int, tuple[int, float]] = {}
         """Node 0: each node's beat count and when it last moved."""
         self._left: set[int] = set()
+        self.others_done: dict[int, int] = {}
+        """Node 0, once finished: the exit code each other node reported (those not lost)."""
         """Node 0: nodes that fell silent while node 0 was stopped (they found it lost): not waited for."""
         self._claimed = False
         self._done_seen: set[int] = set()
@@ -555,7 +557,8 @@ class Node:
             time.sleep(POLL_INTERVAL)
         self._store.set("verdict", json.dumps([stop.to_json() for stop in self.lost.values()]))
         done = [n for n in others if n not in self.lost and self._store.check([f"done/{n}"])]
-        readers = len([n for n in done if int(self._store.get(f"done/{n}")) != 0])  # they wait for the verdict
+        self.others_done = {n: int(self._store.get(f"done/{n}")) for n in done}
+        readers = len([n for n in done if self.others_done[n] != 0])  # they wait for the verdict
         deadline = time.monotonic() + 1.0
         while int(self._store.add("verdict_read", 0)) < readers and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL / 2)
