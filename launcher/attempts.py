@@ -72,11 +72,8 @@ class Attempts:
             return code
         first_world = devices.placement.world_size
         self.check_min_nproc(first_world)
-        if self.training and self.config.training.checkpoint_interval == 0:
-            self.console.launcher_line(
-                "warning: training.checkpoint_interval is 0 (no checkpoint before the end): a restart starts again "
-                "at step 0; set it (e.g. --set training.checkpoint_interval=100) to restart from the last checkpoint"
-            )
+        if self.training:
+            warn_without_checkpoints(self.config, self.console.launcher_line)
         record = restarts.Record(self.run_dir / restarts.RECORD)
         config, previous = self.config, None
         for number in itertools.count():
@@ -136,15 +133,7 @@ class Attempts:
             raise UsageError(f"--min-nproc {low} is more than this run's {world_size} worker(s); give at most {world_size}")
         if not self.training:
             return
-        t = self.config.training
-        batch = global_batch(t, world_size)
-        for size in range(low, world_size):
-            if batch % (t.batch_size * size):
-                raise UsageError(
-                    f"--min-nproc {low}: the global batch of {batch} sequences cannot be kept on {size} worker(s) "
-                    f"(not a multiple of training.batch_size {t.batch_size} x {size}); raise --min-nproc, or set "
-                    "training.global_batch_size to a multiple of every such product"
-                )
+        check_global_batch_kept(self.config.training, world_size, range(low, world_size), "--min-nproc", "worker(s)")
 
     def place_again(self, devices: Devices, first_world: int) -> Placement:
         """Devices for the next attempt: as many as the first had, else (--min-nproc) down to M,
@@ -228,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_arguments(args: argparse.Namespace, several_nodes: bool) -> None:
+def check_arguments(args: argparse.Namespace, nnodes: int) -> None:
     """The restart options' one-line refusals, before anything is claimed or started."""
     if not 0 <= args.max_restarts <= MAX_RESTARTS:
         raise UsageError(f"--max-restarts must be between 0 and {MAX_RESTARTS} (got {args.max_restarts}); 0 turns restarts off")
@@ -239,7 +228,7 @@ def check_arguments(args: argparse.Namespace, several_nodes: bool) -> None:
             raise UsageError(f"--min-nproc must be at least 1 (got {args.min_nproc})")
         if args.max_restarts == 0:
             raise UsageError("--min-nproc only applies to restarts: add --max-restarts N")
-    multinode.check_restart_arguments(args, several_nodes)
+    multinode.check_restart_arguments(args, nnodes)
 
 
 def sized(devices: Devices, size: int) -> GpuOptions:
@@ -261,6 +250,30 @@ def sized(devices: Devices, size: int) -> GpuOptions:
         reasons = "; ".join(f"GPU {name}: {a.describe()}" for name, a in failing.items() if not a.healthy)
         raise DeviceError(f"{len(healthy)} of the {len(named)} GPUs --gpus names pass their health check ({reasons})")
     return dataclasses.replace(options, gpus=",".join(healthy[:size]), device_id=None, nproc=None)
+
+
+def warn_without_checkpoints(config: cfg.Config, say: Callable[[str], None]) -> None:
+    """A run that saves no checkpoint before its end restarts at step 0: say so before it starts."""
+    if config.training.checkpoint_interval == 0:
+        say(
+            "warning: training.checkpoint_interval is 0 (no checkpoint before the end): a restart starts again "
+            "at step 0; set it (e.g. --set training.checkpoint_interval=100) to restart from the last checkpoint"
+        )
+
+
+def check_global_batch_kept(
+    training: cfg.TrainingConfig, world_size: int, sizes: range, option: str, unit: str, per_unit: int = 1
+) -> None:
+    """A restart onto `size` units (workers, or nodes of per_unit workers) for each size in sizes keeps
+    the global batch the first attempt trains on world_size ranks, or this refuses it in one line."""
+    batch = global_batch(training, world_size)
+    for size in sizes:
+        if batch % (training.batch_size * per_unit * size):
+            raise UsageError(
+                f"{option} {sizes.start}: the global batch of {batch} sequences cannot be kept on {size} {unit}"
+                f" (not a multiple of training.batch_size {training.batch_size} x {per_unit * size}); raise {option}, "
+                "or set training.global_batch_size to a multiple of every such product"
+            )
 
 
 def global_batch(training: cfg.TrainingConfig, world_size: int) -> int:

@@ -187,7 +187,7 @@ def run(argv: Sequence[str]) -> int:
         raise UsageError(problem)
     faults.parse(os.environ.get(faults.FAULTS_VAR, ""))  # a malformed PRETRAIN_FAULTS: one line, before any worker
     spec = multinode.spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    attempts.check_arguments(args, several_nodes=spec is not None)
+    attempts.check_arguments(args, spec.nnodes if spec is not None else 1)
     set_roots(args.runs_dir, args.cache_dir)
     config = cfg.from_args(args)
     if command:

@@ -81,19 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_restart_arguments(args: argparse.Namespace, several_nodes: bool) -> None:
-    """--min-nnodes and --min-nproc as a job of several nodes reads them: one line each."""
+def check_restart_arguments(args: argparse.Namespace, nnodes: int) -> None:
+    """--min-nnodes and --min-nproc as a job of nnodes nodes reads them: one line each."""
     low = args.min_nnodes
     if low is not None:
         if low < 1:
             raise UsageError(f"--min-nnodes must be at least 1 (got {low})")
         if args.max_restarts == 0:
             raise UsageError("--min-nnodes only applies to restarts: add --max-restarts N")
-        spec = spec_from(args.nnodes, args.node_rank, args.master_addr, args.master_port) if several_nodes else None
-        nnodes = spec.nnodes if spec is not None else 1
         if low > nnodes:
             raise UsageError(f"--min-nnodes {low} is more than this job's {nnodes} node(s) (--nnodes); give at most {nnodes}")
-    if several_nodes and args.min_nproc is not None:
+    if nnodes > 1 and args.min_nproc is not None:
         raise UsageError(
             "--min-nproc applies to one machine; on several nodes a restart keeps every node's worker count (see --min-nnodes)"
         )

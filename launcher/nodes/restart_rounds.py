@@ -30,8 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.attempts import Attempts, StoppedBetweenAttempts, global_batch, stop_signals_raise
-from launcher.errors import UsageError
+from launcher.attempts import (
+    Attempts,
+    StoppedBetweenAttempts,
+    check_global_batch_kept,
+    stop_signals_raise,
+    warn_without_checkpoints,
+)
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, by_signal
 from launcher.gpus.selection import DeviceError
 from launcher.nodes import multinode
@@ -60,18 +65,11 @@ ROUND_KEY = "round"
 
 def check_global_batch(args: argparse.Namespace, config: cfg.Config, command: list[str], nproc: int, nnodes: int) -> None:
     """--min-nnodes M on a training run: a global batch that every node count from M up keeps."""
-    low = args.min_nnodes
-    if low is None or command:
+    if args.min_nnodes is None or command:
         return
-    t = config.training
-    batch = global_batch(t, nproc * nnodes)
-    for count in range(low, nnodes):
-        if batch % (t.batch_size * nproc * count):
-            raise UsageError(
-                f"--min-nnodes {low}: the global batch of {batch} sequences cannot be kept on {count} node(s) of {nproc} "
-                f"worker(s) (not a multiple of training.batch_size {t.batch_size} x {nproc * count}); raise --min-nnodes, "
-                "or set training.global_batch_size to a multiple of every such product"
-            )
+    check_global_batch_kept(
+        config.training, nproc * nnodes, range(args.min_nnodes, nnodes), "--min-nnodes", f"node(s) of {nproc} worker(s)", nproc
+    )
 
 
 @dataclass
@@ -232,7 +230,8 @@ class RestartRounds:
                 self.owned, config = resume_point(self.config, self.args.run_dir, self.console, node.world_size)
             self.first_config = config
             self.record = restarts.Record(self.owned.path / restarts.RECORD)
-            self._warn_without_checkpoints()
+            if self.training:
+                warn_without_checkpoints(self.config, self.say)
         else:
             config = self._attempts_of().restart_config(node.world_size, self.first_world)
         port = self.free_port()
@@ -251,13 +250,6 @@ class RestartRounds:
     def _attempts_of(self) -> Attempts:
         """The one-machine restart loop's helpers: devices again, the restart's config."""
         return Attempts(self.args, self.first_config or self.config, self.command, self.owned_path, self.console)
-
-    def _warn_without_checkpoints(self) -> None:
-        if self.training and self.config.training.checkpoint_interval == 0:
-            self.say(
-                "warning: training.checkpoint_interval is 0 (no checkpoint before the end): a restart starts again "
-                "at step 0; set it (e.g. --set training.checkpoint_interval=100) to restart from the last checkpoint"
-            )
 
     def _begin(self, config: cfg.Config) -> restarts.Attempt | None:
         """Node 0: the attempt's line of restarts.jsonl (every node's devices come at its end)."""
