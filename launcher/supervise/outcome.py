@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.nodes.node import NodeStop
 from launcher.supervise import restarts, summary
 from launcher.exit_codes import EXIT_HANG, by_signal
 from launcher.supervise.printer import CONSOLE_CLOSED, CONSOLE_CLOSED_SIGNAL
@@ -133,6 +134,30 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
         logs=ending.logs_dir,
         consequences=consequences(ending, first),
         lost_peer=lost_peer(first),
+    )
+
+
+def attempt_end(
+    code: int, ending: Ending, described: summary.Failure | None, remote: NodeStop | None, stopped: bool
+) -> restarts.AttemptEnd:
+    """The run as the restart rules read it: its code, the first failure as the summary told it
+    (described), another node's word (remote) and whether a stop was asked for; the last step any
+    worker printed."""
+    steps = [watch.last_step for watch in ending.watches.values() if watch.last_step is not None]
+    step = max(steps) if steps else None
+    if remote is not None:
+        return restarts.AttemptEnd(code, how=remote.describe(), step=step, lost_node=remote.kind == "lost")
+    if described is None:
+        return restarts.AttemptEnd(code, step=step, stopped=stopped)
+    return restarts.AttemptEnd(
+        code,
+        worker=described.label,
+        rank=described.rank,
+        how=described.how,
+        tail=tuple(described.tail),
+        step=step,
+        hung=ending.failure is not None and ending.failure.hung_for is not None,
+        stopped=stopped,  # a failure while stopping as asked
     )
 
 

@@ -506,22 +506,7 @@ class Supervisor:
 
     def attempt_end(self, code: int) -> restarts.AttemptEnd:
         """What the run that returned code came to, as the restart rules read it (after run())."""
-        steps = [watch.last_step for watch in self._watch.values() if watch.last_step is not None]
-        step = max(steps) if steps else None
-        if self._remote is not None:
-            return restarts.AttemptEnd(code, how=self._remote.describe(), step=step, lost_node=self._remote.kind == "lost")
-        if (failed := self._described) is not None:
-            return restarts.AttemptEnd(
-                code,
-                worker=failed.label,
-                rank=failed.rank,
-                how=failed.how,
-                tail=tuple(failed.tail),
-                step=step,
-                hung=self._failure is not None and self._failure.hung_for is not None,
-                stopped=self._interrupted_by is not None,  # a failure while stopping as asked
-            )
-        return restarts.AttemptEnd(code, step=step, stopped=self._interrupted_by is not None)
+        return outcome.attempt_end(code, self._ending(), self._described, self._remote, self._interrupted_by is not None)
 
     def _remote_outcome(self, stop: NodeStop) -> int:
         """The account of a stop that began on another node (rule 5); its code."""
