@@ -69,11 +69,11 @@ def run_in_process(main: Callable[[list[str]], int], argv: list[str], capsys) ->
     return subprocess.CompletedProcess(argv, code, out, err)
 
 
-def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`python -m launcher ARGS...` from the repository, its output captured as text."""
-    return subprocess.run(
-        [sys.executable, "-m", "launcher", *args], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=timeout
-    )
+def run_launcher(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """`python -m launcher ARGS...` from the repository, with env added to its environment, its
+    output captured as text."""
+    argv = [sys.executable, "-m", "launcher", *args]
+    return subprocess.run(argv, cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 def run_debug_training(tmp_path: Path, command: list[str], run_dir: Path, *options: str) -> subprocess.CompletedProcess:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -16,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, launcher_env, wait_until
+from conftest import wait_until
+from helpers import run_launcher
 from launcher.gpus import health, nvml
 from launcher.gpus.health import HealthWatch, assess, changes
 from launcher.gpus.nvml import Health
@@ -153,14 +152,7 @@ def test_naming_an_unhealthy_gpu_warns_and_uses_it(scripted_gpus):
 def test_strict_refuses_a_named_unhealthy_gpu_in_one_line_with_exit_2(scripted_gpus, tmp_path):
     scripted_gpus([{}, {"ecc_uncorrected": 2}])
     started = tmp_path / "started"
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", "--gpus", "1", "--strict", "--", "touch", str(started)],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_launcher("--gpus", "1", "--strict", "--", "touch", str(started))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "launcher: error: GPU 1 is unhealthy (2 uncorrectable ECC errors (volatile)); --strict refuses unhealthy GPUs; "
@@ -184,9 +176,7 @@ def test_launcher_gpus_shows_the_health_of_each_gpu_and_marks_the_failing_one_un
             },
         ]
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "launcher", "gpus"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60
-    )
+    result = run_launcher("gpus")
     assert result.returncode == 0, result.stderr
     header, ok, failing, unknown = result.stdout.splitlines()
     at = header.index("HEALTH")

@@ -184,11 +184,9 @@ def test_a_restart_that_cannot_get_its_gpus_back_waits_then_stops_with_the_last_
 
 def train(cache: Path, run_dir: Path, *options: str, faults: str = "", nproc: int = 2) -> subprocess.CompletedProcess:
     """A debug run of 12 steps on nproc CPU ranks, a checkpoint every 3, into run_dir, with PRETRAIN_FAULTS."""
-    argv = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", str(nproc), "--max-steps", "12"]
-    argv += ["--run-dir", str(run_dir), "--set", f"data.cache_dir={cache}"]
-    argv += ["--set", "training.checkpoint_interval=3", *options]
-    env = launcher_env(PRETRAIN_FAULTS=faults) if faults else launcher_env()
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    argv = ["--debug", "--device", "cpu", "--nproc", str(nproc), "--max-steps", "12", "--run-dir", str(run_dir)]
+    argv += ["--set", f"data.cache_dir={cache}", "--set", "training.checkpoint_interval=3", *options]
+    return launch(*argv, timeout=180, **({"PRETRAIN_FAULTS": faults} if faults else {}))
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +229,7 @@ def test_the_same_failure_at_the_same_step_twice_in_a_row_is_not_restarted_again
 
 
 def test_a_malformed_pretrain_faults_is_refused_by_the_launcher_before_anything_runs(tmp_path):
-    argv = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r")]
-    env = launcher_env(PRETRAIN_FAULTS="0:1:x:sigkill")
-    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = launch("--debug", "--device", "cpu", "--run-dir", str(tmp_path / "r"), PRETRAIN_FAULTS="0:1:x:sigkill")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert result.stderr.startswith("launcher: error: PRETRAIN_FAULTS entry '0:1:x:sigkill': STEP 'x' is not a whole number")
     assert not (tmp_path / "r").exists()
