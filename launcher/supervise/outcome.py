@@ -57,8 +57,8 @@ class Watch:
         self.host_oom = self.host_oom or summary.is_host_oom(text)
         self.nccl_watchdog = self.nccl_watchdog or summary.nccl_watchdog(text)
         self.nonfinite_report = self.nonfinite_report or summary.nonfinite_banner(text)
-        if (step := restarts.last_step((text,))) is not None:
-            self.last_step = step
+        if step := restarts.STEP_LINE.search(text):
+            self.last_step = int(step[1])
 
 
 @dataclass
