@@ -97,6 +97,36 @@ def test_a_hub_repo_missing_from_the_cache_offline_says_how_to_get_it(tmp_path, 
     assert cache_leftovers(tmp_path) == []
 
 
+def test_the_offline_hint_for_a_dataset_at_a_revision_fetches_that_revision(tmp_path, hub_cache):
+    with pytest.raises(DataError) as excinfo:
+        prepared(data_config(tmp_path, source="hub", hub_repo="owner/absent", hub_revision="v1", hub_files="data/*.parquet"))
+
+    message = one_line_error(excinfo)
+    assert "dataset owner/absent@v1 (data/*.parquet) is not in the Hugging Face cache" in message
+    assert "`hf download owner/absent --repo-type dataset --revision v1 --include 'data/*.parquet'`" in message
+
+
+@pytest.mark.parametrize(
+    "path, command",
+    [
+        ("hf://datasets/a/b@v1/data", "`hf download a/b --repo-type dataset --revision v1 --include 'data/*'`"),
+        ("hf://datasets/a/b@refs%2Fpr%2F3/x.bin", "`hf download a/b --repo-type dataset --revision refs/pr/3 --include x.bin`"),
+        ("hf://datasets/a/b/data", "`hf download a/b --repo-type dataset --include 'data/*'`"),
+        # quoted for a shell as a whole: the pasted command fetches this pattern and runs nothing else
+        ("hf://datasets/a/b@v1/it's $(id).bin", """--revision v1 --include 'it'"'"'s $(id).bin'`"""),
+    ],
+)
+def test_the_offline_hint_for_hub_shards_keeps_the_paths_revision_and_quotes_every_word(hub_cache, path, command):
+    from pretrain.data.hub_shards import hub_shards
+
+    with pytest.raises(DataError) as excinfo:
+        hub_shards(path, 1, "data.path")
+
+    message = one_line_error(excinfo)
+    assert command in message
+    assert (" (data) is" in message) == path.endswith("/data") and ("@v1 (" in message) == ("@v1/" in path)
+
+
 def test_hub_files_matching_nothing_is_an_error_naming_the_setting(tmp_path, hub_cache):
     hub_cache("owner/name", {"data/train.parquet": {"text": ["x"]}, "README.md": "card"})
 

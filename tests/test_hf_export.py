@@ -374,7 +374,23 @@ BROKEN = {  # the fragment follows "export <out>"
         lambda out: _truncate(out / "model-00002-of-00003.safetensors", 5000),
         ": model-00002-of-00003.safetensors is 5000 bytes but its header describes",
     ),
+    "a shard's index naming a file outside": (  # never opened: the line names the entry, not the file's bytes
+        lambda out: _index_names(out, "../passwd"),
+        ": model.safetensors.index.json names '../passwd' for model.embed_tokens.weight, which is not a file beside it",
+    ),
+    "a shard's index naming an absolute path": (
+        lambda out: _index_names(out, str(out.parent / "passwd")),
+        ": model.safetensors.index.json names '/",
+    ),
 }
+
+
+def _index_names(out: Path, entry: str) -> None:
+    """The index names entry for the embedding, and the file there is not a safetensors file."""
+    (out.parent / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.embed_tokens.weight"] = entry
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def _edit_config(out: Path, **changes) -> None:
@@ -401,6 +417,7 @@ def test_an_export_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys, 
     damage(tmp_path / "export")
     result = run_in_process(generate_main, ["--checkpoint", str(tmp_path / "export"), "--prompt", "x"], capsys)
     assert_one_line_error(result, f"{tmp_path / 'export'}{fragment}", prefix="generate: error: export ")
+    assert "root" not in result.stderr.replace(str(tmp_path), "")
 
 
 def test_a_bad_max_shard_size_is_one_line_and_exit_2(saved, tmp_path, capsys):

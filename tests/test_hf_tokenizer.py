@@ -113,7 +113,7 @@ def test_a_tiktoken_encoding_becomes_a_tokenizer_with_the_same_ids(tmp_path, mon
     rust.train_from_iterator(
         [text[: len(text) // 2]], trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     )
-    from pretrain.hf.tokenizer_files import byte_to_char
+    from pretrain.hf.vocabulary import byte_to_char
 
     byte_of = {char: byte for byte, char in byte_to_char().items()}
     ranks = {bytes([byte]): byte for byte in range(256)}

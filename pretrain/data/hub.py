@@ -28,7 +28,14 @@ from pretrain import registry
 from pretrain.config.schema import SHARD_SOURCES
 from pretrain.data import DataError, first_line
 from pretrain.data.formats import file_format
-from pretrain.data.hub_client import LOCAL_FILES_INSTEAD, access_error, hub_snapshot, is_commit, offline_error
+from pretrain.data.hub_client import (
+    LOCAL_FILES_INSTEAD,
+    access_error,
+    download_command,
+    hub_snapshot,
+    is_commit,
+    offline_error,
+)
 from pretrain.data.windows import token_count
 
 if TYPE_CHECKING:
@@ -205,8 +212,8 @@ def not_cached_error(cfg: DataConfig, preset: str | None, world_size: int, reaso
         else ""
     )
     return offline_error(
-        f"dataset {cfg.hub_repo} ({cfg.hub_files})",
-        f"{prepare}`hf download {cfg.hub_repo} --repo-type dataset --include '{include_pattern(cfg.hub_files)}'`",
+        f"dataset {cfg.hub_repo}{'' if cfg.hub_revision == 'main' else '@' + cfg.hub_revision} ({cfg.hub_files})",
+        prepare + download_command(cfg.hub_repo, cfg.hub_revision, "dataset", include=[include_pattern(cfg.hub_files)]),
         LOCAL_FILES_INSTEAD,
         reason,
     )
@@ -224,8 +231,8 @@ def selected(
         raise DataError(
             f"data.hub_max_files is {wanted}, but the Hugging Face cache holds only {len(found.files)} "
             f"file(s) of dataset {repo} matching {pattern} and the Hub cannot be "
-            f"reached; lower it, or fetch more where there is network (`hf download {repo} "
-            f"--repo-type dataset --include '{include_pattern(pattern, suffixes)}'`)"
+            "reached; lower it, or fetch more where there is network "
+            f"({download_command(repo, found.commit, 'dataset', include=[include_pattern(pattern, suffixes)])})"
         )
     return found.files[:wanted] if wanted else list(found.files)
 
@@ -239,7 +246,7 @@ def fetch(repo: str, found: HubFiles, files: list[tuple[str, int]], log: Log | N
         missing = next(name for name, _ in files if found.folder is None or not (found.folder / name).is_file())
         raise offline_error(
             f"{missing} of dataset {repo}@{found.commit[:12]}",
-            f"`hf download {repo} --repo-type dataset --include '{missing}'`",
+            download_command(repo, found.commit, "dataset", include=[glob.escape(missing)]),
             "lower data.hub_max_files",
         )
     # Exact names, escaped: only these files are downloaded, whatever else the pattern matches.

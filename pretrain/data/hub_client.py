@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pretrain.data import DataError, first_line
@@ -74,7 +74,7 @@ def download_here(repo: str, revision: str, pattern: str | list[str], repo_type:
     try:
         return Path(snapshot_download(repo, repo_type=repo_type, revision=revision, allow_patterns=pattern))
     except errors.LocalEntryNotFoundError:
-        raise not_cached_error(repo, pattern, repo_type) from None
+        raise not_cached_error(repo, pattern, repo_type, revision) from None
     except (errors.HfHubHTTPError, OSError, ValueError) as error:
         where = f"{repo_type} {repo}@{revision}"
         raise access_error(error, where) or DataError(f"{where}: download failed ({first_line(error)})") from None
@@ -103,16 +103,32 @@ def access_error(error: Exception, where: str) -> DataError | None:
     return None
 
 
-def not_cached_error(repo: str, pattern: str | list[str], repo_type: str) -> DataError:
+def not_cached_error(repo: str, pattern: str | list[str], repo_type: str, revision: str = "main") -> DataError:
     """Offline without the files: how to get them, or where else to point."""
-    files = " ".join(map(shlex.quote, [pattern] if isinstance(pattern, str) else pattern))
+    patterns = [pattern] if isinstance(pattern, str) else pattern
     if repo_type == "model":
-        return offline_error(
-            f"tokenizer {repo}", f"`hf download {repo} {files}`", "set data.tokenizer_name to a local tokenizer.json"
-        )
+        fetch = download_command(repo, revision, files=patterns)
+        return offline_error(f"tokenizer {repo}", fetch, "set data.tokenizer_name to a local tokenizer.json")
     return offline_error(
-        f"{repo_type} {repo}", f"`hf download {repo} --repo-type {repo_type} --include {files}`", LOCAL_FILES_INSTEAD
+        f"{repo_type} {repo}", download_command(repo, revision, repo_type, include=patterns), LOCAL_FILES_INSTEAD
     )
+
+
+def download_command(
+    repo: str, revision: str = "main", repo_type: str = "model", *, files: Sequence[str] = (), include: Sequence[str] = ()
+) -> str:
+    """The `hf download` command, in backquotes, that fetches files (by name) or what the include
+    patterns match of repo at revision (said only when it is not main: a branch, tag or commit
+    other than main is another snapshot). Every word is quoted for a shell: a repository, revision
+    or pattern comes from the user's config, and the line is meant to be pasted."""
+    words = ["hf", "download", repo, *files]
+    if repo_type != "model":
+        words += ["--repo-type", repo_type]
+    if revision != "main":
+        words += ["--revision", revision]
+    if include:
+        words += ["--include", *include]
+    return f"`{shlex.join(words)}`"
 
 
 LOCAL_FILES_INSTEAD = "train on local files: --set data.source=parquet --set data.path=DIR"

@@ -40,7 +40,7 @@ from pretrain.data.hub import (
     run_tokens,
     selected,
 )
-from pretrain.data.hub_client import is_commit, offline_error
+from pretrain.data.hub_client import download_command, is_commit, offline_error
 from pretrain.data.shards import Shard, token_file
 from pretrain.data.windows import token_count
 
@@ -103,7 +103,7 @@ def find_shards(hub: HubPath, wanted: int | None, key: str, *, every: bool = Fal
     those in the Hub cache (every: all of them, as the Hub lists them when it can be reached,
     whatever is cached). DataError when there are none, or when the Hub cannot be reached and
     nothing is cached."""
-    fetch_them = f"`hf download {hub.repo} --repo-type dataset --include '{hub.include}'`"
+    fetch_them = download_command(hub.repo, hub.revision, "dataset", include=[hub.include])
     instead = f"copy the shards here and set {key} to them"
     # At a commit (the workers' paths), the cache answers once it holds the wanted count, or for
     # all of them (wanted None: validation) any: the launcher fetched every one before they start.
@@ -111,7 +111,8 @@ def find_shards(hub: HubPath, wanted: int | None, key: str, *, every: bool = Fal
     try:
         found = matching_files(hub.repo, hub.revision, hub.pattern, cached_enough, SUFFIXES)
     except Unreachable as error:
-        raise offline_error(f"dataset {hub.repo} ({hub.pattern})", fetch_them, instead, str(error)) from None
+        at = "" if hub.revision == "main" else f"@{hub.revision}"
+        raise offline_error(f"dataset {hub.repo}{at} ({hub.pattern})", fetch_them, instead, str(error)) from None
     if found.files:
         return found
     at = f"dataset {hub.repo}@{found.commit[:12]}"

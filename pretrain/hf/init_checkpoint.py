@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 
 from pretrain.config import Config, ConfigError, ModelConfig, RopeScalingConfig, max_seq_len
 from pretrain.data import DataError, first_line
-from pretrain.data.hub_client import access_error, is_commit, offline_error
+from pretrain.data.hub_client import access_error, download_command, is_commit, offline_error
 from pretrain.hf.transformers_form import (
     HF_EMBEDDING,
     HF_OUTPUT,
@@ -46,8 +45,9 @@ from pretrain.hf.transformers_form import (
 Log = Callable[[str], None]
 
 INDEX_FILE = "model.safetensors.index.json"
-HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", INDEX_FILE]
-"""What a run needs of a Hub model repository: never its pickles (.bin, .pt) or duplicates (consolidated.*)."""
+HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", INDEX_FILE, "tokenizer.json", "tokenizer_config.json"]
+"""What a run needs of a Hub model repository: never its pickles (.bin, .pt) or duplicates (consolidated.*);
+its tokenizer, to be compared with the run's (pretrain/hf/init_tokenizer.py)."""
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
@@ -156,7 +156,7 @@ def hub_snapshot(repo: str, revision: str, log: Log, aside: str = "") -> tuple[P
         except errors.LocalEntryNotFoundError:
             error = offline_error(
                 f"{where} ({aside})" if aside else where,
-                f"`hf download {repo} --revision {revision} --include {' '.join(map(shlex.quote, HUB_FILES))}`",
+                download_command(repo, revision, include=HUB_FILES),
                 "set training.init_from to a local checkpoint directory",
             )
             raise InitFromError(f"training.init_from: {error}") from None
@@ -226,15 +226,41 @@ def _weight_files(directory: Path, where: str) -> list[str]:
     index = directory / INDEX_FILE
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise InitFromError(f"{where}: {INDEX_FILE} cannot be read ({first_line(error)})") from None
+            files = sorted(set(index_weight_map(index).values()))
+        except SafetensorsDamage as error:
+            raise InitFromError(f"{where}: {error}") from None
         if missing := [name for name in files if not (directory / name).is_file()]:
             raise InitFromError(f"{where}: {missing[0]} is named by {INDEX_FILE} but missing; fetch or copy it")
         return files
     if (directory / "model.safetensors").is_file():
         return ["model.safetensors"]
     return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def index_weight_map(index: Path) -> dict[str, str]:
+    """Tensor name -> file, from a model.safetensors.index.json's weight_map. SafetensorsDamage in
+    one line for an index that cannot be read, or one naming a file by a path (a separator, `..`,
+    an absolute path): a checkpoint's weight files sit beside its index, and a file elsewhere
+    (../other/model.safetensors, /etc/passwd) is never opened."""
+    try:
+        entries = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files_by_name = {str(name): file for name, file in entries.items()}
+    except UnicodeDecodeError:
+        raise SafetensorsDamage(f"{index.name} cannot be read (not UTF-8 text); {_FIX}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise SafetensorsDamage(f"{index.name} cannot be read ({first_line(error)}); {_FIX}") from None
+    for name, file in files_by_name.items():
+        if not (isinstance(file, str) and _beside(file)):
+            raise SafetensorsDamage(
+                f"{index.name} names {file!r} for {name}, which is not a file beside it (a path, or no file name); "
+                "give a checkpoint whose index names only files in its own directory"
+            )
+    return files_by_name
+
+
+def _beside(name: str) -> bool:
+    """Whether name is a plain file name: joined to a directory, a file in that directory."""
+    return name not in ("", ".", "..") and not any(separator in name for separator in ("/", "\\", "\0"))
 
 
 def read_header(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -267,7 +293,9 @@ def check_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for name, info in json.loads(raw).items()
             if name != "__metadata__"
         }
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except UnicodeDecodeError:  # its message would quote a byte of the file
+        raise SafetensorsDamage(f"{path.name} is not a readable safetensors file (a header not UTF-8); {_FIX}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise SafetensorsDamage(f"{path.name} is not a readable safetensors file ({first_line(error)}); {_FIX}") from None
     end = 0
     for name, (dtype, shape, (begin, stop)) in sorted(tensors.items(), key=lambda item: item[1][2]):
@@ -297,7 +325,8 @@ def _raw_header(path: Path) -> tuple[int, int, bytes]:
     except OSError as error:
         raise SafetensorsDamage(f"{path.name} cannot be read ({first_line(error)})") from None
     if size < 8 or not 2 <= length <= MAX_HEADER:
-        what = f"a header of {length} bytes" if size >= 8 else f"{size} bytes"
+        # The length is the file's first 8 bytes: never said (of a text file they are its text).
+        what = f"its header length is not plausible for a file of {size} bytes" if size >= 8 else f"{size} bytes"
         raise SafetensorsDamage(f"{path.name} is not a readable safetensors file ({what}); {_FIX}")
     if size < 8 + length:
         raise SafetensorsDamage(f"{path.name} is {size} bytes but its header describes at least {8 + length} (truncated); {_FIX}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from pretrain.hf.init_checkpoint import index_weight_map
 from pretrain.run.files import atomic_write, atomic_write_text
 
 if TYPE_CHECKING:
@@ -148,13 +149,11 @@ def _write_tensor(file: BinaryIO, spec: TensorSpec, name: str, tensor: Tensor) -
 
 def weight_map(directory: Path) -> dict[str, str]:
     """Tensor name -> the file in directory that holds it: from the index, else model.safetensors'
-    header. FileNotFoundError when there are no weights; ValueError when the index is damaged."""
+    header. FileNotFoundError when there are no weights; SafetensorsDamage (a ValueError) when the
+    index is damaged or names a file that is not beside it (index_weight_map)."""
     index = directory / INDEX_FILE
     if index.is_file():
-        described = json.loads(index.read_text(encoding="utf-8"))
-        if not isinstance(described, dict) or not isinstance(described.get("weight_map"), dict):
-            raise ValueError(f"{index} has no weight_map")
-        return {str(name): str(file) for name, file in described["weight_map"].items()}
+        return index_weight_map(index)
     if not (directory / SINGLE_FILE).is_file():
         raise FileNotFoundError(2, f"no {SINGLE_FILE} nor {INDEX_FILE}", str(directory))
     with WeightFiles(directory, {}) as files:

@@ -27,14 +27,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from pretrain import registry
 from pretrain.config import Config
 from pretrain.data import DataError
-from pretrain.data.tokenizer import BPE_EOT, BYTE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, TiktokenTokenizer, load_tokenizer
+from pretrain.data.tokenizer import BYTE_EOT, TOKENIZER_FILE, HuggingFaceTokenizer, TiktokenTokenizer, load_tokenizer
+from pretrain.hf.vocabulary import byte_level, byte_vocabulary, tiktoken_vocabulary
 from pretrain.run.files import atomic_write_text
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -154,27 +154,6 @@ def token_of(tokenizer_json: dict[str, Any], token_id: int) -> str:
 # --- built here: byte and tiktoken ---------------------------------------------------------------
 
 
-@cache
-def byte_to_char() -> dict[int, str]:
-    """GPT-2's byte-level alphabet (what tokenizers' ByteLevel pre-tokenizer maps bytes to): the
-    printable bytes as themselves, the others shifted past 255, so that every byte is one character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, shift = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + shift)
-            shift += 1
-    return chars
-
-
-def byte_level(token: bytes) -> str:
-    """A token's bytes spelled in byte_to_char's alphabet, as a byte-level vocabulary holds them."""
-    table = byte_to_char()
-    return "".join(table[byte] for byte in token)
-
-
 def special_token(token_id: int, content: str) -> dict[str, Any]:
     return {
         "id": token_id,
@@ -228,8 +207,8 @@ def byte_level_pre_tokenizer() -> dict[str, Any]:
 
 def byte_tokenizer_json() -> dict[str, Any]:
     """The byte tokenizer: every byte its own id (no merges), end-of-text 256 as a special token."""
-    vocab = {byte_level(bytes([byte])): byte for byte in range(256)}
-    return bpe_tokenizer_json(vocab, [], byte_level_pre_tokenizer(), {BPE_EOT: BYTE_EOT}, ignore_merges=False)
+    vocab, specials = byte_vocabulary()
+    return bpe_tokenizer_json(vocab, [], byte_level_pre_tokenizer(), specials, ignore_merges=False)
 
 
 POSSESSIVE_INTERVAL = re.compile(r"(\\[pP]\{\w+\}|\[(?:\\.|[^\]\\])*\]|\\.|[^\\()|])(\{\d+(?:,\d*)?\})\+")
@@ -268,10 +247,6 @@ def tiktoken_tokenizer_json(encoding: Any) -> dict[str, Any]:
             byte_level_pre_tokenizer(),
         ],
     }
-    return bpe_tokenizer_json(
-        {byte_level(token): rank for token, rank in ranks.items()},
-        [[byte_level(left), byte_level(right)] for *_, left, right in merges],
-        pre_tokenizer,
-        dict(encoding._special_tokens),
-        ignore_merges=True,
-    )
+    vocab, specials = tiktoken_vocabulary(encoding)
+    merged = [[byte_level(left), byte_level(right)] for *_, left, right in merges]
+    return bpe_tokenizer_json(vocab, merged, pre_tokenizer, specials, ignore_merges=True)
