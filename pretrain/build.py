@@ -20,7 +20,7 @@ from pretrain.distributed import parallel
 from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data import DataError
-from pretrain.data.loader import TokenIdError, TrainBatches, validation_batches
+from pretrain.data.loader import TokenIdError, TrainBatches, ValBatch, validation_batches
 from pretrain.numerics.debug import FirstNonFinite
 from pretrain.observe.metrics import MetricsLog
 from pretrain.observe.stragglers import StragglerWatch, watch_for
@@ -45,7 +45,7 @@ class Trainer:
     loader: TrainBatches
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     """Iterates loader; loader.state_dict() names the next batch it yields."""
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    val_batches: list[ValBatch]
     log: logging.Logger
     run_dir: Path
     metrics: MetricsLog
@@ -159,6 +159,7 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
             runtime.world_size,
             t.eval_batches,
             vocab_size=config.model.vocab_size,
+            grad_accum=t.grad_accum_nums,
         )
     except TokenIdError:
         raise  # damaged data stops the run; only a val split too small to use is skipped
@@ -167,9 +168,9 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
         log.warning(f"Validation skipped: {error}")
         val = []
     log.debug(
-        f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; "
-        f"{len(val)} validation batches per rank; {t.batch_size} x {config.data.context_length} "
-        f"tokens per micro-batch, {t.grad_accum_nums} micro-batches per step"
+        f"Data: {dataset_dir}; {loader.batches_per_epoch} batches per epoch per rank; validation: "
+        f"{sum(batch.windows for batch in val)} windows on this rank in {len(val)} batches; "
+        f"{t.batch_size} x {config.data.context_length} tokens per micro-batch, {t.grad_accum_nums} micro-batches per step"
     )
     wandb = WandbRun(run_dir, config, log) if config.logging.wandb and runtime.is_main else None
     metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log, wandb=wandb)

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pretrain.data import DataError
-from pretrain.data.loader import TokenWindows, TrainBatches, as_is, validation_batches
+from pretrain.data.loader import TokenWindows, TrainBatches, as_is, validation_batches, validation_split
 
 T = 8  # context length: small, so a small dataset has hundreds of windows
 HEADER = 1024  # bytes before the tokens of an llm.c-style shard
@@ -318,32 +318,74 @@ def test_data_too_small_for_one_optimizer_step_raises_with_the_numbers_and_the_f
 # --- validation batches --------------------------------------------------------------------------
 
 
+def counted_windows(batches, val: np.ndarray) -> list[int]:
+    """The val windows a rank's validation batches count towards the mean (not a stand-in's)."""
+    return [i for batch in batches if batch.windows for i in indices_of(batch.inputs, val)]
+
+
 def test_validation_batches_are_the_same_on_every_call(data):
     first = validation_batches(data.path, T, batch_size=4, rank=0, world_size=2, num_batches=3)
     assert len(first) == 3
-    assert_same_batches(first, validation_batches(data.path, T, batch_size=4, rank=0, world_size=2, num_batches=3))
+    again = validation_batches(data.path, T, batch_size=4, rank=0, world_size=2, num_batches=3)
+    assert_same_batches([batch[:2] for batch in first], [batch[:2] for batch in again])
 
 
 def test_validation_batches_are_the_first_windows_of_val_shared_disjointly_by_rank(data):
     world, batch, num = 2, 4, 3
     per_rank = [validation_batches(data.path, T, batch, rank, world, num) for rank in range(world)]
-    seen = [[i for x, _ in batches for i in indices_of(x, data.val)] for batches in per_rank]
 
-    assert seen[0] == list(range(0, 24, 2)) and seen[1] == list(range(1, 24, 2))
-    for x, y in per_rank[1]:
-        assert x.shape == y.shape == (batch, T) and torch.equal(x[:, 1:], y[:, :-1])
+    assert counted_windows(per_rank[0], data.val) == list(range(0, 24, 2)) and counted_windows(per_rank[1], data.val) == list(
+        range(1, 24, 2)
+    )
+    for x, y, windows in per_rank[1]:
+        assert x.shape == y.shape == (batch, T) and windows == batch and torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_a_small_val_split_gives_fewer_batches_but_the_same_number_on_every_rank(data):
-    counts = [len(validation_batches(data.path, T, 4, rank, 3, num_batches=1000)) for rank in range(3)]
-    assert counts == [75 // 3 // 4] * 3
+@pytest.mark.parametrize(("world", "grad_accum"), [(1, 4), (2, 2), (4, 1), (3, 1)])
+def test_validation_covers_num_batches_global_batches_whatever_the_number_of_ranks(data, world, grad_accum):
+    # A global batch of 12 sequences: 4 x 3 on one rank, 2 x 3 on two, 1 x 3 on four; 3 x 4 on three.
+    batch = 12 // (world * grad_accum)
+    per_rank = [validation_batches(data.path, T, batch, rank, world, 5, grad_accum=grad_accum) for rank in range(world)]
+    assert sorted(i for batches in per_rank for i in counted_windows(batches, data.val)) == list(range(60))
+
+
+@pytest.mark.parametrize(("windows", "batch", "world"), [(17, 8, 2), (10, 4, 3), (5, 1, 4), (2, 4, 3), (75, 4, 1)])
+def test_windows_that_do_not_divide_over_the_ranks_are_each_used_once_in_as_many_batches_on_every_rank(windows, batch, world):
+    split = [validation_split(windows, batch, rank, world) for rank in range(world)]
+
+    assert sorted(int(i) for batches in split for indices in batches for i in indices) == list(range(windows))
+    assert len({len(batches) for batches in split}) == 1  # every rank runs as many forward passes
+    assert all(0 < len(split[0][k]) <= batch for k in range(len(split[0])))  # rank 0's share is the largest
+
+
+def test_a_rank_whose_share_runs_out_sooner_runs_a_stand_in_batch_that_counts_no_window(data):
+    # 75 windows over 4 ranks in batches of 2: ranks 0-2 get 19 (10 batches), rank 3 gets 18 (9 and a stand-in).
+    per_rank = [validation_batches(data.path, T, 2, rank, 4, num_batches=1000) for rank in range(4)]
+
+    assert [len(batches) for batches in per_rank] == [10] * 4
+    assert [batch.windows for batch in per_rank[3]][-2:] == [2, 0] and per_rank[3][-1].inputs.shape == (2, T)
+    assert [batch.windows for batch in per_rank[0]][-2:] == [2, 1]
+    assert sorted(i for batches in per_rank for i in counted_windows(batches, data.val)) == list(range(75))
+
+
+def test_a_small_val_split_is_used_whole_in_the_same_number_of_batches_on_every_rank(data):
+    per_rank = [validation_batches(data.path, T, 4, rank, 3, num_batches=1000) for rank in range(3)]
+    assert [len(batches) for batches in per_rank] == [7] * 3  # 25 windows each: 6 batches of 4 and one of 1
+    assert sorted(i for batches in per_rank for i in counted_windows(batches, data.val)) == list(range(75))
 
 
 def test_a_val_split_smaller_than_one_full_batch_per_rank_gives_one_smaller_batch(data):
     batches = validation_batches(data.path, T, batch_size=75, rank=1, world_size=2, num_batches=4)
-    assert len(batches) == 1 and batches[0][0].shape == (37, T)
+    assert len(batches) == 1 and batches[0].inputs.shape == (37, T) and batches[0].windows == 37
 
 
-def test_a_val_split_with_fewer_windows_than_ranks_raises_with_the_fix(data):
-    with pytest.raises(DataError, match="has 75 windows of 9 tokens, fewer than one per rank .76.; increase data.val"):
-        validation_batches(data.path, T, batch_size=1, rank=0, world_size=76, num_batches=1)
+def test_a_val_split_with_fewer_windows_than_ranks_is_still_used_whole(data):
+    per_rank = [validation_batches(data.path, T, batch_size=1, rank=rank, world_size=76, num_batches=1) for rank in range(76)]
+    assert sorted(i for batches in per_rank for i in counted_windows(batches, data.val)) == list(range(75))
+    assert [batch.windows for batch in per_rank[75]] == [0]
+
+
+def test_a_val_split_without_a_window_raises_with_the_fix(tmp_path):
+    path = write_dataset(tmp_path, train=[Part(np.arange(100), "tokens.bin")], val=[Part(np.arange(5), "val.bin")])
+    with pytest.raises(DataError, match="has no window of 9 tokens; increase data.val_fraction or reduce data.context_length"):
+        validation_batches(path, T, batch_size=1, rank=0, world_size=2, num_batches=1)

@@ -15,6 +15,7 @@ from pretrain.evaluation import task_eval
 from pretrain import config as cfg
 from pretrain.build import build
 from pretrain.data.fitting import fit_to_dataset
+from pretrain.data.loader import ValBatch
 from pretrain.data.prepare import prepare
 from pretrain.evaluation.evaluate import main as evaluate_command
 from pretrain.observe.metrics import read_metrics
@@ -121,3 +122,24 @@ def test_without_intervals_nothing_is_evaluated_on_the_way(tmp_path):
         for steps in range(STEPS):
             log_evaluations(trainer, steps)
     assert not (trainer.run_dir / "metrics.jsonl").exists() or read_metrics(trainer.run_dir / "metrics.jsonl") == []
+
+
+def test_validation_weighs_every_window_alike_and_leaves_a_stand_in_batch_out(tmp_path):
+    trainer = built(config_for(tmp_path), tmp_path / "run")
+    x, y, windows = trainer.val_batches[0]
+    assert windows == 2
+    whole = evaluate(trainer)
+    # A batch of one window and its predecessor of two: the mean is over windows, not over batches.
+    trainer.val_batches.append(ValBatch(x[:1], y[:1], 1))
+    expected = (2 * whole + evaluate_batches(trainer, [ValBatch(x[:1], y[:1], 1)])) / 3
+    assert evaluate(trainer) == pytest.approx(expected, abs=1e-6)
+    trainer.val_batches[-1] = ValBatch(torch.zeros_like(x), torch.zeros_like(y), 0)  # a stand-in
+    assert evaluate(trainer) == pytest.approx(whole, abs=1e-6)
+
+
+def evaluate_batches(trainer, batches) -> float:
+    kept, trainer.val_batches = trainer.val_batches, batches
+    try:
+        return evaluate(trainer)
+    finally:
+        trainer.val_batches = kept

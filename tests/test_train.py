@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port
+from helpers import run_debug_training
 from pretrain.checkpoint import save_restore
 from pretrain import config as cfg
 from pretrain.data.fitting import fit_to_dataset
@@ -21,6 +22,7 @@ from pretrain.distributed.runtime import Runtime, device_label, setup_logging
 from pretrain.run.stopping import Stopped
 from pretrain.numerics.debug import NumericalFailure
 from pretrain.build import build
+from pretrain.observe.metrics import read_metrics
 from pretrain.observe.step_line import format_eta
 from pretrain.optim.schedule import lr_at
 from pretrain.train import fit, train_step
@@ -194,3 +196,22 @@ def test_ranks_plan_on_the_smallest_memory_any_of_them_reports(tmp_path):
     ]
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert [out.strip().splitlines()[-1] for out in outputs] == ["(40, 500)", "(40, 500)"], outputs
+
+
+def recorded(run_dir, kind: str, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == kind}
+
+
+@pytest.mark.slow
+def test_one_rank_accumulating_two_micro_batches_reports_the_validation_loss_of_two_ranks(tmp_path):
+    # The same global batch either way, so the same training; validation covers eval_batches global
+    # batches, so the same windows too (evaluated at step 0, during training and after the last step).
+    options = ("--max-steps", "2", "--set", "training.eval_interval=1")
+    launcher = ["-m", "launcher", "--device", "cpu", "--nproc"]
+    run_debug_training(tmp_path, [*launcher, "2"], tmp_path / "two", *options)
+    run_debug_training(tmp_path, [*launcher, "1"], tmp_path / "one", *options, "--set", "training.grad_accum_nums=2")
+
+    two, one = recorded(tmp_path / "two", "val", "val_loss"), recorded(tmp_path / "one", "val", "val_loss")
+    assert sorted(two) == [0, 1, 2]
+    assert recorded(tmp_path / "one", "train", "loss") == pytest.approx(recorded(tmp_path / "two", "train", "loss"), abs=1e-5)
+    assert one == pytest.approx(two, abs=1e-5)  # float order differs: the last bits may

@@ -26,7 +26,7 @@ import signal
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -331,6 +331,26 @@ class _IndexStream:
             epoch, first = epoch + 1, 0
 
 
+class ValBatch(NamedTuple):
+    """A validation batch and the windows it adds to the mean: its rows, or 0 for a stand-in."""
+
+    inputs: Tensor
+    targets: Tensor
+    windows: int
+
+
+def validation_split(windows: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray]:
+    """This rank's batches of window indices out of the first `windows` windows of val: every
+    world_size-th one from rank on, batch_size at a time (the last may be smaller).
+
+    Every rank gets as many batches as the rank with the most windows, because every rank must run
+    as many forward passes (FSDP all-gathers the weights in each): where windows do not divide
+    evenly over the ranks, a rank whose share runs out sooner gets empty batches to fill up with."""
+    count = -(-windows // world_size)  # rank 0's share, the largest
+    mine = np.arange(rank, windows, world_size)
+    return [mine[i : i + batch_size] for i in range(0, count, batch_size)]
+
+
 def validation_batches(
     dataset_dir: str | Path,
     context_length: int,
@@ -339,25 +359,27 @@ def validation_batches(
     world_size: int,
     num_batches: int,
     vocab_size: int | None = None,
-) -> list[Batch]:
+    grad_accum: int = 1,
+) -> list[ValBatch]:
     """A fixed set of validation batches for this rank, the same on every call.
 
-    The first num_batches * batch_size * world_size windows of val (fewer when val is smaller),
-    every world_size-th one to this rank. Every rank gets the same number of batches, at least
-    one; when val cannot fill one full batch per rank, that one batch is smaller. Ids are
-    checked against vocab_size when given (see out_of_vocabulary)."""
+    Validation covers the same windows whatever the number of ranks: the first num_batches global
+    batches of val (num_batches * batch_size * grad_accum * world_size windows, all of val when it
+    is smaller), shared out by validation_split. Each batch counts its windows towards the mean;
+    a stand-in batch (the first windows of val, to keep the ranks' forward passes matched) counts
+    none. Ids are checked against vocab_size when given (see out_of_vocabulary)."""
     windows = TokenWindows(dataset_dir, "val", context_length)
-    per_rank = min(num_batches * batch_size, len(windows) // world_size)
-    if per_rank == 0:
+    if len(windows) == 0:
         raise DataError(
-            f"the val split ({windows.n_tokens:,} tokens) has {len(windows):,} windows of {context_length + 1} "
-            f"tokens, fewer than one per rank ({world_size}); "
-            "increase data.val_fraction, reduce data.context_length or use fewer ranks"
+            f"the val split ({windows.n_tokens:,} tokens) has no window of {context_length + 1} tokens; "
+            "increase data.val_fraction or reduce data.context_length"
         )
-    size = min(batch_size, per_rank)
-    mine = np.arange(rank, per_rank * world_size, world_size)
-    batches = [windows.batch(mine[i : i + size]) for i in range(0, per_rank // size * size, size)]
-    for i, batch in enumerate(batches):
-        if vocab_size is not None and (bad := out_of_vocabulary(batch, vocab_size)) is not None:
-            raise windows.id_error(int(mine[i * size + bad[0]]), bad[1], vocab_size)
+    total = min(num_batches * batch_size * grad_accum * world_size, len(windows))
+    stand_in = np.arange(min(batch_size, total))
+    batches = []
+    for indices in validation_split(total, batch_size, rank, world_size):
+        x, y = windows.batch(indices if indices.size else stand_in)
+        if indices.size and vocab_size is not None and (bad := out_of_vocabulary((x, y), vocab_size)) is not None:
+            raise windows.id_error(int(indices[bad[0]]), bad[1], vocab_size)
+        batches.append(ValBatch(x, y, int(indices.size)))
     return batches
