@@ -6,7 +6,9 @@ library that cannot be mapped ("failed to map segment from shared object"), a th
 that cannot start (ENOMEM), or OpenBLAS giving up as numpy loads, which ends the process with no
 Python error at all. is_out_of_memory tells them apart from other errors, refusal says what to do,
 and start() runs the command line so that all of them, wherever in the launcher's start-up, end in
-that one line and exit code 2. A worker's own MemoryError is that worker's failure (the summary).
+that one line and exit code 2. A limit too small for any training worker is refused the same
+way before one starts (too_small_for_workers); a worker that runs out above that floor (a larger
+model, more threads) fails on its own, and the summary's hint names the limit.
 
 Standard library only, and imported before anything else: it must work where little else can.
 """
@@ -57,6 +59,29 @@ def refusal() -> str:
     return (
         f"not enough address space to start: ulimit -v is {limit // 1024} KiB (RLIMIT_AS, {limit >> 20} MiB); "
         "raise it (ulimit -v unlimited)"
+    )
+
+
+WORKER_ADDRESS_SPACE = 736 << 20
+"""The least address space a training worker needs alone: torch, the debug model on CPU, a few
+steps. Measured here (torch 2.13's CPU build, 2 cores): it fails at 757 MiB and trains at 781 MiB;
+a larger model, more cores or CUDA's libraries need more. Below that no worker starts training."""
+WORKER_BESIDE_PEERS_ADDRESS_SPACE = 980 << 20
+"""The same beside other ranks, whose collectives (gloo) and DDP add threads, each with its own
+stack and malloc arena: measured here, two ranks fail at 1001 MiB each and train at 1025 MiB."""
+
+
+def too_small_for_workers(world_size: int) -> str | None:
+    """The one line refusing training workers an address-space limit (which they inherit) that
+    none of them could train in, before any starts; None without a limit, or above that floor."""
+    limit = address_space_limit()
+    floor = WORKER_ADDRESS_SPACE if world_size == 1 else WORKER_BESIDE_PEERS_ADDRESS_SPACE
+    if limit is None or limit >= floor:
+        return None
+    alone = "alone" if world_size == 1 else "beside other ranks"
+    return (
+        f"not enough address space for the training workers: ulimit -v is {limit // 1024} KiB (RLIMIT_AS, {limit >> 20} MiB), "
+        f"which every worker inherits, and one {alone} needs more than {floor >> 20} MiB; raise it (ulimit -v unlimited)"
     )
 
 

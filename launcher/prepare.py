@@ -7,6 +7,7 @@ This is where the launcher imports most of its `pretrain` modules (docs/design.m
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -16,16 +17,25 @@ from launcher.gpus.placement import Placement
 from launcher.nodes.rendezvous import Node
 from launcher.supervise.printer import Printer
 from pretrain import config as cfg
+from pretrain.run import faults
 
 
-def prepare_training(config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None) -> cfg.Config:
+def prepare_training(
+    config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None, first_attempt: bool = True
+) -> cfg.Config:
     """Prepare the dataset once (per node), check one global batch fits the data and the model
     fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/plan/parallelism.py), before
     anything is spawned or written; return the config as the workers will run it (training.parallelism
     "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
-    In a job of several nodes, the whole job's worker count and smallest GPU decide."""
+    In a job of several nodes, the whole job's worker count and smallest GPU decide. The first
+    attempt (first_attempt) also checks the ranks PRETRAIN_FAULTS names against the world size."""
     with address_space.loading_numpy():  # its first import: a limit on address space is one line
         from pretrain.data.fitting import fit_to_dataset
+    world_size = node.world_size if node is not None else placement.world_size
+    if problem := address_space.too_small_for_workers(world_size):  # `ulimit -v`: one line, not their tracebacks
+        raise UsageError(problem)
+    if first_attempt:  # the largest world size of the run: a rank beyond it never fires
+        faults.check_ranks(faults.parse(os.environ.get(faults.FAULTS_VAR, "")), world_size)
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
@@ -35,6 +45,7 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     from pretrain.observe import wandb_log
     from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
     from pretrain.hf.init_checkpoint import check_fits, for_workers
+    from pretrain.hf.init_tokenizer import check_tokenizer
 
     if config.logging.wandb and not wandb_log.is_installed():
         raise UsageError(wandb_log.MISSING)
@@ -55,7 +66,6 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     gpu_memory = planned_gpu_memory(config, gpu_memory)
     if gpu_memory is not None:  # the workers plan on this very figure (pretrain/build.py)
         config = with_gpu_memory(config, gpu_memory)
-    world_size = node.world_size if node is not None else placement.world_size
     host_memory = host_memory_bytes()
     if config.model.vocab_size is not None:
         # The model's size is known before the data: a run that fits neither the GPUs nor this
@@ -67,7 +77,8 @@ def prepare_training(config: cfg.Config, placement: Placement, printer: Printer,
     with sigterm_as_exit():
         dataset_dir = prepare(config.data, log=printer.launcher_line)
     config, length = fit_to_dataset(config, dataset_dir, world_size)
-    if init is not None:  # again, with the vocabulary the tokenizer has set
+    if init is not None:  # again, with the vocabulary the tokenizer has set, and its tokens
+        check_tokenizer(init, config, dataset_dir, printer.launcher_line)
         check_fits(init, config)
     printer.launcher_line(f"run length: {length.describe()}")
     config, line = plan_parallelism(config, world_size, gpu_memory, host_memory)

@@ -51,6 +51,39 @@ def test_the_launcher_under_a_small_ulimit_v_says_so_in_one_line_and_exits_2(kib
     assert not (tmp_path / "r").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize(("kib", "nproc"), [(700000, 2), (1000000, 2), (700000, 1)])
+def test_a_ulimit_v_too_small_for_a_training_worker_is_refused_in_one_line_before_any_starts(kib, nproc, tmp_path):
+    # Measured here: the launcher starts under these limits, and each worker used to fail with a
+    # traceback of 64 lines (MemoryError while importing torch._dynamo, or torch's allocator).
+    launch = [sys.executable, "-m", "launcher", "--debug", "--device", "cpu", "--nproc", str(nproc), "--max-steps", "1"]
+    launch += ["--run-dir", str(tmp_path / "r"), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    result = subprocess.run(
+        ["bash", "-c", f'ulimit -v {kib} && exec "$@"', "bash", *launch],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    needs = "alone needs more than 736 MiB" if nproc == 1 else "beside other ranks needs more than 980 MiB"
+    assert result.stderr == (
+        f"launcher: error: not enough address space for the training workers: ulimit -v is {kib} KiB "
+        f"(RLIMIT_AS, {kib * KIB >> 20} MiB), which every worker inherits, and one {needs}; raise it (ulimit -v unlimited)\n"
+    )
+    assert "CPU0:" not in result.stdout  # no worker started
+    assert not (tmp_path / "r").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_ulimit_v_a_training_worker_can_train_in_is_not_refused(monkeypatch):
+    monkeypatch.setattr(address_space, "address_space_limit", lambda: 800000 * KIB)  # measured: one worker trains
+    assert address_space.too_small_for_workers(1) is None
+    monkeypatch.setattr(address_space, "address_space_limit", lambda: 1050000 * KIB)  # and two
+    assert address_space.too_small_for_workers(2) is None
+    monkeypatch.setattr(address_space, "address_space_limit", lambda: None)
+    assert address_space.too_small_for_workers(8) is None
+
+
 @pytest.mark.parametrize(
     "error",
     [

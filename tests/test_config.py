@@ -345,6 +345,14 @@ def test_infinite_or_nan_numbers_are_refused():
     assert "expected a finite number, got nan" in error_of(sets=["model.init_std=NaN"])
 
 
+@pytest.mark.parametrize("seconds", ["0", "-1", "86401"])
+def test_a_collective_timeout_out_of_range_is_refused_with_a_range_that_holds_its_own_bounds(seconds):
+    # "between 0 and 86400" refused 0, which it seemed to allow
+    assert error_of(sets=[f"system.collective_timeout={seconds}"]) == (
+        f"--set: system.collective_timeout: must be more than 0 seconds and at most 86400, a day (got {seconds})"
+    )
+
+
 def test_a_seed_beyond_64_bits_is_refused():
     assert "training.seed: must be in [0, 2**63)" in error_of(sets=[f"training.seed={2**64}"])
 

@@ -15,6 +15,7 @@ from helpers import assert_one_line_error, data_config, prepared, run_debug_trai
 from pretrain.data import DataError
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import prepare, read_meta, verify
+from pretrain.data.shards import scan, token_file
 from test_data_shards import write_llmc, write_megatron
 
 IDS = np.random.default_rng(1).integers(0, 50257, size=600).astype(np.uint16)
@@ -187,3 +188,48 @@ def test_a_debug_run_trains_on_a_nanogpt_directory_through_the_launcher(tmp_path
 
     assert "(5,000 train tokens, 1,000 val tokens)" in result.stdout + result.stderr
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_nanogpt_directory_without_val_bin_says_in_one_line_that_validation_is_train_bins_tail(tmp_path):
+    folder = tmp_path / "shakespeare"
+    folder.mkdir()
+    write_nanogpt(folder / "train.bin", IDS)
+    lines: list[str] = []
+
+    dataset = prepare(data_config(tmp_path, source="nanogpt", path=str(folder), val_fraction=0.05), log=lines.append)
+
+    assert [line for line in lines if "val.bin" in line] == [
+        f"dataset: no val.bin beside {folder / 'train.bin'}: validation is its last 5% (data.val_fraction), "
+        "which training does not read; put val.bin there, or set data.val_path"
+    ]
+    assert split_tokens(dataset, "val").tolist() == IDS[570:].tolist()
+
+
+def test_one_stray_id_far_above_the_rest_is_said_in_one_line_with_its_count_and_the_vocabulary_it_grew_to(tmp_path):
+    folder = tmp_path / "owt"
+    folder.mkdir()
+    ids = IDS.copy()
+    ids[123] = 60000  # one damaged id in GPT-2 data (ids up to 50256)
+    write_nanogpt(folder / "train.bin", ids[:500])
+    write_nanogpt(folder / "val.bin", ids[500:])
+    below = int(np.sort(ids)[-2])
+    lines: list[str] = []
+
+    dataset = prepare(data_config(tmp_path, source="nanogpt", path=str(folder)), log=lines.append)
+
+    assert [line for line in lines if "token id" in line] == [
+        f"dataset: token id 60,000 occurs 1 time(s) in 600 tokens, far above every other id (the next is {below:,}): "
+        f"the vocabulary grew from {below + 1:,} to 60,001 ids to fit it; if it is damage, fix the data"
+    ]
+    assert read_meta(dataset)["vocab_size"] == 60001
+    lines.clear()
+    prepare(data_config(tmp_path, source="nanogpt", path=str(write_nanogpt(tmp_path / "ids.bin", IDS))), log=lines.append)
+    assert not [line for line in lines if "token id" in line]  # ids that reach the top evenly are not stray
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
+def test_the_scan_counts_the_largest_id_and_finds_the_next_below_it_whatever_the_chunks(tmp_path, chunk_tokens):
+    ids = np.array([5, 9, 3, 9, 2, 7, 9, 1, 8], dtype=np.uint16)
+    shard = token_file(write_nanogpt(tmp_path / "ids.bin", ids))
+    found = scan(shard, chunk_bytes=2 * chunk_tokens)
+    assert (found.max_id, found.max_count, found.below) == (9, 3, 8)

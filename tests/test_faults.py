@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, launcher_env
-from helpers import assert_one_line_error, run_in_process
+from helpers import assert_one_line_error, run_in_process, run_launcher
 from pretrain import train
 from pretrain.run import faults
 from pretrain.run.faults import ATTEMPT_VAR, FAULTS_VAR, Fault, FaultsError
@@ -91,6 +91,26 @@ def test_a_malformed_value_stops_training_before_it_starts(capsys, monkeypatch, 
     argv = ["--debug", "--max-steps", "1", "--run-dir", str(tmp_path / "run"), "--set", f"data.cache_dir={tmp_path}"]
     result = run_in_process(train.main, argv, capsys)
     assert_one_line_error(result, "PRETRAIN_FAULTS entry '0:0:2:sigstop'", prefix="pretrain: error: ")
+
+
+def test_a_fault_for_a_rank_beyond_the_world_size_is_refused_by_the_launcher_before_any_worker_starts(tmp_path):
+    # It would never fire: the run would end 0 and pass for one that survived the fault.
+    result = run_launcher(
+        "--debug", "--device", "cpu", "--nproc", "2", "--max-steps", "4", "--run-dir", str(tmp_path / "run"),
+        "--set", f"data.cache_dir={tmp_path / 'cache'}",
+        timeout=120,
+        **{FAULTS_VAR: "0:1:2:sleep=0,0:5:3:sigkill"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (
+        "launcher: error: PRETRAIN_FAULTS names rank 5, but the world size is 2 (ranks 0-1), "
+        "so that fault would never fire; give a rank below 2\n"
+    )
+    assert "CPU0:" not in result.stdout and not (tmp_path / "run").exists()
+
+
+def test_faults_of_ranks_within_the_world_size_pass_the_check():
+    faults.check_ranks(faults.parse("0:0:2:sigkill,*:1:3:sleep=1"), 2)
 
 
 def run_with_fault(tmp_path, fault: str) -> subprocess.CompletedProcess:

@@ -33,7 +33,9 @@ from pretrain.data.cache import inspect_dataset
 from pretrain.observe.metrics import MetricsLog
 from pretrain.distributed.peer_loss import PeerFailed
 from pretrain.run.files import atomic_write_text, os_error_message
-from pretrain.train import train_step
+from pretrain.hf import export as hf_export
+from pretrain.run.refusal import Refusal
+from pretrain.train import export_final, train_step
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 
@@ -303,6 +305,27 @@ def test_a_checkpoint_that_hits_a_full_disk_names_the_file_and_leaves_the_previo
     assert checkpoint.latest(trainer.run_dir / "checkpoints") == previous
     resumed = make_trainer(cache, tmp_path / "resumed")
     assert checkpoint.restore(resumed, previous) == 2
+
+
+def test_an_export_at_the_end_of_training_on_a_full_disk_names_the_file_and_how_to_export_the_saved_checkpoint(
+    cache, tmp_path, monkeypatch
+):
+    trainer = make_trainer(cache, tmp_path / "run")
+    train_step(trainer, 0)
+    final = checkpoint.save(trainer, 1, trainer.run_dir)
+    weights = trainer.run_dir / "export" / "model.safetensors"
+
+    def disk_fills(*args, **kwargs):
+        raise OSError(errno.ENOSPC, NO_SPACE, str(weights))
+
+    monkeypatch.setattr(hf_export, "write_shards", disk_fills)
+    with pytest.raises(Refusal) as error:
+        export_final(trainer, final)
+    assert error.value.exit_code == 2
+    assert str(error.value) == (
+        f"{weights}: {NO_SPACE}; the final checkpoint {final} is saved but not exported: make room (or make the "
+        f"directory writable), then `python -m pretrain.export --checkpoint {final}` exports it"
+    )
 
 
 def test_a_checkpoint_that_fills_a_tmpfs_names_the_file_gives_the_space_back_and_keeps_the_previous_one(cache, tmp_path):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT, launcher_env
+from launcher.processes import torchrun_env
 from launcher.processes.torchrun_env import Restarts
 from launcher.processes.worker import worker_env
 from multinode_helpers import start_nodes, worker_command
@@ -227,3 +228,12 @@ def test_worker_environment_keeps_the_users_nccl_error_handling():
         {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, rank=0, world_size=1, master_port=1, gpu="0", cpu_count=1, compile_cache=None
     )
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_the_docs_say_the_restart_count_is_the_attempts_number_under_max_restarts():
+    # What the workers see (tests/test_restarting_runs.py: 0, then 1 after a restart); the docs
+    # said it was always 0, "the launcher restarts no worker".
+    design = (ROOT / "docs" / "design.md").read_text().splitlines()
+    (row,) = [line for line in design if line.startswith("| `TORCHELASTIC_RESTART_COUNT`")]
+    for text in (row, " ".join((torchrun_env.__doc__ or "").split())):
+        assert "restarts no worker" not in text and "--max-restarts" in text and "after the first restart" in text

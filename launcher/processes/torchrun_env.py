@@ -18,7 +18,9 @@ multiprocessing/api.py and torch/distributed/launcher/api.py) sets, and this mod
 - TORCHELASTIC_RUN_ID: the run's id, the run directory's name (the same on every node, as
   torchrun's --rdzv-id is).
 - TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS: from Restarts below, the one place they
-  come from. The launcher restarts no worker yet: 0 and 0.
+  come from: with --max-restarts N, the attempt's number (0 for the first, 1 after the first
+  restart, ...) and N, as torchrun's; without it, 0 and 0 (launcher/attempts.py,
+  launcher/nodes/restart_rounds.py).
 - TORCHELASTIC_ERROR_FILE: the worker's own path, where torch's
   `torch.distributed.elastic.multiprocessing.errors.record` writes its exception as JSON.
 - TORCH_NCCL_ASYNC_ERROR_HANDLING: the user's, else "3". torchrun sets "1" (tear down after
@@ -46,15 +48,15 @@ ERROR_FILE_SUFFIX = ".error.json"
 
 @dataclass(frozen=True)
 class Restarts:
-    """How many times the workers were restarted so far, and at most: torchrun's
-    TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS."""
+    """How many times the workers were restarted so far (the attempt's number, 0 for the first),
+    and at most (--max-restarts): torchrun's TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS."""
 
     count: int = 0
     maximum: int = 0
 
 
 NO_RESTARTS = Restarts()
-"""The launcher restarts no worker (yet): every launch is the first of none."""
+"""A run without --max-restarts, or the first attempt of none: 0 and 0."""
 
 
 def run_id(run_dir: Path) -> str:

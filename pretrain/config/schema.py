@@ -407,7 +407,7 @@ class TrainingConfig:
     eval_interval: int = 0
     """Compute validation loss every N steps (a fresh run from step 0, before training) and after the last step; 0 only after the last step. The loss logged at step N is that of the weights checkpoint step_N holds."""
     eval_batches: int = 4
-    """Micro-batches per rank in one validation pass."""
+    """Global batches in one validation pass: the first eval_batches x the global batch (batch_size x grad_accum_nums x ranks) windows of the val split (all of it when it holds fewer), shared out over the ranks, so validation covers the same windows whatever the number of GPUs; each rank runs eval_batches x grad_accum_nums micro-batches."""
     global_batch_size: int = 0
     """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
     parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
@@ -511,7 +511,7 @@ class SystemConfig:
     device_id: int | None = None
     """Pin the run to this one physical GPU index; null lets the launcher choose."""
     collective_timeout: float = 600.0
-    """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes."""
+    """Seconds a collective (all-reduce, barrier) waits for the other ranks before failing: a frozen peer stops the run instead of holding it for torch's default 30 minutes. More than 0, at most 86400 (a day)."""
     gpu_memory_gib: float | None = None
     """GPU memory per GPU, in GiB, that the memory plan counts on (a share of a GPU others use too); null: the smallest chosen GPU's total as NVML reports it. The launcher writes the figure it planned with into the run's config, so every worker checks the run against the same number it was accepted with."""
 
@@ -530,7 +530,7 @@ class SystemConfig:
         _check(
             0 < self.collective_timeout <= 86400,
             "system.collective_timeout",
-            f"must be between 0 and 86400 seconds (got {self.collective_timeout:g})",
+            f"must be more than 0 seconds and at most 86400, a day (got {self.collective_timeout:g})",
         )
 
 

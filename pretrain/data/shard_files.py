@@ -50,6 +50,11 @@ def shard_set(cfg: DataConfig, *, val: bool, log: Log | None = None) -> ShardSet
         return ShardSet(found.shards, found.stamps)
     if val and not path:
         beside = _nanogpt_val(cfg.path)
+        if beside is None and (folder := _nanogpt_folder(cfg.path)) is not None and log is not None:
+            log(
+                f"dataset: no {NANOGPT_VAL} beside {folder / NANOGPT_TRAIN}: validation is its last {cfg.val_fraction * 100:g}% "
+                f"(data.val_fraction), which training does not read; put {NANOGPT_VAL} there, or set data.val_path"
+            )
         return _local([token_file(beside)] if beside else [])
     if is_hub_path(path):  # validation reads every file its path matches
         found = hub_shards(path, None if val else cfg.hub_max_files, key, log)
@@ -73,12 +78,15 @@ def _local_files(path: str, key: str) -> list[Path]:
     return resolve_files(path, "llmc", key)
 
 
+def _nanogpt_folder(path: str) -> Path | None:
+    """The local directory data.path names, when it holds train.bin (nanoGPT's layout)."""
+    folder = Path(path).expanduser()
+    return folder if path and (folder / NANOGPT_TRAIN).is_file() else None
+
+
 def _nanogpt_val(path: str) -> Path | None:
     """val.bin beside train.bin in a local directory given as data.path (nanoGPT's layout)."""
-    if not path:
-        return None
-    folder = Path(path).expanduser()
-    if (folder / NANOGPT_TRAIN).is_file() and (folder / NANOGPT_VAL).is_file():
+    if (folder := _nanogpt_folder(path)) is not None and (folder / NANOGPT_VAL).is_file():
         return (folder / NANOGPT_VAL).resolve()
     return None
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pretrain.data.encode import progress_bar
-from pretrain.data.shards import Shard, scan
+from pretrain.data.shards import Scan, Shard, scan
 from pretrain.data.splits import document_ends, split_point, splits_meta, tail_split
 from pretrain.data.windows import Segment
 
@@ -27,6 +27,8 @@ def index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log:
         cut = int(split_point(total, document_ends(train), val_fraction))
         train_segments, val_segments = tail_split(train_segments, total - cut)
     max_id = max(s.max_id for s in scans.values())
+    if stray := stray_id(list(scans.values()), sum(s.tokens for s in shards)):
+        log(stray)
     count = {"train": sum(s.tokens for s in train_segments), "val": sum(s.tokens for s in val_segments)}
     known_documents = [s.documents for s in shards]
     return {
@@ -40,3 +42,22 @@ def index_shards(train: list[Shard], val: list[Shard], val_fraction: float, log:
         "documents": {"total": sum(known_documents) if None not in known_documents else None},
         "files": {str(s.path): {"bytes": s.path.stat().st_size, "sha256": scans[s.path].sha256} for s in shards},
     }
+
+
+STRAY_GAP = 0.1
+"""A largest id that grows the vocabulary by more than this share of the ids below it stands apart."""
+
+
+def stray_id(scans: list[Scan], tokens: int) -> str | None:
+    """One line when the largest id lies far above every other (the vocabulary, which the data
+    sizes, grows to fit it: one damaged id in GPT-2 data makes 60001 ids of 50257); else None."""
+    top = max(s.max_id for s in scans)
+    count = sum(s.max_count for s in scans if s.max_id == top)
+    below = max(s.below if s.max_id == top else s.max_id for s in scans)
+    if below < 0 or top - below <= STRAY_GAP * (below + 1):
+        return None
+    return (
+        f"dataset: token id {top:,} occurs {count:,} time(s) in {tokens:,} tokens, far above every other id "
+        f"(the next is {below:,}): the vocabulary grew from {below + 1:,} to {top + 1:,} ids to fit it; "
+        "if it is damage, fix the data"
+    )

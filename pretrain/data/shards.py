@@ -190,14 +190,40 @@ class Scan:
     max_id: int
     sha256: str
     """Of the whole file, header included."""
+    max_count: int = 0
+    """How many times max_id occurs."""
+    below: int = -1
+    """The largest id below max_id (-1: none): far below it, max_id alone sizes the vocabulary."""
+
+
+@dataclass
+class _Top:
+    """The largest id so far, how often it occurred, and the largest id below it."""
+
+    top: int = -1
+    count: int = 0
+    below: int = -1
+
+    def add(self, tokens: np.ndarray) -> None:
+        largest = int(tokens.max())
+        if largest < self.top:  # a chunk without the largest id (most chunks hold it)
+            self.below = max(self.below, largest)
+            return
+        ties = tokens == largest
+        under = int(np.max(tokens, where=~ties, initial=0))  # 0 also where every token is the largest
+        if largest > self.top:
+            self.top, self.count, self.below = largest, 0, max(self.below, self.top)
+        self.count += int(np.count_nonzero(ties))
+        self.below = max(self.below, under)
 
 
 def scan(shard: Shard, advance: Callable[[int], None] = lambda n: None, chunk_bytes: int = 64 << 20) -> Scan:
-    """Read a shard once: its largest token id (checked against the model's vocabulary) and its
-    sha256 (for --verify). advance(n) is called with the tokens read, for a progress bar."""
+    """Read a shard once: its largest token id (checked against the model's vocabulary), how often
+    it occurs and the next id below it, and its sha256 (for --verify). advance(n) is called with
+    the tokens read, for a progress bar."""
     digest = hashlib.sha256()
     dtype = DTYPES[shard.dtype]
-    max_id = 0
+    top = _Top()
     with open(shard.path, "rb") as file:
         digest.update(file.read(shard.offset))
         chunk_bytes -= chunk_bytes % dtype.itemsize
@@ -205,6 +231,6 @@ def scan(shard: Shard, advance: Callable[[int], None] = lambda n: None, chunk_by
             digest.update(data)
             tokens = np.frombuffer(data, dtype=dtype)
             if tokens.size:
-                max_id = max(max_id, int(tokens.max()))
+                top.add(tokens)
                 advance(tokens.size)
-    return Scan(max_id, digest.hexdigest())
+    return Scan(max(top.top, 0), digest.hexdigest(), top.count, top.below)

@@ -160,12 +160,27 @@ def export_model(
     tensors = whole_tensors(model)
     try:
         if writes:
-            return write_export(tensors, model_shapes(model), config, out_dir, tokenizer_file, warn=warn, source=source)
+            try:
+                return write_export(tensors, model_shapes(model), config, out_dir, tokenizer_file, warn=warn, source=source)
+            except OSError as error:  # a full disk, an unwritable directory: the checkpoint holds the weights
+                raise ExportNotWritten(not_written(error, (source or {}).get("checkpoint"))) from error
     finally:
         if has_fsdp(model):  # the other ranks gather every weight: take part in the rest, whatever happened here
             for _ in tensors:
                 pass
     return None
+
+
+class ExportNotWritten(Refusal):
+    """The export at the end of training could not be written; the message says how to write it
+    from the final checkpoint, which is saved."""
+
+
+def not_written(error: OSError, checkpoint_dir: str | None) -> str:
+    """One line for an export that failed on error: the file and the reason, then the fix."""
+    again = f"`python -m pretrain.export --checkpoint {checkpoint_dir or '<checkpoint>'}`"
+    saved = f"the final checkpoint {checkpoint_dir} is saved but not exported" if checkpoint_dir else "not exported"
+    return f"{os_error_message(error)}; {saved}: make room (or make the directory writable), then {again} exports it"
 
 
 def write_export(

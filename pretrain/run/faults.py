@@ -7,7 +7,8 @@ PRETRAIN_FAULTS holds comma-separated entries ATTEMPT:RANK:STEP:ACTION, read onc
 - ATTEMPT: the attempt it fires in, matched against TORCHELASTIC_RESTART_COUNT (which the launcher
   and torchrun set; absent: 0), or * for every attempt. An attempt that resumed from a checkpoint
   before STEP does not meet attempt 0's fault again.
-- RANK: the global rank; STEP: the 0-based step index, as the step line shows it ("Step [10/40]").
+- RANK: the global rank, below the world size (the launcher refuses one that would never fire);
+  STEP: the 0-based step index, as the step line shows it ("Step [10/40]").
 - ACTION: sigkill or sigsegv (the process kills itself with that signal right after step STEP,
   once its step line is printed), exit=N (exits with code N there, without any cleanup), or
   sleep=S (every step from STEP on sleeps S seconds where the straggler measurement times this
@@ -96,6 +97,18 @@ def _seconds(text: str) -> float | None:
     except ValueError:
         return None
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def check_ranks(faults: Sequence[Fault], world_size: int) -> None:
+    """FaultsError for a fault of a rank the run does not have: it would never fire, and the run
+    would pass for one that survived it. Checked against the first attempt's world size, the
+    largest a run has (a restart keeps it, or shrinks it with --min-nproc)."""
+    for fault in faults:
+        if fault.rank >= world_size:
+            raise FaultsError(
+                f"{FAULTS_VAR} names rank {fault.rank}, but the world size is {world_size} (ranks 0-{world_size - 1}), "
+                f"so that fault would never fire; give a rank below {world_size}"
+            )
 
 
 def current_attempt(environ: Mapping[str, str]) -> int:
