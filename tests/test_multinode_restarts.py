@@ -1,12 +1,15 @@
 """--max-restarts on several nodes (launcher/nodes/restart_rounds.py): two launchers on 127.0.0.1
 with a worker script of their own. A worker killed on node 1 restarts both nodes together; bad
 input on node 1 restarts neither; node 1's launcher killed is waited for up to --join-timeout, then
-the job stops, or goes on alone with --min-nnodes 1; and the new option's refusals."""
+the job stops, or goes on alone with --min-nnodes 1 (each node keeping its own files), or goes on
+with node 1 relaunched (also before node 0 opens the round); a stop signal to either node between
+attempts stops both; and the restart options' refusals (nodes must agree on them)."""
 
 from __future__ import annotations
 
 import json
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import pytest
 from conftest import free_port, launcher_env, wait_until
 from helpers import assert_one_line_error, run_launcher
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
+from launcher.nodes.agreement import Member, disagreement, restart_options
 from multinode_helpers import STEP, NodeRun, start_nodes, train_options, worker_command
 
 # Every rank says its attempt and waits for the others; in attempt 0, rank FAIL_RANK does FAIL.
@@ -155,3 +159,92 @@ def test_min_nnodes_with_a_global_batch_fewer_nodes_cannot_keep_is_refused_befor
         result, "--min-nnodes 2: the global batch of 24 sequences cannot be kept on 2 node(s) of 1 worker(s)", quiet_stdout=False
     )
     assert "rendezvous" not in result.stdout
+
+
+def restarting_after_node_1s_kill(tmp_path: Path, processes, *options: str) -> list[NodeRun]:
+    """Both nodes, once node 1's worker was SIGKILLed and node 0 has decided the restart (both wait the backoff)."""
+    nodes = two_nodes(tmp_path, processes, *options, FAIL_RANK="1", FAIL="sigkill")
+    said = "launcher: restart 1 of 1 in 60 s"
+    assert wait_until(lambda: all(said in run.text or run.proc.poll() is not None for run in nodes), timeout=120)
+    assert all(run.proc.poll() is None for run in nodes), nodes[0].text + nodes[1].text
+    return nodes
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stop_signal_to_either_node_during_the_backoff_stops_both_at_once_and_node_0_records_no_restart(
+    tmp_path, processes, stopped
+):
+    nodes = restarting_after_node_1s_kill(tmp_path, processes, "--restart-backoff", "60")
+    nodes[stopped].proc.send_signal(signal.SIGTERM)
+    # Both within 30 s of the signal, where the backoff alone is 60 s.
+    assert [run.wait(timeout=30) for run in nodes] == [143, 143], nodes[0].text + nodes[1].text
+    other = nodes[1 - stopped]
+    here = f"launcher: this node (node {stopped}) was stopped by SIGTERM before the restart; every node stops"
+    assert here in nodes[stopped].text
+    assert f"launcher: node {stopped} was stopped by SIGTERM before the restart; so is this node" in other.text
+    for run in nodes:
+        assert "cannot reach node 0" not in run.text and "attempt 1:" not in run.text, run.text
+    assert [(a["exit_code"], a["restarted"], a["why"]) for a in attempts(tmp_path)] == [
+        (137, False, f"stopped by SIGTERM on node {stopped} before the restart")
+    ]
+    assert "launcher: attempts: 1 (restarts.jsonl)" in nodes[0].text
+
+
+def test_node_1_relaunched_before_node_0_opens_the_next_round_waits_for_it_and_joins(tmp_path, processes):
+    node0, node1 = two_nodes(tmp_path, processes, "--restart-backoff", "15", "--join-timeout", "60")
+    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 2 or node0.proc.poll() is not None, timeout=120)
+    node1.proc.send_signal(signal.SIGKILL)
+    node1.wait(timeout=30)
+    port = node0.proc.args[node0.proc.args.index("--master-port") + 1]
+    command = ["--", *node0.proc.args[node0.proc.args.index("--") + 1 :]]
+    options = [*RESTARTS, "--run-dir", str(tmp_path / "run"), "--restart-backoff", "15", "--join-timeout", "60", *command]
+    (again,) = start_nodes(tmp_path, processes, options, ranks=(1,), port=int(port), env=launcher_env())
+    assert [node0.wait(timeout=120), again.wait(timeout=60)] == [0, 0], node0.text + again.text
+    assert "launcher: the job runs without this node: waiting up to 60 s (--join-timeout) for its next restart" in again.text
+    assert "already joined" not in again.text
+    assert "launcher: the job is restarting: joining round 1 of the rendezvous" in again.text
+    assert "CPU1:attempt 1: rank 1 of 2" in again.text
+
+
+@pytest.mark.parametrize(("node0", "node1"), [("0", "1"), ("1", "2")])
+def test_nodes_started_with_different_max_restarts_are_refused_in_one_line_naming_both(tmp_path, processes, node0, node1):
+    command = ["--nproc", "1", "--run-dir", str(tmp_path / "run"), "--", sys.executable, "-c", "pass"]
+    port = free_port()
+    runs = [
+        start_nodes(tmp_path, processes, ["--max-restarts", restarts, *command], ranks=(rank,), port=port)[0]
+        for rank, restarts in ((0, node0), (1, node1))
+    ]
+    assert [run.wait(timeout=120) for run in runs] == [2, 2], runs[0].text + runs[1].text
+    problem = f"was started with --max-restarts {node1} and node 0 with --max-restarts {node0}; "
+    problem += "give every node the same --max-restarts"
+    assert problem in runs[0].text and problem in runs[1].text
+    assert "CPU0:" not in runs[0].text and "CPU1:" not in runs[1].text  # no worker started
+
+
+def test_after_min_nnodes_renumbers_the_nodes_each_writes_only_its_own_logs_and_workers_record(tmp_path, processes):
+    command = worker_command(tmp_path, WORKER)
+    options = [*RESTARTS, "--run-dir", str(tmp_path / "run"), "--join-timeout", "3", "--min-nnodes", "2", *command]
+    nodes = start_nodes(tmp_path, processes, options, nnodes=3)
+    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 3, timeout=180), "".join(n.text for n in nodes)
+    nodes[1].proc.send_signal(signal.SIGKILL)
+    assert [nodes[0].wait(timeout=120), nodes[2].wait(timeout=60)] == [0, 0], nodes[0].text + nodes[2].text
+    assert "CPU1:attempt 1: rank 1 of 2" in nodes[2].text  # node 2 is the round's node 1
+    run = tmp_path / "run"
+    assert "attempt 1: rank 1 of 2" in (run / "logs" / "node2" / "combined.log").read_text()
+    assert "attempt 1" not in (run / "logs" / "node1" / "combined.log").read_text()
+    assert not (run / "workers.node1.json").exists()  # node 1's launcher was killed before writing it
+    assert json.loads((run / "workers.node2.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "problem"),
+    [
+        ((1, None, 1.0), (1, 1, 1.0), "node 1 (b) was started with --min-nnodes 1 and node 0 without --min-nnodes"),
+        ((1, None, 1.0), (1, None, 5.0), "started with --restart-backoff 5 and node 0 with --restart-backoff 1; give every"),
+        ((2, 1, 1.0), (2, 1, 1.0), None),
+    ],
+)
+def test_nodes_with_different_min_nnodes_or_backoff_are_refused_naming_both_values(ours, theirs, problem):
+    members = [Member(n, host, 1, 1, "cpu", restarts=restart_options(*o)) for n, host, o in ((0, "a", ours), (1, "b", theirs))]
+    found = disagreement(members)
+    assert found == problem if problem is None else (found is not None and problem in found)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, launcher_env
+from launcher.nodes.node import Layout
+from launcher.supervise.supervisor import STRAGGLER
 from pretrain import config as cfg
 from pretrain.distributed.runtime import Runtime
 from pretrain.observe import stragglers
@@ -211,3 +213,26 @@ def test_a_rank_slowed_by_a_sleep_is_named_and_the_even_windows_before_it_name_n
     assert [step for step, _ in found] == [11, 15], result.stdout[-3000:]
     for _, named in found:
         assert re.fullmatch(r"CPU1 1\.\d\dx the median over the last 4 steps", named), named
+
+
+def test_on_several_nodes_a_straggler_is_named_by_the_launchers_own_label_and_its_node(monkeypatch):
+    # Two nodes of two GPU workers: rank 3 is GPU 1 of node 1 (every machine has a GPU1).
+    medians = [("GPU0", 1.0), ("GPU1", 1.0), ("GPU0", 1.0), ("GPU1", 3.0)]
+    monkeypatch.setattr(stragglers, "exchange", lambda seconds, runtime: medians)
+    watch = StragglerWatch(4, 1.2, ScriptedTimer(keep=4), per_node=2)
+    assert isinstance(watch.timer, ScriptedTimer)
+    watch.timer.add(1.0, 1.0, 1.0, 1.0)
+    lines: list[str] = []
+    watch.at_logging_step(RANK0, lines.append)
+    assert lines == ["straggler: r3.GPU1 (node 1) 3.00x the median over the last 4 steps"]
+    # The launcher finds the line's label among its workers' (its GPU health watch keys the clocks by them).
+    launcher_label = Layout(nproc=2, node_rank=1, nnodes=2).label("GPU1", 1)
+    found = STRAGGLER.search("INFO | [GPU 0] " + lines[0])
+    assert found is not None and found[1] == launcher_label == "r3.GPU1"
+
+
+def test_a_cpu_rank_on_several_nodes_keeps_its_global_label_and_one_node_names_no_node():
+    assert stragglers.on_nodes([("CPU0", 1.0), ("CPU1", 2.0)], per_node=1) == [("CPU0 (node 0)", 1.0), ("CPU1 (node 1)", 2.0)]
+    assert stragglers.per_node({"GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "8"}, 16) == 8
+    assert stragglers.per_node({"GROUP_WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "8"}, 8) is None
+    assert stragglers.per_node({}, 8) is None

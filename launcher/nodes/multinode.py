@@ -16,7 +16,8 @@ from launcher.errors import UsageError
 from launcher.exit_codes import EXIT_INTERRUPTED, EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, by_signal
 from launcher.nodes.node import Layout, NodeSpec, NodeStop, node_spec
 from launcher.gpus.placement import Placement
-from launcher.nodes.rendezvous import LOSS_AFTER, Member, Node, NodeInterrupted, NodeStopped, RendezvousError, differences, join
+from launcher.nodes.agreement import Member, differences
+from launcher.nodes.rendezvous import LOSS_AFTER, Node, NodeInterrupted, NodeStopped, RendezvousError, join
 
 DEFAULT_JOIN_TIMEOUT = 300.0
 
@@ -111,8 +112,10 @@ def join_job(
     loss_after: float = LOSS_AFTER,
     namespace: str = "",
     hosted: Any = None,
+    restarts: dict[str, Any] | None = None,
 ) -> Node:
-    """Join the other nodes; identity is what every node must agree on (the config, or the command).
+    """Join the other nodes; identity is what every node must agree on (the config, or the command),
+    and so are restarts (launcher/nodes/agreement.py's restart_options; None: no restarts).
     namespace and hosted: a restart's round (launcher/nodes/restart_rounds.py)."""
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" and placement.gpus else None
     member = Member(
@@ -123,6 +126,7 @@ def join_job(
         device=placement.device,
         gpu_memory=gpu_memory,
         config=identity,
+        restarts=restarts,
     )
     return join(spec, member, timeout, say, loss_after, namespace, hosted)
 

@@ -43,10 +43,18 @@ class NodeSpec:
     master_port: int
     source: str = "flags"
     """Where the values came from: "flags" or "Slurm" (named in errors)."""
+    launched_as: int | None = None
+    """In a restart's round that renumbered the nodes (--min-nnodes): the rank it was launched with."""
 
     @property
     def is_master(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def own_rank(self) -> int:
+        """The number in this node's own files (logs/node<r>/, workers.node<r>.json, its lock): the
+        rank it was launched with, which no renumbering changes, so no node writes into another's."""
+        return self.node_rank if self.launched_as is None else self.launched_as
 
     @property
     def endpoint(self) -> str:

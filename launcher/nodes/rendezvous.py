@@ -35,10 +35,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, NoReturn, TypeVar
 
 from launcher.exit_codes import EXIT_NODE_LOST
+from launcher.nodes.agreement import Member, differences, disagreement
 from launcher.nodes.node import NodeInterrupt, NodeSpec, NodeStop
 from launcher.nodes.own_silence import ENDED_MEANWHILE, OTHERS_STOPPED, OwnSilence
 from launcher.nodes.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
@@ -66,21 +67,6 @@ class NodeInterrupted(Exception):
         name = signal.Signals(interrupt.signum).name
         super().__init__(f"node {interrupt.node} was asked to stop ({name}) before the workers started; so is this node")
         self.interrupt = interrupt
-
-
-@dataclass(frozen=True)
-class Member:
-    """What one launcher tells the others when it joins."""
-
-    node: int
-    host: str
-    pid: int
-    nproc: int
-    device: str
-    gpu_memory: int | None = None
-    """The smallest of its GPUs' memory, in bytes (the job's smallest GPU decides DDP or FSDP)."""
-    config: dict[str, Any] | None = None
-    """The config as this node resolved it from its options (None for a `-- COMMAND`)."""
 
 
 def join(
@@ -231,7 +217,7 @@ class Node:
                 self._evict_departed([n for n in range(1, self.spec.nnodes) if n not in missing], say)
             if not missing and self.spec.is_master:
                 self.members = self._read_members()
-                if problem := self._disagreement():
+                if problem := disagreement(self.members):
                     self._refuse(problem)
                 store.set("joined", "1")
                 break
@@ -273,25 +259,6 @@ class Node:
     def _read_members(self) -> list[Member]:
         keys = [f"join/{n}" for n in range(self.spec.nnodes)]
         return [Member(**json.loads(value)) for value in self._store.multi_get(keys)]
-
-    def _disagreement(self) -> str | None:
-        """Why the joined nodes cannot form one job, or None."""
-        first = self.members[0]
-        for other in self.members[1:]:
-            if other.nproc != first.nproc:
-                counts = ", ".join(f"node {m.node}: {m.nproc}" for m in self.members)
-                return (
-                    f"the nodes start different numbers of workers ({counts}); give every node the same --nproc or --gpus count"
-                )
-            if other.device != first.device:
-                return f"node 0 runs on {first.device} and node {other.node} on {other.device}; use one --device on every node"
-            if other.config != first.config:
-                keys = ", ".join(differences(first.config, other.config)[:5]) or "the command"
-                return (
-                    f"node {other.node} ({other.host}) was given a different config from node 0 ({keys}); "
-                    "launch every node with the same options"
-                )
-        return None
 
     def _refuse(self, problem: str) -> NoReturn:
         """Node 0: say why to every node, wait (briefly) until they have read it, and stop."""
@@ -603,11 +570,3 @@ class Node:
         if not self._call(lambda: self._store.check(["abort"]), "abort"):
             return None
         return NodeStop.from_json(self._call(lambda: self._store.get("abort"), "abort"))
-
-
-def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
-    """The dotted keys where two configs (dicts of dicts) differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        keys = sorted(set(a) | set(b))
-        return [d for k in keys for d in differences(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [prefix.rstrip(".") or "the config"]

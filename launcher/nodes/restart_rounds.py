@@ -15,7 +15,11 @@ which every node follows, and a new round of the rendezvous for each restart.
    least M, renumbered in order), keeping the global batch through gradient accumulation. Then
    every node joins the round as it joined the first (launcher/nodes/rendezvous.py), and node 0
    shares the run directory, the checkpoint to resume (the run's latest complete one) and the
-   worker port. If node 0 is the node lost, the job stops: the rendezvous went with it.
+   worker port. If node 0 is the node lost, the job stops: the rendezvous went with it. A
+   launcher started again while the job runs waits for the next round (_rejoin). A renumbered
+   node keeps its launch rank for its own files (NodeSpec.own_rank).
+3. A stop signal to any node from 1 until the round has formed stops every node
+   (launcher/nodes/between_rounds.py), and node 0 records that no restart happened.
 """
 
 from __future__ import annotations
@@ -30,19 +34,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.attempts import (
-    Attempts,
-    StoppedBetweenAttempts,
-    check_global_batch_kept,
-    stop_signals_raise,
-    warn_without_checkpoints,
-)
-from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED, by_signal
+from launcher.attempts import Attempts, check_global_batch_kept, warn_without_checkpoints
+from launcher.exit_codes import by_signal
 from launcher.gpus.selection import DeviceError
-from launcher.nodes import multinode
+from launcher.nodes import between_rounds, multinode
+from launcher.nodes.agreement import restart_options
+from launcher.nodes.between_rounds import BetweenRounds, Halt, Halted, stop_signal
+from launcher.nodes.job_end import all_ends, end_record, job_end
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect, in_namespace
-from launcher.nodes.store import first_line, torch_distributed
+from launcher.nodes.store import client, first_line, torch_distributed
 from launcher.processes.torchrun_env import Restarts
 from launcher.rundir import lock
 from launcher.rundir.choice import own_run_dir, resume_point, run_dir_path
@@ -138,39 +139,85 @@ class RestartRounds:
         node = self._rejoin() if not self.spec.is_master else None
         if node is None:
             node = self._join(self.spec, "")
+        with multinode.telling_others(node):
+            config, port, number = self._plan(node, number)
         while True:
             with multinode.telling_others(node):
-                config, port, number = self._plan(node, number)
                 entry = self._begin(config)
                 self.started = True
                 code, end = self.attempt(config, node, self.owned_path, port, Restarts(number, self.args.max_restarts))
                 self._post(node, f"end/{node.rank}", end_record(end))
-            code = multinode.settle(node, code, self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout, self.say)
-            decision, job = self._decide(node, number, previous, entry, code)
+            job: AttemptEnd | None = None
+            try:
+                with BetweenRounds(self._client, self.spec.node_rank):  # a stop signal to any node stops every node
+                    wait = self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout
+                    code = multinode.settle(node, code, wait, self.say)
+                    decision, job = self._decide(node, number, previous, entry, code)
+                    next_node = self._restart(decision, number) if decision.restart else None
+            except Halted as halted:
+                return self._halted(halted, node, entry, job)
             if not decision.restart:
                 if code != 0:
                     self.say(f"not restarted: {decision.why}")
                 if number > 0 and self.record is not None:
                     self.say("\n".join(self.record.summary()))
                 return code
-            previous = job
-            self.say(f"restart {number + 1} of {self.args.max_restarts} in {decision.wait:g} s: {decision.why}")
-            try:
-                with stop_signals_raise():
-                    time.sleep(decision.wait)
-                    self.devices.placement.release()
-                    self.devices.placement = self._attempts_of().place_again(self.devices, self.first_nproc)
-                    next_node = self._next_round(number + 1)
-            except StoppedBetweenAttempts as stopped:
-                self.say(f"stopped by {stopped}: no restart; the run's checkpoints are kept")
-                return by_signal(stopped.signum)
-            except (DeviceError, RendezvousError) as error:
-                self.say(f"no restart: {error}")
-                next_node = None
             if next_node is None:  # the last failure stands
                 self._stopped_between(entry, job)
                 return code
-            node, number = next_node, number + 1
+            previous, node = job, next_node
+            try:
+                with multinode.telling_others(node):
+                    config, port, number = self._plan(node, number + 1)
+            except (KeyboardInterrupt, SystemExit) as stopped:  # the others hear it as the round's interrupt
+                self._stopped_planning(stopped, entry, job)
+                raise
+
+    def _restart(self, decision: Decision, number: int) -> Node | None:
+        """Restart `number + 1`: the backoff, the devices again, the next round; None when the job stops."""
+        self.say(f"restart {number + 1} of {self.args.max_restarts} in {decision.wait:g} s: {decision.why}")
+        try:
+            end = time.monotonic() + decision.wait
+            while (left := end - time.monotonic()) > 0:  # in steps: another node's stop is handed over between them
+                time.sleep(min(left, POLL_INTERVAL))
+            self.devices.placement.release()
+            self.devices.placement = self._attempts_of().place_again(self.devices, self.first_nproc)
+            return self._next_round(number + 1)
+        except (DeviceError, RendezvousError) as error:
+            self.say(f"no restart: {error}")
+            return None
+
+    def _client(self) -> Any:
+        """A connection of its own to node 0's store (node 0's too), for a stop between attempts."""
+        return client(torch_distributed(), self.spec, self.args.node_timeout)
+
+    def _halted(self, halted: Halted, node: Node, entry: restarts.Attempt | None, job: AttemptEnd | None) -> int:
+        """A stop signal between attempts, here or on another node: every node stops with its code;
+        node 0 records that the restart did not happen (launcher/nodes/between_rounds.py)."""
+        first = halted.halt
+        if halted.here:
+            first = between_rounds.tell(self._client, halted.halt, self.args.node_timeout)
+        self.say(halted.halt.line(halted.here))
+        if not self.spec.is_master:
+            between_rounds.acknowledge(self._client, self.args.node_timeout)
+            return by_signal(halted.halt.signum)
+        if self.record is not None and entry is not None:
+            if job is None:  # stopped before node 0 had judged the attempt
+                job = job_end(node, all_ends(node))
+            if warning := self.record.end(entry, job, restarts.Verdict(False, first.why())):
+                self.say(warning)
+            self.say("\n".join(self.record.summary()))
+        readers = len([n for n in self.roster if n != self.spec.node_rank])
+        between_rounds.wait_for_readers(self.hosted, readers, self.args.node_timeout)
+        return by_signal(halted.halt.signum)
+
+    def _stopped_planning(self, stopped: BaseException, entry: restarts.Attempt | None, job: AttemptEnd | None) -> None:
+        """Node 0: a stop signal once the round had formed, while it chose the checkpoint: the
+        record says the restart did not happen."""
+        if self.record is None or entry is None or job is None or (signum := stop_signal(stopped)) is None:
+            return
+        if warning := self.record.end(entry, job, restarts.Verdict(False, Halt(self.spec.node_rank, signum).why())):
+            self.say(warning)
 
     def _stopped_between(self, entry: restarts.Attempt | None, job: AttemptEnd | None) -> None:
         """Node 0: the restart it decided did not happen; the record says so, and lists the attempts."""
@@ -193,6 +240,7 @@ class RestartRounds:
             self.args.node_timeout,
             namespace=namespace,
             hosted=self.hosted,
+            restarts=restart_options(self.args.max_restarts, self.args.min_nnodes, self.args.restart_backoff),
         )
         if spec.is_master:
             self.hosted = node.hosted
@@ -271,7 +319,7 @@ class RestartRounds:
     ) -> tuple[Decision, AttemptEnd | None]:
         if not node.spec.is_master:
             return self._follow(node), None
-        ends = {n: end for n in range(node.spec.nnodes) if (end := read_end(node, n)) is not None}
+        ends = all_ends(node)
         end = job_end(node, ends)
         verdict = restarts.judge(end, number, self.args.max_restarts, previous, self.training)
         wait = restarts.backoff(number + 1, self.args.restart_backoff) if verdict.restart else 0.0
@@ -312,7 +360,8 @@ class RestartRounds:
         if roster is None:
             return None
         self.roster = roster
-        spec = dataclasses.replace(self.spec, nnodes=len(roster), node_rank=roster.index(self.spec.node_rank))
+        rank = roster.index(self.spec.node_rank)
+        spec = dataclasses.replace(self.spec, nnodes=len(roster), node_rank=rank, launched_as=self.spec.node_rank)
         self.say(f"round {number} of the rendezvous: node(s) {', '.join(map(str, roster))} of {self.spec.nnodes}")
         return self._join(spec, f"round{number}")
 
@@ -373,22 +422,32 @@ class RestartRounds:
         return roster["nodes"]
 
     def _rejoin(self) -> Node | None:
-        """Not node 0, launched while the job restarts (Slurm requeued this node): join the open
-        round; None when the job is in its first round (join it as usual)."""
+        """Not node 0, launched while the job runs or restarts (Slurm requeued this node, or it was
+        started again by hand): wait for a round of the rendezvous that is open (node 0 opens one
+        at each restart) and join it; None while the job's first round forms (join it as usual)."""
         dist = torch_distributed()
-        deadline = time.monotonic() + self.args.join_timeout
-        raw = connect(dist, self.spec, deadline, self.args.join_timeout, self.args.node_timeout)
-        if not raw.check([ROUND_KEY]):
-            return None
-        number = int(raw.get(ROUND_KEY))
-        while in_namespace(dist, raw, f"round{number}").check(["roster"]):  # formed already: wait for the next
-            if time.monotonic() >= deadline:
-                raise RendezvousError(
-                    f"the job went on without node {self.spec.node_rank} (round {number} formed before it came back); "
-                    "it joins again at the job's next restart: relaunch it then"
-                )
-            time.sleep(POLL_INTERVAL)
-            number = int(raw.get(ROUND_KEY))
+        timeout = self.args.join_timeout
+        deadline = time.monotonic() + timeout
+        raw = connect(dist, self.spec, deadline, timeout, self.args.node_timeout)
+        said = False
+        try:
+            if not raw.check([ROUND_KEY]) and not raw.check(["joined"]):
+                return None
+            while (number := open_round(dist, raw)) is None:  # formed without this node: wait for the next
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(
+                        f"the job went on without node {self.spec.node_rank}: no restart opened a round of the rendezvous "
+                        f"within {timeout:g} s (--join-timeout); relaunch it at the job's next restart (or, if another "
+                        "launcher runs as this node, give each node its own --node-rank)"
+                    )
+                if not said:
+                    self.say(f"the job runs without this node: waiting up to {timeout:g} s (--join-timeout) for its next restart")
+                    said = True
+                time.sleep(POLL_INTERVAL)
+        except RendezvousError:
+            raise
+        except Exception as error:
+            raise RendezvousError(f"node 0 has ended the job ({first_line(error)}): nothing to join") from None
         self.say(f"the job is restarting: joining round {number} of the rendezvous")
         node = self._next_round(number)
         if node is None:
@@ -396,31 +455,9 @@ class RestartRounds:
         return node
 
 
-def end_record(end: AttemptEnd) -> dict[str, Any]:
-    return asdict(end)
-
-
-def read_end(node: Node, rank: int) -> AttemptEnd | None:
-    try:
-        record = node.read(f"end/{rank}")
-    except Exception:
+def open_round(dist: Any, raw: Any) -> int | None:
+    """The round of the rendezvous node 0 has opened and not yet formed (a restart's), else None."""
+    if not raw.check([ROUND_KEY]):
         return None
-    return None if record is None else AttemptEnd(**{**record, "tail": tuple(record["tail"])})
-
-
-def job_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:
-    """Node 0: the job's attempt as the restart rules read it: a lost node (it outranks what
-    followed), else the end of the node whose word stopped the job, else the first failing node's
-    (a graceful stop: every node's), with the last step any node's workers printed."""
-    steps = [end.step for end in ends.values() if end.step is not None]
-    step = max(steps) if steps else None
-    first = node.first_stop()
-    lost = next(iter(node.lost.values()), None) or (first if first is not None and first.kind == "lost" else None)
-    if lost is not None:
-        return AttemptEnd(EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", step=step, lost_node=True)
-    if first is not None and first.node in ends:
-        return dataclasses.replace(ends[first.node], step=step)
-    if first is not None:  # its launcher stopped in error: nothing to restart
-        return AttemptEnd(EXIT_OTHER_NODE_FAILED, how=first.describe(), step=step)
-    failed = [end for _, end in sorted(ends.items()) if end.exit_code != 0]
-    return dataclasses.replace((failed or [ends.get(0, AttemptEnd(0))])[0], step=step)
+    number = int(raw.get(ROUND_KEY))
+    return None if in_namespace(dist, raw, f"round{number}").check(["roster"]) else number

@@ -12,16 +12,19 @@ median of all ranks by more than logging.straggler_threshold:
 
     straggler: GPU5 1.31x the median over the last 50 steps
 
-(the launcher appends the GPU's throttle reasons to such a line; it finds it by the prefix
-`straggler: <label> `). docs/training.md says what the figure shows under FSDP, where the
-forward gathers the weights."""
+On several nodes a rank is named as the launcher's prefixes name it there, with its node
+(`straggler: r10.GPU5 (node 1) ...`: rank 10, on GPU 5 of node 1's machine), since every machine
+has a GPU5. The launcher appends the GPU's throttle reasons to such a line; it finds it by the
+prefix `straggler: <label> `, the label its own worker lines carry. docs/training.md says what
+the figure shows under FSDP, where the forward gathers the weights."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -127,6 +130,16 @@ def short_label(runtime_label: str) -> str:
     return runtime_label.replace(" ", "")
 
 
+def on_nodes(medians: Sequence[tuple[str, float]], per_node: int) -> list[tuple[str, float]]:
+    """Several nodes: each rank's (label, median) named as the launcher names the rank's worker
+    (r10.GPU5 for a GPU, whose number is the same on every machine; CPU10, a global rank already)
+    and its node (rank // workers per node, as the launcher numbers them)."""
+    return [
+        (f"{label if label.startswith('CPU') else f'r{rank}.{label}'} (node {rank // per_node})", seconds)
+        for rank, (label, seconds) in enumerate(medians)
+    ]
+
+
 def exchange(seconds: float, runtime: Runtime) -> list[tuple[str, float]]:
     """Every rank's (label, median seconds), in rank order: one all-gather of 1 + LABEL_BYTES
     float64 values per rank (136 bytes), on the device the process group reduces there."""
@@ -147,6 +160,8 @@ class StragglerWatch:
     timer: StepTimer
     seconds: list[float] = field(default_factory=list)
     """The compute time of each step of the window so far (the last `window` steps at most)."""
+    per_node: int | None = None
+    """On several nodes, each node's workers (the line then names each rank's node); None on one."""
 
     def at_logging_step(self, runtime: Runtime, log_warning: Callable[[str], None]) -> None:
         """Called by every rank at every logging step, after the step line: once a window is full,
@@ -156,6 +171,8 @@ class StragglerWatch:
             return
         medians = exchange(statistics.median(self.seconds), runtime)
         self.seconds = []
+        if self.per_node is not None:
+            medians = on_nodes(medians, self.per_node)
         if runtime.is_main:
             for label, ratio in slower_ranks(medians, self.threshold):
                 log_warning(straggler_line(label, ratio, self.window))
@@ -167,4 +184,14 @@ def watch_for(config: Config, runtime: Runtime) -> StragglerWatch | None:
     if not runtime.distributed or window == 0:
         return None
     timer: StepTimer = CudaTimer(window) if runtime.device.type == "cuda" else HostTimer(window)
-    return StragglerWatch(window, config.logging.straggler_threshold, timer)
+    return StragglerWatch(window, config.logging.straggler_threshold, timer, per_node=per_node(os.environ, runtime.world_size))
+
+
+def per_node(env: Mapping[str, str], world_size: int) -> int | None:
+    """Each node's workers when the job has several nodes (GROUP_WORLD_SIZE and LOCAL_WORLD_SIZE,
+    as torchrun and the launcher set them), else None."""
+    try:
+        nodes, local = int(env.get("GROUP_WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+    except ValueError:
+        return None
+    return local if nodes > 1 and local > 0 else None

@@ -1,0 +1,48 @@
+"""How a job of several nodes' attempt ended, as node 0 reads it for the restart rules
+(launcher/nodes/restart_rounds.py): every node posts its own end (after/end/<node>), and node 0
+takes the job's."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict
+from typing import Any
+
+from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
+from launcher.nodes.rendezvous import Node
+from launcher.supervise.restarts import AttemptEnd
+
+
+def end_record(end: AttemptEnd) -> dict[str, Any]:
+    return asdict(end)
+
+
+def read_end(node: Node, rank: int) -> AttemptEnd | None:
+    try:
+        record = node.read(f"end/{rank}")
+    except Exception:
+        return None
+    return None if record is None else AttemptEnd(**{**record, "tail": tuple(record["tail"])})
+
+
+def all_ends(node: Node) -> dict[int, AttemptEnd]:
+    """Node 0: the end every node of the round has posted, by its rank."""
+    return {n: end for n in range(node.spec.nnodes) if (end := read_end(node, n)) is not None}
+
+
+def job_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:
+    """Node 0: the job's attempt as the restart rules read it: a lost node (it outranks what
+    followed), else the end of the node whose word stopped the job, else the first failing node's
+    (a graceful stop: every node's), with the last step any node's workers printed."""
+    steps = [end.step for end in ends.values() if end.step is not None]
+    step = max(steps) if steps else None
+    first = node.first_stop()
+    lost = next(iter(node.lost.values()), None) or (first if first is not None and first.kind == "lost" else None)
+    if lost is not None:
+        return AttemptEnd(EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", step=step, lost_node=True)
+    if first is not None and first.node in ends:
+        return dataclasses.replace(ends[first.node], step=step)
+    if first is not None:  # its launcher stopped in error: nothing to restart
+        return AttemptEnd(EXIT_OTHER_NODE_FAILED, how=first.describe(), step=step)
+    failed = [end for _, end in sorted(ends.items()) if end.exit_code != 0]
+    return dataclasses.replace((failed or [ends.get(0, AttemptEnd(0))])[0], step=step)
