@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import re
+import signal
 import threading
 import time
 
@@ -23,6 +24,8 @@ from launcher.supervise.supervisor import Supervisor, SupervisorOptions
 from pretrain.run import exit_codes
 from pretrain.distributed import peer_loss
 from launcher.exit_codes import EXIT_OTHER_NODE_FAILED
+from helpers import run_launcher
+from test_supervised_training import read_until, start_training, worker_processes
 from test_supervisor import make_worker
 from test_supervisor_nodes import NODE_1_FAILED, OtherNodes
 
@@ -165,6 +168,131 @@ def test_a_consequence_whose_peers_exit_cleanly_is_reported_without_waiting(scri
     assert code == 4
     assert "no other worker here reported one" in out
     assert exits(tmp_path) == [("CPU0", 0, False, False), ("CPU1", 4, True, True)]
+
+
+# A worker that leaves early: it exits (touching its file), and the other goes on only once the
+# first is gone (a zombie: the launcher has seen its exit), as a rank whose peer left does.
+GONE = """
+    import psutil
+    def wait_gone(name):
+        wait_for(name)
+        pid = int(Path(__file__).with_name(name).read_text())
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+    def leave(name, code):
+        Path(__file__).with_name(name).write_text(str(os.getpid()))
+        sys.exit(code)
+"""
+EARLY_EXIT = (
+    WAIT_FOR
+    + GONE
+    + """
+    print("INFO | [CPU 1] Step [5/20] | Loss: 3.7618", flush=True)
+    print("INFO | [CPU 1] returning early", flush=True)
+    leave("early-exits", 0)
+"""
+)
+
+
+def test_a_worker_that_exits_0_while_its_peer_still_runs_is_named_as_the_cause_its_peer_lost(script, tmp_path):
+    early = script(EARLY_EXIT, "early.py")
+    lost = script(
+        CONSEQUENCE.replace('wait_for("WAITS_FOR", then=DELAY)', 'wait_gone("early-exits")').replace(
+            "import signal", GONE + "    import signal"
+        ),
+        "lost.py",
+    )
+    code, out = supervise([make_worker(0, lost), make_worker(1, early)], tmp_path, cause_wait=60)
+    assert code == 4  # the code of the peer that lost it: the run did not succeed
+    assert "CPU1 exited 0 before the run ended; CPU0 lost it (exit code 4); stopping the other workers" in out
+    lines = summary_of(out)
+    assert lines[0].startswith("CPU1 (rank 1) failed first at ")
+    assert lines[0].endswith(": exited 0 after step 5, before the run ended; its peers lost it (exit code 4).")
+    assert re.match(r"Not a cause: CPU0 \(rank 0\), exit code 4, \d+\.\d\d s after it: a consequence", lines[1])
+    assert lines[2].startswith("Hint: a worker that exits 0 while the others still run ends the run as a crash would")
+    assert "another node, or was ended from outside the launcher" not in out
+    assert exits(tmp_path) == [("CPU0", 4, False, True), ("CPU1", 0, True, False)]
+
+
+STOPS = (
+    WAIT_FOR
+    + """
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it is stopping on its own already
+    touch("RANK-ready")
+    wait_for("OTHER-ready")
+"""
+    + GONE
+    + """
+    if "WAITS_FOR":
+        wait_gone("WAITS_FOR")
+    print("INFO | [CPU RANK] CAME", flush=True)
+    print("INFO | [CPU RANK] Stopped by SIGTERM after step 6; checkpoint saved to /run/checkpoints/step_7", flush=True)
+    leave("RANK-stops", 143)
+"""
+)
+
+
+def test_a_sigterm_from_outside_to_one_rank_is_a_stop_of_that_rank_even_when_another_rank_exits_first(script, tmp_path):
+    """Training ranks all stop after the step a signal came to one of them; rank 0 may exit first."""
+    first = script(
+        STOPS.replace("RANK", "0").replace("OTHER", "1").replace('"WAITS_FOR"', '""').replace("CAME", "Step [6/20]"), "0.py"
+    )
+    signalled = STOPS.replace("RANK", "1").replace("OTHER", "0").replace("WAITS_FOR", "0-stops")
+    signalled = signalled.replace("CAME", "SIGTERM came to this rank: every rank stops after step 6")
+    code, out = supervise([make_worker(0, first), make_worker(1, script(signalled, "1.py"))], tmp_path, kill_grace=30)
+    assert code == 143
+    assert "CPU0 stopped (exit code 143) on a signal the launcher did not send; stopping the other workers" in out
+    [headline] = [line for line in out.splitlines() if "STOPPED:" in line or "FAILED:" in line]
+    assert headline.startswith(
+        "launcher: STOPPED: CPU1 (rank 1) was stopped by SIGTERM from outside the launcher (the launcher did not send it) at "
+    )
+    assert headline.endswith("; exit code 143.")
+    assert "Hint: another process (kill, a scheduler signalling one process) sent SIGTERM to this worker alone" in out
+    assert [(label, first) for label, _, first, _ in exits(tmp_path)] == [("CPU0", False), ("CPU1", True)]
+
+
+def test_a_worker_killed_by_sigterm_from_outside_is_named_stopped_not_failed(script, tmp_path):
+    killed = script(WAIT_FOR + "\n    import os, signal\n    os.kill(os.getpid(), signal.SIGTERM)\n", "killed.py")
+    waits = script(WAIT_FOR + "\n    time.sleep(60)\n", "waits.py")
+    code, out = supervise([make_worker(0, waits), make_worker(1, killed)], tmp_path)
+    assert code == 143
+    assert "launcher: STOPPED: CPU1 (rank 1) was stopped by SIGTERM from outside the launcher" in out
+    assert "FAILED" not in out
+
+
+# --- the same with real training ranks -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_training_rank_that_exits_0_mid_run_is_named_and_the_run_exits_with_its_peers_code(tmp_path):
+    options = ["--debug", "--device", "cpu", "--max-steps", "12", "--run-dir", str(tmp_path / "run")]
+    options += ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "training.checkpoint_interval=3"]
+    result = run_launcher(*options, timeout=240, PRETRAIN_FAULTS="0:1:3:exit=0")
+    assert result.returncode == 4, result.stdout[-3000:]
+    assert "launcher: CPU1 exited 0 before the run ended; CPU0 lost it (exit code 4)" in result.stdout
+    assert re.search(r"FAILED: CPU1 \(rank 1\) failed first at .*: exited 0 after step 3, before the run ended", result.stdout)
+    assert "another node, or was ended from outside the launcher" not in result.stdout
+    assert exits(tmp_path / "run") == [("CPU0", 4, False, True), ("CPU1", 0, True, False)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_training_rank_from_outside_saves_a_checkpoint_and_names_that_rank_stopped(tmp_path, processes):
+    proc = start_training(processes, tmp_path)
+    read_until(proc, "CPU1:INFO | [CPU 1] Step [2/")
+    worker_processes(proc)[1].send_signal(signal.SIGTERM)  # not the launcher: one rank alone
+    assert proc.wait(timeout=120) == 143
+    out = proc.stdout.read()
+    stopped = [line for line in out.splitlines() if line.startswith("CPU") and "Stopped by SIGTERM after step" in line]
+    assert len(stopped) == 2, out[-3000:]  # both ranks, after the same step
+    came = [line for line in out.splitlines() if line.startswith("CPU") and "came to this rank" in line]
+    assert [line.split(" | ")[0] for line in came] == ["CPU1:INFO"], came
+    assert "launcher: STOPPED: CPU1 (rank 1) was stopped by SIGTERM from outside the launcher (the launcher did not" in out
+    assert "FAILED" not in out
+    assert [(label, code, first) for label, code, first, _ in exits(tmp_path / "run")] == [
+        ("CPU0", 143, False),
+        ("CPU1", 143, True),
+    ]
 
 
 # --- the printer ----------------------------------------------------------------------------

@@ -44,7 +44,18 @@ class Watch:
     """The banner of the NaN/Inf report the worker logged."""
     stacks: summary.StackDump = field(default_factory=summary.StackDump)
     last_step: int | None = None
-    """The step of the last training step line it printed (launcher/supervise/restarts.py reads it)."""
+    """The last step it finished: its last progress line's, else its last training step line's
+    (launcher/supervise/restarts.py reads it)."""
+
+    def progress(self, text: str) -> bool:
+        """Whether a line of the worker's is a progress line (restarts.PROGRESS_MARK, then the step it
+        has just finished): taken in here and shown nowhere. Not output: a hang is judged without it."""
+        if not text.startswith(restarts.PROGRESS_MARK):
+            return False
+        step = text.removeprefix(restarts.PROGRESS_MARK)
+        if step.isascii() and step.isdigit():
+            self.last_step = int(step)
+        return True
 
     def see(self, text: str, now: float, log_only: bool = False) -> None:
         """One line of the worker's output: what the summary may need of it. log_only: a line for
@@ -76,6 +87,9 @@ class FirstFailure:
     failure, the cause, before reporting it."""
     still_running: list[str] = field(default_factory=list)
     """For a consequence exit: the workers still running when that wait ended."""
+    lost_by: Worker | None = None
+    """For a worker that exited 0 while its peers still ran (ended_early): the first of them that
+    lost it, whose exit code the run returns."""
 
 
 @dataclass(frozen=True)
@@ -94,15 +108,25 @@ class Ending:
 
 
 def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
+    """The summary's facts. A stop signal from outside names the worker it came to (first.worker
+    becomes that one, for workers.json too)."""
+    first.worker = signalled(ending, first)
     worker, watch = first.worker, ending.watches[first.worker]
     returncode = watch.returncode if watch.returncode is not None else -signal.SIGKILL
+    stopped_by = summary.signal_came(list(watch.tail)) or summary.stop_signal(returncode)
     if first.hung_for is not None:
-        code, how = EXIT_HANG, f"printed nothing for {first.hung_for:g} s"
+        stopped_by, code, how = None, EXIT_HANG, f"printed nothing for {first.hung_for:g} s"
         if first.unresponsive:
             how += " and did not answer the stack-dump request (frozen)"
+    elif first.lost_by is not None:
+        code = exit_code(ending.watches[first.lost_by].returncode or 0)
+        step = f" after step {watch.last_step}" if watch.last_step is not None else ""
+        how = f"exited 0{step}, before the run ended; its peers lost it (exit code {code})"
     else:
         code, how = exit_code(returncode), summary.describe(returncode)
-        if returncode in ending.exit_meanings:
+        if stopped_by is not None:
+            how = f"stopped by {stopped_by} from outside the launcher"  # restarts.py's judge reads the exit code
+        elif returncode in ending.exit_meanings:
             how += f" ({ending.exit_meanings[returncode]})"
     where = {w.label: frames for w, wa in ending.watches.items() if (frames := wa.stacks.where())}
     where |= {w.label: NO_DUMP for w in ending.no_dump}
@@ -126,6 +150,8 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
             nonfinite_reports=nonfinite,
             host_oom=watch.host_oom,
             injected=bool(watch.tail) and "fault injected:" in watch.tail[-1],
+            ended_early=first.lost_by is not None,
+            stopped_by=stopped_by,
         ),
         tail=list(watch.tail),
         stopped=first.stopped,
@@ -134,7 +160,50 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
         logs=ending.logs_dir,
         consequences=consequences(ending, first),
         lost_peer=lost_peer(first),
+        stopped_by=stopped_by,
     )
+
+
+def signalled(ending: Ending, first: FirstFailure) -> Worker:
+    """The worker a stop signal from outside came to, when first (a training rank that stopped on
+    it, as every rank does at the same step) did not say that it came to it; else first's worker."""
+    if first.hung_for is not None or ending.watches[first.worker].returncode not in summary.STOP_RETURNCODES:
+        return first.worker
+    told = [w for w, watch in ending.watches.items() if summary.signal_came(list(watch.tail))]
+    return first.worker if not told or first.worker in told else told[0]
+
+
+def ended_early(watches: dict[Worker, Watch], lost: Worker) -> Worker | None:
+    """The worker that exited 0 before lost (which failed as a consequence: it lost a peer) did,
+    while the run went on: it left its peers, the cause. None if none did (the cause is elsewhere)."""
+    left = watches[lost].exited_at
+    if left is None:
+        return None
+    early = [(w, at) for w, wa in watches.items() if wa.returncode == 0 and (at := wa.exited_at) is not None and at <= left]
+    return min(early, key=lambda pair: pair[1])[0] if early else None
+
+
+def remote_account(ending: Ending, stop: NodeStop, awaiting_cause: list[Worker], took: float) -> list[str]:
+    """The account of a stop that began on another node (the supervisor's rule 5): what this node's
+    workers did after it (awaiting_cause: those that failed as a consequence, no cause here)."""
+    running = len([w for w, watch in ending.watches.items() if watch.returncode != 0])
+    lines = [summary.RULE, f"STOPPED: {stop.describe()}."]
+    if ending.failure is not None:
+        failed = ending.failure.worker
+        how = summary.describe(ending.watches[failed].returncode or 0)
+        lines.append(f"{failed.label} here failed after that ({how}): a consequence.")
+    else:
+        lines += [
+            f"{lost.label} here failed as a consequence of another rank's failure "
+            f"({summary.describe(ending.watches[lost].returncode or 0)})."
+            for lost in awaiting_cause
+        ]
+    return lines + [
+        f"Stopped this node's {running} worker(s); teardown took {took:.2f} s."
+        + (" That node's launcher printed its summary." if stop.kind != "lost" else ""),
+        f"Exit code {stop.our_exit_code}: {'a node was lost' if stop.kind == 'lost' else 'another node failed'}.",
+        summary.RULE,
+    ]
 
 
 def attempt_end(
@@ -142,7 +211,7 @@ def attempt_end(
 ) -> restarts.AttemptEnd:
     """The run as the restart rules read it: its code, the first failure as the summary told it
     (described), another node's word (remote) and whether a stop was asked for; the last step any
-    worker printed."""
+    worker finished."""
     steps = [watch.last_step for watch in ending.watches.values() if watch.last_step is not None]
     step = max(steps) if steps else None
     if remote is not None:
@@ -158,6 +227,8 @@ def attempt_end(
         step=step,
         hung=ending.failure is not None and ending.failure.hung_for is not None,
         stopped=stopped,  # a failure while stopping as asked
+        stopped_from_outside=described.stopped_by,
+        ended_early=ending.failure is not None and ending.failure.lost_by is not None,
     )
 
 

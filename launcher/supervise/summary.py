@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.address_space import address_space_limit
+from launcher.exit_codes import by_signal
 
 RULE = "=" * 72
 CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA error: out of memory")
@@ -17,6 +18,12 @@ HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "std::bad_allo
 """Where a worker's line says host memory (or address space, under `ulimit -v`) ran out, besides a
 traceback's last line starting with MemoryError: torch's CPU allocator, C++'s allocation failure."""
 FRAMES_SHOWN = 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_RETURNCODES = {code for s in STOP_SIGNALS for code in (-s, by_signal(s))}
+"""How a worker ends on a stop signal: killed by it, or (a training worker) after it saved."""
+SIGNAL_CAME = re.compile(r"\] (SIG[A-Z]+) came to this rank: every rank stops after step \d+$")
+"""The line of the training rank a stop signal came to (pretrain/train.py), before its stop line:
+every rank stops at the same step with the same stop line, and this says which one was sent it."""
 
 _NONFINITE_REPORT = re.compile(r"^(NaN|Inf) (GRADIENT|LOSS) DETECTED \[")
 """The banner of a training worker's report on a NaN or Inf (pretrain/numerics/debug.py)."""
@@ -45,6 +52,26 @@ def describe(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
+
+
+def first_failure_line(label: str, returncode: int) -> str:
+    """The launcher's line when a worker fails first: a stop signal the launcher did not send ends a
+    worker too, and may have been sent to another (all training ranks stop together)."""
+    if returncode in STOP_RETURNCODES:
+        return f"{label} stopped ({describe(returncode)}) on a signal the launcher did not send; stopping the other workers"
+    return f"{label} failed ({describe(returncode)}); stopping the other workers"
+
+
+def signal_came(tail: list[str]) -> str | None:
+    """The stop signal that came to this training worker (its stop line says so), else None."""
+    return next((found[1] for line in reversed(tail) if (found := SIGNAL_CAME.search(line))), None)
+
+
+def stop_signal(returncode: int) -> str | None:
+    """The stop signal a worker ended on (killed by it, or exiting with its code after saving), else None."""
+    if returncode not in STOP_RETURNCODES:
+        return None
+    return signal.Signals(-returncode if returncode < 0 else returncode - by_signal(0)).name
 
 
 def is_cuda_oom(line: str) -> bool:
@@ -143,13 +170,28 @@ def hint(
     nccl_watchdog: str | None = None,
     host_oom: bool = False,
     injected: bool = False,
+    ended_early: bool = False,
+    stopped_by: str | None = None,
 ) -> str | None:
     """nonfinite_reports: label -> banner, for the workers that reported a NaN or Inf.
     nccl_watchdog: what nccl_watchdog() made of the failed worker's output, if anything.
     host_oom: the worker said host memory ran out (is_host_oom).
-    injected: its last line says PRETRAIN_FAULTS made it fail (pretrain/run/faults.py)."""
+    injected: its last line says PRETRAIN_FAULTS made it fail (pretrain/run/faults.py).
+    ended_early: it exited 0 while its peers still ran, and they lost it.
+    stopped_by: the stop signal another process sent it (stop_signal)."""
     if injected:
         return "the worker failed on purpose: PRETRAIN_FAULTS injected this fault (a testing aid, docs/testing.md)."
+    if ended_early:
+        return (
+            "a worker that exits 0 while the others still run ends the run as a crash would: their next "
+            "collective finds it gone. Its last lines say why it returned early."
+        )
+    if stopped_by is not None:
+        return (
+            f"another process (kill, a scheduler signalling one process) sent {stopped_by} to this worker alone; "
+            f"the launcher, when it is signalled itself, stops every worker. Training ranks stop together after "
+            f"the same step and save a checkpoint, which --resume auto goes on from."
+        )
     if nonfinite_reports:
         banners = sorted(set(nonfinite_reports.values()))
         return (
@@ -219,19 +261,23 @@ class Failure:
     'CPU1 (rank 1), exit code 4, 0.31 s before it'."""
     lost_peer: str | None = None
     """When this failure is itself a consequence that no cause followed: what that means."""
+    stopped_by: str | None = None
+    """When a stop signal the launcher did not send ended it (another process sent it to this worker
+    alone): that signal's name. The run was stopped rather than failed."""
 
 
 def render(failure: Failure) -> list[str]:
-    how = (
-        failure.how
-        if failure.how.startswith(f"exit code {failure.exit_code}")
-        else f"{failure.how}, exit code {failure.exit_code}"
-    )
-    lines = [
-        RULE,
-        f"FAILED: {failure.label} (rank {failure.rank}) failed first "
-        f"at {failure.clock}, {failure.after_start:.1f} s after start: {how}.",
-    ]
+    said = re.search(rf"\bexit code {failure.exit_code}\b", failure.how)  # the how of a worker that exited 0 names the run's
+    how = failure.how if said else f"{failure.how}, exit code {failure.exit_code}"
+    when = f"at {failure.clock}, {failure.after_start:.1f} s after start"
+    if failure.stopped_by is not None:
+        headline = (
+            f"STOPPED: {failure.label} (rank {failure.rank}) was stopped by {failure.stopped_by} from outside the "
+            f"launcher (the launcher did not send it) {when}; exit code {failure.exit_code}."
+        )
+    else:
+        headline = f"FAILED: {failure.label} (rank {failure.rank}) failed first {when}: {how}."
+    lines = [RULE, headline]
     if failure.lost_peer:
         lines.append(failure.lost_peer)
     if len(failure.consequences) == 1:

@@ -7,9 +7,11 @@ Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launch
    A failure that another worker's caused (consequence_exit_codes: it lost the connection to
    a rank that failed) decides nothing while another worker runs that may report the cause:
    the supervisor waits up to cause_wait seconds for another worker to fail otherwise, and
-   that worker failed first, however the exits were timed. Only when no cause comes (the
-   others exited, or the wait ran out) is the first consequence reported, naming the workers
-   still running then.
+   that worker failed first, however the exits were timed. A worker that exited 0 before the
+   consequence did is the cause (it left; the run returns the consequence's code). Only when no
+   cause comes (the others exited, or the wait ran out) is the first consequence reported, naming
+   the workers still running then. A stop signal the launcher did not send, to one training rank,
+   stops every rank at the same step: the summary names the rank it came to (its stop line says so).
 2. On that first failure, workers that can dump their stacks are asked to (the summary
    shows where each one was; this waits at most STACK_DUMP_MAX_WAIT), then every process of
    the run gets SIGTERM at once: every running worker's process group, the descendants that
@@ -176,6 +178,7 @@ class Supervisor:
         self._processes.start_guardian()
         for worker in self.workers:
             worker.env[LOG_ONLY_VAR] = LOG_ONLY_MARK  # the printer keeps such lines off the console
+            worker.env[restarts.PROGRESS_VAR] = restarts.PROGRESS_MARK  # the step it reached, for the restart rules
             try:
                 self._processes.start(worker)
             except OSError as error:
@@ -235,7 +238,7 @@ class Supervisor:
         """Rule 1: a worker failed, and none before it. A consequence (it lost the connection to a
         rank) waits for the cause; any other failure is the first."""
         if returncode not in self.options.consequence_exit_codes:
-            self.printer.launcher_line(f"{worker.label} failed ({summary.describe(returncode)}); stopping the other workers")
+            self.printer.launcher_line(summary.first_failure_line(worker.label, returncode))
             self._fail(worker)
             return
         self._awaiting_cause.append(worker)
@@ -254,11 +257,18 @@ class Supervisor:
             return
         if not self._awaiting_cause:
             return
-        running = self._running()
-        if running and self._cause_deadline is not None and time.monotonic() < self._cause_deadline:
+        running, first = self._running(), self._awaiting_cause[0]
+        left = outcome.ended_early(self._watch, first)  # a worker that exited 0 first: the one it lost
+        if left is None and running and self._cause_deadline is not None and time.monotonic() < self._cause_deadline:
             return
         self._cause_deadline = None
-        first = self._awaiting_cause[0]
+        if left is not None:
+            lost = f"{first.label} lost it ({summary.describe(self._watch[first].returncode or 0)})"
+            self.printer.launcher_line(f"{left.label} exited 0 before the run ended; {lost}; stopping the other workers")
+            self._fail(left, at=self._watch[left].exited_at)
+            assert self._failure is not None
+            self._failure.lost_by = first
+            return
         self.printer.launcher_line(
             f"{first.label} failed ({summary.describe(self._watch[first].returncode or 0)}) and no other worker "
             f"failed {f'within {self.options.cause_wait:g} s' if running else 'otherwise'}; stopping the other workers"
@@ -270,6 +280,8 @@ class Supervisor:
 
     def _on_line(self, worker: Worker, text: str) -> None:
         watch = self._watch[worker]
+        if watch.progress(text):  # the step it reached: for the restart rules, written nowhere
+            return
         in_dump = False
         if self._stacks_requested:
             if watch.stacks.feed(text):
@@ -511,25 +523,7 @@ class Supervisor:
     def _remote_outcome(self, stop: NodeStop) -> int:
         """The account of a stop that began on another node (rule 5); its code."""
         took = (self._teardown_done or time.monotonic()) - self._remote_at
-        running = len([w for w, watch in self._watch.items() if watch.returncode != 0])
-        lines = [summary.RULE, f"STOPPED: {stop.describe()}."]
-        if self._failure is not None:
-            failed = self._failure.worker
-            how = summary.describe(self._watch[failed].returncode or 0)
-            lines.append(f"{failed.label} here failed after that ({how}): a consequence.")
-        else:
-            lines += [
-                f"{lost.label} here failed as a consequence of another rank's failure "
-                f"({summary.describe(self._watch[lost].returncode or 0)})."
-                for lost in self._awaiting_cause
-            ]
-        lines += [
-            f"Stopped this node's {running} worker(s); teardown took {took:.2f} s."
-            + (" That node's launcher printed its summary." if stop.kind != "lost" else ""),
-            f"Exit code {stop.our_exit_code}: {'a node was lost' if stop.kind == 'lost' else 'another node failed'}.",
-            summary.RULE,
-        ]
-        self.printer.launcher_line("\n".join(lines))
+        self.printer.launcher_line("\n".join(outcome.remote_account(self._ending(), stop, self._awaiting_cause, took)))
         return stop.our_exit_code
 
     def _record_exit_codes(self) -> None:
