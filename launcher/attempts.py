@@ -1,14 +1,19 @@
 """A run's attempts (--max-restarts N): after a transient failure (launcher/supervise/restarts.py says
 which), wait a short backoff, choose devices afresh (a GPU that failed its health check is left out;
 with --min-nproc M, fewer GPUs keep the global batch through gradient accumulation) and start the
-run again from its latest complete checkpoint, in the same run directory, until it ends for good.
-Every attempt goes into <run dir>/restarts.jsonl; the final exit code is the last attempt's."""
+run again from its latest complete checkpoint (else the one it started from), in the same run
+directory, until it ends for good. Every attempt goes into <run dir>/restarts.jsonl, after those of
+the directory's earlier launches; the final exit code is the last attempt's. From an attempt's end to
+the next one's workers, whatever ends the launcher (a stop signal, a full disk, devices that do not
+come back) is recorded as why the attempt was not restarted."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
+import json
 import signal
 import sys
 import time
@@ -28,7 +33,7 @@ from launcher.processes.torchrun_env import Restarts
 from launcher.supervise import restarts
 from launcher.supervise.printer import Printer, use_colour
 from pretrain import config as cfg
-from pretrain.run.files import runs_root
+from pretrain.run.files import os_error_message
 
 if TYPE_CHECKING:
     from launcher.launch import Devices
@@ -36,16 +41,37 @@ if TYPE_CHECKING:
 RETRY_SECONDS = 5.0
 """How often a restart that waits for its devices looks for them again."""
 
-Attempt = Callable[[cfg.Config, Restarts], tuple[int, restarts.AttemptEnd]]
-"""One attempt: the config it runs and its restart count -> its exit code and how it ended."""
+Attempt = Callable[[cfg.Config, Restarts, Callable[[], None]], tuple[int, restarts.AttemptEnd]]
+"""One attempt: the config it runs, its restart count, and what to call once its workers are spawned
+(the supervisor holds the stop signals from then on) -> its exit code and how it ended."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
-class StoppedBetweenAttempts(Exception):
-    """SIGTERM or SIGHUP (or Ctrl-C) came while no worker ran: between two attempts."""
+class StoppedBetweenAttempts(SystemExit):
+    """SIGTERM or SIGHUP (or Ctrl-C) came while no worker ran: between two attempts. A SystemExit
+    with the signal's exit code, as pretrain/data/cache.py's sigterm_as_exit raises: code on the way
+    (a dataset build, a download) cleans up as it does for that one, no `except Exception` swallows
+    it, and a second signal while the first is handled still ends the launcher with its code."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+        super().__init__(by_signal(signum))
         self.signum = signum
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@dataclass
+class Pending:
+    """An attempt that ended, from then until the next attempt's workers are spawned: its line of
+    restarts.jsonl says "restarted" only once they are."""
+
+    entry: restarts.Attempt
+    end: restarts.AttemptEnd
+    code: int
+    verdict: restarts.Verdict | None = None
+    """The restart rules' word on it, once given."""
 
 
 @dataclass
@@ -57,7 +83,7 @@ class Attempts:
     run_dir: Path
     console: Printer
     started: bool = False
-    """Whether an attempt has run (a later error must not give the run directory up)."""
+    """Whether an attempt's workers were spawned (a later error must not give the run directory up)."""
 
     @property
     def training(self) -> bool:
@@ -65,51 +91,123 @@ class Attempts:
 
     def run(self, attempt: Attempt, devices: Devices) -> int:
         """Run attempts until one ends for good; return its exit code."""
-        max_restarts = self.args.max_restarts
-        if max_restarts == 0:
-            code, _ = attempt(self.config, Restarts())
-            self.started = True
+        if self.args.max_restarts == 0:
+            code, _ = attempt(self.config, Restarts(), self.spawned)
             return code
-        first_world = devices.placement.world_size
-        self.check_min_nproc(first_world)
+        self.check_min_nproc(devices.placement.world_size)
         if self.training:
             warn_without_checkpoints(self.config, self.console.launcher_line)
+        # While workers run, the supervisor takes the stop signals; from an attempt's end to the next
+        # attempt's workers, they raise here, wherever the launcher is (judging, the backoff, preparing).
+        with stop_signals_raise():
+            return self.attempts(attempt, devices)
+
+    def spawned(self) -> None:
+        self.started = True
+
+    def attempts(self, attempt: Attempt, devices: Devices) -> int:
         record = restarts.Record(self.run_dir / restarts.RECORD)
-        config, previous = self.config, None
+        first_world, config = devices.placement.world_size, self.config
+        previous: restarts.AttemptEnd | None = None
+        pending: Pending | None = None
         for number in itertools.count():
-            entry = record.begin(labels(devices.placement), config.training.resume or None if self.training else None)
-            code, end = attempt(config, Restarts(number, max_restarts))
-            self.started = True
-            with self.logged():  # what happens between two attempts goes into combined.log too
-                verdict = restarts.judge(end, number, max_restarts, previous, self.training)
-                if warning := record.end(entry, end, verdict):
-                    self.console.launcher_line(warning)
-                if not verdict.restart:
-                    if code != 0:
-                        self.console.launcher_line(f"not restarted: {verdict.why}")
-                    if number > 0:
-                        self.console.launcher_line("\n".join(record.summary()))
-                    return code
-                previous = end
-                wait = restarts.backoff(number + 1, self.args.restart_backoff)
-                self.console.launcher_line(f"restart {number + 1} of {max_restarts} in {wait:g} s: {verdict.why}")
+            begun: list[restarts.Attempt] = []  # its line of the record, once its workers are spawned
+            spawned = functools.partial(self.begin, record, begun, devices, config, pending)
+            try:
                 try:
-                    with stop_signals_raise():
-                        time.sleep(wait)
-                        devices.placement.release()
-                        devices.placement = self.place_again(devices, first_world)
-                except StoppedBetweenAttempts as stopped:
-                    if warning := record.end(entry, end, restarts.Verdict(False, f"stopped by {stopped} before the restart")):
-                        self.console.launcher_line(warning)
-                    self.console.launcher_line(f"stopped by {stopped}: no restart; the run's checkpoints are kept")
-                    return by_signal(stopped.signum)
-                except DeviceError as error:  # the devices did not come back: the last failure stands
-                    if warning := record.end(entry, end, restarts.Verdict(False, str(error))):
-                        self.console.launcher_line(warning)
-                    self.console.launcher_line(f"{error}\n" + "\n".join(record.summary()))
-                    return code
-                config = self.restart_config(devices.placement.world_size, first_world)
+                    code, end = attempt(config, Restarts(number, self.args.max_restarts), spawned)
+                except BaseException as error:
+                    if not begun or (signum := stop_signal_of(error)) is None:
+                        raise
+                    code = by_signal(signum)  # a stop just after its workers ended: asked for
+                    end = restarts.AttemptEnd(code, stopped=True)
+                if not begun:
+                    spawned()
+                pending = Pending(begun[0], end, code)
+                with self.logged():  # what happens between two attempts goes into combined.log too
+                    if (ended := self.judge(record, pending, number, previous)) is not None:
+                        return ended
+                    previous = end
+                    self.back_off(number + 1, pending)
+                    devices.placement.release()
+                    devices.placement = self.place_again(devices, first_world)
+                    config = self.restart_config(devices.placement.world_size, first_world)
+            except BaseException as error:
+                if pending is None or begun and pending.entry is not begun[0]:
+                    raise  # the first attempt did not start (as without restarts), or the launcher's own failure
+                return self.not_restarted(record, pending, error)
         raise AssertionError("unreachable")
+
+    def begin(
+        self,
+        record: restarts.Record,
+        begun: list[restarts.Attempt],
+        devices: Devices,
+        config: cfg.Config,
+        pending: Pending | None,
+    ) -> None:
+        """Once an attempt's workers are spawned: its line in the record, and the restart before it
+        recorded as made."""
+        self.started = True
+        resumed = config.training.resume or None if self.training else None
+        begun.append(record.begin(labels(devices.placement), resumed))
+        if pending is not None and pending.verdict is not None:
+            if warning := record.decide(pending.entry, pending.verdict):
+                self.console.launcher_line(warning)
+
+    def judge(self, record: restarts.Record, pending: Pending, number: int, previous: restarts.AttemptEnd | None) -> int | None:
+        """The restart rules on the attempt that ended: its exit code when it is the last, else None
+        (recorded as not restarted until the next attempt's workers start)."""
+        max_restarts = self.args.max_restarts
+        verdict = restarts.judge(pending.end, number, max_restarts, previous, self.training)
+        pending.verdict = verdict
+        written = verdict if not verdict.restart else restarts.Verdict(False, f"{verdict.why} (restart {number + 1} pending)")
+        if warning := record.end(pending.entry, pending.end, written):
+            self.console.launcher_line(warning)
+        if verdict.restart:
+            return None
+        if pending.code != 0:
+            self.console.launcher_line(f"not restarted: {verdict.why}")
+        if number > 0:
+            self.console.launcher_line("\n".join(record.summary()))
+        return pending.code
+
+    def back_off(self, restart: int, pending: Pending) -> None:
+        wait = restarts.backoff(restart, self.args.restart_backoff)
+        why = pending.verdict.why if pending.verdict is not None else ""
+        self.console.launcher_line(f"restart {restart} of {self.args.max_restarts} in {wait:g} s: {why}")
+        time.sleep(wait)
+
+    def not_restarted(self, record: restarts.Record, pending: Pending, error: BaseException) -> int:
+        """The restart decided did not happen, or the attempt's end was cut short before the rules
+        spoke: the record says so and why, the attempts are listed, and the launcher ends as the error
+        says: a stop signal with its code, devices that did not come back with the last failure's code,
+        a full disk or another refusal with its one line (exit 2)."""
+        if pending.verdict is not None and not pending.verdict.restart:
+            raise error  # the run had ended for good: nothing to take back
+        said: list[str] = []
+        if (signum := stop_signal_of(error)) is not None:
+            name = signal.Signals(signum).name
+            why = f"stopped by {name} before {'the' if pending.verdict else 'any'} restart"
+            said.append(f"stopped by {name}: no restart; the run's checkpoints are kept")
+        elif isinstance(error, DeviceError):
+            why = str(error)
+            said.append(why)
+        elif isinstance(error, OSError) and error.filename:  # a full disk: config.json, the logs
+            again = "continue the run with --resume auto" if self.training else "launch it again"
+            why = f"no restart: {os_error_message(error)}; make room on its disk (or make it writable), then {again}"
+            error = UsageError(why)
+        else:  # a refusal (the dataset, the checkpoint) or the launcher's own failure: passed on
+            why = "no restart: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
+        with self.logged():
+            if warning := record.end(pending.entry, pending.end, restarts.Verdict(False, why)):
+                self.console.launcher_line(warning)
+            self.console.launcher_line("\n".join(said + record.summary()))
+        if signum is not None:
+            return by_signal(signum)
+        if isinstance(error, DeviceError):
+            return pending.code  # the last failure stands
+        raise error
 
     @contextmanager
     def logged(self) -> Iterator[None]:
@@ -163,15 +261,11 @@ class Attempts:
             time.sleep(min(RETRY_SECONDS, max(0.0, deadline - time.monotonic())))
 
     def restart_config(self, world_size: int, first_world: int) -> cfg.Config:
-        """The first attempt's config, resuming from the run's latest complete checkpoint (from step 0
-        when there is none yet), on world_size workers with the first attempt's global batch."""
+        """The first attempt's config, resuming from restart_point() on world_size workers with the
+        first attempt's global batch."""
         if not self.training:
             return self.config
-        from pretrain.checkpoint.resume import resolve_resume
-
-        _, checkpoint = resolve_resume("auto", str(self.run_dir), runs_root(), world_size)
-        say = self.console.launcher_line
-        say(f"resuming from {checkpoint}" if checkpoint else "no complete checkpoint yet: starting again at step 0")
+        checkpoint = self.restart_point(world_size)
         training = dataclasses.replace(self.config.training, resume=str(checkpoint) if checkpoint else "")
         if world_size != first_world:
             batch = global_batch(self.config.training, first_world)
@@ -181,6 +275,38 @@ class Attempts:
                 "(more gradient accumulation per worker)"
             )
         return dataclasses.replace(self.config, training=training)
+
+    def restart_point(self, world_size: int) -> Path | None:
+        """The checkpoint a restart on world_size workers resumes from, said in a line: the run
+        directory's latest complete one if it is newer than where the first attempt started, else
+        where the first attempt started (a checkpoint --resume named, maybe another run's; refused
+        in one line if it is no longer complete), else none: step 0, with training.init_from's
+        weights if it names some. A newer checkpoint of the run passed over as damaged is named, as
+        `--resume auto` names it."""
+        from pretrain.checkpoint.resume import ResumeError, checkpoint_at, damaged, latest
+
+        say = self.console.launcher_line
+        first = Path(self.config.training.resume) if self.config.training.resume else None
+        own = latest(self.run_dir / "checkpoints", world_size)
+        checkpoint = own.resolve() if own is not None else None
+        if first is not None and (checkpoint is None or steps_of(checkpoint) <= steps_of(first)):
+            try:
+                checkpoint = checkpoint_at(first, world_size)
+            except ResumeError as error:
+                raise ResumeError(
+                    f"the checkpoint the run started from cannot be resumed any more: {error}; put it back, "
+                    "or continue the run from another with --resume"
+                ) from None
+        for skipped in damaged(self.run_dir / "checkpoints", steps_of(checkpoint) if checkpoint else -1, world_size):
+            say(f"warning: not resuming from the later {skipped}")
+        if checkpoint is not None:
+            where = " (where the run started: it has no newer complete checkpoint)" if checkpoint == first else ""
+            say(f"resuming from {checkpoint}{where}")
+        elif init_from := self.config.training.init_from:
+            say(f"no complete checkpoint yet: starting again at step 0 from training.init_from's weights ({init_from})")
+        else:
+            say("no complete checkpoint yet: starting again at step 0")
+        return checkpoint
 
 
 MAX_RESTARTS = 1000
@@ -211,7 +337,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--restart-backoff",
         dest="restart_backoff",
         type=float,
-        default=1.0,
+        default=None,  # None: not given (refused without --max-restarts), 1 s (restarts.DEFAULT_BACKOFF)
         metavar="S",
         help="seconds before the first restart, doubling for each next one, at most 60 (default: 1)",
     )
@@ -221,8 +347,13 @@ def check_arguments(args: argparse.Namespace, nnodes: int) -> None:
     """The restart options' one-line refusals, before anything is claimed or started."""
     if not 0 <= args.max_restarts <= MAX_RESTARTS:
         raise UsageError(f"--max-restarts must be between 0 and {MAX_RESTARTS} (got {args.max_restarts}); 0 turns restarts off")
-    if not 0 <= args.restart_backoff <= MAX_BACKOFF_START:  # also refuses nan
-        raise UsageError(f"--restart-backoff must be between 0 and {MAX_BACKOFF_START:g} seconds (got {args.restart_backoff:g})")
+    if args.restart_backoff is not None:
+        if not 0 <= args.restart_backoff <= MAX_BACKOFF_START:  # also refuses nan
+            raise UsageError(
+                f"--restart-backoff must be between 0 and {MAX_BACKOFF_START:g} seconds (got {args.restart_backoff:g})"
+            )
+        if args.max_restarts == 0:
+            raise UsageError("--restart-backoff only applies to restarts: add --max-restarts N")
     if args.min_nproc is not None:
         if args.min_nproc < 1:
             raise UsageError(f"--min-nproc must be at least 1 (got {args.min_nproc})")
@@ -292,9 +423,30 @@ def stop_signals_raise() -> Iterator[None]:
     def stop(signum: int, _frame: object) -> None:
         raise StoppedBetweenAttempts(signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stop_signal_of(error: BaseException) -> int | None:
+    """The stop signal an exception between attempts stands for: ours, Ctrl-C's KeyboardInterrupt,
+    or the SystemExit a dataset's preparation raises for SIGTERM and SIGHUP (sigterm_as_exit)."""
+    if isinstance(error, StoppedBetweenAttempts):
+        return error.signum
+    if isinstance(error, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(error, SystemExit):
+        return next((sig for sig in STOP_SIGNALS if error.code == by_signal(sig)), None)
+    return None
+
+
+def steps_of(checkpoint: Path) -> int:
+    """The steps a checkpoint holds (its state.json's steps_done; -1 when it cannot be read)."""
+    try:
+        steps = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["steps_done"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+    return steps if isinstance(steps, int) else -1

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from launcher import address_space
@@ -132,9 +133,9 @@ def run_placed(
             node.share("run", {"run_dir": str(owned.path), "resume": config.training.resume, "worker_port": master_port})
     attempts = Attempts(args, config, command, owned.path, console)
 
-    def attempt(config: cfg.Config, restarts: Restarts) -> tuple[int, AttemptEnd]:
+    def attempt(config: cfg.Config, restarts: Restarts, started: Callable[[], None]) -> tuple[int, AttemptEnd]:
         port = master_port if restarts.count == 0 else free_port()  # the last one's may linger
-        return run_owned(args, config, command, devices.placement, console, owned.path, node, port, restarts)
+        return run_owned(args, config, command, devices.placement, console, owned.path, node, port, restarts, started)
 
     try:
         code = attempts.run(attempt, devices)
@@ -156,18 +157,20 @@ def run_owned(
     node: Node | None = None,
     master_port: int | None = None,
     restarts: Restarts = NO_RESTARTS,
+    started: Callable[[], None] = lambda: None,
 ) -> tuple[int, AttemptEnd]:
-    """One attempt: prepare (training), spawn and supervise; its exit code and how it ended."""
+    """One attempt: prepare (training), spawn and supervise; its exit code and how it ended.
+    started: called once every worker is spawned (launcher/attempts.py: the attempt has begun)."""
     generic = bool(command)
     kernels = None  # the user's own command keeps the user's (or torch's) compile cache
     if not generic:
-        config = prepare_training(config, placement, console, node)
+        config = prepare_training(config, placement, console, node, first_attempt=restarts.count == 0)
         kernels = kernel_cache_dir(config, placement.device, console.launcher_line)
         if node is not None:
             multinode.agree_on_config(node, cfg.to_dict(config))
     if node is not None:
         node.check_going()  # another node stopped the job while this one prepared
-    logs_dir = run_dir / "logs" if node is None else run_dir / "logs" / f"node{node.rank}"
+    logs_dir = run_dir / "logs" if node is None else run_dir / "logs" / f"node{node.spec.own_rank}"
     try:
         create_run_dir(run_dir)
         logs_dir.mkdir(parents=True, exist_ok=True)
@@ -187,7 +190,7 @@ def run_owned(
             hang_timeout=args.hang_timeout,
             run_dir=run_dir,
             logs_dir=logs_dir,
-            exit_record="workers.json" if node is None else f"workers.node{node.rank}.json",
+            exit_record="workers.json" if node is None else f"workers.node{node.spec.own_rank}.json",
             adopt_orphans=True,
             stack_dump_signal=None if generic else STACK_DUMP_SIGNAL,
             stop_leaders_only=not generic,
@@ -202,8 +205,14 @@ def run_owned(
         try:
             # The run's GPUs watched for new errors and slowdowns while it lasts (launcher/gpus/health.py),
             # from when every worker is spawned.
-            with contextlib.ExitStack() as watching:
-                supervisor.on_started = lambda: watching.enter_context(gpu_watch)
+            watching = contextlib.ExitStack()
+
+            def on_started() -> None:
+                watching.enter_context(gpu_watch)
+                started()
+
+            supervisor.on_started = on_started
+            with watching:
                 code = supervisor.run()
             return code, supervisor.attempt_end(code)
         except StartError as error:  # workers.json says which worker, why, and the exit code

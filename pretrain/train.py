@@ -44,6 +44,8 @@ from pretrain.checkpoint.resume import resolve_resume
 from pretrain.run.files import create_run_dir, new_run_id, os_error_message, runs_root
 from pretrain.distributed.runtime import Runtime, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.hf.init_from import load_weights
+from pretrain.hf.init_tokenizer import check_tokenizer
+from pretrain.observe import progress
 from pretrain.observe.step_line import step_line, throughput
 from pretrain.optim.schedule import lr_at
 from pretrain.run.stopping import Stopped
@@ -141,21 +143,28 @@ def aux_means(trainer: Trainer) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(trainer: Trainer) -> float | None:
-    """Mean validation loss over the fixed validation windows of every rank (None: no windows)."""
+    """Mean validation loss over the validation windows of all ranks, each window weighing the same
+    (pretrain/data/loader.py validation_batches: the same windows whatever the number of ranks);
+    None: no windows."""
     if not trainer.val_batches:
         return None
     trainer.model.eval()
-    total = torch.zeros((), device=trainer.runtime.device)
-    for x, y in trainer.val_batches:
+    totals = torch.zeros(2, device=trainer.runtime.device)  # the windows' summed loss, and their count
+    for x, y, windows in trainer.val_batches:
         with autocast(trainer):
-            total += next_token_loss(
+            loss = next_token_loss(
                 trainer.model,
                 x.to(trainer.runtime.device),
                 y.to(trainer.runtime.device),
                 cfg.loss_chunk_tokens(trainer.config),
             ).cross_entropy
+        if windows:  # a stand-in batch only keeps the ranks' forward passes matched
+            totals[0] += loss * windows
+            totals[1] += windows
     trainer.model.train()
-    return mean_across_ranks(total / len(trainer.val_batches), trainer.runtime)
+    if trainer.runtime.distributed:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return float(totals[0] / totals[1])
 
 
 def fit(trainer: Trainer) -> None:
@@ -169,8 +178,11 @@ def fit(trainer: Trainer) -> None:
     speed = throughput(trainer)
     first_step_done = None
     steps_per_epoch = max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
+    report_progress = progress.reporter()  # None unless the launcher asks for it
     for step in range(trainer.start_step, t.max_steps):
         loss, grad_norm, lr = train_step(trainer, step)
+        if report_progress is not None:  # the step reached, which step lines show only every log_interval
+            report_progress(step)
         speed.step_done()
         steps_run = step - trainer.start_step
         last = step == t.max_steps - 1
@@ -210,6 +222,8 @@ def fit(trainer: Trainer) -> None:
                 log_evaluations(trainer, step + 1)
         if (signum := trainer.stop.agreed(trainer.runtime)) is not None:  # settled by train_step's check, if on
             path = checkpoint.save(trainer, step + 1, trainer.run_dir)
+            if trainer.stop.signum:  # every rank stops at this step: the launcher names this one (summary.py SIGNAL_CAME)
+                log.info(f"{signal.Signals(trainer.stop.signum).name} came to this rank: every rank stops after step {step}")
             log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
             raise Stopped(signum)
         epoch_end = t.by_epoch and (step + 1) % steps_per_epoch == 0
@@ -317,7 +331,8 @@ def train(
         dataset_dir = prepare(config.data, log=log.debug if runtime.distributed else log.info)
     config, length = fit_to_dataset(config, dataset_dir, runtime.world_size)
     log.debug(f"Run length: {length.describe()}")
-    if init is not None:  # again, with the vocabulary the tokenizer has set
+    if init is not None:  # again, with the vocabulary the tokenizer has set, and its tokens
+        check_tokenizer(init, config, dataset_dir, log.debug)  # a warning: the launcher's line says it
         check_fits(init, config)
     if runtime.is_main and not (run_dir / "config.json").exists():
         cfg.save(config, run_dir / "config.json")

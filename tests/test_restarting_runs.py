@@ -4,9 +4,12 @@ checkpoint with the same losses as an uninterrupted run, and the refusals of bad
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import io
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +19,15 @@ import psutil
 import pytest
 
 from conftest import ROOT, launcher_env, wait_until
-from helpers import run_launcher as launch
+from helpers import assert_one_line_error, run_launcher as launch
 from launcher import cli
 from launcher.attempts import Attempts
+from launcher.errors import UsageError
+from launcher.exit_codes import by_signal
+from launcher.gpus.placement import GpuOptions, Placement
+from launcher.launch import Devices
 from launcher.supervise.printer import Printer
+from launcher.supervise.restarts import AttemptEnd
 from pretrain import config as cfg
 
 # Rank 1 dies by SIGKILL in the first FAILING attempts; every rank says what it sees first.
@@ -73,6 +81,23 @@ def test_a_command_that_fails_on_its_own_is_not_restarted(tmp_path, script):
     assert result.returncode == 1
     assert "launcher: not restarted: exit code 1 shows no hardware, network or timeout cause: it would repeat" in result.stdout
     assert len(attempts(run_dir)) == 1 and "restart 1" not in result.stdout
+
+
+def test_a_worker_stopped_by_sigterm_from_outside_is_named_and_not_restarted(tmp_path, script):
+    run_dir = tmp_path / "run"
+    # Rank 1 reports a step, then another process (here: itself) sends it SIGTERM; rank 0 waits to be stopped.
+    command = script(
+        "import os, signal, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('[CPU 1] Step [3/10] | Loss: 1.0', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    result = launch("--nproc", "2", "--max-restarts", "2", "--restart-backoff", "0", "--run-dir", str(run_dir), "--", *command)
+    assert result.returncode == 143, result.stdout[-2000:]
+    said = "launcher: not restarted: CPU1 was stopped by SIGTERM from outside the launcher: a stop is never undone"
+    assert said in result.stdout
+    assert [(a["worker"], a["restarted"]) for a in attempts(run_dir)] == [("CPU1", False)]
 
 
 def test_a_fail_fast_run_writes_no_record_and_says_nothing_of_restarts(tmp_path, script):
@@ -264,3 +289,150 @@ def test_a_restart_on_fewer_workers_keeps_the_global_batch_and_the_losses(uninte
     assert sorted(resumed) == [9, 10, 11]
     for step in resumed:
         assert resumed[step][0] == pytest.approx(reference[step][0], rel=1e-5), step
+
+
+def test_a_restart_resumes_from_the_checkpoint_the_run_started_from_while_it_has_none_of_its_own(uninterrupted, tmp_path):
+    step_9 = (uninterrupted / "checkpoints" / "step_9").resolve()  # another run's checkpoint, given to --resume
+    restarts = ["--resume", str(step_9), "--max-restarts", "1", "--restart-backoff", "0"]
+    result = train(
+        uninterrupted.parent / "cache",
+        tmp_path / "b",
+        *restarts,
+        "--set",
+        "training.checkpoint_interval=100",
+        faults="0:1:10:sigkill",
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"launcher: resuming from {step_9} (where the run started: it has no newer complete checkpoint)" in result.stdout
+    assert "starting again at step 0" not in result.stdout
+    reference, resumed = losses(uninterrupted), losses(tmp_path / "b")
+    assert sorted(resumed) == [9, 10, 11]
+    for step, values in resumed.items():  # steps 9-10 ran twice, from step_9 both times
+        assert values == [reference[step][0]] * len(values), step
+
+
+def restarts_of(run_dir: Path, config_changes: dict | None = None, *options: str) -> Attempts:
+    """The restart loop of a 2-worker debug run in run_dir, as the launcher makes it (its lines on stdout)."""
+    args = cli.build_parser().parse_args(["--debug", "--max-restarts", "1", "--restart-backoff", "0", *options])
+    config = cfg.with_world_size(cfg.from_args(args), 2)
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, **(config_changes or {})))
+    return Attempts(args, config, [], run_dir, Printer(sys.stdout, None))
+
+
+def test_a_restart_passes_over_an_older_checkpoint_of_its_own_for_the_one_it_started_from(uninterrupted, tmp_path, capsys):
+    shutil.copytree(uninterrupted / "checkpoints" / "step_9", tmp_path / "run" / "checkpoints" / "step_9")
+    step_12 = str((uninterrupted / "checkpoints" / "step_12").resolve())
+    assert restarts_of(tmp_path / "run", {"resume": step_12}).restart_config(2, 2).training.resume == step_12
+
+
+def test_a_restart_without_a_checkpoint_starts_again_from_the_init_from_weights(tmp_path, capsys):
+    restarted = restarts_of(tmp_path / "run", {"init_from": "/exports/llama"}).restart_config(2, 2)
+    assert (restarted.training.resume, restarted.training.init_from) == ("", "/exports/llama")
+    said = "no complete checkpoint yet: starting again at step 0 from training.init_from's weights (/exports/llama)"
+    assert f"launcher: {said}" in capsys.readouterr().out
+
+
+def test_a_restart_says_why_it_passes_over_a_damaged_newer_checkpoint(uninterrupted, tmp_path, capsys):
+    for step in ("step_9", "step_12"):
+        shutil.copytree(uninterrupted / "checkpoints" / step, tmp_path / "run" / "checkpoints" / step)
+    model = tmp_path / "run" / "checkpoints" / "step_12" / "model.pt"
+    model.write_bytes(model.read_bytes()[:100])  # truncated while the launcher waited to restart
+    restarted = restarts_of(tmp_path / "run").restart_config(2, 2)
+    assert Path(restarted.training.resume).name == "step_9"
+    out = capsys.readouterr().out
+    assert "launcher: warning: not resuming from the later step_12: model.pt" in out, out
+    assert "launcher: resuming from " in out
+
+
+KILLED_AT_5 = AttemptEnd(by_signal(signal.SIGKILL), worker="CPU1", rank=1, how="killed by SIGKILL", step=5)
+
+
+def killed_then(prepare):
+    """An attempt function: the first attempt's CPU1 killed after step 5; the next one's preparation
+    (before its workers are spawned) is prepare(config)."""
+
+    def attempt(config: cfg.Config, restarts, started) -> tuple[int, AttemptEnd]:
+        if restarts.count == 0:
+            started()
+            return KILLED_AT_5.exit_code, KILLED_AT_5
+        prepare(config)
+        raise AssertionError("prepare() was to end the launch")
+
+    return attempt
+
+
+def cpu_devices() -> Devices:
+    return Devices(GpuOptions(device="cpu", nproc=2), Placement("cpu", 2))
+
+
+def test_a_full_disk_while_the_next_attempt_is_prepared_records_no_restart_and_names_the_fix(tmp_path, capsys):
+    config_json = tmp_path / "run" / "config.json"
+
+    def full(config: cfg.Config) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(config_json))
+
+    with pytest.raises(UsageError) as refused:
+        restarts_of(tmp_path / "run").run(killed_then(full), cpu_devices())
+    assert str(refused.value) == (
+        f"no restart: {config_json}: No space left on device; make room on its disk (or make it writable), "
+        "then continue the run with --resume auto"
+    )
+    (only,) = attempts(tmp_path / "run")
+    assert (only["restarted"], only["why"]) == (False, str(refused.value))
+    out = capsys.readouterr().out
+    assert "launcher: attempts: 1 (restarts.jsonl)\nlauncher:   0. from step 0 on CPU0, CPU1: CPU1: killed by SIGKILL" in out
+
+
+def test_a_stop_signal_while_the_next_attempt_is_prepared_records_no_restart_and_lists_the_attempts(tmp_path, capsys):
+    def stopped(config: cfg.Config) -> None:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # (else it would end pytest itself)
+        signal.raise_signal(signal.SIGTERM)
+
+    assert restarts_of(tmp_path / "run").run(killed_then(stopped), cpu_devices()) == 143
+    (only,) = attempts(tmp_path / "run")
+    assert (only["restarted"], only["why"]) == (False, "stopped by SIGTERM before the restart")
+    out = capsys.readouterr().out
+    assert "launcher: stopped by SIGTERM: no restart; the run's checkpoints are kept" in out
+    assert "launcher: attempts: 1 (restarts.jsonl)" in out
+
+
+def test_the_record_says_no_restart_until_the_next_attempt_begins_and_a_stop_in_the_backoff_lists_the_attempts(
+    tmp_path, script, processes
+):
+    run_dir = tmp_path / "run"
+    options = ["--nproc", "2", "--max-restarts", "2", "--restart-backoff", "60", "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "launcher", *options, "--", *own_command(script, 1)]
+    launcher = processes(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=launcher_env())
+    seen: list[str] = []
+    assert wait_until(
+        lambda: seen.append(launcher.stdout.readline()) or "launcher: restart 1 of 2 in 60 s" in seen[-1], timeout=60
+    )
+    (waiting,) = attempts(run_dir)
+    assert (waiting["restarted"], waiting["why"]) == (False, "CPU1 was killed by SIGKILL (restart 1 pending)")
+    launcher.send_signal(signal.SIGTERM)
+    out = "".join(seen) + launcher.communicate(timeout=30)[0]
+    assert launcher.returncode == 143, out
+    (only,) = attempts(run_dir)
+    assert (only["restarted"], only["why"]) == (False, "stopped by SIGTERM before the restart")
+    assert "launcher: attempts: 1 (restarts.jsonl)" in out
+
+
+def test_a_second_launch_in_the_same_run_directory_keeps_the_first_launchs_attempts(tmp_path, script):
+    run_dir = tmp_path / "run"
+    options = ["--nproc", "2", "--max-restarts", "1", "--restart-backoff", "0", "--run-dir", str(run_dir)]
+    for _ in range(2):  # as `--resume auto` or a Slurm requeue launches a run again
+        result = launch(*options, "--", *own_command(script, 1))
+        assert result.returncode == 0, result.stdout[-2000:]
+    assert [(a["launch"], a["attempt"], a["restarted"]) for a in attempts(run_dir)] == [
+        (1, 0, True),
+        (1, 1, False),
+        (2, 0, True),
+        (2, 1, False),
+    ]
+    assert "launcher: attempts of launch 2: 2 (restarts.jsonl)" in result.stdout
+
+
+def test_a_restart_backoff_without_max_restarts_is_refused_like_min_nproc(tmp_path):
+    result = launch("--restart-backoff", "5", "--run-dir", str(tmp_path / "r"), "--", sys.executable, "-c", "pass")
+    assert_one_line_error(result, "--restart-backoff only applies to restarts: add --max-restarts N", prefix="launcher: error: ")
+    assert not (tmp_path / "r").exists()

@@ -3,6 +3,7 @@ what restarts, what never does and in which order, and restarts.jsonl."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 
@@ -34,6 +35,20 @@ def test_deaths_a_worker_did_not_ask_for_are_transient(signum):
 def test_a_worker_ended_by_a_stop_signal_is_not_restarted(signum):
     end = AttemptEnd(by_signal(signum), worker="GPU0", how=f"killed by {signum.name}", step=5)
     assert not judge(end, 0, 3, None, training=True).restart
+
+
+def test_a_stop_signal_sent_to_one_worker_from_outside_is_a_stop_and_never_undone():
+    end = AttemptEnd(by_signal(signal.SIGTERM), worker="CPU1", how="stopped by SIGTERM from outside the launcher", step=5)
+    verdict = judge(dataclasses.replace(end, stopped_from_outside="SIGTERM"), 0, 3, None, training=True)
+    assert not verdict.restart
+    assert verdict.why == "CPU1 was stopped by SIGTERM from outside the launcher: a stop is never undone"
+
+
+def test_a_worker_that_exited_0_before_the_run_ended_is_not_restarted_though_its_peers_lost_it():
+    end = AttemptEnd(4, worker="CPU1", how="exited 0 after step 5, before the run ended; its peers lost it", step=5)
+    assert judge(end, 0, 3, None, training=True).restart  # exit 4 alone reads as a lost peer
+    verdict = judge(dataclasses.replace(end, ended_early=True), 0, 3, None, training=True)
+    assert not verdict.restart and verdict.why == "CPU1 exited 0 before the run ended: it would again"
 
 
 def test_a_stop_the_user_asked_for_is_never_undone():
@@ -136,3 +151,98 @@ def test_a_record_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path):
     record = Record(tmp_path / "run" / "restarts.jsonl")
     warning = record.end(record.begin(["CPU0"], None), KILLED, judge(KILLED, 0, 1, None, training=True))
     assert warning is not None and warning.startswith("warning: could not record the attempt in restarts.jsonl")
+
+
+def test_an_attempt_stopped_by_sigterm_is_listed_as_stopped_not_as_a_worker_named_none(tmp_path):
+    record = Record(tmp_path / "restarts.jsonl")
+    stopped = AttemptEnd(by_signal(signal.SIGTERM), step=19, stopped=True)
+    record.end(record.begin(["CPU0", "CPU1"], str(tmp_path / "step_5")), stopped, judge(stopped, 1, 2, None, training=True))
+    assert record.summary()[1] == "  0. from step_5 on CPU0, CPU1: stopped by SIGTERM at step 19; exit code 143"
+
+
+def test_a_later_launch_keeps_the_earlier_launches_attempts_and_lists_only_its_own(tmp_path):
+    path = tmp_path / "restarts.jsonl"
+    first = Record(path)
+    first.end(first.begin(["CPU0"], None), KILLED, judge(KILLED, 0, 1, None, training=True))
+    first.end(first.begin(["CPU0"], "step_10"), AttemptEnd(0), judge(AttemptEnd(0), 1, 1, KILLED, training=True))
+    again = Record(path)  # the next launch in the run directory (--resume auto, a Slurm requeue)
+    again.end(again.begin(["CPU1"], "step_20"), AttemptEnd(0), judge(AttemptEnd(0), 0, 1, None, training=True))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(a["launch"], a["attempt"], a["devices"]) for a in lines] == [(1, 0, ["CPU0"]), (1, 1, ["CPU0"]), (2, 0, ["CPU1"])]
+    assert again.summary() == ["attempts of launch 2: 1 (restarts.jsonl)", "  0. from step_20 on CPU1: finished; exit code 0"]
+
+
+def test_the_backoff_not_given_starts_at_one_second():
+    assert [backoff(n, None) for n in (1, 2)] == [1.0, 2.0]
+
+
+# Timeouts in the words of the libraries that time out (torch 2.13's gloo, NCCL and c10d store, as
+# they print them) and of pretrain/train.py, each beside a line of a command of one's own that is no
+# such timeout and would only time out again.
+TIMEOUTS = [
+    (
+        "[rank1]:[E1218 20:27:21.426 ProcessGroupNCCL.cpp:629] [Rank 1] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=1, OpType=BROADCAST, NumelIn=8, NumelOut=8, Timeout(ms)=600000) ran for 600081 milliseconds "
+        "before timing out.",
+        "a collective timed out",
+        "ERROR | the evaluation server's collective operation timeout is 30 s",
+    ),
+    (
+        "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+        "waiting 2000ms for recv operation to complete",
+        "a collective timed out",
+        "Timed out waiting for the lock on /data/shard_0.bin",
+    ),
+    ("RuntimeError: Application timeout caused pair closure", "a collective timed out", "the application timed out"),
+    (
+        "RuntimeError: [Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
+        "a collective timed out",
+        "the job failed to pass the health check in time",
+    ),
+    (
+        "ERROR | [CPU 1] a collective waited longer than system.collective_timeout (600 s) for the other ranks: one of "
+        "them is frozen or gone",
+        "a collective timed out",
+        "ERROR | a request waited longer than 30 s",
+    ),
+    (
+        "torch.distributed.DistStoreError: wait timeout after 1000ms, keys: /default_pg/0//cpu//0",
+        "torch.distributed's store timed out",
+        "wait timeout: the queue stayed empty",
+    ),
+    (
+        "torch.distributed.DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 clients joined.",
+        "torch.distributed's store timed out",
+        "download of shard_3.bin timed out after 30 s",
+    ),
+    (
+        "torch.distributed.DistNetworkError: The client socket has timed out after 1000ms while trying to connect to "
+        "(127.0.0.1, 29500).",
+        "torch.distributed's store timed out",
+        "requests.exceptions.ConnectTimeout: the connection timed out after 10000ms",
+    ),
+    (
+        "torch.distributed.DistNetworkError: Socket Timeout",
+        "torch.distributed's store timed out",
+        "urllib3: socket timeout while reading https://example.com/data",
+    ),
+    (
+        "RuntimeError: Timed out initializing process group in store based barrier on rank 1, for key: store_based_barrier_key:1",
+        "torch.distributed's store timed out",
+        "Timed out initializing the tokenizer cache",
+    ),
+]
+
+
+@pytest.mark.parametrize("line, cause, near_miss", TIMEOUTS, ids=[t[1] + ": " + t[0][:40] for t in TIMEOUTS])
+def test_only_the_collective_libraries_own_timeout_messages_make_a_failure_transient(line, cause, near_miss):
+    timed_out = AttemptEnd(1, worker="CPU1", how="exit code 1", tail=("INFO | step", line), step=4)
+    assert transient_cause(timed_out) == f"{cause} on CPU1"
+    own = AttemptEnd(1, worker="CPU1", how="exit code 1", tail=("INFO | step", near_miss), step=4)
+    assert transient_cause(own) is None and not judge(own, 0, 3, None, training=True).restart
+
+
+def test_a_command_whose_download_timed_out_is_not_restarted():
+    download = AttemptEnd(1, worker="CPU0", how="exit code 1", tail=("download of data.bin timed out after 30 s",))
+    verdict = judge(download, 0, 3, None, training=False)
+    assert not verdict.restart and verdict.why == "exit code 1 shows no hardware, network or timeout cause: it would repeat"

@@ -336,3 +336,36 @@ def test_the_launcher_refuses_an_explicit_resume_of_an_incomplete_checkpoint_in_
     fix = "(an incomplete checkpoint); use another checkpoint of the run"
     assert result.stderr == f"launcher: error: --resume {ten}: rng_rank1.pt is missing {fix}\n"
     assert not (tmp_path / "next").exists()
+
+
+def test_auto_in_a_run_directory_whose_checkpoints_are_all_damaged_is_refused_naming_the_damage_and_the_way_out(tmp_path, runs):
+    run = tmp_path / "run"
+    os.truncate(checkpoint_dir(run, 5) / "model.pt", 30)
+    with pytest.raises(ResumeError) as error:
+        resolve_resume("auto", str(run), runs, world_size=1)
+    assert one_line_error(error) == (
+        f"--resume auto: {run} has no complete checkpoint to resume from (step_5: model.pt is damaged (not a whole "
+        f"torch.save file)); to start over on purpose, choose another --run-dir, or remove it from {run / 'checkpoints'} "
+        "to start at step 0 there"
+    )
+    (checkpoint_dir(run, 10) / "optimizer.pt").unlink()
+    with pytest.raises(ResumeError, match=r"\(step_5: model.pt is damaged .*; step_10: optimizer.pt is missing .*remove them"):
+        resolve_resume("auto", str(run), runs, world_size=1)
+    fill(run / "checkpoints" / "step_5", 5)  # an older complete one is still taken, the damaged newer one named
+    assert resolve_resume("auto", str(run), runs, world_size=1) == (run, (run / "checkpoints" / "step_5").resolve())
+
+
+def test_the_launcher_refuses_resume_auto_when_the_runs_only_checkpoint_is_damaged_and_adds_nothing_to_it(tmp_path):
+    run = tmp_path / "run"
+    (checkpoint_dir(run, 10) / "model.pt").write_bytes(b"")
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 9, "loss": 3.2}\n')
+    argv = ["--device", "cpu", "--nproc", "1", "--debug", "--run-dir", str(run), "--resume", "auto"]
+    result = subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"launcher: error: --resume auto: {run} has no complete checkpoint to resume from (step_10: model.pt is empty "
+        f"(a damaged checkpoint)); to start over on purpose, choose another --run-dir, or remove it from "
+        f"{run / 'checkpoints'} to start at step 0 there\n"
+    )
+    assert (run / "metrics.jsonl").read_text() == '{"kind": "train", "step": 9, "loss": 3.2}\n'
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoints", "metrics.jsonl"]

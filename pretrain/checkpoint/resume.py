@@ -44,7 +44,8 @@ def resolve_resume(
     """(run directory to use, checkpoint to resume from) for training.resume, on world_size ranks.
 
     "" starts fresh in run_dir_arg (None: a new run directory). "auto" continues the latest
-    complete checkpoint of run_dir_arg (a fresh start there when it has none) or, without one,
+    complete checkpoint of run_dir_arg (a fresh start there when it has none; ResumeError when it
+    has checkpoints but every one is damaged) or, without one,
     of the run under runs_root whose latest complete checkpoint was written last. A path names a
     checkpoint directory, refused (ResumeError) unless complete, or a run directory, for its
     latest complete checkpoint; training continues in run_dir_arg when given, else in the run
@@ -94,6 +95,8 @@ def checkpoint_at(path: Path, world_size: int | None = None) -> Path:
 def _auto(run_dir: Path | None, runs_root: Path, world_size: int | None) -> tuple[Path | None, Path | None]:
     if run_dir is not None:
         found = latest(run_dir / "checkpoints", world_size)
+        if found is None and (problems := damaged(run_dir / "checkpoints", world_size=world_size)):
+            raise ResumeError(nothing_to_resume(run_dir, problems))
         return run_dir, found.resolve() if found else None
     runs = [p for p in runs_root.iterdir() if p.is_dir()] if runs_root.is_dir() else []
     # By when their latest checkpoint was written, not by name: run ids sort by time, but a
@@ -103,6 +106,18 @@ def _auto(run_dir: Path | None, runs_root: Path, world_size: int | None) -> tupl
         return None, None
     _, run, found = max(candidates, key=lambda candidate: candidate[0])
     return run.resolve(), found.resolve()
+
+
+def nothing_to_resume(run_dir: Path, problems: list[str]) -> str:
+    """The refusal of --resume auto in a run directory whose checkpoints are all damaged: starting at
+    step 0 there would be no resume, and would add a second series from step 0 to its metrics."""
+    # Each problem's own advice ("use another checkpoint of the run") has nothing to point to here.
+    what = "; ".join(problem.split("; ")[0] for problem in problems)
+    them = "it" if len(problems) == 1 else "them"
+    return (
+        f"--resume auto: {run_dir} has no complete checkpoint to resume from ({what}); to start over on "
+        f"purpose, choose another --run-dir, or remove {them} from {run_dir / 'checkpoints'} to start at step 0 there"
+    )
 
 
 def _written_at(checkpoint: Path) -> int:
