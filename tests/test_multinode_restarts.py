@@ -175,6 +175,9 @@ def test_a_stop_signal_to_either_node_during_the_backoff_stops_both_at_once_and_
     tmp_path, processes, stopped
 ):
     nodes = restarting_after_node_1s_kill(tmp_path, processes, "--restart-backoff", "60")
+    # Decided, not yet made: the record does not say "restarted" before the next attempt begins.
+    [decided] = attempts(tmp_path)
+    assert not decided["restarted"] and decided["why"].endswith("(restart 1 pending)"), decided
     nodes[stopped].proc.send_signal(signal.SIGTERM)
     # Both within 30 s of the signal, where the backoff alone is 60 s.
     assert [run.wait(timeout=30) for run in nodes] == [143, 143], nodes[0].text + nodes[1].text

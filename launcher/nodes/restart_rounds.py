@@ -108,6 +108,8 @@ class RestartRounds:
     first_world: int = 0
     """The job's workers in the first attempt (its global batch is kept)."""
     record: restarts.Record | None = None
+    pending: tuple[restarts.Attempt, restarts.Verdict] | None = None
+    """Node 0: the attempt whose restart was decided, recorded as made once the next attempt begins."""
     started: bool = False
 
     @property
@@ -304,7 +306,12 @@ class RestartRounds:
         if self.record is None:
             return None
         resumed = config.training.resume or None if self.training else None
-        return self.record.begin([], resumed)
+        entry = self.record.begin([], resumed)
+        if self.pending is not None:  # the restart before it happened: only now does the record say so
+            if warning := self.record.decide(*self.pending):
+                self.say(warning)
+            self.pending = None
+        return entry
 
     def _post(self, node: Node, key: str, value: dict[str, Any]) -> None:
         try:
@@ -325,8 +332,12 @@ class RestartRounds:
         wait = restarts.backoff(number + 1, self.args.restart_backoff) if verdict.restart else 0.0
         if entry is not None and self.record is not None:
             entry.devices = [d for n in range(node.spec.nnodes) for d in (node.read(f"devices/{n}") or {}).get("devices", [])]
-            if warning := self.record.end(entry, end, verdict):
+            # Not "restarted" until the next attempt begins (_begin): a job that ends before then
+            # (a stop, a full disk, the round not forming) leaves the line saying so.
+            pending = restarts.Verdict(False, f"{verdict.why} (restart {number + 1} pending)")
+            if warning := self.record.end(entry, end, pending if verdict.restart else verdict):
                 self.say(warning)
+            self.pending = (entry, verdict) if verdict.restart else None
         node.post("decision", asdict(Decision(verdict.restart, verdict.why, wait)))
         readers = [n for n in ends if n != 0]
         deadline = time.monotonic() + node.loss_after
