@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -326,6 +327,13 @@ def test_an_export_at_the_end_of_training_on_a_full_disk_names_the_file_and_how_
         f"{weights}: {NO_SPACE}; the final checkpoint {final} is saved but not exported: make room (or make the "
         f"directory writable), then `python -m pretrain.export --checkpoint {final}` exports it"
     )
+
+
+def test_the_export_command_an_unwritten_export_names_runs_as_pasted_into_a_shell_whatever_the_run_dirs_name():
+    final = "/runs/my run/checkpoints/step_2"
+    line = hf_export.not_written(OSError(errno.ENOSPC, NO_SPACE, "/runs/my run/export"), final)
+    command = line.split("`")[1]
+    assert shlex.split(command) == ["python", "-m", "pretrain.export", "--checkpoint", final]
 
 
 def test_a_checkpoint_that_fills_a_tmpfs_names_the_file_gives_the_space_back_and_keeps_the_previous_one(cache, tmp_path):

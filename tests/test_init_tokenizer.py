@@ -175,3 +175,41 @@ def test_a_checkpoint_whose_token_at_the_runs_end_of_text_id_differs_is_refused_
         check(tmp_path, llama_like({eot: "<|eot_id|>"}), llama_like(), *sets)
 
     assert f"): 1 id differs (id {eot}: '<|eot_id|>' in its tokenizer, " in str(excinfo.value)
+
+
+def test_a_special_token_of_the_checkpoints_at_an_id_the_runs_text_becomes_is_refused(tmp_path):
+    theirs = llama_like({4: "<pad>"})
+    theirs["added_tokens"].append({"id": 4, "content": "<pad>", "special": True})
+
+    with pytest.raises(InitFromError) as excinfo:
+        check(tmp_path, theirs, llama_like())
+
+    assert "): 1 id differs (id 4: '<pad>' in its tokenizer, 'bc' in the run's)" in str(excinfo.value)
+
+
+def test_ids_only_the_checkpoints_tokenizer_has_are_never_in_the_runs_data_and_are_not_refused(tmp_path):
+    theirs = llama_like()
+    theirs["added_tokens"].append({"id": 10, "content": "  ", "special": False})  # extra vocabulary, as CodeLlama's
+
+    assert check(tmp_path, theirs, llama_like()) == []
+
+
+@pytest.mark.parametrize("main_is_pinned", [True, False], ids=["main is that commit", "main moved on"])
+def test_the_fix_for_a_hub_model_pinned_to_a_commit_names_what_gives_that_commits_tokenizer(tmp_path, main_is_pinned):
+    repo = tmp_path / "hub" / "models--owner--tiny"
+    snapshot = repo / "snapshots" / ("1" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_text(json.dumps(llama_like({4: "ca"})))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name if main_is_pinned else "2" * 40)
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "tokenizer.json").write_text(json.dumps(llama_like()))
+    checkpoint = HfCheckpoint(source=f"owner/tiny@{snapshot.name}", directory=snapshot, config={}, tensors={})
+    run = cfg.resolve(preset="debug", sets=["data.tokenizer=huggingface", f"data.tokenizer_name={tmp_path / 'dataset'}"])
+
+    with pytest.raises(InitFromError) as excinfo:
+        check_tokenizer(checkpoint, run, tmp_path / "dataset", log=pytest.fail)
+
+    # data.tokenizer_name reads the main ref: the id only while main is the pinned commit, else its snapshot
+    name = "owner/tiny" if main_is_pinned else shlex.quote(str(snapshot))
+    assert f"--set data.tokenizer=huggingface --set data.tokenizer_name={name}" in str(excinfo.value)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import math
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -178,7 +179,7 @@ class ExportNotWritten(Refusal):
 
 def not_written(error: OSError, checkpoint_dir: str | None) -> str:
     """One line for an export that failed on error: the file and the reason, then the fix."""
-    again = f"`python -m pretrain.export --checkpoint {checkpoint_dir or '<checkpoint>'}`"
+    again = f"`python -m pretrain.export --checkpoint {shlex.quote(str(checkpoint_dir)) if checkpoint_dir else '<checkpoint>'}`"
     saved = f"the final checkpoint {checkpoint_dir} is saved but not exported" if checkpoint_dir else "not exported"
     return f"{os_error_message(error)}; {saved}: make room (or make the directory writable), then {again} exports it"
 

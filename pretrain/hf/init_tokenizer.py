@@ -61,10 +61,13 @@ def tokenizer_json_vocabulary(tokenizer_json: Any) -> Vocabulary:
 
 
 def differing_ids(theirs: Vocabulary, ours: Vocabulary, eot_id: int | None) -> tuple[list[int], list[int]]:
-    """(the ids text tokenizes to that mean another token in the two, the special ids that do), in
-    id order. A special id in either is not text's, except the run's end-of-text id eot_id."""
-    differ = sorted(number for number in theirs.ids.keys() | ours.ids.keys() if theirs.ids.get(number) != ours.ids.get(number))
-    special = (theirs.special | ours.special) - {eot_id}
+    """(the ids the run's data can hold that mean another token in theirs, the run's special ids
+    that do), in id order. The run's data holds the ids its text tokenizes to (those of its
+    tokenizer that are not special) and its end-of-text id eot_id; an id only the checkpoint's
+    tokenizer has never occurs in it, and a special id of the checkpoint's is refused where the
+    run's text becomes that id."""
+    differ = sorted(number for number, token in ours.ids.items() if theirs.ids.get(number) != token)
+    special = ours.special - {eot_id}
     return [number for number in differ if number not in special], [number for number in differ if number in special]
 
 
@@ -176,8 +179,7 @@ def _use_theirs(checkpoint: HfCheckpoint, theirs: dict[int, str]) -> str:
     (a Hub model's id, fetched as data.tokenizer_name), its end-of-text token where
     tokenizer_config.json names one the run would not pick by itself, and its model's vocabulary
     where that has more rows than the tokenizer has ids (the model would follow the tokenizer)."""
-    source = checkpoint.source
-    name = source.partition("@")[0] if not Path(source).is_absolute() else source
+    name = _tokenizer_name(checkpoint)
     sets = ["data.tokenizer=huggingface", f"data.tokenizer_name={name}"]
     eos = _eos_token(checkpoint.directory)
     tokens = set(theirs.values())
@@ -188,6 +190,21 @@ def _use_theirs(checkpoint: HfCheckpoint, theirs: dict[int, str]) -> str:
     if isinstance(rows, int) and rows != max(theirs, default=-1) + 1:
         sets.append(f"model.vocab_size={rows}")
     return " ".join(f"--set {shlex.quote(setting)}" for setting in sets)
+
+
+def _tokenizer_name(checkpoint: HfCheckpoint) -> str:
+    """What data.tokenizer_name gives the checkpoint's very tokenizer: a directory as it is; a Hub
+    model pinned to a commit (owner/name@<commit>) by its id only where the cache's main ref is that
+    commit (data.tokenizer_name reads main), else by its snapshot directory in the cache."""
+    source = checkpoint.source
+    if Path(source).is_absolute() or "@" not in source:
+        return source
+    snapshot = checkpoint.directory
+    try:
+        main = (snapshot.parent.parent / "refs" / "main").read_text(encoding="utf-8").strip()
+    except OSError:
+        main = ""
+    return source.partition("@")[0] if main == snapshot.name else str(snapshot)
 
 
 def _eos_token(directory: Path) -> str | None:
