@@ -94,8 +94,10 @@ def restarting_job(
 ) -> RestartRounds:
     """This node's part of a job of several nodes that restarts: each attempt as run_owned runs it."""
 
-    def attempt(config: cfg.Config, node: Node, run_dir: Path, port: int, restarts: Restarts) -> tuple[int, AttemptEnd]:
-        return run_owned(args, config, command, devices.placement, console, run_dir, node, port, restarts)
+    def attempt(
+        config: cfg.Config, node: Node, run_dir: Path, port: int, restarts: Restarts, started: Callable[[], None]
+    ) -> tuple[int, AttemptEnd]:
+        return run_owned(args, config, command, devices.placement, console, run_dir, node, port, restarts, started)
 
     return RestartRounds(args, config, command, devices, console, spec, attempt, free_port)
 
@@ -197,6 +199,7 @@ def run_owned(
             exit_meanings={} if generic else exit_codes.MEANINGS,
             agreed_exit_codes=frozenset() if generic else exit_codes.AGREED,
             consequence_exit_codes=frozenset() if generic else exit_codes.CONSEQUENCES,
+            stop_exit_codes=frozenset() if generic else exit_codes.STOPPED,
         )
         supervisor = Supervisor(workers, printer, options, peers=node)
         gpus = placement.gpus if placement.device == "cuda" else ()

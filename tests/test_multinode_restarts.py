@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import shutil
 import sys
 from pathlib import Path
 
@@ -218,7 +219,8 @@ def test_nodes_started_with_different_max_restarts_are_refused_in_one_line_namin
         for rank, restarts in ((0, node0), (1, node1))
     ]
     assert [run.wait(timeout=120) for run in runs] == [2, 2], runs[0].text + runs[1].text
-    problem = f"was started with --max-restarts {node1} and node 0 with --max-restarts {node0}; "
+    node0_was = "without --max-restarts" if node0 == "0" else f"with --max-restarts {node0}"  # 0: restarts off, the default
+    problem = f"was started with --max-restarts {node1} and node 0 {node0_was}; "
     problem += "give every node the same --max-restarts"
     assert problem in runs[0].text and problem in runs[1].text
     assert "CPU0:" not in runs[0].text and "CPU1:" not in runs[1].text  # no worker started
@@ -245,9 +247,27 @@ def test_after_min_nnodes_renumbers_the_nodes_each_writes_only_its_own_logs_and_
         ((1, None, 1.0), (1, 1, 1.0), "node 1 (b) was started with --min-nnodes 1 and node 0 without --min-nnodes"),
         ((1, None, 1.0), (1, None, 5.0), "started with --restart-backoff 5 and node 0 with --restart-backoff 1; give every"),
         ((2, 1, 1.0), (2, 1, 1.0), None),
+        ((2, 1, None), (2, 1, 1.0), None),  # --restart-backoff not given is its default, 1 s
+        ((0, None, None), (2, None, None), "was started with --max-restarts 2 and node 0 without --max-restarts;"),
     ],
 )
 def test_nodes_with_different_min_nnodes_or_backoff_are_refused_naming_both_values(ours, theirs, problem):
     members = [Member(n, host, 1, 1, "cpu", restarts=restart_options(*o)) for n, host, o in ((0, "a", ours), (1, "b", theirs))]
     found = disagreement(members)
     assert found == problem if problem is None else (found is not None and problem in found)
+
+
+def test_an_attempt_after_a_restart_that_ends_before_its_workers_start_records_no_restart(tmp_path, processes):
+    nodes = two_nodes(tmp_path, processes, "--restart-backoff", "5", FAIL_RANK="1", FAIL="sigkill")
+    said = "launcher: restart 1 of 1 in 5 s"
+    assert wait_until(lambda: said in nodes[0].text or nodes[0].proc.poll() is not None, timeout=120), nodes[0].text
+    # During the backoff, node 0's logs directory becomes a file: its next attempt cannot start.
+    logs = tmp_path / "run" / "logs" / "node0"
+    shutil.rmtree(logs)
+    logs.write_text("in the way\n")
+    assert nodes[0].wait(timeout=60) != 0, nodes[0].text
+    [record] = attempts(tmp_path)
+    assert (record["exit_code"], record["restarted"]) == (137, False), record
+    assert record["why"].startswith("no restart: "), record
+    assert "launcher: attempts: 1 (restarts.jsonl)" in nodes[0].text
+    nodes[1].wait(timeout=60)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.supervise.restarts import DEFAULT_BACKOFF
+
 RESTART_OPTIONS = ("--max-restarts", "--min-nnodes", "--restart-backoff")
 NO_RESTARTS: dict[str, Any] = {"--max-restarts": 0}
 """A launch without --max-restarts (its other restart options then mean nothing)."""
@@ -30,8 +32,10 @@ class Member:
     """Its restart options by name (RESTART_OPTIONS); None: no restarts."""
 
 
-def restart_options(max_restarts: int, min_nnodes: int | None, restart_backoff: float) -> dict[str, Any]:
-    return dict(zip(RESTART_OPTIONS, (max_restarts, min_nnodes, restart_backoff), strict=True))
+def restart_options(max_restarts: int, min_nnodes: int | None, restart_backoff: float | None) -> dict[str, Any]:
+    """As the nodes compare them: --restart-backoff not given is its default, so it agrees with one given as 1."""
+    backoff = DEFAULT_BACKOFF if restart_backoff is None else restart_backoff
+    return dict(zip(RESTART_OPTIONS, (max_restarts, min_nnodes, backoff), strict=True))
 
 
 def disagreement(members: list[Member]) -> str | None:
@@ -68,7 +72,8 @@ def restarts_differ(first: Member, other: Member) -> str | None:
 
 
 def _with(name: str, value: Any) -> str:
-    return f"without {name}" if value is None else f"with {name} {value:g}"
+    given = value is not None and not (name == "--max-restarts" and value == 0)  # 0 is the default: restarts off
+    return f"with {name} {value:g}" if given else f"without {name}"
 
 
 def differences(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import socket
 import time
@@ -56,7 +57,9 @@ from pretrain import config as cfg
 if TYPE_CHECKING:
     from launcher.launch import Devices
 
-Attempt = Callable[[cfg.Config, Node, Path, int, Restarts], tuple[int, AttemptEnd]]
+Attempt = Callable[[cfg.Config, Node, Path, int, Restarts, Callable[[], None]], tuple[int, AttemptEnd]]
+"""One attempt on this node (launch.py run_owned): its config, round, run directory, port, restart
+count, and what to call once its workers are spawned -> its exit code and how it ended."""
 """One attempt on this node: its config, the round's Node, the run directory, the rank-0 worker's
 port and the restart count -> this node's exit code and how its attempt ended."""
 
@@ -145,9 +148,19 @@ class RestartRounds:
             config, port, number = self._plan(node, number)
         while True:
             with multinode.telling_others(node):
-                entry = self._begin(config)
                 self.started = True
-                code, end = self.attempt(config, node, self.owned_path, port, Restarts(number, self.args.max_restarts))
+                begun: list[restarts.Attempt | None] = []  # its line of the record, once its workers are spawned
+                spawned = functools.partial(self._begin, config, begun)
+                try:
+                    restart = Restarts(number, self.args.max_restarts)
+                    code, end = self.attempt(config, node, self.owned_path, port, restart, spawned)
+                except BaseException as error:
+                    if not begun:  # ended while it prepared: a restart decided before it did not happen
+                        self._not_begun(error)
+                    raise
+                if not begun:  # workers that could not all start: the attempt is recorded all the same
+                    spawned()
+                entry = begun[0]
                 self._post(node, f"end/{node.rank}", end_record(end))
             job: AttemptEnd | None = None
             try:
@@ -171,8 +184,8 @@ class RestartRounds:
             try:
                 with multinode.telling_others(node):
                     config, port, number = self._plan(node, number + 1)
-            except (KeyboardInterrupt, SystemExit) as stopped:  # the others hear it as the round's interrupt
-                self._stopped_planning(stopped, entry, job)
+            except BaseException as error:  # the others hear a stop as the round's interrupt
+                self._not_begun(error)
                 raise
 
     def _restart(self, decision: Decision, number: int) -> Node | None:
@@ -213,13 +226,20 @@ class RestartRounds:
         between_rounds.wait_for_readers(self.hosted, readers, self.args.node_timeout)
         return by_signal(halted.halt.signum)
 
-    def _stopped_planning(self, stopped: BaseException, entry: restarts.Attempt | None, job: AttemptEnd | None) -> None:
-        """Node 0: a stop signal once the round had formed, while it chose the checkpoint: the
-        record says the restart did not happen."""
-        if self.record is None or entry is None or job is None or (signum := stop_signal(stopped)) is None:
+    def _not_begun(self, error: BaseException) -> None:
+        """Node 0: an attempt after a restart ended before its workers were spawned (a stop signal, a
+        refusal while it prepared): the record says the restart did not happen, and why."""
+        if self.record is None or self.pending is None:
             return
-        if warning := self.record.end(entry, job, restarts.Verdict(False, Halt(self.spec.node_rank, signum).why())):
+        entry, _ = self.pending
+        self.pending = None
+        if (signum := stop_signal(error)) is not None:
+            why = Halt(self.spec.node_rank, signum).why()
+        else:
+            why = "no restart: " + (first_line(error) or type(error).__name__)
+        if warning := self.record.decide(entry, restarts.Verdict(False, why)):
             self.say(warning)
+        self.say("\n".join(self.record.summary()))
 
     def _stopped_between(self, entry: restarts.Attempt | None, job: AttemptEnd | None) -> None:
         """Node 0: the restart it decided did not happen; the record says so, and lists the attempts."""
@@ -301,8 +321,12 @@ class RestartRounds:
         """The one-machine restart loop's helpers: devices again, the restart's config."""
         return Attempts(self.args, self.first_config or self.config, self.command, self.owned_path, self.console)
 
-    def _begin(self, config: cfg.Config) -> restarts.Attempt | None:
-        """Node 0: the attempt's line of restarts.jsonl (every node's devices come at its end)."""
+    def _begin(self, config: cfg.Config, begun: list[restarts.Attempt | None]) -> None:
+        """Once the attempt's workers are spawned, node 0: its line of restarts.jsonl (every node's
+        devices come at its end) into begun, and the restart before it recorded as made."""
+        begun.append(self._line(config))
+
+    def _line(self, config: cfg.Config) -> restarts.Attempt | None:
         if self.record is None:
             return None
         resumed = config.training.resume or None if self.training else None
