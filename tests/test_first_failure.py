@@ -84,8 +84,12 @@ def supervise(workers, tmp_path, **options) -> tuple[int, str]:
     settings = SupervisorOptions(
         run_dir=tmp_path,
         exit_meanings=exit_codes.MEANINGS,
-        consequence_exit_codes=exit_codes.CONSEQUENCES,
-        **{"kill_grace": 2.0, **options},
+        **{
+            "kill_grace": 2.0,
+            "consequence_exit_codes": exit_codes.CONSEQUENCES,
+            "stop_exit_codes": exit_codes.STOPPED,
+            **options,
+        },
     )
     code = Supervisor(workers, printer, settings).run()
     printer.close()
@@ -259,6 +263,17 @@ def test_a_worker_killed_by_sigterm_from_outside_is_named_stopped_not_failed(scr
     assert code == 143
     assert "launcher: STOPPED: CPU1 (rank 1) was stopped by SIGTERM from outside the launcher" in out
     assert "FAILED" not in out
+
+
+def test_a_command_of_ones_own_exiting_143_by_itself_failed_and_no_signal_is_claimed(script, tmp_path):
+    exits = script(WAIT_FOR + "\n    sys.exit(143)\n", "exits.py")
+    waits = script(WAIT_FOR + "\n    time.sleep(60)\n", "waits.py")
+    # a command of one's own: not a training worker, which exits 143 after a stop signal it saved on
+    code, out = supervise([make_worker(0, waits), make_worker(1, exits)], tmp_path, stop_exit_codes=frozenset())
+    assert code == 143
+    assert "launcher: CPU1 failed (exit code 143); stopping the other workers" in out
+    assert "launcher: FAILED: CPU1 (rank 1) failed first" in out
+    assert "STOPPED" not in out and "did not send" not in out
 
 
 # --- the same with real training ranks -------------------------------------------------------

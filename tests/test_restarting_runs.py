@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, launcher_env, wait_until
 from helpers import assert_one_line_error, run_launcher as launch
 from launcher import cli
-from launcher.attempts import Attempts
+from launcher.attempts import Attempts, StoppedBetweenAttempts
 from launcher.errors import UsageError
 from launcher.exit_codes import by_signal
 from launcher.gpus.placement import GpuOptions, Placement
@@ -29,6 +29,7 @@ from launcher.launch import Devices
 from launcher.supervise.printer import Printer
 from launcher.supervise.restarts import AttemptEnd
 from pretrain import config as cfg
+from pretrain.data.cache import stop_signal
 
 # Rank 1 dies by SIGKILL in the first FAILING attempts; every rank says what it sees first.
 KILLED_WHILE = """
@@ -436,3 +437,9 @@ def test_a_restart_backoff_without_max_restarts_is_refused_like_min_nproc(tmp_pa
     result = launch("--restart-backoff", "5", "--run-dir", str(tmp_path / "r"), "--", sys.executable, "-c", "pass")
     assert_one_line_error(result, "--restart-backoff only applies to restarts: add --max-restarts N", prefix="launcher: error: ")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_between_attempts_is_read_as_its_signal_by_a_dataset_preparation_on_its_way(signum):
+    # The first attempt's dataset preparation says "preparation interrupted by SIGINT" and cleans up.
+    assert stop_signal(StoppedBetweenAttempts(signum)) == signum

@@ -33,6 +33,9 @@ class SupervisorOptions:
     """What the workers' own exit codes mean, named in the summary."""
     agreed_exit_codes: frozenset[int] = frozenset()
     """Codes every worker exits with together (rule 2)."""
+    stop_exit_codes: frozenset[int] = frozenset()
+    """Codes a worker exits with after it handled a stop signal (a training worker saves, then exits
+    by_signal(n)): read as that stop. Any worker killed by a stop signal is one."""
     consequence_exit_codes: frozenset[int] = frozenset()
     """Codes of a worker whose failure another worker's caused (it lost the connection to it):
     such an exit decides nothing while another worker may still report the cause (rule 1)."""

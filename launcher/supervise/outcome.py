@@ -105,6 +105,7 @@ class Ending:
     agreed_exit_codes: frozenset[int]
     logs_dir: Path | None
     consequence_exit_codes: frozenset[int] = frozenset()
+    stop_exit_codes: frozenset[int] = frozenset()
 
 
 def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
@@ -113,7 +114,7 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
     first.worker = signalled(ending, first)
     worker, watch = first.worker, ending.watches[first.worker]
     returncode = watch.returncode if watch.returncode is not None else -signal.SIGKILL
-    stopped_by = summary.signal_came(list(watch.tail)) or summary.stop_signal(returncode)
+    stopped_by = summary.signal_came(list(watch.tail)) or summary.stop_signal(returncode, ending.stop_exit_codes)
     if first.hung_for is not None:
         stopped_by, code, how = None, EXIT_HANG, f"printed nothing for {first.hung_for:g} s"
         if first.unresponsive:
@@ -167,7 +168,8 @@ def describe_failure(ending: Ending, first: FirstFailure) -> summary.Failure:
 def signalled(ending: Ending, first: FirstFailure) -> Worker:
     """The worker a stop signal from outside came to, when first (a training rank that stopped on
     it, as every rank does at the same step) did not say that it came to it; else first's worker."""
-    if first.hung_for is not None or ending.watches[first.worker].returncode not in summary.STOP_RETURNCODES:
+    returncode = ending.watches[first.worker].returncode
+    if first.hung_for is not None or summary.stop_signal(returncode or 0, ending.stop_exit_codes) is None:
         return first.worker
     told = [w for w, watch in ending.watches.items() if summary.signal_came(list(watch.tail))]
     return first.worker if not told or first.worker in told else told[0]

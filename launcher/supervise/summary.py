@@ -19,8 +19,10 @@ HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "std::bad_allo
 traceback's last line starting with MemoryError: torch's CPU allocator, C++'s allocation failure."""
 FRAMES_SHOWN = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-STOP_RETURNCODES = {code for s in STOP_SIGNALS for code in (-s, by_signal(s))}
-"""How a worker ends on a stop signal: killed by it, or (a training worker) after it saved."""
+KILLED_BY_STOP = frozenset(-s for s in STOP_SIGNALS)
+"""How any worker ends on a stop signal it does not handle: killed by it. A training worker that
+handles one exits with its shell code after saving (SupervisorOptions.stop_exit_codes): a command
+of one's own exiting 143 by itself was sent no signal."""
 SIGNAL_CAME = re.compile(r"\] (SIG[A-Z]+) came to this rank: every rank stops after step \d+$")
 """The line of the training rank a stop signal came to (pretrain/train.py), before its stop line:
 every rank stops at the same step with the same stop line, and this says which one was sent it."""
@@ -54,10 +56,10 @@ def describe(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def first_failure_line(label: str, returncode: int) -> str:
+def first_failure_line(label: str, returncode: int, stop_exit_codes: frozenset[int] = frozenset()) -> str:
     """The launcher's line when a worker fails first: a stop signal the launcher did not send ends a
     worker too, and may have been sent to another (all training ranks stop together)."""
-    if returncode in STOP_RETURNCODES:
+    if stop_signal(returncode, stop_exit_codes) is not None:
         return f"{label} stopped ({describe(returncode)}) on a signal the launcher did not send; stopping the other workers"
     return f"{label} failed ({describe(returncode)}); stopping the other workers"
 
@@ -67,9 +69,10 @@ def signal_came(tail: list[str]) -> str | None:
     return next((found[1] for line in reversed(tail) if (found := SIGNAL_CAME.search(line))), None)
 
 
-def stop_signal(returncode: int) -> str | None:
-    """The stop signal a worker ended on (killed by it, or exiting with its code after saving), else None."""
-    if returncode not in STOP_RETURNCODES:
+def stop_signal(returncode: int, stop_exit_codes: frozenset[int] = frozenset()) -> str | None:
+    """The stop signal a worker ended on (killed by it, or exiting with one of stop_exit_codes, its
+    code after saving), else None."""
+    if returncode not in KILLED_BY_STOP | stop_exit_codes:
         return None
     return signal.Signals(-returncode if returncode < 0 else returncode - by_signal(0)).name
 

@@ -238,7 +238,7 @@ class Supervisor:
         """Rule 1: a worker failed, and none before it. A consequence (it lost the connection to a
         rank) waits for the cause; any other failure is the first."""
         if returncode not in self.options.consequence_exit_codes:
-            self.printer.launcher_line(summary.first_failure_line(worker.label, returncode))
+            self.printer.launcher_line(summary.first_failure_line(worker.label, returncode, self.options.stop_exit_codes))
             self._fail(worker)
             return
         self._awaiting_cause.append(worker)
@@ -501,6 +501,7 @@ class Supervisor:
             self.options.agreed_exit_codes,
             self.options.logs_dir or (self.options.run_dir / "logs" if self.options.run_dir is not None else None),
             consequence_exit_codes=self.options.consequence_exit_codes,
+            stop_exit_codes=self.options.stop_exit_codes,
         )
 
     def _outcome(self) -> int:

@@ -56,11 +56,13 @@ def sigterm_as_exit() -> Iterator[None]:
 
 def stop_signal(error: BaseException) -> signal.Signals | None:
     """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and
-    sigterm_as_exit's SystemExit(by_signal(n)) is SIGTERM or SIGHUP."""
+    sigterm_as_exit's SystemExit(by_signal(n)) is SIGTERM or SIGHUP (or SIGINT: the launcher's
+    restart loop raises one for Ctrl-C too, launcher/attempts.py)."""
     if isinstance(error, KeyboardInterrupt):
         return signal.SIGINT
     if isinstance(error, SystemExit):
-        return next((sig for sig in (signal.SIGTERM, signal.SIGHUP) if error.code == by_signal(sig)), None)
+        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        return next((sig for sig in stops if error.code == by_signal(sig)), None)
     return None
 
 

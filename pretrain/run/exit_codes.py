@@ -42,6 +42,8 @@ MEANINGS = {
 AGREED = frozenset({NUMERICAL_FAILURE})
 """Codes that every rank exits with together, having agreed on the step: the launcher gives
 the others a moment to finish and exit on their own before it stops them."""
+STOPPED = frozenset(by_signal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+"""Codes a training worker exits with after a stop signal: it finished the step and saved first."""
 CONSEQUENCES = frozenset({PEER_LOST})
 """Codes of a failure that another rank's failure caused: the launcher waits a moment for that
 rank's own exit, and reports it as the first failure (the cause) when it comes."""
