@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher.errors import UsageError
-from launcher.exit_codes import by_signal
+from launcher.exit_codes import STOP_SIGNALS, by_signal, stop_signal
 from launcher.gpus.placement import GpuOptions, Placement, place
 from launcher.gpus import health, nvml
 from launcher.gpus.selection import DeviceError, find, parse_request
@@ -44,8 +44,6 @@ RETRY_SECONDS = 5.0
 Attempt = Callable[[cfg.Config, Restarts, Callable[[], None]], tuple[int, restarts.AttemptEnd]]
 """One attempt: the config it runs, its restart count, and what to call once its workers are spawned
 (the supervisor holds the stop signals from then on) -> its exit code and how it ended."""
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 class StoppedBetweenAttempts(SystemExit):
@@ -117,7 +115,7 @@ class Attempts:
                 try:
                     code, end = attempt(config, Restarts(number, self.args.max_restarts), spawned)
                 except BaseException as error:
-                    if not begun or (signum := stop_signal_of(error)) is None:
+                    if not begun or (signum := stop_signal(error)) is None:
                         raise
                     code = by_signal(signum)  # a stop just after its workers ended: asked for
                     end = restarts.AttemptEnd(code, stopped=True)
@@ -186,7 +184,7 @@ class Attempts:
         if pending.verdict is not None and not pending.verdict.restart:
             raise error  # the run had ended for good: nothing to take back
         said: list[str] = []
-        if (signum := stop_signal_of(error)) is not None:
+        if (signum := stop_signal(error)) is not None:
             name = signal.Signals(signum).name
             why = f"stopped by {name} before {'the' if pending.verdict else 'any'} restart"
             said.append(f"stopped by {name}: no restart; the run's checkpoints are kept")
@@ -429,18 +427,6 @@ def stop_signals_raise() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def stop_signal_of(error: BaseException) -> int | None:
-    """The stop signal an exception between attempts stands for: ours, Ctrl-C's KeyboardInterrupt,
-    or the SystemExit a dataset's preparation raises for SIGTERM and SIGHUP (sigterm_as_exit)."""
-    if isinstance(error, StoppedBetweenAttempts):
-        return error.signum
-    if isinstance(error, KeyboardInterrupt):
-        return signal.SIGINT
-    if isinstance(error, SystemExit):
-        return next((sig for sig in STOP_SIGNALS if error.code == by_signal(sig)), None)
-    return None
 
 
 def steps_of(checkpoint: Path) -> int:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import signal
 
-from pretrain.run.exit_codes import by_signal
+from pretrain.run.exit_codes import STOP_SIGNALS, by_signal, stop_signal
 
 __all__ = [
+    "STOP_SIGNALS",
     "EXIT_BROKEN_PIPE",
     "EXIT_CANNOT_EXECUTE",
     "EXIT_COMMAND_NOT_FOUND",
@@ -20,6 +21,7 @@ __all__ = [
     "EXIT_RUN_DIR_LOST",
     "EXIT_USAGE",
     "by_signal",
+    "stop_signal",
 ]
 
 EXIT_USAGE = 2

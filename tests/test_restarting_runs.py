@@ -29,7 +29,7 @@ from launcher.launch import Devices
 from launcher.supervise.printer import Printer
 from launcher.supervise.restarts import AttemptEnd
 from pretrain import config as cfg
-from pretrain.data.cache import stop_signal
+from pretrain.run.exit_codes import stop_signal
 
 # Rank 1 dies by SIGKILL in the first FAILING attempts; every rank says what it sees first.
 KILLED_WHILE = """

@@ -28,14 +28,13 @@ from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-from launcher.exit_codes import by_signal
+from launcher.exit_codes import STOP_SIGNALS
 from launcher.nodes.store import bounded
 
 HALT_KEY = "halted"
 """A bare key of node 0's store: the stop signal that ended the job between two attempts."""
 HALT_READ = "halted_read"
 """How many other nodes have read it (node 0 waits for them before its store goes)."""
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 RELAY = signal.SIGUSR2
 POLL_INTERVAL = 0.1
 
@@ -129,15 +128,6 @@ class BetweenRounds:
                     return
         except Exception:
             return  # node 0's store is gone: the main thread's own calls say so
-
-
-def stop_signal(error: BaseException) -> int | None:
-    """The stop signal a launcher's exception stands for (sigterm_as_exit's SystemExit, Ctrl-C), if any."""
-    if isinstance(error, KeyboardInterrupt):
-        return signal.SIGINT
-    if isinstance(error, SystemExit):
-        return next((sig for sig in (signal.SIGTERM, signal.SIGHUP) if error.code == by_signal(sig)), None)
-    return None
 
 
 def tell(connect: Callable[[], Any], halt: Halt, seconds: float) -> Halt:

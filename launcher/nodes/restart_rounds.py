@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.attempts import Attempts, check_global_batch_kept, warn_without_checkpoints
-from launcher.exit_codes import by_signal
+from launcher.exit_codes import by_signal, stop_signal
 from launcher.gpus.selection import DeviceError
 from launcher.nodes import between_rounds, multinode
 from launcher.nodes.agreement import restart_options
-from launcher.nodes.between_rounds import BetweenRounds, Halt, Halted, stop_signal
+from launcher.nodes.between_rounds import BetweenRounds, Halt, Halted
 from launcher.nodes.job_end import all_ends, end_record, job_end
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect, in_namespace

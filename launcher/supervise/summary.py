@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.address_space import address_space_limit
-from launcher.exit_codes import by_signal
+from launcher.exit_codes import STOP_SIGNALS, by_signal
 
 RULE = "=" * 72
 CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA error: out of memory")
@@ -18,7 +18,6 @@ HOST_OOM_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "std::bad_allo
 """Where a worker's line says host memory (or address space, under `ulimit -v`) ran out, besides a
 traceback's last line starting with MemoryError: torch's CPU allocator, C++'s allocation failure."""
 FRAMES_SHOWN = 3
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 KILLED_BY_STOP = frozenset(-s for s in STOP_SIGNALS)
 """How any worker ends on a stop signal it does not handle: killed by it. A training worker that
 handles one exits with its shell code after saving (SupervisorOptions.stop_exit_codes): a command

@@ -54,18 +54,6 @@ def sigterm_as_exit() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def stop_signal(error: BaseException) -> signal.Signals | None:
-    """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and
-    sigterm_as_exit's SystemExit(by_signal(n)) is SIGTERM or SIGHUP (or SIGINT: the launcher's
-    restart loop raises one for Ctrl-C too, launcher/attempts.py)."""
-    if isinstance(error, KeyboardInterrupt):
-        return signal.SIGINT
-    if isinstance(error, SystemExit):
-        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        return next((sig for sig in stops if error.code == by_signal(sig)), None)
-    return None
-
-
 def verify(dataset_dir: str | Path) -> None:
     """Check a prepared dataset completely, the sha256 of every file it uses included.
 

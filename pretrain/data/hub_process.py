@@ -58,7 +58,7 @@ def download_in_child(repo: str, revision: str, pattern: str | list[str], repo_t
             said = child.stdout.read().decode("utf-8", errors="replace").strip().splitlines()
             returncode = child.wait()
     except BaseException as error:
-        from pretrain.data.cache import stop_signal
+        from pretrain.run.exit_codes import stop_signal
 
         if (signum := stop_signal(error)) is not None:
             log(

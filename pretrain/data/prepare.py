@@ -59,10 +59,10 @@ from pretrain.data.cache import (
     remove_leftovers,
     replace_dir,
     sigterm_as_exit,
-    stop_signal,
     verify,
     write_synced,
 )
+from pretrain.run.exit_codes import stop_signal
 from pretrain.data.encode import TokenWriter, encode_into, limited
 from pretrain.data.shard_index import index_shards
 from pretrain.data.shard_files import say_detected, shard_set

@@ -42,8 +42,23 @@ MEANINGS = {
 AGREED = frozenset({NUMERICAL_FAILURE})
 """Codes that every rank exits with together, having agreed on the step: the launcher gives
 the others a moment to finish and exit on their own before it stops them."""
-STOPPED = frozenset(by_signal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, Slurm's and kill's SIGTERM, a closed terminal's SIGHUP: a stop asked for."""
+STOPPED = frozenset(by_signal(s) for s in STOP_SIGNALS)
 """Codes a training worker exits with after a stop signal: it finished the step and saved first."""
+
+
+def stop_signal(error: BaseException) -> signal.Signals | None:
+    """The stop signal an exception stands for, if any: KeyboardInterrupt is SIGINT, and a
+    SystemExit with a stop signal's code is that signal (pretrain/data/cache.py's sigterm_as_exit
+    raises one for SIGTERM and SIGHUP, the launcher between two attempts for any of them)."""
+    if isinstance(error, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(error, SystemExit):
+        return next((sig for sig in STOP_SIGNALS if error.code == by_signal(sig)), None)
+    return None
+
+
 CONSEQUENCES = frozenset({PEER_LOST})
 """Codes of a failure that another rank's failure caused: the launcher waits a moment for that
 rank's own exit, and reports it as the first failure (the cause) when it comes."""
