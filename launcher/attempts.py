@@ -396,8 +396,9 @@ def check_global_batch_kept(
     """A restart onto `size` units (workers, or nodes of per_unit workers) for each size in sizes keeps
     the global batch the first attempt trains on world_size ranks, or this refuses it in one line."""
     batch = global_batch(training, world_size)
-    for size in sizes:
-        if batch % (training.batch_size * per_unit * size):
+    for size in sizes:  # under grad_accum_nums "auto" the plan fits the micro-batch to each size's share
+        micro = 1 if training.grad_accum_nums == "auto" else training.batch_size
+        if batch % (micro * per_unit * size):
             raise UsageError(
                 f"{option} {sizes.start}: the global batch of {batch} sequences cannot be kept on {size} {unit}"
                 f" (not a multiple of training.batch_size {training.batch_size} x {per_unit * size}); raise {option}, "
@@ -407,7 +408,7 @@ def check_global_batch_kept(
 
 def global_batch(training: cfg.TrainingConfig, world_size: int) -> int:
     """Sequences per optimizer step over all ranks, as the first attempt trains them."""
-    return training.global_batch_size or training.batch_size * training.grad_accum_nums * world_size
+    return training.global_batch_size or training.batch_size * cfg.grad_accum_nums(training) * world_size
 
 
 def labels(placement: Placement) -> list[str]:

@@ -36,6 +36,8 @@ def prepare_training(
         raise UsageError(problem)
     if first_attempt:  # the largest world size of the run: a rank beyond it never fires
         faults.check_ranks(faults.parse(os.environ.get(faults.FAULTS_VAR, "")), world_size)
+    if config.training.grad_accum_nums == "auto":  # a global batch the ranks cannot share: refused before the data
+        cfg.per_rank_batch(config, world_size)
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
@@ -80,8 +82,10 @@ def prepare_training(
     if init is not None:  # again, with the vocabulary the tokenizer has set, and its tokens
         check_tokenizer(init, config, dataset_dir, printer.launcher_line)
         check_fits(init, config)
-    printer.launcher_line(f"run length: {length.describe()}")
     config, line = plan_parallelism(config, world_size, gpu_memory, host_memory)
+    # The run's length counts the global batch, which grad_accum_nums "auto" keeps; its split is the plan's.
+    split = {"batch_size": config.training.batch_size, "grad_accum": cfg.grad_accum_nums(config)}
+    printer.launcher_line(f"run length: {dataclasses.replace(length, **split).describe()}")
     printer.launcher_line(line)
     return config
 

@@ -6,6 +6,7 @@ device, shards it, and adds the optimizer, the data and the metrics log."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.plan import gpu_memory as memory, parallelism as memory_plan
+from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
 from pretrain.distributed import parallel
 from pretrain import config as cfg
 from pretrain.config import Config
@@ -75,7 +77,7 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         t = self.config.training
-        return t.batch_size * self.config.data.context_length * t.grad_accum_nums * self.runtime.world_size
+        return t.batch_size * self.config.data.context_length * cfg.grad_accum_nums(self.config) * self.runtime.world_size
 
 
 def gpu_memory(config: Config, device: torch.device) -> int | None:
@@ -96,6 +98,7 @@ def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
     Under the launcher everything is decided already and this only checks it; run without it,
     this process decides as the launcher would, on the smallest GPU of the ranks and (offload
     null) the host memory available now, shared by LOCAL_WORLD_SIZE ranks."""
+    config = without_unbuildable_compile(config, runtime.device)
     gpu = gpu_memory(config, runtime.device)
     host = None
     if gpu is not None and memory_plan.undecided(config):  # every rank must decide alike
@@ -108,6 +111,16 @@ def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
     if config.training.cpu_offload:
         return config, "fsdp"
     return config, config.training.parallelism if runtime.distributed else "single"
+
+
+def without_unbuildable_compile(config: Config, device: torch.device) -> Config:
+    """config with training.compile off (and one warning line) when the run asks for compile but
+    torch.compile could not build its kernels here: decided before the memory plan, which plans a
+    compiled run with less memory than an eager one (the launcher does the same before its plan)."""
+    if not compile_requested(config, device.type) or not (missing := missing_compile_prerequisite(device.type)):
+        return config
+    logging.getLogger("pretrain").warning(compile_off_line(missing))
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False))
 
 
 def smallest_across_ranks(runtime: Runtime, *values: int) -> tuple[int, ...]:
@@ -147,7 +160,7 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
         t.seed,
         t.num_workers,
         pin_memory=runtime.device.type == "cuda",
-        grad_accum=t.grad_accum_nums,
+        grad_accum=cfg.grad_accum_nums(config),
         vocab_size=config.model.vocab_size,
     )
     try:
@@ -159,7 +172,7 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
             runtime.world_size,
             t.eval_batches,
             vocab_size=config.model.vocab_size,
-            grad_accum=t.grad_accum_nums,
+            grad_accum=cfg.grad_accum_nums(config),
         )
     except TokenIdError:
         raise  # damaged data stops the run; only a val split too small to use is skipped

@@ -41,11 +41,15 @@ class FeedForwardKind:
     """(ModelConfig) -> its parameter count in one layer (the memory estimate, the model's size line)."""
     saved_per_token: Callable[[Any], int]
     """(ModelConfig) -> values in the compute dtype it keeps per token for its backward pass (the memory estimate)."""
+    saved_per_token_compiled: Callable[[Any], int] | None = None
+    """(ModelConfig) -> the same under torch.compile, whose partitioner recomputes cheap element-wise
+    ops in the backward pass instead of keeping their outputs; None: as many as eager."""
     active_parameters: Callable[[Any], int] | None = None
     """(ModelConfig) -> the parameters one token runs through in one layer (a mixture of experts:
     its router and top_k experts), for FLOPs and MFU; None: all of them."""
     llama_layout: bool = False
-    """Its parameters are Meta Llama's feed_forward.{w1,w2,w3}: an export says it is Llama-shaped."""
+    """Its parameters are Meta Llama's feed_forward.{w1,w2,w3} (SwiGLU's w1 and w3 fused as w13:
+    pretrain/model/fused_layout.py): an export says it is Llama-shaped."""
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
@@ -65,12 +69,15 @@ LR_SCHEDULES: dict[str, str] = {
 }
 
 FEED_FORWARDS: dict[str, FeedForwardKind] = {
-    # SwiGLU: w1, w3 (dim -> ffn_dim) and w2 (ffn_dim -> dim); it keeps w1's and w3's outputs,
-    # silu's output and the gated product (w2's input) for the backward pass.
+    # SwiGLU: w1, w3 (dim -> ffn_dim, one fused w13 matmul) and w2 (ffn_dim -> dim); it keeps
+    # w13's output (w1's and w3's), silu's output and the gated product (w2's input) for the
+    # backward pass. Compiled, silu's output is recomputed from w13's (inductor's partitioner
+    # keeps w13's output and the product, w2's input: 3 ffn_dim).
     "swiglu": FeedForwardKind(
         "pretrain.model.feed_forward:SwiGLU",
         parameters=lambda m: 3 * m.dim * m.ffn_dim,
         saved_per_token=lambda m: 4 * m.ffn_dim,
+        saved_per_token_compiled=lambda m: 3 * m.ffn_dim,
         llama_layout=True,
     ),
     # model.moe.num_experts > 0 chooses it (ModelConfig.feed_forward): a router (dim x E) and E

@@ -14,7 +14,10 @@ from conftest import ROOT, launcher_env
 from pretrain.plan import compile_prerequisites
 from pretrain.plan.compile_prerequisites import missing_python_headers
 from pretrain.config import Config, DebugConfig, TrainingConfig
+from pretrain import config as cfg
+from pretrain.build import parallel_mode
 from pretrain.distributed.parallel import compile_enabled
+from pretrain.distributed.runtime import Runtime
 
 
 def asking_for_compile() -> Config:
@@ -77,3 +80,14 @@ def test_the_launcher_turns_compile_off_once_for_every_worker_when_the_compiler_
     assert "a C++ compiler (g++ on PATH, or CXX)" in off[0]
     config = (tmp_path / "r" / "config.json").read_text()
     assert '"compile": false' in config
+
+
+def test_a_run_alone_plans_without_compile_when_torch_compile_cannot_build_kernels(monkeypatch, tmp_path, pretrain_warnings):
+    """Decided before the memory plan (which gives a compiled run less memory than an eager one),
+    as the launcher decides it before its own plan."""
+    monkeypatch.setattr(compile_prerequisites, "python_include_dir", lambda: tmp_path)
+    monkeypatch.setattr("shutil.which", lambda name, *args, **kwargs: f"/usr/bin/{name}")
+    config = cfg.resolve(preset="debug", sets=["training.compile=true", "debug.trace_nonfinite=false", "model.vocab_size=256"])
+    planned, mode = parallel_mode(config, Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0"))
+    assert planned.training.compile is False and mode == "single"
+    assert [line.split(":")[0] for line in pretrain_warnings] == ["WARNING training.compile is off"]

@@ -86,7 +86,7 @@ def test_one_process_is_estimated_unwrapped_whatever_the_mode():
 
 
 def test_activation_checkpointing_loss_chunks_and_bf16_shrink_their_parts():
-    config = with_training(cfg.production(), use_amp=False, activation_checkpointing=False, loss_chunk_tokens=2048)
+    config = with_training(cfg.production(), use_amp=False, activation_checkpointing=False, loss_chunk_tokens=2048, compile=False)
     base = estimate(config, 8, "fsdp")
     selective = estimate(with_training(config, activation_checkpointing="selective"), 8, "fsdp")
     checkpointed = estimate(with_training(config, activation_checkpointing=True), 8, "fsdp")
@@ -140,8 +140,13 @@ def tiny(use_amp: bool, loss_chunk_tokens: int, n_layers: int = 2, checkpointing
         data=dataclasses.replace(base.data, context_length=16),
         debug=dataclasses.replace(base.debug, trace_nonfinite=False),  # which would turn checkpointing off
     )
-    return with_training(
-        config, batch_size=3, use_amp=use_amp, loss_chunk_tokens=loss_chunk_tokens, activation_checkpointing=checkpointing
+    return with_training(  # eager, as autograd's saved tensors are counted (compiled: compiled_saved_bytes)
+        config,
+        batch_size=3,
+        use_amp=use_amp,
+        loss_chunk_tokens=loss_chunk_tokens,
+        activation_checkpointing=checkpointing,
+        compile=False,
     )
 
 
@@ -181,9 +186,12 @@ def test_the_activation_estimate_is_what_autograd_saves(use_amp, loss_chunk_toke
     one_block_less = tiny(use_amp, loss_chunk_tokens, n_layers=1)
     per_block = activation_bytes(config) - activation_bytes(one_block_less)
     assert saved_bytes(config) - saved_bytes(one_block_less) == per_block
-    # a loss in one piece also keeps its fp32 log-probabilities: one of the logits part's copies
-    # (the logits and the gradient are the others); a chunked one recomputes them in the backward
-    logits = 0 if loss_chunk_tokens else logits_bytes(config) // LOGIT_COPIES
+    # a loss in one piece also keeps the logits, in the compute dtype (the fp32 log-softmax is
+    # recomputed from them and the logsumexp): a third of what the logits part counts for the
+    # backward's peak in fp32; a chunked one recomputes them in the backward
+    tokens, compute = 3 * 16, 2 if use_amp else 4
+    logits = 0 if loss_chunk_tokens else tokens * config.model.vocab_size * compute
+    assert logits <= logits_bytes(config) // LOGIT_COPIES
     assert saved_bytes(config) == pytest.approx(activation_bytes(config) + logits, rel=1e-3)
 
 
@@ -224,7 +232,8 @@ def test_the_selective_estimate_is_what_the_checkpoints_keep(use_amp):
     kept = activation_bytes(config) - activation_bytes(one_block_less)  # one block more, kept until its backward
     measured = live_bytes(config) - live_bytes(one_block_less)
     assert 0 <= measured - kept <= 8192  # and the CPU RNG state each checkpoint keeps (5 KB), whatever the tokens
-    assert kept < 0.6 * (saved_bytes(tiny(use_amp, 0)) - saved_bytes(tiny(use_amp, 0, n_layers=1)))  # what none keeps
+    # what none keeps: a norm's output is kept once per fused matmul, so selective drops less than it did
+    assert kept < 0.7 * (saved_bytes(tiny(use_amp, 0)) - saved_bytes(tiny(use_amp, 0, n_layers=1)))
 
 
 def test_describe_gives_the_total_and_every_part_in_gib():
@@ -283,7 +292,7 @@ def test_a_config_that_does_not_fit_says_the_estimate_the_gpu_and_what_would_hel
 
 
 def test_the_checkpointing_suggested_is_the_least_that_fits():
-    config = with_training(cfg.production(), activation_checkpointing="none", loss_chunk_tokens=0)
+    config = with_training(cfg.production(), activation_checkpointing="none", loss_chunk_tokens=0, compile=False)
     assert "--set training.activation_checkpointing=selective, --set training.loss_chunk_tokens=2048" in refusal(
         config, 8, "fsdp"
     )
@@ -348,10 +357,10 @@ def test_one_gpu_is_told_to_add_gpus_and_fsdp_where_auto_would_not_choose_it():
     assert refusal(pinned, 1, "ddp").endswith(" or more GPUs with --set training.parallelism=fsdp")
 
 
-def test_the_estimate_knows_that_tracing_nonfinite_turns_activation_checkpointing_off():
+def test_the_estimate_knows_that_tracing_nonfinite_turns_activation_checkpointing_and_compile_off():
     production = with_training(cfg.production(), activation_checkpointing="full")
     traced = dataclasses.replace(production, debug=dataclasses.replace(production.debug, trace_nonfinite=True))
-    unchecked = dataclasses.replace(production, training=dataclasses.replace(production.training, activation_checkpointing=False))
+    unchecked = with_training(production, activation_checkpointing=False, compile=False)
     assert activation_bytes(traced) == activation_bytes(unchecked) > 5 * activation_bytes(production)
 
 

@@ -136,9 +136,19 @@ def test_production_on_cpu_workers_is_refused_in_seconds_with_the_host_memory_es
 
 
 def test_the_host_memory_of_cpu_workers_is_the_gpu_estimate_without_the_cuda_allowance():
-    gpu, host = estimate(small(), 2, "ddp"), host_estimate(small(), 2, "ddp", on_gpus=False)
+    eager = with_training(small(), compile=False)
+    gpu, host = estimate(eager, 2, "ddp"), host_estimate(eager, 2, "ddp", on_gpus=False)
     assert host.total == gpu.total - OVERHEAD_BYTES + HOST_OVERHEAD_BYTES
     assert (host.weights, host.activations) == (gpu.weights, gpu.activations)
+
+
+def test_cpu_workers_are_estimated_as_not_compiled_unless_compile_is_asked_for():
+    # training.compile null compiles on GPUs only: a GPU's estimate counts it, a CPU worker's not
+    host = host_estimate(small(), 2, "ddp", on_gpus=False)
+    assert host.activations == estimate(with_training(small(), compile=False), 2, "ddp").activations
+    assert host.activations > estimate(small(), 2, "ddp").activations
+    compiled = with_training(small(), compile=True)
+    assert host_estimate(compiled, 2, "ddp", on_gpus=False).activations == estimate(compiled, 2, "ddp").activations
 
 
 def test_cpu_workers_that_do_not_fit_are_told_what_would():
@@ -211,23 +221,24 @@ def test_offload_keeps_only_what_is_in_flight_on_the_gpu_and_the_shards_on_the_h
 
 
 def test_production_on_one_80_gib_gpu_offloads_when_the_host_has_the_memory():
+    production = with_training(cfg.production(), compile=False)
     # rank 0's shards, and the largest tensor (the embedding), twice: exporting gathers and converts one at a time
-    export = export_copy_bytes(cfg.production(), 1, "fsdp", offload=True)
+    export = export_copy_bytes(production, 1, "fsdp", offload=True)
     assert export == 2 * 4 * 128_256 * 4096
-    assert export_copy_bytes(cfg.production(), 1, "ddp", offload=False) == 0  # a replica converts what it holds
-    needed = host_estimate(cfg.production(), 1, "fsdp", on_gpus=True).total + export
-    config, line = plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) + GIB)
+    assert export_copy_bytes(production, 1, "ddp", offload=False) == 0  # a replica converts what it holds
+    needed = host_estimate(production, 1, "fsdp", on_gpus=True).total + export
+    config, line = plan_parallelism(production, 1, GPU_80, int(needed / 0.9) + GIB)
     assert (config.training.parallelism, config.training.cpu_offload) == ("fsdp", True)
-    assert (config.training.activation_checkpointing, config.training.loss_chunk_tokens) == ("selective", 0)
+    assert (config.training.activation_checkpointing, config.training.loss_chunk_tokens) == ("none", 0)
     assert line.startswith("parallelism: FSDP with CPU offload over 1 GPU (estimated ")
     assert f" GiB of 80.0 GiB per GPU and {needed / GIB:.1f} GiB of host memory of " in line
-    least = with_training(cfg.production(), activation_checkpointing="full", loss_chunk_tokens=2048)  # what fits best
+    least = with_training(production, activation_checkpointing="full", loss_chunk_tokens=2048)  # what fits best
     assert line.endswith(
         f"; without offload ~{estimate(least, 1, 'ddp').total / GIB:.1f} GiB per GPU); "
-        "activation checkpointing: selective (+0% FLOPs); loss: one piece"
+        "activation checkpointing: none; loss: one piece"
     )
     with pytest.raises(ConfigError, match="and CPU offload would need"):
-        plan_parallelism(cfg.production(), 1, GPU_80, int(needed / 0.9) - GIB)
+        plan_parallelism(production, 1, GPU_80, int(needed / 0.9) - GIB)
 
 
 def test_the_ranks_on_one_host_share_its_memory_under_offload():
@@ -349,16 +360,21 @@ def test_at_each_memory_line_the_plan_picks_the_least_recomputation_that_fits():
         plan_parallelism(production, 8, line_of(production, 8, "full", 2048) - 1)
 
 
-def test_production_on_eight_80_gib_gpus_executes_at_most_1_15_x_its_model_flops():
-    config, line = plan_parallelism(cfg.production(), 8, GPU_80)
+@pytest.mark.parametrize(
+    ("compile", "recomputed"),
+    [(None, "none"), (False, "selective")],  # null compiles on GPUs, whose partitioner keeps less than eager autograd
+)
+def test_production_on_eight_80_gib_gpus_executes_at_most_1_15_x_its_model_flops(compile, recomputed):
+    config, line = plan_parallelism(with_training(cfg.production(), compile=compile), 8, GPU_80)
     t = config.training
-    assert (t.parallelism, t.activation_checkpointing, t.loss_chunk_tokens) == ("fsdp", "selective", 0)
+    assert (t.parallelism, t.activation_checkpointing, t.loss_chunk_tokens) == ("fsdp", recomputed, 0)
     assert 1 + recompute.extra_flops_share(config) <= 1.15
     assert 1 + recompute.extra_flops_share(with_training(config, activation_checkpointing="full")) > 1.15  # full fails it
     kept = estimate(with_training(config, reshard_after_forward=False), 8, "fsdp").total
     assert t.reshard_after_forward is True and kept > 0.9 * GPU_80  # every block gathered would not fit
+    checkpointing = "none" if recomputed == "none" else "selective (+0% FLOPs)"
     assert line.endswith(
-        "; activation checkpointing: selective (+0% FLOPs); loss: one piece; "
+        f"; activation checkpointing: {checkpointing}; loss: one piece; "
         f"blocks gathered again for the backward (keeping them would need ~{kept / GIB:.1f} GiB)"
     )
 

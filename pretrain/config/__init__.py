@@ -9,13 +9,18 @@ This package's __init__ is its public face; import from it (`from pretrain impor
 `from pretrain.config import Config`). The code lives in layers, each importing only
 the ones before it:
 
-    schema.py            ConfigError, the section dataclasses (fields, defaults, the docstring
+    checks.py            ConfigError, the integer bounds, how a wrong choice is said
+    training.py          TrainingConfig (its fields, their docstrings, its checks),
+                         CHECKPOINTING_MODES, COMPILE_MODES
+    schema.py            the other section dataclasses (fields, defaults, the docstring
                          under each field, per-section checks), Config, SECTIONS,
                          sources_with_path, SHARD_SOURCES
+    batch.py             the global batch over the ranks (with_world_size) and grad_accum_nums
+                         "auto" (micro_batch_choices, with_micro_batch, batch_split)
     presets.py           production(), small(), debug(), PRESETS
     loading.py           strict loading: overrides, JSON files, --set, resolve() and its
-                         whole-config rules (one run length, context, unused preset keys),
-                         with_world_size, to_dict/save/load, add_arguments/from_args
+                         whole-config rules (one run length, context, unused preset keys, the
+                         global batch "auto" keeps), to_dict/save/load, add_arguments/from_args
     reference.py         field_docs, reference_table, and docs/config.md
                          (python -m pretrain.config_reference)
 
@@ -24,6 +29,16 @@ the ones before it:
 
 from __future__ import annotations
 
+from pretrain.config.batch import (
+    batch_split,
+    check_auto_accumulation,
+    grad_accum_nums,
+    micro_batch_choices,
+    per_rank_batch,
+    with_micro_batch,
+    with_world_size,
+    without_gpu_memory,
+)
 from pretrain.config.loading import (
     HUB_KEYS,
     TOKENIZER_KEYS,
@@ -43,7 +58,6 @@ from pretrain.config.loading import (
     run_length_keys,
     save,
     to_dict,
-    with_world_size,
 )
 from pretrain.config.presets import FINEWEB_EDU, PRESETS, debug, production, small
 from pretrain.config.reference import field_docs, reference_table
@@ -51,7 +65,9 @@ from pretrain.config.schema import (
     SECTIONS,
     SHARD_SOURCES,
     CHECKPOINTING_MODES,
+    COMPILE_MODES,
     CheckpointingMode,
+    CompileMode,
     sources_with_path,
     Config,
     ConfigError,
@@ -84,6 +100,8 @@ __all__ = [
     "SHARD_SOURCES",
     "CHECKPOINTING_MODES",
     "CheckpointingMode",
+    "COMPILE_MODES",
+    "CompileMode",
     # presets
     "FINEWEB_EDU",
     "PRESETS",
@@ -105,6 +123,13 @@ __all__ = [
     "loss_chunk_tokens",
     "max_seq_len",
     "with_world_size",
+    "check_auto_accumulation",
+    "per_rank_batch",
+    "micro_batch_choices",
+    "with_micro_batch",
+    "without_gpu_memory",
+    "batch_split",
+    "grad_accum_nums",
     "to_dict",
     "save",
     "load",

@@ -1,9 +1,9 @@
 """Resolving a config in layers, strictly: a preset, then a JSON file, then --max-steps, then each
 --set section.key=value, every layer validated as it is applied so that an error names the layer
 (the file, or the option), the key path and, for a typo, the closest valid key. Also the rules that
-need the whole config (one run length, context within the model's positions, unused preset keys),
-the per-world-size derivation, saving and loading a resolved config, and the shared command-line
-options. Nothing here imports torch.
+need the whole config (one run length, context within the model's positions, unused preset keys,
+the global batch grad_accum_nums "auto" keeps), saving and loading a resolved config, and the shared
+command-line options (the per-world-size batch is batch.py's). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from pretrain.config.batch import check_auto_accumulation
 from pretrain.config.presets import PRESETS
 from pretrain.config.schema import (
     SECTIONS,
@@ -252,6 +253,7 @@ def resolve(
     config = drop_unused_preset_keys(config, PRESETS[name]().data, user_data_keys)
     config.data.check_complete()
     check_context(config)
+    check_auto_accumulation(config)
     return config
 
 
@@ -337,24 +339,6 @@ def loss_chunk_tokens(config: Config) -> int:
 def max_seq_len(config: Config) -> int:
     """The sequence length the model is built for."""
     return config.model.max_seq_len or config.data.context_length
-
-
-def with_world_size(config: Config, world_size: int) -> Config:
-    """config with grad_accum_nums derived from training.global_batch_size for world_size ranks
-    (unchanged when global_batch_size is 0). ConfigError when it does not divide."""
-    t = config.training
-    if t.global_batch_size == 0:
-        return config
-    per_step = t.batch_size * world_size
-    if t.global_batch_size % per_step:
-        lower = t.global_batch_size // per_step * per_step
-        options = " or ".join(str(n) for n in (lower, lower + per_step) if n > 0)
-        raise ConfigError(
-            f"training.global_batch_size {t.global_batch_size} is not a multiple of training.batch_size "
-            f"{t.batch_size} x {world_size} rank(s) = {per_step}; use {options}, or change batch_size"
-        )
-    training = dataclasses.replace(t, grad_accum_nums=t.global_batch_size // per_step)
-    return dataclasses.replace(config, training=training)
 
 
 def to_dict(config: Config) -> dict[str, Any]:

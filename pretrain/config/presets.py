@@ -17,9 +17,11 @@ def production() -> Config:
     """Llama-3-8B shape: 32 layers, dim 4096, 32 heads, 8 KV heads, vocab 128256, with Llama-3's
     tokenizer (from an ungated copy of the weights' repository: meta-llama's own is gated, and a
     default must work without accepting terms). Activations of 8192 tokens through 32 such layers
-    take ~60 GiB, more than FSDP leaves of an 80 GB GPU: the launcher's plan (activation
-    checkpointing "auto") keeps only the matmul and attention outputs (selective, ~28 GiB) and
-    the loss in one piece on 8 x 80 GB, at no extra matmul FLOPs. One sequence per micro-batch,
+    take ~44 GiB eager, more than FSDP leaves of an 80 GB GPU beside three fp32 copies of the
+    logits: the launcher's plan (activation checkpointing "auto") keeps only the matmul and
+    attention outputs there (selective, ~26 GiB), at no extra matmul FLOPs; compiled (the default
+    on GPUs) ~36 GiB and one bf16 copy of the logits fit with nothing recomputed (estimates:
+    pretrain/plan/activations.py). The loss in one piece on 8 x 80 GB. One sequence per micro-batch,
     8 micro-batches: two sequences (2 x 4, half the FSDP traffic per token) fit there only with
     full checkpointing, +25% FLOPs, the dearer trade (docs/training.md)."""
     return Config(

@@ -7,70 +7,59 @@ docs/config.md is generated from these classes and the docstring under each fiel
 
 from __future__ import annotations
 
-import difflib
-import json
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_type_hints
+from typing import ClassVar, Literal, get_type_hints
 
 from pretrain import registry
-from pretrain.run.refusal import Refusal
+from pretrain.config.checks import (
+    MAX_COUNT,
+    MAX_LENGTH,
+    MAX_SIZE,
+    MAX_STEPS,
+    ConfigError,
+    check as _check,
+    check_at_most as _check_at_most,
+    describe,
+    not_one_of,
+)
+from pretrain.config.training import (
+    CHECKPOINTING_CHOICES,
+    CHECKPOINTING_MODES,
+    COMPILE_MODES,
+    CheckpointingMode,
+    CompileMode,
+    TrainingConfig,
+)
 
-
-class ConfigError(Refusal, ValueError):
-    """A configuration problem the user can fix; the message is one line."""
-
-
-def _check(ok: bool, key: str, problem: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {problem}")
-
-
-# Upper bounds of the integer keys, where a larger value means nothing a run could do: checked in
-# each section's __post_init__ (_check_at_most), which every layer passes through (a file,
-# --max-steps, --set), and declared once, in each section's AT_MOST: the reference (config_reference.field_docs)
-# appends "At most N." to the key's docstring from there.
-MAX_STEPS = 10**12
-"""Optimizer steps, and the intervals counted in them: 10^12 steps take 30 years at a millisecond each."""
-MAX_SIZE = 1 << 16
-"""A model width, batch or count of heads, layers or experts: 65536, past any model trained."""
-MAX_LENGTH = 1 << 20
-"""Tokens in a sequence, or ids in a vocabulary (1048576)."""
-MAX_COUNT = 10**12
-"""Documents, files or examples to read: more than any dataset holds."""
-
-
-def _check_at_most(section: Any, prefix: str) -> None:
-    """Each integer key of section (a dataclass with AT_MOST) at most its bound: one line naming
-    the key, the value, the bound and what to do."""
-    for name, bound in section.AT_MOST.items():
-        value = getattr(section, name)
-        if value is not None:
-            _check(value <= bound, f"{prefix}.{name}", f"must be at most {bound} (got {value}); use a value up to {bound}")
-
-
-def describe(value: Any) -> str:
-    """A value as the user wrote it, and its JSON type: '"gpu" (a string)'."""
-    kind = {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-    return f"{json.dumps(value)} ({kind})"
-
-
-def not_one_of(value: Any, choices: Iterable[str]) -> str:
-    """Why value is none of the choices (a Literal's, or a registry's names), with the closest
-    choice when it looks like a typo."""
-    names = list(choices)
-    close = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
-    hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
-    return f"{describe(value)} is not one of {', '.join(map(json.dumps, names))}{hint}"
+__all__ = [  # the names other modules import from here, the checks' and training's included
+    "MAX_COUNT",
+    "MAX_LENGTH",
+    "MAX_SIZE",
+    "MAX_STEPS",
+    "ConfigError",
+    "describe",
+    "not_one_of",
+    "CHECKPOINTING_CHOICES",
+    "CHECKPOINTING_MODES",
+    "CheckpointingMode",
+    "COMPILE_MODES",
+    "CompileMode",
+    "TrainingConfig",
+    "MoEConfig",
+    "RopeScalingConfig",
+    "ModelConfig",
+    "SHARD_SOURCES",
+    "sources_with_path",
+    "sources",
+    "DataConfig",
+    "SystemConfig",
+    "LoggingConfig",
+    "EvaluationConfig",
+    "DebugConfig",
+    "Config",
+    "SECTIONS",
+]
 
 
 @dataclass(frozen=True)
@@ -352,156 +341,6 @@ class DataConfig:
                 "data.tokenizer_name",
                 f"{self.tokenizer_name!r} is not a tiktoken encoding name (gpt2, cl100k_base, ...)",
             )
-
-
-CheckpointingMode = Literal["none", "selective", "full"]
-"""What a block recomputes in the backward pass, least first (training.activation_checkpointing once planned)."""
-CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
-CHECKPOINTING_CHOICES = (*CHECKPOINTING_MODES, "auto")
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    batch_size: int = 1
-    """Sequences per forward pass on each rank (the micro-batch)."""
-    grad_accum_nums: int = 8
-    """Micro-batches accumulated into one optimizer step."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank; 0 loads batches in the training process."""
-    optimizer: str = "adamw"
-    """The optimizer, by its name in pretrain/registry.py (OPTIMIZERS): "adamw" (decoupled weight decay on matrices only), or "muon" (Muon for the matrices inside the blocks, AdamW for embeddings, norms and the output layer)."""
-    lr_schedule: str = "cosine"
-    """The learning-rate schedule, by its name in pretrain/registry.py (LR_SCHEDULES): "cosine" (linear warmup, then cosine decay to min_lr_ratio)."""
-    learning_rate: float = 3e-4
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr_ratio: float = 0.1
-    """Learning rate at the last step, as a fraction of the peak (cosine decay)."""
-    warmup_steps: int = 2000
-    """Optimizer steps of linear warmup from zero to the peak learning rate."""
-    max_steps: int = 10000
-    """Optimizer steps to train for (when epochs is 0)."""
-    epochs: int = 0
-    """Passes over the train split; sets the run length instead of max_steps when above 0 (setting both is an error)."""
-    by_epoch: bool = False
-    """Count the run in epochs: the step line shows how many are done, and a checkpoint is saved at the end of each. The launcher sets it for a run whose length is training.epochs (the workers then get that length as max_steps)."""
-    weight_decay: float = 0.1
-    """AdamW weight decay, applied to weight matrices only."""
-    beta1: float = 0.9
-    """AdamW first-moment decay."""
-    beta2: float = 0.95
-    """AdamW second-moment decay."""
-    muon_learning_rate: float = 0.02
-    """Muon's peak learning rate for the matrices inside the blocks (training.optimizer=muon); the schedule scales it as it scales learning_rate, which the AdamW groups use."""
-    muon_momentum: float = 0.95
-    """Muon's momentum (Nesterov) before the update is orthogonalized."""
-    muon_orthogonalize: str = "newton_schulz"
-    """How Muon orthogonalizes an update, by its name in pretrain/registry.py (ORTHOGONALIZERS): "newton_schulz" (a few bfloat16 iterations) or "svd" (exact, slow)."""
-    muon_ns_steps: int = 5
-    """Newton-Schulz iterations per Muon update."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
-    use_amp: bool = True
-    """Run the forward pass in bfloat16 autocast (weights and optimizer stay fp32)."""
-    seed: int = 1337
-    """Seed for initialisation and data order; identical on every rank. Below 2^63."""
-    eval_interval: int = 0
-    """Compute validation loss every N steps (a fresh run from step 0, before training) and after the last step; 0 only after the last step. The loss logged at step N is that of the weights checkpoint step_N holds."""
-    eval_batches: int = 4
-    """Global batches in one validation pass: the first eval_batches x the global batch (batch_size x grad_accum_nums x ranks) windows of the val split (all of it when it holds fewer), shared out over the ranks, so validation covers the same windows whatever the number of GPUs; each rank runs eval_batches x grad_accum_nums micro-batches."""
-    global_batch_size: int = 0
-    """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
-    parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
-    """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
-    cpu_offload: bool | None = None
-    """FSDP2 with CPU offload: sharded weights, gradients and AdamW state in host memory, the GPU holding only what is in flight (slower: every step copies them over PCIe); null uses it only when the model does not fit the GPUs but fits with it, within the host's memory (the launcher says so)."""
-    activation_checkpointing: Literal["none", "selective", "full", "auto"] | bool = "auto"
-    """What each block recomputes in the backward pass instead of keeping: "none"; "selective" (keeps the matmul and attention outputs, recomputes the element-wise ops: norms, rotary, silu, products; no matmul FLOPs added); "full" (keeps only the block's input and runs its forward again: ~20-25% more FLOPs); "auto": the least that fits the GPU, chosen by the launcher's plan (on CPU workers none unless the host memory needs more). true and false mean full and none."""
-    compile: bool | None = None
-    """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
-    loss_chunk_tokens: int | None = None
-    """Tokens per chunk of the output projection and cross-entropy, each chunk's fp32 logits recomputed in the backward pass (one more output-projection matmul) so that those of the whole micro-batch never exist at once; 0 computes them in one piece; null: one piece when the whole micro-batch's logits fit the GPU, else 2048 (the launcher's plan decides)."""
-    reshard_after_forward: bool | None = None
-    """FSDP: free each block's gathered bf16 weights after its forward and all-gather them again for its backward (true), or keep them gathered until then (false: one all-gather fewer per micro-batch, every block's weights unsharded at the start of the backward pass); null: false when those weights fit the GPU (the launcher's plan decides)."""
-    checkpoint_interval: int = 1000
-    """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
-    keep_checkpoints: int = 3
-    """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
-    resume: str = ""
-    """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
-    init_from: str = ""
-    """Start a fresh run from a Hugging Face Llama or Mixtral checkpoint: a local directory (config.json and safetensors) or a Hub model id (owner/name, or owner/name@revision), read through the Hugging Face cache (offline: what the cache holds). Every tensor's name and shape, and the fields that change what the model computes (heads, rotary base, norm epsilon, experts), are checked against model before any worker starts; the optimizer and the learning-rate schedule start afresh at step 0. A checkpoint to resume from (training.resume) wins over it. "" starts from random weights. Also --init-from."""
-
-    AT_MOST: ClassVar[dict[str, int]] = {
-        "batch_size": MAX_SIZE,
-        "grad_accum_nums": MAX_SIZE,
-        "num_workers": 1024,
-        "warmup_steps": MAX_STEPS,
-        "max_steps": MAX_STEPS,
-        "epochs": 10**6,
-        "muon_ns_steps": 100,
-        "eval_interval": MAX_STEPS,
-        "eval_batches": MAX_SIZE,
-        "global_batch_size": 1 << 32,
-        "loss_chunk_tokens": MAX_COUNT,
-        "checkpoint_interval": MAX_STEPS,
-        "keep_checkpoints": MAX_STEPS,
-    }
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum_nums", "max_steps", "eval_batches", "keep_checkpoints", "muon_ns_steps"):
-            _check(getattr(self, name) >= 1, f"training.{name}", f"must be at least 1 (got {getattr(self, name)})")
-        for name in (
-            "epochs",
-            "num_workers",
-            "warmup_steps",
-            "weight_decay",
-            "max_grad_norm",
-            "eval_interval",
-            "global_batch_size",
-            "checkpoint_interval",
-        ):
-            _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
-        _check_at_most(self, "training")
-        if self.loss_chunk_tokens is not None:
-            _check(
-                self.loss_chunk_tokens >= 0,
-                "training.loss_chunk_tokens",
-                f"must not be negative (got {self.loss_chunk_tokens}); 0 computes the loss in one piece, null lets the plan decide",
-            )
-        if isinstance(self.activation_checkpointing, bool):  # the older true/false: full or none
-            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
-        _check(
-            self.activation_checkpointing in CHECKPOINTING_CHOICES,
-            "training.activation_checkpointing",
-            not_one_of(self.activation_checkpointing, CHECKPOINTING_CHOICES) + " (true and false mean full and none)",
-        )
-        _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
-        _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
-        _check(0 <= self.min_lr_ratio <= 1, "training.min_lr_ratio", f"must be between 0 and 1 (got {self.min_lr_ratio})")
-        for name in ("beta1", "beta2"):
-            _check(0 <= getattr(self, name) < 1, f"training.{name}", f"must be in [0, 1) (got {getattr(self, name)})")
-        _check(
-            self.optimizer in registry.OPTIMIZERS,
-            "training.optimizer",
-            not_one_of(self.optimizer, registry.OPTIMIZERS),
-        )
-        _check(self.muon_learning_rate > 0, "training.muon_learning_rate", f"must be positive (got {self.muon_learning_rate})")
-        _check(0 <= self.muon_momentum < 1, "training.muon_momentum", f"must be in [0, 1) (got {self.muon_momentum})")
-        _check(
-            self.muon_orthogonalize in registry.ORTHOGONALIZERS,
-            "training.muon_orthogonalize",
-            not_one_of(self.muon_orthogonalize, registry.ORTHOGONALIZERS),
-        )
-        _check(
-            self.lr_schedule in registry.LR_SCHEDULES,
-            "training.lr_schedule",
-            not_one_of(self.lr_schedule, registry.LR_SCHEDULES),
-        )
-        _check(
-            self.init_from == self.init_from.strip(),
-            "training.init_from",
-            f"{self.init_from!r} has leading or trailing spaces; give a directory or a Hub id (owner/name)",
-        )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pretrain.config import Config, with_world_size
+from pretrain.config import Config, batch_split, with_world_size
 from pretrain.data.cache import read_meta
 from pretrain.data.hub_shards import pinned_paths
 from pretrain.data.prepare import model_vocab_size
@@ -29,7 +29,7 @@ def fit_to_dataset(config: Config, dataset_dir: str | Path, world_size: int) -> 
     config = with_world_size(config, world_size)
     meta = read_meta(dataset_dir)
     t = config.training
-    length = plan_run(meta, config.data.context_length, t.batch_size, t.grad_accum_nums, world_size, t.epochs, t.max_steps)
+    length = plan_run(meta, config.data.context_length, *batch_split(config, world_size), world_size, t.epochs, t.max_steps)
     model = dataclasses.replace(config.model, vocab_size=model_vocab_size(config.model.vocab_size, meta))
     training = dataclasses.replace(t, max_steps=length.total_steps, epochs=0, by_epoch=t.by_epoch or t.epochs > 0)
     data = config.data

@@ -263,12 +263,13 @@ def byte_count(n: int) -> str:
 def run_tokens(config: Config, world_size: int) -> int | None:
     """Tokens the run reads (steps x batch x context x accumulation x ranks); None when it is set
     in epochs (it reads everything prepared, however much)."""
-    from pretrain.config import with_world_size
+    from pretrain.config import batch_split
 
-    t = with_world_size(config, world_size).training
+    t = config.training
     if t.epochs > 0:
         return None
-    return t.max_steps * t.batch_size * config.data.context_length * t.grad_accum_nums * world_size
+    batch, accum = batch_split(config, world_size)  # grad_accum_nums "auto": any split, the same global batch
+    return t.max_steps * batch * config.data.context_length * accum * world_size
 
 
 def estimated_tokens(name: str, size: int) -> float:

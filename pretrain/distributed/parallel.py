@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,6 +48,13 @@ def compile_enabled(config: Config, device: torch.device) -> bool:
     return True
 
 
+def compile_mode(config: Config) -> str | None:
+    """torch.compile's mode argument for training.compile_mode: None for "default" (torch's own
+    default, whatever a version makes it), else the mode's name."""
+    chosen = config.training.compile_mode
+    return None if chosen == "default" else chosen
+
+
 def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str) -> nn.Module:
     """The model as trained: activation checkpointing and torch.compile per block when the
     config asks for them, then DDP or FSDP2 (mode "ddp" or "fsdp") when there is more than one
@@ -65,9 +73,15 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
     for block in blocks(model):
         checkpoint_activations(block, cfg.activation_checkpointing(config))
     if compile_enabled(config, runtime.device):
+        how = compile_mode(config)
+        # The norm's and the cross-entropy's autograd Functions (pretrain/model) keep AOT autograd's
+        # cache from being used unless allowed: a warm launch would trace and partition every graph
+        # again (1.6-2.7 s of its first step on 2 CPU cores). Both depend on their inputs only.
+        torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         for block in blocks(model):
-            block.compile()  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
+            block.compile(mode=how)  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
         model.compile_loss_head = True  # the output projection and cross-entropy (pretrain/model/loss.py)
+        model.compile_mode = how  # which that head's compile takes too
     if mode == "fsdp" and (runtime.distributed or offload):
         model = shard(model, device_mesh(runtime), t.use_amp, offload, reshard_after_forward=t.reshard_after_forward is not False)
     materialize(model, runtime.device, t.seed, offload)
@@ -194,10 +208,11 @@ def shard(
 
     Under use_amp the blocks and the root are gathered as bf16 and their gradients reduced in
     fp32; every sharded master weight stays fp32. The modes must compute the same thing, and
-    under DDP or on one GPU autocast leaves the embedding's output, and so the residual stream
-    (x + block(x)), in fp32. So here the embedding is gathered in fp32 too (a bf16 lookup would
-    make the whole stream bf16), and no group casts its floating-point inputs to bf16
-    (cast_forward_inputs=False): autocast still runs each matmul in bf16, as it does under DDP.
+    in every mode the model casts the embedding's output to autocast's dtype itself, so the
+    residual stream (x + block(x)) is bf16 under autocast (Transformer.forward). So here the
+    embedding is gathered in fp32, as DDP holds it (its lookup then cast gives the same bf16 rows),
+    and no group casts its floating-point inputs (cast_forward_inputs=False): autocast runs each
+    matmul in bf16, as it does under DDP.
     The one difference left: the norms' weights are gathered as bf16 with their group, where
     autocast leaves them fp32, so once trained the losses differ in the fifth digit or so.
 
@@ -211,7 +226,7 @@ def shard(
     )
     # Without offload, OffloadPolicy(): fully_shard's own default, which offloads nothing.
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    # No mp_policy: fp32, like its output under autocast. Kept gathered with the blocks when they
+    # No mp_policy: fp32, as DDP holds it (the model casts its output). Kept gathered with the blocks when they
     # are: its backward is the step's last, and gathering 4 bytes a parameter twice per micro-batch
     # is the largest all-gather of all (the vocabulary x dim table).
     fully_shard(model.tok_embed, mesh=mesh, offload_policy=offload_policy, reshard_after_forward=reshard_after_forward)

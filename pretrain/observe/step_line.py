@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain import config as cfg
 from pretrain.observe.metrics import flops_per_token, mfu, peak_bf16_flops, peak_memory_gib, reset_peak_memory
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def step_line(
     epoch = ""
     if epochs_done is not None:
         t = trainer.config.training
-        epochs = t.max_steps / max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
+        epochs = t.max_steps / max(1, trainer.loader.batches_per_epoch // cfg.grad_accum_nums(t))
         epoch = f" | Epoch: {epochs_done:.2f}/{epochs:g}"
     line = (
         f"Step [{step}/{trainer.config.training.max_steps}]{epoch} | Loss: {loss:.4f}{aux} | LR: {lr:.2e} | "

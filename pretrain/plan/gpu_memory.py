@@ -5,11 +5,13 @@ fit, with one line that says what would help. The launcher's plan (pretrain/plan
 also counts host memory and decides CPU offload, activation checkpointing, loss chunks and FSDP's
 resharding) uses them before any worker starts: no torch here. The estimate is a model of the
 peak, not a measurement: parameters, gradients and AdamW state are exact counts; activations
-follow the per-layer formulas of each activation checkpointing mode (`_activation_bytes_per_token`
-without, `_selective_bytes_per_token` for selective, the block's input for full; both checked
-against what autograd and the checkpoint keep, tests/test_memory.py); the backward's temporaries
-are one block's activation gradients; the loss counts three fp32 copies of one chunk's logits, or
-of the whole micro-batch's in one piece (measured); a fixed allowance covers the CUDA context,
+follow the per-layer formulas of pretrain/plan/activations.py for each activation checkpointing
+mode, eager or compiled (what autograd keeps, or what torch.compile's partitioner keeps: it
+recomputes element-wise ops instead; checked against autograd, the checkpoints and a compiled
+block's saved outputs, tests/test_memory.py); the backward's temporaries are one block's
+activation gradients; the loss counts three fp32 copies of one chunk's logits eager, or one in
+the compute dtype compiled (of the whole micro-batch's in one piece; both measured on an H200:
+small's estimate within 1.3x of its allocated peak, tests/test_memory_plan.py); a fixed allowance covers the CUDA context,
 NCCL and the caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the
 GPU, for what the model still leaves out. A config the plan has not made concrete yet counts
 as its first choice: "auto" checkpointing as none, a null loss chunk as one piece, a null
@@ -50,20 +52,39 @@ from typing import Any, Literal
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.config import Config, ConfigError, ModelConfig
+from pretrain.plan.activations import (  # re-exported: the estimate's parts, by their old names here
+    BF16,
+    COMPILED_LOGIT_COPIES,
+    FP32,
+    LOGIT_COPIES,
+    activation_bytes,
+    compiled,
+    logits_bytes,
+    loss_chunked,
+    require_vocab,
+    temporary_bytes,
+)
+
+__all__ = [
+    "BF16",
+    "COMPILED_LOGIT_COPIES",
+    "FP32",
+    "LOGIT_COPIES",
+    "activation_bytes",
+    "compiled",
+    "logits_bytes",
+    "loss_chunked",
+    "require_vocab",
+    "temporary_bytes",
+]
 
 GIB = 1 << 30
-FP32 = 4
-BF16 = 2
 OVERHEAD_BYTES = 2 * GIB
 """The CUDA context (~0.5 GiB), NCCL's buffers and the caching allocator's fragmentation."""
 GPU_SHARE = 0.9
 """A run plans on this share of each GPU: the estimate is a model, and what it leaves out
 (fragmentation beyond the allowance, kernels' workspaces, a longer NCCL buffer) must still fit.
 "auto" picks DDP when DDP's estimate fits it, and a run whose estimate does not is refused."""
-LOGIT_COPIES = 3
-"""fp32 tensors of one loss chunk's size at the peak of its backward: the recomputed logits, the
-log-probabilities cross_entropy keeps, and their gradient. benchmarks/train.py measured 2.95 GiB
-for 2048 tokens x 128,256 ids, where two copies would be 1.96."""
 MODES = ("ddp", "fsdp")
 LOSS_CHUNK_TOKENS = 2048
 """The chunk a loss is split into when its logits do not fit in one piece (the launcher's plan,
@@ -109,12 +130,6 @@ def gib(n_bytes: float) -> str:
 # --- parameters -------------------------------------------------------------------------
 
 
-def _require_vocab(model: ModelConfig) -> int:
-    if model.vocab_size is None:
-        raise ValueError("model.vocab_size is null: count parameters once the dataset has fixed it (fit_to_dataset)")
-    return model.vocab_size
-
-
 def block_parameter_count(model: ModelConfig) -> int:
     """One TransformerBlock: two RMSNorm weights, wq/wk/wv/wo, and the feed-forward block
     (its own count, from pretrain/registry.py: SwiGLU's w1/w2/w3 are 3 x dim x ffn_dim)."""
@@ -125,12 +140,12 @@ def block_parameter_count(model: ModelConfig) -> int:
 
 def embedding_parameter_count(model: ModelConfig) -> int:
     """The token embedding: a lookup table, no matmul (FLOPs per token leave it out)."""
-    return _require_vocab(model) * model.dim
+    return require_vocab(model) * model.dim
 
 
 def head_parameter_count(model: ModelConfig) -> int:
     """The final norm and the (untied) output projection: FSDP's root group."""
-    return _require_vocab(model) * model.dim + model.dim
+    return require_vocab(model) * model.dim + model.dim
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -142,114 +157,7 @@ def parameter_count(model: ModelConfig) -> int:
 def _matrix_parameter_count(model: ModelConfig) -> int:
     """The parameters autocast copies to bf16 (the Linear weights; not the embedding or norms)."""
     norms = 2 * model.dim
-    return model.n_layers * (block_parameter_count(model) - norms) + _require_vocab(model) * model.dim
-
-
-# --- activations ------------------------------------------------------------------------
-
-
-def _activation_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
-    """What one block keeps per token for its backward pass (flash attention: nothing of T x T).
-
-    The residual stream is fp32 in every mode (autocast leaves it so, and so does FSDP:
-    pretrain/distributed/parallel.py), so each RMSNorm keeps its fp32 input and normalised value (2 x 2 dim).
-    In the compute dtype: each matmul's input, which under autocast is a bf16 copy of the fp32
-    norm output per consumer (wq, wk, wv, w1, w3: 5 dim) and in fp32 the norm output itself, shared
-    (2 dim); attention's q, k and v after the rotation (dim + 2 kv_dim; in fp32 k and v are repeated
-    to every query head, dim + 2 dim: pretrain/model/transformer.py) and its output, which wo reads through a
-    view (dim); and what the feed-forward block keeps (its own count, from pretrain/registry.py:
-    for SwiGLU, w1's and w3's outputs, silu's output and the gated product, w2's input: 4 ffn_dim).
-    Also in fp32: the norms' reciprocal RMS (2) and attention's logsumexp (one per head). The
-    rotation keeps nothing: its tables are constants.
-    """
-    d, ffn = model.dim, registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
-    kv = model.n_kv_heads * (d // model.n_heads) if compute_bytes != FP32 else d
-    norm_outputs = 5 * d if compute_bytes != FP32 else 2 * d
-    return compute_bytes * (norm_outputs + 2 * d + 2 * kv + ffn) + FP32 * (4 * d + 2 + model.n_heads)
-
-
-def _selective_bytes_per_token(model: ModelConfig, compute_bytes: int) -> int:
-    """What one block keeps per token under selective checkpointing (pretrain/distributed/parallel.py keeps
-    the outputs of the matmuls and attention kernels and recomputes everything else).
-
-    In fp32: the block's input, which the checkpoint keeps (dim), and attention's logsumexp (one
-    per head). In the compute dtype: the matmuls' outputs, wq's (dim), wk's and wv's (kv_dim
-    each: the fp32 path repeats them to every head after the matmul, and that is recomputed)
-    and wo's (dim), attention's output (dim), and the feed-forward block's matmul outputs
-    (_selective_feed_forward_per_token; SwiGLU: w1's and w3's, 2 ffn_dim, and w2's, dim).
-    """
-    d, kv = model.dim, model.n_kv_heads * (model.dim // model.n_heads)
-    return compute_bytes * (3 * d + 2 * kv + _selective_feed_forward_per_token(model)) + FP32 * (d + model.n_heads)
-
-
-def _selective_feed_forward_per_token(model: ModelConfig) -> int:
-    """Values the feed-forward block's matmuls return per token (what selective checkpointing keeps
-    of it). SwiGLU: w1, w3 (ffn_dim each) and w2 (dim); a mixture of experts: its router (one per
-    expert) and each routed token's SwiGLU, capacity_factor-padded; another block: everything it
-    keeps (registry.FeedForwardKind.saved_per_token), which cannot be less."""
-    if model.feed_forward == "swiglu":
-        return 2 * model.ffn_dim + model.dim
-    if model.feed_forward == "moe":
-        return model.moe.num_experts + int((2 * model.ffn_dim + model.dim) * model.moe.top_k * model.moe.capacity_factor)
-    return registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
-
-
-def _kept_per_token(model: ModelConfig, mode: cfg.CheckpointingMode, compute_bytes: int) -> int:
-    """What one block keeps per token between its forward and its backward in each mode."""
-    if mode == "full":
-        return FP32 * model.dim  # its input: the fp32 residual stream
-    if mode == "selective":
-        return _selective_bytes_per_token(model, compute_bytes)
-    return _activation_bytes_per_token(model, compute_bytes)
-
-
-def _head_bytes_per_token(config: Config, compute_bytes: int) -> int:
-    """What the model keeps per token outside its blocks: the token ids and targets (int64), the
-    final RMSNorm (its fp32 input, normalised value and reciprocal RMS) and the loss's input: the
-    fp32 hidden states a chunked loss keeps for its recomputation, or the output projection's
-    input (a bf16 copy under autocast) when the loss is computed in one piece."""
-    dim = config.model.dim
-    return 2 * 8 + FP32 * (2 * dim + 1) + (FP32 if loss_chunked(config) else compute_bytes) * dim
-
-
-def loss_chunked(config: Config) -> bool:
-    """Whether the loss runs in more than one chunk of the micro-batch (training.loss_chunk_tokens;
-    null, before the launcher's plan decides, counts as 0: one piece)."""
-    chunk = cfg.loss_chunk_tokens(config)
-    return 0 < chunk < config.training.batch_size * config.data.context_length
-
-
-def activation_bytes(config: Config) -> int:
-    """Autograd's saved tensors for one micro-batch (batch_size x context_length tokens).
-
-    Each block keeps what its checkpointing mode keeps (`_kept_per_token`: everything,
-    `_activation_bytes_per_token`, without checkpointing; its matmul and attention outputs under
-    selective; its input under full), and one block at a time, the one whose backward runs,
-    holds everything again once recomputed. The final norm and the hidden states fed to the
-    loss are kept in every mode. Before the launcher's plan makes "auto" concrete it counts
-    as none.
-    """
-    model, t = config.model, config.training
-    tokens = t.batch_size * config.data.context_length
-    compute = BF16 if t.use_amp else FP32
-    whole = _activation_bytes_per_token(model, compute)
-    kept = _kept_per_token(model, cfg.activation_checkpointing(config), compute)
-    return tokens * (model.n_layers * kept + whole - kept + _head_bytes_per_token(config, compute))
-
-
-def logits_bytes(config: Config) -> int:
-    """LOGIT_COPIES fp32 tensors of one loss chunk's logits (of the whole micro-batch when
-    training.loss_chunk_tokens is 0 or larger than it)."""
-    tokens = config.training.batch_size * config.data.context_length
-    chunk = cfg.loss_chunk_tokens(config)
-    return (min(tokens, chunk) if chunk > 0 else tokens) * _require_vocab(config.model) * FP32 * LOGIT_COPIES
-
-
-def temporary_bytes(config: Config) -> int:
-    """The backward's buffers for one block at a time: the gradients of its saved activations."""
-    t = config.training
-    tokens = t.batch_size * config.data.context_length
-    return tokens * _activation_bytes_per_token(config.model, BF16 if t.use_amp else FP32)
+    return model.n_layers * (block_parameter_count(model) - norms) + require_vocab(model) * model.dim
 
 
 # --- the estimate -----------------------------------------------------------------------

@@ -23,7 +23,16 @@ import dataclasses
 import os
 
 from pretrain.model import recompute
-from pretrain.config import CHECKPOINTING_MODES, Config, ConfigError, activation_checkpointing
+from pretrain.config import (
+    CHECKPOINTING_MODES,
+    Config,
+    ConfigError,
+    activation_checkpointing,
+    micro_batch_choices,
+    with_micro_batch,
+    without_gpu_memory,
+)
+from pretrain.plan.compile_prerequisites import compile_requested
 from pretrain.plan.gpu_memory import (
     FP32,
     GIB,
@@ -62,8 +71,9 @@ def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> 
     """Host memory per process: on GPUs, FSDP with CPU offload's shards of the weights,
     gradients and AdamW state (mode "fsdp" only); on CPU workers, everything the GPU estimate
     counts but the CUDA allowance."""
-    if not on_gpus:
-        return dataclasses.replace(estimate(config, world_size, mode), overhead=HOST_OVERHEAD_BYTES)
+    if not on_gpus:  # compiled as a CPU run is (training.compile null: not), not as a GPU's estimate counts it
+        on_cpu = with_training(config, compile=compile_requested(config, "cpu"))
+        return dataclasses.replace(estimate(on_cpu, world_size, mode), overhead=HOST_OVERHEAD_BYTES)
     if mode != "fsdp":
         raise ValueError("on GPUs only FSDP with CPU offload keeps the model in host memory")
     shard = ceil_div(FP32 * parameter_count(config.model), world_size)
@@ -168,14 +178,17 @@ def plan_parallelism(
     local_ranks: int | None = None,
 ) -> tuple[Config, str]:
     """config with everything the plan decides made concrete for the workers (training.parallelism
-    "ddp" or "fsdp", cpu_offload, activation_checkpointing never "auto", loss_chunk_tokens and
-    reshard_after_forward never null), and the launcher's line saying what was chosen and what
-    its recomputation costs.
+    "ddp" or "fsdp", cpu_offload, activation_checkpointing and grad_accum_nums never "auto",
+    loss_chunk_tokens and reshard_after_forward never null), and the launcher's line saying what
+    was chosen and what its recomputation costs.
 
     What is recomputed comes first: of the choices config leaves open (recompute_choices), the
     one with the fewest extra FLOPs that fits, each with the parallelism that fits it (DDP where
-    it fits, else FSDP, for "auto"); then, under FSDP, blocks stay gathered from their forward to
-    their backward where that still fits (less traffic). gpu_memory_bytes is the smallest GPU's
+    it fits, else FSDP, for "auto"); then, under grad_accum_nums "auto", the largest micro-batch
+    that fits with it (batch_choices: a larger micro-batch never buys more recomputation, whose
+    extra FLOPs cost more than the smaller matmuls of a smaller micro-batch); then, under FSDP,
+    blocks stay gathered from their forward to their backward where that still fits (less
+    traffic). gpu_memory_bytes is the smallest GPU's
     memory, None on CPU workers (DDP unless the user chose FSDP; the least recomputation the
     host memory allows). host_memory_bytes is the host memory available (None: no host check,
     and no automatic offload), shared by local_ranks processes (default world_size).
@@ -183,7 +196,8 @@ def plan_parallelism(
     and the host."""
     local_ranks = local_ranks or world_size
     on_gpus = gpu_memory_bytes is not None
-    choices = recompute_choices(config)
+    original = config
+    choices = [split for choice in recompute_choices(config) for split in batch_choices(choice, world_size, on_gpus)]
     if gpu_memory_bytes is not None:
         config, mode, offload = _choose_on_gpus(choices, world_size, gpu_memory_bytes, host_memory_bytes, local_ranks)
     else:
@@ -203,7 +217,9 @@ def plan_parallelism(
         line = f"parallelism: {mode.upper()} over {world_size} {unit}"
     if gpu_memory_bytes is None:
         recomputes = activation_checkpointing(planned) != "none" or loss_chunked(planned)
-        return planned, f"{line}; {recomputation(planned)}" if recomputes else line  # CPU lines say only what is recomputed
+        if recomputes:  # CPU lines say only what is recomputed, and a micro-batch chosen
+            line += f"; {recomputation(planned)}"
+        return planned, line + _micro_batch(original, planned)
     detail = f"estimated {gib(estimate(planned, world_size, mode, offload).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
     if offload:
         _, host_needed = _host_need(planned, world_size, mode, local_ranks, on_gpus=True)
@@ -215,7 +231,28 @@ def plan_parallelism(
         detail += f"; without offload ~{gib(without.total)} GiB per GPU"
     elif planned.training.parallelism == "fsdp" and config.training.parallelism == "auto":
         detail += f"; DDP would need ~{gib(estimate(planned, world_size, 'ddp').total)} GiB"
-    return planned, f"{line} ({detail}); {recomputation(planned)}{_gathering(planned, world_size, gpu_memory_bytes)}"
+    gathering = _gathering(planned, world_size, gpu_memory_bytes)
+    return planned, f"{line} ({detail}); {recomputation(planned)}{gathering}{_micro_batch(original, planned)}"
+
+
+def batch_choices(config: Config, world_size: int, on_gpus: bool) -> list[Config]:
+    """config with training.grad_accum_nums "auto" made concrete in every way the plan may try,
+    largest micro-batch first: each divisor of the per-rank batch on GPUs, where the largest that
+    fits is taken; on CPU workers, with no GPU memory to fill, one (without_gpu_memory: the
+    largest at most training.batch_size). Any other config as it is."""
+    if config.training.grad_accum_nums != "auto":
+        return [config]
+    if not on_gpus:
+        return [without_gpu_memory(config, world_size)]
+    return [with_micro_batch(config, world_size, batch) for batch in micro_batch_choices(config, world_size)]
+
+
+def _micro_batch(config: Config, planned: Config) -> str:
+    """What the launcher's line says of a micro-batch the plan chose (grad_accum_nums "auto")."""
+    if config.training.grad_accum_nums != "auto":
+        return ""
+    t = planned.training
+    return f"; micro-batch: {t.batch_size} sequences x {t.grad_accum_nums} per step (grad_accum_nums auto)"
 
 
 def undecided(config: Config) -> bool:
@@ -223,7 +260,7 @@ def undecided(config: Config) -> bool:
     everything decided; one run alone decides for itself)."""
     t = config.training
     left = (t.cpu_offload, t.loss_chunk_tokens, t.reshard_after_forward)
-    return t.parallelism == "auto" or t.activation_checkpointing == "auto" or None in left
+    return t.parallelism == "auto" or "auto" in (t.activation_checkpointing, t.grad_accum_nums) or None in left
 
 
 def recompute_choices(config: Config) -> list[Config]:
