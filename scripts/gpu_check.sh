@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU acceptance: run every path of this project that needs an NVIDIA GPU and write one
 # Markdown table to benchmarks/results/<date>-<gpu>.md (and the console).
-#   bash scripts/gpu_check.sh            every check (about 37 minutes on one H100, estimated; in
+#   bash scripts/gpu_check.sh            every check (about 50 minutes on one H100, estimated; in
 #                                        --only groups of at most 8 minutes: docs/gpu-acceptance.md)
 #   bash scripts/gpu_check.sh --quick --only syncs,nan
 #   bash scripts/gpu_check.sh --help

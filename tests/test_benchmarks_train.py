@@ -1,7 +1,9 @@
-"""The training benchmark's smoke run prints both of its tables, with real numbers in them."""
+"""The training benchmark's smoke run prints both of its tables, with real numbers in them, and
+with --profile a third: where its steps' time goes."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -10,7 +12,10 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.slow  # a real (if short) benchmark run: about 7 s
+sys.path.insert(0, str(ROOT))
+from benchmarks.step_profile import KINDS  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real (if short) benchmark runs: about 7 s each
 
 NUMBER = r"\d[\d,]*(\.\d+)?"
 
@@ -71,3 +76,29 @@ def test_the_quick_benchmark_prints_a_throughput_table_and_a_cross_entropy_memor
     # The same inputs in each row's process: chunking must not change the loss.
     losses = {r["loss"] for r in cross_entropy}
     assert len(losses) == 1 and number(losses.pop()) > 0
+
+
+def test_with_profile_it_prints_where_the_steps_time_goes_and_writes_it_to_the_json(tmp_path):
+    report = tmp_path / "train.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/train.py", "--quick", "--profile", "2", "--ce-chunks", "0", "--cache-dir", str(tmp_path)]
+        + ["--json", str(report)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Where the time goes, debug, compile off: 2 step(s) under torch.profiler" in result.stdout
+    _training, _cross_entropy, profile = markdown_tables(result.stdout)
+    *kinds, total = profile
+    assert [r["kind"] for r in kinds] == list(KINDS) and total["kind"] == "step"
+    shares = [number(r["share"].rstrip("%")) for r in kinds]
+    assert abs(sum(shares) - 100) <= sum(rounding(r["share"].rstrip("%")) for r in kinds)
+    ms = [number(r["ms per step"]) for r in kinds]
+    assert abs(sum(ms) - number(total["ms per step"])) <= sum(rounding(r["ms per step"]) for r in profile)
+    assert number(kinds[KINDS.index("matmuls")]["ms per step"]) > 0  # a CPU step's matmuls are aten::mm
+    saved = json.loads(report.read_text())
+    (row,) = saved["training"]
+    assert row["job"]["profile"] == 2 and row["result"]["profile"]["steps"] == 2
+    assert sum(row["result"]["profile"]["shares"].values()) == pytest.approx(100)

@@ -296,3 +296,23 @@ def test_the_8b_shape_memory_row_fails_when_the_reserved_peak_exceeds_the_estima
     assert checks_runtime.shape_estimate_row({**shape, "run_reserved_gib": 58.0}).met == "yes"
     low = checks_runtime.shape_estimate_row({**shape, "run_reserved_gib": 61.5})
     assert low.met == "no" and "peak reserved 61.5" in low.result and "(102% of the estimate)" in low.result
+
+
+@pytest.mark.slow
+def test_the_small_run_worker_times_its_steps_and_profiles_more_on_cpu(tmp_path, monkeypatch, capsys):
+    # The step-profile and compile-mode checks' worker, its own code on CPU: a tiny `small`, uncompiled.
+    from benchmarks.gpu_acceptance import workers_profile
+
+    monkeypatch.setattr(workers_profile, "DEVICE", "cpu")
+    with_sets = workers_profile.small_run_sets
+    monkeypatch.setattr(workers_profile, "small_run_sets", lambda *a: [*with_sets(*a), "training.compile=false"])
+    tiny = ["model.n_heads=4", "model.n_kv_heads=2", "model.dim=64", "model.n_layers=2", "model.ffn_dim=128"]
+    tiny += ["model.vocab_size=257", "training.batch_size=2", "training.grad_accum_nums=1", "data.context_length=32"]
+    data = [*checks.OFFLINE_DATA, f"data.cache_dir={tmp_path}", *tiny]
+    workers_profile.worker_small_run("2", "2", json.dumps(data))
+    (r,) = procs.results(capsys.readouterr().out)
+    assert r["shape"] == "batch 2 x 32, 1 micro-batches" and r["tokens_per_s"] == pytest.approx(64 / r["step_s"])
+    assert r["first_step_s"] > 0 and r["mfu"] is None and r["compile_mode"] == "default"
+    split = r["profile"]
+    assert split["steps"] == 2 and split["device"] == "cpu" and sum(split["shares"].values()) == pytest.approx(100)
+    assert split["ms"]["matmuls"] > 0 and split["ms"]["optimizer"] > 0

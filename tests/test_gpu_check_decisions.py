@@ -1,10 +1,13 @@
 """The decisions of the GPU acceptance (scripts/gpu_check.sh) that need no GPU, held to fakes:
-which CUDA kernels are flash attention's, which of NVML's processes is our holder inside a
-container, the efficiency rows from efficiency.py's --json, the syncs row, and the documented
---only groups against the checks and their time estimates."""
+which CUDA kernels are flash attention's (cuDNN's included), which of NVML's processes is our
+holder inside a container, the efficiency rows from efficiency.py's --json, the syncs row, the
+time-to-first-step target against its floor, the compile modes' runs, the step-profile rows, the
+8B shape's checkpointing, and the documented --only groups against the checks and their time
+estimates."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -13,13 +16,26 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from benchmarks import efficiency  # noqa: E402
-from benchmarks.gpu_acceptance import checks, checks_efficiency, checks_flash, checks_gpus, procs  # noqa: E402
-from benchmarks.gpu_acceptance.groups import ESTIMATED_S, GROUP_LIMIT_S, group_seconds, minutes  # noqa: E402
+from benchmarks import efficiency, step_profile  # noqa: E402
+from benchmarks.gpu_acceptance import (  # noqa: E402
+    checks,
+    checks_compile,
+    checks_efficiency,
+    checks_flash,
+    checks_gpus,
+    checks_profile,
+    procs,
+    workers,
+    workers_profile,
+)
+from benchmarks.gpu_acceptance.groups import CHECK_LIMIT_S, ESTIMATED_S, GROUP_LIMIT_S, group_seconds, minutes  # noqa: E402
+from pretrain import config as cfg  # noqa: E402
+from pretrain.model.transformer import Transformer  # noqa: E402
 
 # --- flash attention's kernels ---------------------------------------------------------------
 
@@ -45,7 +61,11 @@ EFFICIENT = [
     "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>::Params)",
     "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<cutlass::bfloat16_t>::Params)",
 ]
-CUDNN = ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0"]
+CUDNN = [  # what torch 2.11 ran on an H200 for `small`'s block (benchmarks/results/2026-11-25-h200.md)
+    "cudnn::fusion::fmha_reduce_head",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_cga1x1x1_kernel0_0",
+]
 
 
 def test_flash_kernels_are_told_apart_from_the_math_path_and_the_other_fused_kernels():
@@ -61,10 +81,17 @@ def test_flash_kernels_are_told_apart_from_the_math_path_and_the_other_fused_ker
     assert math.math == tuple(sorted(MATH)) and not math.flash
     assert "math path (softmax): triton_poi_fused__softmax_backward_data_7" in math.describe()
     assert not checks_flash.attention_kernels([FLASH_FWD, FLASH_BWD, *MATH]).flash  # flash, yet a softmax beside it
-    for names in (EFFICIENT, CUDNN):  # cuDNN's kernel says "flash" too, but is not PyTorch's flash
-        other = checks_flash.attention_kernels([*names, *UNRELATED])
-        assert len(other.other_fused) == len(names) and not other.flash_forward and not other.flash
+    efficient = checks_flash.attention_kernels([*EFFICIENT, *UNRELATED])
+    assert len(efficient.other_fused) == 2 and not efficient.flash_forward and not efficient.flash
     assert checks_flash.attention_kernels(UNRELATED).describe() == "no attention kernel recognised"
+
+
+def test_cudnns_fused_flash_kernels_count_as_flash_and_its_helper_as_other_fused_attention():
+    found = checks_flash.attention_kernels([*CUDNN, *UNRELATED])
+    assert found.flash_forward == (CUDNN[2],) and found.flash_backward == (CUDNN[1],)
+    assert found.other_fused == ("cudnn::fusion::fmha_reduce_head",) and found.flash
+    assert not checks_flash.attention_kernels([CUDNN[2], *UNRELATED]).flash  # forward alone
+    assert not checks_flash.attention_kernels([*CUDNN, *MATH]).flash  # a softmax beside them: the math path ran too
 
 
 def test_a_flash_row_lists_the_kernels_and_is_met_only_with_flash_forward_and_backward():
@@ -74,6 +101,10 @@ def test_a_flash_row_lists_the_kernels_and_is_met_only_with_flash_forward_and_ba
     assert row.result.startswith("flash forward: pytorch_flash::flash_fwd_kernel; flash backward: ")
     efficient = checks_flash.flash_row({**result, "kernels": EFFICIENT, "torch": "2.13"})
     assert efficient.met == "no" and "other fused attention: fmha_cutlassB_bf16_aligned_64x64_k64_sm80" in efficient.result
+    h200 = checks_flash.flash_row({**result, "kernels": [*CUDNN, *UNRELATED], "torch": "2.11.0+cu130"})
+    assert h200.met == "yes" and h200.result.startswith(f"flash forward: {CUDNN[2]}; flash backward: {CUDNN[1]}")
+    math_path = checks_flash.flash_row({**result, "kernels": [*MATH, *UNRELATED], "torch": "2.11.0+cu130"})
+    assert math_path.met == "no" and "math path (softmax)" in math_path.result
 
 
 # --- our holder among NVML's processes ---------------------------------------------------------
@@ -250,6 +281,130 @@ def test_a_syncs_row_needs_at_most_one_sync_and_a_compiled_model():
     assert checks.syncs_row({**r, "max_syncs": 2, "where": "loss.py:80"}, "1 process").met == "no"
     eager = checks.syncs_row({**r, "compiled": False}, "1 process")
     assert eager.met == "no" and "NOT compiled" in eager.check
+
+
+# --- time to first step, compile modes, where the time goes, the 8B shape's row -----------------------
+
+
+@pytest.mark.parametrize("floor, cold", [(8.0, 20.0), (5.0, 36.0)])
+def test_a_warm_launch_may_spend_a_quarter_of_the_cold_compile_beyond_the_uncompiled_floor(floor, cold):
+    limit = floor + (cold - floor) / 4
+    at_limit = checks_compile.compile_cache_row(checks_compile.FirstStep(floor, cold, limit))
+    assert at_limit.met == "yes" and at_limit.target == "warm <= floor + 25% of (cold - floor)"
+    assert f"floor (training.compile=false) {floor:.1f} s; cold {cold:.1f} s; warm {limit:.1f} s" in at_limit.result
+    assert "warm spends 25% of the cold compile" in at_limit.result
+    over = checks_compile.compile_cache_row(checks_compile.FirstStep(floor, cold, limit + 0.2))
+    assert over.met == "no"
+    # Half the first launch was the old target: a slow floor made it unreachable, a fast one too easy.
+    assert checks_compile.compile_cache_row(checks_compile.FirstStep(floor, cold, cold / 2)).met == (
+        "yes" if cold / 2 <= limit else "no"
+    )
+
+
+def test_a_cold_launch_no_slower_than_the_floor_fails_the_compile_cache_row():
+    row = checks_compile.compile_cache_row(checks_compile.FirstStep(10.0, 9.0, 9.5))
+    assert row.met == "no" and "cold no slower than the floor" in row.result
+
+
+def test_the_compile_cache_check_launches_the_floor_uncompiled_then_cold_and_warm_on_one_cache(monkeypatch, tmp_path):
+    launches = []
+
+    def fake_launcher(*args, timeout, env, first_match):
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        launches.append((sets, env["TORCHINDUCTOR_CACHE_DIR"], timeout))
+        return procs.Proc(list(args), 0, "", 1.0, first_match_s=[6.0, 30.0, 11.0][len(launches) - 1])
+
+    monkeypatch.setattr(checks_compile, "run", lambda argv, timeout: procs.Proc(argv, 0, "", 1.0))
+    monkeypatch.setattr(checks_compile, "launcher", fake_launcher)
+    ctx = checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path, log=lambda _: None)
+    (row,) = checks.CHECKS["compile-cache"](ctx)
+    compiled = [cfg.resolve(preset="small", sets=sets).training.compile for sets, _, _ in launches]
+    assert compiled == [False, True, True] and len({cache for _, cache, _ in launches}) == 1
+    assert 60 + sum(timeout for _, _, timeout in launches) <= CHECK_LIMIT_S  # with the data's preparation
+    assert row.met == "yes" and row.result.startswith("floor (training.compile=false) 6.0 s; cold 30.0 s; warm 11.0 s")
+
+
+def small_run_result(mode: str, **values) -> dict:
+    """A result of the small-run worker (workers_profile.worker_small_run)."""
+    result = {"compile_mode": mode, "compiled": True, "shape": "batch 16 x 1024, 4 micro-batches", "checkpointing": "none"}
+    result |= {"first_step_s": 40.0, "warmup_extra_s": 45.0, "step_s": 0.13, "tokens_per_s": 504123.0, "mfu": 0.41}
+    return result | {"loss": 9.5, "peak_gib": 8.7, "profile": None, "torch": "2.11.0+cu130"} | values
+
+
+@pytest.mark.parametrize(
+    "key, modes, shared",
+    [
+        ("compile-modes", ["default", "reduce-overhead"], False),
+        ("compile-autotune", ["max-autotune-no-cudagraphs", "max-autotune"], True),
+    ],
+)
+def test_each_compile_mode_runs_small_with_its_training_compile_mode_and_a_cache_of_its_own(
+    monkeypatch, tmp_path, key, modes, shared
+):
+    calls = []
+
+    def fake_worker(name, timeout, *args, env):
+        calls.append((name, timeout, args, env["TORCHINDUCTOR_CACHE_DIR"]))
+        return small_run_result(args[3])
+
+    monkeypatch.setattr(checks_compile, "worker", fake_worker)
+    ctx = checks.Context(quick=False, sets=[], gpus=[2], tmp=tmp_path, log=lambda _: None)
+    rows = checks.CHECKS[key](ctx)
+    assert [args[3] for _, _, args, _ in calls] == modes and {name for name, *_ in calls} == {"small-run"}
+    for (_, _, (steps, profile, data_sets, mode), _), row in zip(calls, rows, strict=True):
+        config = cfg.resolve(preset="small", sets=workers_profile.small_run_sets(json.loads(data_sets), 3, mode))
+        t = config.training
+        assert (t.compile, t.compile_mode, t.use_amp, config.debug.trace_nonfinite) == (True, mode, True, False)
+        assert (config.data.source, config.system.device, steps, profile) == ("builtin", "cuda", "20", "0")
+        assert f"training.compile_mode={mode}" in row.check and row.met == "n.a."
+        assert row.result.startswith("504,123 tokens/s, MFU 41.0%, 130 ms per step; compile: first step 40 s")
+    assert len({cache for *_, cache in calls}) == (1 if shared else len(modes))
+    assert ("autotuning cached by" in rows[1].result) == shared
+    assert sum(timeout for _, timeout, _, _ in calls) <= CHECK_LIMIT_S
+
+
+def test_a_compile_mode_the_run_did_not_use_or_an_uncompiled_run_is_not_accepted():
+    assert checks_compile.compile_mode_row("max-autotune", small_run_result("default")).met == "no"
+    assert checks_compile.compile_mode_row("default", small_run_result("default", compiled=False)).met == "no"
+
+
+def test_the_step_profile_rows_give_the_step_and_each_kind_with_its_longest_kernels():
+    events = [step_profile.Event(CUDNN[2], 0, 30), step_profile.Event(UNRELATED[0], 30, 50), step_profile.Event(MATH[0], 85, 5)]
+    split = step_profile.split(events, (0.0, 100.0), 1)
+    split.device = "cuda"
+    first, *kinds = checks_profile.profile_rows(small_run_result("default", profile=split.as_dict()))
+    assert [r.check.rsplit(": ", 1)[1] for r in kinds] == list(step_profile.KINDS)
+    assert first.met == "yes" and "batch 16 x 1024, 4 micro-batches, checkpointing none" in first.check
+    assert first.result.startswith("0.1 ms per step: matmuls 50.0%, attention 35.0%") and "idle 15.0%" in first.result
+    attention = kinds[step_profile.KINDS.index("attention")]
+    assert attention.met == "n.a." and attention.result.startswith(
+        f"{(30 + 5) / 1000:.2f} ms per step (35.0%); longest: {CUDNN[2]}"
+    )
+    cpu = dataclasses.replace(split, device="cpu")
+    assert checks_profile.profile_rows(small_run_result("default", profile=cpu.as_dict()))[0].met == "no"  # not a GPU's
+
+
+def test_the_8b_shape_row_names_the_checkpointing_the_runs_had_not_the_one_asked_for(monkeypatch, tmp_path):
+    shape = {"params": 1.92e9, "mode": "single", "step_s": 0.28, "tokens": 16384, "tokens_per_s": 58411.0, "mfu": 0.59}
+    shape |= {"peak_gib": 39.1, "peak_flops": 989e12, "layer_flops_per_step": 2.0e15, "estimate_gib": 54.5}
+    shape |= {"estimate_parts": "weights 9.8 GiB", "run_allocated_gib": 39.1, "run_reserved_gib": 39.5}
+    monkeypatch.setattr(
+        checks, "worker", lambda name, timeout, layers, *rest: shape | {"checkpointing": "none", "step_s": 0.1 * int(layers)}
+    )
+    ctx = checks.Context(quick=True, sets=[], gpus=[0], tmp=tmp_path, log=lambda _: None)
+    row, _estimate = checks.CHECKS["production-shape"](ctx)
+    assert row.check.endswith("activation checkpointing none (as planned)")
+    monkeypatch.setattr(
+        checks, "worker", lambda name, timeout, layers, *rest: shape | {"checkpointing": "full" if layers == "4" else "none"}
+    )
+    assert "activation checkpointing full / none" in checks.CHECKS["production-shape"](ctx)[0].check
+
+
+def test_the_poisoned_weight_of_the_nan_check_is_a_weight_of_the_debug_model():
+    config = cfg.resolve(preset="debug", sets=[*workers.TINY, "model.vocab_size=257"])  # the byte tokenizer's ids
+    with torch.device("meta"):
+        model = Transformer(config.model, max_seq_len=cfg.max_seq_len(config))
+    assert workers.POISONED in dict(model.named_parameters())
 
 
 # --- the documented groups -------------------------------------------------------------------

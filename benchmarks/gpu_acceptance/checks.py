@@ -20,15 +20,17 @@ from benchmarks.gpu_acceptance.context import (
     Row,  # noqa: F401  (re-exported)
     sets_args,
 )
+from benchmarks.gpu_acceptance.checks_compile import COMPILE_CHECKS
 from benchmarks.gpu_acceptance.checks_efficiency import EFFICIENCY_CHECKS
 from benchmarks.gpu_acceptance.checks_features import FEATURE_CHECKS
 from benchmarks.gpu_acceptance.checks_flash import FLASH_CHECKS
 from benchmarks.gpu_acceptance.checks_gpus import check_gpus
+from benchmarks.gpu_acceptance.checks_profile import PROFILE_CHECKS
+from benchmarks.gpu_acceptance.checks_syncs import check_syncs, syncs_row  # noqa: F401  (syncs_row re-exported)
 from benchmarks.gpu_acceptance.checks_runtime import RUNTIME_CHECKS, estimate_row, shape_estimate_row
 from benchmarks.gpu_acceptance.procs import (
     LAST_LINES,
     GpuMemory,
-    child_env,
     failed,
     falling,
     kill_group,
@@ -249,51 +251,18 @@ def check_production_shape(ctx: Context) -> list[Row]:
         f"(MFU of a layer {fmt_pct(layer_mfu)}); "
         f"32 layers projected {projected:.2f} s/step"
     )
-    return [
-        Row("8B shape, 1 GPU, 2 and 4 layers, bf16, compiled, activation checkpointing", result, "measured", "n.a."),
-        shape_estimate_row(r),
-    ]
+    return [Row(shape_name(results), result, "measured", "n.a."), shape_estimate_row(r)]
+
+
+def shape_name(results: dict[int, dict]) -> str:
+    """The production-shape row's name, with the activation checkpointing the runs had once planned
+    (the workers read it from their built trainers: "auto" is what the plan chose for this GPU)."""
+    ran = sorted({str(r.get("checkpointing", "?")) for r in results.values()})
+    return f"8B shape, 1 GPU, 2 and 4 layers, bf16, compiled, activation checkpointing {' / '.join(ran)} (as planned)"
 
 
 def fmt_pct(value: float | None) -> str:
     return "n.a." if value is None else f"{100 * value:.1f}%"
-
-
-FIRST_STEP = re.compile(r"\] Step \[0/")
-
-
-def check_compile_cache(ctx: Context) -> list[Row]:
-    """Time from launch to the first step line, twice with one fresh inductor cache."""
-    cache = ctx.tmp / "inductor-cache"
-    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(cache))
-    env.pop("TRITON_CACHE_DIR", None)  # inductor then keeps Triton's kernels in its own cache too
-    base = [
-        "--preset",
-        "small",
-        "--gpus",
-        str(ctx.gpus[0]),
-        "--max-steps",
-        "2",
-        *sets_args([*ctx.small_sets, "training.compile=true", "training.eval_interval=0", "logging.tensorboard=false"]),
-    ]
-    prepared = run([sys.executable, "prepare_dataset.py", "--preset", "small", *sets_args(ctx.small_sets)], 90)
-    if not prepared.ok:
-        raise failed("prepare_dataset.py", prepared)
-    times = []
-    for attempt, timeout in (("first", 240), ("second", 120)):
-        proc = launcher(*base, "--run-dir", ctx.run_dir(f"compile-{attempt}"), timeout=timeout, env=env, first_match=FIRST_STEP)
-        if not proc.ok or proc.first_match_s is None:
-            raise failed(f"{attempt} launch", proc)
-        times.append(proc.first_match_s)
-    ratio = times[1] / times[0]
-    return [
-        Row(
-            "time to first step, `small` compiled: second launch (shared compile cache) vs first (fresh)",
-            f"{times[0]:.1f} s -> {times[1]:.1f} s ({ratio:.2f}x)",
-            "second <= half the first",
-            "yes" if ratio <= 0.5 else "no",
-        )
-    ]
 
 
 def check_bf16(ctx: Context) -> list[Row]:
@@ -471,45 +440,6 @@ def ddp_vs_fsdp(ctx: Context) -> Row:
     )
 
 
-SYNC_MODES = (
-    ("single", "1 process", 240),  # the first compiles cold
-    ("group", "1-rank NCCL group", 105),
-    ("group-nocheck", "1-rank NCCL group, debug.check_finite=false", 105),
-)
-"""The syncs check's runs: the worker's mode, how the row names it, its timeout (450 s together)."""
-
-
-def check_syncs(ctx: Context) -> list[Row]:
-    """Host synchronizations in the steps of fit() that log nothing, on `small` as a run has it
-    (its batch and context, the loss head as the memory plan decides it, compiled), counted two
-    ways (see workers.worker_syncs): one process, a 1-rank NCCL group (the collective path),
-    and that group without the finite check (the stop agreement's own all-reduce)."""
-    steps = "4" if ctx.quick else "6"
-    rows = []
-    for mode, about, timeout in SYNC_MODES:
-        r = worker("syncs", timeout, mode, steps, json.dumps(ctx.small_sets))
-        rows.append(syncs_row(r, about))
-    return rows
-
-
-def syncs_row(r: dict, about: str) -> Row:
-    """One run of the syncs worker as a row: at most one synchronization in any counted step."""
-    profiled = (
-        f"profiler: {r['profiler_syncs']:.2f} sync calls, {r['pageable_h2d']:.2f} pageable H2D copies per step"
-        if r.get("profiler_syncs") is not None
-        else f"profiler: n.a. ({r.get('profiler_error', '?')})"
-    )
-    ok = r["max_syncs"] <= 1 and r["compiled"]  # a pageable copy to the GPU stages the data and returns: no sync
-    return Row(
-        f"host synchronizations per non-logging step, {about}, `small` ({r.get('shape', '?')}), "
-        f"{'compiled' if r['compiled'] else 'NOT compiled'}",
-        f"max {r['max_syncs']}, mean {r['mean_syncs']:.2f} over {r['steps']} steps (sync debug mode); "
-        f"{profiled}" + (f"; where: {r['where']}" if r.get("where") else ""),
-        "<= 1, compiled",
-        "yes" if ok else "no",
-    )
-
-
 CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     "gpus": check_gpus,
     "nvml-test": check_nvml_test,
@@ -518,8 +448,9 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     "run-training": check_run_training,
     "nan": check_nan,
     "small": check_small,
+    **PROFILE_CHECKS,
     "production-shape": check_production_shape,
-    "compile-cache": check_compile_cache,
+    **COMPILE_CHECKS,
     "bf16": check_bf16,
     "offload": check_offload,
     "nccl": check_nccl,

@@ -42,7 +42,10 @@ def tokens_per_step(sets: list[str]) -> int:
 
     config = cfg.resolve(preset="small", sets=sets)
     t = config.training
-    sequences = t.global_batch_size or t.batch_size * t.grad_accum_nums
+    if t.global_batch_size:
+        return t.global_batch_size * config.data.context_length
+    assert isinstance(t.grad_accum_nums, int)  # "auto" needs training.global_batch_size, taken above
+    sequences = t.batch_size * t.grad_accum_nums
     return sequences * config.data.context_length
 
 

@@ -33,7 +33,13 @@ ESTIMATED_S: dict[str, int] = {
     "nan": 60,  # a CPU worker writes the checkpoint, then a launch that stops at step 0
     "small": START_S + COLD_COMPILE_S + 40 + 10 + START_S + 80,  # 300 steps compiled, 300 not
     "production-shape": 2 * START_S + COLD_COMPILE_S + WARM_COMPILE_S + 60,  # the 8B shape at 2 and 4 layers, 6 steps each
-    "compile-cache": START_S + (START_S + COLD_COMPILE_S) + (START_S + WARM_COMPILE_S) + 10,
+    "step-profile": START_S + WARM_COMPILE_S + 20,  # after `small`: its compile is warm; 16 steps, 3 profiled
+    # uncompiled (the floor), then a cold and a warm compile, each to its first step
+    "compile-cache": START_S + (START_S + 10) + (START_S + COLD_COMPILE_S) + (START_S + WARM_COMPILE_S) + 10,
+    "compile-modes": 2 * (START_S + COLD_COMPILE_S + 20),  # default and reduce-overhead, each cold
+    # max-autotune-no-cudagraphs cold (autotuning every matmul: about 3 cold compiles), then
+    # max-autotune on the autotuning results it cached
+    "compile-autotune": (START_S + 3 * COLD_COMPILE_S + 20) + (START_S + COLD_COMPILE_S + 20),
     "bf16": 60,  # the debug model, 20 steps in bf16 and in fp32
     "offload": 2 * START_S + 60,  # `small`, 10 steps with and without CPU offload (host AdamW)
     "nccl": 100,  # two GPUs: a rank killed at step 5; DDP and FSDP for 2 steps

@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.gpu_acceptance.procs import emit
 from benchmarks.gpu_acceptance.workers_flash import FLASH_WORKERS
+from benchmarks.gpu_acceptance.workers_profile import PROFILE_WORKERS
 from benchmarks.gpu_acceptance.workers_runtime import RUNTIME_WORKERS
 
 SYNC_WARNING = "synchronizing CUDA operation"
@@ -28,7 +29,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 """CUDA runtime calls that block the host until the GPU catches up (cudaMemcpy: the blocking copy)."""
 DEVICE, BACKEND = "cuda", "nccl"
 """Where the workers run (only a smoke test of the workers' own code changes them)."""
-POISONED = "layers.1.feed_forward.w1.weight"
+POISONED = "layers.1.feed_forward.w13.weight"
 """The weight of the debug model that the poison worker sets one NaN in (check_nan looks for it)."""
 TINY = ("training.batch_size=2", "data.context_length=32")
 """The debug model's batch and context for the poisoned checkpoint and its resumed run."""
@@ -149,8 +150,8 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
             train_step(trainer, step)
         torch.cuda.synchronize()
         step_s = (time.perf_counter() - started) / timed
-    t, context = config.training, config.data.context_length
-    tokens = t.batch_size * context * t.grad_accum_nums
+    context = config.data.context_length
+    tokens = trainer.tokens_per_step  # the plan's micro-batches (grad_accum_nums made concrete)
     peak = peak_bf16_flops(torch.cuda.get_device_name(device))
     per_token = flops_per_token(config.model, context)
     one_layer = dataclasses.replace(config.model, n_layers=1)
@@ -160,6 +161,7 @@ def worker_shape(layers: str, steps: str, data_sets: str) -> None:
         {
             "params": sum(p.numel() for p in trainer.model.parameters()),
             "mode": trainer.mode,
+            "checkpointing": cfg.activation_checkpointing(trainer.config),  # as planned and built, not as asked
             "step_s": step_s,
             "tokens": tokens,
             "tokens_per_s": tokens / step_s,
@@ -320,4 +322,5 @@ WORKERS: dict[str, Callable[..., None]] = {
     "syncs": worker_syncs,
     **RUNTIME_WORKERS,
     **FLASH_WORKERS,
+    **PROFILE_WORKERS,
 }
