@@ -47,6 +47,7 @@ from pretrain.hf.init_from import load_weights
 from pretrain.hf.init_tokenizer import check_tokenizer
 from pretrain.observe import progress
 from pretrain.observe.step_line import step_line, throughput
+from pretrain.optim import optimizers
 from pretrain.optim.schedule import lr_at
 from pretrain.run.stopping import Stopped
 
@@ -78,36 +79,60 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         timer.new_step()
     if trainer.faults is not None:  # PRETRAIN_FAULTS (a testing aid); None in an ordinary run
         slow_down(trainer, step)
-    for micro in range(t.grad_accum_nums):
+    accum = cfg.grad_accum_nums(trainer.config)  # a number once planned (build's parallel_mode)
+    for micro in range(accum):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
         # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
         # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
-        with parallel.gradient_sync(trainer.model, enabled=micro == t.grad_accum_nums - 1):
+        with parallel.gradient_sync(trainer.model, enabled=micro == accum - 1):
             if timer is not None:
                 timer.begin()
             with autocast(trainer):
                 loss = next_token_loss(trainer.model, x, y, cfg.loss_chunk_tokens(trainer.config))
             if timer is not None:
                 timer.end()
-            (loss.total / t.grad_accum_nums).backward()
-        loss_sum += loss.cross_entropy.detach() / t.grad_accum_nums
+            (loss.total / accum).backward()
+        loss_sum += loss.cross_entropy.detach() / accum
         for name, value in loss.aux_losses.items():
-            aux_sums[name] = aux_sums.get(name, 0) + value.detach().float() / t.grad_accum_nums
+            aux_sums[name] = aux_sums.get(name, 0) + value.detach().float() / accum
     trainer.aux_losses = aux_sums
     grad_norm = parallel.grad_norm(trainer.model)
     if trainer.config.debug.check_finite:
         seen = trainer.tracer is not None and trainer.tracer.first is not None
-        # The step's one host synchronization: it also settles whether the ranks stop after it.
-        agreement = debug.agree_on_step(step, loss_sum, grad_norm, trainer.runtime, seen, trainer.stop.signum)
+        # The step's one host synchronization, which also settles whether the ranks stop after
+        # it. Where the optimizer takes a device flag, the update is issued first, masked by the
+        # all-reduced flags (update), so the device works through it while the host waits.
+        masked = optimizers.takes_found_inf(trainer.optimizer, device)
+        states = len(trainer.optimizer.state)
+        update = (lambda found_inf: apply_update(trainer, grad_norm, found_inf)) if masked else None
+        agreement = debug.agree_on_step(step, loss_sum, grad_norm, trainer.runtime, seen, trainer.stop.signum, before_read=update)
         trainer.stop.settle(agreement.stop_signum)
         if agreement.nonfinite is not None:
+            if masked:  # nothing was updated; a first step's new state goes too
+                optimizers.forget_state_since(trainer.optimizer, states)
             nonfinite.skip_or_stop(trainer, agreement.nonfinite, position)
             return loss_sum, grad_norm, lr
+        if not masked:
+            apply_update(trainer, grad_norm)
+    else:
+        apply_update(trainer, grad_norm)
     trainer.skips_in_a_row = 0
-    parallel.clip_gradients(trainer.model, t.max_grad_norm, grad_norm)
-    trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, lr
+
+
+def apply_update(trainer: Trainer, grad_norm: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+    """Clip the gradients and step the optimizer. found_inf (a 0-d float32 device tensor, unread):
+    where it is 1.0 the step changes no weight or optimizer state (optimizers.step_unless), and
+    clipping scales the gradients by exactly 1 (a norm of 0 for it), so what a report and a tensor
+    dump of the step read is the backward's gradients, never ones scaled by a NaN or Inf norm."""
+    max_norm = trainer.config.training.max_grad_norm
+    if found_inf is None:
+        parallel.clip_gradients(trainer.model, max_norm, grad_norm)
+        trainer.optimizer.step()
+        return
+    parallel.clip_gradients(trainer.model, max_norm, torch.where(found_inf > 0, 0.0, grad_norm))
+    optimizers.step_unless(trainer.optimizer, found_inf)
 
 
 def slow_down(trainer: Trainer, step: int) -> None:
@@ -177,7 +202,7 @@ def fit(trainer: Trainer) -> None:
     start = time.perf_counter()
     speed = throughput(trainer)
     first_step_done = None
-    steps_per_epoch = max(1, trainer.loader.batches_per_epoch // t.grad_accum_nums)
+    steps_per_epoch = max(1, trainer.loader.batches_per_epoch // cfg.grad_accum_nums(trainer.config))
     report_progress = progress.reporter()  # None unless the launcher asks for it
     for step in range(trainer.start_step, t.max_steps):
         loss, grad_norm, lr = train_step(trainer, step)
@@ -334,10 +359,10 @@ def train(
     if init is not None:  # again, with the vocabulary the tokenizer has set, and its tokens
         check_tokenizer(init, config, dataset_dir, log.debug)  # a warning: the launcher's line says it
         check_fits(init, config)
-    if runtime.is_main and not (run_dir / "config.json").exists():
-        cfg.save(config, run_dir / "config.json")
     torch.autograd.set_detect_anomaly(config.debug.detect_anomaly)
     trainer = build(config, runtime, dataset_dir, run_dir, log)
+    if runtime.is_main and not (run_dir / "config.json").exists():  # as planned: grad_accum_nums "auto" a number
+        cfg.save(trainer.config, run_dir / "config.json")
     trainer.faults = injected
     if (dataset_dir / TOKENIZER_FILE).exists():
         trainer.tokenizer_file = dataset_dir / TOKENIZER_FILE

@@ -3,8 +3,11 @@ where it came from, and keep the evidence.
 
 Always on (debug.check_finite): after each step's backward, every rank learns whether any
 rank's loss or the global gradient norm is not finite (one small all-reduce, which also carries
-the ranks' agreement on a stop request: the step's only host synchronization), before the
-optimizer can write the damage into the weights. Then, by debug.on_nonfinite:
+the ranks' agreement on a stop request), and no such step writes into the weights or the
+optimizer's state. Where the optimizer can be told so on the device (found_inf: torch's fused
+AdamW, Muon), the update is issued masked by the all-reduced flags and the host reads them after
+it (the step's only host synchronization, off the device's critical path); elsewhere the host
+reads them first and steps only when they are finite. Then, by debug.on_nonfinite:
 
     stop   every rank says so at once, the affected ranks log a report of every parameter
            whose value or gradient holds NaN or Inf, all save checkpoint nan_grad_step_<N>
@@ -25,7 +28,7 @@ import math
 import shutil
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +93,14 @@ class StepAgreement:
 
 
 def agree_on_step(
-    step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False, stop_signum: int | None = None
+    step: int,
+    loss: Tensor,
+    grad_norm: Tensor,
+    runtime: Runtime,
+    seen_by_hooks: bool = False,
+    stop_signum: int | None = None,
+    *,
+    before_read: Callable[[Tensor], None] | None = None,
 ) -> StepAgreement:
     """Whether the step is finite on every rank, and whether any rank was asked to stop
     (stop_signum: this rank's pending signal). What the hooks saw only decides which ranks
@@ -99,7 +109,10 @@ def agree_on_step(
 
     The host synchronises once: one all-reduce of four integers and one read of them
     (.tolist()). The flags are made on the device from Python scalars passed as kernel
-    arguments (torch.full, torch.where), never copied from host memory, which would block."""
+    arguments (torch.full, torch.where), never copied from host memory, which would block.
+    before_read, if given, is called between the all-reduce and the read with found_inf (see
+    found_inf: 1.0 where any rank's loss or the norm is not finite): it issues the update
+    masked by it, so the device has the update queued while the host waits for the read."""
     device = loss.device
     loss_bad = ~torch.isfinite(loss)
     affected = loss_bad | seen_by_hooks
@@ -115,12 +128,21 @@ def agree_on_step(
     )
     if runtime.distributed:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if before_read is not None:
+        before_read(found_inf(flags))
     first_affected, every_loss_finite, norm_finite, stop = flags.tolist()
     stop_signum = -stop or None
     if every_loss_finite and norm_finite:
         return StepAgreement(None, stop_signum)
     reporter = first_affected if first_affected < runtime.world_size else 0
     return StepAgreement(NonFinite(step, float(loss), float(grad_norm), bool(affected), reporter), stop_signum)
+
+
+def found_inf(flags: Tensor) -> Tensor:
+    """From agree_on_step's all-reduced flags, on the device and unread: 1.0 when some rank's
+    loss or the gradient norm is not finite, else 0.0. A 0-d float32 tensor, as torch's fused
+    optimizers take it (optimizer.found_inf, the way GradScaler tells them to skip a step)."""
+    return (1 - flags[1] * flags[2]).float()
 
 
 def check_step(step: int, loss: Tensor, grad_norm: Tensor, runtime: Runtime, seen_by_hooks: bool = False) -> NonFinite | None:
@@ -147,7 +169,7 @@ def _not_finite(value: object) -> bool:
 class FirstNonFinite:
     """Forward hooks, backward hooks and gradient hooks on every module and parameter that
     remember the first place, in execution order, a NaN or Inf appeared:
-    "layers.1.feed_forward.w1, forward output", "layers.0.attention, gradient of its input",
+    "layers.1.feed_forward.w13, forward output", "layers.0.attention, gradient of its input",
     "norm.weight, gradient". Inner modules finish before the modules around them, so the
     first one named is the innermost. Each hook synchronises with the device: debug only."""
 
