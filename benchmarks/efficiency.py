@@ -41,6 +41,20 @@ with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles ever
 - Muon's orthogonalize share per rank: the Newton-Schulz FLOPs of the matrices a rank passes to
   the optimizer's `orthogonalize` (a (k, m, n) stack counts k matrices) over those of every
   hidden matrix; the largest rank's (1 on one rank; 1/W when the work is split evenly).
+- saved activations per token (activation_bytes_per_token, and of them float32:
+  activation_fp32_bytes_per_token): what one micro-batch's forward hands autograd to keep for the
+  backward pass (saved_tensors_hooks, each storage once), at 2 and 3 rows of the run's context,
+  the difference over the tokens added, so weights and their bf16 casts (the same at both sizes)
+  drop out; at the real run's widths (dim / 8 on a CPU: the fp32 statistics, per row or per head,
+  then weigh 8x more than at the true width). A compiled row reports its compiled forward (the
+  AOTAutograd partitioner's choice: under --quick aot_eager's min-cut over undecomposed aten ops,
+  which recomputes less than inductor's, so it keeps as much or more: an upper bound), an eager row its
+  eager one (a checkpointed block: what it keeps of its input, as the checkpoint hands it on). The
+  per-row notes give both by dtype, and, for a compiled row, the ops its forward runs outside
+  compiled code (torch.profiler; only the embedding lookup and its cast are expected).
+- matmuls per block: the mm/addmm/bmm/baddbmm kernels one block's forward runs (a dispatch
+  mode, in a one-block model of the run's shape on the CPU).
+- where the step's host syncs sit: how many come before the optimizer step is issued.
 
 The real runs (syncs, collectives, shares, compiles) take a short batch (1 x 64 tokens, the
 preset's micro-batches per step). On a CPU they also divide the widths (dim, ffn_dim, vocabulary;
@@ -110,6 +124,9 @@ KEYS = (
     "collective_bytes_per_token",
     "collective_minimum_bytes_per_token",
     "orthogonalize_share_per_rank",
+    "activation_bytes_per_token",
+    "activation_fp32_bytes_per_token",
+    "matmuls_per_block",
 )
 
 
@@ -274,6 +291,8 @@ def combine(row: Row, count: dict[str, Any], ranks: list[dict[str, Any]]) -> Out
         "collective_bytes_per_token": measured if eager else None,
         "collective_minimum_bytes_per_token": minimum_bytes(count, row),
         "orthogonalize_share_per_rank": share if row.features == "muon" else None,
+        **activations(ranks),
+        "matmuls_per_block": count.get("matmuls_per_block"),
     }
     details = {
         "plan": count["plan"],
@@ -284,8 +303,24 @@ def combine(row: Row, count: dict[str, Any], ranks: list[dict[str, Any]]) -> Out
         "graph_break_reasons": merged(r.get("graph_break_reasons", {}) for r in compiled[:1]),
         "compiles": compiled[0]["compiles"] if compiled else None,
         "graphs": compiled[0].get("graphs") if compiled else None,
+        "activations_measured": ("compiled" if compiled else "eager") if eager else None,
+        "activation_bytes_by_dtype": {
+            kind: r.get(f"{kind}_activation_bytes_by_dtype") for kind in ("eager", "compiled") for r in ranks[:1]
+        },
+        "uncompiled_forward_ops": compiled[0].get("compiled_uncompiled_forward_ops") if compiled else None,
+        "syncs_before_optimizer_step": eager[0].get("syncs_before_optimizer_step") if eager else None,
     }
     return Outcome(row, values, details)
+
+
+def activations(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The row's saved bytes per token: its compiled run's when it ran compiled (what training
+    runs), else its eager run's; the largest over the ranks."""
+    values: dict[str, float | None] = {}
+    for key in ("activation_bytes_per_token", "activation_fp32_bytes_per_token"):
+        found = [v for r in ranks if (v := r.get(f"compiled_{key}", r.get(f"eager_{key}"))) is not None]
+        values[key] = max(found) if found else None
+    return values
 
 
 def merged(dicts: Any) -> dict[str, int]:

@@ -34,6 +34,10 @@ def number(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def bytes_number(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
+
+
 def table(outcomes: list[Outcome]) -> list[str]:
     header = [
         "preset",
@@ -47,13 +51,16 @@ def table(outcomes: list[Outcome]) -> list[str]:
         "collective bytes / token (by kind)",
         "minimum bytes / token",
         "orthogonalize share / rank",
+        "saved bytes / token",
+        "of them fp32",
+        "matmuls / block",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for o in outcomes:
         r, v = o.row, o.values
         cells = [r.preset, r.features, str(r.ranks), r.activation_checkpointing]
         if o.note:
-            cells += [o.note] + [""] * 6
+            cells += [o.note] + [""] * 9
         else:
             cells += [
                 number(v["executed_over_model_flops"]),
@@ -63,6 +70,9 @@ def table(outcomes: list[Outcome]) -> list[str]:
                 bytes_cell(v["collective_bytes_per_token"]),
                 bytes_cell(v["collective_minimum_bytes_per_token"]),
                 number(v["orthogonalize_share_per_rank"], 2),
+                bytes_number(v.get("activation_bytes_per_token")),
+                bytes_number(v.get("activation_fp32_bytes_per_token")),
+                number(v.get("matmuls_per_block")),
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -78,6 +88,14 @@ def detail_lines(outcomes: list[Outcome]) -> list[str]:
         parts = [f"plan {json.dumps(d['plan'])}, mode {d['mode']}"]
         if d["sync_sites"]:
             parts.append("syncs in a step (rank 0, step 2): " + "; ".join(f"{k} x{v}" for k, v in d["sync_sites"].items()))
+            parts.append(sync_position(d.get("syncs_before_optimizer_step"), sum(d["sync_sites"].values())))
+        if d.get("uncompiled_forward_ops") is not None:
+            ops = d["uncompiled_forward_ops"]
+            parts.append("uncompiled in the forward: " + ("; ".join(f"{k} x{v}" for k, v in ops.items()) if ops else "nothing"))
+        elif d.get("activations_measured") == "eager":
+            parts.append("the forward runs uncompiled (the row is not compiled)")
+        if d.get("activations_measured"):
+            parts.append(saved_line(d["activations_measured"], d.get("activation_bytes_by_dtype") or {}))
         if d["eval_syncs"]:
             parts.append(
                 f"eval pass: {d['eval_syncs']} syncs (" + "; ".join(f"{k} x{v}" for k, v in d["eval_sync_sites"].items()) + ")"
@@ -88,6 +106,24 @@ def detail_lines(outcomes: list[Outcome]) -> list[str]:
             parts.append("graph breaks: " + "; ".join(f"{k} x{v}" for k, v in d["graph_break_reasons"].items()))
         lines.append(f"- {o.row.name}: " + "; ".join(parts))
     return lines
+
+
+def sync_position(before: int | None, total: int) -> str:
+    """Where the step's syncs sit against its optimizer step."""
+    if before is None:
+        return "optimizer.step not called in the counted step"
+    if before == total:
+        return f"all {total} before optimizer.step: the device's queue drains before the update is issued"
+    return f"{before} of {total} before optimizer.step, {total - before} after it was issued"
+
+
+def saved_line(measured: str, by_kind: dict[str, dict[str, float] | None]) -> str:
+    """What the forward keeps for backward, per token by dtype, eager and compiled (the row's columns: `measured`)."""
+    parts = []
+    for kind in ("eager", "compiled"):
+        if per_dtype := by_kind.get(kind):
+            parts.append(f"{kind} " + ", ".join(f"{dtype} {value:,.0f}" for dtype, value in per_dtype.items() if value >= 0.5))
+    return f"saved for backward per token (columns: {measured}): " + "; ".join(parts)
 
 
 def machine_line(device: str) -> str:
@@ -107,7 +143,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, elapsed: float) ->
     command = "python benchmarks/efficiency.py " + " ".join(args.argv)
     return "\n".join(
         [
-            f"# Efficiency: FLOPs, graph breaks, host syncs, collective bytes ({args.label or 'this tree'})",
+            f"# Efficiency: FLOPs, graph breaks, host syncs, collective bytes, saved activations ({args.label or 'this tree'})",
             "",
             machine_line(args.device),
             f"Tree: {commit()}. Command: `{command.strip()}`. Planned for a GPU of {args.plan_gpu_gib:.1f} GiB. "

@@ -43,6 +43,7 @@ from pretrain import train as training  # noqa: E402
 from pretrain.build import Trainer, build  # noqa: E402
 from pretrain.data.fitting import fit_to_dataset  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.model.loss import next_token_loss  # noqa: E402
 from pretrain.observe.metrics import flops_per_token  # noqa: E402
 from pretrain.distributed.runtime import Runtime, exit_process, init_runtime, shutdown  # noqa: E402
 
@@ -52,6 +53,8 @@ PLANNED = ("parallelism", "cpu_offload", "activation_checkpointing", "loss_chunk
 made for the true geometry."""
 COUNTED_STEPS = 2
 """Real runs: steps 1..COUNTED_STEPS are counted (step 0 creates the optimizer's state)."""
+ACTIVATION_ROWS = (2, 3)
+"""The two micro-batch sizes (rows of the run's context) whose saved bytes give the per-token slope."""
 
 
 def log() -> logging.Logger:
@@ -91,7 +94,7 @@ def planned(job: dict[str, Any]) -> tuple[cfg.Config, cfg.Config, Path]:
 def model_flops_per_step(config: cfg.Config) -> float:
     """What the step line's MFU counts for one rank's optimizer step."""
     t, context = config.training, config.data.context_length
-    return flops_per_token(config.model, context) * t.batch_size * context * t.grad_accum_nums
+    return flops_per_token(config.model, context) * t.batch_size * context * cfg.grad_accum_nums(t)
 
 
 # --- count: one step's FLOPs on the meta device -------------------------------------------------
@@ -131,7 +134,7 @@ def count(job: dict[str, Any]) -> dict[str, Any]:
     true geometry, as one rank, and the part of them Muon's orthogonalization does."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    true_config, _, dataset = planned(job)
+    true_config, run_config, dataset = planned(job)
     t = dataclasses.replace(true_config.training, compile=False)
     config = dataclasses.replace(true_config, training=t, debug=dataclasses.replace(true_config.debug, check_finite=False))
     runtime = Runtime(rank=0, world_size=1, device=torch.device("meta"), label="meta")
@@ -160,6 +163,7 @@ def count(job: dict[str, Any]) -> dict[str, Any]:
         "plan": {name: getattr(true_config.training, name) for name in PLANNED if hasattr(true_config.training, name)},
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "gather_bytes": gathered_bytes(parallel.unwrap(trainer.model), config.training.use_amp),
+        "matmuls_per_block": matmuls_per_block(run_config.model, run_config.data.context_length, t.use_amp),
     }
 
 
@@ -188,18 +192,20 @@ def eager_counts(trainer: Trainer) -> dict[str, Any]:
     ortho = counters.Orthogonalizations(trainer.optimizer) if hasattr(trainer.optimizer, "orthogonalize") else None
     syncs, sites, collective = [], {}, []  # collective: per step, kind -> bytes
     training.train_step(trainer, 0)
+    syncs_before_step: int | None = None
     for step in range(1, COUNTED_STEPS + 1):
         counter = counters.DispatchCounter(on_host_of(runtime, trainer.optimizer))
-        with counters.counting_syncs(counter):
+        with counters.counting_syncs(counter), marking_step(trainer.optimizer, counter):
             training.train_step(trainer, step)
         syncs.append(counter.sync_count)
         sites = dict(counter.syncs)  # the last counted step's
+        syncs_before_step = counter.marks.get("optimizer.step")
         collective.append({kind: float(n) for kind, n in counter.collective_bytes.items()})
     counter = counters.DispatchCounter(on_host_of(runtime, trainer.optimizer))
     with counters.counting_syncs(counter):
         training.evaluate(trainer)
     hidden = counters.hidden_matrix_flops(
-        parallel.unwrap(trainer.model).named_parameters(), trainer.config.training.muon_ns_steps
+        parallel.unwrap(trainer.model).named_parameters(), trainer.config.training.muon_ns_steps, trainer.config.model
     )
     return {
         "syncs_per_step": syncs,
@@ -210,7 +216,78 @@ def eager_counts(trainer: Trainer) -> dict[str, Any]:
         # step 0 and the counted steps each orthogonalize once: the share of one step
         "orthogonalize_share": ortho.flops / (COUNTED_STEPS + 1) / hidden if ortho is not None and hidden else None,
         "run_parameters": sum(p.numel() for p in parallel.unwrap(trainer.model).parameters()),
+        "syncs_before_optimizer_step": syncs_before_step,
     }
+
+
+@contextlib.contextmanager
+def marking_step(optimizer: torch.optim.Optimizer, counter: counters.DispatchCounter) -> Any:
+    """counter.mark("optimizer.step") when the step calls optimizer.step: how many of its syncs come before it."""
+    original, had_own = optimizer.step, "step" in vars(optimizer)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        counter.mark("optimizer.step")
+        return original(*args, **kwargs)
+
+    optimizer.step = step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had_own:
+            optimizer.step = original  # type: ignore[method-assign]
+        else:
+            del optimizer.step
+
+
+def forward_counts(trainer: Trainer, compiled: bool) -> dict[str, Any]:
+    """What the forward of one micro-batch keeps for the backward pass, per token and by dtype
+    (counters.activation_bytes_per_token, at ACTIVATION_ROWS rows of the run's context, each
+    forward followed by its backward pass, without gradient sync, as a micro-batch of gradient
+    accumulation; the gradients are dropped), and, compiled, the ops its forward runs outside
+    the compiled regions. Run last: the trainer is not stepped after it."""
+    config, model, device = trainer.config, trainer.model, trainer.runtime.device
+    context, vocab = config.data.context_length, int(config.model.vocab_size or 2)
+    chunk = cfg.loss_chunk_tokens(config)
+
+    batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for rows in ACTIVATION_ROWS:
+        tokens = torch.randint(0, vocab, (rows, context + 1), generator=torch.Generator().manual_seed(rows))
+        batches[rows] = (tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device))
+
+    def forward_at(rows: int) -> Any:
+        with training.autocast(trainer):
+            return next_token_loss(model, *batches[rows], chunk).total
+
+    with parallel.gradient_sync(model, enabled=False):
+        per_dtype = counters.activation_bytes_per_token(forward_at, context, ACTIVATION_ROWS, lambda loss: loss.backward())
+        uncompiled: dict[str, int] = {}
+        if compiled:
+            losses: list[torch.Tensor] = []
+            uncompiled = dict(counters.uncompiled_ops(lambda: losses.append(forward_at(ACTIVATION_ROWS[0]))))
+            losses.pop().backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return {
+        "activation_bytes_per_token": sum(per_dtype.values()),
+        "activation_fp32_bytes_per_token": per_dtype.get("float32", 0.0),
+        "activation_bytes_by_dtype": per_dtype,
+        **({"uncompiled_forward_ops": uncompiled} if compiled else {}),
+    }
+
+
+def matmuls_per_block(model_config: cfg.ModelConfig, context: int, use_amp: bool) -> int:
+    """The matmul kernels one block's forward runs (counters.matmuls_in), in a one-block model of
+    model_config on the CPU, under autocast as training.use_amp says."""
+    from pretrain.model.transformer import Transformer
+
+    one_block = dataclasses.replace(model_config, n_layers=1)
+    model = Transformer(one_block, max_seq_len=context, seed=0)
+    tokens = torch.zeros((1, context), dtype=torch.long)
+
+    def forward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp):
+            model(tokens)
+
+    return counters.matmuls_in(model.layers[0], forward)
 
 
 def compile_counts(trainer: Trainer) -> dict[str, Any]:
@@ -237,6 +314,8 @@ def compile_backend(backend: str) -> Any:
     original = torch.compile
 
     def compile_with(*args: Any, **kwargs: Any) -> Any:
+        if backend != "inductor":  # a mode is inductor's: torch refuses one with another backend
+            kwargs.pop("mode", None)
         return original(*args, **({"backend": backend} | kwargs))
 
     torch.compile = compile_with
@@ -281,12 +360,14 @@ def measure_rank(job: dict[str, Any], runtime: Runtime) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="efficiency-run-") as run_dir:
         trainer = build(with_compile(run_config, False), runtime, dataset, Path(run_dir), log())
         result |= eager_counts(trainer) | {"mode": trainer.mode}
+        result |= {"eager_" + key: value for key, value in forward_counts(trainer, compiled=False).items()}
         del trainer
         if job["compile"]:
             torch._dynamo.reset()
             with compile_backend(job["compile_backend"]):
                 trainer = build(with_compile(run_config, True), runtime, dataset, Path(run_dir), log())
                 result |= compile_counts(trainer)
+                result |= {"compiled_" + key: value for key, value in forward_counts(trainer, compiled=True).items()}
             del trainer
     return result
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+import shutil
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from pretrain.checkpoint import save_restore
 from pretrain import config as cfg
@@ -14,6 +19,9 @@ from pretrain.data.fitting import fit_to_dataset
 from pretrain.data.prepare import prepare
 from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.build import Trainer, build
+from pretrain.checkpoint.dcp_files import dcp_load, read_dcp_metadata, tensor_entries
+from pretrain.config import ModelConfig
+from pretrain.model.fused_layout import part_names, row_splits, split_fused
 from pretrain.train import train_step
 
 TINY = [
@@ -59,3 +67,65 @@ def assert_same_tensors(first: dict, second: dict) -> None:
             assert_same_tensors(a, b)
         else:
             assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), key
+
+
+# --- checkpoints as other code wrote them ------------------------------------------------
+
+
+def _dcp_save(content: dict[str, Any], directory: Path) -> None:
+    with warnings.catch_warnings():  # it warns that it runs without a process group
+        warnings.simplefilter("ignore")
+        dcp.save(content, storage_writer=FileSystemWriter(directory), no_dist=True)
+
+
+def as_sharded(path: Path) -> None:
+    """Turn full checkpoint path into a DCP one holding the same tensors, as FSDP ranks write it."""
+    model = save_restore.load_tensors(path, "model.pt")
+    optimizer = save_restore.load_tensors(path, "optimizer.pt")
+    _dcp_save({"model": model, "optimizer": {"state": optimizer["state"]}}, path / "dcp")
+    (path / "model.pt").unlink()
+    (path / "optimizer.pt").unlink()
+
+
+def _split_optimizer_state(state: dict[str, Any], model: ModelConfig) -> dict[str, Any]:
+    """Per-parameter optimizer state as the separate layout's optimizer held it: each part its
+    own rows of every per-row tensor, and the step count each."""
+    out: dict[str, Any] = {}
+    for name, entries in state.items():
+        parts, rows = part_names(name), row_splits(name, model)
+        if parts is None or rows is None:
+            out[name] = entries
+            continue
+        for i, part in enumerate(parts):
+            out[part] = {
+                key: value.split(rows)[i].clone() if isinstance(value, torch.Tensor) and value.dim() >= 1 else value
+                for key, value in entries.items()
+            }
+    return out
+
+
+def as_separate_layout(path: Path, model: ModelConfig) -> None:
+    """Rewrite checkpoint path (either format) as the code before the fused projections wrote it:
+    wqkv and w13 as Meta's separate wq/wk/wv and w1/w3, and their optimizer state split the same way."""
+    if (path / "dcp").is_dir():
+        entries = tensor_entries(read_dcp_metadata(path), "")
+        saved = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in entries.items()}
+        dcp_load(saved, path, alone=True)
+        weights = {key.removeprefix("model."): value for key, value in saved.items() if key.startswith("model.")}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in saved.items():
+            if key.startswith("optimizer.state."):
+                name, _, entry = key.removeprefix("optimizer.state.").rpartition(".")
+                state.setdefault(name, {})[entry] = value
+        shutil.rmtree(path / "dcp")
+        separate = {key: value.clone() for key, value in split_fused(weights, model).items()}
+        _dcp_save({"model": separate, "optimizer": {"state": _split_optimizer_state(state, model)}}, path / "dcp")
+        return
+    weights = save_restore.load_tensors(path, "model.pt")
+    torch.save({key: value.clone() for key, value in split_fused(weights, model).items()}, path / "model.pt")
+    optimizer = save_restore.load_tensors(path, "optimizer.pt")
+    groups = [
+        {**group, "params": [p for name in group["params"] for p in part_names(name) or [name]]}
+        for group in optimizer["param_groups"]
+    ]
+    torch.save({"state": _split_optimizer_state(optimizer["state"], model), "param_groups": groups}, path / "optimizer.pt")

@@ -28,7 +28,8 @@ SEQ = 16
 DENSE = cfg.ModelConfig(
     dim=40, n_layers=1, n_heads=5, n_kv_heads=1, ffn_dim=24, vocab_size=64, rope_theta=10000.0, max_seq_len=SEQ
 )
-"""head_dim 8: wq's 40 rows split 20 and 20 between the ranks, through the middle of head 2."""
+"""head_dim 8: the fused wqkv's 56 rows (wq's 40, wk's 8, wv's 8) split 28 and 28 between the ranks,
+through the middle of wq's head 3, and rank 1's shard crosses the wq/wk and wk/wv boundaries."""
 MOE = dataclasses.replace(DENSE, dim=32, n_heads=4, n_kv_heads=2, moe=cfg.MoEConfig(num_experts=4, top_k=2))
 
 

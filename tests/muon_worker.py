@@ -25,10 +25,13 @@ CONTEXT, STEPS, LR = 16, 2, 0.02
 
 
 def tiny_config(cpu_offload: bool = False) -> cfg.Config:
-    """Three layers of 7 matrices in three sizes: 21 to share, and rows that split unevenly over 3 ranks."""
+    """Three layers of 7 matrices in four sizes: 21 to share, and rows that split unevenly over 3
+    ranks. The fused wqkv's 48 rows (wq's 32, wk's 8, wv's 8) split so that a shard crosses from wq
+    into wk and wv (rows 24-48 on 2 ranks, 32-48 on 3), and w13's 128 rows (w1's 64, w3's 64) cross
+    from w1 into w3 on 3 ranks (rows 43-86)."""
     base = cfg.debug()
     model = dataclasses.replace(
-        base.model, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=CONTEXT
+        base.model, dim=32, n_layers=3, n_heads=4, n_kv_heads=1, ffn_dim=64, vocab_size=61, max_seq_len=CONTEXT
     )
     return dataclasses.replace(
         base,

@@ -56,9 +56,9 @@ def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def grad_fingerprint(model: torch.nn.Module, absolute: bool = False) -> float | None:
-    """Sum (absolute: of the absolute values) of the first block's wq gradient on this rank
+    """Sum (absolute: of the absolute values) of the first block's wqkv gradient on this rank
     (None when it has none)."""
-    grad = unwrap(model).layers[0].attention.wq.weight.grad
+    grad = unwrap(model).layers[0].attention.wqkv.weight.grad
     if grad is None:
         return None
     grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
@@ -109,7 +109,7 @@ def train(config: cfg.Config, runtime, mode: str, meta: bool = False) -> dict:
                     loss = next_token_loss(model, x, y).total / ACCUM
                 # between forward and backward: which blocks FSDP2 resharded (their weights DTensor shards again)
                 record.setdefault(
-                    "resharded_after_forward", [isinstance(b.attention.wq.weight, DTensor) for b in unwrap(model).layers]
+                    "resharded_after_forward", [isinstance(b.attention.wqkv.weight, DTensor) for b in unwrap(model).layers]
                 )
                 record.setdefault("embedding_resharded_after_forward", isinstance(unwrap(model).tok_embed.weight, DTensor))
                 loss.backward()
@@ -137,13 +137,13 @@ def amp_dtypes(runtime) -> dict[str, str | list[str]]:
     block's first norm and the final norm receive."""
     config = tiny_config(use_amp=True)
     model = parallelize(Transformer(config.model, CONTEXT), config, runtime, "fsdp")
-    wq = unwrap(model).layers[0].attention.wq
+    wqkv = unwrap(model).layers[0].attention.wqkv
     seen = {}
 
     def record(module: torch.nn.Module, args: tuple) -> None:
         seen.setdefault("forward", str(module.weight.dtype))
 
-    wq.register_forward_pre_hook(record)
+    wqkv.register_forward_pre_hook(record)
     residual = []
     for norm in [block.attention_norm for block in unwrap(model).layers] + [unwrap(model).norm]:
         norm.register_forward_pre_hook(lambda module, args: residual.append(str(args[0].dtype)))
@@ -151,7 +151,7 @@ def amp_dtypes(runtime) -> dict[str, str | list[str]]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = next_token_loss(model, x, y).total
     loss.backward()
-    return seen | {"master": str(wq.weight.dtype), "gradient": str(wq.weight.grad.dtype), "residual": residual}
+    return seen | {"master": str(wqkv.weight.dtype), "gradient": str(wqkv.weight.grad.dtype), "residual": residual}
 
 
 def sharded_blocks_only(runtime) -> dict[str, bool]:

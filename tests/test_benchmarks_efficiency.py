@@ -15,6 +15,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import efficiency, efficiency_counters as counters, efficiency_worker as worker  # noqa: E402
+from pretrain import config as cfg  # noqa: E402
 from pretrain.model import transformer as model_module  # noqa: E402
 from pretrain.optim.muon import newton_schulz  # noqa: E402
 from pretrain.distributed.runtime import Runtime  # noqa: E402
@@ -139,6 +140,7 @@ def test_a_debug_step_has_one_host_sync_the_finite_check_and_muon_orthogonalizes
     assert list(counts["sync_sites"]) == [next(iter(counts["sync_sites"]))] and "debug.py" in next(iter(counts["sync_sites"]))
     assert counts["orthogonalize_share"] == pytest.approx(1.0)
     assert counts["collective_bytes_per_step"] == {}
+    assert counts["syncs_before_optimizer_step"] in (0, 1)  # where it sits against the optimizer's step is known
 
 
 def test_an_item_call_in_the_model_shows_as_a_host_sync_and_a_graph_break(debug_trainer, monkeypatch):
@@ -179,3 +181,36 @@ def test_the_minimum_traffic_is_one_gradient_all_reduce_for_ddp_and_one_gather_a
     fsdp = efficiency.minimum_bytes(count | {"plan": {"parallelism": "fsdp"}}, row)
     assert fsdp == {"all_gather": 0.26, "reduce_scatter": 0.4, "all_reduce": 0.032}
     assert efficiency.minimum_bytes(count | {"plan": {}}, efficiency.Row("small", "dense", 1, "none")) == {}
+
+
+def test_the_saved_bytes_counter_counts_a_storage_once_and_the_per_token_slope_leaves_weights_out():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward_at(rows: int) -> torch.Tensor:
+        x = torch.randn(rows, 4, 8, requires_grad=True)
+        h = (x @ weight).to(torch.bfloat16)  # matmul keeps x (fp32) and the weight
+        return (h * h).sum()  # keeps h (bf16) once, though it is both operands
+
+    _, saved = counters.saved_bytes(lambda: forward_at(2))
+    assert saved == {"float32": 2 * 4 * 8 * 4 + 8 * 8 * 4, "bfloat16": 2 * 4 * 8 * 2}
+    per_token = counters.activation_bytes_per_token(forward_at, tokens_per_row=4)
+    assert per_token == {"float32": 8 * 4, "bfloat16": 8 * 2}  # the weight's 256 bytes cancel
+
+
+def test_the_matmul_counter_counts_every_projection_of_one_block_once():
+    config = cfg.resolve(preset="debug", sets=[*TINY_MODEL[:-1], "model.vocab_size=64"]).model
+    block = model_module.TransformerBlock(config)
+    projections = sum(isinstance(m, torch.nn.Linear) for m in block.modules())  # each runs once per forward
+    assert worker.matmuls_per_block(config, context=8, use_amp=False) == projections
+    assert worker.matmuls_per_block(config, context=8, use_amp=True) == projections
+
+
+def test_a_bf16_model_keeps_little_fp32_for_backward_and_compiled_runs_only_the_embedding_uncompiled(debug_trainer):
+    eager = worker.forward_counts(debug_trainer("training.use_amp=true"), compiled=False)
+    assert 0 < eager["activation_fp32_bytes_per_token"] <= 0.15 * eager["activation_bytes_per_token"], eager
+    torch._dynamo.reset()
+    with worker.compile_backend("aot_eager"):
+        compiled = worker.forward_counts(debug_trainer("training.use_amp=true", "training.compile=true"), compiled=True)
+    assert compiled["activation_fp32_bytes_per_token"] <= 0.15 * compiled["activation_bytes_per_token"], compiled
+    uncompiled = compiled["uncompiled_forward_ops"]
+    assert uncompiled == {"embedding in model/transformer.py forward": 1, "to in model/transformer.py forward": 1}

@@ -17,12 +17,14 @@ import torch
 
 from conftest import one_line_error
 from pretrain.checkpoint import files, save_restore as checkpoint
+from pretrain.checkpoint.model_state import named_optimizer_state
+from pretrain.checkpoint.reading import checkpoint_tensors
 from pretrain.checkpoint.save_restore import CheckpointError
 from pretrain.model.transformer import Transformer
 from pretrain.build import Trainer
 from pretrain.optim.schedule import lr_at
 from pretrain.train import train_step
-from checkpointing import assert_same_tensors, draws, make_trainer, trained_trainer
+from checkpointing import as_separate_layout, as_sharded, assert_same_tensors, draws, make_trainer, trained_trainer
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_the_checkpoint_holds_the_run_state_and_every_tensor_file_loads_with_wei
     for file in path.glob("*.pt"):
         assert torch.load(file, weights_only=True), file  # raises on any pickled object
     optimizer = checkpoint.load_tensors(path, "optimizer.pt")
-    assert "layers.0.attention.wq.weight" in optimizer["state"]  # keyed by name: loads under any wrapper
+    assert "layers.0.attention.wqkv.weight" in optimizer["state"]  # keyed by name: loads under any wrapper
     rng = checkpoint.load_tensors(path, "rng_rank0.pt")
     assert rng.keys() == {"cpu", "python", "numpy"}
 
@@ -220,6 +222,111 @@ def test_a_format_1_checkpoint_restores_its_weights_and_adam_moments(trained, ca
     (path / "state.json").write_text(json.dumps(state | {"format_version": 1}))
     fresh = make_trainer(cache, tmp_path / "fresh")
     assert checkpoint.restore(fresh, path) == 2
+    assert_same_tensors(fresh.optimizer.state_dict()["state"], saved.optimizer.state_dict()["state"])
+    assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
+def test_a_checkpoint_of_the_separate_layout_resumes_to_the_losses_of_an_uninterrupted_run_with_a_note(
+    cache, tmp_path, capsys, sharded
+):
+    whole = make_trainer(cache, tmp_path / "whole")
+    expected = [float(train_step(whole, step)[0]) for step in range(4)]
+    first = make_trainer(cache, tmp_path / "first")
+    losses = [float(train_step(first, step)[0]) for step in range(2)]
+    path = checkpoint.save(first, 2, first.run_dir)
+    if sharded:
+        as_sharded(path)
+    as_separate_layout(path, first.config.model)  # wq/wk/wv, w1/w3 and their Adam moments, as written before the fusion
+    assert "layers.0.attention.wq.weight" in checkpoint.load_model_state(path, as_saved=True)
+
+    second = make_trainer(cache, tmp_path / "second")
+    second.log.setLevel("INFO")
+    capsys.readouterr()
+    start = checkpoint.restore(second, path)
+    assert (
+        f"Checkpoint {path} has the separate wq/wk/wv and w1/w3 weights of the layout before the fused projections; "
+        "converted them to wqkv and w13, their optimizer state too"
+    ) in capsys.readouterr().out
+    assert_same_tensors(second.optimizer.state_dict()["state"], first.optimizer.state_dict()["state"])
+    losses += [float(train_step(second, step)[0]) for step in range(start, 4)]
+    assert losses == expected
+    # The readers (generate, evaluate, export) get the fused weights too.
+    assert_same_tensors(checkpoint.load_model_state(path), {k: v for k, v in first.model.state_dict().items()})
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["full", "sharded"])
+def test_an_export_reads_a_separate_layout_checkpoints_weights_fused_under_the_models_names(trained, sharded):
+    saved, path = trained
+    if sharded:
+        as_sharded(path)
+    as_separate_layout(path, saved.config.model)
+    _, shapes, tensors = checkpoint_tensors(path)
+    assert "layers.0.attention.wqkv.weight" in shapes and "layers.0.attention.wq.weight" not in shapes
+    expected = saved.model.state_dict()
+    assert shapes == {name: tuple(value.shape) for name, value in expected.items()}
+    assert_same_tensors(dict(tensors), dict(expected))
+
+
+def test_a_separate_layout_optimizer_state_whose_parts_disagree_is_reset_and_the_note_says_so(trained, cache, tmp_path, capsys):
+    saved, path = trained
+    as_separate_layout(path, saved.config.model)
+    optimizer = checkpoint.load_tensors(path, "optimizer.pt")
+    optimizer["state"]["layers.1.feed_forward.w3.weight"]["step"] = torch.tensor(7.0)  # not w1's step
+    torch.save(optimizer, path / "optimizer.pt")
+    fresh = make_trainer(cache, tmp_path / "fresh")
+    fresh.log.setLevel("INFO")
+    capsys.readouterr()
+    checkpoint.restore(fresh, path)
+    assert "but the optimizer state of layers.1.feed_forward.w13.weight could not be combined and starts afresh" in (
+        capsys.readouterr().out
+    )
+    assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
+    state = named_optimizer_state(fresh.optimizer, fresh.model)["state"]
+    expected = named_optimizer_state(saved.optimizer, saved.model)["state"]
+    assert "layers.1.feed_forward.w13.weight" not in state  # a fresh start: no moments yet
+    assert_same_tensors(state["layers.1.attention.wqkv.weight"], expected["layers.1.attention.wqkv.weight"])
+
+
+SEPARATE_BLOCK_ORDER = [
+    "attention_norm.weight",
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wv.weight",
+    "attention.wo.weight",
+    "ffn_norm.weight",
+    "feed_forward.w1.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.w3.weight",
+]
+"""A block's weights in the order the model before the fused projections registered them."""
+
+
+def separate_layout_position(name: str) -> tuple[int, int, int]:
+    """Where the model before the fused projections had the weight called name among its parameters."""
+    if name.startswith("layers."):
+        _, layer, rest = name.split(".", 2)
+        return (1, int(layer), SEPARATE_BLOCK_ORDER.index(rest))
+    return ({"tok_embed.weight": 0, "norm.weight": 2, "output.weight": 3}[name], 0, 0)
+
+
+def test_a_format_1_checkpoint_of_the_separate_layout_restores_its_weights_and_adam_moments(trained, cache, tmp_path):
+    saved, path = trained
+    as_separate_layout(path, saved.config.model)
+    # Format 1: the optimizer's numbered state, numbered in the order the separate layout's
+    # modules registered their weights (written out here, not derived from the code under test).
+    named = checkpoint.load_tensors(path, "optimizer.pt")
+    order = [name for group in named["param_groups"] for name in sorted(group["params"], key=separate_layout_position)]
+    numbered = {order.index(name): value for name, value in named["state"].items()}
+    groups = [{**group, "params": [order.index(name) for name in group["params"]]} for group in named["param_groups"]]
+    torch.save({"state": numbered, "param_groups": groups}, path / "optimizer.pt")
+    state = checkpoint.read_state(path)
+    for key in ("parallelism", "lr_schedule"):
+        del state[key]
+    (path / "state.json").write_text(json.dumps(state | {"format_version": 1}))
+    fresh = make_trainer(cache, tmp_path / "fresh")
+    assert checkpoint.restore(fresh, path) == 2
+    assert "layers.0.attention.wqkv.weight" in fresh.model.state_dict()  # restored into the fused layout
     assert_same_tensors(fresh.optimizer.state_dict()["state"], saved.optimizer.state_dict()["state"])
     assert_same_tensors(fresh.model.state_dict(), saved.model.state_dict())
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -30,7 +31,7 @@ from pretrain.distributed.parallel import is_fsdp
 from pretrain.distributed.runtime import setup_logging
 from pretrain.build import Trainer, build
 from pretrain.train import train_step
-from checkpointing import assert_same_tensors, make_trainer, resolved, trained_trainer
+from checkpointing import as_separate_layout, as_sharded, assert_same_tensors, make_trainer, resolved, trained_trainer
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +152,10 @@ def fsyncs_recorded() -> Iterator[list[str]]:
         os.fsync = real
 
 
-def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
+def fsdp_worker(cache: str, out: str, single_checkpoint: str, separate_checkpoint: str) -> None:
     """One of two FSDP2 ranks: train 2 steps, save (DCP), train 2 more; a fresh trainer restores
-    the save and trains the same 2; a third restores the single-process checkpoint. Writes what
+    the save and trains the same 2; a third restores the single-process checkpoint, a fourth the
+    same as a DCP checkpoint of the separate layout (before the fused projections). Writes what
     it saw to out/rank<r>.json and, on rank 0, full tensors to out/*.pt."""
     from pretrain.distributed.runtime import init_runtime, shutdown
 
@@ -186,9 +188,17 @@ def fsdp_worker(cache: str, out: str, single_checkpoint: str) -> None:
         name: gathered(state)["exp_avg"] for name, state in named_optimizer_state(third.optimizer, third.model)["state"].items()
     }
     draw = torch.rand(2).tolist()
+
+    fourth = fresh("fourth")
+    checkpoint.restore(fourth, Path(separate_checkpoint))
+    from_separate = gathered(fourth.model.state_dict())
+    separate_moments = {
+        name: gathered(state)["exp_avg"] for name, state in named_optimizer_state(fourth.optimizer, fourth.model)["state"].items()
+    }
     if runtime.is_main:
         torch.save(saved_weights, out_dir / "saved_weights.pt")
         torch.save({"weights": from_single, "exp_avg": moments}, out_dir / "from_single.pt")
+        torch.save({"weights": from_separate, "exp_avg": separate_moments}, out_dir / "from_separate.pt")
     (out_dir / f"rank{runtime.rank}.json").write_text(
         json.dumps({"checkpoint": str(path), "continued": continued, "resumed": resumed, "draw": draw, "synced": synced})
     )
@@ -202,6 +212,11 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
         train_step(single, step)
     single_path = checkpoint.save(single, 2, single.run_dir)
     after_save = torch.rand(2).tolist()  # the draw rank 0 must repeat after restoring single_path
+    separate_path = tmp_path / "separate" / "step_2"
+    shutil.copytree(single_path, separate_path)
+    as_sharded(separate_path)
+    as_separate_layout(separate_path, single.config.model)
+    assert "layers.0.attention.wq.weight" in checkpoint.load_model_state(separate_path, as_saved=True)
     port = free_port()
     workers = [
         subprocess.Popen(
@@ -209,7 +224,7 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
                 sys.executable,
                 "-c",
                 f"import test_checkpoint_sharded; test_checkpoint_sharded.fsdp_worker({str(cache)!r}, "
-                f"{str(tmp_path)!r}, {str(single_path)!r}); "
+                f"{str(tmp_path)!r}, {str(single_path)!r}, {str(separate_path)!r}); "
                 "from pretrain.distributed.runtime import exit_process; exit_process(0)",
             ],
             cwd=ROOT,
@@ -271,3 +286,9 @@ def test_fsdp_ranks_save_shards_that_restore_exactly_and_load_whole_in_one_proce
     assert_same_tensors(from_single["exp_avg"], {k: v["exp_avg"] for k, v in expected_moments.items()})
     assert ranks[0]["draw"] == after_save and ranks[1]["draw"] != after_save
     assert "has no random state for rank 1" in outputs[1]
+
+    # A DCP checkpoint of the separate layout restored into FSDP: each rank's rows of wqkv and w13
+    # (rank 1's wqkv rows span wk's and wv's) from their parts, the same weights and Adam moments.
+    from_separate = torch.load(tmp_path / "from_separate.pt", weights_only=True)
+    assert_same_tensors(from_separate["weights"], single.model.state_dict())
+    assert_same_tensors(from_separate["exp_avg"], {k: v["exp_avg"] for k, v in expected_moments.items()})

@@ -19,7 +19,7 @@ from pretrain.distributed.runtime import Runtime
 from pretrain.train import fit, train_step
 
 ONE = Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0")
-POISONED = "layers.1.feed_forward.w1.weight"
+POISONED = "layers.1.feed_forward.w13.weight"
 CHECKS = ("debug.check_finite=true",)
 
 
@@ -175,7 +175,7 @@ def test_a_nan_weight_stops_the_step_with_a_report_a_dump_and_a_checkpoint_that_
     assert all(torch.allclose(p, before[n], rtol=0, atol=0, equal_nan=True) for n, p in trainer.model.named_parameters())
     out = capsys.readouterr().out
     assert "NaN GRADIENT DETECTED [CPU 0]" in out
-    assert "first non-finite: layers.1.feed_forward.w1, forward output" in out
+    assert "first non-finite: layers.1.feed_forward.w13, forward output" in out
 
     with np.load(tmp_path / "run" / "debug" / "nan_debug_step_1.npz", allow_pickle=False) as dump:
         assert np.isnan(dump[f"param/{POISONED}"]).sum() == 1 and np.isnan(dump["grad/output.weight"]).all()

@@ -227,7 +227,7 @@ def test_weights_that_do_not_fit_the_config_are_one_line(saved, tmp_path, capsys
     config["model"]["n_layers"] = 3
     (edited / "config.json").write_text(json.dumps(config))
     result = run_cli(["--checkpoint", str(edited), "--prompt", "a"], capsys)
-    assert_one_line_error(result, "do not fit", "9 missing (layers.2.", **REFUSAL)
+    assert_one_line_error(result, "do not fit", "6 missing (layers.2.", **REFUSAL)
 
 
 def test_a_bpe_tokenizer_that_is_nowhere_to_be_found_says_how_to_get_it(saved, tmp_path, capsys):

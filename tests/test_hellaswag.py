@@ -60,7 +60,7 @@ class Unigram(nn.Module):
 
     def forward(self, tokens, head=project_logits) -> ModelOutput:
         hidden = torch.ones(*tokens.shape, 1)  # output(hidden) = log p at every position
-        return ModelOutput(head(hidden, self.output), {})
+        return ModelOutput(head(hidden, nn.Identity(), self.output), {})  # no final norm
 
 
 # Every ending is read after a space, which is its first scored token (3 ln 2). By hand:

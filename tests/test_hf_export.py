@@ -36,6 +36,7 @@ from pretrain.hf.transformers_form import (
     unpermute_qk,
 )
 from pretrain.hf.tokenizer_files import write_tokenizer_files
+from pretrain.model.fused_layout import split_fused
 from pretrain.model.transformer import Transformer
 from test_evaluate import write_examples
 from test_generate import saved  # noqa: F401 (a fixture: a checkpoint of the debug model)
@@ -96,6 +97,39 @@ def test_every_tensor_converts_there_and_back_unchanged_with_the_shapes_expected
         assert torch.equal(from_hf(name, [piece for _, piece in pieces], model_config), tensor)
         converted |= {hf_name: tuple(piece.shape) for hf_name, piece in pieces}
     assert converted == expected_hf_shapes(model_config, SEQ)
+
+
+def test_an_export_of_the_fused_model_holds_transformers_separate_projections(tmp_path):
+    """Our attention.wqkv is q_proj's, k_proj's and v_proj's rows (q and k permuted to rotate halves),
+    our feed_forward.w13 gate_proj's and up_proj's; the export writes them apart, and reads them back fused."""
+    ours = exported(DENSE, tmp_path / "export", dtype="float32")
+    state = ours.state_dict()
+    assert "layers.0.attention.wqkv.weight" in state and "layers.0.attention.wq.weight" not in state  # the fused model
+    written = safetensors.torch.load_file(str(tmp_path / "export" / "model.safetensors"))
+    head_dim, q, kv, f = DENSE.dim // DENSE.n_heads, DENSE.dim, DENSE.n_kv_heads * DENSE.dim // DENSE.n_heads, DENSE.ffn_dim
+    for i in range(DENSE.n_layers):
+        wqkv, w13, layer = (
+            state[f"layers.{i}.attention.wqkv.weight"],
+            state[f"layers.{i}.feed_forward.w13.weight"],
+            f"model.layers.{i}.",
+        )
+        assert torch.equal(written[layer + "self_attn.q_proj.weight"], permute_qk(wqkv[:q], head_dim))
+        assert torch.equal(written[layer + "self_attn.k_proj.weight"], permute_qk(wqkv[q : q + kv], head_dim))
+        assert torch.equal(written[layer + "self_attn.v_proj.weight"], wqkv[q + kv :])
+        assert torch.equal(written[layer + "mlp.gate_proj.weight"], w13[:f]) and torch.equal(
+            written[layer + "mlp.up_proj.weight"], w13[f:]
+        )
+    assert written.keys() == expected_hf_shapes(DENSE, SEQ).keys()
+    back, _ = load_exported(tmp_path / "export")
+    assert back.keys() == state.keys() and all(torch.equal(back[name], tensor) for name, tensor in state.items())
+
+
+def test_a_checkpoint_of_the_separate_layout_exports_as_the_fused_model_does(tmp_path):
+    """A checkpoint written before the fusion (Meta's separate wq, wk, wv, w1, w3) exports the same files."""
+    ours = Transformer(DENSE, max_seq_len=SEQ, seed=0)
+    export(ours.state_dict(), run_config(DENSE), tmp_path / "fused", dtype="float32", warn=pytest.fail)
+    export(split_fused(ours.state_dict(), DENSE), run_config(DENSE), tmp_path / "separate", dtype="float32", warn=pytest.fail)
+    assert (tmp_path / "separate" / "model.safetensors").read_bytes() == (tmp_path / "fused" / "model.safetensors").read_bytes()
 
 
 def test_the_rotary_permutation_works_on_any_block_of_whole_heads():
@@ -292,8 +326,12 @@ def test_a_model_with_no_hugging_face_form_is_exported_in_our_own_format_with_a_
     described = json.loads((tmp_path / "export" / "config.json").read_text())
     assert "model_type" not in described and described["format"] == "pretrain-llama"
     assert not (tmp_path / "export" / "generation_config.json").exists()
+    written = safetensors.torch.load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert {"layers.0.attention.wq.weight", "layers.0.attention.wk.weight", "layers.0.attention.wv.weight"} <= written.keys()
+    assert written.keys() == split_fused(model.state_dict(), model_config).keys()  # Meta's names: wqkv split
     config, state = read_checkpoint(tmp_path / "export")
     assert config.model == model_config
+    assert state.keys() == model.state_dict().keys()  # read back fused
     assert all(torch.equal(state[name], tensor.to(torch.bfloat16)) for name, tensor in model.state_dict().items())
 
 
@@ -432,7 +470,8 @@ def test_an_export_of_the_first_format_still_loads(tmp_path, capsys):
     model = Transformer(DENSE, max_seq_len=SEQ, seed=0)
     out = tmp_path / "old"
     out.mkdir()
-    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(out / "model.safetensors"))
+    separate = split_fused(model.state_dict(), DENSE)  # as the model was then: Meta's wq, wk, wv, w1, w3
+    save_file({name: tensor.contiguous() for name, tensor in separate.items()}, str(out / "model.safetensors"))
     tokenizer = {"kind": "byte", "name": "byte", "eot_id": 256, "vocab_size": 257, "file": None}
     old = {
         "format": "pretrain-llama",

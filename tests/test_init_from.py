@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 from conftest import ROOT, launcher_env, run_gloo_ranks
 from helpers import assert_one_line_error, run_in_process
 from init_from_worker import DENSE, MOE
 from pretrain import config as cfg
 from pretrain.hf.init_checkpoint import InitFromError, check_fits, find_checkpoint, read_checkpoint
-from pretrain.hf.transformers_form import expected_hf_shapes, hf_config
+from pretrain.hf.transformers_form import expected_hf_shapes, hf_config, unpermute_qk
 from pretrain.hf.init_from import load_weights
 from pretrain.model.transformer import Transformer
 from pretrain.train import main as pretrain_main
@@ -34,13 +35,12 @@ LLAMA = cfg.ModelConfig(
 DEBUG = dataclasses.replace(cfg.debug().model, vocab_size=257)
 """The debug preset's model with the byte tokenizer's vocabulary, as a run of it builds it."""
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def write_checkpoint(directory: Path, model: cfg.ModelConfig, drop: str = "", shapes: dict | None = None, seed: int = 0) -> Path:
     """A Hugging Face checkpoint of model's shapes with random weights (written without torch):
     config.json and model.safetensors; drop leaves out one tensor, shapes replaces some."""
-    from safetensors.numpy import save_file
-
     rng = np.random.default_rng(seed)
     wanted = expected_hf_shapes(model, SEQ) | (shapes or {})
     tensors = {name: np.asarray(rng.standard_normal(shape, dtype=np.float32)) for name, shape in wanted.items() if name != drop}
@@ -110,6 +110,16 @@ def test_an_export_started_from_gives_the_exported_models_weights_and_logits(tmp
     assert all(torch.equal(ours.state_dict()[name], tensor) for name, tensor in exported.state_dict().items())
     with torch.no_grad():
         assert torch.equal(ours(tokens).out, exported(tokens).out)
+
+
+def test_the_fused_projections_are_filled_from_transformers_separate_ones(tmp_path):
+    """wqkv: q_proj's, k_proj's and v_proj's rows (q and k back in our rotary order); w13: gate_proj's and up_proj's."""
+    ours = loaded_model(write_checkpoint(tmp_path / "ckpt", LLAMA), LLAMA).state_dict()
+    theirs = {name: torch.from_numpy(w) for name, w in load_file(str(tmp_path / "ckpt" / "model.safetensors")).items()}
+    for i, hd in ((i, LLAMA.dim // LLAMA.n_heads) for i in range(LLAMA.n_layers)):
+        q, k, v, gate, up = (theirs[f"model.layers.{i}.{x}.weight"] for x in [*PROJECTIONS, "mlp.gate_proj", "mlp.up_proj"])
+        assert torch.equal(ours[f"layers.{i}.attention.wqkv.weight"], torch.cat([unpermute_qk(q, hd), unpermute_qk(k, hd), v]))
+        assert torch.equal(ours[f"layers.{i}.feed_forward.w13.weight"], torch.cat([gate, up]))
 
 
 # --- where the checkpoint is ------------------------------------------------------------------------
@@ -191,9 +201,17 @@ def test_under_fsdp_each_rank_reads_only_its_rows_and_the_model_equals_one_loade
     for seen in ranks:
         assert all(seen["dense"]["equal"].values()) and all(seen["moe"]["equal"].values()), seen
     dense = [{name: (a, b) for name, a, b in seen["dense"]["reads"]} for seen in ranks]
-    # wq's 40 rows split 20/20 through head 2 (rows 16-24): each rank reads the whole heads it touches
-    assert dense[0]["model.layers.0.self_attn.q_proj.weight"] == (0, 24)
-    assert dense[1]["model.layers.0.self_attn.q_proj.weight"] == (16, 40)
+    # wqkv's 56 rows (wq's 40, wk's 8, wv's 8) split 28/28: through head 3 of wq (rows 24-32), and
+    # rank 1's shard crosses from wq into wk and wv. Each rank reads of each part only the rows its
+    # shard holds, of wq the whole heads it touches.
+    layer = "model.layers.0."
+    assert dense[0][layer + "self_attn.q_proj.weight"] == (0, 32)
+    assert dense[1][layer + "self_attn.q_proj.weight"] == (24, 40)
+    assert layer + "self_attn.k_proj.weight" not in dense[0] and layer + "self_attn.v_proj.weight" not in dense[0]
+    assert dense[1][layer + "self_attn.k_proj.weight"] == dense[1][layer + "self_attn.v_proj.weight"] == (0, 8)
+    # w13's 48 rows (w1's 24, then w3's) split 24/24: rank 0 reads only gate_proj, rank 1 only up_proj
+    assert dense[0][layer + "mlp.gate_proj.weight"] == dense[1][layer + "mlp.up_proj.weight"] == (0, 24)
+    assert layer + "mlp.up_proj.weight" not in dense[0] and layer + "mlp.gate_proj.weight" not in dense[1]
     assert [d["model.embed_tokens.weight"] for d in dense] == [(0, 32), (32, 64)]
     assert [d["model.layers.0.mlp.down_proj.weight"] for d in dense] == [(0, 20), (20, 40)]
     moe = [{name for name, _, _ in seen["moe"]["reads"] if ".experts." in name} for seen in ranks]

@@ -110,9 +110,9 @@ def test_the_production_preset_costs_the_flops_of_llama_3_8b():
 
 def test_flops_per_token_is_six_per_non_embedding_parameter_plus_full_attention():
     per_layer = (
-        64 * 64 * 2  # wq, wo
-        + 64 * 32 * 2  # wk, wv: 2 kv heads of 16
-        + 3 * 64 * 128  # w1, w2, w3
+        64 * 64 * 2  # wqkv's query rows (wq's), wo
+        + 64 * 32 * 2  # wqkv's key and value rows (wk's, wv's): 2 kv heads of 16
+        + 3 * 64 * 128  # w13 (w1's and w3's rows), w2
         + 2 * 64
     )  # two RMSNorm weights
     non_embedding = 2 * per_layer + 64 + 257 * 64  # layers, final norm, output projection

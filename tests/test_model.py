@@ -17,6 +17,7 @@ from pretrain.model.transformer import (
     apply_rotary,
     rotary_tables,
 )
+from pretrain.model.fused_layout import split_fused
 from pretrain.model.loss import cross_entropy_loss
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=257, rope_theta=10000.0, init_std=0.02)
@@ -34,19 +35,16 @@ def random_tokens(batch: int = 2, length: int = SEQ_LEN, seed: int = 1) -> torch
     return torch.randint(0, TINY.vocab_size, (batch, length), generator=generator)
 
 
-def test_parameter_names_follow_the_llama_layout(model: Transformer) -> None:
+def test_parameter_names_follow_the_llama_layout_with_qkv_and_gate_up_fused(model: Transformer) -> None:
     d, hd, f, v = TINY.dim, TINY.dim // TINY.n_heads, TINY.ffn_dim, TINY.vocab_size
     kv = TINY.n_kv_heads * hd
     expected = {"tok_embed.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
     for i in range(2):
         expected |= {
-            f"layers.{i}.attention.wq.weight": (d, d),
-            f"layers.{i}.attention.wk.weight": (kv, d),
-            f"layers.{i}.attention.wv.weight": (kv, d),
+            f"layers.{i}.attention.wqkv.weight": (d + 2 * kv, d),  # wq's rows, then wk's, then wv's
             f"layers.{i}.attention.wo.weight": (d, d),
-            f"layers.{i}.feed_forward.w1.weight": (f, d),
+            f"layers.{i}.feed_forward.w13.weight": (2 * f, d),  # w1's rows, then w3's
             f"layers.{i}.feed_forward.w2.weight": (d, f),
-            f"layers.{i}.feed_forward.w3.weight": (f, d),
             f"layers.{i}.attention_norm.weight": (d,),
             f"layers.{i}.ffn_norm.weight": (d,),
         }
@@ -77,7 +75,7 @@ def test_forward_gives_float32_logits_of_shape_batch_time_vocab(model: Transform
 def test_num_params_equals_the_hand_counted_formula(model: Transformer) -> None:
     d, f, v, n_layers = TINY.dim, TINY.ffn_dim, TINY.vocab_size, TINY.n_layers
     kv = TINY.n_kv_heads * (d // TINY.n_heads)
-    per_layer = d * d + 2 * kv * d + d * d + 3 * d * f + 2 * d  # wq, wk + wv, wo, w1 + w2 + w3, two norms
+    per_layer = d * d + 2 * kv * d + d * d + 3 * d * f + 2 * d  # wqkv (wq, wk + wv), wo, w13 (w1 + w3) + w2, two norms
     expected = v * d + n_layers * per_layer + d + v * d  # embedding, layers, final norm, output
     assert model.num_params() == expected == 106_944
 
@@ -106,9 +104,10 @@ def test_grouped_query_attention_equals_attention_over_repeated_key_value_heads(
         actual = attention(x, cos, sin)
         # Reference: copy each K/V head to the n_heads // n_kv_heads query heads of its group,
         # then ordinary causal softmax attention written out by hand.
-        q = apply_rotary(attention.wq(x).view(B, T, H, hd), cos, sin).transpose(1, 2)
-        k = apply_rotary(attention.wk(x).view(B, T, n_kv_heads, hd), cos, sin).transpose(1, 2)
-        v = attention.wv(x).view(B, T, n_kv_heads, hd).transpose(1, 2)
+        wq, wk, wv = attention.wqkv.weight.split([H * hd, n_kv_heads * hd, n_kv_heads * hd])
+        q = apply_rotary((x @ wq.T).view(B, T, H, hd), cos, sin).transpose(1, 2)
+        k = apply_rotary((x @ wk.T).view(B, T, n_kv_heads, hd), cos, sin).transpose(1, 2)
+        v = (x @ wv.T).view(B, T, n_kv_heads, hd).transpose(1, 2)
         k = k.repeat_interleave(H // n_kv_heads, dim=1)  # (B, H, T, hd)
         v = v.repeat_interleave(H // n_kv_heads, dim=1)
         scores = q @ k.transpose(-2, -1) / math.sqrt(hd)  # (B, H, T, T)
@@ -134,7 +133,7 @@ def test_fp32_attention_with_repeated_key_value_heads_matches_the_gqa_kernel_pat
     # float32 rounding: each output sums dim products, each within eps of exact, relative to the output's scale.
     eps = torch.finfo(torch.float32).eps
     torch.testing.assert_close(actual.double(), expected, rtol=0, atol=cfg.dim * eps * expected.abs().max().item())
-    for name in ("wq", "wk", "wv", "wo"):
+    for name in ("wqkv", "wo"):
         grad, grad64 = getattr(attention, name).weight.grad, getattr(reference, name).weight.grad
         torch.testing.assert_close(grad.double(), grad64, rtol=0, atol=cfg.dim * eps * grad64.abs().max().item())
 
@@ -161,11 +160,9 @@ def test_fp32_attention_repeats_key_value_heads_while_bf16_keeps_enable_gqa_and_
     # fp32: every query head gets its own K/V copy (the memory-efficient kernel's input on CUDA);
     # bf16: the K/V heads as stored, grouped by enable_gqa (flash's input).
     assert calls == [(torch.float32, TINY.n_heads, TINY.n_heads, False), (torch.bfloat16, TINY.n_kv_heads, TINY.n_kv_heads, True)]
-    # The repeat happens on activations only: checkpoints keep Llama's grouped wk/wv.
+    # The repeat happens on activations only: checkpoints keep Llama's grouped wk/wv (inside wqkv).
     assert {name: tuple(p.shape) for name, p in attention.state_dict().items()} == {
-        "wq.weight": (TINY.n_heads * head_dim, TINY.dim),
-        "wk.weight": (TINY.n_kv_heads * head_dim, TINY.dim),
-        "wv.weight": (TINY.n_kv_heads * head_dim, TINY.dim),
+        "wqkv.weight": ((TINY.n_heads + 2 * TINY.n_kv_heads) * head_dim, TINY.dim),
         "wo.weight": (TINY.dim, TINY.n_heads * head_dim),
     }
 
@@ -211,6 +208,68 @@ def test_weights_are_normal_with_init_std_and_residual_projections_are_scaled_do
         wanted = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
         assert p.std().item() == pytest.approx(wanted, rel=0.06), name
         assert abs(p.mean().item()) < 0.1 * wanted, name
+
+
+def separate_layout_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The weights the model drew from seed before queries/keys/values and gate/up were fused:
+    every weight whole, in module order (wq, wk, wv, wo; w1, w2, w3), wo and w2 scaled down."""
+    generator = torch.Generator().manual_seed(seed)
+    std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    d, f, kv = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * (cfg.dim // cfg.n_heads)
+
+    def draw(rows: int, cols: int, scale: float) -> torch.Tensor:
+        return torch.empty(rows, cols).normal_(mean=0.0, std=scale, generator=generator)
+
+    weights = {"tok_embed.weight": draw(cfg.vocab_size, d, std)}
+    for i in range(cfg.n_layers):
+        block = f"layers.{i}."
+        weights |= {block + "attention.wq.weight": draw(d, d, std), block + "attention.wk.weight": draw(kv, d, std)}
+        weights |= {block + "attention.wv.weight": draw(kv, d, std), block + "attention.wo.weight": draw(d, d, residual_std)}
+        weights |= {block + "feed_forward.w1.weight": draw(f, d, std), block + "feed_forward.w2.weight": draw(d, f, residual_std)}
+        weights[block + "feed_forward.w3.weight"] = draw(f, d, std)
+    weights["output.weight"] = draw(cfg.vocab_size, d, std)
+    return weights
+
+
+def test_a_seed_gives_the_weights_the_separate_layout_drew_from_it_now_in_the_fused_ones() -> None:
+    state = Transformer(TINY, max_seq_len=SEQ_LEN, seed=7).state_dict()
+    assert "layers.0.attention.wqkv.weight" in state and "layers.1.feed_forward.w13.weight" in state
+    separate = {name: value for name, value in split_fused(state, TINY).items() if not name.endswith("norm.weight")}
+    expected = separate_layout_weights(TINY, seed=7)
+    assert separate.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(separate[name], value), name
+
+
+def test_a_block_runs_one_matmul_for_queries_keys_and_values_and_one_for_gate_and_up(model: Transformer) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    widths: list[int] = []  # the output width of every matmul the block's forward runs
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                widths.append(out.shape[-1])
+            return out
+
+    block, head_dim = model.layers[0], TINY.dim // TINY.n_heads
+    cos, sin = rotary_tables(head_dim, SEQ_LEN, TINY.rope_theta)
+    with torch.no_grad(), Matmuls():
+        block(torch.randn(2, SEQ_LEN, TINY.dim), cos, sin)
+    qkv = (TINY.n_heads + 2 * TINY.n_kv_heads) * head_dim
+    assert widths == [qkv, TINY.dim, 2 * TINY.ffn_dim, TINY.dim]  # wqkv, wo, w13, w2
+
+
+def test_the_fused_gate_and_up_projection_computes_swiglu_of_the_separate_w1_and_w3(model: Transformer) -> None:
+    fused = {name: p.detach() for name, p in model.named_parameters()}
+    assert "layers.0.feed_forward.w13.weight" in fused
+    w = split_fused(fused, TINY)  # w13's rows: w1's, then w3's
+    x = torch.randn(2, 5, TINY.dim)
+    gate, up = x @ w["layers.0.feed_forward.w1.weight"].T, x @ w["layers.0.feed_forward.w3.weight"].T
+    expected = (F.silu(gate) * up) @ w["layers.0.feed_forward.w2.weight"].T
+    with torch.no_grad():
+        torch.testing.assert_close(model.layers[0].feed_forward(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_input_longer_than_max_seq_len_raises_value_error_naming_both_lengths(model: Transformer) -> None:

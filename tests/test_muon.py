@@ -12,8 +12,10 @@ import torch
 from conftest import run_gloo_ranks
 from helpers import run_debug_training
 from pretrain import config as cfg
+from pretrain.config import ModelConfig
 from pretrain import registry
 from pretrain.optim import muon_sharing
+from pretrain.model.fused_layout import split_fused
 from pretrain.model.transformer import Transformer
 from pretrain.optim.muon import Muon, MuonError, build_muon, is_hidden_matrix, newton_schulz, svd_orthogonalize
 from pretrain.optim.muon_sharing import balanced_owners, newton_schulz_flops
@@ -78,7 +80,9 @@ def test_the_orthogonalizer_named_in_the_config_gets_each_shape_s_matrices_in_on
     model(torch.randint(0, 64, (2, 16))).out.float().pow(2).mean().backward()
     CALLS.clear()
     optimizer.step()
-    hidden = Counter(tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2)
+    # the fused wqkv and w13 as the matrices they stack: wq, wk, wv; w1, w3
+    separate = split_fused(dict(model.named_parameters()), model.cfg)
+    hidden = Counter(tuple(p.shape) for n, p in separate.items() if n.startswith("layers.") and p.ndim == 2)
     stacked = {(count, *shape) for shape, count in hidden.items()}
     assert sorted(CALLS) == sorted((shape, config.training.muon_ns_steps) for shape in stacked)
 
@@ -97,6 +101,44 @@ def test_stacks_over_the_size_limit_are_split_into_several_calls_with_the_same_u
         moved.append(torch.stack([p.detach() for p in params]))
     assert CALLS == [((2, 64, 32), 5), ((2, 64, 32), 5), ((1, 64, 32), 5)]
     assert torch.allclose(moved[0], moved[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("orthogonalize", [newton_schulz, svd_orthogonalize], ids=["newton-schulz", "svd"])
+def test_muon_moves_the_fused_projections_as_it_moved_the_separate_matrices(orthogonalize):
+    """wqkv and w13 stack wq, wk, wv and w1, w3 by rows: two steps (momentum, weight decay) give
+    each part the weights Muon gives it as a matrix of its own, orthogonalized and scaled by its shape."""
+    training = cfg.resolve(preset="debug", sets=["training.optimizer=muon", "training.weight_decay=0.1"]).training
+    model_config = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=48, vocab_size=64)  # wk, wv: 8 rows
+    model = Transformer(model_config, 16, seed=0)
+    fused = build_muon(model, training, torch.device("cpu"))
+    fused.orthogonalize = orthogonalize
+    hidden = {n: p for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
+    assert {"layers.0.attention.wqkv.weight", "layers.0.feed_forward.w13.weight"} <= hidden.keys()
+    separate = {n: torch.nn.Parameter(w.detach().clone()) for n, w in split_fused(hidden, model_config).items()}
+    group = next(g for g in fused.param_groups if g["use_muon"])
+    settings = {key: group[key] for key in ("lr_scale", "momentum", "weight_decay", "ns_steps")}
+    alone = Muon([{"params": list(separate.values()), "use_muon": True, **settings}], orthogonalize)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator)
+        for name, grad in split_fused({n: p.grad for n, p in hidden.items()}, model_config).items():
+            separate[name].grad = grad.clone()
+        for optimizer in (fused, alone):
+            for g in optimizer.param_groups:
+                g["lr"] = 0.01
+            optimizer.step()
+    moved = split_fused({n: p.detach() for n, p in hidden.items()}, model_config)
+    assert moved.keys() == separate.keys()
+    for name, param in separate.items():
+        torch.testing.assert_close(moved[name], param.detach(), rtol=0, atol=1e-7, msg=name)
+
+
+def test_parts_that_do_not_add_up_to_the_parameter_are_a_one_line_error():
+    param = torch.nn.Parameter(torch.zeros(12, 4))
+    with pytest.raises(MuonError) as refused:
+        Muon([{"params": [param], "use_muon": True}], newton_schulz, {id(param): "wqkv"}, row_splits={id(param): [8, 2]})
+    assert str(refused.value) == "wqkv has 12 rows, but its parts' rows [8, 2] add up to 10"
 
 
 def test_muon_s_adamw_half_updates_as_torch_adamw():
@@ -131,7 +173,8 @@ def test_the_matrices_are_shared_within_1_1_over_w_of_the_flops_on_2_to_8_ranks(
         config = cfg.resolve(preset=preset, sets=["training.optimizer=muon"])
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(config.model, vocab_size=64), 32)
-        keys = [(tuple(p.shape), 5) for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+        separate = split_fused(dict(model.named_parameters()), model.cfg)  # the matrices orthogonalized
+        keys = [(tuple(p.shape), 5) for n, p in separate.items() if is_hidden_matrix(n, p)]
         costs = [newton_schulz_flops(shape, steps) for shape, steps in keys]
         for world in range(2, 9):
             owners = balanced_owners(costs, world)

@@ -19,11 +19,11 @@ from helpers import run_launcher
 from pretrain.checkpoint import save_restore
 from pretrain.run.exit_codes import NUMERICAL_FAILURE
 
-POISONED = "layers.1.feed_forward.w1.weight"
+POISONED = "layers.1.feed_forward.w13.weight"
 
 
 def poisoned_checkpoint(tmp_path):
-    """A step_0 checkpoint whose layers.1.feed_forward.w1 holds one NaN: a poisoned weight."""
+    """A step_0 checkpoint whose layers.1.feed_forward.w13 holds one NaN: a poisoned weight."""
     trainer = make_trainer(tmp_path / "cache", tmp_path / "run")
     with torch.no_grad():
         trainer.model.get_parameter(POISONED)[3, 5] = float("nan")
@@ -76,8 +76,8 @@ def test_every_affected_rank_reports_the_poisoned_weight_and_the_first_module_th
         banner = lines.index(f"NaN GRADIENT DETECTED [CPU {rank}]")
         report = lines[banner : banner + 40]
         assert report[2:5] == ["Step: 0", "Loss: nan", "Gradient Norm: nan"]
-        assert f"  {POISONED} (384, 128) value: 1 NaN of 49152; first values [" in "\n".join(report)
-        assert "first non-finite: layers.1.feed_forward.w1, forward output" in report
+        assert f"  {POISONED} (768, 128) value: 1 NaN of 98304; first values [" in "\n".join(report)
+        assert "first non-finite: layers.1.feed_forward.w13, forward output" in report
 
 
 @pytest.mark.slow
@@ -85,10 +85,10 @@ def test_the_dump_loads_without_pickle_and_holds_the_nans_the_report_counted(fai
     run_dir, result = failed_run
     with np.load(run_dir / "debug" / "nan_debug_step_0.npz", allow_pickle=False) as dump:
         poisoned = dump[f"param/{POISONED}"]
-        assert poisoned.shape == (384, 128) and np.isnan(poisoned).sum() == 1 and math.isnan(poisoned[3, 5])
+        assert poisoned.shape == (768, 128) and np.isnan(poisoned).sum() == 1 and math.isnan(poisoned[3, 5])
         grads_with_nan = [key for key in dump.files if key.startswith("grad/") and np.isnan(dump[key]).any()]
         params = [key for key in dump.files if key.startswith("param/")]
-    assert len(params) == 21 and grads_with_nan  # every parameter of the debug model is there
+    assert len(params) == 15 and grads_with_nan  # every parameter of the debug model is there
     assert f"CPU0:Total layers with NaN gradients: {len(grads_with_nan)}" in result.stdout
 
 
@@ -115,9 +115,9 @@ def test_under_fsdp_the_shards_are_gathered_into_the_same_report_and_dump(tmp_pa
     # Also resumes a checkpoint saved before any update (no optimizer moments) into FSDP.
     result = launch_from(tmp_path, poisoned_checkpoint(tmp_path), "training.parallelism=fsdp")
     assert result.returncode == NUMERICAL_FAILURE, result.stdout[-3000:]
-    assert "CPU0:first non-finite: layers.1.feed_forward.w1, forward output" in result.stdout
-    assert f"CPU1:  {POISONED} (384, 128) value: 1 NaN of 49152; first values [" in result.stdout
+    assert "CPU0:first non-finite: layers.1.feed_forward.w13, forward output" in result.stdout
+    assert f"CPU1:  {POISONED} (768, 128) value: 1 NaN of 98304; first values [" in result.stdout
     with np.load(tmp_path / "run" / "debug" / "nan_debug_step_0.npz", allow_pickle=False) as dump:
-        assert dump[f"param/{POISONED}"].shape == (384, 128) and np.isnan(dump[f"param/{POISONED}"]).sum() == 1
+        assert dump[f"param/{POISONED}"].shape == (768, 128) and np.isnan(dump[f"param/{POISONED}"]).sum() == 1
         assert np.isnan(dump["grad/output.weight"]).all()
     assert (tmp_path / "run" / "checkpoints" / "nan_grad_step_0" / "dcp").is_dir()

@@ -1,6 +1,8 @@
 """The model's and the optimizer's state out of and into whatever wraps the model (nothing,
-DDP, FSDP2), keyed by plain parameter names (`layers.0.attention.wq.weight`), so that a
-checkpoint written under one wrapper restores under any other.
+DDP, FSDP2), keyed by plain parameter names (`layers.0.attention.wqkv.weight`), so that a
+checkpoint written under one wrapper restores under any other. A checkpoint of the separate
+layout (wq/wk/wv, w1/w3: before the fused projections) loads converted
+(pretrain/checkpoint/separate_layout.py).
 
 Full state dicts (single process, DDP) are whole tensors; under FSDP each rank holds, saves
 and loads only its shards, through torch.distributed.checkpoint (pretrain/checkpoint/dcp_files.py).
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -18,7 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from pretrain.checkpoint.files import CheckpointError
 from pretrain.checkpoint.dcp_files import dcp_load, dcp_save, tensor_entries
+from pretrain.checkpoint.separate_layout import (
+    fuse_optimizer_state,
+    has_separate_entries,
+    has_separate_layout,
+    load_fused_from_parts,
+    separate_order,
+)
 from pretrain.distributed.parallel import has_fsdp, unwrap
+from pretrain.model.fused_layout import fuse_separate, part_names, row_splits
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import ValueType
@@ -86,12 +96,20 @@ def load_full(
     optimizer: torch.optim.Optimizer,
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
-) -> None:
+) -> list[str] | None:
     """Full state dicts (as full_states gives them, or format 1's numbered optimizer state)
-    into whatever model is; the optimizer's hyperparameters stay its own."""
+    into whatever model is; the optimizer's hyperparameters stay its own. A checkpoint of the
+    separate layout is converted: then the fused weights whose optimizer state could not be (it
+    starts afresh) are returned, usually none; None for a checkpoint of the fused layout."""
     model_state = {plain_name(key): value for key, value in model_state.items()}
     order = _parameter_order(optimizer, model)
-    named = _by_name(optimizer_state, order)
+    reset: list[str] | None = None
+    cfg = unwrap(model).cfg
+    if has_separate_layout(model_state, cfg):
+        model_state = fuse_separate(model_state, cfg)
+        named, reset = fuse_optimizer_state(_by_name(optimizer_state, separate_order(order)), order, cfg)
+    else:
+        named = _by_name(optimizer_state, order)
     if has_fsdp(model):
         # Every rank holds the full tensors (memory-mapped) and keeps its own shard of each.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
@@ -100,7 +118,7 @@ def load_full(
         dcp_model_state: dict[str, ValueType] = dict(model_state)  # what DCP takes (dict is invariant: a copy, not a cast)
         if not named:  # saved before the first update (a step_0 or nan_grad_step_0): no moments yet
             set_model_state_dict(model, dcp_model_state, options=options)
-            return
+            return reset
         groups = named_optimizer_state(optimizer, model)["param_groups"]
         set_state_dict(
             model,
@@ -109,7 +127,7 @@ def load_full(
             optim_state_dict={"state": named, "param_groups": groups},
             options=options,
         )
-        return
+        return reset
     unwrap(model).load_state_dict(model_state)
     index = {name: i for i, name in enumerate(order)}
     unknown = sorted(named.keys() - index.keys())
@@ -121,6 +139,7 @@ def load_full(
     optimizer.load_state_dict(
         {"state": {index[name]: value for name, value in named.items()}, "param_groups": optimizer.state_dict()["param_groups"]}
     )
+    return reset
 
 
 def _by_name(optimizer_state: dict[str, Any], order: list[str]) -> dict[str, Any]:
@@ -146,20 +165,65 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     dcp_save(content, directory)
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, metadata: Metadata) -> None:
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, metadata: Metadata) -> list[str] | None:
     """Checkpoint path's DCP shards into whatever model is: DCP reads each rank's part of every
-    tensor (all of it for an unsharded model), whatever the world size that wrote it."""
+    tensor (all of it for an unsharded model), whatever the world size that wrote it. Returns as
+    load_full does: None, or (a checkpoint of the separate layout, converted) the fused weights
+    whose optimizer state could not be converted and starts afresh."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
     has_optimizer = any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
+    separate = has_separate_entries(metadata, unwrap(model).cfg)
     if not has_optimizer:  # saved before the first step: the fresh optimizer is right
         model_state = get_model_state_dict(model)
+        fused = _without_fused(model_state) if separate else {}
         dcp_load({"model": model_state}, path)
-        set_model_state_dict(model, model_state)
-        return
+        reset = _load_fused(model, fused, {}, path, metadata) if separate else None
+        set_model_state_dict(model, model_state | fused)
+        return reset
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    fused = _without_fused(model_state) if separate else {}
+    per_parameter = cast(dict[str, Any], optimizer_state["state"])  # keyed by parameter name
+    fused_optimizer = _without_fused(per_parameter) if separate else {}
     dcp_load({"model": model_state, "optimizer": {"state": optimizer_state["state"]}}, path)
+    reset = _load_fused(model, fused, fused_optimizer, path, metadata) if separate else None
+    model_state |= fused
+    per_parameter |= fused_optimizer
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    return reset
+
+
+def _without_fused(state: dict[str, Any]) -> dict[str, Any]:
+    """Take the fused weights' entries out of state (a DCP load request) and return them."""
+    fused = [name for name in state if part_names(name) is not None]
+    return {name: state.pop(name) for name in fused}
+
+
+def _load_fused(
+    model: torch.nn.Module, weights: dict[str, Any], optimizer_states: dict[str, Any], path: Path, metadata: Metadata
+) -> list[str]:
+    """The fused weights (and their optimizer states) of a separate layout's DCP checkpoint, from
+    their parts, into the tensors of the load request; the weights whose optimizer state could
+    not be converted are reset (zeros: what a fresh optimizer starts from) and returned."""
+    cfg = unwrap(model).cfg
+    for name, tensor in weights.items():
+        parts, rows = part_names(name), row_splits(name, cfg)
+        assert parts is not None and rows is not None
+        if not load_fused_from_parts(tensor, [f"model.{part}" for part in parts], rows, path, metadata):
+            raise CheckpointError(f"checkpoint {path}: cannot fuse {name} from {', '.join(parts)}; start fresh")
+    reset = []
+    for name, state in optimizer_states.items():
+        parts, rows = part_names(name), row_splits(name, cfg)
+        assert parts is not None and rows is not None
+        if not all(
+            load_fused_from_parts(value, [f"optimizer.state.{part}.{key}" for part in parts], rows, path, metadata)
+            for key, value in state.items()
+        ):
+            for value in state.values():
+                with torch.no_grad():
+                    (value.to_local() if isinstance(value, DTensor) else value).zero_()
+            reset.append(name)
+    return reset
 
 
 def read_sharded_model(path: Path, metadata: Metadata) -> dict[str, torch.Tensor]:

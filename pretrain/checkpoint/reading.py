@@ -7,7 +7,7 @@ argument and the one-line argument parser those commands share live here too."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,6 +27,8 @@ from pretrain.hf.exported import is_export, read_export
 from pretrain.model.transformer import Transformer
 from pretrain.checkpoint.model_state import read_sharded_tensors, sharded_model_shapes
 from pretrain.checkpoint.resume import ResumeError, checkpoint_at
+from pretrain.checkpoint.separate_layout import has_separate_layout, separate_shapes
+from pretrain.model.fused_layout import fuse_separate, part_names
 
 
 class TokenizerNotFound(CheckpointError):
@@ -79,7 +81,8 @@ def read_checkpoint(path: Path) -> tuple[Config, dict[str, Tensor]]:
     if is_export(path):
         config, state = read_export(path)
         check_weights(config, state, f"export {path}")
-        return config, state
+        # Meta's separate names (wq/wk/wv, w1/w3) where the model has them fused: concatenated
+        return config, fuse_separate(state, config.model) if has_separate_layout(state, config.model) else state
     config = checkpoint.load_config(path)
     state = checkpoint.load_model_state(path)
     check_weights(config, state, f"checkpoint {path}")
@@ -90,19 +93,41 @@ def checkpoint_tensors(path: Path) -> tuple[Config, dict[str, tuple[int, ...]], 
     """A checkpoint's config, the shapes of its model's tensors (checked against the config) and
     the tensors themselves, whole, one at a time: a sharded checkpoint's are read from its DCP
     files one key at a time, a full one's model.pt is memory-mapped (a tensor's pages are read
-    when it is written). So an export never holds the whole model."""
+    when it is written). So an export never holds the whole model. The names and shapes are the
+    model's: a checkpoint of the separate layout (before the fused projections) gives each fused
+    weight concatenated from its parts when it comes."""
     config = checkpoint.load_config(path)
     checkpoint.read_state(path)
+    expected = expected_shapes(config)
+    names = list(expected)  # the model's order
     if (path / DIRECTORY).is_dir():
         metadata = read_dcp_metadata(path)
-        shapes = sharded_model_shapes(metadata)
-        check_shapes(config, shapes, f"checkpoint {path}")
-        names = list(expected_shapes(config))  # the model's order
-        return config, {name: shapes[name] for name in names}, read_sharded_tensors(path, metadata, names)
-    state = checkpoint.load_model_state(path)
+        check_shapes(config, sharded_model_shapes(metadata), f"checkpoint {path}")
+
+        def read(keys: list[str]) -> list[Tensor]:
+            return [tensor for _, tensor in read_sharded_tensors(path, metadata, keys)]
+
+        return config, expected, _fused_tensors(names, sharded_model_shapes(metadata), read)
+    state = checkpoint.load_model_state(path, as_saved=True)
     check_weights(config, state, f"checkpoint {path}")
-    names = list(expected_shapes(config))
-    return config, {name: tuple(state[name].shape) for name in names}, ((name, state.pop(name)) for name in names)
+    return (
+        config,
+        expected,
+        _fused_tensors(names, {name: tuple(t.shape) for name, t in state.items()}, lambda keys: [state.pop(key) for key in keys]),
+    )
+
+
+def _fused_tensors(
+    names: list[str], saved: dict[str, tuple[int, ...]], read: Callable[[list[str]], list[Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) for each of names, one at a time, read(keys) giving the saved tensors keys;
+    a fused weight the checkpoint holds as its separate parts is their concatenation."""
+    for name in names:
+        parts = part_names(name)
+        if name not in saved and parts is not None and all(part in saved for part in parts):
+            yield name, torch.cat(read(parts), dim=0)
+        else:
+            yield name, read([name])[0]
 
 
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
@@ -119,8 +144,11 @@ def check_weights(config: Config, state: dict[str, Tensor], where: str) -> None:
 
 
 def check_shapes(config: Config, got: dict[str, tuple[int, ...]], where: str) -> None:
-    """check_weights, from the tensors' shapes alone."""
+    """check_weights, from the tensors' shapes alone; got may hold the separate layout's weights
+    (before the fused projections): they are checked under their own names."""
     expected = expected_shapes(config)
+    if has_separate_layout(got, config.model):
+        expected = separate_shapes(expected, config.model)
     problems = []
     if missing := sorted(expected.keys() - got.keys()):
         problems.append(f"{len(missing)} missing ({_some(missing)})")

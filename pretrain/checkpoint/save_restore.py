@@ -9,11 +9,13 @@
                              the learning-rate schedule's position, the format version
     config.json              the resolved config
 
-Both formats hold the same names (`layers.0.attention.wq.weight`, ...), so either restores into
+Both formats hold the same names (`layers.0.attention.wqkv.weight`, ...), so either restores into
 either: a DDP checkpoint into an FSDP run (every rank reads the full tensors and keeps its
 shard) and an FSDP checkpoint into a DDP or single-process run (DCP reshards on load). The
 world size may change between save and restore: the data position is converted (see
-_loader_position), and ranks the saving run did not have seed their generators afresh.
+_loader_position), and ranks the saving run did not have seed their generators afresh. A
+checkpoint written before the fused projections (Meta's separate wq/wk/wv and w1/w3) loads too,
+converted, in either format, with a one-line note (pretrain/checkpoint/separate_layout.py).
 
 Every rank writes its files into <name>.tmp/ and fsyncs them; rank 0 then renames the directory
 into place, so a checkpoint directory is either complete or absent (pretrain/checkpoint/files.py).
@@ -64,9 +66,11 @@ from pretrain.checkpoint.model_state import (
     save_sharded,
     sharded_model_shapes,
 )
-from pretrain.distributed.parallel import has_fsdp
+from pretrain.distributed.parallel import has_fsdp, unwrap
 from pretrain.distributed.peer_loss import PeerFailed
 from pretrain.checkpoint.rng import rng_states, seed_from, set_rng_states
+from pretrain.checkpoint.separate_layout import has_separate_layout, note, separate_shapes
+from pretrain.model.fused_layout import fuse_separate
 from pretrain.run.files import atomic_write_text
 from pretrain.distributed.runtime import Runtime
 from pretrain.optim.schedule import lr_at
@@ -229,13 +233,20 @@ def load_tensors(path: Path, name: str, mmap: bool = False) -> Any:
         ) from None
 
 
-def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+def load_model_state(path: Path, as_saved: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's state dict on CPU with plain parameter names, in one process without a
-    process group, whichever format the checkpoint has (for generation and export)."""
+    process group, whichever format the checkpoint has (for generation and export). A checkpoint
+    of the separate layout (before the fused projections) gives the fused weights, unless
+    as_saved (then its own names, and the full format's tensors still memory-mapped)."""
     read_state(path)
     if _is_sharded(path):
-        return read_sharded_model(path, read_dcp_metadata(path))
-    return {plain_name(key): value for key, value in load_tensors(path, "model.pt", mmap=True).items()}
+        state = read_sharded_model(path, read_dcp_metadata(path))
+    else:
+        state = {plain_name(key): value for key, value in load_tensors(path, "model.pt", mmap=True).items()}
+    model_config = load_config(path).model
+    if as_saved or not has_separate_layout(state, model_config):
+        return state
+    return fuse_separate(state, model_config)
 
 
 def _is_sharded(path: Path) -> bool:
@@ -262,11 +273,13 @@ def restore(trainer: Trainer, path: Path) -> int:
     position = _loader_position(path, state, saved_config, trainer)
     if metadata is not None:
         check_shapes(path, sharded_model_shapes(metadata), trainer.model)
-        load_sharded(trainer.model, trainer.optimizer, path, metadata)
+        reset = load_sharded(trainer.model, trainer.optimizer, path, metadata)
     else:
         model_state = load_tensors(path, "model.pt", mmap=True)
         check_shapes(path, {plain_name(k): tuple(v.shape) for k, v in model_state.items()}, trainer.model)
-        load_full(trainer.model, trainer.optimizer, model_state, load_tensors(path, "optimizer.pt", mmap=True))
+        reset = load_full(trainer.model, trainer.optimizer, model_state, load_tensors(path, "optimizer.pt", mmap=True))
+    if reset is not None and trainer.runtime.is_main:  # the separate layout's checkpoint, converted (alike on every rank)
+        trainer.log.info(note(path, reset))
     trainer.loader.load_state_dict(position)
     trainer.batches = iter(trainer.loader)  # from the restored position
     if rng is None:
@@ -323,8 +336,11 @@ def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataCon
 
 
 def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:
-    """The checkpoint has exactly the model's tensors, each of the same (full) shape."""
+    """The checkpoint has exactly the model's tensors, each of the same (full) shape: under their
+    separate names and shapes in a checkpoint of the separate layout (before the fused projections)."""
     current = model_shapes(model)
+    if has_separate_layout(saved, unwrap(model).cfg):
+        current = separate_shapes(current, unwrap(model).cfg)
     for key in sorted(saved.keys() | current.keys()):
         there, here = saved.get(key), current.get(key)
         if there != here:

@@ -30,10 +30,10 @@ class TokenLosses:
     def __init__(self, tokens: Tensor, rows_at_once: int = 4) -> None:
         self.targets, self.rows_at_once = tokens[:, 1:], rows_at_once
 
-    def __call__(self, hidden: Tensor, output: nn.Linear) -> Tensor:
+    def __call__(self, hidden: Tensor, norm: nn.Module, output: nn.Linear) -> Tensor:
         losses = []
         for start in range(0, hidden.shape[0], self.rows_at_once):
-            logits = output(hidden[start : start + self.rows_at_once, :-1]).float()  # (rows, T - 1, vocab)
+            logits = output(norm(hidden[start : start + self.rows_at_once, :-1])).float()  # (rows, T - 1, vocab)
             targets = self.targets[start : start + self.rows_at_once]
             losses.append(F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"))  # (rows, T - 1)
         return torch.cat(losses)

@@ -26,8 +26,9 @@ The conversion is pretrain/hf/transformers_form.py's; the files pretrain/hf/safe
 written to a temporary file and renamed, config.json last, one tensor at a time: an export
 never holds two copies of the model (under FSDP the ranks gather one weight at a time, and the
 writer writes it before the next). A model whose feed-forward block is not Llama's has no
-Hugging Face form: it is written in this project's own format (format "pretrain-llama": our
-parameter names, config.json our description only), with a warning.
+Hugging Face form: it is written in this project's own format (format "pretrain-llama": Meta
+Llama's parameter names, the fused attention.wqkv split into wq, wk and wv as transformers' form
+splits it, config.json our description only), with a warning.
 
 generate and evaluate read an export (or any Hugging Face Llama or Mixtral directory) as they
 read a checkpoint: `--checkpoint <run>/export` (pretrain/hf/exported.py). In Python:
@@ -69,7 +70,15 @@ from pretrain.checkpoint.reading import (
     tokenizer_description,
 )
 from pretrain.hf.exported import LEGACY_FORMAT, is_export, load_exported
-from pretrain.hf.transformers_form import HfFormatError, expected_hf_shapes, hf_config, hf_model_type, hf_names, to_hf
+from pretrain.hf.transformers_form import (
+    HfFormatError,
+    expected_hf_shapes,
+    fused_parts,
+    hf_config,
+    hf_model_type,
+    hf_names,
+    to_hf,
+)
 from pretrain.hf.tokenizer_files import SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE, HfTokenizerFiles, write_tokenizer_files
 from pretrain.checkpoint.model_state import model_shapes, whole_tensors
 from pretrain.distributed.parallel import has_fsdp
@@ -212,9 +221,11 @@ def write_export(
         warn(f"{error}; exported in this project's own format ({LEGACY_FORMAT}), which transformers does not load")
         hf = False
     max_seq_len = cfg.max_seq_len(config)
-    expected = expected_hf_shapes(config.model, max_seq_len) if hf else shapes
+    expected = expected_hf_shapes(config.model, max_seq_len) if hf else own_shapes(shapes, config)
     specs = [
-        TensorSpec(piece, expected[piece], dtype) for name in shapes for piece in (hf_names(name, config.model) if hf else [name])
+        TensorSpec(piece, expected[piece], dtype)
+        for name in shapes
+        for piece in (hf_names(name, config.model) if hf else [own for own, _ in own_parts(name, shapes[name], config)])
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_shards(out_dir, specs, _converted(tensors, config, dtype, hf), max_shard_bytes)
@@ -248,12 +259,28 @@ def _converted(tensors: Iterator[tuple[str, Tensor]], config: Config, dtype: str
     nothing here holds a tensor once its pieces are written."""
     torch_dtype = getattr(torch, dtype)
     for name, tensor in tensors:
-        pieces = to_hf(name, tensor, config.model) if hf else [(name, tensor)]
+        if hf:
+            pieces = to_hf(name, tensor, config.model)
+        else:  # Meta's names: a fused weight's parts, views of its rows
+            parts = own_parts(name, tuple(tensor.shape), config)
+            pieces = list(zip([own for own, _ in parts], tensor.split([shape[0] for _, shape in parts]), strict=True))
         del tensor
         while pieces:
             written_name, piece = pieces.pop(0)
             yield written_name, piece.to(torch_dtype)
             del piece
+
+
+def own_parts(name: str, shape: tuple[int, ...], config: Config) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors (Meta Llama's name, shape) our entry name of shape is written as in this project's
+    own format: a fused weight's parts (pretrain/model/fused_layout.py), anything else as it is."""
+    parts = fused_parts(name, config.model)
+    return [(part, (rows, *shape[1:])) for part, rows in parts] if parts else [(name, shape)]
+
+
+def own_shapes(shapes: dict[str, tuple[int, ...]], config: Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the own format's export, by name, with its shape (own_parts)."""
+    return {own: part_shape for name, shape in shapes.items() for own, part_shape in own_parts(name, shape, config)}
 
 
 def generation_config(files: HfTokenizerFiles, tokenizer_vocab: int | None, model_vocab: int | None) -> dict[str, Any]:

@@ -11,7 +11,8 @@ checkpoint.
   and one with tied embeddings (Llama 3.2's: no lm_head.weight) gets the embedding as its output
   projection, as training.init_from does.
 - this project's own format ("format": "pretrain-llama", a model with no Hugging Face form, or
-  exports made before the Hugging Face form): our names as they are.
+  exports made before the Hugging Face form): Meta Llama's names, the separate wq, wk, wv (and
+  w1, w3) joined into the fused weights the model holds (pretrain/model/fused_layout.py).
 
 Either way every weight file is checked against its header before safetensors opens it
 (pretrain/hf/init_checkpoint.py check_header): a truncated one is a CheckpointError naming its size.
@@ -42,6 +43,7 @@ from pretrain.hf.transformers_form import (
     model_fields_from_hf,
     tied_output,
 )
+from pretrain.model.fused_layout import fuse_separate, has_separate_layout
 from pretrain.model.transformer import Transformer
 from pretrain.hf.safetensors_shards import INDEX_FILE, SINGLE_FILE, WeightFiles, weight_map
 
@@ -69,7 +71,7 @@ def read_export(path: Path) -> tuple[Config, dict[str, Tensor]]:
 
 
 def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The tensors of an export under our names (tok_embed.weight, layers.0.attention.wq.weight,
+    """The tensors of an export under our names (tok_embed.weight, layers.0.attention.wqkv.weight,
     ...) and its config.json. Rebuild the model with
     Transformer(ModelConfig(**model_fields(described)), max_seq_len=...), or read_export's config."""
     path = Path(out_dir)
@@ -78,9 +80,11 @@ def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     from safetensors import SafetensorError
 
     try:
-        if "model_type" not in described:  # our own format: our names, nothing to convert
+        if "model_type" not in described:  # our own format: Meta's names, the separate weights to fuse
             with WeightFiles(path, files_by_name) as files:
-                return {name: files.get(name) for name in files_by_name}, described
+                state = {name: files.get(name) for name in files_by_name}
+            model_config = _model(described, path)[0]
+            return (fuse_separate(state, model_config) if has_separate_layout(state, model_config) else state), described
         model, max_seq_len = _model(described, path)
         return _from_hf_files(path, files_by_name, described, model, max_seq_len), described
     except (OSError, SafetensorError) as error:  # a file changed since it was checked

@@ -10,7 +10,10 @@ need more than their rows:
 - wq and wk: transformers' rows are ours permuted within each head (pretrain/hf/transformers_form.py), so the
   whole heads that cover a shard's rows are read, put in our order (unpermute_qk) and cut to it;
 - a mixture of experts' batched w1, w2, w3 (num_experts, ...): a shard is a run of experts, each
-  read whole from its own tensor (block_sparse_moe.experts.{j}.w1.weight) and transposed.
+  read whole from its own tensor (block_sparse_moe.experts.{j}.w1.weight) and transposed;
+- the fused attention.wqkv and feed_forward.w13 (pretrain/model/fused_layout.py): their rows are
+  q_proj's, k_proj's and v_proj's (gate_proj's and up_proj's) one after the other, and a shard
+  may hold some rows of several of them: of each, only the rows inside the shard are read.
 
 The optimizer, built on the parameters before this, holds no state yet, and the run starts at
 step 0: only the weights come from the checkpoint.
@@ -30,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from pretrain.config import ModelConfig
 from pretrain.data import first_line
 from pretrain.hf.init_checkpoint import EMBEDDING, TIED, HfCheckpoint, InitFromError, model_type
-from pretrain.hf.transformers_form import from_hf, hf_names
+from pretrain.hf.transformers_form import from_hf, fused_parts, hf_names
 from pretrain.distributed.parallel import unwrap
 
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")
@@ -96,6 +99,14 @@ def first_row(param: Tensor) -> int:
 
 def read_rows(reader: CheckpointReader, name: str, start: int, stop: int, model: ModelConfig) -> Tensor:
     """Rows [start, stop) of our parameter name, in our layout, read from the checkpoint."""
+    if (parts := fused_parts(name, model)) is not None:  # the rows of each part inside [start, stop)
+        pieces, first = [], 0
+        for part, rows in parts:
+            lo, hi = max(start, first), min(stop, first + rows)
+            if lo < hi:
+                pieces.append(read_rows(reader, part, lo - first, hi - first, model))
+            first += rows
+        return torch.cat(pieces)
     names = hf_names(name, model)
     if names == [TIED] and reader.checkpoint.tied:
         names = [EMBEDDING]

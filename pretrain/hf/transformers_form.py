@@ -11,6 +11,10 @@ hold the same numbers under other names, with two differences of layout:
 - experts: our mixture of experts batches its experts' weights into (num_experts, ...) tensors;
   Mixtral's checkpoints store each expert as its own Linear (experts.{j}.w1.weight, (ffn, dim)),
   the layout of every Mixtral on the Hub, which transformers 4.x and 5.x and vLLM load.
+- fused projections: our attention.wqkv stacks wq's, wk's and wv's rows, and feed_forward.w13
+  w1's and w3's (pretrain/model/fused_layout.py); transformers keeps them apart (q_proj, k_proj,
+  v_proj; gate_proj, up_proj). One of ours is several of theirs, split and joined by rows. Meta's
+  separate names (a checkpoint written before the fusion) convert too.
 
 Nothing here imports torch at module level: the launcher checks a checkpoint's shapes against the
 model config (expected_hf_shapes, model_fields_from_hf) before any worker starts.
@@ -62,6 +66,8 @@ _TOP_NAMES = {
 }
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")
+_FUSED = {"attention.wqkv.weight", "feed_forward.w13.weight"}
+"""Our fused weights inside a layer (pretrain/model/fused_layout.py FUSED_PARTS, which imports torch)."""
 
 
 class HfFormatError(ValueError):
@@ -230,11 +236,28 @@ def tied_output(hf: dict[str, Any], names: Collection[str]) -> bool:
     return bool(hf.get("tie_word_embeddings")) and HF_OUTPUT not in names
 
 
+def fused_parts(name: str, model: ModelConfig) -> list[tuple[str, int]] | None:
+    """Of our fused weight name (layers.{i}.attention.wqkv.weight, layers.{i}.feed_forward.w13.weight
+    of a dense model), the separate weights it stacks, under Meta's names, with their rows, in
+    order; None for any other name."""
+    match = _LAYER.fullmatch(name)
+    if match is None or match[2] not in _FUSED or (match[2].startswith("feed_forward.") and model.moe.num_experts > 0):
+        return None
+    from pretrain.model.fused_layout import FUSED_PARTS, part_rows  # torch: only where a tensor is converted
+
+    module = match[2].removesuffix(".weight")
+    prefix = f"layers.{match[1]}."
+    return [(f"{prefix}{part}.weight", rows) for part, rows in zip(FUSED_PARTS[module], part_rows(model, module), strict=True)]
+
+
 def hf_names(name: str, model: ModelConfig) -> list[str]:
-    """The transformers tensor names our state-dict entry name becomes: one, or num_experts (in
-    expert order) for a mixture of experts' batched w1, w2, w3."""
+    """The transformers tensor names our state-dict entry name becomes: one, several for a fused
+    weight (q_proj, k_proj, v_proj; gate_proj, up_proj), or num_experts (in expert order) for a
+    mixture of experts' batched w1, w2, w3."""
     if name in _TOP_NAMES:
         return [_TOP_NAMES[name]]
+    if (parts := fused_parts(name, model)) is not None:
+        return [hf_name for part, _ in parts for hf_name in hf_names(part, model)]
     match = _LAYER.fullmatch(name)
     if match is not None:
         layer, inner = match.groups()
@@ -305,6 +328,9 @@ def unpermute_qk(w: Tensor, head_dim: int) -> Tensor:
 
 def to_hf(name: str, tensor: Tensor, model: ModelConfig) -> list[tuple[str, Tensor]]:
     """Our state-dict entry as transformers' tensors (views where no copy is needed), in hf_names order."""
+    if (parts := fused_parts(name, model)) is not None:  # split by rows (views), each part converted
+        pieces = tensor.split([rows for _, rows in parts])
+        return [converted for (part, _), piece in zip(parts, pieces, strict=True) for converted in to_hf(part, piece, model)]
     names = hf_names(name, model)
     inner = name.split(".", 2)[-1]
     if inner in _ROTARY:
@@ -319,6 +345,11 @@ def from_hf(name: str, pieces: list[Tensor], model: ModelConfig) -> Tensor:
     names = hf_names(name, model)
     if len(pieces) != len(names):
         raise HfFormatError(f"{name} is made of {len(names)} Hugging Face tensors, not {len(pieces)}")
+    if (parts := fused_parts(name, model)) is not None:  # each part from its own tensors, joined by rows
+        import torch
+
+        given = iter(pieces)
+        return torch.cat([from_hf(part, [next(given) for _ in hf_names(part, model)], model) for part, _ in parts])
     inner = name.split(".", 2)[-1]
     if inner in _ROTARY:
         return unpermute_qk(pieces[0], model.dim // model.n_heads)

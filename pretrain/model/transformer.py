@@ -6,10 +6,13 @@ Llama choices: RMSNorm before each block (pre-norm), rotary position embeddings 
 keys, grouped-query attention (fewer key/value heads than query heads), a SwiGLU feed-forward
 block (model.ffn chooses another: pretrain/model/feed_forward.py), no biases, and an output projection
 that is not tied to the embedding. Parameter names follow Meta's Llama layout
-(`layers.0.attention.wq.weight`, ...), and the rotary embedding uses Meta's convention (it rotates
-adjacent pairs of channels), so such checkpoints map onto this model by renaming only
-`tok_embeddings` to `tok_embed`. The model returns logits (or what an output head makes of its
-last hidden states) and the blocks' auxiliary losses; the loss is pretrain/model/loss.py's.
+(`layers.0.attention.wo.weight`, ...) except where a block fuses matmuls that read the same input:
+`attention.wqkv` holds wq's, wk's and wv's rows, `feed_forward.w13` w1's and w3's
+(pretrain/model/fused_layout.py maps them both ways). The rotary embedding uses Meta's convention
+(it rotates adjacent pairs of channels), so such checkpoints map onto this model by renaming
+`tok_embeddings` to `tok_embed` and concatenating those weights (fused_layout.fuse_separate).
+The model returns logits (or what an output head makes of its last hidden states) and the
+blocks' auxiliary losses; the loss is pretrain/model/loss.py's.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pretrain.config import ModelConfig, RopeScalingConfig
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight: LayerNorm without the mean subtraction or bias."""
+    """x / rms(x) * weight: LayerNorm without the mean subtraction or bias (rms_norm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -36,10 +39,38 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight over the last dimension, in x's dtype; the statistics in float32."""
+    return cast(Tensor, _RMSNorm.apply(x, weight, eps))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm that keeps for the backward pass only its input, in its own dtype (bf16 in the
+    residual stream under autocast), and the float32 1 / rms of each row, and recomputes the rest.
+    Autograd through the float32 formula would keep a float32 copy of the input and of the
+    normalised rows: 8 bytes a channel where this keeps 2. (torch.compile traces both passes and
+    its partitioner chooses again; it keeps no float32 row either: benchmarks/efficiency.py.)"""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         # Squares of bf16 activations lose too much precision, so normalise in float32.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors  # type: ignore[attr-defined]
+        normed = x.float() * rstd
+        grad_normed = grad.float() * weight.float()
+        # d/dx of x * rstd: rstd * (g - normed * mean(g * normed)), per row
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(dim=-1, keepdim=True))
+        grad_weight = (grad.float() * normed).sum(dim=tuple(range(x.dim() - 1)))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
 
 def rotary_tables(
@@ -95,16 +126,26 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        # Queries, keys and values in one matmul: its rows are Llama's wq, wk and wv, in that
+        # order (pretrain/model/fused_layout.py maps them). Three narrow matmuls (wk and wv are
+        # only n_kv_heads x head_dim wide) would keep a GPU less busy and read x three times.
+        self.qkv_rows = [cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim, cfg.n_kv_heads * self.head_dim]
+        self.wqkv = nn.Linear(cfg.dim, sum(self.qkv_rows), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def init_draws(self) -> list[tuple[Tensor, slice]]:
+        """The weights' parts in the order Transformer.init_weights draws them: wq, wk, wv, wo,
+        each whole, as before they were fused (so a seed gives the weights it always gave)."""
+        q, kv, _ = self.qkv_rows
+        wqkv = self.wqkv.weight
+        return [(wqkv, slice(0, q)), (wqkv, slice(q, q + kv)), (wqkv, slice(q + kv, q + 2 * kv)), (self.wo.weight, slice(None))]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        q, k, v = self.wqkv(x).split(self.qkv_rows, dim=-1)  # views of one (B, T, (n_heads + 2 n_kv_heads) head_dim)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Attention works per head, so heads go before time: (B, heads, T, head_dim).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -150,12 +191,15 @@ class ModelOutput(NamedTuple):
     """Every block's auxiliary losses, weighted, by name ("layers.3.<name>"); empty for dense blocks."""
 
 
-OutputHead = Callable[[Tensor, nn.Linear], Tensor]
-"""(final hidden states (B, T, dim), the output projection) -> what forward returns as out."""
+OutputHead = Callable[[Tensor, RMSNorm, nn.Linear], Tensor]
+"""(the last block's output (B, T, dim), the final norm, the output projection) -> what forward
+returns as out. The head applies the norm itself, so a compiled head (pretrain/model/loss.py)
+compiles the norm with the projection and the loss; an eager head calls the norm as a module (the
+NaN tracer's hooks name it `norm`)."""
 
 
-def project_logits(hidden: Tensor, output: nn.Linear) -> Tensor:
-    return output(hidden)  # (B, T, vocab_size)
+def project_logits(hidden: Tensor, norm: RMSNorm, output: nn.Linear) -> Tensor:
+    return output(norm(hidden))  # (B, T, vocab_size)
 
 
 class Transformer(nn.Module):
@@ -171,7 +215,10 @@ class Transformer(nn.Module):
     rope_sin: Tensor
     compile_loss_head: bool = False
     """Set by pretrain/distributed/parallel.py when it compiles the blocks: pretrain/model/loss.py's head (the
-    output projection and the cross-entropy) is then compiled too."""
+    final norm, the output projection and the cross-entropy) is then compiled too."""
+    compile_mode: str | None = None
+    """torch.compile's mode for what is compiled (training.compile_mode, set with compile_loss_head);
+    None: torch's default."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, seed: int | None = None) -> None:
         super().__init__()
@@ -199,7 +246,9 @@ class Transformer(nn.Module):
         tables recomputed (after to_empty they hold garbage).
 
         Each parameter is drawn whole, one at a time, on draw_device (default: where the
-        parameters are), and each rank keeps its own part when the parameter is an FSDP shard
+        parameters are); a fused one (wqkv, w13) part by part, each part whole and in the order it
+        had before the fusion (the module's init_draws: wq, wk, wv, wo; w1, w2, w3), so a seed gives
+        the weights it gave then. Each rank keeps its own part when the parameter is an FSDP shard
         (a DTensor). Drawing per shard would give other numbers than drawing the whole tensor, so a
         sharded model would start from other weights than a single-process one; drawing whole
         costs one full tensor at a time (the largest is the embedding: vocab x dim), never the model.
@@ -216,12 +265,17 @@ class Transformer(nn.Module):
         # self.layers holds only TransformerBlocks (__init__ builds them; FSDP2 only subclasses them
         # in place), though to the type checker an nn.ModuleList holds plain Modules.
         blocks = [cast(TransformerBlock, layer) for layer in self.layers]
-        residual = {id(m) for block in blocks for m in (block.attention.wo, *block.feed_forward.residual_outputs())}
+        residual = {id(m.weight) for block in blocks for m in (block.attention.wo, *block.feed_forward.residual_outputs())}
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        drawn: set[int] = set()  # weights a parent's init_draws drew already
         for module in self.modules():  # a fixed order: the generator's draws follow it
-            if isinstance(module, nn.Linear | nn.Embedding):
+            if (init_draws := getattr(module, "init_draws", None)) is not None:  # fused weights: parts in their old order
+                draws = init_draws()
+                _draw_parts(draws, residual, std, residual_std, device, generator)
+                drawn |= {id(param) for param, _rows in draws}
+            if isinstance(module, nn.Linear | nn.Embedding) and id(module.weight) not in drawn:
                 full = torch.empty(module.weight.shape, device=device)
-                full.normal_(mean=0.0, std=residual_std if id(module) in residual else std, generator=generator)
+                full.normal_(mean=0.0, std=residual_std if id(module.weight) in residual else std, generator=generator)
                 _assign(module.weight, full)
             elif isinstance(module, RMSNorm):
                 _local(module.weight).fill_(1.0)
@@ -251,15 +305,75 @@ class Transformer(nn.Module):
             )
         cos, sin = self.rope_cos[:T].float(), self.rope_sin[:T].float()  # (T, head_dim // 2)
         x = self.tok_embed(tokens)  # (B, T, dim)
+        # Under autocast the residual stream is in autocast's dtype (bf16): every block then reads,
+        # writes and keeps for the backward pass 2 bytes a channel, not 4 (the norms keep their
+        # statistics in float32). An fp32 run (no autocast) casts nothing.
+        if (dtype := _autocast_dtype(x.device.type)) is not None:
+            x = x.to(dtype)
         aux_losses: dict[str, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x, block_losses = layer(x, cos, sin)  # (B, T, dim)
             aux_losses.update((f"layers.{i}.{name}", loss) for name, loss in block_losses.items())
-        return ModelOutput(head(self.norm(x), self.output), aux_losses)
+        return ModelOutput(head(x, self.norm, self.output), aux_losses)
 
     def num_params(self) -> int:
         """Every parameter, the embedding and the (untied) output projection included."""
         return sum(p.numel() for p in self.parameters())
+
+
+def _draw_parts(
+    draws: list[tuple[Tensor, slice]],
+    residual: set[int],
+    std: float,
+    residual_std: float,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    """Draw each (weight, rows) part whole, in the order given, as a tensor of its own (so it gets
+    the numbers it got as a separate weight: a fused weight starts as the separate ones did), and
+    copy it into those rows of its weight, or the rows of them this rank holds of an FSDP shard.
+    Holds one part at a time: never a whole fused weight, nor one beside another."""
+    drawn_rows: dict[int, int] = {}
+    weights: dict[int, Tensor] = {}
+    for weight, rows in draws:
+        start, stop, _ = rows.indices(weight.shape[0])
+        part = torch.empty((stop - start, *weight.shape[1:]), device=device)
+        part.normal_(mean=0.0, std=residual_std if id(weight) in residual else std, generator=generator)
+        _assign_rows(weight, start, part)
+        drawn_rows[id(weight)] = drawn_rows.get(id(weight), 0) + part.shape[0]
+        weights[id(weight)] = weight
+    partly = [name for name, weight in weights.items() if drawn_rows[name] != weight.shape[0]]
+    if partly:  # a module's init_draws left rows undrawn: garbage would be trained
+        raise ValueError(f"init_draws left {len(partly)} weight(s) partly drawn")
+
+
+def _assign_rows(param: Tensor, start: int, part: Tensor) -> None:
+    """Copy part into param's rows start.., or into those of them this rank holds when param is an
+    FSDP2 shard: Shard(0) over a one-dimensional mesh, rows split as torch.chunk splits them."""
+    if not isinstance(param, DTensor):
+        param[start : start + part.shape[0]].copy_(part)
+        return
+    local = param.to_local()
+    if param.device_mesh.ndim != 1 or len(param.placements) != 1 or param.placements[0] != Shard(0):
+        raise ValueError(
+            f"cannot initialise a fused parameter placed as {param.placements} on a "
+            f"{param.device_mesh.ndim}-D mesh; FSDP2 shards dim 0"
+        )
+    rows_per_rank = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's
+    held = min(param.device_mesh.get_local_rank() * rows_per_rank, param.shape[0])  # the first row this rank holds
+    low, high = max(start, held), min(start + part.shape[0], held + local.shape[0])
+    if low < high:
+        local[low - held : high - held].copy_(part[low - start : high - start])
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """autocast's dtype on device_type when it is on there, else None (also for a device autocast
+    has no mode for, such as meta)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # "unknown device type for autocast"
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 def _local(param: Tensor) -> Tensor:

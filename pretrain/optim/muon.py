@@ -13,6 +13,9 @@ Each hidden matrix is orthogonalized on one rank, same-shape matrices stacked in
 (pretrain/optim/muon_sharing.py: which rank, and the collectives): under DDP every rank holds the
 averaged gradients and the updates are all-gathered; under FSDP2 a parameter is a DTensor sharded
 by rows, its momentum stays sharded, and its rows travel to the owner and back by all-to-all.
+A fused parameter (attention.wqkv: Q, K and V's rows; feed_forward.w13: gate and up's;
+pretrain/model/fused_layout.py) is orthogonalized as the separate matrices it stacks, each
+update scaled by its own part's shape, so a step moves the weights as it did before the fusion.
 The AdamW half is torch's own functional AdamW (fused, or foreach where no fused kernel exists),
 with torch.optim.AdamW's state layout, so checkpoints read the same.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,8 +34,9 @@ from torch.optim.adamw import adamw
 
 from pretrain import registry
 from pretrain.plan.compile_prerequisites import missing_compile_prerequisite
-from pretrain.config import TrainingConfig
-from pretrain.optim.muon_sharing import MatrixSharing, Orthogonalize
+from pretrain.config import ModelConfig, TrainingConfig
+from pretrain.model import fused_layout
+from pretrain.optim.muon_sharing import MatrixSharing, Orthogonalize, part_slices, row_counts
 from pretrain.optim.optimizers import fusable
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # a quintic that maximises the slope at 0
@@ -79,7 +83,10 @@ class Muon(torch.optim.Optimizer):
     MuonError otherwise. replicated_over: the process group whose ranks hold the same whole
     parameters (DDP), which then share the orthogonalizing; DTensor parameters (FSDP2) share it
     over their mesh. device: where orthogonalizing runs (default: the parameters' device; the
-    GPU under CPU offload). self.orthogonalize is what is called, with (k, ..., m, n) stacks."""
+    GPU under CPU offload). row_splits: for a parameter (by id) that stacks several matrices by
+    rows (a fused attention.wqkv or feed_forward.w13), their row counts, in order: each is
+    orthogonalized and scaled as a matrix of its own. self.orthogonalize is what is called,
+    with (k, ..., m, n) stacks."""
 
     def __init__(
         self,
@@ -89,6 +96,7 @@ class Muon(torch.optim.Optimizer):
         *,
         replicated_over: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        row_splits: dict[int, list[int]] | None = None,
     ) -> None:
         defaults: dict[str, Any] = {"lr": 0.0, "lr_scale": 1.0, "weight_decay": 0.0, "momentum": 0.95, "ns_steps": 5}
         defaults |= {"betas": (0.9, 0.95), "eps": 1e-8, "use_muon": False}
@@ -100,38 +108,60 @@ class Muon(torch.optim.Optimizer):
                 name = (names or {}).get(id(p), "a parameter")
                 shape = tuple(p.shape)
                 raise MuonError(f"Muon updates matrices only, but {name} has shape {shape}; leave it to the AdamW groups")
+        self.row_splits = {id(p): list(rows) for p in matrices if (rows := (row_splits or {}).get(id(p))) is not None}
+        for p in matrices:
+            if id(p) in self.row_splits and sum(self.row_splits[id(p)]) != p.shape[0]:
+                name, rows = (names or {}).get(id(p), "a parameter"), self.row_splits[id(p)]
+                raise MuonError(f"{name} has {p.shape[0]} rows, but its parts' rows {rows} add up to {sum(rows)}")
         for group in self.param_groups:
             # The fused kernel where there is one (CUDA, CPU: also for parameters offloaded to the host),
             # torch's foreach kernels elsewhere; "fused" also tells load_state_dict to keep "step" beside them.
             group["fused"] = not group["use_muon"] and all(fusable(p) for p in group["params"])
-        self.sharing = matrix_sharing(self.param_groups, replicated_over, device)
+        self.sharing = matrix_sharing(self.param_groups, replicated_over, device, self.row_splits)
+
+    @property
+    def takes_found_inf(self) -> bool:
+        """Whether step() can be told to change nothing by a device tensor (self.found_inf, set as
+        torch's GradScaler sets it; pretrain/optim/optimizers.py step_unless): when every AdamW group
+        runs torch's fused kernel, which takes it (the Muon groups mask their own update)."""
+        return all(group["fused"] for group in self.param_groups if not group["use_muon"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
-        self._muon([g for g in self.param_groups if g["use_muon"]])
+        # 1.0 for a step to skip, as GradScaler tells torch's optimizers; None: no such check.
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        self._muon([g for g in self.param_groups if g["use_muon"]], found_inf)
         for group in self.param_groups:
             if not group["use_muon"]:
-                self._adamw(group, [p for p in group["params"] if p.grad is not None])
+                self._adamw(group, [p for p in group["params"] if p.grad is not None], found_inf)
         return loss
 
-    def _muon(self, groups: list[dict]) -> None:
-        """Momentum, then every Muon group's updates from one exchange (sharing.updates), applied per group."""
+    def _muon(self, groups: list[dict], found_inf: torch.Tensor | None = None) -> None:
+        """Momentum, then every Muon group's updates from one exchange (sharing.updates), applied per
+        group. found_inf 1.0: every momentum buffer, weight and gradient is left as it was."""
         entries = [(g, position, p) for g, position, p in muon_entries(groups) if p.grad is not None]
+        skip = None if found_inf is None else found_inf > 0  # a 0-d bool on the device, never read here
+        nesterov_of: dict[int, torch.Tensor] = {}
         for group in groups:
             params = [p for g, _, p in entries if g is group]
             grads = [local(gradient(p)) for p in params]
             buffers = [local(self._momentum_buffer(p)) for p in params]
-            if params:
+            if params and skip is not None:
+                nesterov_of |= zip(map(id, params), masked_momentum(buffers, grads, group["momentum"], skip), strict=True)
+            elif params:
                 torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
                 torch._foreach_lerp_(grads, buffers, group["momentum"])  # Nesterov, in the spent gradient's storage
-        nesterovs = [local(gradient(p)) for _, _, p in entries]
+        nesterovs = [nesterov_of.get(id(p), local(gradient(p))) for _, _, p in entries]
         updates = self.sharing.updates(nesterovs, [position for _, position, _ in entries], self.orthogonalize)
         for group in groups:
             lr = group["lr"] * group["lr_scale"]
             mine = [(p, update) for (g, _, p), update in zip(entries, updates, strict=True) if g is group]
+            if skip is not None:
+                masked_apply(mine, lr, group["weight_decay"], skip, self.row_splits)
+                continue
             torch._foreach_mul_([local(p) for p, _ in mine], 1 - lr * group["weight_decay"])
-            for scale, pairs in by_scale(mine).items():  # one add per aspect ratio, computed in fp32
+            for scale, pairs in by_scale(mine, self.row_splits).items():  # one add per aspect ratio, computed in fp32
                 torch._foreach_add_([local(p) for p, _ in pairs], [u for _, u in pairs], alpha=-lr * scale)
 
     def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
@@ -140,10 +170,13 @@ class Muon(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(gradient(p))  # a DTensor shard under FSDP2, as p
         return state["momentum_buffer"]
 
-    def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
-        """torch's AdamW (fused or foreach) on this group's tensors: no loop over them here."""
+    def _adamw(self, group: dict, params: list[torch.Tensor], found_inf: torch.Tensor | None = None) -> None:
+        """torch's AdamW (fused or foreach) on this group's tensors: no loop over them here.
+        found_inf (fused only): 1.0 leaves weights, moments and step counts as they were."""
         if not params:
             return
+        if found_inf is not None and not group["fused"]:
+            raise ValueError("Muon's foreach AdamW takes no found_inf; step it only after the flags are read")
         for p in params:
             state = self.state[p]
             if not state:  # torch.optim.AdamW's layout: "step" a float32 scalar, beside p when fused
@@ -161,6 +194,8 @@ class Muon(torch.optim.Optimizer):
             [s["step"] for s in states],
             foreach=not group["fused"],
             fused=group["fused"],
+            grad_scale=None,
+            found_inf=found_inf,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -169,6 +204,39 @@ class Muon(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def masked_momentum(
+    buffers: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, skip: torch.Tensor
+) -> list[torch.Tensor]:
+    """The momentum step of _muon unless skip (a 0-d bool on the device), and each matrix's Nesterov
+    momentum, returned as new tensors: the gradients keep the backward's values, so a report or dump
+    of a skipped step reads them. A skipped step's input is the buffer itself (torch.where: a NaN
+    gradient scaled by 0 is still NaN), so lerp leaves each buffer exactly as it was and the Nesterov
+    momentum is the (finite) buffer, which orthogonalizes without NaN; its update is masked out
+    (masked_apply). One where per matrix, then foreach kernels, as the unmasked step: a step that is
+    not skipped computes the same values bit for bit."""
+    inputs = [torch.where(skip, buffer, grad) for buffer, grad in zip(buffers, grads, strict=True)]
+    torch._foreach_lerp_(buffers, inputs, 1 - momentum)
+    torch._foreach_lerp_(inputs, buffers, momentum)  # Nesterov, in the inputs' storage
+    return inputs
+
+
+def masked_apply(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    weight_decay: float,
+    skip: torch.Tensor,
+    row_splits: dict[int, list[int]] | None = None,
+) -> None:
+    """_muon's weight decay and update, in foreach kernels, unless skip: then the decay factor is 1
+    and every update (finite: masked_momentum) is scaled by 0, so each weight keeps its value."""
+    torch._foreach_mul_([local(p) for p, _ in pairs], torch.where(skip, 1.0, 1 - lr * weight_decay))
+    keep = (~skip).float()
+    for scale, scaled in by_scale(pairs, row_splits).items():  # one add per aspect ratio, as the unmasked step
+        updates = [u for _, u in scaled]
+        torch._foreach_mul_(updates, keep)
+        torch._foreach_add_([local(p) for p, _ in scaled], updates, alpha=-lr * scale)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -182,13 +250,33 @@ def gradient(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def by_scale(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[float, list[tuple[torch.Tensor, torch.Tensor]]]:
+def by_scale(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], row_splits: dict[int, list[int]] | None = None
+) -> dict[float, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(parameter, update) pairs by Muon's scale for the update: sqrt(max(1, rows / columns)) of
-    the whole matrix (a DTensor's shape is the whole's)."""
+    the whole matrix (a DTensor's shape is the whole's). A parameter that stacks several matrices
+    (row_splits[id(parameter)]: their row counts) comes as (its rows, their update) pairs of each
+    part this rank holds rows of, plain tensors, at that part's own scale."""
     grouped: dict[float, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for param, update in pairs:
-        grouped.setdefault(math.sqrt(max(1.0, param.shape[-2] / param.shape[-1])), []).append((param, update))
+        parts = (row_splits or {}).get(id(param))
+        if parts is None:
+            grouped.setdefault(math.sqrt(max(1.0, param.shape[-2] / param.shape[-1])), []).append((param, update))
+            continue
+        held = local(param)
+        for rows, part in zip(parts, part_slices(parts, first_held_row(param), held.shape[0]), strict=True):
+            if part.stop > part.start:
+                grouped.setdefault(math.sqrt(max(1.0, rows / param.shape[-1])), []).append((held[part], update[part]))
     return grouped
+
+
+def first_held_row(param: torch.Tensor) -> int:
+    """The first row of param this rank holds: 0 unless param is a DTensor sharded by rows
+    (FSDP2's Shard(0), split as torch.chunk splits: row_counts)."""
+    if not isinstance(param, DTensor):
+        return 0
+    mesh = param.device_mesh
+    return sum(row_counts(param.shape[0], mesh.size())[: mesh.get_local_rank()])
 
 
 def muon_entries(groups: list[dict]) -> list[tuple[dict, int, torch.Tensor]]:
@@ -197,21 +285,28 @@ def muon_entries(groups: list[dict]) -> list[tuple[dict, int, torch.Tensor]]:
     return [(group, position, p) for position, (group, p) in enumerate(params)]
 
 
-def matrix_sharing(groups: list[dict], replicated_over: dist.ProcessGroup | None, device: torch.device | None) -> MatrixSharing:
+def matrix_sharing(
+    groups: list[dict],
+    replicated_over: dist.ProcessGroup | None,
+    device: torch.device | None,
+    row_splits: dict[int, list[int]] | None = None,
+) -> MatrixSharing:
     """How the Muon groups' matrices are held (see pretrain/optim/muon_sharing.py): DTensors sharded by
-    rows over one mesh (FSDP2), whole tensors replicated over a group (DDP), or here alone."""
+    rows over one mesh (FSDP2), whole tensors replicated over a group (DDP), or here alone; a
+    parameter in row_splits (by id) is the matrices it stacks by rows, each shared as one."""
     entries = muon_entries([g for g in groups if g["use_muon"]])
     matrices = [p for _, _, p in entries]
     keys = [(tuple(p.shape), group["ns_steps"]) for group, _, p in entries]
+    parts = [(row_splits or {}).get(id(p)) for p in matrices]
     device = device or (local(matrices[0]).device if matrices else torch.device("cpu"))
     sharded = [p for p in matrices if isinstance(p, DTensor)]
     if not sharded:
         group = replicated_over if replicated_over is not None and dist.get_world_size(replicated_over) > 1 else None
-        return MatrixSharing(keys, "replicated", group, device)
+        return MatrixSharing(keys, "replicated", group, device, parts)
     mesh = sharded[0].device_mesh
     if len(sharded) < len(matrices) or any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in sharded):
         raise MuonError("Muon shares its matrices over one mesh sharded by rows (FSDP2's Shard(0)); these are held otherwise")
-    return MatrixSharing(keys, "rows", mesh.get_group(), device)
+    return MatrixSharing(keys, "rows", mesh.get_group(), device, parts)
 
 
 def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
@@ -222,7 +317,8 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
 
 def build_muon(model: torch.nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
     """Muon for the model as trained: the ranks of a DDP model or of FSDP2's mesh share the
-    orthogonalizing; it runs on device (the GPU, also when the parameters are offloaded to the host)."""
+    orthogonalizing; it runs on device (the GPU, also when the parameters are offloaded to the host).
+    The fused attention.wqkv and feed_forward.w13 are orthogonalized as their parts (Q, K, V; gate, up)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     hidden = [p for n, p in named if is_hidden_matrix(n, p)]
     rest = [p for n, p in named if not is_hidden_matrix(n, p)]
@@ -237,4 +333,6 @@ def build_muon(model: torch.nn.Module, training: TrainingConfig, device: torch.d
     names = {id(p): n for n, p in named}
     replicas = model.process_group if isinstance(model, DistributedDataParallel) else None
     orthogonalize = orthogonalizer(training.muon_orthogonalize, device, training.compile)
-    return Muon(groups, orthogonalize, names, replicated_over=replicas, device=device)
+    model_config = cast(ModelConfig, (model.module if isinstance(model, DistributedDataParallel) else model).cfg)
+    splits = {id(p): rows for n, p in named if (rows := fused_layout.row_splits(n, model_config)) is not None}
+    return Muon(groups, orthogonalize, names, replicated_over=replicas, device=device, row_splits=splits)

@@ -14,11 +14,18 @@ parameters are held:
 Collectives and orthogonalization run on the compute device (the GPU under CPU offload). What
 travels (through a collective, or from the host to the GPU) is bf16, as Newton-Schulz computes;
 the updates are applied in the parameters' dtype.
+
+A fused parameter (attention.wqkv, feed_forward.w13: pretrain/model/fused_layout.py) stands for
+several matrices stacked by rows: each part (Q, K, V; gate, up) is orthogonalized as the matrix of
+its own that it is, with its own owner and key, and the parts' updates are joined back into the
+parameter's rows. Under FSDP2 a rank's shard of it may hold rows of several parts, and of a part
+only some rows: each part's rows travel to that part's owner.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +70,27 @@ def row_counts(rows: int, world_size: int) -> list[int]:
     return [max(0, min(rows, (rank + 1) * size) - min(rows, rank * size)) for rank in range(world_size)]
 
 
+def part_slices(parts: Sequence[int], first: int, held: int) -> list[slice]:
+    """Of a matrix made of parts (their row counts, stacked in order), the rows of each part among
+    the held rows [first, first + held) that a rank holds, as slices of those held rows (an empty
+    slice where the rank holds none of the part)."""
+    slices, start = [], 0
+    for rows in parts:
+        lo, hi = max(start, first), min(start + rows, first + held)
+        slices.append(slice(lo - first, max(lo, hi) - first))
+        start += rows
+    return slices
+
+
+def part_counts(parts: Sequence[int], world_size: int) -> list[list[int]]:
+    """How many rows of each part each rank holds when the whole matrix (the parts stacked by
+    rows) is sharded as FSDP2 shards it (row_counts): [part][rank]."""
+    counts = row_counts(sum(parts), world_size)
+    firsts = [sum(counts[:rank]) for rank in range(world_size)]
+    held = [part_slices(parts, firsts[rank], counts[rank]) for rank in range(world_size)]
+    return [[held[rank][j].stop - held[rank][j].start for rank in range(world_size)] for j in range(len(parts))]
+
+
 @dataclass(frozen=True)
 class Batch:
     """An owner's matrices of one key, stacked into one orthogonalize call."""
@@ -97,14 +125,39 @@ def members(batches: list[Batch]) -> list[int]:
 class MatrixSharing:
     """This rank's part in orthogonalizing the hidden matrices (see the module docstring):
     how its matrices are held ("alone", "replicated" or "rows"), its process group, the compute
-    device, and the owner of each matrix (keys: every Muon matrix, in the optimizer's order)."""
+    device, and the owner of each matrix. params: every Muon parameter's key, in the optimizer's
+    order; parts: for each, the row counts of the matrices it stacks by rows (None: one matrix,
+    itself; a fused parameter: its parts)."""
 
-    def __init__(self, keys: list[MatrixKey], held: str, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        params: list[MatrixKey],
+        held: str,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        parts: list[list[int] | None] | None = None,
+    ) -> None:
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.held = "alone" if self.world_size == 1 else held
         self.rank = 0 if group is None else dist.get_rank(group)
-        self.group, self.device, self.keys = group, device, keys
-        self.costs = [newton_schulz_flops(shape, steps) for shape, steps in keys]
+        self.group, self.device = group, device
+        given = parts if parts is not None else [None] * len(params)
+        self.parts: list[list[int]] = [split or [shape[0]] for (shape, _), split in zip(params, given, strict=True)]
+        """Each parameter's matrices, by their row counts in order ([rows]: one, the parameter)."""
+        for (shape, _), rows in zip(params, self.parts, strict=True):
+            if sum(rows) != shape[0]:
+                raise ValueError(f"parts of {sum(rows)} rows in all cannot make a matrix of shape {shape}")
+        self.keys: list[MatrixKey] = [
+            ((rows, *shape[1:]), steps) for (shape, steps), split in zip(params, self.parts, strict=True) for rows in split
+        ]
+        """Every matrix orthogonalized (a fused parameter's parts each), in order."""
+        self.first_key = [sum(len(split) for split in self.parts[:i]) for i in range(len(params))]
+        """The position in keys of each parameter's first matrix."""
+        self.counts: list[list[int]] = [
+            counts for (shape, _), split in zip(params, self.parts, strict=True) for counts in part_counts(split, self.world_size)
+        ]
+        """How many rows of each matrix each rank holds under "rows": [matrix][rank]."""
+        self.costs = [newton_schulz_flops(shape, steps) for shape, steps in self.keys]
         self.owners = balanced_owners(self.costs, self.world_size)
 
     def share_per_rank(self) -> list[float]:
@@ -115,12 +168,40 @@ class MatrixSharing:
         return [load / total for load in loads]
 
     def updates(self, nesterovs: list[torch.Tensor], present: list[int], orthogonalize: Orthogonalize) -> list[torch.Tensor]:
-        """The orthogonalized update of each matrix, laid out as its nesterov (plain tensors: the
+        """The orthogonalized update of each parameter, laid out as its nesterov (plain tensors: the
         whole matrix, or this rank's rows under "rows"), on its device, in the dtype it arrived in
         (bf16 from another rank; an fp32 copy of them all would cost 4 bytes a parameter). present:
-        which of the keys' matrices nesterovs are (every rank passes the same)."""
+        which of the parameters nesterovs are (every rank passes the same). A fused parameter's
+        parts are orthogonalized apart and their updates joined by rows (one copy)."""
         if not nesterovs:
             return []
+        matrices: list[torch.Tensor] = []
+        positions: list[int] = []
+        for nesterov, param in zip(nesterovs, present, strict=True):
+            split = self.parts[param]
+            if len(split) == 1:
+                matrices.append(nesterov)
+            else:
+                first = self._first_held_row(param)
+                matrices += [nesterov[rows] for rows in part_slices(split, first, nesterov.shape[0])]
+            positions += range(self.first_key[param], self.first_key[param] + len(split))
+        updates = iter(self._matrix_updates(matrices, positions, orthogonalize))
+        joined = []
+        for param in present:
+            pieces = [next(updates) for _ in self.parts[param]]
+            joined.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        return joined
+
+    def _first_held_row(self, param: int) -> int:
+        """The first row of parameter param that this rank holds (0 but under "rows")."""
+        if self.held != "rows":
+            return 0
+        return sum(row_counts(sum(self.parts[param]), self.world_size)[: self.rank])
+
+    def _matrix_updates(
+        self, nesterovs: list[torch.Tensor], present: list[int], orthogonalize: Orthogonalize
+    ) -> list[torch.Tensor]:
+        """updates for matrices: present indexes keys (a fused parameter's parts each)."""
         keys = [self.keys[i] for i in present]
         owners = [self.owners[i] for i in present] if self.held != "alone" else [0] * len(present)
         plan = batches_by_owner(keys, owners, self.world_size)
@@ -128,7 +209,7 @@ class MatrixSharing:
             return self._alone(nesterovs, plan[0], orthogonalize)
         if self.held == "replicated":
             return self._replicated(nesterovs, plan, orthogonalize)
-        return self._row_sharded(nesterovs, keys, plan, orthogonalize)
+        return self._row_sharded(nesterovs, keys, [self.counts[i] for i in present], plan, orthogonalize)
 
     def _stacked(self, nesterovs: list[torch.Tensor], batch: Batch) -> torch.Tensor:
         """A batch's whole matrices as one (k, *shape) tensor on the compute device: in their
@@ -173,12 +254,17 @@ class MatrixSharing:
         return out
 
     def _row_sharded(
-        self, nesterovs: list[torch.Tensor], keys: list[MatrixKey], plan: list[list[Batch]], orthogonalize: Orthogonalize
+        self,
+        nesterovs: list[torch.Tensor],
+        keys: list[MatrixKey],
+        counts: list[list[int]],
+        plan: list[list[Batch]],
+        orthogonalize: Orthogonalize,
     ) -> list[torch.Tensor]:
-        """Each rank holds rows of every matrix (Shard(0)): one all-to-all sends each owner the
-        bf16 rows of its matrices, the owner orthogonalizes the whole stacks, and one all-to-all
-        sends each rank its rows of every update."""
-        rows = RowLayout([row_counts(shape[0], self.world_size) for shape, _ in keys], [math.prod(s[1:]) for s, _ in keys])
+        """Each rank holds rows of every matrix (Shard(0); counts[m][rank] of matrix m): one
+        all-to-all sends each owner the bf16 rows of its matrices, the owner orthogonalizes the
+        whole stacks, and one all-to-all sends each rank its rows of every update."""
+        rows = RowLayout(counts, [math.prod(s[1:]) for s, _ in keys])
         for m, nesterov in enumerate(nesterovs):
             if nesterov.shape[0] != rows.counts[m][self.rank]:
                 shape, held = keys[m][0], nesterov.shape[0]
@@ -201,18 +287,20 @@ class MatrixSharing:
         torch.cat([nesterovs[m].flatten() for d in range(world) for m in members(plan[d])], out=send)
         received = torch.empty(sum(from_holder), dtype=SEND_DTYPE, device=self.device)
         dist.all_to_all_single(received, send.to(self.device), from_holder, to_owner, group=self.group)
-        # received: [holder s][my batches][members][s's rows]: each batch's pieces, joined by rows.
-        pieces: list[list[torch.Tensor]] = [[] for _ in plan[me]]
+        # received: [holder s][my batches][members][s's rows of the member], copied into each
+        # member's rows of its batch's stack. Members of one shape may be split differently over
+        # the ranks (a fused parameter's part and a matrix of its own).
+        wholes = [torch.empty((len(b.members), *b.shape), dtype=SEND_DTYPE, device=self.device) for b in plan[me]]
         offset = 0
         for s in range(world):
-            for b, batch in enumerate(plan[me]):
-                first = batch.members[0]
-                size = len(batch.members) * rows.numel(first, s)
-                pieces[b].append(
-                    received[offset : offset + size].view(len(batch.members), rows.counts[first][s], *batch.shape[1:])
-                )
-                offset += size
-        return [torch.cat(p, dim=1) for p in pieces]
+            for whole, batch in zip(wholes, plan[me], strict=True):
+                for j, m in enumerate(batch.members):
+                    size = rows.numel(m, s)
+                    whole[j, rows.start(m, s) : rows.start(m, s + 1)] = received[offset : offset + size].view(
+                        rows.counts[m][s], *batch.shape[1:]
+                    )
+                    offset += size
+        return wholes
 
     def _rows_to_holders(
         self, results: list[torch.Tensor], nesterovs: list[torch.Tensor], rows: RowLayout, plan: list[list[Batch]]
@@ -224,9 +312,10 @@ class MatrixSharing:
         from_owner = [sum(rows.numel(m, me) for m in members(plan[s])) for s in range(world)]
         back = torch.empty(sum(to_holder), dtype=SEND_DTYPE, device=self.device)
         parts = [
-            result[:, rows.start(b.members[0], d) : rows.start(b.members[0], d + 1)].flatten()
+            result[j, rows.start(m, d) : rows.start(m, d + 1)].flatten()
             for d in range(world)
             for result, b in zip(results, plan[me], strict=True)
+            for j, m in enumerate(b.members)
         ]
         if parts:
             torch.cat(parts, out=back)
@@ -254,6 +343,11 @@ class RowLayout:
         """How many elements of matrix m rank holds."""
         return self.counts[m][rank] * self.row_size[m]
 
+    def __post_init__(self) -> None:
+        # Each matrix's first row per rank, summed once: start() runs per (rank, matrix) every step.
+        starts = [list(itertools.accumulate(counts, initial=0)) for counts in self.counts]
+        object.__setattr__(self, "_starts", starts)
+
     def start(self, m: int, rank: int) -> int:
         """The first row of matrix m that rank holds (rank = W: one past the last row)."""
-        return sum(self.counts[m][:rank])
+        return self._starts[m][rank]  # type: ignore[attr-defined]
