@@ -211,15 +211,20 @@ def test_a_data_position_that_is_not_a_whole_batch_of_the_new_run_is_refused(tra
     )
 
 
+def mark_format_1(path: Path) -> None:
+    """Rewrite checkpoint path's state.json as format 1 wrote it: no parallelism or lr_schedule."""
+    state = checkpoint.read_state(path)
+    for key in ("parallelism", "lr_schedule"):
+        del state[key]
+    (path / "state.json").write_text(json.dumps(state | {"format_version": 1}))
+
+
 def test_a_format_1_checkpoint_restores_its_weights_and_adam_moments(trained, cache, tmp_path):
     saved, path = trained
     # Format 1: the optimizer's own numbered state dict, torch's CPU generator only.
     torch.save(saved.optimizer.state_dict(), path / "optimizer.pt")
     torch.save({"cpu": torch.get_rng_state()}, path / "rng_rank0.pt")
-    state = checkpoint.read_state(path)
-    for key in ("parallelism", "lr_schedule"):
-        del state[key]
-    (path / "state.json").write_text(json.dumps(state | {"format_version": 1}))
+    mark_format_1(path)
     fresh = make_trainer(cache, tmp_path / "fresh")
     assert checkpoint.restore(fresh, path) == 2
     assert_same_tensors(fresh.optimizer.state_dict()["state"], saved.optimizer.state_dict()["state"])
@@ -320,10 +325,7 @@ def test_a_format_1_checkpoint_of_the_separate_layout_restores_its_weights_and_a
     numbered = {order.index(name): value for name, value in named["state"].items()}
     groups = [{**group, "params": [order.index(name) for name in group["params"]]} for group in named["param_groups"]]
     torch.save({"state": numbered, "param_groups": groups}, path / "optimizer.pt")
-    state = checkpoint.read_state(path)
-    for key in ("parallelism", "lr_schedule"):
-        del state[key]
-    (path / "state.json").write_text(json.dumps(state | {"format_version": 1}))
+    mark_format_1(path)
     fresh = make_trainer(cache, tmp_path / "fresh")
     assert checkpoint.restore(fresh, path) == 2
     assert "layers.0.attention.wqkv.weight" in fresh.model.state_dict()  # restored into the fused layout
