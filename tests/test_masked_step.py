@@ -23,6 +23,7 @@ from pretrain import registry, train
 from pretrain.model.loss import Loss
 from pretrain.numerics import debug
 from pretrain.numerics.debug import NumericalFailure
+from pretrain.optim import muon as muon_module
 from pretrain.optim import optimizers
 from pretrain.optim.muon import Muon, svd_orthogonalize
 
@@ -193,13 +194,13 @@ def test_a_stopped_steps_dump_holds_the_gradients_the_backward_made_not_clipped_
 
 def tiny_muon(orthogonalize=svd_orthogonalize) -> tuple[Muon, list[torch.nn.Parameter]]:
     torch.manual_seed(0)
-    matrix, vector, embedding = (torch.nn.Parameter(torch.randn(*s)) for s in ((8, 4), (4,), (6, 4)))
+    matrix, vector, embedding, other = (torch.nn.Parameter(torch.randn(*s)) for s in ((8, 4), (4,), (6, 4), (4, 6)))
     groups = [
-        {"params": [matrix], "use_muon": True, "lr": 0.1, "weight_decay": 0.1},
+        {"params": [matrix, other], "use_muon": True, "lr": 0.1, "weight_decay": 0.1},
         {"params": [embedding], "lr": 0.1, "weight_decay": 0.1},
         {"params": [vector], "lr": 0.1},
     ]
-    return Muon(groups, orthogonalize), [matrix, vector, embedding]
+    return Muon(groups, orthogonalize), [matrix, vector, embedding, other]
 
 
 def set_grads(params: list[torch.nn.Parameter], seed: int, bad: bool = False) -> None:
@@ -227,10 +228,13 @@ def test_muon_told_to_skip_changes_no_weight_momentum_moment_or_gradient(orthogo
     assert not hasattr(muon, "found_inf")
 
 
-@pytest.mark.parametrize("make", ["adamw", "muon"])
-def test_an_update_told_not_to_skip_is_the_plain_steps_bit_for_bit(make):
+@pytest.mark.parametrize("make", ["adamw", "muon", "muon in chunks of one matrix"])
+def test_an_update_told_not_to_skip_is_the_plain_steps_bit_for_bit(make, monkeypatch):
+    if make == "muon in chunks of one matrix":
+        monkeypatch.setattr(muon_module, "MASK_CHUNK_BYTES", 1)  # every matrix a chunk of its own
+
     def build() -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
-        if make == "muon":
+        if make.startswith("muon"):
             return tiny_muon(registry.load(registry.ORTHOGONALIZERS["newton_schulz"]))
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]

@@ -142,18 +142,18 @@ class Muon(torch.optim.Optimizer):
         group. found_inf 1.0: every momentum buffer, weight and gradient is left as it was."""
         entries = [(g, position, p) for g, position, p in muon_entries(groups) if p.grad is not None]
         skip = None if found_inf is None else found_inf > 0  # a 0-d bool on the device, never read here
-        nesterov_of: dict[int, torch.Tensor] = {}
         for group in groups:
             params = [p for g, _, p in entries if g is group]
             grads = [local(gradient(p)) for p in params]
             buffers = [local(self._momentum_buffer(p)) for p in params]
             if params and skip is not None:
-                nesterov_of |= zip(map(id, params), masked_momentum(buffers, grads, group["momentum"], skip), strict=True)
+                masked_momentum(buffers, grads, group["momentum"], skip)
             elif params:
                 torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
                 torch._foreach_lerp_(grads, buffers, group["momentum"])  # Nesterov, in the spent gradient's storage
-        nesterovs = [nesterov_of.get(id(p), local(gradient(p))) for _, _, p in entries]
-        updates = self.sharing.updates(nesterovs, [position for _, position, _ in entries], self.orthogonalize)
+        nesterovs = [local(gradient(p)) for _, _, p in entries]
+        orthogonalize = self.orthogonalize if skip is None else finite_input(self.orthogonalize, skip)
+        updates = self.sharing.updates(nesterovs, [position for _, position, _ in entries], orthogonalize)
         for group in groups:
             lr = group["lr"] * group["lr_scale"]
             mine = [(p, update) for (g, _, p), update in zip(entries, updates, strict=True) if g is group]
@@ -206,20 +206,38 @@ class Muon(torch.optim.Optimizer):
         )
 
 
-def masked_momentum(
-    buffers: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, skip: torch.Tensor
-) -> list[torch.Tensor]:
-    """The momentum step of _muon unless skip (a 0-d bool on the device), and each matrix's Nesterov
-    momentum, returned as new tensors: the gradients keep the backward's values, so a report or dump
-    of a skipped step reads them. A skipped step's input is the buffer itself (torch.where: a NaN
-    gradient scaled by 0 is still NaN), so lerp leaves each buffer exactly as it was and the Nesterov
-    momentum is the (finite) buffer, which orthogonalizes without NaN; its update is masked out
-    (masked_apply). One where per matrix, then foreach kernels, as the unmasked step: a step that is
-    not skipped computes the same values bit for bit."""
-    inputs = [torch.where(skip, buffer, grad) for buffer, grad in zip(buffers, grads, strict=True)]
-    torch._foreach_lerp_(buffers, inputs, 1 - momentum)
-    torch._foreach_lerp_(inputs, buffers, momentum)  # Nesterov, in the inputs' storage
-    return inputs
+MASK_CHUNK_BYTES = 64 * 2**20
+"""masked_momentum's temporaries at most (a larger matrix alone): a chunk's matrices go through
+foreach kernels together, and nothing the size of every matrix is held at once."""
+
+
+def masked_momentum(buffers: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, skip: torch.Tensor) -> None:
+    """The momentum and Nesterov steps of _muon unless skip (a 0-d bool on the device): then every
+    buffer and gradient keeps its value, so a report or dump of the step reads the backward's
+    gradients. A skipped step's input is the buffer itself (torch.where: a NaN gradient scaled by 0
+    is still NaN), so lerp leaves the buffer exactly as it was. Per chunk of matrices: one where per
+    matrix into a temporary, two foreach lerps, one where per matrix back into the gradient; a step
+    that is not skipped computes what the unmasked one does, bit for bit."""
+    for chunk in _chunks(list(zip(buffers, grads, strict=True)), MASK_CHUNK_BYTES):
+        inputs = [torch.where(skip, buffer, grad) for buffer, grad in chunk]
+        torch._foreach_lerp_([buffer for buffer, _ in chunk], inputs, 1 - momentum)
+        torch._foreach_lerp_(inputs, [buffer for buffer, _ in chunk], momentum)  # Nesterov, in the temporaries
+        for (_, grad), nesterov in zip(chunk, inputs, strict=True):
+            torch.where(skip, grad, nesterov, out=grad)  # in the spent gradient's storage, unless skipped
+
+
+def _chunks(pairs: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """pairs in order, cut where a chunk's first tensors would pass limit bytes (each chunk holds one at least)."""
+    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    size = limit
+    for pair in pairs:
+        nbytes = pair[0].numel() * pair[0].element_size()
+        if size + nbytes > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(pair)
+        size += nbytes
+    return chunks
 
 
 def masked_apply(
@@ -230,13 +248,19 @@ def masked_apply(
     row_splits: dict[int, list[int]] | None = None,
 ) -> None:
     """_muon's weight decay and update, in foreach kernels, unless skip: then the decay factor is 1
-    and every update (finite: masked_momentum) is scaled by 0, so each weight keeps its value."""
+    and every update (finite: finite_input) is scaled by 0, so each weight keeps its value."""
     torch._foreach_mul_([local(p) for p, _ in pairs], torch.where(skip, 1.0, 1 - lr * weight_decay))
     keep = (~skip).float()
     for scale, scaled in by_scale(pairs, row_splits).items():  # one add per aspect ratio, as the unmasked step
         updates = [u for _, u in scaled]
         torch._foreach_mul_(updates, keep)
         torch._foreach_add_([local(p) for p, _ in scaled], updates, alpha=-lr * scale)
+
+
+def finite_input(orthogonalize: Orthogonalize, skip: torch.Tensor) -> Orthogonalize:
+    """orthogonalize, given zeros in place of a skipped step's momentum, which may hold NaN or Inf
+    (an SVD refuses those); its result is scaled by 0 (masked_apply)."""
+    return lambda stack, steps: orthogonalize(torch.where(skip.to(stack.device), 0.0, stack), steps)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
