@@ -397,12 +397,17 @@ def check_global_batch_kept(
     the global batch the first attempt trains on world_size ranks, or this refuses it in one line."""
     batch = global_batch(training, world_size)
     for size in sizes:  # under grad_accum_nums "auto" the plan fits the micro-batch to each size's share
-        micro = 1 if training.grad_accum_nums == "auto" else training.batch_size
+        auto = training.grad_accum_nums == "auto"
+        micro = 1 if auto else training.batch_size
         if batch % (micro * per_unit * size):
+            rule = (
+                f"not a multiple of {per_unit * size}: grad_accum_nums auto shares it equally over the workers"
+                if auto
+                else f"not a multiple of training.batch_size {training.batch_size} x {per_unit * size}"
+            )
             raise UsageError(
                 f"{option} {sizes.start}: the global batch of {batch} sequences cannot be kept on {size} {unit}"
-                f" (not a multiple of training.batch_size {training.batch_size} x {per_unit * size}); raise {option}, "
-                "or set training.global_batch_size to a multiple of every such product"
+                f" ({rule}); raise {option}, or set training.global_batch_size to a multiple of every such product"
             )
 
 

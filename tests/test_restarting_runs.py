@@ -147,6 +147,13 @@ def test_min_nproc_above_the_workers_asked_for_or_a_global_batch_it_cannot_keep_
         "launcher: error: --min-nproc 2: the global batch of 24 sequences cannot be kept on 2 worker(s) "
         "(not a multiple of training.batch_size 8 x 2)"
     )
+    auto = ["--set", "training.grad_accum_nums=auto", "--set", "training.global_batch_size=8"]
+    shared = launch(*common, "--nproc", "4", "--min-nproc", "3", *auto)  # under auto, 8 is shared out: 3 cannot
+    assert shared.returncode == 2
+    assert shared.stderr.startswith(
+        "launcher: error: --min-nproc 3: the global batch of 8 sequences cannot be kept on 3 worker(s) "
+        "(not a multiple of 3: grad_accum_nums auto shares it equally over the workers)"
+    )
     assert not run_dir.exists()  # refused before the run directory was made
 
 
