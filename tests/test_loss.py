@@ -172,3 +172,30 @@ def test_the_compiled_loss_heads_backward_holds_no_more_than_one_copy_of_the_log
     assert result.returncode == 0, result.stderr[-2000:]
     copies = float(result.stdout.strip().splitlines()[-1])
     assert copies < 1.6, f"the compiled head's forward and backward grew the peak by {copies:.2f} bf16 copies of the logits"
+
+
+def test_every_layers_auxiliary_loss_joins_the_total_in_a_few_ops_not_one_add_per_layer() -> None:
+    """next_token_loss runs outside the compiled blocks: an add per MoE layer would be that many
+    uncompiled kernels a step (the efficiency benchmark's per-row notes list them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    aux = {f"layers.{i}.moe_load_balance": torch.tensor(float(i)) for i in range(12)}
+    cross_entropy, tokens = torch.tensor(1.0), torch.zeros(1, 1, dtype=torch.long)
+
+    class Stub(nn.Module):
+        def forward(self, tokens: Tensor, head) -> tuple[Tensor, dict[str, Tensor]]:
+            return cross_entropy, aux
+
+    with Ops() as ops:
+        loss = next_token_loss(Stub(), tokens, tokens)
+    assert loss.total.item() == 1.0 + sum(range(12))
+    assert len(ops.names) <= 3, ops.names

@@ -54,7 +54,9 @@ def next_token_loss(model: nn.Module, tokens: Tensor, targets: Tensor, chunk_tok
     compiled = bool(getattr(inner, "compile_loss_head", False))
     head = ChunkedCrossEntropy(targets, chunk_tokens, compiled, getattr(inner, "compile_mode", None))
     cross_entropy, aux_losses = model(tokens, head=head)
-    total = cross_entropy + sum(aux_losses.values()) if aux_losses else cross_entropy
+    # One stack and one sum for every layer's auxiliary loss, not an add per layer: these run
+    # outside the compiled blocks (the gradient each loss gets is 1 either way).
+    total = cross_entropy + torch.stack(list(aux_losses.values())).sum() if aux_losses else cross_entropy
     return Loss(total, cross_entropy, aux_losses)
 
 
