@@ -36,6 +36,7 @@ if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the r
 import torch  # noqa: E402
 
 from benchmarks import efficiency_counters as counters  # noqa: E402
+from benchmarks import efficiency_forward as forward_counters  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
 from pretrain.plan import parallelism  # noqa: E402
 from pretrain.distributed import parallel  # noqa: E402
@@ -241,7 +242,7 @@ def marking_step(optimizer: torch.optim.Optimizer, counter: counters.DispatchCou
 
 def forward_counts(trainer: Trainer, compiled: bool) -> dict[str, Any]:
     """What the forward of one micro-batch keeps for the backward pass, per token and by dtype
-    (counters.activation_bytes_per_token, at ACTIVATION_ROWS rows of the run's context, each
+    (forward_counters.activation_bytes_per_token, at ACTIVATION_ROWS rows of the run's context, each
     forward followed by its backward pass, without gradient sync, as a micro-batch of gradient
     accumulation; the gradients are dropped), and, compiled, the ops its forward runs outside
     the compiled regions. Run last: the trainer is not stepped after it."""
@@ -259,11 +260,13 @@ def forward_counts(trainer: Trainer, compiled: bool) -> dict[str, Any]:
             return next_token_loss(model, *batches[rows], chunk).total
 
     with parallel.gradient_sync(model, enabled=False):
-        per_dtype = counters.activation_bytes_per_token(forward_at, context, ACTIVATION_ROWS, lambda loss: loss.backward())
+        per_dtype = forward_counters.activation_bytes_per_token(
+            forward_at, context, ACTIVATION_ROWS, lambda loss: loss.backward()
+        )
         uncompiled: dict[str, int] = {}
         if compiled:
             losses: list[torch.Tensor] = []
-            uncompiled = dict(counters.uncompiled_ops(lambda: losses.append(forward_at(ACTIVATION_ROWS[0]))))
+            uncompiled = dict(forward_counters.uncompiled_ops(lambda: losses.append(forward_at(ACTIVATION_ROWS[0]))))
             losses.pop().backward()
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
@@ -275,7 +278,7 @@ def forward_counts(trainer: Trainer, compiled: bool) -> dict[str, Any]:
 
 
 def matmuls_per_block(model_config: cfg.ModelConfig, context: int, use_amp: bool) -> int:
-    """The matmul kernels one block's forward runs (counters.matmuls_in), in a one-block model of
+    """The matmul kernels one block's forward runs (forward_counters.matmuls_in), in a one-block model of
     model_config on the CPU, under autocast as training.use_amp says."""
     from pretrain.model.transformer import Transformer
 
@@ -287,7 +290,7 @@ def matmuls_per_block(model_config: cfg.ModelConfig, context: int, use_amp: bool
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp):
             model(tokens)
 
-    return counters.matmuls_in(model.layers[0], forward)
+    return forward_counters.matmuls_in(model.layers[0], forward)
 
 
 def compile_counts(trainer: Trainer) -> dict[str, Any]:

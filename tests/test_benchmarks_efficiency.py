@@ -15,6 +15,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 from benchmarks import efficiency, efficiency_counters as counters, efficiency_worker as worker  # noqa: E402
+from benchmarks import efficiency_forward as forward_counters  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
 from pretrain.model import transformer as model_module  # noqa: E402
 from pretrain.optim.muon import newton_schulz  # noqa: E402
@@ -191,9 +192,9 @@ def test_the_saved_bytes_counter_counts_a_storage_once_and_the_per_token_slope_l
         h = (x @ weight).to(torch.bfloat16)  # matmul keeps x (fp32) and the weight
         return (h * h).sum()  # keeps h (bf16) once, though it is both operands
 
-    _, saved = counters.saved_bytes(lambda: forward_at(2))
+    _, saved = forward_counters.saved_bytes(lambda: forward_at(2))
     assert saved == {"float32": 2 * 4 * 8 * 4 + 8 * 8 * 4, "bfloat16": 2 * 4 * 8 * 2}
-    per_token = counters.activation_bytes_per_token(forward_at, tokens_per_row=4)
+    per_token = forward_counters.activation_bytes_per_token(forward_at, tokens_per_row=4)
     assert per_token == {"float32": 8 * 4, "bfloat16": 8 * 2}  # the weight's 256 bytes cancel
 
 

@@ -109,7 +109,7 @@ def test_the_bf16_forward_keeps_almost_nothing_in_float32_for_the_backward_pass(
     from conftest import ROOT
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks import efficiency_counters as counters
+    from benchmarks import efficiency_forward as counters
 
     model = Transformer(TINY, max_seq_len=16, seed=1)
 
