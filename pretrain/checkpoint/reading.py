@@ -27,7 +27,7 @@ from pretrain.hf.exported import is_export, read_export
 from pretrain.model.transformer import Transformer
 from pretrain.checkpoint.model_state import read_sharded_tensors, sharded_model_shapes
 from pretrain.checkpoint.resume import ResumeError, checkpoint_at
-from pretrain.checkpoint.separate_layout import has_separate_layout, separate_shapes
+from pretrain.checkpoint.separate_layout import shapes_as_saved
 from pretrain.model.fused_layout import fuse_separate, part_names
 
 
@@ -82,7 +82,7 @@ def read_checkpoint(path: Path) -> tuple[Config, dict[str, Tensor]]:
         config, state = read_export(path)
         check_weights(config, state, f"export {path}")
         # Meta's separate names (wq/wk/wv, w1/w3) where the model has them fused: concatenated
-        return config, fuse_separate(state, config.model) if has_separate_layout(state, config.model) else state
+        return config, fuse_separate(state, config.model)
     config = checkpoint.load_config(path)
     state = checkpoint.load_model_state(path)
     check_weights(config, state, f"checkpoint {path}")
@@ -146,9 +146,7 @@ def check_weights(config: Config, state: dict[str, Tensor], where: str) -> None:
 def check_shapes(config: Config, got: dict[str, tuple[int, ...]], where: str) -> None:
     """check_weights, from the tensors' shapes alone; got may hold the separate layout's weights
     (before the fused projections): they are checked under their own names."""
-    expected = expected_shapes(config)
-    if has_separate_layout(got, config.model):
-        expected = separate_shapes(expected, config.model)
+    expected = shapes_as_saved(expected_shapes(config), got, config.model)
     problems = []
     if missing := sorted(expected.keys() - got.keys()):
         problems.append(f"{len(missing)} missing ({_some(missing)})")

@@ -69,7 +69,7 @@ from pretrain.checkpoint.model_state import (
 from pretrain.distributed.parallel import has_fsdp, unwrap
 from pretrain.distributed.peer_loss import PeerFailed
 from pretrain.checkpoint.rng import rng_states, seed_from, set_rng_states
-from pretrain.checkpoint.separate_layout import has_separate_layout, note, separate_shapes
+from pretrain.checkpoint.separate_layout import note, shapes_as_saved
 from pretrain.model.fused_layout import fuse_separate
 from pretrain.run.files import atomic_write_text
 from pretrain.distributed.runtime import Runtime
@@ -243,10 +243,7 @@ def load_model_state(path: Path, as_saved: bool = False) -> dict[str, torch.Tens
         state = read_sharded_model(path, read_dcp_metadata(path))
     else:
         state = {plain_name(key): value for key, value in load_tensors(path, "model.pt", mmap=True).items()}
-    model_config = load_config(path).model
-    if as_saved or not has_separate_layout(state, model_config):
-        return state
-    return fuse_separate(state, model_config)
+    return state if as_saved else fuse_separate(state, load_config(path).model)
 
 
 def _is_sharded(path: Path) -> bool:
@@ -338,9 +335,7 @@ def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataCon
 def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:
     """The checkpoint has exactly the model's tensors, each of the same (full) shape: under their
     separate names and shapes in a checkpoint of the separate layout (before the fused projections)."""
-    current = model_shapes(model)
-    if has_separate_layout(saved, unwrap(model).cfg):
-        current = separate_shapes(current, unwrap(model).cfg)
+    current = shapes_as_saved(model_shapes(model), saved, unwrap(model).cfg)
     for key in sorted(saved.keys() | current.keys()):
         there, here = saved.get(key), current.get(key)
         if there != here:

@@ -28,7 +28,15 @@ from pretrain.checkpoint.dcp_files import dcp_load
 from pretrain.config import ModelConfig
 from pretrain.model.fused_layout import has_separate_layout, part_names, row_splits
 
-__all__ = ["fuse_optimizer_state", "has_separate_layout", "load_fused_from_parts", "note", "separate_order", "separate_shapes"]
+__all__ = [
+    "fuse_optimizer_state",
+    "has_separate_layout",
+    "load_fused_from_parts",
+    "note",
+    "separate_order",
+    "separate_shapes",
+    "shapes_as_saved",
+]
 
 
 def note(path: Path, reset: list[str]) -> str:
@@ -59,6 +67,14 @@ def separate_shapes(shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig) -> 
 MOVED_AFTER = {"feed_forward.w3.weight": "feed_forward.w2.weight"}
 """Parts that the separate layout's module registered after another weight of the same block:
 SwiGLU registered w1, w2, w3, so w3 came after w2, not next to w1 as in w13's rows."""
+
+
+def shapes_as_saved(
+    expected: Mapping[str, tuple[int, ...]], saved: Iterable[str], cfg: ModelConfig
+) -> dict[str, tuple[int, ...]]:
+    """The shapes (fused names) a checkpoint whose tensors are called saved should hold: under the
+    separate layout's names and shapes when it was written before the fusion, else expected itself."""
+    return separate_shapes(expected, cfg) if has_separate_layout(saved, cfg) else dict(expected)
 
 
 def separate_order(order: list[str]) -> list[str]:

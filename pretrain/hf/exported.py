@@ -43,7 +43,7 @@ from pretrain.hf.transformers_form import (
     model_fields_from_hf,
     tied_output,
 )
-from pretrain.model.fused_layout import fuse_separate, has_separate_layout
+from pretrain.model.fused_layout import fuse_separate
 from pretrain.model.transformer import Transformer
 from pretrain.hf.safetensors_shards import INDEX_FILE, SINGLE_FILE, WeightFiles, weight_map
 
@@ -83,8 +83,7 @@ def load_exported(out_dir: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if "model_type" not in described:  # our own format: Meta's names, the separate weights to fuse
             with WeightFiles(path, files_by_name) as files:
                 state = {name: files.get(name) for name in files_by_name}
-            model_config = _model(described, path)[0]
-            return (fuse_separate(state, model_config) if has_separate_layout(state, model_config) else state), described
+            return fuse_separate(state, _model(described, path)[0]), described
         model, max_seq_len = _model(described, path)
         return _from_hf_files(path, files_by_name, described, model, max_seq_len), described
     except (OSError, SafetensorError) as error:  # a file changed since it was checked
