@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,25 @@ class FeedForwardKind:
     pretrain/model/fused_layout.py): an export says it is Llama-shaped."""
 
 
+def expert_rows_per_token(model: Any) -> float:
+    """The rows a mixture of experts' experts run per token in training (ModelConfig -> rows):
+    top_k exactly when dropless (model.moe.capacity_factor null: however unevenly they fall on the
+    experts, the grouped matmuls' rows add up to top_k x tokens, with no padding), top_k x
+    capacity_factor with a capacity (every expert's buffer has its capacity's rows, used or not)."""
+    factor = model.moe.capacity_factor
+    return model.moe.top_k * (1.0 if factor is None else factor)
+
+
+GROUPED_MM_STRIDE_BYTES = 16
+"""What a grouped matmul's operands' leading strides must be a multiple of (torch's _grouped_mm)."""
+
+
+def grouped_widths_aligned(dim: int, ffn_dim: int, itemsize: int) -> bool:
+    """Whether dropless experts' grouped matmuls can take dim- and ffn_dim-wide rows of itemsize
+    bytes (multiples of 8 in bf16); else they run the every-token buffer (pretrain/model/moe_dropless.py)."""
+    return itemsize > 0 and all(width * itemsize % GROUPED_MM_STRIDE_BYTES == 0 for width in (dim, ffn_dim))
+
+
 OPTIMIZERS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind("pretrain.optim.optimizers:build_adamw", state_bytes_per_param=8),
     # Muon keeps one fp32 momentum per matrix entry, AdamW two moments for the rest: 8 bounds both.
@@ -81,12 +101,17 @@ FEED_FORWARDS: dict[str, FeedForwardKind] = {
         llama_layout=True,
     ),
     # model.moe.num_experts > 0 chooses it (ModelConfig.feed_forward): a router (dim x E) and E
-    # SwiGLU experts; a token runs through top_k of them, and each keeps SwiGLU's four values per
-    # routed token, capacity_factor-padded.
+    # SwiGLU experts; a token runs through top_k of them. It keeps the router's fp32 probabilities
+    # (2 E), per expert row (expert_rows_per_token) the row (dim) and SwiGLU's four values (4
+    # ffn_dim), and per assignment the expert's output twice, as it is weighted and summed (2 dim),
+    # and its routing: three int64 indices and an fp32 weight (16; checked against autograd's
+    # saved tensors: tests/test_activations.py).
     "moe": FeedForwardKind(
         "pretrain.model.moe:MixtureOfExperts",
         parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.num_experts * m.dim * m.ffn_dim,
-        saved_per_token=lambda m: m.moe.num_experts + int(4 * m.ffn_dim * m.moe.top_k * m.moe.capacity_factor) + 2 * m.dim,
+        saved_per_token=lambda m: (
+            2 * m.moe.num_experts + math.ceil(expert_rows_per_token(m) * (4 * m.ffn_dim + m.dim)) + m.moe.top_k * (2 * m.dim + 16)
+        ),
         active_parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.top_k * m.dim * m.ffn_dim,
     ),
 }

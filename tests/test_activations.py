@@ -5,6 +5,7 @@ are checked against autograd in test_memory.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -113,3 +114,49 @@ def test_under_debug_tracing_the_estimate_counts_the_eager_model():
     eager = with_training(config, compile=False)
     assert activations.activation_bytes(traced) == activations.activation_bytes(eager)
     assert activations.logits_bytes(traced) == activations.logits_bytes(eager) > activations.logits_bytes(config)
+
+
+def moe_tiny(use_amp: bool, capacity_factor: float | None, n_layers: int = 2) -> cfg.Config:
+    """test_memory.py's tiny model with 4 experts, top-2."""
+    from test_memory import tiny
+
+    config = tiny(use_amp, 0, n_layers=n_layers)
+    moe = cfg.MoEConfig(num_experts=4, top_k=2, capacity_factor=capacity_factor)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, moe=moe))
+
+
+@pytest.mark.parametrize("use_amp", [True, False], ids=["bf16-grouped", "fp32-fallback"])
+@pytest.mark.parametrize("capacity_factor", [None, 1.25], ids=["dropless", "capacity-1.25"])
+def test_a_mixture_of_experts_block_keeps_what_the_estimate_counts(use_amp, capacity_factor):
+    from test_memory import saved_bytes
+
+    def per_block(count) -> int:
+        return count(moe_tiny(use_amp, capacity_factor)) - count(moe_tiny(use_amp, capacity_factor, n_layers=1))
+
+    estimated, saved = per_block(activations.activation_bytes), per_block(saved_bytes)
+    # each expert's overflow row (capacity routing, and the fp32 fallback's buffer) is per batch, not per token
+    assert estimated == pytest.approx(saved, rel=0.02)
+
+
+def test_a_bf16_dropless_block_with_a_width_grouped_matmuls_cannot_take_keeps_the_buffer_the_estimate_counts():
+    from test_memory import saved_bytes
+
+    def unaligned(n_layers: int) -> cfg.Config:  # ffn_dim 100: not a multiple of 8, so the every-token buffer runs
+        return with_model(moe_tiny(True, None, n_layers=n_layers), ffn_dim=100)
+
+    estimated = activations.activation_bytes(unaligned(2)) - activations.activation_bytes(unaligned(1))
+    assert estimated == pytest.approx(saved_bytes(unaligned(2)) - saved_bytes(unaligned(1)), rel=0.02)
+    grouped = with_model(moe_tiny(True, None), ffn_dim=104)
+    assert activations.registry.expert_rows_per_token(activations.as_routed(grouped.model, activations.BF16)) == 2.0
+
+
+def test_dropless_is_estimated_at_top_k_rows_a_token_below_capacity_padding_and_the_fp32_fallback_above():
+    dropless, padded = (moe_tiny(True, factor).model for factor in (None, 1.25))
+    rows = [activations.registry.expert_rows_per_token(m) for m in (dropless, padded)]
+    assert rows == [2.0, 2.5]  # top_k exactly, however unevenly routed; capacity pads every expert
+    bf16 = [activations.eager_bytes_per_token(m, activations.BF16) for m in (dropless, padded)]
+    assert bf16[0] < bf16[1]
+    fallback = activations.as_routed(dropless, activations.FP32)  # every expert a row for every token
+    assert activations.registry.expert_rows_per_token(fallback) == 4.0
+    selective = activations.selective_feed_forward_per_token
+    assert selective(dropless, activations.FP32) > selective(dropless, activations.BF16)

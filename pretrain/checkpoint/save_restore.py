@@ -28,6 +28,7 @@ This module orchestrates; the parts live in files (directories on disk), dcp_fil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -99,6 +100,9 @@ NEARLY_FULL = 64 << 20
 ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn", "ffn_dim", "vocab_size", "moe")
 """The model keys that define its parameters. The others (norm_eps, rope_theta, max_seq_len,
 init_std) may change on resume: raising rope_theta with max_seq_len is how a context is extended."""
+ROUTING_KEYS = ("capacity_factor",)
+"""The model.moe keys that may change on resume: how tokens reach the experts, not the experts'
+weights (a run of the capacity routing, 1.25 before dropless was the default, resumes dropless)."""
 
 
 # --- save -----------------------------------------------------------------------------
@@ -263,6 +267,12 @@ def restore(trainer: Trainer, path: Path) -> int:
     check_steps(path, state["steps_done"], trainer.config.training.max_steps)
     saved_config = load_config(path)
     check_same_model(path, saved_config.model, trainer.config.model)
+    if (before := saved_config.model.moe.capacity_factor) != (now := trainer.config.model.moe.capacity_factor):
+        if trainer.runtime.is_main and trainer.config.model.moe.num_experts:
+            trainer.log.info(
+                f"model.moe.capacity_factor is {before} in checkpoint {path}, {now} in this run: "
+                f"the experts' weights resume, routed {'dropless' if now is None else f'with capacity factor {now}'}"
+            )
     check_same_optimizer(path, saved_config.training, trainer.config.training)
     check_same_hub_files(path, saved_config.data, trainer.config.data)
     metadata = read_dcp_metadata(path) if _is_sharded(path) else None  # refuses pickled values, unread
@@ -300,6 +310,8 @@ def check_steps(path: Path, steps_done: int, max_steps: int) -> None:
 def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfig) -> None:
     for key in ARCHITECTURE_KEYS:
         there, here = getattr(saved, key), getattr(current, key)
+        if key == "moe":  # the routing may change (ROUTING_KEYS): compared as the current run's
+            there = dataclasses.replace(there, **{name: getattr(here, name) for name in ROUTING_KEYS})
         if there != here:
             raise CheckpointError(
                 f"checkpoint {path} is for a different model: model.{key} is {there} there, "

@@ -68,8 +68,8 @@ class MoEConfig:
     """Experts per layer; 0 keeps the dense feed-forward block (model.ffn). Above 0, every layer's feed-forward block is a mixture of that many SwiGLU experts of width model.ffn_dim."""
     top_k: int = 2
     """Experts each token is routed to (token-choice top-k); their outputs are summed, weighted by the router's renormalised probabilities."""
-    capacity_factor: float = 1.25
-    """Each expert takes at most capacity_factor x tokens x top_k / num_experts tokens per batch; the tokens over it skip that expert (the residual carries them)."""
+    capacity_factor: float | None = None
+    """null: dropless, every token reaches its top_k experts (sorted by expert, grouped matmuls; MegaBlocks' dropless MoE). A number: capacity routing, each expert takes at most capacity_factor x tokens x top_k / num_experts tokens per batch in training and the tokens over it skip that expert (the residual carries them; the step line counts them as Dropped)."""
     aux_loss_weight: float = 0.01
     """Weight of the load-balancing loss (num_experts x sum of each expert's token share x its mean router probability; 1 when balanced) added to the training loss."""
 
@@ -85,7 +85,11 @@ class MoEConfig:
                 "model.moe.top_k",
                 f"{self.top_k} is more than model.moe.num_experts ({self.num_experts}); a token cannot go to more experts than there are",
             )
-        _check(self.capacity_factor > 0, "model.moe.capacity_factor", f"must be positive (got {self.capacity_factor})")
+        _check(
+            self.capacity_factor is None or (math.isfinite(self.capacity_factor) and self.capacity_factor > 0),
+            "model.moe.capacity_factor",
+            f"must be a positive number, or null for dropless routing (got {self.capacity_factor})",
+        )
         _check(self.aux_loss_weight >= 0, "model.moe.aux_loss_weight", f"must not be negative (got {self.aux_loss_weight})")
 
 

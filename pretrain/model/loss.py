@@ -44,6 +44,9 @@ class Loss(NamedTuple):
     """The mean next-token cross-entropy: the loss the step line and the metrics report."""
     aux_losses: dict[str, Tensor]
     """Each block's auxiliary loss by name (empty for the dense model)."""
+    counts: dict[str, Tensor] = {}  # noqa: RUF012 (never mutated: each Loss gets its own dict)
+    """What blocks count rather than lose, by name: the integer entries of their outputs (a
+    mixture of experts' dropped assignments); never added to the loss."""
 
 
 def next_token_loss(model: nn.Module, tokens: Tensor, targets: Tensor, chunk_tokens: int = 0) -> Loss:
@@ -53,11 +56,13 @@ def next_token_loss(model: nn.Module, tokens: Tensor, targets: Tensor, chunk_tok
     inner = getattr(model, "module", model)
     compiled = bool(getattr(inner, "compile_loss_head", False))
     head = ChunkedCrossEntropy(targets, chunk_tokens, compiled, getattr(inner, "compile_mode", None))
-    cross_entropy, aux_losses = model(tokens, head=head)
+    cross_entropy, outputs = model(tokens, head=head)
+    aux_losses = {name: value for name, value in outputs.items() if value.is_floating_point()}
+    counts = {name: value for name, value in outputs.items() if not value.is_floating_point()}
     # One stack and one sum for every layer's auxiliary loss, not an add per layer: these run
     # outside the compiled blocks (the gradient each loss gets is 1 either way).
     total = cross_entropy + torch.stack(list(aux_losses.values())).sum() if aux_losses else cross_entropy
-    return Loss(total, cross_entropy, aux_losses)
+    return Loss(total, cross_entropy, aux_losses, counts)
 
 
 class ChunkedCrossEntropy:

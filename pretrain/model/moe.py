@@ -2,21 +2,31 @@
 
 Token-choice top-k routing: a linear router scores every expert for every token, each token goes
 to its top_k experts, and their outputs are summed weighted by the router's probabilities
-renormalised over those k. In training each expert takes at most `capacity` tokens per batch
-(capacity_factor x tokens x top_k / num_experts, rounded up); assignments past it are dropped
-(the token's residual stream carries it through that layer). In eval mode nothing is dropped. The
-experts are SwiGLU blocks whose weights are batched, (num_experts, ...) tensors: one batched matmul
-runs every expert, with no Python loop over experts, and every expert's weights are one parameter,
-so DDP and FSDP see each of them used on every step, even an expert that got no token.
+renormalised over those k. The experts are SwiGLU blocks whose weights are batched, (num_experts,
+...) tensors: every expert runs in one kernel per matmul, with no Python loop over experts, and
+every expert's weights are one parameter, so DDP and FSDP see each of them used on every step,
+even an expert that got no token.
 
-Static shapes: every tensor's size follows from the batch's shape, never from where the router
-sent its tokens, so torch.compile traces the block as one graph that routing never breaks or
-recompiles, and a GPU never waits for the host to learn a size. Each expert has capacity + 1
-rows: an assignment within capacity writes its token into its own row, one past it into the
-expert's last (overflow) row, whose output is read back with weight 0. In eval mode the capacity
-is the number of tokens, as an expert gets at most one assignment per token: nothing overflows,
-so no token's output depends on the other tokens of its batch, padding included (this runs
-num_experts / top_k times the experts' FLOPs of training's routing; evaluation is a small share).
+Dropless (model.moe.capacity_factor null, the default; pretrain/model/moe_dropless.py): every
+assignment reaches its expert. The assignments are sorted by expert and run as grouped matmuls
+(bf16), or, where grouped_mm does not run (fp32, widths not multiples of 8), through a buffer with
+a row for every token per expert. Which kernel a device has (ExpertsKernel) is decided once, when
+the model's device is known (place_experts, called by pretrain/distributed/parallel.py before it
+compiles): the compiled block reads a plain attribute and never asks CUDA for its capability.
+Eval mode is always dropless, so no token's output depends on the other tokens of its batch,
+padding included.
+
+Capacity routing (a capacity_factor, as MegaBlocks' capacity-based MoE): in training each expert
+takes at most `capacity` tokens per batch (capacity_factor x tokens x top_k / num_experts, rounded
+up); assignments past it are dropped (the token's residual stream carries it through that layer).
+Each expert has capacity + 1 rows: an assignment within capacity writes its token into its own
+row, one past it into the expert's last (overflow) row, whose output is read back with weight 0.
+The block also returns how many assignments it dropped (DROPPED, an int64 count: 0 when dropless),
+which pretrain/model/loss.py keeps out of the loss and the step line reports.
+
+Static shapes either way: every tensor's size follows from the batch's shape, never from where
+the router sent its tokens, so torch.compile traces the block as one graph that routing never
+breaks or recompiles, and a GPU never waits for the host to learn a size.
 
 The load-balancing loss (Switch Transformer's): num_experts x sum over experts of (the share of
 assignments it got) x (its mean router probability). It is 1 when routing is uniform, its
@@ -26,6 +36,7 @@ the training loss and the step line.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -33,8 +44,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pretrain.config import ModelConfig
+from pretrain.model.moe_dropless import ExpertsKernel, dropless_experts, experts_kernel, grouped_mm_runs
 
 AUX_LOSS = "moe_load_balance"
+DROPPED = "moe_dropped"
+"""The block's count of token-expert assignments its capacity dropped (an int64 tensor: a count,
+not a loss; pretrain/model/loss.py adds only floating-point entries to the loss)."""
 
 
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -98,6 +113,10 @@ class MixtureOfExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(moe.num_experts, cfg.dim, cfg.ffn_dim))
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, cfg.ffn_dim, cfg.dim))
 
+    kernel: ExpertsKernel | None = None
+    """How its device runs dropless experts (place_experts); None until placed: then decided per
+    call from the tokens' device, which is right eagerly but asks CUDA inside a compiled trace."""
+
     normal_init = {"w1": "std", "w3": "std", "w2": "residual"}
     """How Transformer.init_weights draws the batched expert weights (w2 writes into the residual stream)."""
 
@@ -106,19 +125,61 @@ class MixtureOfExperts(nn.Module):
         tokens = x.reshape(-1, dim)  # (N, dim)
         n = tokens.size(0)
         probs = self.router(tokens).float().softmax(dim=-1)  # (N, E), fp32 for a stable softmax
-        # Eval: room for every assignment (an expert gets at most one per token), so nothing is dropped.
-        slots = capacity(n, self.num_experts, self.top_k, self.capacity_factor) if self.training else n
-        route = Route(probs, self.top_k, slots)
         dtype = matmul_dtype(tokens, self.w1)
-        rows = tokens.new_zeros(self.num_experts * (slots + 1), dim, dtype=dtype)  # (E * (C + 1), dim)
+        kernel = self.kernel or experts_kernel(tokens.device)
+        if self.training and self.capacity_factor is not None:
+            slots = capacity(n, self.num_experts, self.top_k, self.capacity_factor)
+            out, route = self.buffered(tokens, probs, slots, dtype)
+            experts, dropped = route.experts_per_token, (~route.kept).sum()
+        elif grouped_mm_runs(dtype, kernel, dim, self.w1.size(-1)):
+            weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            out = dropless_experts(
+                tokens, experts, weights, self.w1, self.w3, self.w2, dtype, zero_empty=kernel.zero_empty_gradients
+            )
+            dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
+        else:
+            # Room for every assignment (an expert gets at most one per token), so nothing is dropped.
+            out, route = self.buffered(tokens, probs, n, dtype)
+            experts, dropped = route.experts_per_token, torch.zeros((), dtype=torch.int64, device=tokens.device)
+        aux = self.aux_loss_weight * load_balance_loss(probs, experts, self.num_experts)
+        return out.view(batch, seq, dim), {AUX_LOSS: aux, DROPPED: dropped}
+
+    def buffered(self, tokens: Tensor, probs: Tensor, slots: int, dtype: torch.dtype) -> tuple[Tensor, Route]:
+        """The experts over a buffer of slots + 1 rows each (Route): the capacity routing, and at
+        slots = N the dropless fallback (num_experts / top_k times the experts' FLOPs)."""
+        route = Route(probs, self.top_k, slots)
+        rows = tokens.new_zeros(self.num_experts * (slots + 1), tokens.size(1), dtype=dtype)  # (E * (C + 1), dim)
         rows = rows.index_put((route.row,), tokens.to(dtype)[route.token])  # overflow rows: some dropped token
-        buffer = rows.view(self.num_experts, slots + 1, dim)  # (E, C + 1, dim)
+        buffer = rows.view(self.num_experts, slots + 1, tokens.size(1))  # (E, C + 1, dim)
         hidden = F.silu(torch.bmm(buffer, self.w1)) * torch.bmm(buffer, self.w3)  # (E, C + 1, ffn_dim)
-        outputs = torch.bmm(hidden, self.w2).view(-1, dim)  # (E * (C + 1), dim)
+        outputs = torch.bmm(hidden, self.w2).view(-1, tokens.size(1))  # (E * (C + 1), dim)
         weighted = outputs[route.row] * route.weight.to(outputs.dtype).unsqueeze(-1)  # (k * N, dim); dropped: 0
-        out = tokens.new_zeros(tokens.shape).index_add(0, route.token, weighted.to(tokens.dtype))
-        aux = self.aux_loss_weight * load_balance_loss(probs, route.experts_per_token, self.num_experts)
-        return out.view(batch, seq, dim), {AUX_LOSS: aux}
+        return tokens.new_zeros(tokens.shape).index_add(0, route.token, weighted.to(tokens.dtype)), route
 
     def residual_outputs(self) -> list[nn.Linear]:
         return []  # w2 is drawn scaled through normal_init
+
+
+SYNC_WARNING = (
+    "model.moe: dropless experts run torch's grouped matmul, which on this GPU (compute capability "
+    "{capability}) reads the expert offsets on the host: a host sync per grouped matmul, nine per "
+    "layer and step; set model.moe.capacity_factor (e.g. 1.25) for capacity routing, which runs without one"
+)
+
+
+def place_experts(model: nn.Module, device: torch.device) -> ExpertsKernel | None:
+    """Decide once how model's mixtures of experts run on device, the device their forward runs on
+    (before torch.compile, which would otherwise trace the capability query): every
+    MixtureOfExperts gets the kernel, and a dropless model on a GPU whose grouped matmul syncs with
+    the host logs one warning line. Returns the kernel, None for a model without experts."""
+    blocks = [module for module in model.modules() if isinstance(module, MixtureOfExperts)]
+    if not blocks:
+        return None
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    kernel = experts_kernel(device, capability)
+    for block in blocks:
+        block.kernel = kernel
+    if kernel.grouped and kernel.host_sync and any(block.capacity_factor is None for block in blocks):
+        logging.getLogger("pretrain").warning(SYNC_WARNING.format(capability="{}.{}".format(*(capability or (0, 0)))))
+    return kernel

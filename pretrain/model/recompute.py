@@ -7,10 +7,12 @@ Counted as torch's FlopCounterMode counts (matmuls and attention; benchmarks/eff
 measures what a step executes that way), with the model's own convention (metrics.flops_per_token:
 a causal attention counted in full):
 
-    full        one more forward of every block, less the feed-forward block's output matmul
+    full        one more forward of every block, less a dense feed-forward block's output matmul
                 (SwiGLU's w2): nothing in the backward needs its output, and non-reentrant
                 checkpointing stops recomputing once it has what the backward needs (so does
-                torch.compile's partitioner). About a quarter to a third more FLOPs.
+                torch.compile's partitioner). A mixture of experts' w2 runs again: its output,
+                times the router's weight, is what that weight's gradient needs. About a quarter
+                to a third more FLOPs.
     selective   nothing counted: the matmul and attention outputs are kept, and only the
                 element-wise ops between them (norms, rotary, silu, products) run again; they
                 cost memory bandwidth, not tensor-core FLOPs.
@@ -40,10 +42,10 @@ def block_forward_flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 
 def ffn_output_matmul_flops_per_token(model: ModelConfig) -> float:
-    """The feed-forward block's last matmul, which full checkpointing does not recompute:
-    w2 (ffn_dim -> dim) of each expert a token runs through (one for a dense block)."""
-    experts = model.moe.top_k if model.moe.num_experts > 0 else 1
-    return 2.0 * experts * model.ffn_dim * model.dim
+    """The feed-forward block's last matmul, which full checkpointing does not recompute: a dense
+    block's w2 (ffn_dim -> dim). A mixture of experts has none: each expert's w2 output is scaled
+    by its router weight, whose gradient needs that output, so the backward recomputes it."""
+    return 0.0 if model.moe.num_experts > 0 else 2.0 * model.ffn_dim * model.dim
 
 
 def checkpointing_flops_per_token(config: Config) -> float:

@@ -89,11 +89,16 @@ def step_line(
     memory_gib: float | None,
     aux_loss: float | None = None,
     epochs_done: float | None = None,
+    dropped: int | None = None,
 ) -> str:
     """aux_loss: the weighted auxiliary losses (a mixture of experts' load balancing), shown next to
     the loss (the cross-entropy) they are added to in training; epochs_done: the epochs done after
-    this step, for a run counted in epochs (training.by_epoch)."""
+    this step, for a run counted in epochs (training.by_epoch); dropped: the token-expert assignments
+    a mixture of experts' capacity dropped in this step, over every layer, micro-batch and rank (0
+    when dropless), shown after the auxiliary loss."""
     aux = f" | Aux Loss: {aux_loss:.4f}" if aux_loss is not None else ""
+    if dropped is not None:
+        aux += f" | Dropped: {dropped:,}"
     # A run counted in epochs (training.by_epoch) also says how far through them it is.
     epoch = ""
     if epochs_done is not None:

@@ -29,6 +29,9 @@ projections, torch's cross-entropy): the tests hold the estimate to them; the GP
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.config import Config, ModelConfig
@@ -78,7 +81,7 @@ def eager_bytes_per_token(model: ModelConfig, compute: int) -> int:
     per head). The rotation keeps nothing: its tables are constants.
     """
     d, kv = model.dim, model.n_kv_heads * (model.dim // model.n_heads)
-    ffn = registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
+    ffn = registry.FEED_FORWARDS[model.feed_forward].saved_per_token(as_routed(model, compute))
     attention = 3 * d if compute == FP32 else (d + 2 * kv) + (d + kv)
     return compute * (2 * d + 2 * d + attention + d + ffn) + FP32 * (2 + model.n_heads)
 
@@ -94,7 +97,7 @@ def compiled_bytes_per_token(model: ModelConfig, compute: int) -> int:
     """
     d, kv = model.dim, model.n_kv_heads * (model.dim // model.n_heads)
     kind = registry.FEED_FORWARDS[model.feed_forward]
-    ffn = (kind.saved_per_token_compiled or kind.saved_per_token)(model)
+    ffn = (kind.saved_per_token_compiled or kind.saved_per_token)(as_routed(model, compute))
     attention = 3 * d if compute == FP32 else d + 2 * kv
     kept = compute * (d + 2 * d + attention + 2 * d + d + ffn) + FP32 * (2 + model.n_heads)
     return min(kept, eager_bytes_per_token(model, compute))
@@ -116,19 +119,36 @@ def selective_bytes_per_token(model: ModelConfig, compute: int) -> int:
     fp32: attention's logsumexp (one per head).
     """
     d, kv = model.dim, model.n_kv_heads * (model.dim // model.n_heads)
-    return compute * (4 * d + 2 * kv + selective_feed_forward_per_token(model)) + FP32 * model.n_heads
+    return compute * (4 * d + 2 * kv + selective_feed_forward_per_token(model, compute)) + FP32 * model.n_heads
 
 
-def selective_feed_forward_per_token(model: ModelConfig) -> int:
+def selective_feed_forward_per_token(model: ModelConfig, compute: int = BF16) -> int:
     """Values the feed-forward block's matmuls return per token (what selective checkpointing keeps
     of it). SwiGLU: w13 (2 ffn_dim) and w2 (dim); a mixture of experts: its router (one per
-    expert) and each routed token's SwiGLU, capacity_factor-padded; another block: everything it
-    keeps (registry.FeedForwardKind.saved_per_token), which cannot be less."""
+    expert) and each expert row's SwiGLU matmuls (registry.expert_rows_per_token: top_k rows
+    dropless, capacity_factor-padded with a capacity); another block: everything it keeps
+    (registry.FeedForwardKind.saved_per_token), which cannot be less."""
     if model.feed_forward == "swiglu":
         return 2 * model.ffn_dim + model.dim
+    routed = as_routed(model, compute)
     if model.feed_forward == "moe":
-        return model.moe.num_experts + int((2 * model.ffn_dim + model.dim) * model.moe.top_k * model.moe.capacity_factor)
-    return registry.FEED_FORWARDS[model.feed_forward].saved_per_token(model)
+        return model.moe.num_experts + math.ceil((2 * model.ffn_dim + model.dim) * registry.expert_rows_per_token(routed))
+    return registry.FEED_FORWARDS[model.feed_forward].saved_per_token(routed)
+
+
+def as_routed(model: ModelConfig, compute: int) -> ModelConfig:
+    """model as its mixture of experts runs at this compute dtype. Dropless runs grouped matmuls
+    in bf16 with dim and ffn_dim multiples of 8, top_k rows a token, on every GPU that trains in
+    bf16 (compute capability 8.0 and up) and on CPU; in fp32 (training.use_amp false), or with a
+    width grouped matmuls cannot take, the fallback gives every expert a row for every token: the
+    capacity routing's buffer at capacity_factor num_experts / top_k, which is what it keeps
+    (pretrain/model/moe_dropless.py)."""
+    moe = model.moe
+    if model.feed_forward != "moe" or moe.capacity_factor is not None:
+        return model
+    if compute == BF16 and registry.grouped_widths_aligned(model.dim, model.ffn_dim, BF16):
+        return model
+    return dataclasses.replace(model, moe=dataclasses.replace(moe, capacity_factor=moe.num_experts / moe.top_k))
 
 
 def kept_per_token(config: Config, mode: cfg.CheckpointingMode) -> int:
