@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import Counter
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import run_gloo_ranks
 from helpers import run_debug_training
 from pretrain import config as cfg
 from pretrain.config import ModelConfig
 from pretrain import registry
-from pretrain.optim import muon_sharing
+from pretrain.optim import muon, muon_sharing
 from pretrain.model.fused_layout import split_fused
 from pretrain.model.transformer import Transformer
-from pretrain.optim.muon import Muon, MuonError, build_muon, is_hidden_matrix, newton_schulz, svd_orthogonalize
+from pretrain.optim.muon import (
+    Muon,
+    MuonError,
+    build_muon,
+    compiled_newton_schulz,
+    is_hidden_matrix,
+    newton_schulz,
+    orthogonalizer,
+    svd_orthogonalize,
+)
 from pretrain.optim.muon_sharing import balanced_owners, newton_schulz_flops
 
 CALLS: list[tuple[tuple[int, ...], int]] = []
@@ -205,6 +217,121 @@ def test_an_unknown_orthogonalizer_is_refused_naming_the_choices():
     with pytest.raises(cfg.ConfigError) as refused:
         cfg.resolve(preset="debug", sets=["training.muon_orthogonalize=newton_shulz"])
     assert "training.muon_orthogonalize" in str(refused.value) and "newton_schulz" in str(refused.value)
+
+
+SMALL_BY_8 = ["model.dim=96", "model.ffn_dim=256", "model.vocab_size=6288"]
+"""`small` at the widths benchmarks/efficiency.py's CPU runs take (RUN_WIDTH_DIVISOR 8; heads and depth kept)."""
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> CompileCounterWithBackend:
+    """torch.compile, on the CPU as on CUDA, through a counter of the graphs dynamo compiles
+    (aot_eager behind it: dynamo decides the recompiles, not the code generator)."""
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(muon, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
+def recorded_calls(optimizer) -> list[tuple[int, ...]]:
+    """The shapes of the stacks optimizer's orthogonalize is called with, from now on."""
+    shapes, orthogonalize = [], optimizer.orthogonalize
+
+    def recording(stack: torch.Tensor, steps: int) -> torch.Tensor:
+        shapes.append(tuple(stack.shape))
+        return orthogonalize(stack, steps)
+
+    optimizer.orthogonalize = recording
+    return shapes
+
+
+@pytest.mark.parametrize("sets", [[], MOE], ids=["small", "small with MoE"])
+def test_muon_s_compiled_newton_schulz_compiles_once_for_every_matrix_of_small_and_matches_eager(sets, compiles):
+    """The real optimizer's steps on `small` (widths / 8): the stacks of every shape, in the
+    optimizer's order (wqkv's and w13's parts, wo, w2; with MoE the router and the 3-D expert
+    stacks), wide and tall, all through one compiled graph; the weights move as the eager step moves them."""
+    config = cfg.resolve(preset="small", sets=["training.optimizer=muon", "training.compile=true", *SMALL_BY_8, *sets])
+    models = [Transformer(config.model, 16, seed=0) for _ in range(2)]
+    compiled = build_muon(models[0], config.training, torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as eager_build:
+        eager_build.setattr(muon, "COMPILED_ON", ("cuda",))
+        eager = build_muon(models[1], config.training, torch.device("cpu"))
+    assert compiled.orthogonalize is not newton_schulz and eager.orthogonalize is newton_schulz
+    shapes = recorded_calls(compiled)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        for optimizer in (compiled, eager):
+            for group in optimizer.param_groups:
+                group["lr"] = 0.01
+            optimizer.step()
+    separate = split_fused(dict(models[0].named_parameters()), config.model)  # wqkv and w13 as their parts
+    hidden = {tuple(p.shape[-2:]) for n, p in separate.items() if is_hidden_matrix(n, p)}
+    assert {shape[-2:] for shape in shapes} == hidden and any(m > n for m, n in hidden) and any(m < n for m, n in hidden)
+    assert any(len(shape) == 4 for shape in shapes) == bool(sets), shapes  # (k, experts, m, n) stacks
+    assert compiles.frame_count == 1, f"{compiles.frame_count} graphs for the stacks {sorted(set(shapes))}"
+    step = 0.01 * config.training.muon_learning_rate / config.training.learning_rate  # a Muon step's size (lr * lr_scale)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * step, msg=name)  # 1% of one step, well within bf16
+
+
+def test_compiled_newton_schulz_keeps_one_graph_for_single_matrices_squares_and_stacks_of_experts(compiles):
+    """Shapes a sharded run passes in any order: a stack of one matrix first (an owner's only
+    matrix of its shape), a square, tall and wide stacks, 4-D expert stacks, a matrix of one row;
+    in fp32 (a gradient here) and bf16 (rows sent by other ranks)."""
+    orthogonalize = compiled_newton_schulz()
+    torch.manual_seed(0)
+    shapes = [(1, 48, 48), (6, 48, 48), (6, 16, 48), (3, 128, 48), (2, 4, 48, 128), (2, 4, 128, 48), (2, 1, 48), (40, 24)]
+    for shape, dtype in [(shape, dtype) for shape in shapes for dtype in (torch.float32, torch.bfloat16)]:
+        grad = torch.randn(shape).to(dtype)
+        result = orthogonalize(grad, 5)
+        assert result.shape == grad.shape and result.dtype == torch.bfloat16
+        torch.testing.assert_close(result, newton_schulz(grad, 5), rtol=0, atol=0, msg=f"{shape} {dtype}")
+    assert compiles.frame_count == 1
+
+
+def exact_newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
+    """The same iterations in float64: what bf16 rounding departs from."""
+    a, b, c = muon.NS_COEFFICIENTS
+    x = grad.double().mT if grad.size(-2) > grad.size(-1) else grad.double()
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if grad.size(-2) > grad.size(-1) else x
+
+
+@pytest.mark.slow  # inductor's C++ compile: about 15 s on 2 loaded cores
+def test_inductor_s_newton_schulz_is_as_close_to_exact_arithmetic_as_eager_bf16(monkeypatch):
+    """What a GPU runs (inductor, which fuses the element-wise work in fp32) departs from the float64
+    iteration by bf16 rounding, as eager does (about 1.5% here), tall and wide; one graph for both."""
+    counter = CompileCounterWithBackend("inductor")
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter))
+    torch._dynamo.reset()
+    orthogonalize = compiled_newton_schulz()
+    torch.manual_seed(0)
+    for shape in [(3, 64, 24), (3, 24, 64)]:
+        grad = torch.randn(shape)
+        exact = exact_newton_schulz(grad, 5)
+        compiled, eager = orthogonalize(grad, 5).double(), newton_schulz(grad, 5).double()
+        assert (compiled - exact).norm() <= 1.25 * (eager - exact).norm() and (eager - exact).norm() < 0.03 * exact.norm()
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_the_svd_orthogonalizer_is_compiled_as_it_is(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(muon, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "compile", lambda function, **options: compiled.append(function) or function)
+    assert orthogonalizer("svd", torch.device("cpu"), True) is svd_orthogonalize and compiled == [svd_orthogonalize]
+    assert orthogonalizer("newton_schulz", torch.device("cpu"), True) is not newton_schulz
+    assert compiled[1:] == [muon.newton_schulz_iterations]
+    assert orthogonalizer("newton_schulz", torch.device("cpu"), False) is newton_schulz
 
 
 STEP = r"CPU0:INFO \| \[CPU 0\] Step \[\d+/{total}\] \| Loss: (\d+\.\d+)"

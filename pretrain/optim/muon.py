@@ -4,10 +4,11 @@ checkpoints, clipping and the schedule treat it as any other.
 
 A hidden matrix's update is its Nesterov momentum with its singular values pushed towards 1
 (U S V^T -> U V^T), by default with a few Newton-Schulz iterations in bfloat16 (Keller Jordan's
-quintic). The orthogonalization is chosen by name (training.muon_orthogonalize, registry
-ORTHOGONALIZERS), so alternatives can be studied without touching the optimizer. The training
-loop sets every group's "lr" from the schedule; a Muon group scales it by its "lr_scale"
-(muon_learning_rate / learning_rate), so both follow one schedule.
+quintic), on CUDA compiled once for every shape (compiled_newton_schulz). The orthogonalization
+is chosen by name (training.muon_orthogonalize, registry ORTHOGONALIZERS), so alternatives can be
+studied without touching the optimizer. The training loop sets every group's "lr" from the
+schedule; a Muon group scales it by its "lr_scale" (muon_learning_rate / learning_rate), so both
+follow one schedule.
 
 Each hidden matrix is orthogonalized on one rank, same-shape matrices stacked into one call
 (pretrain/optim/muon_sharing.py: which rank, and the collectives): under DDP every rank holds the
@@ -22,12 +23,14 @@ with torch.optim.AdamW's state layout, so checkpoints read the same.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.adamw import adamw
@@ -40,25 +43,67 @@ from pretrain.optim.muon_sharing import MatrixSharing, Orthogonalize, part_slice
 from pretrain.optim.optimizers import fusable
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # a quintic that maximises the slope at 0
+Iterate = Callable[[torch.Tensor, int], torch.Tensor]
+"""Newton-Schulz's iterations on a wide bf16 stack (k, m, n), m <= n: newton_schulz_iterations or its compiled copy."""
 
 
 class MuonError(ValueError):
     """A parameter group Muon cannot update: one line naming it."""
 
 
-def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
+def newton_schulz(grad: torch.Tensor, steps: int, iterate: Iterate | None = None) -> torch.Tensor:
     """grad (..., m, n) -> approximately U V^T of its SVD, in bfloat16: singular values land
-    in about [0.7, 1.2], which trains as well as exactly 1 and costs a few matmuls."""
+    in about [0.7, 1.2], which trains as well as exactly 1 and costs a few matmuls. The
+    iterations (iterate: newton_schulz_iterations, or its compiled copy) see one wide stack
+    (k, m, n) with m <= n, contiguous, in bf16: a tall matrix is transposed (to iterate on the
+    smaller Gram matrix) and the leading dimensions flattened here, outside, so that nothing they
+    compute depends on the shape and one compiled graph serves every shape (compiled_newton_schulz)."""
+    tall = grad.size(-2) > grad.size(-1)
+    wide = grad.mT if tall else grad
+    # One copy at most: the cast and the transposed layout made contiguous together (a bf16 tensor
+    # comes back from .to as it is, strides and all: .contiguous() then copies a transposed one).
+    stack = wide.to(torch.bfloat16, memory_format=torch.contiguous_format).contiguous().view(-1, *wide.shape[-2:])
+    x = (iterate or newton_schulz_iterations)(stack, steps).view(wide.shape)
+    return x.mT if tall else x
+
+
+def newton_schulz_iterations(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """Keller Jordan's quintic, steps times, on a wide bf16 stack x (k, m, n), m <= n: what
+    compiled_newton_schulz compiles. bmm and baddbmm, not @: matmul's decomposition guards
+    on a size of 1, which would compile a second graph for a (k, 1, n) stack."""
     a, b, c = NS_COEFFICIENTS
-    x = grad.bfloat16()
-    tall = x.size(-2) > x.size(-1)
-    if tall:  # iterate on the smaller Gram matrix
-        x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.mT if tall else x
+        gram = torch.bmm(x, x.mT)  # (k, m, m)
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
+        x = torch.baddbmm(x, polynomial, x, beta=a)  # a x + (b gram + c gram^2) x
+    return x
+
+
+def compiled_newton_schulz() -> Orthogonalize:
+    """newton_schulz with its iterations compiled once for every shape a run passes (the stacks
+    of each matrix shape, a fused parameter's parts, MoE's expert stacks; any stack size, 1
+    included): every dimension of the wide stack is marked dynamic before the first call, and
+    traced size-obliviously (torch's backed_size_oblivious, where this torch has it), so no size
+    is specialized: neither a stack of one matrix, nor equal sizes (a square matrix) tied to
+    each other. The orientation and the bf16 cast stay eager (newton_schulz): dynamo would guard
+    on them. Past torch's recompile limit (8) dynamo would run the iterations eagerly, silently."""
+    compiled = torch.compile(newton_schulz_iterations)
+
+    def iterate(stack: torch.Tensor, steps: int) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(stack, [0, 1, 2])
+        with size_oblivious():
+            return compiled(stack, steps)
+
+    return lambda grad, steps: newton_schulz(grad, steps, iterate)
+
+
+def size_oblivious() -> contextlib.AbstractContextManager[Any]:
+    """Tracing that assumes no size is 0 or 1 unless the code asks (torch.fx's backed_size_oblivious;
+    a no-op on a torch without it: there a stack of one matrix compiles a graph of its own)."""
+    if hasattr(fx_config, "backed_size_oblivious"):
+        return fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
+    return contextlib.nullcontext()
 
 
 def svd_orthogonalize(grad: torch.Tensor, steps: int) -> torch.Tensor:
@@ -67,13 +112,20 @@ def svd_orthogonalize(grad: torch.Tensor, steps: int) -> torch.Tensor:
     return u @ vh
 
 
+COMPILED_ON: tuple[str, ...] = ("cuda",)
+"""The device types orthogonalizer compiles on (under training.compile). Not the CPU: a first
+compile there costs more than it saves; benchmarks/efficiency_worker.py adds "cpu", so that its
+recompile counter sees Newton-Schulz's compiles without a GPU."""
+
+
 def orthogonalizer(name: str, device: torch.device, compile: bool | None) -> Orthogonalize:
-    """training.muon_orthogonalize's function; on CUDA compiled (the element-wise work around its
-    matmuls fused), unless compile (training.compile) is false or torch.compile's compiler is
-    missing. On CPU eager: a first compile there costs more than it saves."""
+    """training.muon_orthogonalize's function; on a device type in COMPILED_ON (CUDA) compiled (the
+    element-wise work around its matmuls fused), unless compile (training.compile) is false or
+    torch.compile's compiler is missing: Newton-Schulz once for every shape (compiled_newton_schulz),
+    another function (svd, one a study registers) by torch.compile as it is. Elsewhere eager."""
     function = registry.load(registry.ORTHOGONALIZERS[name])
-    if device.type == "cuda" and compile is not False and missing_compile_prerequisite(device.type) is None:
-        return torch.compile(function)
+    if device.type in COMPILED_ON and compile is not False and missing_compile_prerequisite(device.type) is None:
+        return compiled_newton_schulz() if function is newton_schulz else torch.compile(function)
     return function
 
 
