@@ -17,6 +17,7 @@ from launcher.gpus.placement import Placement
 from launcher.nodes.rendezvous import Node
 from launcher.supervise.printer import Printer
 from pretrain import config as cfg
+from pretrain.plan import float8
 from pretrain.run import faults
 
 
@@ -57,10 +58,15 @@ def prepare_training(
         data = hellaswag.checked_data(config.evaluation.data, config.evaluation.max_examples)
         config = dataclasses.replace(config, evaluation=dataclasses.replace(config.evaluation, data=data))
     config = dataclasses.replace(config, system=dataclasses.replace(config.system, device=placement.device))
+    # training.float8: torchao missing or too new for this torch, float8 matmuls on a CPU or on a
+    # GPU below compute capability 8.9: one line here, not one per worker (which check again)
+    float8.check_launch(config, placement.device, [(gpu.name, gpu.compute_capability) for gpu in placement.gpus])
     if compile_requested(config, placement.device) and (missing := missing_compile_prerequisite(placement.device)):
         # Said once here, not once per worker, and the workers get compile off in their config.
         printer.launcher_line(f"warning: {compile_off_line(missing)}")
         config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False))
+    if line := float8.uncompiled_line(config, compile_requested(config, placement.device)):
+        printer.launcher_line(f"warning: {line}")
     # Every rank must agree on the mode, and the smallest GPU decides whether it fits.
     gpu_memory = min(gpu.memory_total for gpu in placement.gpus) if placement.device == "cuda" else None
     if node is not None:

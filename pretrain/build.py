@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from pretrain.plan import gpu_memory as memory, parallelism as memory_plan
 from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
-from pretrain.distributed import parallel
+from pretrain.distributed import float8, parallel
+from pretrain.plan import float8 as float8_plan
 from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data import DataError
@@ -65,11 +66,17 @@ class Trainer:
     skips_in_a_row: int = 0
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """The last step's auxiliary losses (a mixture of experts' load balancing), this rank's, by name."""
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The last step's counts, this rank's, by name, summed over its micro-batches (a mixture of
+    experts' dropped assignments: pretrain/model/loss.py Loss.counts)."""
     task: TaskExamples | None = None
     """With evaluation.data: the benchmark's examples, scored during training (pretrain/evaluation/task_eval.py)."""
     stragglers: StragglerWatch | None = None
     """With several ranks: this rank's compute time per step, compared across ranks every
     logging.straggler_window steps (pretrain/observe/stragglers.py)."""
+    float8_scales: Callable[[torch.nn.Module], None] | None = None
+    """Under FSDP2 with training.float8: what computes every float8 weight's scale for the next
+    all-gather, right after each optimizer step (pretrain/distributed/float8.py); None otherwise."""
     faults: Faults | None = None
     """The faults PRETRAIN_FAULTS scripts for this rank and attempt (pretrain/run/faults.py, a
     testing aid); None in an ordinary run."""
@@ -189,6 +196,10 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log, wandb=wandb)
     trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
     trainer.stragglers = watch_for(config, runtime)
+    if float8_plan.requested(config):
+        converted = [name for name, module in parallel.unwrap(model).named_modules() if float8.is_float8(module)]
+        log.info(f"Float8: {float8.describe(converted, config)}")
+        trainer.float8_scales = float8.scale_precompute(model, config, parallel.has_fsdp(model))
     if config.debug.trace_nonfinite:
         trainer.tracer = FirstNonFinite(parallel.unwrap(model))
         log.debug("debug.trace_nonfinite: hooks on every module watch for the first NaN or Inf")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from pretrain.checkpoint import save_restore as checkpoint
 from pretrain.numerics import debug, nonfinite
 from pretrain.hf import export
-from pretrain.distributed import parallel, peer_loss
+from pretrain.distributed import float8, parallel, peer_loss
 from pretrain.evaluation import task_eval
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
@@ -72,6 +72,7 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         trainer.tracer.reset()
     loss_sum = torch.zeros((), device=device)  # the cross-entropy; auxiliary losses only train
     aux_sums: dict[str, torch.Tensor] = {}
+    count_sums: dict[str, torch.Tensor] = {}  # summed over micro-batches: a mixture of experts' dropped assignments
     # This rank's compute, for the straggler line: each micro-batch's forward and loss, where DDP
     # runs no collective (pretrain/observe/stragglers.py); timed outside the compiled blocks.
     timer = trainer.stragglers.timer if trainer.stragglers is not None else None
@@ -95,7 +96,10 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
         loss_sum += loss.cross_entropy.detach() / accum
         for name, value in loss.aux_losses.items():
             aux_sums[name] = aux_sums.get(name, 0) + value.detach().float() / accum
+        for name, value in loss.counts.items():
+            count_sums[name] = count_sums.get(name, 0) + value
     trainer.aux_losses = aux_sums
+    trainer.counts = count_sums
     grad_norm = parallel.grad_norm(trainer.model)
     if trainer.config.debug.check_finite:
         seen = trainer.tracer is not None and trainer.tracer.first is not None
@@ -116,6 +120,8 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
             apply_update(trainer, grad_norm)
     else:
         apply_update(trainer, grad_norm)
+    if trainer.float8_scales is not None:  # FSDP2's float8 all-gathers: the next step's weight scales, in one op
+        trainer.float8_scales(trainer.model)
     trainer.skips_in_a_row = 0
     trainer.optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm, lr
@@ -153,17 +159,21 @@ def slow_down(trainer: Trainer, step: int) -> None:
         timer.end()
 
 
-def aux_means(trainer: Trainer) -> dict[str, float]:
-    """The last step's auxiliary losses (one per MoE layer), each the mean over ranks: one all-reduce
-    of them stacked, not one per layer."""
-    if not trainer.aux_losses:
-        return {}
-    names = sorted(trainer.aux_losses)
-    stacked = torch.stack([trainer.aux_losses[name] for name in names])
+def aux_means(trainer: Trainer) -> tuple[dict[str, float], dict[str, int]]:
+    """The last step's auxiliary losses (one per MoE layer), each the mean over ranks, and its counts
+    (each MoE layer's dropped assignments), each the sum over ranks and micro-batches: one
+    all-reduce of them stacked (float64, exact for any count), not one per layer, read at the
+    logging step's one read."""
+    names, counted = sorted(trainer.aux_losses), sorted(trainer.counts)
+    if not names and not counted:
+        return {}, {}
+    stacked = torch.stack([trainer.aux_losses[n].double() for n in names] + [trainer.counts[n].double() for n in counted])
     if trainer.runtime.distributed:
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-        stacked /= trainer.runtime.world_size
-    return dict(zip(names, stacked.tolist(), strict=True))
+    values = stacked.tolist()
+    world = trainer.runtime.world_size if trainer.runtime.distributed else 1
+    losses = {name: value / world for name, value in zip(names, values[: len(names)], strict=True)}
+    return losses, {name: round(value) for name, value in zip(counted, values[len(names) :], strict=True)}
 
 
 @torch.no_grad()
@@ -213,7 +223,7 @@ def fit(trainer: Trainer) -> None:
         last = step == t.max_steps - 1
         if steps_run == 0 or last or step % interval == 0:
             mean_loss = mean_across_ranks(loss, trainer.runtime)  # the global mean, the same on every rank
-            aux = aux_means(trainer)
+            aux, counts = aux_means(trainer)
             trainer.losses.append(mean_loss)
             now = time.perf_counter()
             first_step_done = first_step_done or now
@@ -233,10 +243,11 @@ def fit(trainer: Trainer) -> None:
                     memory_gib,
                     sum(aux.values()) if aux else None,
                     (step + 1) / steps_per_epoch if t.by_epoch else None,
+                    dropped=sum(counts.values()) if counts else None,
                 )
             )
             trainer.metrics.log_train(
-                step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start, aux
+                step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start, aux | counts
             )
             if trainer.stragglers is not None:  # after the step line's sync: a window's exchange, when one is full
                 trainer.stragglers.at_logging_step(trainer.runtime, log.warning)
@@ -420,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config, _ = for_workers(config, lambda line: print(f"pretrain: {line}", file=sys.stderr, flush=True))
         scripted = faults.scripted()  # PRETRAIN_FAULTS, refused here if malformed
         runtime = init_runtime(config)
+        float8.check_device(config, runtime.device)  # torchao, and float8 tensor cores for training.float8 true
     except Refusal as error:
         print(f"pretrain: error: {error}", file=sys.stderr)
         return error.exit_code

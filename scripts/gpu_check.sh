@@ -9,7 +9,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup.sh"
-setup_python "$ROOT" "$ROOT/requirements.txt"  # the NVML test row also needs pytest
+# requirements-float8.txt: torchao, for the float8 check (it declares no torch, so it never pulls a CUDA torch)
+setup_python "$ROOT" "$ROOT/requirements.txt" "$ROOT/requirements-float8.txt"  # the NVML test row also needs pytest
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 exec "$PYTHON" -m benchmarks.gpu_acceptance "$@"

@@ -316,3 +316,20 @@ def test_the_small_run_worker_times_its_steps_and_profiles_more_on_cpu(tmp_path,
     split = r["profile"]
     assert split["steps"] == 2 and split["device"] == "cpu" and sum(split["shares"].values()) == pytest.approx(100)
     assert split["ms"]["matmuls"] > 0 and split["ms"]["optimizer"] > 0
+
+
+def test_the_script_sets_up_python_with_the_float8_extra_which_never_pulls_a_torch(tmp_path):
+    # gpu_check.sh with a setup.sh that records what setup_python is asked to install
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "gpu_check.sh", tmp_path / "scripts" / "gpu_check.sh")
+    (tmp_path / "scripts" / "setup.sh").write_text('setup_python() { shift; printf "%s\\n" "$@"; exit 0; }\n')
+    result = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert [line.rsplit("/", 1)[-1] for line in result.stdout.split()] == ["requirements.txt", "requirements-float8.txt"]
+    # torchao declares no torch of its own: setup_python installs it without touching the installed torch
+    import importlib.metadata
+    import re
+
+    pytest.importorskip("torchao")
+    required = [r for r in importlib.metadata.requires("torchao") or [] if "extra ==" not in r]
+    assert not [r for r in required if re.match(r"torch([^a-z0-9_]|$)", r, re.IGNORECASE)]

@@ -129,6 +129,13 @@ def test_mig_devices_follow_their_parent_and_are_addressed_by_mig_uuid(machine):
     assert not gpus[0].mig_enabled and not gpus[4].mig_enabled
 
 
+def test_each_gpu_has_its_compute_capability_and_a_mig_device_its_gpus(machine, monkeypatch):
+    machine({"gpus": [{"compute_capability": [8, 0], "mig": [{"slot": 0}]}, {}, {"compute_capability": None}]})
+    assert [gpu.compute_capability for gpu in nvml.discover(window=0)] == [(8, 0), (8, 0), (9, 0), None]
+    monkeypatch.delattr(ScriptedNvml, "nvmlDeviceGetCudaComputeCapability")  # a pynvml without the function
+    assert {gpu.compute_capability for gpu in nvml.discover(window=0)} == {None}
+
+
 def test_mig_devices_carry_their_own_memory_and_processes(machine):
     machine(
         {
@@ -188,6 +195,7 @@ def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
         json.dumps({"gpus": [{"throttle": "hw_thermal"}]}),
         json.dumps({"gpus": [{"pcie_width": 0}]}),
         json.dumps({"gpus": [{"mig": [{"slot": 0, "ecc_uncorrected": 1}]}]}),
+        json.dumps({"gpus": [{"compute_capability": "9.0"}]}),
     ],
     ids=[
         "not-json",
@@ -210,6 +218,7 @@ def test_real_nvml_without_a_driver_raises_no_gpu_driver(monkeypatch):
         "throttle-not-a-list",
         "no-pcie-lanes",
         "health-of-a-mig-device",
+        "capability-as-text",
     ],
 )
 def test_a_malformed_script_is_one_line_naming_the_file_and_the_fix(machine, content):
@@ -254,6 +263,7 @@ def test_real_nvml_describes_every_gpu_of_this_machine(monkeypatch):
         assert re.fullmatch(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]", gpu.pci_bus_id)
         assert 0 <= gpu.memory_used <= gpu.memory_total and gpu.memory_total > 0
         assert gpu.utilization is None or 0 <= gpu.utilization <= 100
+        assert gpu.compute_capability is None or (5, 0) <= gpu.compute_capability < (20, 0)
     whole = [g for g in gpus if not g.mig]
     assert [g.index for g in whole] == list(range(len(whole)))  # NVML order, every index once
 

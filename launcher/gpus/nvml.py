@@ -109,6 +109,9 @@ class Gpu:
     """Why NVML could not describe it (GPU is lost, no permission); such a GPU is never chosen."""
     health: Health = Health()
     """Its health readings (launcher/gpus/health.py judges them); all unknown where NVML could not describe it."""
+    compute_capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor) of its GPU (a MIG device: its GPU's): (9, 0) for an
+    H100; None where NVML cannot tell. What training.float8 true needs (8.9+) is checked on it."""
 
     @property
     def memory_free(self) -> int:
@@ -267,7 +270,15 @@ def _read(nvml: Any, gpu_id: str, index: int, handle: Any, kind: str, utilizatio
         mig=kind == "mig",
         mig_enabled=kind == "mig-parent",
         health=read_health(nvml, parent),
+        compute_capability=_compute_capability(nvml, parent),
     )
+
+
+def _compute_capability(nvml: Any, handle: Any) -> tuple[int, int] | None:
+    """nvmlDeviceGetCudaComputeCapability's (major, minor); None where NVML cannot tell."""
+    read = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
+    capability = None if read is None else _reading(nvml, read, handle)
+    return None if capability is None else (int(capability[0]), int(capability[1]))
 
 
 def read_health(nvml: Any, handle: Any) -> Health:

@@ -19,6 +19,7 @@ changes (replace it atomically, with os.replace, so no reader sees half of it). 
                "throttle": [],              # clock reasons now: names of nvml.CLOCK_REASONS,
                                             # such as "gpu_idle", "sw_power_cap", "hw_thermal"
                "pcie_width": 16, "pcie_max_width": 16,  # PCIe lanes now, and at most
+               "compute_capability": [9, 0],  # CUDA compute capability (an A100: [8, 0]; null: unknown)
                "processes": [{"pid": 4242, "memory_mib": 1024}],
                "mig": [{"slot": 0, "uuid": "MIG-...", "name": "...", "memory_total_mib": 9856,
                         "memory_used_mib": 0, "processes": []}]}]}
@@ -55,6 +56,7 @@ GPU_KEYS = {
     "utilization",
     "processes",
     "mig",
+    "compute_capability",
 } | HEALTH_KEYS
 MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
 MACHINE_KEYS = {"driver", "gpus", "p2p", "links"}
@@ -99,6 +101,8 @@ class _Device:
     throttle: frozenset[str] | None = frozenset()
     pcie_width: int | None = 16
     pcie_max_width: int | None = 16
+    compute_capability: tuple[int, int] | None = (9, 0)
+    """None: NVML cannot tell (NotSupported)."""
 
 
 class ScriptedNvml:
@@ -243,6 +247,9 @@ class ScriptedNvml:
     def _clock_mask(self, device: _Device) -> int:
         return sum(self._clock_bits[name] for name in self._health(device, device.throttle))
 
+    def nvmlDeviceGetCudaComputeCapability(self, device: _Device) -> tuple[int, int]:
+        return self._health(device, device.compute_capability)
+
     def nvmlDeviceGetCurrPcieLinkWidth(self, device: _Device) -> int:
         return self._health(device, device.pcie_width)
 
@@ -287,6 +294,7 @@ def _gpu(index: int, spec: dict) -> _Device:
         processes=_process_list(spec, where),
         mig_mode="mig" in spec,
         lost=spec.get("lost") is True,
+        compute_capability=_capability(spec, where),
         **_health(spec, where),
     )
     for mig_spec in spec.get("mig", []):
@@ -336,6 +344,15 @@ def _health(spec: dict, where: str) -> dict[str, Any]:
         if key in spec:
             health[key] = _count(spec, key, where, minimum=1)
     return health
+
+
+def _capability(spec: dict, where: str) -> tuple[int, int] | None:
+    capability = spec.get("compute_capability", [9, 0])
+    if capability is None:
+        return None
+    if not (isinstance(capability, list) and len(capability) == 2 and all(type(n) is int and n >= 0 for n in capability)):
+        raise ValueError(f"{where}.compute_capability must be [major, minor], such as [9, 0], or null")
+    return (capability[0], capability[1])
 
 
 def _count(spec: dict, key: str, where: str, minimum: int) -> int | None:

@@ -27,6 +27,7 @@ from pretrain.checkpoint.separate_layout import (
     load_fused_from_parts,
     separate_order,
 )
+from pretrain.distributed import float8
 from pretrain.distributed.parallel import has_fsdp, unwrap
 from pretrain.model.fused_layout import fuse_separate, part_names, row_splits
 
@@ -161,8 +162,8 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     else:  # no step yet; get_state_dict would initialise the optimizer's state with a dummy step
         content = {"model": get_model_state_dict(model)}
     # The param_groups (hyperparameters) are not saved: they come from the config, and DCP
-    # would pickle them.
-    dcp_save(content, directory)
+    # would pickle them. Float8's FSDP2 weight wrappers are saved as the plain tensors inside.
+    dcp_save(float8.plain_tensors(content), directory)
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, metadata: Metadata) -> list[str] | None:
@@ -177,7 +178,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     if not has_optimizer:  # saved before the first step: the fresh optimizer is right
         model_state = get_model_state_dict(model)
         fused = _without_fused(model_state) if separate else {}
-        dcp_load({"model": model_state}, path)
+        dcp_load(float8.plain_tensors({"model": model_state}), path)
         reset = _load_fused(model, fused, {}, path, metadata) if separate else None
         set_model_state_dict(model, model_state | fused)
         return reset
@@ -185,7 +186,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     fused = _without_fused(model_state) if separate else {}
     per_parameter = cast(dict[str, Any], optimizer_state["state"])  # keyed by parameter name
     fused_optimizer = _without_fused(per_parameter) if separate else {}
-    dcp_load({"model": model_state, "optimizer": {"state": optimizer_state["state"]}}, path)
+    dcp_load(float8.plain_tensors({"model": model_state, "optimizer": {"state": optimizer_state["state"]}}), path)
     reset = _load_fused(model, fused, fused_optimizer, path, metadata) if separate else None
     model_state |= fused
     per_parameter |= fused_optimizer

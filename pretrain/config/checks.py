@@ -58,10 +58,11 @@ def describe(value: Any) -> str:
     return f"{json.dumps(value)} ({kind})"
 
 
-def not_one_of(value: Any, choices: Iterable[str]) -> str:
-    """Why value is none of the choices (a Literal's, or a registry's names), with the closest
-    choice when it looks like a typo."""
+def not_one_of(value: Any, choices: Iterable[str | bool]) -> str:
+    """Why value is none of the choices (a Literal's, or a registry's names, or true and false
+    with a Literal's names), with the closest name when it looks like a typo."""
     names = list(choices)
-    close = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
+    strings = [name for name in names if isinstance(name, str)]
+    close = difflib.get_close_matches(value, strings, n=1) if isinstance(value, str) else []
     hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
     return f"{describe(value)} is not one of {', '.join(map(json.dumps, names))}{hint}"

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from pretrain import registry
-from pretrain.config.checks import MAX_COUNT, MAX_SIZE, MAX_STEPS, check as _check, check_at_most as _check_at_most, not_one_of
+from pretrain.config.checks import (
+    MAX_COUNT,
+    MAX_SIZE,
+    MAX_STEPS,
+    check as _check,
+    check_at_most as _check_at_most,
+    describe,
+    not_one_of,
+)
 
 
 CheckpointingMode = Literal["none", "selective", "full"]
@@ -78,6 +86,8 @@ class TrainingConfig:
     """FSDP2 with CPU offload: sharded weights, gradients and AdamW state in host memory, the GPU holding only what is in flight (slower: every step copies them over PCIe); null uses it only when the model does not fit the GPUs but fits with it, within the host's memory (the launcher says so)."""
     activation_checkpointing: Literal["none", "selective", "full", "auto"] | bool = "auto"
     """What each block recomputes in the backward pass instead of keeping: "none"; "selective" (keeps the matmul and attention outputs, recomputes the element-wise ops: norms, rotary, silu, products; no matmul FLOPs added); "full" (keeps only the block's input and runs its forward again: ~20-25% more FLOPs); "auto": the least that fits the GPU, chosen by the launcher's plan (on CPU workers none unless the host memory needs more). true and false mean full and none."""
+    float8: bool | Literal["emulate"] = False
+    """Run the blocks' matmuls in float8 through torchao's float8 linears (tensorwise dynamic scaling; pip install ".[float8]"): true on a CUDA GPU of compute capability 8.9 or later (L4, L40S, H100, H200), where it speeds up large matmuls (8B-class models; torchtitan reports 1.2-1.3x on H100s); "emulate": the same float8 casts and scales with the matmuls emulated in high precision, on any device (tests and numerics checks, no speed-up); false: bf16 matmuls. Needs training.use_amp. The output head, the embedding, a mixture of experts' router and experts, and any Linear whose dims are not multiples of 16 stay bf16; weights, gradients, optimizer state and checkpoints stay high precision, and MFU is still counted against the bf16 peak (docs/training.md, "Float8 training")."""
     compile: bool | None = None
     """torch.compile the model; null compiles on CUDA and not on CPU (where the first compile is slow)."""
     compile_mode: CompileMode = "default"
@@ -145,6 +155,17 @@ class TrainingConfig:
             self.activation_checkpointing in CHECKPOINTING_CHOICES,
             "training.activation_checkpointing",
             not_one_of(self.activation_checkpointing, CHECKPOINTING_CHOICES) + " (true and false mean full and none)",
+        )
+        _check(
+            self.float8 is True or self.float8 is False or self.float8 == "emulate",
+            "training.float8",
+            f'{describe(self.float8)} is not one of true, false, "emulate"',
+        )
+        _check(
+            self.float8 is False or self.use_amp,
+            "training.float8",
+            f"{describe(self.float8)} needs training.use_amp=true (float8 matmuls take bf16 autocast's inputs); set both, "
+            'or training.float8=false (true also needs a CUDA GPU of compute capability 8.9+; "emulate" runs anywhere)',
         )
         _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")

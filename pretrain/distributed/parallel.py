@@ -32,8 +32,11 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from pretrain import config as cfg
 from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
 from pretrain.config import Config
+from pretrain.model.moe import place_experts
 from pretrain.model.transformer import Transformer, TransformerBlock
+from pretrain.distributed import float8
 from pretrain.distributed.runtime import Runtime, process_group_backend
+from pretrain.plan import float8 as float8_plan
 
 
 def compile_enabled(config: Config, device: torch.device) -> bool:
@@ -70,8 +73,12 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
     offload = bool(t.cpu_offload)
     if offload and mode != "fsdp":
         raise ValueError(f"training.cpu_offload needs mode fsdp (got {mode!r})")
+    sharded = mode == "fsdp" and (runtime.distributed or offload)
+    if float8_plan.requested(config):  # first: checkpointing, compile and FSDP2 then wrap the float8 Linears
+        float8.convert(model, config, fsdp=sharded)
     for block in blocks(model):
         checkpoint_activations(block, cfg.activation_checkpointing(config))
+    place_experts(model, runtime.device)  # before compile: the compiled blocks never ask CUDA for its capability
     if compile_enabled(config, runtime.device):
         how = compile_mode(config)
         # The norm's and the cross-entropy's autograd Functions (pretrain/model) keep AOT autograd's
@@ -82,7 +89,7 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
             block.compile(mode=how)  # in place: no OptimizedModule wrapper, so no _orig_mod. in the names
         model.compile_loss_head = True  # the output projection and cross-entropy (pretrain/model/loss.py)
         model.compile_mode = how  # which that head's compile takes too
-    if mode == "fsdp" and (runtime.distributed or offload):
+    if sharded:
         model = shard(model, device_mesh(runtime), t.use_amp, offload, reshard_after_forward=t.reshard_after_forward is not False)
     materialize(model, runtime.device, t.seed, offload)
     if runtime.distributed and mode == "ddp":
@@ -158,13 +165,18 @@ def checkpoint_activations(block: TransformerBlock, mode: cfg.CheckpointingMode)
 
 def selective_saved_ops() -> list[torch._ops.OpOverload]:
     """The ops whose outputs selective checkpointing keeps: the matmuls (every nn.Linear runs as
-    one of them) and each scaled-dot-product-attention kernel (its output and logsumexp), the
-    work worth keeping; every other op's output is recomputed in the backward pass."""
+    one of them; a float8 Linear, training.float8 true, as _scaled_mm, which would otherwise run
+    again in the backward pass) and each scaled-dot-product-attention kernel (its output and
+    logsumexp), the work worth keeping; every other op's output is recomputed in the backward pass.
+    Also the full reductions to a maximum: a float8 cast's absolute maximum, from which its scale
+    comes (one number per tensor), kept as torchtitan keeps it rather than read the tensor again."""
     aten = torch.ops.aten
     ops = [
         aten.mm.default,
         aten.addmm.default,
         aten.bmm.default,
+        aten._scaled_mm.default,
+        aten.max.default,
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,

@@ -3,7 +3,10 @@ metrics log (<run dir>/metrics.jsonl, optionally TensorBoard events).
 
 MFU here is model FLOPs (what the architecture needs per token, not what the hardware
 actually ran: activation checkpointing and the recomputed chunked loss are not counted)
-divided by the GPU's dense bf16 tensor-core peak, so it compares across implementations.
+divided by the GPU's dense bf16 tensor-core peak, so it compares across implementations. With
+float8 matmuls (training.float8) it is still counted against the bf16 peak, as torchtitan counts
+it (the build's "Float8:" line says so): a float8 run's MFU can exceed a bf16 run's ceiling, and a
+speed-up shows as a higher MFU on the same scale, not against the float8 peak (twice bf16's).
 
 torch is imported only where a function needs it: the plot command reads metrics.jsonl
 through this module and should not pay for importing torch (or need it installed).

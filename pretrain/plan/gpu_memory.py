@@ -33,6 +33,13 @@ FSDP with CPU offload (training.cpu_offload) keeps the sharded weights, gradient
 state in host memory (counted in pretrain/plan/parallelism.py) and on the GPU only what is in flight:
 the unsharded groups and gradients above, the activations and the logits.
 
+Float8 training (training.float8, pretrain/plan/float8.py names the Linears it converts): under
+FSDP2 those weights are all-gathered already cast to float8, 1 byte a parameter instead of 2, so
+the gathered blocks above shrink by the converted share; under DDP (or one process) a float8 Linear
+casts its fp32 weight to float8 where autocast made a bf16 copy, 1 byte a parameter instead of 2.
+Its autograd function keeps the bf16 input and the weight as a plain Linear does and casts them
+again in the backward pass, so the activations do not change; each cast's scale is one number.
+
 FSDP reduce-scatters on every micro-batch of gradient accumulation (pretrain/distributed/parallel.py,
 gradient_sync), so no rank ever holds the full gradient and grad_accum_nums changes nothing
 here. The embedding is gathered in fp32 around its own forward and backward, where the
@@ -52,6 +59,7 @@ from typing import Any, Literal
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.config import Config, ConfigError, ModelConfig
+from pretrain.plan import float8
 from pretrain.plan.activations import (  # re-exported: the estimate's parts, by their old names here
     BF16,
     COMPILED_LOGIT_COPIES,
@@ -173,21 +181,31 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
     model, amp = config.model, config.training.use_amp
     params = parameter_count(model)
     unsharded = BF16 if amp else FP32  # the dtype FSDP gathers into (MixedPrecisionPolicy under amp)
+    # training.float8: the blocks' float8 matmuls' weights are gathered (FSDP2) or cast (DDP) to 1 byte
+    converted = float8.converted_block_parameters(model) if float8.requested(config) else 0
     if offload:
         head, block = head_parameter_count(model), block_parameter_count(model)
         # The fp32 shards of the groups being gathered are copied in from the host first.
-        weights = (unsharded + ceil_div(FP32, world_size)) * (head + 2 * block)
+        weights = unsharded * head + gathered_block_bytes(config, unsharded) * 2 + ceil_div(FP32, world_size) * (head + 2 * block)
         gradients = unsharded * head + (unsharded + FP32) * block
         optimizer = 0
     elif mode == "fsdp" and world_size > 1:
         head, block = head_parameter_count(model), block_parameter_count(model)
-        weights = ceil_div(FP32 * params, world_size) + unsharded * (head + gathered_blocks(config) * block)
+        weights = (
+            ceil_div(FP32 * params, world_size)
+            + unsharded * head
+            + gathered_blocks(config) * gathered_block_bytes(config, unsharded)
+        )
         if config.training.reshard_after_forward is False:  # the embedding kept gathered too, in fp32
             weights += FP32 * embedding_parameter_count(model)
         gradients = ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
         optimizer = ceil_div(optimizer_state_bytes(config.training) * params, world_size)
     else:
-        weights = FP32 * params + (BF16 * _matrix_parameter_count(model) if amp else 0)
+        # Under autocast each matrix is cast to a bf16 copy that the backward keeps; a float8
+        # Linear casts its fp32 weight to float8 instead (its backward keeps the fp32 weight
+        # itself and casts again), counted as kept, as the compiled partitioner may keep it.
+        casts = BF16 * (_matrix_parameter_count(model) - model.n_layers * converted) + float8.FLOAT8 * model.n_layers * converted
+        weights = FP32 * params + (casts if amp else 0)
         gradients = FP32 * params
         optimizer = optimizer_state_bytes(config.training) * params
     return MemoryEstimate(
@@ -201,6 +219,15 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         overhead=OVERHEAD_BYTES,
         temporaries=temporary_bytes(config),
     )
+
+
+def gathered_block_bytes(config: Config, unsharded: int) -> int:
+    """One block's weights as FSDP2 gathers them: in the unsharded dtype, or, for the Linears
+    training.float8 converts, already cast to float8 (1 byte; torchao's float8 all-gather, whose
+    scales, one number a weight, are left out)."""
+    block = block_parameter_count(config.model)
+    converted = float8.converted_block_parameters(config.model) if float8.requested(config) else 0
+    return unsharded * (block - converted) + float8.FLOAT8 * converted
 
 
 def gathered_blocks(config: Config) -> int:
