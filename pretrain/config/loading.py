@@ -58,11 +58,16 @@ def _coerce(key: str, expected: Any, value: Any) -> Any:
         # The first member that takes the value (a mode's name, or the older true/false); when
         # none does, the first member's error: it names what the key is meant to hold.
         errors = []
-        for inner in (m for m in members if m is not type(None)):
+        inners = [m for m in members if m is not type(None)]
+        for inner in inners:
             try:
                 return _coerce(key, inner, value)
             except ConfigError as error:
                 errors.append(error)
+        if inners[0] is bool and all(get_origin(m) is Literal for m in inners[1:]):
+            # true, false or a name (training.float8): each is meant, so the error lists them all
+            choices = [True, False, *(name for m in inners[1:] for name in get_args(m))]
+            raise ConfigError(f"{key}: {not_one_of(value, choices)}")
         raise errors[0]
     if expected is bool and isinstance(value, bool):
         return value
@@ -243,11 +248,16 @@ def resolve(
     if max_steps is not None:
         config = apply_overrides(config, {"training": {"max_steps": max_steps}}, "--max-steps")
         run_length_set_by["max_steps"] = "--max-steps"
+    # Every --set at once, later ones winning: a check between two keys (training.float8 needs
+    # training.use_amp) sees both, whichever order they were given in.
+    merged: dict[str, Any] = {}
     for assignment in sets:
         overrides = parse_set(assignment)
         user_data_keys |= set(overrides.get("data", {}))
-        config = apply_overrides(config, overrides, "--set")
+        merged = _merged(merged, overrides)
         run_length_set_by |= run_length_keys(overrides, "--set")
+    if merged:
+        config = apply_overrides(config, merged, "--set")
     if not saved:
         config = one_run_length(config, run_length_set_by)
     config = drop_unused_preset_keys(config, PRESETS[name]().data, user_data_keys)
@@ -255,6 +265,16 @@ def resolve(
     check_context(config)
     check_auto_accumulation(config)
     return config
+
+
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """base with overrides laid over it, key by key into nested objects (a --set of a group's key
+    after one of the whole group changes that key only)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        both_objects = isinstance(out.get(key), dict) and isinstance(value, dict)
+        out[key] = _merged(out[key], value) if both_objects else value
+    return out
 
 
 def run_length_keys(overrides: dict[str, Any], layer: str) -> dict[str, str]:
