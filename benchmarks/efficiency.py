@@ -8,8 +8,8 @@ Run from the repository root:
 
 For the `small` preset and a production-shaped model (production's widths and vocabulary, 2 layers,
 FSDP as the 8B model needs), with the features dense, moe (model.moe.num_experts=4, top_k=2) and
-muon (training.optimizer=muon), each activation-checkpointing mode, on 1 and 2 ranks (gloo on a
-CPU), it measures, per optimizer step that logs nothing (--quick: the 7 rows of QUICK, compiled
+muon (training.optimizer=muon; moe+muon, both, when --features names it), each activation-checkpointing
+mode, on 1 and 2 ranks (gloo on a CPU), it measures, per optimizer step that logs nothing (--quick: the 8 rows of QUICK, compiled
 with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles every row with inductor):
 
 - executed / model FLOPs: torch's FlopCounterMode over forward, backward and optimizer of one
@@ -18,11 +18,18 @@ with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles ever
   divided by the model FLOPs the step line's MFU uses (pretrain/observe/metrics.py flops_per_token x
   tokens). FlopCounterMode counts matmuls and attention, not element-wise ops. The count is one
   rank's: DDP and FSDP add no counted FLOPs, except Muon's orthogonalization, whose part is
-  scaled by the share this rank does (measured in the real run below, largest rank).
+  scaled by the share this rank does (measured in the real run below, largest rank). A Muon row
+  above 1 (on either column) is Newton-Schulz's orthogonalization: the optimizer's own matmuls,
+  executed every step but not model FLOPs (not what MFU counts), and no padding or recompute.
+  The next column divides by the FLOPs the plan meant to run instead: the model's plus what its
+  activation checkpointing and chunked loss recompute (pretrain/model/recompute.py, as the
+  launcher's `parallelism:` line prints it), so a checkpointed row near 1 pays for nothing else
+  (no capacity padding, no recompute the plan did not count).
 - graph breaks and recompiles with training.compile on, over 3 steps, one evaluation pass
   (pretrain.train.evaluate) and one more step: breaks as dynamo's counters count them while
   tracing; a recompile is a frame compiled again in the same phase (the first train compile and
-  the first eval compile, a grad-mode guard of its own, are expected).
+  the first eval compile, a grad-mode guard of its own, are expected). Muon's Newton-Schulz is
+  compiled too, on a CPU as on CUDA (pretrain/optim/muon.py COMPILED_ON), and counted with them.
 - host syncs per step: the ops that make the host wait for a CUDA device (`.item()` and its
   kind, `.tolist()`, nonzero, boolean-mask indexing, unique, bincount, ...), counted with a
   dispatch mode over steps 1 and 2 (the largest, over the steps and the ranks), so a CPU counts
@@ -90,6 +97,8 @@ from launcher.launch import free_port  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
 PRESETS = ("small", "production")
 FEATURES = {"dense": [], "moe": ["model.moe.num_experts=4", "model.moe.top_k=2"], "muon": ["training.optimizer=muon"]}
+FEATURES["moe+muon"] = FEATURES["moe"] + FEATURES["muon"]
+"""moe+muon (Muon on the experts' 3-D weights too: the GPU acceptance's MoE+Muon row) runs when --features names it."""
 CHECKPOINTING = ("none", "selective", "full", "auto")
 ON_OLD_TREES = {"none": "false", "full": "true"}
 """Where training.activation_checkpointing is still a bool, the modes it has."""
@@ -105,19 +114,21 @@ QUICK: dict[tuple[str, str, int, str], bool] = {
     ("small", "dense", 1, "auto"): False,
     ("small", "moe", 1, "none"): True,
     ("small", "moe", 1, "full"): True,
-    ("small", "muon", 2, "none"): False,
+    ("small", "muon", 2, "none"): True,
+    ("small", "moe+muon", 1, "none"): True,
     ("production", "dense", 2, "full"): True,
-    ("production", "muon", 2, "full"): False,
+    ("production", "muon", 2, "full"): True,
 }
 """--quick's rows, and whether each runs compiled: the issue's checks (small dense's FLOPs and
-syncs, MoE's graph breaks with and without checkpointing, Muon's share under DDP and FSDP, FSDP's
-traffic and its compiled blocks) within 5 minutes on 2 loaded cores."""
+syncs, MoE's graph breaks with and without checkpointing, Muon's share under DDP and FSDP and its
+recompiles, with MoE's expert stacks too, FSDP's traffic and its compiled blocks) within 5 minutes on 2 loaded cores."""
 KEYS = (
     "preset",
     "features",
     "ranks",
     "activation_checkpointing",
     "executed_over_model_flops",
+    "executed_over_planned_flops",
     "graph_breaks",
     "recompiles",
     "host_syncs_per_step",
@@ -285,12 +296,13 @@ def combine(row: Row, count: dict[str, Any], ranks: list[dict[str, Any]]) -> Out
         "ranks": row.ranks,
         "activation_checkpointing": row.activation_checkpointing,
         "executed_over_model_flops": executed / count["model_flops"],
+        "executed_over_planned_flops": executed / (count["model_flops"] * (1 + count.get("planned_recompute_share", 0.0))),
         "graph_breaks": max(r["graph_breaks"] for r in compiled) if compiled else None,
         "recompiles": max(r["recompiles"] for r in compiled) if compiled else None,
         "host_syncs_per_step": max(max(r["syncs_per_step"]) for r in eager) if eager else None,
         "collective_bytes_per_token": measured if eager else None,
         "collective_minimum_bytes_per_token": minimum_bytes(count, row),
-        "orthogonalize_share_per_rank": share if row.features == "muon" else None,
+        "orthogonalize_share_per_rank": share if "muon" in row.features else None,
         **activations(ranks),
         "matmuls_per_block": count.get("matmuls_per_block"),
     }
@@ -399,7 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="QUICK's rows only, compiled as it says, with aot_eager")
     parser.add_argument("--presets", type=choices(PRESETS), default=list(PRESETS))
-    parser.add_argument("--features", type=choices(list(FEATURES)), default=list(FEATURES))
+    parser.add_argument("--features", type=choices(list(FEATURES)), default=[f for f in FEATURES if f != "moe+muon"])
     parser.add_argument("--ranks", type=choices(("1", "2")), default=["1", "2"])
     parser.add_argument("--checkpointing", type=choices(CHECKPOINTING), default=list(CHECKPOINTING))
     parser.add_argument("--compile", choices=["all", "none"], default="all", help="whether rows also run compiled (default all)")

@@ -11,6 +11,8 @@
   callback: a frame compiled again in the same phase, train or eval).
 - Orthogonalizations: the Newton-Schulz FLOPs of the matrices one rank orthogonalizes, by
   wrapping the Muon optimizer's `orthogonalize` attribute.
+- FLOP_FORMULAS: FlopCounterMode's formulas for the ops torch has none for (a mixture of
+  experts' grouped matmuls, aten._grouped_mm).
 """
 
 from __future__ import annotations
@@ -271,6 +273,27 @@ def short_reason(reason: str) -> str:
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     context = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Developer debug context:")), "")
     return f"{lines[0]} ({context[:120]})" if context else lines[0] if lines else "?"
+
+
+# --- FLOPs ---------------------------------------------------------------------------------------
+
+
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of aten._grouped_mm(a, b, offs): 2 x (rows) x (contraction) x (columns) over every group.
+    2D a (M, K) x 3D b (G, K, N), rows ragged by offs (the experts' forward and input gradient):
+    each of the M rows meets one group's (K, N), 2 M K N. 3D a (G, M, K) x 2D b (K, N), columns
+    ragged: 2 M K N. 2D a (M, K) x 2D b (K, N), the contraction ragged (the weight gradient, a
+    (G, M, N) output): each group contracts its share of K, 2 M K N over the whole K. 3D x 3D is
+    bmm: 2 G M K N. The rows, columns or contraction past offs[-1] are counted as if used (the
+    values of offs are not known to a shape formula; a mixture of experts' offsets end at M)."""
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        groups, m, k = a_shape
+        return 2 * groups * m * k * b_shape[-1]
+    return 2 * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {aten._grouped_mm: grouped_mm_flops} if hasattr(aten, "_grouped_mm") else {}
+"""FlopCounterMode(custom_mapping=FLOP_FORMULAS): the formulas torch's counter lacks."""
 
 
 # --- Muon ---------------------------------------------------------------------------------------

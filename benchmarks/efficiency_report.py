@@ -45,6 +45,7 @@ def table(outcomes: list[Outcome]) -> list[str]:
         "ranks",
         "checkpointing",
         "executed / model FLOPs",
+        "... / planned (with recompute)",
         "graph breaks",
         "recompiles",
         "host syncs / step",
@@ -60,10 +61,11 @@ def table(outcomes: list[Outcome]) -> list[str]:
         r, v = o.row, o.values
         cells = [r.preset, r.features, str(r.ranks), r.activation_checkpointing]
         if o.note:
-            cells += [o.note] + [""] * 9
+            cells += [o.note] + [""] * 10
         else:
             cells += [
                 number(v["executed_over_model_flops"]),
+                number(v.get("executed_over_planned_flops")),
                 number(v["graph_breaks"]) or "not compiled",
                 number(v["recompiles"]),
                 number(v["host_syncs_per_step"]),

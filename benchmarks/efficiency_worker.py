@@ -44,8 +44,10 @@ from pretrain import train as training  # noqa: E402
 from pretrain.build import Trainer, build  # noqa: E402
 from pretrain.data.fitting import fit_to_dataset  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.model import recompute  # noqa: E402
 from pretrain.model.loss import next_token_loss  # noqa: E402
 from pretrain.observe.metrics import flops_per_token  # noqa: E402
+from pretrain.optim import muon  # noqa: E402
 from pretrain.distributed.runtime import Runtime, exit_process, init_runtime, shutdown  # noqa: E402
 
 GIB = 2**30
@@ -102,12 +104,16 @@ def model_flops_per_step(config: cfg.Config) -> float:
 
 
 @contextlib.contextmanager
-def on_meta() -> Any:
+def on_meta(use_amp: bool = False) -> Any:
     """What building and stepping on the meta device needs: no weight initialisation (a meta
     generator draws nothing), no autocast (torch refuses the meta device, even to ask whether it is
     on; FLOPs do not depend on the dtype), and nonzero assumed all-true (a mixture of experts' training path keeps every
-    assignment in its capacity-sized buffers either way: the matmuls have static shapes)."""
+    assignment in its capacity-sized buffers either way: the matmuls have static shapes). Under
+    use_amp a mixture of experts' matmuls take bf16, as autocast gives them on a GPU, so the
+    dropless experts run the grouped matmuls a GPU runs, not the fp32 fallback's every-token buffer."""
     import torch.fx.experimental._config as fx_config
+
+    from pretrain.model import moe
 
     def shapes_only(model: Any, device: torch.device, seed: int, offload: bool) -> None:
         model.to_empty(device=device)
@@ -118,16 +124,23 @@ def on_meta() -> Any:
     def autocast_enabled(*args: Any) -> bool:  # torch raises for the meta device: autocast is off there
         return False if args and "meta" in str(args[0]) else is_autocast_enabled(*args)
 
+    matmul_dtype = moe.matmul_dtype
+
+    def amp_matmul_dtype(activations: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+        return torch.bfloat16 if use_amp and activations.device.type == "meta" else matmul_dtype(activations, weight)
+
     saved = parallel.materialize, training.autocast
     parallel.materialize = shapes_only
     training.autocast = lambda trainer: contextlib.nullcontext()
     torch.is_autocast_enabled = autocast_enabled  # type: ignore[assignment]
+    moe.matmul_dtype = amp_matmul_dtype
     try:
         with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
             yield
     finally:
         parallel.materialize, training.autocast = saved
         torch.is_autocast_enabled = is_autocast_enabled
+        moe.matmul_dtype = matmul_dtype
 
 
 def count(job: dict[str, Any]) -> dict[str, Any]:
@@ -139,9 +152,9 @@ def count(job: dict[str, Any]) -> dict[str, Any]:
     t = dataclasses.replace(true_config.training, compile=False)
     config = dataclasses.replace(true_config, training=t, debug=dataclasses.replace(true_config.debug, check_finite=False))
     runtime = Runtime(rank=0, world_size=1, device=torch.device("meta"), label="meta")
-    with on_meta(), tempfile.TemporaryDirectory(prefix="efficiency-count-") as run_dir:
+    with on_meta(config.training.use_amp), tempfile.TemporaryDirectory(prefix="efficiency-count-") as run_dir:
         trainer = build(config, runtime, dataset, Path(run_dir), log())
-        flops = FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False, custom_mapping=counters.FLOP_FORMULAS)
         orthogonalize_flops = 0.0
         if hasattr(trainer.optimizer, "orthogonalize"):
             original = trainer.optimizer.orthogonalize
@@ -160,6 +173,7 @@ def count(job: dict[str, Any]) -> dict[str, Any]:
         "executed_flops": flops.get_total_flops(),
         "orthogonalize_flops": orthogonalize_flops,
         "model_flops": model_flops_per_step(true_config),
+        "planned_recompute_share": recompute.extra_flops_share(true_config),
         "true_tokens_per_step": true_config.training.batch_size * true_config.data.context_length * t.grad_accum_nums,
         "plan": {name: getattr(true_config.training, name) for name in PLANNED if hasattr(true_config.training, name)},
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
@@ -313,8 +327,9 @@ def compile_counts(trainer: Trainer) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def compile_backend(backend: str) -> Any:
-    """torch.compile calls that name no backend get this one (the project names none)."""
-    original = torch.compile
+    """torch.compile calls that name no backend get this one (the project names none); Muon's
+    Newton-Schulz is compiled on a CPU as on CUDA (muon.COMPILED_ON), so its recompiles are counted too."""
+    original, compiled_on = torch.compile, muon.COMPILED_ON
 
     def compile_with(*args: Any, **kwargs: Any) -> Any:
         if backend != "inductor":  # a mode is inductor's: torch refuses one with another backend
@@ -322,10 +337,11 @@ def compile_backend(backend: str) -> Any:
         return original(*args, **({"backend": backend} | kwargs))
 
     torch.compile = compile_with
+    muon.COMPILED_ON = (*compiled_on, "cpu")
     try:
         yield
     finally:
-        torch.compile = original
+        torch.compile, muon.COMPILED_ON = original, compiled_on
 
 
 def with_compile(config: cfg.Config, on: bool) -> cfg.Config:

@@ -3,6 +3,7 @@ break, a recompile, a collective's bytes, Muon's matrices), and nothing else, on
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from benchmarks import efficiency, efficiency_counters as counters, efficiency_w
 from benchmarks import efficiency_forward as forward_counters  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
 from pretrain.model import transformer as model_module  # noqa: E402
+from pretrain.optim import muon  # noqa: E402
 from pretrain.optim.muon import newton_schulz  # noqa: E402
 from pretrain.distributed.runtime import Runtime  # noqa: E402
 
@@ -215,3 +217,93 @@ def test_a_bf16_model_keeps_little_fp32_for_backward_and_compiled_runs_only_the_
     assert compiled["activation_fp32_bytes_per_token"] <= 0.15 * compiled["activation_bytes_per_token"], compiled
     uncompiled = compiled["uncompiled_forward_ops"]
     assert uncompiled == {"embedding in model/transformer.py forward": 1, "to in model/transformer.py forward": 1}
+
+
+def test_a_compiled_muon_row_compiles_newton_schulz_on_the_cpu_and_counts_no_recompile(debug_trainer):
+    """Under the worker's compile_backend Muon's Newton-Schulz is compiled on a CPU as on CUDA, so
+    the row's recompiles include its (the debug model's wide and tall matrices: none)."""
+    torch._dynamo.reset()
+    with worker.compile_backend("aot_eager"):
+        trainer = debug_trainer("training.optimizer=muon", "training.compile=true")
+        assert trainer.optimizer.orthogonalize is not newton_schulz  # compiled, not the eager function
+        counts = worker.compile_counts(trainer)
+    assert counts["recompiles"] == 0 and counts["graph_breaks"] == 0, counts
+    assert muon.COMPILED_ON == ("cuda",)  # as it was outside
+
+
+def test_moe_plus_muon_sets_both_features_runs_when_named_and_quick_compiles_every_muon_row():
+    assert efficiency.FEATURES["moe+muon"] == efficiency.FEATURES["moe"] + efficiency.FEATURES["muon"]
+    assert "moe+muon" not in efficiency.parse_args([]).features
+    assert efficiency.parse_args(["--features", "moe+muon"]).features == ["moe+muon"]
+    muon_rows = {row: compiled for row, compiled in efficiency.QUICK.items() if "muon" in row[1]}
+    assert {row[1] for row in muon_rows} == {"muon", "moe+muon"} and all(muon_rows.values()), muon_rows
+
+
+def per_group_products(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> None:
+    """What aten._grouped_mm(a, b, offs) computes, one group's matmul at a time."""
+    ends = offs.tolist() if offs is not None else []
+    starts = [0, *ends[:-1]]
+    if a.dim() == 3 and b.dim() == 3:
+        a @ b
+    elif a.dim() == 2 and b.dim() == 3:  # rows ragged
+        for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            a[start:end] @ b[g]
+    elif a.dim() == 3:  # columns ragged
+        for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            a[g] @ b[:, start:end]
+    else:  # the contraction ragged: the weight gradient's form
+        for start, end in zip(starts, ends, strict=True):
+            a[:, start:end] @ b[start:end]
+
+
+@pytest.mark.parametrize("form", ["2d-3d", "3d-2d", "2d-2d", "3d-3d"])
+def test_the_flop_formula_of_grouped_mm_counts_each_operand_form_as_its_groups_matmuls(form):
+    bf16, offs = torch.bfloat16, torch.tensor([3, 5, 8], dtype=torch.int32)
+    a, b, offs = {
+        "2d-3d": (torch.randn(8, 16, dtype=bf16), torch.randn(3, 16, 24, dtype=bf16), offs),
+        "3d-2d": (torch.randn(3, 8, 16, dtype=bf16), torch.randn(16, 8, dtype=bf16), offs),
+        "2d-2d": (torch.randn(24, 8, dtype=bf16), torch.randn(8, 24, dtype=bf16), offs),
+        "3d-3d": (torch.randn(3, 8, 16, dtype=bf16), torch.randn(3, 16, 24, dtype=bf16), None),
+    }[form]
+    with FlopCounterMode(display=False, custom_mapping=counters.FLOP_FORMULAS) as grouped:
+        torch.nn.functional.grouped_mm(a, b, offs=offs)
+    with FlopCounterMode(display=False) as looped:
+        per_group_products(a, b, offs)
+    assert grouped.get_total_flops() == looped.get_total_flops() > 0
+
+
+@pytest.mark.parametrize("use_amp", [True, False], ids=["bf16-grouped", "fp32-fallback"])
+def test_on_meta_a_dropless_mixture_of_experts_counts_the_matmuls_a_gpu_runs_under_use_amp(use_amp):
+    from pretrain.model.moe import MixtureOfExperts
+
+    model = dataclasses.replace(cfg.debug().model, dim=64, ffn_dim=128, vocab_size=64, moe=cfg.MoEConfig(num_experts=4, top_k=2))
+    tokens = 2 * 32
+    with worker.on_meta(use_amp), torch.device("meta"):
+        block = MixtureOfExperts(model)
+        with FlopCounterMode(display=False, custom_mapping=counters.FLOP_FORMULAS) as flops:
+            out, aux = block(torch.randn(2, 32, 64, requires_grad=True))
+            (out.sum() + aux["moe_load_balance"]).backward()
+    router = 3 * 2 * tokens * 64 * 4  # forward, and the input's and weight's gradients
+    experts = 3 * 2 * tokens * 3 * 64 * 128  # one token through one expert: three matmuls, each three times
+    rows = 2 if use_amp else 4 * (tokens + 1) / tokens  # top_k rows a token; the fallback: every expert's, + overflow
+    assert flops.get_total_flops() == router + experts * rows
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_dropless_moe_step_executes_the_flops_its_plan_counts_with_checkpointing_and_nothing_more(tmp_path, checkpointing):
+    sets = [
+        "data.tokenizer=byte",
+        f"data.cache_dir={tmp_path}",
+        "system.device=cpu",
+        f"training.activation_checkpointing={checkpointing}",
+        "training.use_amp=true",  # bf16: the grouped matmuls a GPU runs (fp32 takes the every-token fallback)
+        "model.moe.num_experts=4",
+        "model.moe.top_k=2",
+        *TINY_MODEL,
+    ]
+    job = {"name": "t", "preset": "debug", "ranks": 1, "true_sets": sets, "run_sets": sets, "plan_gpu_bytes": 80 * 2**30}
+    count = worker.count(job)
+    outcome = efficiency.combine(efficiency.Row("debug", "moe", 1, checkpointing), count, [])
+    assert (count["planned_recompute_share"] > 0.2) == (checkpointing == "full")
+    assert outcome.values["executed_over_planned_flops"] == pytest.approx(1.0, abs=0.02)
+    assert outcome.values["executed_over_model_flops"] == pytest.approx(1 + count["planned_recompute_share"], abs=0.02)

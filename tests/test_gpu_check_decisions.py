@@ -259,8 +259,9 @@ def test_the_efficiency_check_runs_one_process_per_model_on_the_chosen_gpu_and_k
     monkeypatch.setattr(checks_efficiency, "smi_query", lambda *fields, index=None: [["81559"]])
     ctx = checks.Context(quick=False, sets=[], gpus=[3], tmp=tmp_path, log=lambda _: None)
     rows = checks.CHECKS["efficiency"](ctx)
-    assert sorted(seen) == [(f, "3", checks_efficiency.TIMEOUT_S) for f in ("dense", "moe", "muon")]
-    assert [r.met for r in rows] == ["yes", "yes", "no"] and not rows[0].failure
+    assert sorted(seen) == [(f, "3", checks_efficiency.TIMEOUT_S) for f in ("dense", "moe", "moe+muon", "muon")]
+    assert [r.met for r in rows] == ["yes", "yes", "no", "yes"] and not rows[0].failure
+    assert "mixture of experts with Muon" in rows[3].check
     assert rows[2].result.endswith("efficiency.py exit 1 after 12 s") and "RuntimeError: boom" in rows[2].failure
 
 

@@ -24,6 +24,8 @@ from benchmarks.gpu_acceptance.checks_compile import COMPILE_CHECKS
 from benchmarks.gpu_acceptance.checks_efficiency import EFFICIENCY_CHECKS
 from benchmarks.gpu_acceptance.checks_features import FEATURE_CHECKS
 from benchmarks.gpu_acceptance.checks_flash import FLASH_CHECKS
+from benchmarks.gpu_acceptance.checks_float8 import FLOAT8_CHECKS
+from benchmarks.gpu_acceptance.checks_moe import MOE_CHECKS
 from benchmarks.gpu_acceptance.checks_gpus import check_gpus
 from benchmarks.gpu_acceptance.checks_profile import PROFILE_CHECKS
 from benchmarks.gpu_acceptance.checks_syncs import check_syncs, syncs_row  # noqa: F401  (syncs_row re-exported)
@@ -459,6 +461,8 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     **RUNTIME_CHECKS,
     **FLASH_CHECKS,
     **FEATURE_CHECKS,
+    **FLOAT8_CHECKS,
+    **MOE_CHECKS,
 }
 """Every command a check runs has its own timeout, and a check's timeouts add up to at most
 groups.CHECK_LIMIT_S, so no check hangs and a group fits its device call."""

@@ -1,8 +1,8 @@
 """GPU check `efficiency`: issue 27's hardware-independent counters measured on the GPU.
 
 benchmarks/efficiency.py runs with --device cuda for the `small` preset dense, with a mixture of
-experts and with Muon (one rank, compiled, activation checkpointing as the memory plan picks it
-for this GPU; one process per model, the three at once, so that their cold compiles overlap), and
+experts, with Muon and with both (one rank, compiled, activation checkpointing as the memory plan
+picks it for this GPU; one process per model, the four at once, so that their cold compiles overlap), and
 its --json gives one acceptance row per model: graph breaks (dynamo's
 counters while tracing), recompiles (a frame compiled again after the first train and the first
 eval compile) and host syncs per step (the ops that make the host wait for the GPU, counted with a
@@ -22,7 +22,12 @@ from benchmarks.gpu_acceptance.context import Context, Row
 from benchmarks.gpu_acceptance.procs import Proc, child_env, run, smi_query
 
 PRESET = "small"
-FEATURES = {"dense": "dense", "moe": "mixture of experts (4 experts, top-2)", "muon": "Muon"}
+FEATURES = {
+    "dense": "dense",
+    "moe": "mixture of experts (4 experts, top-2)",
+    "muon": "Muon",
+    "moe+muon": "mixture of experts with Muon",
+}
 """efficiency.py's features, each an acceptance row, and how the row names it."""
 CHECKPOINTING = "auto"
 """What a run gets by default: the memory plan's choice for this GPU."""
@@ -31,7 +36,7 @@ MAX_HOST_SYNCS = 1
 TARGET = f"0 graph breaks; 0 recompiles after the first train and eval compiles; <= {MAX_HOST_SYNCS} host sync per step"
 TIMEOUT_S = 420
 """One efficiency.py (a row: its FLOP count, then its run with a cold compile, about 4 minutes with
-the other two beside it), within a group's 8 minutes; the three run at the same time."""
+the others beside it), within a group's 8 minutes; the four run at the same time."""
 JOB_TIMEOUT_S = 330
 """efficiency.py's --timeout for one job: the run, which holds the compile."""
 
@@ -92,7 +97,7 @@ def read_rows(path: Path) -> dict[str, Any] | None:
 
 
 def check_efficiency(ctx: Context) -> list[Row]:
-    """The three models at once, one efficiency.py each (their compiles take a CPU core each, of many)."""
+    """The four models at once, one efficiency.py each (their compiles take a CPU core each, of many)."""
     index = ctx.gpus[0]
     plan_gpu_gib = int(smi_query("memory.total", index=index)[0][0]) / 1024
     env = child_env(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(index))

@@ -44,8 +44,8 @@ ESTIMATED_S: dict[str, int] = {
     "offload": 2 * START_S + 60,  # `small`, 10 steps with and without CPU offload (host AdamW)
     "nccl": 100,  # two GPUs: a rank killed at step 5; DDP and FSDP for 2 steps
     "syncs": 3 * START_S + COLD_COMPILE_S + 2 * WARM_COMPILE_S + 3 * 30,  # 3 processes, steps under the profiler
-    # dense, MoE and Muon at once, each a cold compile (train and eval), 1.5 x slower side by side
-    "efficiency": 2 * START_S + 3 * (COLD_COMPILE_S + 40) // 2 + 10,
+    # dense, MoE, Muon and MoE+Muon at once, each a cold compile (train and eval), 2x slower side by side
+    "efficiency": 2 * START_S + 4 * (COLD_COMPILE_S + 40) // 2 + 10,
     "torchrun": 60,  # two GPUs, the debug model for 10 steps
     "nccl-timeout": 120,  # two GPUs: to step 5, then the 20 s timeout and NCCL's abort (up to 80 s)
     "nccl-error": 30,
@@ -54,6 +54,9 @@ ESTIMATED_S: dict[str, int] = {
     "fp32-attention": 30,
     "flash-attention": 2 * (START_S + 35),  # one block of `small`, one of the 8B shape, each compiled cold
     "features": 2 * (START_S + COLD_COMPILE_S + 10) + 2 * (START_S + WARM_COMPILE_S + 10) + 30,  # 4 launches, Newton-Schulz
+    "float8": 2 * (START_S + COLD_COMPILE_S + 40),  # the 8B shape at 4 layers, bf16 then float8, each compiled cold, 50 steps
+    # the grouped kernel vs a loop; `small` 4x top-2, dropless then capacity 1.25, each compiled cold, 40 steps
+    "moe": START_S + 10 + 2 * (START_S + COLD_COMPILE_S + 20),
 }
 """Seconds each check takes on one H100 (two for the two-GPU checks), cold compile cache, without --quick."""
 
