@@ -10,8 +10,8 @@ import torch
 
 from benchmarks.gpu_acceptance import checks, checks_moe, groups, procs
 from pretrain import config as cfg
-from pretrain.model import moe_dropless
 from pretrain.model.moe_dropless import ExpertsKernel
+from grouped_kernels import nan_for_empty_groups
 
 
 def measured(tokens_per_s: float, dropped: int) -> dict:
@@ -71,20 +71,6 @@ KERNEL_RESULT = {
     "raw_empty_gradient": 0.0,
 }
 SMALL = {"tokens": 64, "dim": 32, "ffn_dim": 64}
-
-
-def nan_for_empty_groups(monkeypatch) -> None:
-    """grouped_mm as pytorch/pytorch#172439 reports it on B200: NaN weight gradients for empty groups."""
-    real = moe_dropless.GROUPED_MM
-
-    def grouped(a, b, offs):
-        if b.requires_grad:
-            b = b.view_as(b)
-            empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-            b.register_hook(lambda g: torch.where(empty.view(-1, 1, 1), torch.full_like(g, float("nan")), g))
-        return real(a, b, offs=offs)
-
-    monkeypatch.setattr(moe_dropless, "GROUPED_MM", grouped)
 
 
 def test_the_kernel_comparison_matches_the_loop_with_the_empty_experts_gradient_exactly_0_on_this_cpu():

@@ -25,6 +25,7 @@ from pretrain.model.moe import DROPPED, MixtureOfExperts, place_experts
 from pretrain.model import moe_dropless
 from pretrain.model.moe_dropless import ExpertsKernel, Sorted, grouped_mm_runs
 from pretrain.plan import activations
+from grouped_kernels import nan_for_empty_groups
 
 aten = torch.ops.aten
 
@@ -125,24 +126,9 @@ def test_widths_that_are_not_multiples_of_8_take_the_buffer_as_the_plan_counts_i
     assert registry.expert_rows_per_token(aligned) == 2.0  # grouped: top_k rows a token
 
 
-def broken_empty_gradients(monkeypatch) -> None:
-    """grouped_mm as pytorch/pytorch#172439 reports it on B200: right outputs, but NaN in the
-    weight gradient of every group that got no rows."""
-    real = moe_dropless.GROUPED_MM
-
-    def grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-        if b.requires_grad:
-            b = b.view_as(b)
-            empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-            b.register_hook(lambda g: torch.where(empty.view(-1, 1, 1), torch.full_like(g, float("nan")), g))
-        return real(a, b, offs=offs)
-
-    monkeypatch.setattr(moe_dropless, "GROUPED_MM", grouped)
-
-
 @pytest.mark.parametrize("zeroed", [True, False], ids=["zeroed", "as-the-kernel-gives-them"])
 def test_on_blackwell_an_empty_experts_gradient_is_zeroed_after_the_grouped_matmul(monkeypatch, zeroed):
-    broken_empty_gradients(monkeypatch)
+    nan_for_empty_groups(monkeypatch)
     block = tiny_block(capacity_factor=None)
     block.kernel = ExpertsKernel(grouped=True, zero_empty_gradients=zeroed)
     with torch.no_grad():  # expert 3 never chosen: positive inputs, and its router row far below the others
