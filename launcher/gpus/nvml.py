@@ -1,4 +1,5 @@
-"""What the GPUs of this machine are, how busy and how healthy they are, read through NVML.
+"""What the NVIDIA GPUs of this machine are, how busy and how healthy they are, read through NVML
+(the records themselves, common to every vendor, are launcher/gpus/devices.py's).
 
 The one seam between the launcher and the hardware is `nvml_library()`: the nvidia-ml-py
 package (imported as pynvml), or, when LAUNCHER_SCRIPTED_GPUS names a JSON file, a scripted
@@ -11,21 +12,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import psutil
 
+from launcher.gpus.devices import Gpu, GpuProcess, Health, NoGpuDriver, PeerLink
 from pretrain.run.refusal import Refusal
 
 SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
 UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
 UTILIZATION_SAMPLES = 5
-
-
-PeerLink = Literal["nvlink", "pcie", "none", "unknown"]
-"""How two GPUs reach each other: NVLink peer-to-peer, PCIe peer-to-peer, no peer-to-peer at all
-(NCCL goes through host memory), or unknown (NVML cannot say: an old driver, a MIG device)."""
 
 
 CLOCK_REASONS = {
@@ -44,85 +40,8 @@ uses, to the suffix of pynvml's bit constants (nvmlClocksEventReason<suffix>, ca
 nvmlClocksThrottleReason<suffix> before nvidia-ml-py 12.535). Bits not named here are ignored."""
 
 
-class NoGpuDriver(Exception):
-    """NVML cannot be used: no NVIDIA driver, or the library is missing."""
-
-
 class NvmlFailure(Refusal):
     """NVML started but cannot list the GPUs (one line)."""
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    pid: int
-    memory: int | None
-    """Bytes of GPU memory it holds; None where the driver does not say."""
-    user: str | None
-    """Its owner; None when the process is not visible from here (another container's PID
-    namespace, or gone) or its owner cannot be read."""
-
-
-@dataclass(frozen=True)
-class Health:
-    """NVML's health readings of one GPU (a MIG device has its GPU's). None: NVML cannot tell
-    (not supported by this GPU or driver, no permission), which never counts against a GPU."""
-
-    ecc_uncorrected: int | None = None
-    """Uncorrectable ECC errors since the driver loaded (the volatile counter)."""
-    retired_pages_pending: bool | None = None
-    """Memory pages waiting to be retired, which needs a GPU reset (GPUs before Ampere)."""
-    remapping_pending: bool | None = None
-    """A memory row waits to be remapped, which needs a GPU reset (Ampere and later)."""
-    remapping_failed: bool | None = None
-    """A row could not be remapped: the GPU is out of spare rows."""
-    clock_reasons: frozenset[str] | None = None
-    """Why the clocks are below their maximum now (CLOCK_REASONS names)."""
-    pcie_width: int | None = None
-    """Lanes of the PCIe link now."""
-    pcie_max_width: int | None = None
-    """Lanes the link can have."""
-    lost: bool = False
-    """NVML cannot reach the GPU: lost (fallen off the bus), or it needs a reset."""
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """One device a worker can be given: a whole GPU, or one MIG device of a GPU."""
-
-    id: str
-    """How users and logs name it: the NVML index ("3"), or index.slot for a MIG device ("0.1")."""
-    index: int
-    """NVML index of the physical GPU (the PCI bus order; CUDA_DEVICE_ORDER=PCI_BUS_ID gives CUDA the same)."""
-    uuid: str
-    name: str
-    pci_bus_id: str
-    memory_total: int
-    memory_used: int
-    utilization: float | None
-    """Mean percent of time a kernel ran, over the sampling window; None when not supported."""
-    processes: tuple[GpuProcess, ...]
-    mig: bool = False
-    """A MIG device (addressed by its UUID)."""
-    mig_enabled: bool = False
-    """A whole GPU in MIG mode: CUDA can only use its MIG devices, never the GPU itself."""
-    error: str | None = None
-    """Why NVML could not describe it (GPU is lost, no permission); such a GPU is never chosen."""
-    health: Health = Health()
-    """Its health readings (launcher/gpus/health.py judges them); all unknown where NVML could not describe it."""
-    compute_capability: tuple[int, int] | None = None
-    """CUDA compute capability (major, minor) of its GPU (a MIG device: its GPU's): (9, 0) for an
-    H100; None where NVML cannot tell. What training.float8 true needs (8.9+) is checked on it."""
-
-    @property
-    def memory_free(self) -> int:
-        return max(0, self.memory_total - self.memory_used)
-
-    @property
-    def cuda_visible_id(self) -> str:
-        """What a worker's CUDA_VISIBLE_DEVICES names it by: its UUID. NVML lists GPUs that
-        CUDA skips (lost, or not accessible to this process), which would shift every CUDA
-        index after them; a UUID always names the GPU that was chosen and claimed."""
-        return self.uuid
 
 
 def nvml_library() -> Any:
