@@ -14,9 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
-
 from launcher.gpus.devices import Gpu, GpuProcess, Health, NoGpuDriver, PeerLink
+from launcher.gpus.owners import owner as _owner
 from pretrain.run.refusal import Refusal
 
 SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
@@ -297,15 +296,6 @@ def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
     return tuple(
         GpuProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory), _owner(int(p.pid))) for p in running
     )
-
-
-def _owner(pid: int) -> str | None:
-    """NVML reports host PIDs: inside a container, other containers' processes are not
-    there at all. (A PID that names an unrelated local process cannot be told apart.)"""
-    try:
-        return psutil.Process(pid).username()
-    except (psutil.Error, KeyError):  # NoSuchProcess, AccessDenied; KeyError: uid without a name
-        return None
 
 
 def _text(value: str | bytes) -> str:

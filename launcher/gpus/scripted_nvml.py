@@ -5,7 +5,8 @@ judge that machine; the tests use it for every policy, for real launcher process
 GPUs, and for GPUs that go bad during a run: the machine reads its file again whenever the file
 changes (replace it atomically, with os.replace, so no reader sees half of it). The file:
 
-    {"driver": true,                      # false: NVML library not found
+    {"vendor": "nvidia",                  # the default; "amd": launcher/gpus/scripted_amdsmi.py's file
+     "driver": true,                      # false: NVML library not found
      "p2p": "nvlink",                     # how every two GPUs reach each other unless "links" says
                                           # otherwise: nvlink, pcie, none, or unsupported (NVML cannot say)
      "links": [{"gpus": [0, 1], "p2p": "pcie"}],
@@ -31,20 +32,24 @@ pynvml's own exception classes, so the launcher's handling of them is what runs 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
-import math
-import os
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from launcher.gpus.nvml import CLOCK_REASONS
-from pretrain.run.refusal import Refusal
+from launcher.gpus.scripted_common import (
+    MIB,
+    BadScript,
+    ScriptedMachine,
+    check_keys,
+    count,
+    links,
+    mib,
+    process_list,
+    utilization,
+)
 
-MIB = 1 << 20
+__all__ = ["MIB", "BadScript", "ScriptedNvml"]
 HEALTH_KEYS = {"ecc_uncorrected", "retired_pages_pending", "remapped_rows", "throttle", "pcie_width", "pcie_max_width"}
 GPU_KEYS = {
     "lost",
@@ -59,12 +64,8 @@ GPU_KEYS = {
     "compute_capability",
 } | HEALTH_KEYS
 MIG_KEYS = {"slot", "uuid", "name", "memory_total_mib", "memory_used_mib", "processes"}
-MACHINE_KEYS = {"driver", "gpus", "p2p", "links"}
+MACHINE_KEYS = {"vendor", "driver", "gpus", "p2p", "links"}
 P2P_KINDS = ("nvlink", "pcie", "none", "unsupported")
-
-
-class BadScript(Refusal, ValueError):
-    """The scripted machine's file is missing or malformed (one line)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class _Device:
     """None: NVML cannot tell (NotSupported)."""
 
 
-class ScriptedNvml:
+class ScriptedNvml(ScriptedMachine):
     """Stands in for the pynvml module (the subset launcher/gpus/nvml.py uses)."""
 
     def __init__(self, machine: dict) -> None:
@@ -133,34 +134,15 @@ class ScriptedNvml:
         for name, suffix in CLOCK_REASONS.items():
             setattr(self, f"nvmlClocksEventReason{suffix}", self._clock_bits[name])
             setattr(self, f"nvmlClocksThrottleReason{suffix}", self._clock_bits[name])
-        self._path: str | None = None
-        """The file it was read from, read again when it changes (None: a machine given as a dict)."""
-        self._signature: tuple[int, int, int] | None = None
-        self._load(machine)
+        super().__init__(machine)
 
     def _load(self, machine: dict) -> None:
-        _check_keys(machine, MACHINE_KEYS, "the machine")
+        check_keys(machine, MACHINE_KEYS, "the machine")
+        if machine.get("vendor", "nvidia") != "nvidia":
+            raise ValueError(f"vendor is {machine['vendor']!r}: this machine is not read through NVML")
         self.driver = bool(machine.get("driver", True))
         self.devices = [_gpu(i, spec) for i, spec in enumerate(machine.get("gpus", []))]
-        self.links = _links(machine, len(self.devices))
-
-    @classmethod
-    def from_file(cls, path: str) -> ScriptedNvml:
-        signature = _signature(path)  # before reading: a change made while it is read is seen next time
-        with _script_errors(path):
-            machine = cls(_read_json(path))
-        machine._path, machine._signature = path, signature
-        return machine
-
-    def _refresh(self) -> None:
-        """Read the file again if it changed since it was read (a GPU going bad during a run)."""
-        if self._path is None:
-            return
-        signature = _signature(self._path)
-        if signature != self._signature:
-            with _script_errors(self._path):
-                self._load(_read_json(self._path))
-            self._signature = signature
+        self.links = links(machine, len(self.devices), P2P_KINDS, "nvlink")
 
     def nvmlInit(self) -> None:
         self._refresh()
@@ -280,18 +262,16 @@ class ScriptedNvml:
 
 def _gpu(index: int, spec: dict) -> _Device:
     where = f"gpus[{index}]"
-    _check_keys(spec, GPU_KEYS, where)
-    utilization = spec.get("utilization", [0])
-    if utilization is not None and not (isinstance(utilization, list) and all(_is_number(u) for u in utilization)):
-        raise ValueError(f"{where}.utilization must be a list of percentages or null")
+    check_keys(spec, GPU_KEYS, where)
+    readings = utilization(spec, where)
     device = _Device(
         name=str(spec.get("name", "NVIDIA H100 80GB HBM3")),
         uuid=str(spec.get("uuid", f"GPU-{index:08x}-0000-0000-0000-000000000000")),
         pci_bus_id=str(spec.get("pci_bus_id", f"00000000:{0x18 + 0x10 * index:02X}:00.0")),
-        memory_total=_mib(spec, "memory_total_mib", 81559, where),
-        memory_used=_mib(spec, "memory_used_mib", 0, where),
-        utilization=None if utilization is None else itertools.cycle([int(u) for u in utilization] or [0]),
-        processes=_process_list(spec, where),
+        memory_total=mib(spec, "memory_total_mib", 81559, where),
+        memory_used=mib(spec, "memory_used_mib", 0, where),
+        utilization=None if readings is None else itertools.cycle(readings),
+        processes=process_list(spec, where),
         mig_mode="mig" in spec,
         lost=spec.get("lost") is True,
         compute_capability=_capability(spec, where),
@@ -299,7 +279,7 @@ def _gpu(index: int, spec: dict) -> _Device:
     )
     for mig_spec in spec.get("mig", []):
         mig_where = f"{where}.mig[]"
-        _check_keys(mig_spec, MIG_KEYS, mig_where)
+        check_keys(mig_spec, MIG_KEYS, mig_where)
         if not isinstance(mig_spec.get("slot"), int):
             raise ValueError(f"{mig_where} needs a whole-number slot")
         slot = mig_spec["slot"]
@@ -307,10 +287,10 @@ def _gpu(index: int, spec: dict) -> _Device:
             name=str(mig_spec.get("name", f"{device.name} MIG 1g.10gb")),
             uuid=str(mig_spec.get("uuid", f"MIG-{index:08x}-{slot:04x}-0000-0000-000000000000")),
             pci_bus_id=device.pci_bus_id,
-            memory_total=_mib(mig_spec, "memory_total_mib", 9856, mig_where),
-            memory_used=_mib(mig_spec, "memory_used_mib", 0, mig_where),
+            memory_total=mib(mig_spec, "memory_total_mib", 9856, mig_where),
+            memory_used=mib(mig_spec, "memory_used_mib", 0, mig_where),
             utilization=None,
-            processes=_process_list(mig_spec, mig_where),
+            processes=process_list(mig_spec, mig_where),
         )
     return device
 
@@ -319,7 +299,7 @@ def _health(spec: dict, where: str) -> dict[str, Any]:
     """The health keys of a GPU's spec, checked; a key set to null stays None (not supported)."""
     health: dict[str, Any] = {}
     if "ecc_uncorrected" in spec:
-        health["ecc_uncorrected"] = _count(spec, "ecc_uncorrected", where, minimum=0)
+        health["ecc_uncorrected"] = count(spec, "ecc_uncorrected", where, minimum=0)
     if "retired_pages_pending" in spec:
         pending = spec["retired_pages_pending"]
         if pending is not None and not isinstance(pending, bool):
@@ -342,7 +322,7 @@ def _health(spec: dict, where: str) -> dict[str, Any]:
         health["throttle"] = None if reasons is None else frozenset(reasons)
     for key in ("pcie_width", "pcie_max_width"):
         if key in spec:
-            health[key] = _count(spec, key, where, minimum=1)
+            health[key] = count(spec, key, where, minimum=1)
     return health
 
 
@@ -353,94 +333,3 @@ def _capability(spec: dict, where: str) -> tuple[int, int] | None:
     if not (isinstance(capability, list) and len(capability) == 2 and all(type(n) is int and n >= 0 for n in capability)):
         raise ValueError(f"{where}.compute_capability must be [major, minor], such as [9, 0], or null")
     return (capability[0], capability[1])
-
-
-def _count(spec: dict, key: str, where: str, minimum: int) -> int | None:
-    value = spec[key]
-    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"{where}.{key} must be a whole number of at least {minimum}, or null")
-    return value
-
-
-def _read_json(path: str) -> dict:
-    machine = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(machine, dict):
-        raise ValueError("the top level must be an object")
-    return machine
-
-
-@contextlib.contextmanager
-def _script_errors(path: str) -> Iterator[None]:
-    """A file that cannot be read, or describes no machine, is one BadScript line naming it."""
-    try:
-        yield
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
-        raise BadScript(f"scripted GPU machine {path}: {error}; fix the file or unset LAUNCHER_SCRIPTED_GPUS") from None
-
-
-def _signature(path: str | None) -> tuple[int, int, int] | None:
-    """What tells a changed file: its mtime, its inode (os.replace makes a new one) and size."""
-    if path is None:
-        return None
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return (stat.st_mtime_ns, stat.st_ino, stat.st_size)
-
-
-def _links(machine: dict, count: int) -> Callable[[int, int], str]:
-    """How GPU i reaches GPU j: the "links" entry naming both, else the machine's "p2p"."""
-    default = machine.get("p2p", "nvlink")
-    if default not in P2P_KINDS:
-        raise ValueError(f"p2p must be one of {', '.join(P2P_KINDS)}, not {default!r}")
-    pairs: dict[frozenset[int], str] = {}
-    links = machine.get("links", [])
-    shape = f'links must be a list of {{"gpus": [i, j], "p2p": KIND}}: two GPU indices, KIND one of {", ".join(P2P_KINDS)}'
-    if not isinstance(links, list):
-        raise ValueError(shape)
-    for link in links:
-        _check_keys(link, {"gpus", "p2p"}, "links[]")
-        gpus = link.get("gpus")
-        if not (
-            isinstance(gpus, list)
-            and len(gpus) == 2
-            and all(isinstance(i, int) and 0 <= i < count for i in gpus)
-            and gpus[0] != gpus[1]
-            and link.get("p2p") in P2P_KINDS
-        ):
-            raise ValueError(shape)
-        pairs[frozenset(gpus)] = link["p2p"]
-    return lambda i, j: pairs.get(frozenset((i, j)), default)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _mib(spec: dict, key: str, default: float, where: str) -> int:
-    value = spec.get(key, default)
-    if not _is_number(value) or value < 0:
-        raise ValueError(f"{where}.{key} must be a number of MiB, not {value!r}")
-    return int(value * MIB)
-
-
-def _process_list(spec: dict, where: str) -> list[dict]:
-    processes = spec.get("processes", [])
-    for process in processes if isinstance(processes, list) else [None]:
-        if not (
-            isinstance(process, dict)
-            and isinstance(process.get("pid"), int)
-            and process["pid"] > 0
-            and (process.get("memory_mib") is None or _is_number(process["memory_mib"]))
-        ):
-            raise ValueError(f'{where}.processes must be a list of {{"pid": N, "memory_mib": M}}')
-    return processes
-
-
-def _check_keys(spec: Any, allowed: set[str], where: str) -> None:
-    if not isinstance(spec, dict):
-        raise ValueError(f"{where} must be an object")
-    unknown = set(spec) - allowed
-    if unknown:
-        raise ValueError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}")
