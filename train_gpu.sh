@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Train on one GPU you name: its NVML index (as `python -m launcher gpus` and nvidia-smi show
-# it), a MIG device such as 0.1, or a UUID. Output lines are prefixed GPU<id>:.
+# it), a MIG device such as 0.1, or a UUID. Output lines are prefixed GPU<id>:. The same on AMD GPUs
+# (amd-smi's index, a partition such as 0.3); on a machine with both, add --gpu-vendor nvidia|amd.
 #   ./train_gpu.sh 3 --debug
 #   ./train_gpu.sh 3 --strict --config configs/single_gpu.json   # refuse GPU 3 if it is busy
 set -euo pipefail

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from launcher.errors import UsageError
 from launcher.exit_codes import STOP_SIGNALS, by_signal, stop_signal
 from launcher.gpus.placement import GpuOptions, Placement, place
-from launcher.gpus import health, nvml
+from launcher.gpus import health, vendors
 from launcher.gpus.selection import DeviceError, find, parse_request
 from launcher.nodes import multinode
 from launcher.processes.torchrun_env import Restarts
@@ -372,7 +372,7 @@ def sized(devices: Devices, size: int) -> GpuOptions:
         named = (str(options.device_id),)
     if not named:
         return dataclasses.replace(options, gpus=f"auto:{size}", nproc=None)
-    gpus = nvml.discover(window=0)
+    gpus = vendors.backend(options.gpu_vendor).discover(window=0)
     failing = {name: health.assess(find(gpus, name, "--gpus names").health) for name in named}
     healthy = [name for name in named if failing[name].healthy]
     if len(healthy) < size:

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.gpus import nvml, selection, table
+from launcher.gpus import nvml, selection, table, vendors
+from launcher.gpus.devices import NoGpuDriver
 from launcher.nodes import multinode
 from launcher.address_space import is_out_of_memory, refusal
 from launcher import attempts
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"CPU worker processes (default {DEFAULT_CPU_WORKERS}); on GPUs, same as --gpus auto:N",
     )
     add_criteria_arguments(parser)
+    add_vendor_argument(parser)
     parser.add_argument("--strict", action="store_true", help="refuse a busy GPU named in --gpus instead of warning")
     parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: <runs dir>/<run-id>/)")
     parser.add_argument("--runs-dir", metavar="DIR", help=f"where new run directories go (default: ${RUNS_DIR_VAR}, else ./runs)")
@@ -120,26 +122,44 @@ def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_vendor_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu-vendor",
+        choices=vendors.VENDORS,
+        help="on a machine with both NVIDIA and AMD GPUs, which this launch uses (default: the one there is)",
+    )
+
+
 def show_gpus(argv: Sequence[str]) -> int:
     """`python -m launcher gpus`: every GPU and the verdict on it; claims nothing."""
     parser = argparse.ArgumentParser(
         prog=f"{program()} gpus", description="Show this machine's GPUs and which the launcher counts as free."
     )
     add_criteria_arguments(parser)
+    add_vendor_argument(parser)
     args = parser.parse_args(argv)
     criteria = selection.Criteria.parse(args.min_free_memory, args.max_utilization)
     # What applies to a listing (not the training launch's --device cpu): why there is nothing to list.
+    backend = vendors.backend(args.gpu_vendor)
+    vendor: vendors.Vendor = "amd" if backend is not nvml else "nvidia"
     try:
-        gpus = nvml.discover()
-    except nvml.NoGpuDriver as error:
-        raise UsageError(f"no NVIDIA driver ({error}): no GPU to show; `nvidia-smi` checks the driver") from None
-    except nvml.NvmlFailure as error:
+        gpus = backend.discover()
+    except NoGpuDriver as error:
+        raise UsageError(
+            f"no NVIDIA or AMD GPU driver ({error}): no GPU to show; `nvidia-smi` or `amd-smi list` checks the driver"
+        ) from None
+    except Refusal as error:
         # Its message ends in the training launch's way out, "or use --device cpu": not this command's.
         raise UsageError(str(error).removesuffix(", or use --device cpu")) from None
     if not gpus:
-        raise UsageError("the NVIDIA driver reports no GPU: none to show; `nvidia-smi -L` lists what it sees")
-    visible = selection.visible_ids(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    print(table.render([selection.judge(gpu, criteria, visible) for gpu in gpus]))
+        raise UsageError(
+            f"the {vendors.NAMES[vendor]} driver reports no GPU: none to show; "
+            f"{'`amd-smi list`' if vendor == 'amd' else '`nvidia-smi -L`'} lists what it sees"
+        )
+    limits = selection.visibility_limits(gpus, os.environ)
+    visible = selection.visible_ids(gpus, limits)
+    hidden_by = selection.limiting_names(limits)
+    print(table.render([selection.judge(gpu, criteria, visible, hidden_by=hidden_by) for gpu in gpus]))
     return 0
 
 

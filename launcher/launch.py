@@ -58,6 +58,7 @@ def launch(args: argparse.Namespace, config: cfg.Config, command: list[str], spe
         strict=args.strict,
         cpu_fallback=bool(command) or config.preset == "debug",
         own_command=bool(command),
+        gpu_vendor=args.gpu_vendor,
     )
     devices = Devices(options, place(options, console))
     try:
@@ -280,7 +281,8 @@ def make_workers(
             node_rank=layout.node_rank,
             master_addr=layout.master_addr,
             master_port=port,
-            gpu=placement.cuda_visible_devices(local),
+            gpu=placement.visible_devices(local),
+            visibility_variable=placement.visibility_variable(),
             gpu_id=gpu.id if gpu else None,
             cuda_device_index=placement.cuda_device_index(local),
             cpu_count=cpus,

@@ -21,8 +21,11 @@ import sys  # noqa: E402
 # on a mixed machine device_id 1 could be another GPU than nvidia-smi's GPU 1.
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 # As the launcher gives its workers (launcher/processes/worker.py): segments that grow in place, for far
-# less fragmentation when allocation sizes vary (FSDP's gathered groups, the chunked loss).
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+# less fragmentation when allocation sizes vary (FSDP's gathered groups, the chunked loss), unless
+# the user chose an allocator setting under any of torch's names (PYTORCH_HIP_ALLOC_CONF on ROCm).
+from pretrain.run.allocator_env import set_default_allocator  # noqa: E402
+
+set_default_allocator(os.environ)
 
 # Before torch reads them: a thread count that is not one (OMP_NUM_THREADS=abc) would cost a
 # libgomp warning and a run on all cores, or a ValueError at the first compile.

@@ -125,14 +125,25 @@ def processes() -> Iterator[Callable[..., subprocess.Popen]]:
         stop_process_tree(proc)
 
 
+@pytest.fixture(params=["nvidia", "amd"])
+def vendor(request) -> str:
+    """A test that takes it runs twice: on NVIDIA GPUs (NVML), then on AMD ones (AMD SMI). The
+    scripted_gpus machine is then that vendor's (tests/test_devices.py's gpu() makes its GPUs)."""
+    return request.param
+
+
 @pytest.fixture
-def scripted_gpus(tmp_path, monkeypatch):
-    """Make NVML see a scripted machine (launcher/gpus/scripted_nvml.py), here and in the
-    launchers a test starts: scripted_gpus([{}, {"utilization": [90]}]) is two H100s, one busy."""
+def scripted_gpus(tmp_path, monkeypatch, request):
+    """Make the launcher see a scripted machine (launcher/gpus/scripted_nvml.py; with "vendor":
+    "amd", launcher/gpus/scripted_amdsmi.py), here and in the launchers a test starts:
+    scripted_gpus([{}, {"utilization": [90]}]) is two H100s, one busy; in a test that takes the
+    `vendor` fixture, two MI300Xs on its AMD run."""
+    vendor = request.getfixturevalue("vendor") if "vendor" in request.fixturenames else "nvidia"
 
     def make(gpus: list[dict], driver: bool = True) -> Path:
         path = tmp_path / "machine.json"
-        path.write_text(json.dumps({"driver": driver, "gpus": gpus}))
+        machine = {"driver": driver, "gpus": gpus} | ({"vendor": vendor} if vendor != "nvidia" else {})
+        path.write_text(json.dumps(machine))
         monkeypatch.setenv("LAUNCHER_SCRIPTED_GPUS", str(path))
         return path
 

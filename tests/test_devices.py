@@ -1,5 +1,6 @@
 """GPU selection policies (launcher/gpus/selection.py) and the GPU table (launcher/gpus/table.py),
-on GPUs described directly, with claims replaced by a dictionary."""
+on GPUs described directly, with claims replaced by a dictionary. A test that takes the `vendor`
+fixture (tests/conftest.py) runs on NVIDIA GPUs and again on AMD ones."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 from launcher.gpus import claims, selection as devices
 from launcher.gpus.selection import Criteria, DeviceError, GpuRequest, parse_request, select
 from launcher.gpus.table import render
-from launcher.gpus.nvml import Gpu, GpuProcess, Health
+from launcher.gpus.devices import Gpu, GpuProcess, Health
 
 GIB = 1 << 30
+MADE = {"vendor": "nvidia"}
+"""Whose GPUs gpu() makes: the `vendor` fixture's where a test takes it."""
+NAMES = {"nvidia": "NVIDIA H100 80GB HBM3", "amd": "AMD Instinct MI300X"}
 HEALTHY = Health(
     ecc_uncorrected=0,
     retired_pages_pending=False,
@@ -33,13 +37,19 @@ def gpu(
     processes=(),
     health: Health = HEALTHY,
 ) -> Gpu:
+    """A GPU, a MIG device of GPU mig_of (on AMD: a partition of it), or a GPU in MIG mode (AMD:
+    in a partition mode), made by MADE's vendor."""
+    vendor = MADE["vendor"]
     gpu_id = f"{mig_of}.{index}" if mig_of is not None else str(index)
-    uuid = f"MIG-{mig_of}{index}aa" if mig_of is not None else f"GPU-{index}{index}ff-0000"
+    if mig_of is not None:
+        uuid = f"MIG-{mig_of}{index}aa" if vendor == "nvidia" else f"GPU-{mig_of}{index}aa0000"
+    else:
+        uuid = f"GPU-{index}{index}ff-0000"
     return Gpu(
         id=gpu_id,
         index=mig_of if mig_of is not None else index,
         uuid=uuid,
-        name="NVIDIA H100 80GB HBM3",
+        name=NAMES[vendor],
         pci_bus_id=f"00000000:{index:02X}:00.0",
         memory_total=int(total_gib * GIB),
         memory_used=int(used_gib * GIB),
@@ -48,7 +58,15 @@ def gpu(
         mig=mig_of is not None,
         mig_enabled=mig_enabled,
         health=health,
+        vendor=vendor,  # type: ignore[arg-type]
     )
+
+
+@pytest.fixture(autouse=True)
+def made_by(request, monkeypatch):
+    """gpu() makes the `vendor` fixture's GPUs in a test that takes it, NVIDIA's in the others."""
+    if "vendor" in request.fixturenames:
+        monkeypatch.setitem(MADE, "vendor", request.getfixturevalue("vendor"))
 
 
 class Claims:
@@ -83,17 +101,18 @@ def choose(
     gpus: list[Gpu],
     request: str,
     claimed: Claims | None = None,
-    visible: str | None = None,
+    visible: str | devices.Limits | None = None,
     strict: bool = False,
     criteria: Criteria | None = None,
 ) -> devices.Selection:
+    """visible: the launcher's own limiting variables, or CUDA_VISIBLE_DEVICES' value."""
     table = claimed or Claims()
     return select(
         gpus,
         parse_request(request),
         criteria or Criteria(),
         strict=strict,
-        cuda_visible_devices=visible,
+        limits=visible,
         claim=table.claim,
         holder=table.holder,
     )
@@ -172,7 +191,7 @@ def test_max_utilization_is_a_percentage_from_0_to_100():
 # --- verdicts -------------------------------------------------------------------------
 
 
-def test_a_gpu_is_busy_over_the_utilization_limit_or_under_the_free_memory_floor():
+def test_a_gpu_is_busy_over_the_utilization_limit_or_under_the_free_memory_floor(vendor):
     judge = lambda g: devices.judge(g, Criteria(min_free_memory=0.9, max_utilization=10), None, lambda _: None)  # noqa: E731
     assert judge(gpu(0, util=10)).state == "free"  # the limit itself is allowed
     assert judge(gpu(0, util=11)).reasons == ("utilization 11% > 10%",)
@@ -181,13 +200,13 @@ def test_a_gpu_is_busy_over_the_utilization_limit_or_under_the_free_memory_floor
     assert len(judge(gpu(0, util=50, used_gib=70)).reasons) == 2
 
 
-def test_an_absolute_free_memory_floor_ignores_the_total():
+def test_an_absolute_free_memory_floor_ignores_the_total(vendor):
     criteria = Criteria(min_free_memory=devices.parse_min_free_memory("20GiB"))
     assert devices.judge(gpu(0, used_gib=59), criteria, None, lambda _: None).state == "free"
     assert devices.judge(gpu(0, used_gib=61), criteria, None, lambda _: None).reasons == ("19.0 GiB free < 20 GiB",)
 
 
-def test_unknown_utilization_is_neither_zero_nor_busy():
+def test_unknown_utilization_is_neither_zero_nor_busy(vendor):
     verdict = devices.judge(gpu(0, util=None), Criteria(), None, lambda _: None)
     assert verdict.state == "free" and verdict.describe() == "free (utilization unknown)"
     busy = devices.judge(gpu(0, util=None, used_gib=79), Criteria(), None, lambda _: None)
@@ -197,18 +216,18 @@ def test_unknown_utilization_is_neither_zero_nor_busy():
 # --- all ------------------------------------------------------------------------------
 
 
-def test_all_takes_every_free_gpu_and_records_why_the_others_were_skipped():
+def test_all_takes_every_free_gpu_and_records_why_the_others_were_skipped(vendor):
     gpus = [gpu(0), gpu(1, util=97), gpu(2), gpu(3, used_gib=70)]
     selection = choose(gpus, "all")
     assert ids(selection) == ["0", "2"]
     assert [v.state for v in selection.verdicts] == ["chosen", "busy", "chosen", "busy"]
 
 
-def test_eight_idle_gpus_are_all_taken_in_nvml_order():
+def test_eight_idle_gpus_are_all_taken_in_nvml_order(vendor):
     assert ids(choose([gpu(i) for i in range(8)], "all")) == [str(i) for i in range(8)]
 
 
-def test_all_with_nothing_free_is_an_error_with_the_table_of_reasons():
+def test_all_with_nothing_free_is_an_error_with_the_table_of_reasons(vendor):
     gpus = [gpu(0, util=90), gpu(1, used_gib=79)]
     with pytest.raises(DeviceError) as error:
         choose(gpus, "all", Claims({gpus[0].uuid: 4242}))
@@ -218,13 +237,13 @@ def test_all_with_nothing_free_is_an_error_with_the_table_of_reasons():
     assert "claimed by launcher pid 4242 (bob)" in table[1] and "GiB free < 90%" in table[2]
 
 
-def test_a_gpu_claimed_by_another_launcher_is_skipped_by_all():
+def test_a_gpu_claimed_by_another_launcher_is_skipped_by_all(vendor):
     gpus = [gpu(0), gpu(1)]
     selection = choose(gpus, "all", Claims({gpus[0].uuid: 77}))
     assert ids(selection) == ["1"] and selection.verdicts[0].state == "claimed"
 
 
-def test_all_losing_the_race_for_some_gpus_runs_on_the_rest():
+def test_all_losing_the_race_for_some_gpus_runs_on_the_rest(vendor):
     gpus = [gpu(0), gpu(1), gpu(2)]
     table = Claims()
     table.holder = lambda uuid: None  # type: ignore[method-assign]  # the look found nothing held
@@ -233,7 +252,7 @@ def test_all_losing_the_race_for_some_gpus_runs_on_the_rest():
     assert ids(selection) == ["1", "2"] and selection.verdicts[0].state == "claimed"
 
 
-def test_losing_the_race_for_a_gpu_moves_on_to_the_next_free_one():
+def test_losing_the_race_for_a_gpu_moves_on_to_the_next_free_one(vendor):
     """The table saw GPU 0 free, but another launcher claimed it first."""
     gpus = [gpu(0), gpu(1)]
     table = Claims()
@@ -247,19 +266,19 @@ def test_losing_the_race_for_a_gpu_moves_on_to_the_next_free_one():
 # --- auto:N ---------------------------------------------------------------------------
 
 
-def test_auto_takes_the_lowest_utilization_then_the_most_free_memory():
+def test_auto_takes_the_lowest_utilization_then_the_most_free_memory(vendor):
     gpus = [gpu(0, util=5), gpu(1, util=0, used_gib=5), gpu(2, util=0, used_gib=2), gpu(3, util=1)]
     assert ids(choose(gpus, "auto:1")) == ["2"]
     assert ids(choose(gpus, "auto:2")) == ["1", "2"]  # ranks in NVML order
     assert ids(choose(gpus, "auto:3")) == ["1", "2", "3"]
 
 
-def test_auto_ranks_unknown_utilization_after_every_measured_one():
+def test_auto_ranks_unknown_utilization_after_every_measured_one(vendor):
     gpus = [gpu(0, util=None), gpu(1, util=8)]
     assert ids(choose(gpus, "auto:1")) == ["1"]
 
 
-def test_auto_asking_for_more_than_are_free_fails_and_releases_what_it_claimed():
+def test_auto_asking_for_more_than_are_free_fails_and_releases_what_it_claimed(vendor):
     table = Claims()
     with pytest.raises(DeviceError, match=r"--gpus auto:3 needs 3, but 2 of 3 GPU\(s\) are free") as error:
         choose([gpu(0), gpu(1), gpu(2, util=50)], "auto:3", table)
@@ -270,25 +289,25 @@ def test_auto_asking_for_more_than_are_free_fails_and_releases_what_it_claimed()
 # --- explicit lists -------------------------------------------------------------------
 
 
-def test_an_explicit_list_is_used_as_given_and_a_busy_gpu_in_it_is_a_warning():
+def test_an_explicit_list_is_used_as_given_and_a_busy_gpu_in_it_is_a_warning(vendor):
     selection = choose([gpu(0), gpu(1, util=97), gpu(2), gpu(3)], "3,1")
     assert ids(selection) == ["1", "3"]
     assert selection.warnings == ["GPU 1 is busy (utilization 97% > 10%); using it anyway as --gpus names it (--strict refuses)"]
 
 
-def test_strict_refuses_a_busy_gpu_in_the_list_and_claims_nothing():
+def test_strict_refuses_a_busy_gpu_in_the_list_and_claims_nothing(vendor):
     table = Claims()
     with pytest.raises(DeviceError, match="GPU 1 is busy .*; --strict refuses busy GPUs"):
         choose([gpu(0), gpu(1, util=97)], "0,1", table, strict=True)
     assert not table.held
 
 
-def test_a_gpu_that_does_not_exist_lists_the_gpus_there_are():
+def test_a_gpu_that_does_not_exist_lists_the_gpus_there_are(vendor):
     with pytest.raises(DeviceError, match=r"--gpus names GPU 7, which does not exist; GPUs here: 0, 1 "):
         choose([gpu(0), gpu(1)], "7")
 
 
-def test_a_listed_gpu_claimed_by_another_launcher_is_an_error_naming_the_holder():
+def test_a_listed_gpu_claimed_by_another_launcher_is_an_error_naming_the_holder(vendor):
     gpus = [gpu(0), gpu(1)]
     table = Claims({gpus[1].uuid: 31337})
     with pytest.raises(DeviceError, match="GPU 1 is claimed by launcher pid 31337 .*; choose another GPU or wait"):
@@ -296,7 +315,7 @@ def test_a_listed_gpu_claimed_by_another_launcher_is_an_error_naming_the_holder(
     assert table.released == [gpus[0].uuid]  # GPU 0's claim was given back
 
 
-def test_gpus_can_be_named_by_uuid_or_unique_uuid_prefix():
+def test_gpus_can_be_named_by_uuid_or_unique_uuid_prefix(vendor):
     gpus = [gpu(0), gpu(1), gpu(11)]
     assert ids(choose(gpus, f"{gpus[1].uuid}")) == ["1"]
     assert ids(choose(gpus, "GPU-00")) == ["0"]
@@ -304,7 +323,7 @@ def test_gpus_can_be_named_by_uuid_or_unique_uuid_prefix():
         choose(gpus, "GPU-1")
 
 
-def test_one_gpu_named_by_id_and_by_uuid_is_refused():
+def test_one_gpu_named_by_id_and_by_uuid_is_refused(vendor):
     gpus = [gpu(0), gpu(1)]
     with pytest.raises(DeviceError, match="names one GPU twice"):
         choose(gpus, f"1,{gpus[1].uuid}")
@@ -325,7 +344,7 @@ def mig_machine() -> list[Gpu]:
 def test_on_a_machine_of_mig_devices_all_takes_one_of_them_and_says_why_not_the_others():
     selection = choose(mig_machine()[:3], "all")
     assert ids(selection) == ["0.0"]
-    assert [g.cuda_visible_id for g in selection.chosen] == ["MIG-00aa"]
+    assert [g.visible_id for g in selection.chosen] == ["MIG-00aa"]
     assert selection.verdicts[0].describe() == "MIG mode: use its MIG devices"
     assert selection.verdicts[2].describe() == "MIG device: one per run (NCCL does not support MIG)"
     assert ids(choose(mig_machine()[:3], "auto:1")) == ["0.0"]  # one alone still runs
@@ -354,11 +373,12 @@ def test_a_list_naming_several_mig_devices_is_refused_before_any_is_claimed():
     assert table.released == []  # refused before claiming, so nothing to give back
 
 
-def test_all_and_auto_never_mix_mig_devices_with_whole_gpus():
+def test_all_and_auto_never_mix_mig_devices_with_whole_gpus(vendor):
+    slice_ = {"nvidia": "MIG device", "amd": "partition"}[vendor]
     for request in ("all", "auto:1"):
         selection = choose(mig_machine(), request)
         assert ids(selection) == ["1"]
-        assert selection.verdicts[1].describe() == "MIG device: not mixed with whole GPUs; name it in --gpus"
+        assert selection.verdicts[1].describe() == f"{slice_}: not mixed with whole GPUs; name it in --gpus"
     assert ids(choose(mig_machine(), "0.0,1")) == ["0.0", "1"]  # named, they mix
 
 
@@ -398,10 +418,62 @@ def test_cuda_visible_devices_naming_a_missing_gpu_is_an_error():
         devices.visible_ids([gpu(0), gpu(1)], "0,5")
 
 
+# --- AMD: ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES, partitions --------------------
+
+
+@pytest.mark.parametrize("vendor", ["amd"])
+def test_rocr_then_hip_visible_devices_limit_the_choice_as_rocm_applies_them(vendor):
+    gpus = [gpu(i) for i in range(6)]
+    environ = {"ROCR_VISIBLE_DEVICES": f"5,{gpus[1].uuid},3", "HIP_VISIBLE_DEVICES": "2,0", "CUDA_VISIBLE_DEVICES": "1"}
+    limits = devices.visibility_limits(gpus, environ)
+    assert [name for name, _ in limits] == ["ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"]
+    # ROCR leaves 5, 1, 3; HIP's 2,0 counts among those: 3, 5; CUDA's 1 among HIP's: 5.
+    assert devices.visible_ids(gpus, limits[:1]) == {"5", "1", "3"}
+    assert devices.visible_ids(gpus, limits[:2]) == {"3", "5"}
+    assert ids(choose(gpus, "all", visible=limits)) == ["5"]
+    hidden = choose(gpus, "all", visible=limits).verdicts[0].describe()
+    assert hidden == "not in ROCR_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES"
+    assert devices.visible_ids(gpus, devices.visibility_limits(gpus, {"HIP_VISIBLE_DEVICES": "4"})) == {"4"}  # alone: AMD SMI's
+    with pytest.raises(DeviceError, match=r"^HIP_VISIBLE_DEVICES=3 names device 3, but only 2 are left to it"):
+        devices.visible_ids(gpus, (("ROCR_VISIBLE_DEVICES", "0,1"), ("HIP_VISIBLE_DEVICES", "3")))
+
+
+def test_on_nvidia_only_cuda_visible_devices_limits_the_choice():
+    gpus = [gpu(i) for i in range(3)]
+    limits = devices.visibility_limits(
+        gpus, {"ROCR_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "2"}
+    )
+    assert limits == (("CUDA_VISIBLE_DEVICES", "2"),)
+
+
+@pytest.mark.parametrize("vendor", ["amd"])
+def test_amd_partitions_are_kept_apart_from_whole_gpus_but_several_run_together(vendor):
+    partitions = [gpu(0, mig_enabled=True, util=None)] + [gpu(slot, total_gib=24, mig_of=0) for slot in range(4)]
+    assert ids(choose(partitions, "all")) == ["0.0", "0.1", "0.2", "0.3"]  # RCCL takes partitions as GPUs
+    assert ids(choose(partitions, "auto:2")) == ["0.0", "0.1"]
+    assert ids(choose(partitions, "0.1,0.3")) == ["0.1", "0.3"]
+    assert choose(partitions, "all").verdicts[0].describe() == "partition mode: use its partitions"
+    beside = partitions + [gpu(1)]
+    assert ids(choose(beside, "all")) == ["1"]  # a 24 GiB slice would pace a whole GPU
+    with pytest.raises(DeviceError, match=r"^GPU 0 is in a compute partition mode, .*choose them \(0.0, 0.1, 0.2, 0.3\)"):
+        choose(beside, "0")
+
+
+def test_a_gpu_is_made_visible_by_its_vendors_variable_and_the_id_its_runtime_takes():
+    nvidia = gpu(0)
+    assert (nvidia.visibility_variable, nvidia.visible_id) == ("CUDA_VISIBLE_DEVICES", nvidia.uuid)
+    amd = Gpu("2", 2, "GPU-8d1457e2c20f59d2", "AMD Instinct MI300X", "0000:45:00.0", GIB, 0, 0.0, (), vendor="amd")
+    assert (amd.visibility_variable, amd.visible_id) == ("ROCR_VISIBLE_DEVICES", "GPU-8d1457e2c20f59d2")
+    partition = Gpu(
+        "2.1", 2, "00ff74a1-0000-1000-8001-000000000000", "AMD Instinct MI300X", "?", GIB, 0, 0.0, (), mig=True, vendor="amd"
+    )
+    assert partition.visible_id == "2.1"  # no ROCr UUID: placement gives its ROCr index (test_placement.py)
+
+
 # --- the table ------------------------------------------------------------------------
 
 
-def test_the_table_shows_every_device_with_its_numbers_and_verdict():
+def test_the_table_shows_every_device_with_its_numbers_and_verdict(vendor):
     processes = (GpuProcess(pid=4121, memory=70 * GIB, user="bob"), GpuProcess(pid=77, memory=None, user=None))
     gpus = [gpu(0), gpu(1, util=97, used_gib=70.5, processes=processes), gpu(2, util=None)] + mig_machine()
     lines = render(choose(gpus[:3], "all").verdicts).splitlines()
@@ -415,19 +487,19 @@ def test_the_table_shows_every_device_with_its_numbers_and_verdict():
     assert [line[at:].split()[0] for line in lines[1:]] == ["chosen", "busy:", "chosen"]
 
 
-def test_the_table_indents_mig_devices_under_their_gpu_and_shows_na_utilization():
+def test_the_table_indents_mig_devices_under_their_gpu_and_shows_na_utilization(vendor):
     lines = render(choose(mig_machine(), "all").verdicts).splitlines()
     assert lines[1].split()[0] == "0" and " n/a " in lines[1]
     assert lines[2].startswith("  0.0") and lines[3].startswith("  0.1")
 
 
-def test_a_long_process_list_is_cut_to_three_and_a_count():
+def test_a_long_process_list_is_cut_to_three_and_a_count(vendor):
     many = tuple(GpuProcess(pid=100 + i, memory=GIB, user="ann") for i in range(5))
     line = render(choose([gpu(0, processes=many)], "all").verdicts).splitlines()[1]
     assert "102 (ann) 1.0 GiB, +2 more" in line and "103" not in line
 
 
-def test_a_gpu_nvml_cannot_read_is_never_chosen_and_says_why():
+def test_a_gpu_nvml_cannot_read_is_never_chosen_and_says_why(vendor):
     lost = Gpu(
         id="1",
         index=1,
@@ -439,9 +511,11 @@ def test_a_gpu_nvml_cannot_read_is_never_chosen_and_says_why():
         utilization=None,
         processes=(),
         error="GPU is lost",
+        vendor=vendor,
     )
+    reader, check = {"nvidia": ("NVML", "`nvidia-smi`"), "amd": ("AMD SMI", "`amd-smi list`")}[vendor]
     selection = choose([gpu(0), lost, gpu(2)], "all")
     assert ids(selection) == ["0", "2"]
-    assert selection.verdicts[1].describe() == "NVML cannot read it: GPU is lost"
-    with pytest.raises(DeviceError, match="GPU 1: NVML cannot read it: GPU is lost; check `nvidia-smi`"):
+    assert selection.verdicts[1].describe() == f"{reader} cannot read it: GPU is lost"
+    with pytest.raises(DeviceError, match=f"GPU 1: {reader} cannot read it: GPU is lost; check {check}"):
         choose([gpu(0), lost], "1")

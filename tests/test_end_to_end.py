@@ -78,8 +78,8 @@ def test_debug_run_exits_zero_with_step_lines_from_both_cpu_workers(two_runs):
 @pytest.mark.slow
 def test_without_a_gpu_the_launcher_says_so_in_one_line_and_runs_two_cpu_workers(two_runs):
     _, first, *_ = two_runs
-    said = [line for line in first.stdout.splitlines() if "no NVIDIA GPU found" in line]
-    assert said == ["launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); --nproc N changes the count"]
+    said = [line for line in first.stdout.splitlines() if "no NVIDIA or AMD GPU found" in line]
+    assert said == ["launcher: no NVIDIA or AMD GPU found; running 2 CPU worker processes (gloo); --nproc N changes the count"]
 
 
 @pytest.mark.slow

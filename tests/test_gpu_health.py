@@ -16,7 +16,8 @@ import pytest
 
 from conftest import wait_until
 from helpers import run_launcher
-from launcher.gpus import health, nvml
+from launcher.gpus import amd, health, nvml, vendors
+from launcher.gpus.devices import VISIBILITY_VARIABLES
 from launcher.gpus.health import HealthWatch, assess, changes
 from launcher.gpus.nvml import Health
 from launcher.gpus.placement import GpuOptions, place
@@ -25,18 +26,49 @@ from launcher.supervise.printer import Printer
 
 HEALTHY = Health(0, False, False, False, frozenset(), 16, 16)
 FAST = 0.05  # the watch's interval in these tests, in seconds
+FAULTS = {
+    "nvidia": {
+        "normal clocks": {"throttle": ["gpu_idle", "sw_power_cap"]},
+        "thermal slowdown": {"throttle": ["hw_thermal", "sw_power_cap"]},
+        "power brake": {"throttle": ["hw_power_brake"]},
+        "hardware slowdown": {"throttle": ["hw_slowdown"]},
+        "pages pending": {"retired_pages_pending": True},
+        "unknown": {
+            "ecc_uncorrected": None,
+            "remapped_rows": None,
+            "retired_pages_pending": None,
+            "throttle": None,
+            "pcie_width": None,
+            "pcie_max_width": None,
+        },
+    },
+    "amd": {
+        "normal clocks": {"throttle": ["ppt"]},  # the package power limit: a busy GPU at its cap
+        "thermal slowdown": {"throttle": ["socket_thermal", "ppt"]},
+        "power brake": {"throttle": ["prochot"]},
+        "hardware slowdown": {"throttle": ["prochot"]},
+        "pages pending": {"bad_pages": {"pending": 1}},
+        "unknown": {"ecc_uncorrected": None, "bad_pages": None, "throttle": None, "pcie_width": None, "pcie_max_width": None},
+    },
+}
+"""A scripted GPU's keys for each fault, as each vendor's machine spells it (scripted_nvml.py, scripted_amdsmi.py)."""
+READERS = {"nvidia": "NVML", "amd": "AMD SMI"}
 
 
 @pytest.fixture(autouse=True)
 def no_sampling_wait(monkeypatch):
-    monkeypatch.setattr(nvml, "UTILIZATION_WINDOW", 0.0)  # in this process only
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for backend in (nvml, amd):
+        monkeypatch.setattr(backend, "UTILIZATION_WINDOW", 0.0)  # in this process only
+    for variable in VISIBILITY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
 
 
 def replace_machine(path: Path, gpus: list[dict]) -> None:
-    """Change the scripted machine as a GPU going bad would: atomically, never half-written."""
+    """Change the scripted machine as a GPU going bad would: atomically, never half-written (its
+    vendor kept)."""
     draft = path.with_suffix(".draft")
-    draft.write_text(json.dumps({"gpus": gpus}))
+    vendor = json.loads(path.read_text()).get("vendor", "nvidia")
+    draft.write_text(json.dumps({"vendor": vendor, "gpus": gpus}))
     os.replace(draft, path)
 
 
@@ -51,6 +83,8 @@ def replace_machine(path: Path, gpus: list[dict]) -> None:
         ({"retired_pages_pending": True}, "retired pages pending"),
         ({"remapping_pending": True}, "row remapping pending"),
         ({"remapping_failed": True}, "row remapping failed"),
+        ({"pages_unretirable": 2}, "2 bad pages that could not be retired"),
+        ({"pages_unretirable": 1}, "1 bad page that could not be retired"),
         ({"clock_reasons": frozenset({"hw_thermal"})}, "clocks: thermal slowdown"),
         ({"clock_reasons": frozenset({"sw_thermal"})}, "clocks: driver thermal slowdown"),
         ({"clock_reasons": frozenset({"hw_power_brake", "sw_power_cap"})}, "clocks: power brake"),
@@ -105,6 +139,9 @@ def test_changes_name_new_errors_and_clock_slowdowns_starting_and_ending():
         f"1 new uncorrectable ECC error (volatile): {health.FAILING}"
     ]
     assert changes(HEALTHY, replace(HEALTHY, remapping_pending=True)) == [f"row remapping pending: {health.FAILING}"]
+    amd = replace(HEALTHY, pages_unretirable=0)  # AMD SMI reads bad pages it could not retire; NVML never
+    assert changes(amd, replace(amd, pages_unretirable=2)) == [f"2 new bad pages that could not be retired: {health.FAILING}"]
+    assert changes(amd, replace(amd, pages_unretirable=None)) == [] and changes(HEALTHY, amd) == []
     assert changes(HEALTHY, hot) == ["clocks: thermal slowdown"]
     assert changes(hot, HEALTHY) == ["clocks: no longer slowed (thermal slowdown ended)"]
     assert changes(HEALTHY, replace(HEALTHY, clock_reasons=frozenset({"sw_power_cap"}))) == []
@@ -116,8 +153,8 @@ def test_changes_name_new_errors_and_clock_slowdowns_starting_and_ending():
 # --- choosing GPUs --------------------------------------------------------------------
 
 
-def test_all_skips_an_unhealthy_gpu_and_says_why(scripted_gpus):
-    scripted_gpus([{}, {"ecc_uncorrected": 2}, {"throttle": ["gpu_idle", "sw_power_cap"]}])
+def test_all_skips_an_unhealthy_gpu_and_says_why(scripted_gpus, vendor):
+    scripted_gpus([{}, {"ecc_uncorrected": 2}, FAULTS[vendor]["normal clocks"]])
     console = io.StringIO()
     placement = place(GpuOptions(device="cuda"), Printer(console, None))
     try:
@@ -127,8 +164,8 @@ def test_all_skips_an_unhealthy_gpu_and_says_why(scripted_gpus):
         placement.release()
 
 
-def test_auto_never_takes_an_unhealthy_gpu_even_the_idlest(scripted_gpus):
-    scripted_gpus([{"utilization": [5]}, {"throttle": ["hw_power_brake"], "utilization": [0]}])
+def test_auto_never_takes_an_unhealthy_gpu_even_the_idlest(scripted_gpus, vendor):
+    scripted_gpus([{"utilization": [5]}, FAULTS[vendor]["power brake"] | {"utilization": [0]}])
     placement = place(GpuOptions(gpus="auto:1"), Printer(io.StringIO(), None))
     try:
         assert [gpu.id for gpu in placement.gpus] == ["0"]
@@ -136,8 +173,8 @@ def test_auto_never_takes_an_unhealthy_gpu_even_the_idlest(scripted_gpus):
         placement.release()
 
 
-def test_naming_an_unhealthy_gpu_warns_and_uses_it(scripted_gpus):
-    scripted_gpus([{}, {"retired_pages_pending": True}])
+def test_naming_an_unhealthy_gpu_warns_and_uses_it(scripted_gpus, vendor):
+    scripted_gpus([{}, FAULTS[vendor]["pages pending"]])
     console = io.StringIO()
     placement = place(GpuOptions(gpus="1"), Printer(console, None))
     try:
@@ -149,7 +186,7 @@ def test_naming_an_unhealthy_gpu_warns_and_uses_it(scripted_gpus):
         placement.release()
 
 
-def test_strict_refuses_a_named_unhealthy_gpu_in_one_line_with_exit_2(scripted_gpus, tmp_path):
+def test_strict_refuses_a_named_unhealthy_gpu_in_one_line_with_exit_2(scripted_gpus, vendor, tmp_path):
     scripted_gpus([{}, {"ecc_uncorrected": 2}])
     started = tmp_path / "started"
     result = run_launcher("--gpus", "1", "--strict", "--", "touch", str(started))
@@ -161,21 +198,8 @@ def test_strict_refuses_a_named_unhealthy_gpu_in_one_line_with_exit_2(scripted_g
     assert not started.exists()
 
 
-def test_launcher_gpus_shows_the_health_of_each_gpu_and_marks_the_failing_one_unhealthy(scripted_gpus):
-    scripted_gpus(
-        [
-            {},
-            {"ecc_uncorrected": 2},
-            {
-                "ecc_uncorrected": None,
-                "remapped_rows": None,
-                "retired_pages_pending": None,
-                "throttle": None,
-                "pcie_width": None,
-                "pcie_max_width": None,
-            },
-        ]
-    )
+def test_launcher_gpus_shows_the_health_of_each_gpu_and_marks_the_failing_one_unhealthy(scripted_gpus, vendor):
+    scripted_gpus([{}, {"ecc_uncorrected": 2}, FAULTS[vendor]["unknown"]])
     result = run_launcher("gpus")
     assert result.returncode == 0, result.stderr
     header, ok, failing, unknown = result.stdout.splitlines()
@@ -212,11 +236,11 @@ class Lines:
 
 
 def watched(path: Path, lines: Lines, ids: tuple[str, ...] = ("0", "1")) -> HealthWatch:
-    gpus = [gpu for gpu in nvml.discover(window=0) if gpu.id in ids]
+    gpus = [gpu for gpu in vendors.backend(None).discover(window=0) if gpu.id in ids]
     return HealthWatch(gpus, [f"GPU{gpu.id}" for gpu in gpus], lines, interval=FAST)
 
 
-def test_the_watch_says_one_line_when_a_gpu_of_the_run_gets_ecc_errors_mid_run(scripted_gpus):
+def test_the_watch_says_one_line_when_a_gpu_of_the_run_gets_ecc_errors_mid_run(scripted_gpus, vendor):
     path = scripted_gpus([{}, {}, {}])
     lines = Lines()
     with watched(path, lines) as watch:
@@ -238,13 +262,13 @@ def test_an_error_that_came_between_choosing_the_gpus_and_the_watchs_first_readi
     assert lines.said == [f"GPU1: 1 new uncorrectable ECC error (volatile): {health.FAILING}"]
 
 
-def test_the_watch_says_when_a_bad_clock_reason_starts_and_stops_and_remembers_it(scripted_gpus):
+def test_the_watch_says_when_a_bad_clock_reason_starts_and_stops_and_remembers_it(scripted_gpus, vendor):
     path = scripted_gpus([{}, {}])
     lines = Lines()
     with watched(path, lines) as watch:
         assert wait_until(lambda: watch.polls >= 1)
         assert watch.clocks("GPU1") is None
-        replace_machine(path, [{}, {"throttle": ["hw_thermal", "sw_power_cap"]}])
+        replace_machine(path, [{}, FAULTS[vendor]["thermal slowdown"]])
         assert wait_until(lambda: lines.said == ["GPU1: clocks: thermal slowdown"], timeout=5)
         assert watch.clocks("GPU1") == "thermal slowdown" and watch.clocks("GPU0") is None
         replace_machine(path, [{}, {}])
@@ -253,8 +277,8 @@ def test_the_watch_says_when_a_bad_clock_reason_starts_and_stops_and_remembers_i
     assert watch.clocks("GPU1") is None
 
 
-def test_the_watch_says_nothing_while_nothing_changes(scripted_gpus):
-    path = scripted_gpus([{"ecc_uncorrected": 3, "throttle": ["hw_slowdown"]}, {}])  # bad from the start: not news
+def test_the_watch_says_nothing_while_nothing_changes(scripted_gpus, vendor):
+    path = scripted_gpus([{"ecc_uncorrected": 3} | FAULTS[vendor]["hardware slowdown"], {}])  # bad from the start: not news
     lines = Lines()
     with watched(path, lines) as watch:
         assert wait_until(lambda: watch.polls >= 5)
@@ -271,7 +295,7 @@ def test_leaving_the_watch_stops_its_thread_at_once_not_after_the_interval(scrip
     assert not any(thread.name == "gpu-health-watch" for thread in threading.enumerate())
 
 
-def test_the_watch_says_a_lost_gpu_once(scripted_gpus):
+def test_the_watch_says_a_lost_gpu_once(scripted_gpus, vendor):
     path = scripted_gpus([{}, {}])
     lines = Lines()
     with watched(path, lines) as watch:
@@ -283,7 +307,7 @@ def test_the_watch_says_a_lost_gpu_once(scripted_gpus):
     assert lines.said == [f"GPU0: GPU is lost: {health.FAILING}"]
 
 
-def test_an_nvml_error_in_the_watch_is_one_line_once_and_never_raises(scripted_gpus):
+def test_an_nvml_error_in_the_watch_is_one_line_once_and_never_raises(scripted_gpus, vendor):
     path = scripted_gpus([{}, {}])
     lines = Lines()
     with watched(path, lines) as watch:
@@ -293,7 +317,7 @@ def test_an_nvml_error_in_the_watch_is_one_line_once_and_never_raises(scripted_g
         polls = watch.polls
         assert wait_until(lambda: watch.polls >= polls + 3)  # readings go on failing: still the one line
     (line,) = lines.said
-    assert line.startswith(f"GPU health watch: cannot read NVML (scripted GPU machine {path}: ")
+    assert line.startswith(f"GPU health watch: cannot read {READERS[vendor]} (scripted GPU machine {path}: ")
     assert line.endswith("; the run goes on without it")
 
 

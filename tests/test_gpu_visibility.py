@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from conftest import ROOT, launcher_env
-from launcher.gpus import claims, nvml
+from launcher.gpus import amd, claims, nvml, vendors
+from launcher.gpus.devices import VISIBILITY_VARIABLES
 from launcher.launch import make_workers
 from launcher.gpus.selection import DeviceError
 from launcher.gpus.visibility import VISIBILITY_VAR
@@ -26,20 +27,30 @@ PRINT_DEVICES = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ
 
 @pytest.fixture(autouse=True)
 def no_sampling_wait(monkeypatch):
-    monkeypatch.setattr(nvml, "UTILIZATION_WINDOW", 0.0)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for backend in (nvml, amd):
+        monkeypatch.setattr(backend, "UTILIZATION_WINDOW", 0.0)
+    for variable in VISIBILITY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.delenv(VISIBILITY_VAR, raising=False)
 
 
 @pytest.fixture
-def linked(tmp_path, monkeypatch):
+def linked(tmp_path, monkeypatch, request):
     """linked(4, p2p="pcie", links=[(0, 1, "nvlink")], gpus={1: {...}}): a scripted machine of idle
-    H100s whose pairs reach each other so, here and in the launchers a test starts."""
+    H100s whose pairs reach each other so, here and in the launchers a test starts; in a test that
+    takes the `vendor` fixture, MI300Xs on its AMD run, with XGMI for NVLink."""
+    vendor = request.getfixturevalue("vendor") if "vendor" in request.fixturenames else "nvidia"
 
     def make(count: int, p2p: str = "nvlink", links: tuple = (), gpus: dict | None = None) -> str:
         path = tmp_path / "machine.json"
         specs = [(gpus or {}).get(i, {}) for i in range(count)]
-        machine = {"p2p": p2p, "links": [{"gpus": [a, b], "p2p": kind} for a, b, kind in links], "gpus": specs}
+        kind = {"nvlink": "xgmi"} if vendor == "amd" else {}
+        machine = {
+            "vendor": vendor,
+            "p2p": kind.get(p2p, p2p),
+            "links": [{"gpus": [a, b], "p2p": kind.get(link, link)} for a, b, link in links],
+            "gpus": specs,
+        }
         path.write_text(json.dumps(machine))
         monkeypatch.setenv(nvml.SCRIPTED_GPUS_VAR, str(path))
         return str(path)
@@ -60,25 +71,32 @@ def placed(**options) -> tuple[Placement, list[str]]:
 
 def seen(placement: Placement) -> list[tuple[str | None, int]]:
     """(CUDA_VISIBLE_DEVICES, cuda index) of each local rank."""
-    return [(placement.cuda_visible_devices(r), placement.cuda_device_index(r)) for r in range(placement.world_size)]
+    return [(placement.visible_devices(r), placement.cuda_device_index(r)) for r in range(placement.world_size)]
 
 
 # --- the launcher's choice -------------------------------------------------------------
 
 
-def test_gpus_joined_by_nvlink_keep_one_gpu_per_worker_and_say_so(linked):
+def visible(index: int) -> str:
+    """What the scripted machine's GPU `index` is made visible by (its UUID on NVIDIA: uuid())."""
+    return vendors.backend(None).discover(window=0)[index].visible_id
+
+
+def test_gpus_joined_by_nvlink_keep_one_gpu_per_worker_and_say_so(linked, vendor):
     linked(4)
     placement, said = placed(device="cuda")
-    assert seen(placement) == [(uuid(i), 0) for i in range(4)]
+    assert seen(placement) == [(visible(i), 0) for i in range(4)]
+    link, library = {"nvidia": ("NVLink", "NCCL"), "amd": ("XGMI", "RCCL")}[vendor]
     assert said[-1] == (
-        "launcher: GPUs 0, 1, 2, 3 are joined by NVLink: each worker sees only its own GPU (NCCL reaches the others over it)"
+        f"launcher: GPUs 0, 1, 2, 3 are joined by {link}: each worker sees only its own GPU "
+        f"({library} reaches the others over it)"
     )
 
 
-def test_gpus_over_pcie_only_are_all_seen_by_every_worker_in_local_rank_order(linked):
+def test_gpus_over_pcie_only_are_all_seen_by_every_worker_in_local_rank_order(linked, vendor):
     linked(4, p2p="pcie", gpus={1: {"utilization": [90]}})  # GPU 1 busy: the run is 0, 2, 3
     placement, said = placed(device="cuda")
-    every = ",".join(uuid(i) for i in (0, 2, 3))
+    every = ",".join(visible(i) for i in (0, 2, 3))
     assert seen(placement) == [(every, 0), (every, 1), (every, 2)]
     assert [placement.label(r) for r in range(3)] == ["GPU0", "GPU2", "GPU3"]  # labels stay the GPUs' own
     assert said[-1] == (
@@ -87,10 +105,10 @@ def test_gpus_over_pcie_only_are_all_seen_by_every_worker_in_local_rank_order(li
     )
 
 
-def test_one_pair_over_pcie_among_nvlink_pairs_shows_every_worker_the_run_gpus(linked):
+def test_one_pair_over_pcie_among_nvlink_pairs_shows_every_worker_the_run_gpus(linked, vendor):
     linked(4, links=[(1, 2, "pcie")])
     placement, said = placed(gpus="3,1,2")
-    every = ",".join(uuid(i) for i in (1, 2, 3))
+    every = ",".join(visible(i) for i in (1, 2, 3))
     assert seen(placement) == [(every, 0), (every, 1), (every, 2)]
     assert "GPUs 1 and 2 reach each other over PCIe only" in said[-1]
 

@@ -33,7 +33,9 @@ def test_nproc_without_a_driver_runs_that_many_cpu_workers_and_says_so(scripted_
     placement, said = placed(device="auto", nproc=nproc, cpu_fallback=True)
     assert (placement.device, placement.world_size) == ("cpu", nproc)
     process = "process" if nproc == 1 else "processes"
-    assert said == (f"launcher: no NVIDIA GPU found; running {nproc} CPU worker {process} (gloo); --nproc N changes the count\n")
+    assert said == (
+        f"launcher: no NVIDIA or AMD GPU found; running {nproc} CPU worker {process} (gloo); --nproc N changes the count\n"
+    )
 
 
 def test_nproc_on_a_gpu_machine_still_means_the_n_freest_gpus(scripted_gpus):
@@ -53,7 +55,7 @@ def test_nproc_on_a_gpu_machine_still_means_the_n_freest_gpus(scripted_gpus):
 )
 def test_nproc_without_a_driver_is_still_an_error_where_gpus_are_required(scripted_gpus, options):
     scripted_gpus([], driver=False)
-    with pytest.raises(DeviceError, match=r"^no NVIDIA GPU found; use --device cpu$"):
+    with pytest.raises(DeviceError, match=r"^no NVIDIA or AMD GPU found; use --device cpu$"):
         placed(**options)
 
 
@@ -72,10 +74,10 @@ def test_debug_with_nproc_1_trains_on_one_cpu_worker_on_a_machine_without_a_gpu(
         f"data.cache_dir={tmp_path / 'cache'}",
         timeout=300,
     )
-    if "no NVIDIA GPU found" not in result.stdout + result.stderr:
+    if "no NVIDIA or AMD GPU found" not in result.stdout + result.stderr:
         pytest.skip("this machine has a GPU")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    assert "launcher: no NVIDIA GPU found; running 1 CPU worker process (gloo)" in result.stdout
+    assert "launcher: no NVIDIA or AMD GPU found; running 1 CPU worker process (gloo)" in result.stdout
     workers = {m for m in re.findall(r"^(CPU\d+):", result.stdout, re.M)}
     assert workers == {"CPU0"}
     assert "CPU0:INFO | [CPU 0] Step [1/2]" in result.stdout

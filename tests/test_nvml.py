@@ -64,7 +64,7 @@ def test_eight_idle_gpus_are_eight_whole_devices_in_nvml_order(machine):
         assert gpu.utilization == 0.0
         assert gpu.processes == ()
         assert not gpu.mig and not gpu.mig_enabled
-        assert gpu.cuda_visible_id == gpu.uuid  # never the index: NVML and CUDA can count differently
+        assert gpu.visible_id == gpu.uuid  # never the index: NVML and CUDA can count differently
 
 
 def test_free_memory_is_never_negative_when_used_exceeds_total(machine):
@@ -123,7 +123,7 @@ def test_mig_devices_follow_their_parent_and_are_addressed_by_mig_uuid(machine):
         assert child.mig and not child.mig_enabled
         assert child.index == 1
         assert child.uuid.startswith("MIG-")
-        assert child.cuda_visible_id == child.uuid
+        assert child.visible_id == child.uuid
         assert child.pci_bus_id == "00000000:AB:00.0"
         assert child.utilization is None
     assert not gpus[0].mig_enabled and not gpus[4].mig_enabled

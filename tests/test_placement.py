@@ -14,20 +14,39 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, launcher_env, wait_until
-from launcher.gpus import claims, nvml
-from launcher.gpus.selection import DeviceError
+from launcher.gpus import amd, claims, nvml, vendors
+from launcher.gpus.devices import VISIBILITY_VARIABLES, Gpu
+from launcher.gpus.selection import GIB, DeviceError
 from launcher.gpus.placement import GpuOptions, Placement, place
 from launcher.supervise.printer import Printer
 
 PRINT_GPU = (
     "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPU_RANK'], os.environ['CUDA_DEVICE_ORDER'], flush=True)"
 )
+JOINED = {
+    "nvidia": "joined by NVLink: each worker sees only its own GPU (NCCL reaches the others over it)",
+    "amd": "joined by XGMI: each worker sees only its own GPU (RCCL reaches the others over it)",
+}
+
+
+def print_gpu(vendor: str) -> str:
+    """A worker that prints what makes its GPU visible (the vendor's variable), its GPU_RANK and
+    CUDA_DEVICE_ORDER: PRINT_GPU on NVIDIA."""
+    variable = "ROCR_VISIBLE_DEVICES" if vendor == "amd" else "CUDA_VISIBLE_DEVICES"
+    return PRINT_GPU.replace("CUDA_VISIBLE_DEVICES", variable)
 
 
 @pytest.fixture(autouse=True)
 def no_sampling_wait(monkeypatch):
-    monkeypatch.setattr(nvml, "UTILIZATION_WINDOW", 0.0)  # in this process only; launchers still wait 1 s
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for backend in (nvml, amd):
+        monkeypatch.setattr(backend, "UTILIZATION_WINDOW", 0.0)  # in this process only; launchers still wait 1 s
+    for variable in VISIBILITY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+
+
+def machine() -> list[Gpu]:
+    """The scripted machine's devices, as the launcher reads them."""
+    return vendors.backend(None).discover(window=0)
 
 
 def uuid(index: int) -> str:
@@ -54,11 +73,11 @@ def test_cpu_runs_never_read_nvml(monkeypatch, tmp_path):
     assert labels(placed(device="cuda", gpus="none", nproc=3)[0]) == ["CPU0", "CPU1", "CPU2"]
 
 
-def test_without_a_driver_the_debug_preset_falls_back_to_cpu_workers_and_says_so(scripted_gpus):
+def test_without_a_driver_the_debug_preset_falls_back_to_cpu_workers_and_says_so(scripted_gpus, vendor):
     scripted_gpus([], driver=False)
     placement, said = placed(device="auto", cpu_fallback=True)
     assert (placement.device, placement.world_size) == ("cpu", 2)
-    assert said == ("launcher: no NVIDIA GPU found; running 2 CPU worker processes (gloo); --nproc N changes the count\n")
+    assert said == ("launcher: no NVIDIA or AMD GPU found; running 2 CPU worker processes (gloo); --nproc N changes the count\n")
     assert placed(device="auto", gpus="ALL", cpu_fallback=True)[0].device == "cpu"
 
 
@@ -74,7 +93,7 @@ def test_without_a_driver_the_debug_preset_falls_back_to_cpu_workers_and_says_so
 )
 def test_without_a_driver_the_production_preset_or_a_gpu_request_is_an_error(scripted_gpus, options):
     scripted_gpus([], driver=False)
-    with pytest.raises(DeviceError, match=r"^no NVIDIA GPU found; use --device cpu$"):
+    with pytest.raises(DeviceError, match=r"^no NVIDIA or AMD GPU found; use --device cpu$"):
         placed(**options)
 
 
@@ -102,20 +121,20 @@ def test_a_cuda_visible_devices_that_hides_every_gpu_means_cpu_or_an_error(scrip
 # --- choosing -------------------------------------------------------------------------
 
 
-def test_all_runs_one_worker_per_free_gpu_and_says_which_were_skipped(scripted_gpus):
+def test_all_runs_one_worker_per_free_gpu_and_says_which_were_skipped(scripted_gpus, vendor):
     scripted_gpus([{}, {"utilization": [97]}, {}, {"memory_used_mib": 60000}])
     placement, said = placed(device="cuda")
     assert labels(placement) == ["GPU0", "GPU2"]
     assert said.splitlines() == [
         "launcher: using GPUs 0, 2; skipped 2:",
         "launcher:   GPU 1: busy: utilization 97% > 10%",
-        "launcher:   GPU 3: busy: 21.1 GiB free < 90%",
-        "launcher: GPUs 0, 2 are joined by NVLink: each worker sees only its own GPU (NCCL reaches the others over it)",
+        f"launcher:   GPU 3: busy: {machine()[3].memory_free / GIB:.1f} GiB free < 90%",
+        f"launcher: GPUs 0, 2 are {JOINED[vendor]}",
     ]
     placement.release()
 
 
-def test_auto_says_using_gpu_n_and_shows_the_table_behind_the_choice(scripted_gpus):
+def test_auto_says_using_gpu_n_and_shows_the_table_behind_the_choice(scripted_gpus, vendor):
     scripted_gpus([{"utilization": [40]}, {"utilization": [0, 20, 0, 20, 0]}, {"utilization": [3]}])
     placement, said = placed(gpus="auto:1")
     lines = said.splitlines()
@@ -125,14 +144,14 @@ def test_auto_says_using_gpu_n_and_shows_the_table_behind_the_choice(scripted_gp
     placement.release()
 
 
-def test_nproc_on_a_gpu_machine_takes_the_n_freest(scripted_gpus):
+def test_nproc_on_a_gpu_machine_takes_the_n_freest(scripted_gpus, vendor):
     scripted_gpus([{"utilization": [5]}, {}, {"utilization": [9]}, {}])
     placement, said = placed(nproc=3)
     assert labels(placement) == ["GPU0", "GPU1", "GPU3"] and "Using GPUs 0, 1, 3" in said
     placement.release()
 
 
-def test_device_id_pins_that_gpu_even_when_it_is_busy_with_a_warning(scripted_gpus):
+def test_device_id_pins_that_gpu_even_when_it_is_busy_with_a_warning(scripted_gpus, vendor):
     scripted_gpus([{}, {}, {"utilization": [60]}])
     placement, said = placed(device_id=2)
     assert labels(placement) == ["GPU2"]
@@ -153,31 +172,32 @@ def test_device_id_pins_that_gpu_even_when_it_is_busy_with_a_warning(scripted_gp
         ({"gpus": "0", "min_free_memory": "lots"}, "--min-free-memory 'lots' is not a percentage"),
     ],
 )
-def test_contradictory_or_impossible_options_are_one_line_errors(scripted_gpus, options, message):
+def test_contradictory_or_impossible_options_are_one_line_errors(scripted_gpus, vendor, options, message):
     scripted_gpus([{}, {}])
     with pytest.raises(DeviceError, match=message) as error:
         placed(**options)
     assert "\n" not in str(error.value)
 
 
-def test_the_chosen_gpus_stay_claimed_until_released(scripted_gpus):
-    scripted_gpus([{"uuid": "GPU-aaaa"}, {"uuid": "GPU-bbbb"}])
+def test_the_chosen_gpus_stay_claimed_until_released(scripted_gpus, vendor):
+    scripted_gpus([{}, {}])
+    first, second = (gpu.uuid for gpu in machine())
     placement, _ = placed(gpus="1")
-    assert claims.holder_of("GPU-bbbb").pid == os.getpid() and claims.holder_of("GPU-aaaa") is None
+    assert claims.holder_of(second).pid == os.getpid() and claims.holder_of(first) is None
     with pytest.raises(DeviceError, match="GPU 1 is claimed by launcher pid"):
         placed(gpus="1")
     other, _ = placed(gpus="auto:1")
     assert labels(other) == ["GPU0"]  # the other one
     other.release()
     placement.release()
-    assert claims.holder_of("GPU-bbbb") is None
+    assert claims.holder_of(second) is None
 
 
 def test_a_mig_device_runs_alone_under_its_uuid_and_all_says_why_it_left_the_other_out(scripted_gpus):
     scripted_gpus([{"mig": [{"slot": 0, "uuid": "MIG-one"}, {"slot": 1, "uuid": "MIG-two"}]}])
     placement, said = placed(device="cuda")
     assert labels(placement) == ["GPU0.0"]
-    assert [g.cuda_visible_id for g in placement.gpus] == ["MIG-one"]
+    assert [g.visible_id for g in placement.gpus] == ["MIG-one"]
     assert said.splitlines() == [
         "launcher: using GPU 0.0; skipped 1:",
         "launcher:   GPU 0.1: MIG device: one per run (NCCL does not support MIG)",
@@ -209,13 +229,14 @@ def launcher(processes, *args: str, **env: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(processes, scripted_gpus, tmp_path):
+def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(processes, scripted_gpus, vendor, tmp_path):
     scripted_gpus([{}, {}])
+    gpus = machine()
     release = tmp_path / "release"  # the workers hold their GPUs until the test has looked
-    worker = f"{PRINT_GPU}; import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
+    worker = f"{print_gpu(vendor)}; import os, time\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
     racers = [launcher(processes, "--gpus", "auto:1", "--", sys.executable, "-c", worker) for _ in range(2)]
     try:
-        assert wait_until(lambda: sum(claims.holder_of(uuid(i)) is not None for i in range(2)) == 2, timeout=15)
+        assert wait_until(lambda: sum(claims.holder_of(gpu.uuid) is not None for gpu in gpus) == 2, timeout=15)
         third = launcher(processes, "--gpus", "auto:1", "--", "true")
         _, refusal = third.communicate(timeout=30)
         assert third.returncode == 2
@@ -226,7 +247,7 @@ def test_two_launchers_started_at_once_with_auto_1_get_different_gpus(processes,
     outputs = [racer.communicate(timeout=30)[0] for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0]
     chosen = sorted(line for out in outputs for line in out.splitlines() if line.startswith("GPU"))
-    assert chosen == [f"GPU{i}:{uuid(i)} {i} PCI_BUS_ID" for i in range(2)]
+    assert chosen == [f"GPU{i}:{gpus[i].visible_id} {i} PCI_BUS_ID" for i in range(2)]
     assert all("Using GPU" in out for out in outputs)
 
 
@@ -276,7 +297,7 @@ def test_a_killed_launcher_gives_its_gpu_back(processes, scripted_gpus):
     assert wait_until(lambda: claims.holder_of("GPU-solo") is None, timeout=5)
 
 
-def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpus):
+def test_launcher_gpus_prints_the_table_with_a_verdict_for_each_gpu(scripted_gpus, vendor):
     scripted_gpus([{}, {"utilization": [80], "processes": [{"pid": 4_000_000, "memory_mib": 2048}]}, {"utilization": None}])
     started = time.monotonic()
     result = subprocess.run(
@@ -313,7 +334,7 @@ def test_launcher_gpus_without_a_driver_is_a_one_line_error(scripted_gpus):
     assert (result.returncode, result.stdout) == (2, "")
     (line,) = result.stderr.splitlines()
     # --device cpu is for training runs; the gpus command has nothing to run on a CPU
-    assert line.startswith("launcher: error: no NVIDIA driver") and "no GPU to show" in line and "--device" not in line
+    assert line.startswith("launcher: error: no NVIDIA or AMD GPU driver") and "no GPU to show" in line and "--device" not in line
 
 
 def test_no_free_gpu_prints_the_error_then_the_table_of_reasons(scripted_gpus):
@@ -342,11 +363,13 @@ def shell(script: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProc
     )
 
 
-def test_train_gpu_sh_runs_one_worker_on_the_gpu_named(scripted_gpus):
+def test_train_gpu_sh_runs_one_worker_on_the_gpu_named(scripted_gpus, vendor):
     scripted_gpus([{}, {}, {}, {}])
-    result = shell("train_gpu.sh", "3", "--", sys.executable, "-c", PRINT_GPU)
+    result = shell("train_gpu.sh", "3", "--", sys.executable, "-c", print_gpu(vendor))
     assert result.returncode == 0, result.stderr
-    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == [f"GPU3:{uuid(3)} 3 PCI_BUS_ID"]
+    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == [
+        f"GPU3:{machine()[3].visible_id} 3 PCI_BUS_ID"
+    ]
 
 
 def test_the_gpu_scripts_work_from_another_directory(scripted_gpus, tmp_path):
@@ -371,7 +394,7 @@ def test_the_gpu_scripts_without_a_driver_say_use_device_cpu(scripted_gpus):
     scripted_gpus([], driver=False)
     for result in (shell("train_gpu.sh", "0", "--debug"), shell("train_auto_gpu.sh", "--debug")):
         assert (result.returncode, result.stdout) == (2, "")
-        assert result.stderr.splitlines()[-1] == "launcher: error: no NVIDIA GPU found; use --device cpu"
+        assert result.stderr.splitlines()[-1] == "launcher: error: no NVIDIA or AMD GPU found; use --device cpu"
 
 
 def test_the_gpu_scripts_refuse_a_second_gpus_option(scripted_gpus):
@@ -385,3 +408,76 @@ def test_train_gpu_sh_without_a_gpu_prints_its_usage(scripted_gpus):
     result = shell("train_gpu.sh")
     assert result.returncode == 2 and result.stderr.startswith("usage: ./train_gpu.sh GPU")
     assert shell("train_gpu.sh", "--debug").returncode == 2
+
+
+# --- the same launcher on AMD GPUs ------------------------------------------------------
+
+
+def test_on_eight_gpus_two_busy_the_table_lists_all_eight_and_two_workers_get_two_different_free_ones(
+    scripted_gpus, vendor, tmp_path
+):
+    busy = {1: {"utilization": [90]}, 3: {"memory_used_mib": 70000}}
+    scripted_gpus([busy.get(i, {}) for i in range(8)])
+    gpus = machine()
+    table = subprocess.run(
+        [sys.executable, "-m", "launcher", "gpus"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60
+    )
+    assert table.returncode == 0, table.stderr
+    header, *rows = table.stdout.splitlines()
+    at = header.index("HEALTH")
+    assert [row.split()[0] for row in rows] == [str(i) for i in range(8)]
+    assert all(row.split()[1] == {"nvidia": "NVIDIA", "amd": "AMD"}[vendor] for row in rows)
+    assert [row[at:].split()[0] for row in rows] == ["ok"] * 8
+    assert [row.split()[-1] for i, row in enumerate(rows) if i not in busy] == ["free"] * 6
+    assert "busy: utilization 90% > 10%" in rows[1] and "GiB free < 90%" in rows[3]
+    variable = gpus[0].visibility_variable
+    assert variable == {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "ROCR_VISIBLE_DEVICES"}[vendor]
+    run = subprocess.run(
+        [sys.executable, "-m", "launcher", "--nproc", "2", "--", "sh", "-c", f"echo ${variable}"],
+        cwd=ROOT,
+        env=launcher_env(PRETRAIN_RUNS_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert sorted(line for line in run.stdout.splitlines() if line.startswith("GPU")) == [
+        f"GPU{i}:{gpus[i].visible_id}" for i in (0, 2)
+    ]
+    assert gpus[0].visible_id != gpus[2].visible_id
+
+
+@pytest.mark.parametrize("vendor", ["amd"])
+def test_an_amd_worker_sees_its_gpu_through_rocr_visible_devices_alone_and_the_launchers_own_limit_it(
+    scripted_gpus, vendor, tmp_path
+):
+    scripted_gpus([{} for _ in range(4)])
+    gpus = machine()
+    own = f"{gpus[1].uuid},{gpus[3].uuid}"  # the launcher's ROCR_VISIBLE_DEVICES; HIP's 1 counts among those: GPU 3
+    shown = "echo ROCR=$ROCR_VISIBLE_DEVICES HIP=${HIP_VISIBLE_DEVICES-unset} CUDA=${CUDA_VISIBLE_DEVICES-unset}"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "--", "sh", "-c", shown],
+        cwd=ROOT,
+        env=launcher_env(
+            ROCR_VISIBLE_DEVICES=own, HIP_VISIBLE_DEVICES="1", CUDA_VISIBLE_DEVICES="0", PRETRAIN_RUNS_DIR=str(tmp_path)
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("GPU")] == [
+        f"GPU3:ROCR={gpus[3].uuid} HIP=unset CUDA=unset"
+    ]
+
+
+@pytest.mark.parametrize("vendor", ["amd"])
+def test_an_amd_partition_is_made_visible_by_its_rocr_index_and_a_whole_gpu_by_its_uuid(scripted_gpus, vendor):
+    scripted_gpus([{"partition": {"compute": "CPX"}}, {}])  # GPU 0 in 8 partitions, then GPU 1 whole
+    gpus = machine()
+    placement, _ = placed(gpus="0.3,1")
+    placement.release()
+    assert placement.visibility_variable() == "ROCR_VISIBLE_DEVICES"
+    # ROCr numbers the partitions 0-7, then GPU 1: 8 (it shares no unique id, so its UUID names it)
+    assert [placement.visible_devices(rank) for rank in range(2)] == ["3", gpus[-1].visible_id]
+    assert gpus[-1].visible_id.startswith("GPU-")

@@ -24,6 +24,7 @@ from launcher import cli
 from launcher.attempts import Attempts, StoppedBetweenAttempts
 from launcher.errors import UsageError
 from launcher.exit_codes import by_signal
+from launcher.gpus import vendors
 from launcher.gpus.placement import GpuOptions, Placement
 from launcher.launch import Devices
 from launcher.supervise.printer import Printer
@@ -168,7 +169,8 @@ def test_the_launcher_help_names_the_restart_options():
 GPU_FAILS = """
 import json, os, signal, sys
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
-print(f"attempt {attempt}: rank {rank} of {os.environ['WORLD_SIZE']} on {os.environ['CUDA_VISIBLE_DEVICES']}", flush=True)
+gpu = os.environ.get("ROCR_VISIBLE_DEVICES") or os.environ["CUDA_VISIBLE_DEVICES"]  # AMD's, else NVIDIA's
+print(f"attempt {attempt}: rank {rank} of {os.environ['WORLD_SIZE']} on {gpu}", flush=True)
 if attempt == 0 and rank == 1:
     path = os.environ["LAUNCHER_SCRIPTED_GPUS"]
     machine = json.load(open(path))
@@ -192,14 +194,15 @@ def test_a_restart_leaves_a_failing_gpu_out_and_with_min_nproc_continues_on_fewe
 
 
 def test_gpus_named_with_gpus_are_chosen_again_too_leaving_out_the_one_that_failed_its_health_check(
-    tmp_path, script, scripted_gpus
+    tmp_path, script, scripted_gpus, vendor
 ):
-    scripted_gpus([{"uuid": "GPU-a"}, {"uuid": "GPU-b"}, {"uuid": "GPU-c"}])
+    scripted_gpus([{}, {}, {}])
+    first = vendors.backend(None).discover(window=0)[0].visible_id
     run_dir = tmp_path / "run"
     options = ["--gpus", "0,1", "--max-restarts", "1", "--restart-backoff", "0", "--min-nproc", "1", "--run-dir", str(run_dir)]
     result = launch(*options, "--", *script(GPU_FAILS))
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "GPU0:attempt 1: rank 0 of 1 on GPU-a" in result.stdout and "unhealthy" not in result.stdout.split("restart 1")[1]
+    assert f"GPU0:attempt 1: rank 0 of 1 on {first}" in result.stdout and "unhealthy" not in result.stdout.split("restart 1")[1]
     assert [a["devices"] for a in attempts(run_dir)] == [["GPU0", "GPU1"], ["GPU0"]]  # never GPU 2, which --gpus left out
 
 

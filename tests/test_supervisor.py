@@ -219,6 +219,34 @@ def test_worker_environment_keeps_the_users_allocator_settings():
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
+@pytest.mark.parametrize("variable", ["PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_worker_environment_keeps_an_allocator_setting_under_torchs_other_names(variable):
+    # torch reads PYTORCH_CUDA_ALLOC_CONF before PYTORCH_HIP_ALLOC_CONF (ROCm's name): a default
+    # written beside the user's HIP setting would silently replace it on an AMD machine.
+    env = worker_env(
+        {variable: "max_split_size_mb:512"}, rank=0, world_size=1, master_port=1, gpu="0", cpu_count=8, compile_cache="/c"
+    )
+    assert env[variable] == "max_split_size_mb:512"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+def test_an_amd_worker_sees_its_gpu_through_rocr_visible_devices_and_no_hip_or_cuda_mask():
+    inherited = {"ROCR_VISIBLE_DEVICES": "0,1,2", "HIP_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    env = worker_env(
+        inherited,
+        rank=0,
+        world_size=1,
+        master_port=1,
+        gpu="GPU-8d1457e2c20f59d2",
+        gpu_id="2",
+        cpu_count=8,
+        compile_cache="/c",
+        visibility_variable="ROCR_VISIBLE_DEVICES",
+    )
+    assert env["ROCR_VISIBLE_DEVICES"] == "GPU-8d1457e2c20f59d2" and env["GPU_RANK"] == "2"
+    assert "HIP_VISIBLE_DEVICES" not in env and "CUDA_VISIBLE_DEVICES" not in env  # ROCm would apply them after ROCR's
+
+
 LEAVES_ESCAPED_DESCENDANTS = """
     import os, subprocess, sys
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]

@@ -52,6 +52,10 @@ class Health:
     """Lanes the link can have."""
     lost: bool = False
     """NVML cannot reach the GPU: lost (fallen off the bus), or it needs a reset."""
+    pages_unretirable: int | None = None
+    """AMD: bad memory pages the driver could not retire (AMD SMI's unreservable bad pages), so
+    memory known to be bad stays in use. (AMD's pending bad pages are retired_pages_pending;
+    NVIDIA: None.)"""
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,23 @@ class Gpu:
         return max(0, self.memory_total - self.memory_used)
 
     @property
-    def cuda_visible_id(self) -> str:
-        """What a worker's CUDA_VISIBLE_DEVICES names it by: its UUID. NVML lists GPUs that
-        CUDA skips (lost, or not accessible to this process), which would shift every CUDA
-        index after them; a UUID always names the GPU that was chosen and claimed."""
+    def visibility_variable(self) -> str:
+        """The variable that makes it visible to a worker: CUDA_VISIBLE_DEVICES on NVIDIA,
+        ROCR_VISIBLE_DEVICES on AMD (ROCr's mask, applied before HIP's and CUDA's, which the
+        worker's environment then drops so that they do not compound: VISIBILITY_VARIABLES)."""
+        return "ROCR_VISIBLE_DEVICES" if self.vendor == "amd" else "CUDA_VISIBLE_DEVICES"
+
+    @property
+    def visible_id(self) -> str:
+        """What visibility_variable names it by. NVIDIA: its UUID (NVML lists GPUs that CUDA
+        skips, lost or not accessible to this process, which would shift every CUDA index after
+        them; a UUID always names the GPU that was chosen and claimed). AMD: its UUID where it is
+        one ROCr takes (GPU-<hex>), else its id (a partition: placement.runtime_ids gives ROCr's index)."""
+        if self.vendor == "amd" and not self.uuid.startswith("GPU-"):
+            return self.id
         return self.uuid
+
+
+VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+"""Every variable that limits which GPUs a process sees, on either vendor (ROCm applies ROCR's,
+then HIP's, then CUDA's, each to what the one before left)."""

@@ -1,12 +1,13 @@
-"""Whether a GPU is healthy: NVML's health readings (launcher/gpus/nvml.py Health) judged before a
-run chooses its GPUs, and watched while it runs.
+"""Whether a GPU is healthy: the health readings of NVML or AMD SMI (launcher/gpus/devices.py
+Health) judged before a run chooses its GPUs, and watched while it runs.
 
 Unhealthy, so never chosen by `--gpus all` or `auto:N` (a warning when named in `--gpus`):
-- failing: any volatile uncorrectable ECC error, retired pages pending, a row remapping pending or
-  failed, a lost GPU. Each needs a reset or a new GPU; a job there crashes, or computes on bad memory.
+- failing: any volatile uncorrectable ECC error, retired pages pending (AMD: bad pages pending), a
+  row remapping pending or failed, a bad page AMD's driver could not retire, a lost GPU. Each needs
+  a reset or a new GPU; a job there crashes, or computes on bad memory.
 - slowed: clocks held down for a reason that means trouble (hardware slowdown, thermal slowdown,
-  power brake), or a PCIe link narrower than its maximum: in a synchronous run the slowest GPU
-  sets every rank's pace.
+  power brake; AMD's throttle reasons are read as these names, launcher/gpus/amd.py), or a PCIe
+  link narrower than its maximum: in a synchronous run the slowest GPU sets every rank's pace.
 Never held against a GPU: idle, applications clocks, the software power cap (a busy GPU at its
 power limit), sync boost, display clocks; a PCIe link below its top generation (an idle GPU lowers
 its link speed to save power; only its width counts); a reading NVML cannot give (not supported).
@@ -20,8 +21,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
-from launcher.gpus.nvml import Gpu, Health, HealthReader
+from launcher.gpus import vendors
+from launcher.gpus.devices import Gpu, Health
 
 BAD_CLOCK_REASONS = {
     "hw_slowdown": "hardware slowdown",
@@ -72,6 +75,8 @@ def assess(health: Health) -> Assessment:
         failing.append("row remapping pending")
     if health.remapping_failed:
         failing.append("row remapping failed")
+    if health.pages_unretirable:
+        failing.append(unretirable(health.pages_unretirable))
     slowed = []
     clocks = bad_clocks(health)
     if clocks:
@@ -84,6 +89,10 @@ def assess(health: Health) -> Assessment:
 
 def ecc_errors(count: int, new: bool = False) -> str:
     return f"{count} {'new ' if new else ''}uncorrectable ECC error{'s' if count != 1 else ''} (volatile)"
+
+
+def unretirable(count: int, new: bool = False) -> str:
+    return f"{count} {'new ' if new else ''}bad page{'s' if count != 1 else ''} that could not be retired"
 
 
 def bad_clocks(health: Health) -> str | None:
@@ -112,6 +121,9 @@ def changes(before: Health, now: Health) -> list[str]:
     ):
         if getattr(now, field) and getattr(before, field) is False:
             found.append(f"{text}: {FAILING}")
+    if now.pages_unretirable is not None and before.pages_unretirable is not None:
+        if now.pages_unretirable > before.pages_unretirable:
+            found.append(f"{unretirable(now.pages_unretirable - before.pages_unretirable, new=True)}: {FAILING}")
     if now.clock_reasons is not None and before.clock_reasons is not None and bad_clocks(now) != bad_clocks(before):
         found.append(
             f"clocks: {bad_clocks(now)}" if bad_clocks(now) else f"clocks: no longer slowed ({bad_clocks(before)} ended)"
@@ -181,7 +193,7 @@ class HealthWatch:
 
     def _watch(self) -> None:
         try:
-            reader = HealthReader(self._gpus)
+            reader = vendors.of(self._gpus).HealthReader(self._gpus)
         except Exception as error:  # noqa: BLE001  # no driver, a broken script: the run goes on
             self._complain(error)
             return
@@ -193,7 +205,7 @@ class HealthWatch:
             with contextlib.suppress(Exception):
                 reader.close()
 
-    def _poll(self, reader: HealthReader) -> None:
+    def _poll(self, reader: Any) -> None:
         try:
             readings = reader.read()
         except Exception as error:  # noqa: BLE001
@@ -213,7 +225,8 @@ class HealthWatch:
     def _complain(self, error: Exception) -> None:
         if not self._complained:
             self._complained = True
-            self._tell(f"GPU health watch: cannot read NVML ({error}); the run goes on without it")
+            reader = "AMD SMI" if self._gpus[0].vendor == "amd" else "NVML"
+            self._tell(f"GPU health watch: cannot read {reader} ({error}); the run goes on without it")
 
     def _tell(self, line: str) -> None:
         with contextlib.suppress(Exception):  # a closed console is the supervisor's to handle

@@ -4,11 +4,12 @@ Rules, in order:
 1. `--device cpu` or `--gpus none`: CPU workers (--nproc of them, default 2). No NVML.
 2. What is asked for: --gpus; else system.device_id (that one GPU); else --nproc N (the N
    freest GPUs, auto:N); else all (every free GPU).
-3. No NVIDIA driver, no GPU, or a CUDA_VISIBLE_DEVICES that hides them all: CPU workers
-   (--nproc of them, default 2) when falling back is allowed (the debug preset, or a generic
-   `-- COMMAND`), with device auto, and no more asked for than --gpus all or --nproc N (not a
-   GPU id, auto:N or system.device_id); otherwise "no NVIDIA GPU found; use --device cpu". A
-   driver that is there but broken is always an error (nvml.NvmlFailure).
+3. The vendor (launcher/gpus/vendors.py): detected, or --gpu-vendor where the machine has both.
+   No driver of either, no GPU, or a CUDA_VISIBLE_DEVICES (AMD: ROCR_/HIP_VISIBLE_DEVICES) that
+   hides them all: CPU workers (--nproc of them, default 2) when falling back is allowed (the
+   debug preset, or a generic `-- COMMAND`), with device auto, and no more asked for than --gpus
+   all or --nproc N (not a GPU id, auto:N or system.device_id); otherwise "no NVIDIA or AMD GPU
+   found; use --device cpu". A driver that is there but broken is always an error (nvml.NvmlFailure).
 4. Otherwise devices.select() chooses and claims; the claims last until release().
 5. With two or more GPUs, which of them each worker sees (launcher/gpus/visibility.py): its own,
    or every run GPU of the node where some pair reaches the other over PCIe only.
@@ -20,10 +21,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from launcher.gpus import nvml, selection as devices, visibility as gpu_visibility
+from launcher.gpus import selection as devices, vendors, visibility as gpu_visibility
+from launcher.gpus.devices import Gpu, NoGpuDriver
 from launcher.gpus.selection import DeviceError, GpuRequest
 from launcher.gpus.table import render
-from launcher.gpus.nvml import Gpu
 from launcher.supervise.printer import Printer
 
 DEFAULT_CPU_WORKERS = 2
@@ -45,6 +46,8 @@ class GpuOptions:
     """Without GPUs, run CPU workers instead of stopping (the debug preset; generic commands)."""
     own_command: bool = False
     """The workers run the user's `-- COMMAND`: one GPU each, unless LAUNCHER_GPU_VISIBILITY asks."""
+    gpu_vendor: str | None = None
+    """--gpu-vendor: nvidia or amd, for a machine with both; None: the one detected."""
 
 
 @dataclass
@@ -57,16 +60,25 @@ class Placement:
     selection: devices.Selection | None = field(default=None, repr=False)
     shared_gpus: bool = False
     """Every worker sees all of gpus (in local-rank order) and uses cuda:LOCAL_RANK; else only its own, cuda:0."""
+    runtime_ids: dict[str, str] = field(default_factory=dict)
+    """What the visibility variable names a device by where Gpu.visible_id cannot say: an AMD
+    partition (runtime_ids)."""
 
     def label(self, rank: int) -> str:
         return f"GPU{self.gpus[rank].id}" if self.device == "cuda" else f"CPU{rank}"
 
-    def cuda_visible_devices(self, local_rank: int) -> str | None:
-        """The CUDA_VISIBLE_DEVICES of this node's worker local_rank (None: a CPU worker)."""
+    def visible_devices(self, local_rank: int) -> str | None:
+        """What this node's worker local_rank sees, as its visibility_variable() says it
+        (None: a CPU worker)."""
         if self.device != "cuda":
             return None
         shown = self.gpus if self.shared_gpus else self.gpus[local_rank : local_rank + 1]
-        return ",".join(gpu.cuda_visible_id for gpu in shown)
+        return ",".join(self.runtime_ids.get(gpu.id, gpu.visible_id) for gpu in shown)
+
+    def visibility_variable(self) -> str:
+        """The variable visible_devices() is for: CUDA_VISIBLE_DEVICES (NVIDIA, CPU workers) or
+        ROCR_VISIBLE_DEVICES (AMD)."""
+        return self.gpus[0].visibility_variable if self.device == "cuda" and self.gpus else "CUDA_VISIBLE_DEVICES"
 
     def cuda_device_index(self, local_rank: int) -> int:
         """Which of the GPUs it sees is its own: the n of its cuda:n."""
@@ -116,36 +128,53 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
         return Placement("cpu", cpu_workers)
     criteria = devices.Criteria.parse(options.min_free_memory, options.max_utilization)
     wanted = gpu_visibility.setting(os.environ)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    backend = vendors.backend(options.gpu_vendor)
     try:
-        gpus = nvml.discover()
-    except nvml.NoGpuDriver:
+        gpus = backend.discover()
+    except NoGpuDriver:
         gpus = []
-    usable = devices.visible_ids(gpus, visible) if gpus else set()
+    limits = devices.visibility_limits(gpus, os.environ)
+    usable = devices.visible_ids(gpus, limits) if gpus else set()
     if not gpus or usable == set():
         # --nproc N asks for N workers: on GPUs where there are some (auto:N), else on CPUs.
         asked_for_any = request.kind == "all" or (options.gpus is None and options.nproc is not None)
         falls_back = options.cpu_fallback and options.device == "auto" and asked_for_any and options.device_id is None
         if falls_back:
             printer.launcher_line(
-                f"no NVIDIA GPU found; running {cpu_workers} CPU worker "
+                f"{devices.NO_GPU}; running {cpu_workers} CPU worker "
                 f"process{'es' * (cpu_workers != 1)} (gloo); --nproc N changes the count"
             )
             return Placement("cpu", cpu_workers)
         if gpus:
-            raise DeviceError(f"CUDA_VISIBLE_DEVICES={visible} hides every GPU; unset it or use --device cpu")
+            raise DeviceError(f"{devices.describe_limits(limits)} hides every GPU; unset it or use --device cpu")
         raise DeviceError(devices.NO_GPU_FOUND)
-    selection = devices.select(gpus, request, criteria, strict=options.strict, cuda_visible_devices=visible)
+    selection = devices.select(gpus, request, criteria, strict=options.strict, limits=limits)
     _explain(selection, request, printer)
     try:
-        links = nvml.peer_links(selection.chosen)
+        links = vendors.of(selection.chosen).peer_links(selection.chosen)
         visibility = gpu_visibility.choose(selection.chosen, links, options.own_command, wanted)
     except BaseException:
         selection.release()
         raise
     if visibility.line:
         printer.launcher_line(visibility.line)
-    return Placement("cuda", len(selection.chosen), tuple(selection.chosen), selection, shared_gpus=visibility.shared)
+    return Placement(
+        "cuda",
+        len(selection.chosen),
+        tuple(selection.chosen),
+        selection,
+        shared_gpus=visibility.shared,
+        runtime_ids=runtime_ids(gpus),
+    )
+
+
+def runtime_ids(gpus: list[Gpu]) -> dict[str, str]:
+    """ROCr's index of each AMD partition, by id: its place among every device AMD SMI lists that a
+    process can be given (whole GPUs and partitions, not a GPU in a partition mode itself), the order
+    ROCr numbers its agents in. A partition needs it: it shares its GPU's unique id, so no ROCr UUID
+    names it alone. (A whole GPU goes by its UUID, GPU-<unique id>: Gpu.visible_id.)"""
+    devices = [gpu for gpu in gpus if not gpu.mig_enabled]
+    return {gpu.id: str(at) for at, gpu in enumerate(devices) if gpu.vendor == "amd" and gpu.visible_id == gpu.id}
 
 
 def _explain(selection: devices.Selection, request: GpuRequest, printer: Printer) -> None:

@@ -1,33 +1,51 @@
-"""Which GPUs a run gets: the --gpus request, the free criteria, CUDA_VISIBLE_DEVICES, and
+"""Which GPUs a run gets: the --gpus request, the free criteria, the launcher's own visibility
+variables (CUDA_VISIBLE_DEVICES; on AMD, ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES too), and
 the claims that keep two launches off the same GPU.
 
 A device's verdict is one of: free; busy (over --max-utilization, or under --min-free-memory)
 or unhealthy (launcher/gpus/health.py: memory errors, a clock slowdown that means trouble, a
 narrowed PCIe link): skipped by `all` and `auto:N`, a warning in an explicit list unless
 --strict; or unusable (hidden by CUDA_VISIBLE_DEVICES, a GPU in MIG mode, claimed by another
-launcher, one NVML cannot read).
+launcher, one NVML or AMD SMI cannot read).
+
+An AMD GPU in a compute partition mode (CPX, ...) is like a GPU in MIG mode: it is listed with its
+partitions as devices index.slot (mig=True). Its partitions are kept apart from whole GPUs as MIG
+devices are (a slice would pace a whole GPU), but a run may use several of them: each partition is a
+GPU of its own to ROCr and RCCL, unlike MIG devices, which NCCL does not support.
+
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from launcher.gpus import claims, health
-from launcher.gpus.nvml import Gpu
+from launcher.gpus.devices import Gpu
 from pretrain.run.refusal import Refusal
 
 GIB = 1 << 30
 DEFAULT_MIN_FREE_MEMORY = "90%"
 DEFAULT_MAX_UTILIZATION = 10.0
-NO_GPU_FOUND = "no NVIDIA GPU found; use --device cpu"
+NO_GPU = "no NVIDIA or AMD GPU found"
+NO_GPU_FOUND = f"{NO_GPU}; use --device cpu"
 ONE_MIG_DEVICE = (
     "a run uses at most one MIG device: NCCL does not support MIG, and the MIG devices of "
     "one GPU share its PCI bus id, which NCCL refuses as a duplicate GPU"
 )
 NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
+LIMITING_VARIABLES = {
+    "nvidia": ("CUDA_VISIBLE_DEVICES",),
+    "amd": ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+}
+"""The launcher's own variables that limit which GPUs it may choose, in the order the vendor's runtime
+applies them: ROCm applies ROCR's mask, then HIP's to what ROCR left, then CUDA's (HIP reads it too) to
+what HIP left."""
+
+Limits = tuple[tuple[str, str], ...]
+"""The limiting variables that are set, (name, value), in the order they apply."""
 
 
 class DeviceError(Refusal, ValueError):
@@ -143,14 +161,21 @@ class Verdict:
 
 
 def judge(
-    gpu: Gpu, criteria: Criteria, visible: set[str] | None, holder: Callable[[str], claims.Holder | None] = claims.holder_of
+    gpu: Gpu,
+    criteria: Criteria,
+    visible: set[str] | None,
+    holder: Callable[[str], claims.Holder | None] = claims.holder_of,
+    hidden_by: str = "CUDA_VISIBLE_DEVICES",
 ) -> Verdict:
+    """hidden_by: the variables that limit the choice, as the reason for a GPU they hide says them."""
     if gpu.error is not None:
-        return Verdict(gpu, "error", (f"NVML cannot read it: {gpu.error}",))
+        return Verdict(gpu, "error", (f"{reader(gpu)} cannot read it: {gpu.error}",))
     if visible is not None and gpu.id not in visible:
-        return Verdict(gpu, "hidden", ("not in CUDA_VISIBLE_DEVICES",))
+        return Verdict(gpu, "hidden", (f"not in {hidden_by}",))
     if gpu.mig_enabled:
-        return Verdict(gpu, "mig", ("MIG mode: use its MIG devices",))
+        return Verdict(
+            gpu, "mig", ("partition mode: use its partitions" if gpu.vendor == "amd" else "MIG mode: use its MIG devices",)
+        )
     held = holder(gpu.uuid)
     if held is not None:
         return Verdict(gpu, "claimed", (held.describe(),))
@@ -165,21 +190,75 @@ def judge(
     return Verdict(gpu, "busy" if reasons else "free", tuple(reasons))
 
 
-def visible_ids(gpus: list[Gpu], cuda_visible_devices: str | None) -> set[str] | None:
-    """The ids of the devices an existing CUDA_VISIBLE_DEVICES allows (None: no limit).
+def mig_device(gpu: Gpu) -> bool:
+    """A MIG device (NVIDIA): one per process and per run, as NCCL does not support MIG. (An AMD
+    partition is a GPU of its own to ROCr and RCCL.)"""
+    return gpu.mig and gpu.vendor == "nvidia"
 
-    Entries are NVML indices (the PCI order, as CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them)
-    or UUIDs (GPU-..., MIG-...; a unique prefix is enough, as for CUDA). As for CUDA, -1
-    ends the list. A GPU in MIG mode named here allows its MIG devices."""
-    if cuda_visible_devices is None:
-        return None
-    allowed: set[str] = set()
-    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+
+def reader(gpu: Gpu) -> str:
+    """The library that read it, as an error names it."""
+    return "AMD SMI" if gpu.vendor == "amd" else "NVML"
+
+
+def visibility_limits(gpus: Sequence[Gpu], environ: Mapping[str, str]) -> Limits:
+    """The launcher's own limiting variables that are set, for these GPUs' vendor."""
+    vendor = gpus[0].vendor if gpus else "nvidia"
+    return tuple((name, environ[name]) for name in LIMITING_VARIABLES[vendor] if name in environ)
+
+
+def describe_limits(limits: Limits | str | None) -> str:
+    """ "ROCR_VISIBLE_DEVICES=0,1 and HIP_VISIBLE_DEVICES=1", as an error names them."""
+    return " and ".join(f"{name}={value}" for name, value in _as_limits(limits))
+
+
+def limiting_names(limits: Limits | str | None) -> str:
+    return "/".join(name for name, _ in _as_limits(limits)) or "CUDA_VISIBLE_DEVICES"
+
+
+def _as_limits(limits: Limits | str | None) -> Limits:
+    """A bare string is CUDA_VISIBLE_DEVICES' value."""
+    if limits is None:
+        return ()
+    return (("CUDA_VISIBLE_DEVICES", limits),) if isinstance(limits, str) else limits
+
+
+def visible_ids(gpus: list[Gpu], limits: Limits | str | None) -> set[str] | None:
+    """The ids of the devices the launcher's own limiting variables allow (None: no limit);
+    limits as visibility_limits gives them, or CUDA_VISIBLE_DEVICES' value alone.
+
+    The first variable's entries are indices (NVML's or AMD SMI's, the PCI order, as
+    CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them) or UUIDs (GPU-..., MIG-...; a unique prefix is
+    enough, as for CUDA). A later one (HIP_VISIBLE_DEVICES after ROCR_VISIBLE_DEVICES) counts its
+    indices among the devices the one before left, as ROCm does. As for CUDA, -1 ends a list. A
+    GPU in MIG mode (or an AMD GPU in a partition mode) named here allows its devices."""
+    shown: list[Gpu] | None = None
+    for variable, value in _as_limits(limits):
+        shown = _allowed(gpus, shown, variable, value)
+    return None if shown is None else {g.id for g in shown}
+
+
+def _allowed(gpus: list[Gpu], before: list[Gpu] | None, variable: str, value: str) -> list[Gpu]:
+    """The devices one variable leaves of those `before` left (None: every device), in its order."""
+    allowed: list[Gpu] = []
+    usable = [g for g in before if not g.mig_enabled] if before is not None else []
+    for entry in (e.strip() for e in value.split(",")):
         if entry.lower() in NO_GPUS_VISIBLE or entry.startswith("-"):
             break
-        device = find(gpus, entry, f"CUDA_VISIBLE_DEVICES={cuda_visible_devices} names")
-        allowed.add(device.id)
-        allowed.update(g.id for g in gpus if g.mig and device.mig_enabled and g.index == device.index)
+        context = f"{variable}={value} names"
+        if before is None:
+            device = find(gpus, entry, context)
+        elif entry.isdigit():
+            if int(entry) >= len(usable):
+                raise DeviceError(
+                    f"{context} device {entry}, but only {len(usable)} are left to it by the variables before it; "
+                    f"unset {variable}, or count from 0 among those"
+                )
+            device = usable[int(entry)]
+        else:
+            device = find(before, entry, context)
+        allowed.append(device)
+        allowed.extend(g for g in gpus if g.mig and device.mig_enabled and g.index == device.index)
     return allowed
 
 
@@ -225,17 +304,19 @@ def select(
     criteria: Criteria,
     *,
     strict: bool = False,
-    cuda_visible_devices: str | None = None,
+    limits: Limits | str | None = None,
     claim: Callable[[str], claims.Claim | claims.Holder] = claims.try_claim,
     holder: Callable[[str], claims.Holder | None] = claims.holder_of,
 ) -> Selection:
-    """Choose and claim the GPUs `request` asks for. The claims are held on return;
-    on error none is."""
-    visible = visible_ids(gpus, cuda_visible_devices)
-    selection = Selection(verdicts=[judge(g, criteria, visible, holder) for g in gpus])
+    """Choose and claim the GPUs `request` asks for; limits: the launcher's own limiting
+    variables (visibility_limits), or CUDA_VISIBLE_DEVICES' value. The claims are held on
+    return; on error none is."""
+    visible = visible_ids(gpus, limits)
+    hidden_by = limiting_names(limits)
+    selection = Selection(verdicts=[judge(g, criteria, visible, holder, hidden_by) for g in gpus])
     try:
         if request.kind == "list":
-            _claim_listed(selection, gpus, request, strict, claim)
+            _claim_listed(selection, gpus, request, strict, claim, hidden_by)
         else:
             _claim_free(selection, request, criteria, claim)
     except BaseException:
@@ -254,7 +335,7 @@ def _claim_free(
     """all: every free GPU, in NVML order; auto:N: the N freest. A GPU another launcher
     claims between the look and the claim is skipped like any claimed GPU."""
     _keep_mig_devices_apart(selection)
-    only_mig = any(v.gpu.mig and v.state in ("free", "busy") for v in selection.verdicts)
+    only_mig = any(mig_device(v.gpu) and v.state in ("free", "busy") for v in selection.verdicts)
     if only_mig and request.kind == "auto" and request.count > 1:
         raise DeviceError(
             f"--gpus {request} needs {request.count} GPUs, but only MIG devices are usable here "
@@ -293,12 +374,12 @@ def _claim_free(
 
 
 def _keep_mig_devices_apart(selection: Selection) -> None:
-    """all and auto:N never put MIG devices and whole GPUs in one run (a 10 GB slice would
-    pace an 80 GB GPU); MIG devices are theirs only on a machine with no whole GPU to use."""
+    """all and auto:N never put MIG devices (or AMD partitions) and whole GPUs in one run (a 10 GB
+    slice would pace an 80 GB GPU); they are theirs only on a machine with no whole GPU to use."""
     whole = [v for v in selection.verdicts if not v.gpu.mig and v.state not in ("hidden", "mig", "error")]
     if whole:
         selection.verdicts = [
-            Verdict(v.gpu, "mig", ("MIG device: not mixed with whole GPUs; name it in --gpus",))
+            Verdict(v.gpu, "mig", (f"{_slice(v.gpu)}: not mixed with whole GPUs; name it in --gpus",))
             if v.gpu.mig and v.state in ("free", "busy")
             else v
             for v in selection.verdicts
@@ -306,13 +387,18 @@ def _keep_mig_devices_apart(selection: Selection) -> None:
 
 
 def _claim_listed(
-    selection: Selection, gpus: list[Gpu], request: GpuRequest, strict: bool, claim: Callable[[str], claims.Claim | claims.Holder]
+    selection: Selection,
+    gpus: list[Gpu],
+    request: GpuRequest,
+    strict: bool,
+    claim: Callable[[str], claims.Claim | claims.Holder],
+    hidden_by: str = "CUDA_VISIBLE_DEVICES",
 ) -> None:
     by_id = {v.gpu.id: v for v in selection.verdicts}
     listed = [by_id[find(gpus, name, "--gpus names").id] for name in request.ids]
     if len({v.gpu.id for v in listed}) < len(listed):
         raise DeviceError(f"--gpus {request} names one GPU twice (by id and by UUID); one worker runs per GPU")
-    slices = [v.gpu.id for v in listed if v.gpu.mig]
+    slices = [v.gpu.id for v in listed if mig_device(v.gpu)]
     if len(slices) > 1:
         raise DeviceError(
             f"--gpus {request} names {len(slices)} MIG devices ({', '.join(slices)}), but "
@@ -322,13 +408,19 @@ def _claim_listed(
         gpu = verdict.gpu
         if verdict.state == "hidden":
             raise DeviceError(
-                f"GPU {gpu.id} is not in CUDA_VISIBLE_DEVICES; choose among "
+                f"GPU {gpu.id} is not in {hidden_by}; choose among "
                 f"{', '.join(v.gpu.id for v in selection.verdicts if v.state not in ('hidden', 'mig'))}"
             )
         if verdict.state == "error":
-            raise DeviceError(f"GPU {gpu.id}: {verdict.reasons[0]}; check `nvidia-smi`, or choose another GPU")
+            check = "`amd-smi list`" if gpu.vendor == "amd" else "`nvidia-smi`"
+            raise DeviceError(f"GPU {gpu.id}: {verdict.reasons[0]}; check {check}, or choose another GPU")
         if verdict.state == "mig":
             migs = ", ".join(g.id for g in gpus if g.mig and g.index == gpu.index) or "none configured"
+            if gpu.vendor == "amd":
+                raise DeviceError(
+                    f"GPU {gpu.id} is in a compute partition mode, so it is used as its partitions; "
+                    f"choose them ({migs}) or their UUIDs"
+                )
             raise DeviceError(
                 f"GPU {gpu.id} is in MIG mode, so CUDA cannot use it whole; choose its MIG devices ({migs}) or their UUIDs"
             )
@@ -360,6 +452,10 @@ def _claim_one(selection: Selection, verdict: Verdict, claim: Callable[[str], cl
     at = selection.verdicts.index(verdict)
     selection.verdicts[at] = Verdict(verdict.gpu, "claimed", (result.describe(),))
     return False
+
+
+def _slice(gpu: Gpu) -> str:
+    return "partition" if gpu.vendor == "amd" else "MIG device"
 
 
 def selection_reason(selection: Selection, gpu: Gpu) -> str:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from launcher.gpus import health
 from launcher.gpus.selection import GIB, Verdict
-from launcher.gpus.nvml import Gpu, GpuProcess
+from launcher.gpus.devices import Gpu, GpuProcess
 
 HEADER = ("GPU", "NAME", "BUS ID", "MEMORY USED", "UTIL", "PROCESSES", "HEALTH", "VERDICT")
 MAX_PROCESSES_SHOWN = 3

@@ -1,6 +1,7 @@
 """Which GPUs each worker sees: only its own, or every run GPU of its node.
 
-NCCL reaches a GPU its process cannot see over NVLink (CUDA 10.1 and later), but over PCIe its
+NCCL reaches a GPU its process cannot see over NVLink (CUDA 10.1 and later), and RCCL over XGMI
+(AMD's Infinity Fabric, counted here as NVLink is), but over PCIe its
 peer-to-peer transport needs CUDA IPC, which needs the peer visible: a worker that sees only its
 own GPU sends everything through host memory (NCCL's SHM transport) instead. So:
 
@@ -21,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from launcher.gpus.selection import DeviceError
-from launcher.gpus.nvml import Gpu, PeerLink
+from launcher.gpus.devices import Gpu, PeerLink
+from launcher.gpus.selection import DeviceError, mig_device
 
 VISIBILITY_VAR = "LAUNCHER_GPU_VISIBILITY"
 SETTINGS = ("auto", "own", "node")
@@ -57,7 +58,7 @@ def choose(gpus: Sequence[Gpu], links: Mapping[tuple[str, str], PeerLink], own_c
     count = f"the {len(gpus)} run GPUs of this node"
     pcie = _pairs(links, "pcie")
     if wanted == "node":
-        if any(gpu.mig for gpu in gpus):
+        if any(mig_device(gpu) for gpu in gpus):
             raise DeviceError(
                 f"{VISIBILITY_VAR}=node cannot show a MIG device beside other GPUs (CUDA uses one MIG device "
                 f"per process); unset it"
@@ -67,7 +68,7 @@ def choose(gpus: Sequence[Gpu], links: Mapping[tuple[str, str], PeerLink], own_c
         through_host = f"; {pcie} reach each other over PCIe only, so NCCL goes through host memory" if pcie else ""
         return Visibility(False, f"{VISIBILITY_VAR}=own: each worker sees only its own GPU{through_host}")
     alone = "each worker sees only its own GPU"
-    if pcie and any(gpu.mig for gpu in gpus):
+    if pcie and any(mig_device(gpu) for gpu in gpus):
         return Visibility(False, f"{pcie} reach each other over PCIe only, but a MIG device is in the run: {alone}")
     if pcie and own_command:
         return Visibility(
@@ -83,10 +84,13 @@ def choose(gpus: Sequence[Gpu], links: Mapping[tuple[str, str], PeerLink], own_c
             f"(NCCL's peer-to-peer over PCIe needs to see the peer)",
         )
     if unknown := _pairs(links, "unknown"):
-        return Visibility(False, f"NVML cannot say how {unknown} reach each other: {alone}")
+        reader = "AMD SMI" if gpus[0].vendor == "amd" else "NVML"
+        return Visibility(False, f"{reader} cannot say how {unknown} reach each other: {alone}")
     if without := _pairs(links, "none"):
         return Visibility(False, f"{without} have no peer-to-peer path, so NCCL goes through host memory; {alone}")
     ids = ", ".join(gpu.id for gpu in gpus)
+    if gpus[0].vendor == "amd":
+        return Visibility(False, f"GPUs {ids} are joined by XGMI: {alone} (RCCL reaches the others over it)")
     return Visibility(False, f"GPUs {ids} are joined by NVLink: {alone} (NCCL reaches the others over it)")
 
 

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import address_space
+from launcher.gpus.devices import VISIBILITY_VARIABLES
 from launcher.exit_codes import EXIT_CANNOT_EXECUTE, EXIT_COMMAND_NOT_FOUND, EXIT_NO_ADDRESS_SPACE
 from launcher.processes.torchrun_env import NO_RESTARTS, Restarts, torchrun_defaults, torchrun_variables
+from pretrain.run.allocator_env import set_default_allocator
 from pretrain.run.parent_death import die_with_parent
 from pretrain.run.refusal import Refusal
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is passed on in pieces, so memory stays bounded
 CUDA_DEVICE_INDEX_VAR = "LAUNCHER_CUDA_DEVICE_INDEX"
-"""The cuda:<n> a GPU worker uses among those CUDA_VISIBLE_DEVICES shows it: 0 when it sees only its
+"""The cuda:<n> a GPU worker uses among those its visibility variable shows it: 0 when it sees only its
 own GPU, LOCAL_RANK when it sees every run GPU of its node (pretrain/distributed/runtime.py reads it)."""
 
 
@@ -232,6 +234,7 @@ def worker_env(
     run_id: str = "",
     error_file: str = "",
     restarts: Restarts = NO_RESTARTS,
+    visibility_variable: str = "CUDA_VISIBLE_DEVICES",
 ) -> dict[str, str]:
     """The worker contract (docs/design.md): torchrun's variables, its GPU, bounded threads.
 
@@ -240,11 +243,14 @@ def worker_env(
     are torchrun's GROUP_RANK, GROUP_WORLD_SIZE, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE and
     restart counts (launcher/processes/torchrun_env.py says what each means here).
 
-    gpu is CUDA_VISIBLE_DEVICES: the worker's own GPU (the launcher gives its UUID), or every
+    gpu is the value of visibility_variable (CUDA_VISIBLE_DEVICES on NVIDIA, ROCR_VISIBLE_DEVICES
+    on AMD: Gpu.visibility_variable): the worker's own GPU (the launcher gives its UUID), or every
     run GPU of the node, comma-separated in local-rank order (launcher/gpus/visibility.py); None
-    for a CPU worker. cuda_device_index is which of them is the worker's own (cuda:<n>, as
-    LAUNCHER_CUDA_DEVICE_INDEX). gpu_id (default: gpu) is its GPU_RANK, the id its log prefix
-    shows. Thread counts the user set explicitly are kept."""
+    for a CPU worker. On AMD, HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES are removed: ROCm
+    applies them after ROCR_VISIBLE_DEVICES, to the list it left, so a value inherited from the
+    launcher's environment would pick from the wrong list, or hide the worker's GPU.
+    cuda_device_index is which of them is the worker's own (cuda:<n>, as LAUNCHER_CUDA_DEVICE_INDEX).
+    gpu_id (default: gpu) is its GPU_RANK, the id its log prefix shows. Thread counts the user set explicitly are kept."""
     local_rank = rank if local_rank is None else local_rank
     local_world_size = world_size if local_world_size is None else local_world_size
     threads = str(max(1, cpu_count // local_world_size))
@@ -268,11 +274,16 @@ def worker_env(
         {
             "NODE_RANK": str(node_rank),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.
+            # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident
+            # (ROCm's HIP reads CUDA_VISIBLE_DEVICES too).
             "CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "",
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if gpu is not None and visibility_variable != "CUDA_VISIBLE_DEVICES":
+        for name in VISIBILITY_VARIABLES:
+            env.pop(name, None)
+        env[visibility_variable] = gpu
     if gpu is not None:
         env["GPU_RANK"] = gpu_id or gpu
         env[CUDA_DEVICE_INDEX_VAR] = str(cuda_device_index)
@@ -287,10 +298,9 @@ def worker_env(
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
     if compile_cache is not None:  # None: a run that does not compile names none (launcher/compile_cache.py)
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
-    # Segments that grow in place instead of new blocks of fixed sizes: far less fragmentation
-    # when the sizes vary (FSDP's gathered groups, the chunked loss), so a run near the memory
-    # limit fits where it otherwise fails with memory reserved but unusable.
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Segments that grow in place, unless the user set the allocator under any of torch's names
+    # (pretrain/run/allocator_env.py: PYTORCH_HIP_ALLOC_CONF on ROCm must not be overridden).
+    set_default_allocator(env)
     return env
 
 
