@@ -10,6 +10,10 @@
 #    default torch for Linux pulls several GB of CUDA packages.
 # 4. An importable torch below the floor is reported, never replaced; one above the upper
 #    bound is used with a warning line (GPU machines come with the torch their driver runs).
+# 5. An AMD GPU machine (ROCm: /dev/kfd, or rocminfo reaches it) without torch is told how to
+#    install ROCm's torch, and nothing is installed: a CPU or CUDA build would not use its GPUs.
+#    Its installed torch is reused like any other (one warning line when it is not a ROCm build),
+#    and AMD SMI's Python bindings come from ROCm ($ROCM_PATH/share/amd_smi), never from PyPI.
 # Later runs find everything in place and start in about a second.
 
 _setup_log() { echo "setup: $*" >&2; }
@@ -31,6 +35,39 @@ _probe() {  # COMMAND...: run it quietly; 3 (the line said) when it failed for w
 
 _has_nvidia_gpu() {
   [ -e /proc/driver/nvidia/version ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+}
+
+_has_amd_gpu() {  # ROCm's compute driver interface, or rocminfo reaching it
+  [ -e /dev/kfd ] || { command -v rocminfo >/dev/null 2>&1 && rocminfo >/dev/null 2>&1; }
+}
+
+_rocm_root() { echo "${ROCM_PATH:-/opt/rocm}"; }
+
+_rocm_torch_index() {  # pytorch.org's index for this machine's ROCm release (X.Y from ROCm's version file)
+  local version
+  version=$(grep -oE '^[0-9]+\.[0-9]+' "$(_rocm_root)/.info/version" 2>/dev/null | head -n 1)
+  echo "https://download.pytorch.org/whl/rocm${version:-X.Y}"
+}
+
+_rocm_notes() {  # PY FILES...: on an AMD GPU machine, one line for a torch that is not ROCm's, one for AMD SMI's bindings
+  local py=$1; shift
+  _has_amd_gpu || return 0
+  # torch/version.py, read rather than imported (importing torch costs seconds on every start):
+  # ROCm's builds set hip to the HIP version, CPU and CUDA builds to None.
+  if "$py" - <<'PY' 2>/dev/null; then
+import importlib.util, pathlib, re, sys
+spec = importlib.util.find_spec("torch")
+text = pathlib.Path(spec.submodule_search_locations[0], "version.py").read_text()
+sys.exit(0 if re.search(r"^hip\b[^=]*=\s*None", text, re.M) else 1)
+PY
+    _setup_log "warning: this machine has an AMD GPU but the installed torch $("$py" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null) is not a ROCm build, so training cannot use the GPU; install ROCm's: $py -m pip install --force-reinstall '$(_torch_spec "$@")' --index-url $(_rocm_torch_index)"
+  fi
+  local bindings
+  bindings="$(_rocm_root)/share/amd_smi"
+  if [ -d "$bindings" ] && ! "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("amdsmi") is None)' 2>/dev/null; then
+    _setup_log "note: ROCm's AMD SMI Python bindings are not importable by $py, so the launcher reads the GPUs through the amd-smi command instead; to use them (AMD's instructions, never PyPI's amdsmi): $py -m pip install $bindings (as root, or from a copy of that directory)"
+  fi
+  return 0
 }
 
 _CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -83,7 +120,7 @@ _use_python() {  # PY ROOT FILES...: the chosen interpreter, warning once per pa
   while IFS= read -r line; do
     [ -n "$line" ] && _setup_log "warning: $line"
   done < <("$py" "$root/scripts/check_requirements.py" --newer "$@" 2>/dev/null)
-  return 0
+  _rocm_notes "$py" "$@"
 }
 
 setup_python() {
@@ -126,6 +163,11 @@ setup_python() {
       _setup_log "error: the installed torch $("$py" -c 'import torch; print(torch.__version__)') is older than $(sed -nE 's/.*>=[[:space:]]*([0-9][0-9.]*).*/\1/p' <<<"$required"), the oldest this code runs on; upgrade it (pip install '$required'), or set PYTHON=/path/to/another/python3"
       return 1
     fi
+  elif _has_amd_gpu && ! _has_nvidia_gpu; then
+    # ROCm's torch comes from pytorch.org's ROCm index, matched to the installed ROCm: a guess
+    # would download GB, and pip's default (CUDA) or a CPU build would leave the GPUs unused.
+    _setup_log "error: no torch here, and this machine has an AMD GPU (ROCm): install ROCm's build of torch, e.g. $py -m pip install '$torch_spec' --index-url $(_rocm_torch_index) (pytorch.org lists the ROCm releases each torch is built for), or set PYTHON=/path/to/a/python3 that has it; a CPU or CUDA build would not use the GPU"
+    return 1
   elif _has_nvidia_gpu; then
     # Bounded like the CPU build: an unbounded spec takes the newest CUDA build, which may need
     # a newer driver than the machine has.

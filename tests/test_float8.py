@@ -12,6 +12,7 @@ import io
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,31 @@ def test_float8_on_a_gpu_below_compute_capability_8_9_is_refused_naming_the_gpu(
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     float8.check_device(float8_config(float8_mode=True), torch.device("cuda", 0))  # Hopper: runs
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "capability", "runs"),
+    [
+        ("AMD Instinct MI300X", "gfx942:sramecc+:xnack-", (9, 4), True),
+        ("AMD Instinct MI355X", "gfx950:sramecc+:xnack-", (9, 5), True),
+        ("AMD Instinct MI250X", "gfx90a:sramecc+:xnack-", (9, 0), False),  # 9.0 >= 8.9, yet no float8
+        ("AMD Radeon RX 7900 XTX", "gfx1100", (11, 0), False),
+    ],
+    ids=["mi300x", "mi355x", "mi250x", "rdna3"],
+)
+def test_float8_on_rocm_is_judged_by_the_gpus_architecture_not_its_reported_capability(monkeypatch, name, arch, capability, runs):
+    monkeypatch.setattr(torch.version, "hip", "7.0.51831")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(gcnArchName=arch))
+    if runs:
+        float8.check_device(float8_config(float8_mode=True), torch.device("cuda", 0))
+        return
+    with pytest.raises(cfg.ConfigError) as refused:
+        float8.check_device(float8_config(float8_mode=True), torch.device("cuda", 0))
+    message = str(refused.value)
+    assert f"{name} is {arch.split(':')[0]}" in message and "gfx942" in message and "training.float8=false" in message
+    assert "\n" not in message
 
 
 def installed(monkeypatch, **versions: str | None) -> None:

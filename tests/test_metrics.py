@@ -23,6 +23,7 @@ from pretrain import config as cfg
 from pretrain.config import ModelConfig
 from pretrain.observe.metrics import (
     MetricsLog,
+    device_peak_flops,
     flops_per_token,
     mfu,
     peak_bf16_flops,
@@ -56,6 +57,13 @@ TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, voc
         ("NVIDIA L40", 181e12),
         ("NVIDIA L40S", 362e12),
         ("NVIDIA GeForce RTX 4090", 165e12),
+        ("AMD Instinct MI300X", 1307.4e12),
+        ("AMD Instinct MI300X OAM", 1307.4e12),
+        ("AMD Instinct MI300X VF", 1307.4e12),  # a virtual function (SR-IOV), as cloud VMs name it
+        ("AMD Instinct MI325X", 1307.4e12),
+        ("AMD Instinct MI355X", 2516.6e12),
+        ("AMD Instinct MI250X", 191.5e12),  # one of the package's two GCDs, which ROCm shows as a GPU each
+        ("AMD Instinct MI250X / MI250", 191.5e12),
     ],
 )
 def test_known_gpus_get_their_dense_bf16_peak(name, peak):
@@ -71,13 +79,35 @@ def test_known_gpus_get_their_dense_bf16_peak(name, peak):
         "NVIDIA GeForce RTX 4090 D",  # a cut-down 4090, not the 4090's peak
         "NVIDIA GeForce RTX 4090 Laptop GPU",
         "NVIDIA A100-SXM4-40GB MIG 1g.5gb",  # a slice of a GPU has a slice of its compute
-        "AMD Instinct MI300X",
+        "AMD Instinct MI300A",  # an APU with fewer CUs than the MI300X
+        "AMD Instinct MI308X",
+        "AMD Radeon Graphics",  # the generic name some ROCm setups report
         "",
     ],
 )
 def test_unknown_gpus_and_gpu_slices_have_no_peak_and_so_no_mfu(name):
     assert peak_bf16_flops(name) is None
     assert mfu(10_000.0, 1e9, peak_bf16_flops(name)) is None
+
+
+def test_an_amd_compute_partition_gets_its_share_of_the_gpus_peak():
+    assert peak_bf16_flops("AMD Instinct MI300X", compute_units=304) == 1307.4e12
+    assert peak_bf16_flops("AMD Instinct MI300X", compute_units=38) == pytest.approx(1307.4e12 / 8)  # CPX: 8 partitions
+    assert peak_bf16_flops("AMD Instinct MI355X", compute_units=128) == pytest.approx(2516.6e12 / 2)  # DPX
+    # the MI250's GCD (104 CUs, same clock) under the shared name: AMD's 362.1 TFLOPs over two GCDs
+    assert peak_bf16_flops("AMD Instinct MI250X / MI250", compute_units=104) == pytest.approx(362.1e12 / 2, rel=1e-3)
+
+
+def test_an_nvidia_gpus_peak_ignores_its_streaming_multiprocessor_count():
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3", compute_units=132) == 989e12
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3", compute_units=16) == 989e12
+
+
+def test_the_device_peak_reads_the_name_and_compute_units_torch_reports(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI300X")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(multi_processor_count=38))
+    assert device_peak_flops(torch.device("cuda", 0)) == pytest.approx(1307.4e12 / 8)
+    assert device_peak_flops(torch.device("cpu")) is None
 
 
 def test_mfu_is_achieved_model_flops_over_the_peak_as_a_fraction():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import types
 import warnings
 
 import pytest
@@ -180,6 +181,34 @@ def test_a_placed_blocks_compiled_forward_asks_cuda_nothing_and_warns_nothing(mo
     code = "\n".join(graph.code for graph in explained.graphs)
     assert "grouped_mm" in code and "capability" not in code
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("capability", [(9, 4), (9, 5), (9, 0), (11, 0)], ids=["mi300x", "mi355x", "mi250x", "rdna3"])
+def test_on_rocm_grouped_matmuls_count_as_syncing_with_the_host_and_zero_empty_experts_gradients(monkeypatch, capability):
+    # ROCm's torch reports gfx942 as capability 9.4, which CUDA's rule would take for Hopper's
+    # sync-free CUTLASS kernel; ROCm's _grouped_mm is torch's loop over the experts (or CK's kernel).
+    monkeypatch.setattr(torch.version, "hip", "7.0.51831")
+    kernel = moe_dropless.experts_kernel(torch.device("cuda", 0), capability)
+    assert kernel == ExpertsKernel(grouped=True, host_sync=True, zero_empty_gradients=True)
+
+
+def test_placing_dropless_experts_on_an_amd_gpu_logs_the_sync_line_naming_its_architecture(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "7.0.51831")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    props = types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("pretrain")
+    logger.addHandler(handler)
+    try:
+        kernel = place_experts(nn.Sequential(tiny_block(capacity_factor=None)), torch.device("cuda", 0))
+    finally:
+        logger.removeHandler(handler)
+    assert kernel is not None and kernel.host_sync
+    [line] = [r.getMessage() for r in records]
+    assert "ROCm gfx942" in line and "host sync" in line and "model.moe.capacity_factor" in line
 
 
 @pytest.mark.parametrize(

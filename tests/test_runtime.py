@@ -123,6 +123,7 @@ class Watch(importlib.abc.MetaPathFinder):
         if name == "torch":
             print("order when torch loads:", os.environ.get("CUDA_DEVICE_ORDER"), flush=True)
             print("allocator when torch loads:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
+            print("hip allocator when torch loads:", os.environ.get("PYTORCH_HIP_ALLOC_CONF"), flush=True)
             sys.meta_path.remove(self)
         return None
 sys.meta_path.insert(0, Watch())
@@ -131,7 +132,7 @@ import pretrain_main
 
 
 def seen_by_torch(**env: str) -> list[str]:
-    unset = ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF")
+    unset = ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     environment = {k: v for k, v in os.environ.items() if k not in unset} | env
     result = subprocess.run(
         [sys.executable, "-c", ORDER_WHEN_TORCH_LOADS], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
@@ -160,6 +161,13 @@ def test_the_entry_point_asks_for_expandable_segments_unless_the_user_chose_an_a
     assert (
         seen_by_torch(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")[1] == "allocator when torch loads: max_split_size_mb:512"
     )
+
+
+@pytest.mark.slow
+def test_the_entry_point_leaves_a_rocm_allocator_setting_alone():
+    # ROCm's torch reads PYTORCH_CUDA_ALLOC_CONF first: a default there would override this one.
+    seen = seen_by_torch(PYTORCH_HIP_ALLOC_CONF="max_split_size_mb:512")
+    assert seen[1:3] == ["allocator when torch loads: None", "hip allocator when torch loads: max_split_size_mb:512"]
 
 
 def _ended_together(monkeypatch, barrier_error: RuntimeError) -> list[str]:

@@ -202,3 +202,94 @@ def test_a_gpu_machine_whose_new_torch_cannot_use_the_gpu_is_told_how_to_install
     assert len(warnings) == 1
     assert warnings[0].startswith("setup: warning: the installed torch 2.13.0+cu130 cannot use this machine's GPU")
     assert f"--force-reinstall '{TORCH}' --index-url https://download.pytorch.org/whl/cu" in warnings[0]
+
+
+# --- AMD GPU machines (ROCm) -------------------------------------------------------------
+
+
+def amd_machine(tmp_path: pathlib.Path, rocm_release: str = "7.0.2-56") -> tuple[pathlib.Path, pathlib.Path]:
+    """(a bin directory whose rocminfo succeeds, as on a ROCm machine with an AMD GPU, and a ROCm
+    root for ROCM_PATH with its version file and AMD SMI's bindings directory)."""
+    if pathlib.Path("/proc/driver/nvidia/version").exists():
+        pytest.skip("this machine has an NVIDIA driver, so setup takes the NVIDIA branch")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "rocminfo").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "rocminfo").chmod(0o755)
+    rocm = tmp_path / "rocm"
+    (rocm / ".info").mkdir(parents=True)
+    (rocm / ".info" / "version").write_text(f"{rocm_release}\n")
+    (rocm / "share" / "amd_smi").mkdir(parents=True)
+    return bin_dir, rocm
+
+
+def python_without_torch() -> pathlib.Path:
+    """A Python (3.10+, with venv) that cannot import torch, as on a fresh machine."""
+    for candidate in (pathlib.Path(sys.base_prefix) / "bin" / "python3", pathlib.Path("/usr/bin/python3")):
+        check = "import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))"
+        if candidate.exists() and subprocess.run([candidate, "-c", check], capture_output=True).returncode == 0:
+            if subprocess.run([candidate, "-c", "import torch"], capture_output=True).returncode != 0:
+                return candidate
+    pytest.skip("no Python without torch here, so setup would not install one")
+
+
+def with_torch_build(site: pathlib.Path, version: str, hip: str | None) -> pathlib.Path:
+    """fake_torch with the torch/version.py a build has: hip set by ROCm's builds, None by others."""
+    fake_torch(site, version)
+    (site / "torch" / "version.py").write_text(
+        f"from typing import Optional\n__version__ = '{version}'\nhip: Optional[str] = {hip!r}\n"
+    )
+    return site
+
+
+def fake_amdsmi(site: pathlib.Path) -> pathlib.Path:
+    (site / "amdsmi").mkdir(parents=True)
+    (site / "amdsmi" / "__init__.py").write_text("")
+    return site
+
+
+@pytest.mark.slow
+def test_an_amd_gpu_machine_without_torch_is_told_how_to_install_rocms_torch_and_gets_no_cpu_or_cuda_build(tmp_path):
+    base = python_without_torch()
+    root = project_copy(tmp_path / "project")
+    bin_dir, rocm = amd_machine(tmp_path)
+    log = tmp_path / "pip.log"
+    site = fake_pip(tmp_path / "site", log)
+    result = setup_with(root, str(base), PATH=f"{bin_dir}:/usr/bin:/bin", PYTHONPATH=str(site), ROCM_PATH=str(rocm))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("setup: error:")]
+    assert len(errors) == 1
+    assert "this machine has an AMD GPU (ROCm)" in errors[0]
+    assert f"'{TORCH}' --index-url https://download.pytorch.org/whl/rocm7.0" in errors[0]  # the installed ROCm's release
+    installs = log.read_text().splitlines() if log.exists() else []
+    assert not [line for line in installs if "torch" in line]  # no CPU, CUDA or any other torch was asked for
+    assert "installing torch" not in result.stderr
+
+
+def test_a_torch_that_is_not_a_rocm_build_on_an_amd_gpu_machine_is_used_with_one_warning_line(tmp_path):
+    root = project_copy(tmp_path / "project")
+    bin_dir, rocm = amd_machine(tmp_path)
+    amd = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ROCM_PATH": str(rocm)}
+    cpu_build = fake_amdsmi(with_torch_build(tmp_path / "cpu", f"{FLOOR}.0+cpu", None))
+    result = setup_with(root, sys.executable, PYTHONPATH=str(cpu_build), **amd)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == sys.executable  # used, never replaced
+    [warning] = result.stderr.splitlines()
+    assert warning.startswith(
+        f"setup: warning: this machine has an AMD GPU but the installed torch {FLOOR}.0+cpu is not a ROCm build"
+    )
+    assert warning.endswith(f"--force-reinstall '{TORCH}' --index-url https://download.pytorch.org/whl/rocm7.0")
+    rocm_build = fake_amdsmi(with_torch_build(tmp_path / "rocm-build", f"{FLOOR}.0+rocm6.4", "6.4.43482-0f2d60242"))
+    result = setup_with(root, sys.executable, PYTHONPATH=str(rocm_build), **amd)
+    assert result.returncode == 0 and result.stderr == ""  # ROCm's own torch: nothing to say
+
+
+def test_amd_smi_bindings_that_rocm_ships_but_python_cannot_import_are_named_with_how_to_install_them(tmp_path):
+    root = project_copy(tmp_path / "project")
+    bin_dir, rocm = amd_machine(tmp_path)
+    site = with_torch_build(tmp_path / "site", f"{FLOOR}.0+rocm6.4", "6.4.43482-0f2d60242")
+    result = setup_with(root, sys.executable, PYTHONPATH=str(site), PATH=f"{bin_dir}:/usr/bin:/bin", ROCM_PATH=str(rocm))
+    assert result.returncode == 0, result.stderr
+    [note] = result.stderr.splitlines()
+    assert note.startswith(f"setup: note: ROCm's AMD SMI Python bindings are not importable by {sys.executable}")
+    assert f"{sys.executable} -m pip install {rocm}/share/amd_smi" in note and "never PyPI's amdsmi" in note

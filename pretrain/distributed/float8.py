@@ -38,18 +38,24 @@ if TYPE_CHECKING:
 
 def check_device(config: Config, device: torch.device) -> None:
     """ConfigError (one line) when training.float8 cannot run on device: torchao missing or too
-    new for this torch, true on a CPU, or a GPU below compute capability 8.9. Called by each
+    new for this torch, true on a CPU, or a GPU below compute capability 8.9 (on ROCm: an AMD GPU
+    other than gfx942 or gfx950, pretrain/plan/float8.py ROCM_FLOAT8_ARCHS). Called by each
     worker before anything is built (pretrain/train.py main), as a backstop: the launcher has
     made these checks once already (pretrain/plan/float8.py check_launch, with NVML's capability),
-    so here they catch a run without the launcher, or a GPU NVML could not read."""
+    so here they catch a run without the launcher, a GPU NVML could not read, or an AMD GPU (which
+    has no CUDA compute capability for the launcher to judge)."""
     if not plan.requested(config):
         return
     plan.check_launch(config, device.type)
     if problem := plan.torchao_version_problem(torch.__version__):  # this torch, metadata or not
         raise ConfigError(problem)
     if config.training.float8 is True:
-        capability = torch.cuda.get_device_capability(device)
-        if problem := plan.capability_problem(torch.cuda.get_device_name(device), capability):
+        name = torch.cuda.get_device_name(device)
+        if torch.version.hip:  # ROCm's reported capability is not CUDA's scale: the architecture decides
+            problem = plan.rocm_arch_problem(name, torch.cuda.get_device_properties(device).gcnArchName)
+        else:
+            problem = plan.capability_problem(name, torch.cuda.get_device_capability(device))
+        if problem:
             raise ConfigError(problem)
 
 

@@ -162,10 +162,18 @@ class MixtureOfExperts(nn.Module):
 
 
 SYNC_WARNING = (
-    "model.moe: dropless experts run torch's grouped matmul, which on this GPU (compute capability "
-    "{capability}) reads the expert offsets on the host: a host sync per grouped matmul, nine per "
+    "model.moe: dropless experts run torch's grouped matmul, which on this GPU ({gpu}) reads the "
+    "expert offsets on the host: a host sync per grouped matmul, nine per "
     "layer and step; set model.moe.capacity_factor (e.g. 1.25) for capacity routing, which runs without one"
 )
+
+
+def gpu_description(device: torch.device, capability: tuple[int, int] | None) -> str:
+    """How the sync warning names the GPU: its compute capability, or on ROCm its architecture
+    (whose reported capability is not CUDA's scale)."""
+    if torch.version.hip:
+        return f"ROCm {torch.cuda.get_device_properties(device).gcnArchName.split(':')[0]}"
+    return "compute capability {}.{}".format(*(capability or (0, 0)))
 
 
 def place_experts(model: nn.Module, device: torch.device) -> ExpertsKernel | None:
@@ -181,5 +189,5 @@ def place_experts(model: nn.Module, device: torch.device) -> ExpertsKernel | Non
     for block in blocks:
         block.kernel = kernel
     if kernel.grouped and kernel.host_sync and any(block.capacity_factor is None for block in blocks):
-        logging.getLogger("pretrain").warning(SYNC_WARNING.format(capability="{}.{}".format(*(capability or (0, 0)))))
+        logging.getLogger("pretrain").warning(SYNC_WARNING.format(gpu=gpu_description(device, capability)))
     return kernel

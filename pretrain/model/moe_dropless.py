@@ -35,6 +35,13 @@ on a torch with a CPU kernel and a GPU fallback for _grouped_mm, and on
   the memory plan counts. The build logs one line saying so and naming model.moe.capacity_factor,
   whose capacity routing runs without a sync; a CUDA graph (training.compile_mode reduce-overhead,
   max-autotune) cannot record that sync.
+- ROCm (torch.version.hip; any AMD GPU): torch's _grouped_mm there is the same loop fallback by
+  default (aten GroupedBlas.cpp, torch 2.13: CK's grouped GEMM only in a build with it, on gfx90a,
+  gfx942 and gfx950, with ROCM_ALLOW_GROUP_GEMM_CK=1; torch 2.9 took CK there by default). So ROCm
+  counts as a host sync whichever runs, with the build's line, and zeroes empty experts' gradients
+  (CK's behaviour for an empty group is unverified; the fallback's are zero already, so it costs
+  one element-wise pass). The compute capability ROCm's torch reports (9.4 for gfx942) is not
+  CUDA's scale and is not read. No AMD GPU has run this yet.
 - the CPU (forward and backward, compiled too) and the meta device (which only counts).
 Elsewhere (fp32, training.use_amp false; a width not a multiple of 8; an older torch) the fallback
 runs every expert over a buffer with a row for every token (the capacity routing's buffer at
@@ -101,6 +108,8 @@ def experts_kernel(device: torch.device, capability: tuple[int, int] | None = No
         return ExpertsKernel(grouped=False)
     if device.type != "cuda":
         return ExpertsKernel(grouped=device.type in ("cpu", "meta"))
+    if torch.version.hip:  # ROCm: the loop fallback, or CK's kernel where enabled (the module docstring)
+        return ExpertsKernel(grouped=True, host_sync=True, zero_empty_gradients=True)
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
     if capability < GROUPED_CUDA_MIN:

@@ -45,6 +45,23 @@ if TYPE_CHECKING:
 #   L4: 242 (sparse); L40: 181.05 dense with fp32 accumulate; L40S: 362.05 dense, datasheets
 #   GeForce RTX 4090: Ada Lovelace architecture whitepaper, 165.2 dense with fp32 accumulate
 #     (training accumulates in fp32; the 330 figure is fp16 accumulate).
+# AMD Instinct, from AMD's data sheets (amd.com/en/products/accelerators/instinct/...), which print
+# the dense figure and, for CDNA 3 and 4, the structured-sparsity one (twice it) beside it. Each
+# figure is CUs x peak engine clock x bf16 FLOPs per CU per clock, which is how a partition's
+# share is worked out below:
+#   MI300X, MI325X: "Peak bfloat16 1307.4 TFLOPs" (2614.9 with structured sparsity); 304 CUs x
+#     2100 MHz x 2048
+#   MI355X: "Peak bfloat16 2.5 PFLOPs" (5 with structured sparsity); 256 CUs x 2400 MHz x 4096 =
+#     2516.6 TFLOPs
+#   MI250X: "Peak bfloat16 383 TFLOPs" (CDNA 2 has no sparsity figure) for the package, which is
+#     two GCDs that ROCm shows as two GPUs of 110 CUs each (220 CUs x 1700 MHz x 1024): 191.5 per
+#     GPU torch sees. The MI250's GCDs have 104 CUs at the same clock (362.1 for the package),
+#     and ROCm may name both "AMD Instinct MI250X / MI250": the compute units tell them apart.
+# ROCm's torch names them as the amdgpu driver's ids table does, "AMD Instinct MI300X" (variants:
+# "... OAM", "... VF" for a virtual function, "... HF"), hence the word-bounded patterns; a ROCm
+# that reports an empty or generic name ("AMD Radeon Graphics", seen on some setups) gets no MFU.
+# A GPU split into compute partitions (CPX: an MI300X as 8 GPUs of 38 CUs) keeps its name, so for
+# AMD entries the compute units the device reports scale the peak (peak_bf16_flops' compute_units).
 # Deliberately absent: the A10G (AWS's variant has no NVIDIA datasheet, and published
 # figures disagree), and GPUs without bf16 tensor cores (V100, T4). An unknown GPU shows
 # no MFU rather than a wrong one. Patterns are searched case-insensitively in
@@ -66,19 +83,48 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     (r"\bL40\b", 181e12),
     (r"\bL4\b", 121e12),
     (r"\bRTX 4090$", 165e12),  # not "4090 D" or "4090 Laptop GPU", which are smaller chips
+    (r"\bMI355X\b", 2516.6e12),
+    (r"\bMI325X\b", 1307.4e12),
+    (r"\bMI300X\b", 1307.4e12),  # not the MI300A (an APU, 228 CUs) or the MI308X (fewer CUs)
+    (r"\bMI250X\b", 191.5e12),  # per GCD: ROCm shows each of the package's two as a GPU
 )
+COMPUTE_UNITS: dict[str, int] = {
+    r"\bMI355X\b": 256,
+    r"\bMI325X\b": 304,
+    r"\bMI300X\b": 304,
+    r"\bMI250X\b": 110,
+}
+"""The compute units behind an AMD entry's peak (per GPU as ROCm shows it): a device reporting
+fewer (a compute partition; an MI250's 104-CU GCD under MI250X's name) gets that share of it."""
 
 
-def peak_bf16_flops(device_name: str) -> float | None:
+def peak_bf16_flops(device_name: str, compute_units: int | None = None) -> float | None:
     """Dense bf16 peak FLOP/s of a GPU named as torch.cuda.get_device_name() names it;
-    None when unknown, or for a MIG slice (which has only part of the GPU's compute)."""
+    None when unknown, or for a MIG slice (which has only part of the GPU's compute).
+    compute_units: the device's multi_processor_count, which ROCm reports as its compute units;
+    for an AMD entry, a device with fewer than the whole GPU's (a compute partition) gets that
+    share of the peak (same clock, fewer CUs). Ignored for NVIDIA entries (a MIG slice is named)."""
     name = device_name.strip()
     if re.search(r"\bMIG\b", name):
         return None
     for pattern, flops in PEAK_BF16_FLOPS:
         if re.search(pattern, name, flags=re.IGNORECASE):
+            whole = COMPUTE_UNITS.get(pattern)
+            if whole is not None and compute_units is not None and 0 < compute_units < whole:
+                return flops * compute_units / whole
             return flops
     return None
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of the GPU device (peak_bf16_flops, with its name and the compute units
+    it reports: on ROCm a compute partition keeps the whole GPU's name); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    units = torch.cuda.get_device_properties(device).multi_processor_count
+    return peak_bf16_flops(torch.cuda.get_device_name(device), units)
 
 
 # --- FLOPs ------------------------------------------------------------------------------

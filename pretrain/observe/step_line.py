@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pretrain import config as cfg
-from pretrain.observe.metrics import flops_per_token, mfu, peak_bf16_flops, peak_memory_gib, reset_peak_memory
+from pretrain.observe.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_gib, reset_peak_memory
 
 if TYPE_CHECKING:
     from pretrain.build import Trainer
@@ -64,7 +64,7 @@ class Throughput:
 
 def throughput(trainer: Trainer) -> Throughput:
     device = trainer.runtime.device
-    peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    peak = device_peak_flops(device)
     if not trainer.config.training.use_amp:
         peak = None  # the table holds bf16 peaks; an fp32 run measured against them would mislead
     reset_peak_memory(device)  # the first window's peak is training's, not the build's (init draws whole tensors)

@@ -6,6 +6,9 @@ host without the Python headers (a distribution's Python without its -dev packag
 first step, with a compiler error deep in a traceback. Checked here instead, torch-free, so the
 launcher can turn compile off once, with one line, before any worker starts (launcher/prepare.py),
 and a worker run alone does the same (pretrain/distributed/parallel.py).
+
+On ROCm the GPU is "cuda" too, and the check is the same: Triton's AMD backend (ROCm's torch ships
+pytorch-triton-rocm) builds its kernel launcher with the same C compiler search and Python.h.
 """
 
 from __future__ import annotations

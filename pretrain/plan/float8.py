@@ -28,6 +28,11 @@ MULTIPLE = 16
 MIN_CAPABILITY = (8, 9)
 """The oldest CUDA compute capability with float8 tensor cores: Ada (8.9: L4, L40S, RTX 4090) and
 Hopper (9.0: H100, H200) and later."""
+ROCM_FLOAT8_ARCHS = {"gfx942": "MI300X, MI325X", "gfx950": "MI350X, MI355X"}
+"""AMD architectures with float8 matrix cores that torch._scaled_mm and torchao's float8 take (torchao
+picks the fnuz float8 formats on gfx942 itself). On ROCm the arch, not the compute capability
+torch reports (9.4 for gfx942, but 9.0 for the MI250X's gfx90a, which has no float8), decides.
+Allowed from AMD's and torchao's documentation: no AMD GPU has run this code's float8 yet."""
 INSTALL = 'pip install ".[float8]" (or pip install "torchao>=0.14.1,<0.19")'
 """How to install torchao, as pyproject.toml's float8 extra pins it."""
 TORCHAO_NEEDS_TORCH = {(0, 18): (2, 11)}
@@ -163,5 +168,19 @@ def capability_problem(name: str, capability: tuple[int, int]) -> str | None:
     return (
         f"training.float8: true needs float8 tensor cores (compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: "
         f"L4, L40S, H100, H200 or later), but {name} has {capability[0]}.{capability[1]}; set training.float8=false "
+        '(or "emulate" to check float8 numerics without a speed-up)'
+    )
+
+
+def rocm_arch_problem(name: str, arch: str) -> str | None:
+    """Why the AMD GPU named name, of architecture arch (gcnArchName, e.g. "gfx942:sramecc+:xnack-"),
+    cannot run float8 matmuls; None if it can (ROCM_FLOAT8_ARCHS)."""
+    base = arch.split(":")[0]
+    if base in ROCM_FLOAT8_ARCHS:
+        return None
+    supported = "; ".join(f"{gfx}: {gpus}" for gfx, gpus in ROCM_FLOAT8_ARCHS.items())
+    return (
+        f"training.float8: true needs float8 matrix cores ({supported}), but {name or 'this AMD GPU'} is "
+        f"{base or 'an unknown architecture'}; set training.float8=false "
         '(or "emulate" to check float8 numerics without a speed-up)'
     )
