@@ -84,6 +84,11 @@ class Gpu:
     """Its health readings (launcher/gpus/health.py judges them); all unknown where NVML could not describe it."""
     vendor: Vendor = "nvidia"
     """Who made it: how it was read, and which variable makes it visible to a worker (visible_id)."""
+    runtime_index: int | None = None
+    """The index its vendor's runtime numbers it by, where that differs from `index` and is known:
+    on AMD, ROCr's device number (KFD node order, every compute partition a device), which a
+    partition is made visible by and the launcher's own ROCR_VISIBLE_DEVICES indices mean. None:
+    unknown (then the position among the listed devices stands in for it)."""
     compute_capability: tuple[int, int] | None = None
     """CUDA compute capability (major, minor) of its GPU (a MIG device: its GPU's): (9, 0) for an
     H100; None where NVML cannot tell. What training.float8 true needs (8.9+) is checked on it."""
