@@ -143,7 +143,7 @@ def show_gpus(argv: Sequence[str]) -> int:
     backend = vendors.backend(args.gpu_vendor)
     vendor: vendors.Vendor = "amd" if backend is not nvml else "nvidia"
     try:
-        gpus = backend.discover()
+        gpus = vendors.discover_requested(args.gpu_vendor)  # a --gpu-vendor whose driver is missing: its own line
     except NoGpuDriver as error:
         raise UsageError(
             f"no NVIDIA or AMD GPU driver ({error}): no GPU to show; `nvidia-smi` or `amd-smi list` checks the driver"

@@ -10,10 +10,12 @@
 #    default torch for Linux pulls several GB of CUDA packages.
 # 4. An importable torch below the floor is reported, never replaced; one above the upper
 #    bound is used with a warning line (GPU machines come with the torch their driver runs).
-# 5. An AMD GPU machine (ROCm: /dev/kfd, or rocminfo reaches it) without torch is told how to
-#    install ROCm's torch, and nothing is installed: a CPU or CUDA build would not use its GPUs.
-#    Its installed torch is reused like any other (one warning line when it is not a ROCm build),
-#    and AMD SMI's Python bindings come from ROCm ($ROCM_PATH/share/amd_smi), never from PyPI.
+# 5. An AMD Instinct GPU machine (KFD's topology, or rocminfo, shows an MI200, MI300 or MI350 class
+#    GPU) without torch is told how to install ROCm's torch, and nothing is installed: a CPU or
+#    CUDA build would not use its GPUs. Its installed torch is reused like any other (one warning
+#    line when it is not a ROCm build), and AMD SMI's Python bindings come from ROCm
+#    ($ROCM_PATH/share/amd_smi), never from PyPI. Another AMD GPU that ROCm drives (an APU, a Radeon
+#    workstation card: /dev/kfd is there too) gets one warning line and the CPU build, as before.
 # Later runs find everything in place and start in about a second.
 
 _setup_log() { echo "setup: $*" >&2; }
@@ -37,8 +39,21 @@ _has_nvidia_gpu() {
   [ -e /proc/driver/nvidia/version ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 }
 
-_has_amd_gpu() {  # ROCm's compute driver interface, or rocminfo reaching it
+_has_amd_gpu() {  # any GPU ROCm drives: its compute driver interface, or rocminfo reaching it
   [ -e /dev/kfd ] || { command -v rocminfo >/dev/null 2>&1 && rocminfo >/dev/null 2>&1; }
+}
+
+# KFD's topology, one directory per agent; tests point it at a scripted one.
+_KFD_NODES=${SETUP_KFD_NODES:-/sys/class/kfd/kfd/topology/nodes}
+
+_has_instinct_gpu() {  # an AMD Instinct GPU the launcher trains on: gfx90a (MI200), gfx94x (MI300), gfx950 (MI350)
+  # gfx_target_version is major*10000 + minor*100 + stepping: 90010 is gfx90a, 904xx gfx94x,
+  # 905xx gfx950. Other gfx9 values are older GPUs or APUs (gfx90c: 90012), gfx10+ Radeon.
+  if cat "$_KFD_NODES"/*/properties 2>/dev/null |
+    awk '$1 == "gfx_target_version" && ($2 == 90010 || ($2 >= 90400 && $2 < 100000)) { found = 1 } END { exit !found }'; then
+    return 0
+  fi
+  command -v rocminfo >/dev/null 2>&1 && rocminfo 2>/dev/null | grep -qE 'AMD Instinct|gfx90a|gfx94[0-9]|gfx950'
 }
 
 _rocm_root() { echo "${ROCM_PATH:-/opt/rocm}"; }
@@ -51,7 +66,7 @@ _rocm_torch_index() {  # pytorch.org's index for this machine's ROCm release (X.
 
 _rocm_notes() {  # PY FILES...: on an AMD GPU machine, one line for a torch that is not ROCm's, one for AMD SMI's bindings
   local py=$1; shift
-  _has_amd_gpu || return 0
+  _has_instinct_gpu || return 0
   # torch/version.py, read rather than imported (importing torch costs seconds on every start):
   # ROCm's builds set hip to the HIP version, CPU and CUDA builds to None.
   if "$py" - <<'PY' 2>/dev/null; then
@@ -163,7 +178,7 @@ setup_python() {
       _setup_log "error: the installed torch $("$py" -c 'import torch; print(torch.__version__)') is older than $(sed -nE 's/.*>=[[:space:]]*([0-9][0-9.]*).*/\1/p' <<<"$required"), the oldest this code runs on; upgrade it (pip install '$required'), or set PYTHON=/path/to/another/python3"
       return 1
     fi
-  elif _has_amd_gpu && ! _has_nvidia_gpu; then
+  elif _has_instinct_gpu && ! _has_nvidia_gpu; then
     # ROCm's torch comes from pytorch.org's ROCm index, matched to the installed ROCm: a guess
     # would download GB, and pip's default (CUDA) or a CPU build would leave the GPUs unused.
     _setup_log "error: no torch here, and this machine has an AMD GPU (ROCm): install ROCm's build of torch, e.g. $py -m pip install '$torch_spec' --index-url $(_rocm_torch_index) (pytorch.org lists the ROCm releases each torch is built for), or set PYTHON=/path/to/a/python3 that has it; a CPU or CUDA build would not use the GPU"
@@ -177,6 +192,9 @@ setup_python() {
       _setup_log "warning: the installed torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null) cannot use this machine's GPU (a CUDA build newer than the driver?); reinstall the build for your driver (nvidia-smi shows its CUDA version), e.g. $py -m pip install --force-reinstall '$torch_spec' --index-url https://download.pytorch.org/whl/cu126"
     fi
   else
+    if _has_amd_gpu; then
+      _setup_log "warning: this machine's AMD GPU is not an Instinct GPU (MI200, MI300, MI350 class) that the launcher trains on, so the CPU build of torch is installed; for ROCm's build: $py -m pip install '$torch_spec' --index-url $(_rocm_torch_index)"
+    fi
     _install_cpu_torch "$py" "$torch_spec" || return 1
   fi
   missing=$("$py" "$root/scripts/check_requirements.py" "$@") || true

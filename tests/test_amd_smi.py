@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import one_line_error
-from launcher.gpus import amd, health, scripted_amdsmi, scripted_common
+from launcher.gpus import amd, amd_common, health, scripted_amdsmi, scripted_common
 from launcher.gpus.devices import Health, NoGpuDriver
 from launcher.gpus.scripted_amdsmi import ScriptedAmdSmi
 
@@ -119,6 +119,100 @@ def test_each_compute_partition_mode_makes_as_many_devices_as_it_has_partitions(
 def test_a_partition_carries_the_health_of_its_gpu(machine):
     machine({"gpus": [{"ecc_uncorrected": 1, "partition": {"compute": "DPX"}}]})
     assert [gpu.health.ecc_uncorrected for gpu in amd.discover(window=0)] == [1, 1, 1]
+
+
+# --- ROCr's device numbers and a partition's memory ---------------------------------------
+
+
+def test_the_runtime_index_is_rocrs_kfd_node_order_not_amd_smis_order(machine):
+    machine({"gpus": [{"kfd_nodes": [4]}, {"kfd_nodes": [2]}, {"kfd_nodes": [3]}]})
+    assert [(gpu.id, gpu.runtime_index) for gpu in amd.discover(window=0)] == [("0", 2), ("1", 0), ("2", 1)]
+
+
+def test_every_compute_partition_is_a_rocr_device_of_its_own_and_a_partitioned_gpu_is_none(machine):
+    machine({"gpus": [{"kfd_nodes": [9]}, {"partition": {"compute": "DPX"}, "kfd_nodes": [3, 2]}, {}]})
+    gpus = amd.discover(window=0)
+    assert [(gpu.id, gpu.runtime_index) for gpu in gpus] == [("0", 3), ("1", None), ("1.0", 1), ("1.1", 0), ("2", 2)]
+
+
+def test_a_lost_gpu_still_counts_among_rocrs_devices(machine):
+    machine({"gpus": [{}, {"lost": True}, {}, {}]})
+    assert [gpu.runtime_index for gpu in amd.discover(window=0)] == [0, None, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "nodes, indices",
+    [
+        ([5, 3, 4], [2, 0, 1]),
+        ([2, None, 4], [0, None, 2]),  # the unreadable one fills the gap
+        ([2, 3, None], [0, 1, None]),  # after every other, in AMD SMI's order too
+        ([None, 3, 4], [None, None, None]),  # node 2 or node 5: the others' numbers depend on it
+        ([2, None, None, 4], [None, None, None, None]),  # two unreadable, one gap
+        ([None, None], [None, None]),
+    ],
+)
+def test_runtime_indices_are_known_only_where_every_unreadable_devices_place_is(nodes, indices):
+    assert amd_common.runtime_indices(nodes) == indices
+
+
+def test_cpx_partitions_sharing_one_nps1_pool_each_get_an_eighth_of_it(machine):
+    whole = 196592
+    machine({"gpus": [{"partition": {"compute": "CPX", "memory": "NPS1"}, "partitions": [{"memory_total_mib": whole}] * 8}]})
+    parent, *partitions = amd.discover(window=0)
+    assert {p.memory_total for p in partitions} == {whole * MIB // 8}
+    assert parent.memory_total == whole * MIB
+
+
+def test_cpx_partitions_in_nps4_share_each_quarter_by_two_and_unequal_reports_are_taken_as_they_are(machine):
+    quarter = 196592 // 4
+    machine({"gpus": [{"partition": {"compute": "CPX", "memory": "NPS4"}, "partitions": [{"memory_total_mib": quarter}] * 8}]})
+    gpus = amd.discover(window=0)
+    assert {gpu.memory_total for gpu in gpus if gpu.index == 0 and gpu.mig} == {quarter * MIB // 2}
+    machine({"gpus": [{"partition": {"compute": "DPX"}, "partitions": [{"memory_total_mib": 1000}, {"memory_total_mib": 3000}]}]})
+    assert [gpu.memory_total for gpu in amd.discover(window=0)] == [4000 * MIB, 1000 * MIB, 3000 * MIB]
+
+
+# --- an older amdsmi ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "amdsmi_get_gpu_kfd_info",
+        "amdsmi_get_gpu_compute_partition",
+        "amdsmi_get_gpu_memory_partition",
+        "amdsmi_get_gpu_bad_page_info",
+        "amdsmi_get_pcie_info",
+        "amdsmi_get_gpu_process_list",
+        "amdsmi_get_gpu_total_ecc_count",
+    ],
+)
+def test_an_amdsmi_without_an_optional_function_reads_it_as_unknown(machine, monkeypatch, missing):
+    machine({"gpus": [{}, {"partition": {"compute": "DPX"}}]})
+    monkeypatch.delattr(ScriptedAmdSmi, missing)
+    gpus = amd.discover(window=0)
+    assert [gpu.id for gpu in gpus] == ["0", "1", "1.0", "1.1"] and all(gpu.error is None for gpu in gpus)
+    if missing == "amdsmi_get_gpu_kfd_info":
+        assert {gpu.runtime_index for gpu in gpus} == {None}
+    reader = amd.HealthReader(gpus)
+    try:
+        assert set(reader.read()) == {gpu.id for gpu in gpus}
+    finally:
+        reader.close()
+
+
+def test_an_older_amdsmis_no_bad_pages_sentence_is_no_bad_pages_and_an_unknown_status_is_unknown(machine, monkeypatch):
+    machine({"gpus": [{}]})
+    monkeypatch.setattr(ScriptedAmdSmi, "amdsmi_get_gpu_bad_page_info", lambda self, handle: "No bad pages found.")
+    (gpu,) = amd.discover(window=0)
+    assert (gpu.health.retired_pages_pending, gpu.health.pages_unretirable) == (False, 0)
+    pages = [{"page_address": 4096, "page_size": 4096, "status": "PENDING"}, {"page_address": 8192, "status": "N/A"}]
+    monkeypatch.setattr(ScriptedAmdSmi, "amdsmi_get_gpu_bad_page_info", lambda self, handle: pages)
+    (gpu,) = amd.discover(window=0)
+    assert (gpu.health.retired_pages_pending, gpu.health.pages_unretirable) == (None, None)
+    pages.pop()
+    (gpu,) = amd.discover(window=0)
+    assert (gpu.health.retired_pages_pending, gpu.health.pages_unretirable) == (True, 0)
 
 
 # --- health -----------------------------------------------------------------------------
@@ -300,6 +394,7 @@ def test_peer_links_without_access_are_unknown_not_an_error(machine):
         {"init_error": "busy", "gpus": [{}]},
         {"p2p": "nvlink", "gpus": [{}, {}]},
         {"xgmi": True, "gpus": [{}]},
+        {"gpus": [{"partition": {"compute": "DPX"}, "kfd_nodes": [2]}]},
     ],
     ids=[
         "unknown-gpu-key",
@@ -315,6 +410,7 @@ def test_peer_links_without_access_are_unknown_not_an_error(machine):
         "unknown-init-error",
         "nvlink-on-amd",
         "unknown-machine-key",
+        "a-kfd-node-per-partition",
     ],
 )
 def test_a_malformed_amd_script_is_one_line_naming_the_file_and_the_fix(machine, spec):

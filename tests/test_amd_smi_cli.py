@@ -1,7 +1,7 @@
 """The amd-smi JSON reader (launcher/gpus/amd_smi_cli.py), used where ROCm's amdsmi package is
-missing but its command is installed: on recorded outputs of an 8 x MI300X box
-(tests/data/amd_smi/, two GPUs busy, one failing), and through a stand-in amd-smi command on PATH
-for how it is run and how its failures read."""
+missing but its command is installed: on outputs of an 8 x MI300X box built from AMD's documented
+shapes, not recorded on hardware (tests/data/amd_smi/, two GPUs busy, one failing), and through a
+stand-in amd-smi command on PATH for how it is run, how often, and how its failures read."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def recorded(name: str) -> object:
 
 
 def runner(outputs: dict[str, object] | None = None, calls: list[list[str]] | None = None):
-    """amd-smi as recorded: each command's output by its first argument (`metric --usage` too)."""
+    """amd-smi as tests/data/amd_smi/ has it: each command's output by its first argument (`metric --usage` too)."""
     outputs = outputs or {}
 
     def run(args: list[str]) -> object:
@@ -112,6 +113,18 @@ def test_a_cpx_gpu_is_listed_whole_then_its_partitions():
     assert parent.mig_enabled and parent.name == "AMD Instinct MI300X (CPX/NPS1)" and parent.uuid == ""
     assert first.mig and first.index == 1 and first.uuid == "00ff74a1-cpx"
     assert gpus[-1].health.ecc_uncorrected == 1  # the failing GPU 7 is still 7
+    # NPS1: the 8 partitions share the GPU's one pool, which each reports whole
+    assert {gpu.memory_total for gpu in gpus[2:10]} == {196592 * MIB // 8}
+    assert parent.memory_total == 196592 * MIB
+
+
+def test_the_runtime_index_is_the_kfd_node_order_amd_smi_list_gives():
+    assert [gpu.runtime_index for gpu in amd_smi_cli.discover(0, 1, runner())] == list(range(8))
+    listing = amd_smi_cli.records(recorded("list"))
+    listing[0]["node_id"], listing[7]["node_id"] = listing[7]["node_id"], listing[0]["node_id"]
+    listing[3]["node_id"] = "N/A"  # a lost GPU: still one of ROCr's devices
+    gpus = amd_smi_cli.discover(0, 1, runner({"list": listing}))
+    assert [gpu.runtime_index for gpu in gpus] == [7, 1, 2, None, 4, 5, 6, 0]
 
 
 def test_the_health_reader_reads_metric_and_bad_pages_and_says_a_vanished_gpu_is_lost():
@@ -130,7 +143,7 @@ def test_peer_links_come_from_the_topology_link_types():
     links = amd_smi_cli.peer_links(gpus, runner())
     assert len(links) == 28 and set(links.values()) == {"xgmi"}
     topology = recorded("topology")
-    for record in topology:  # type: ignore[attr-defined]
+    for record in topology:
         for link in record["links"]:
             if {record["gpu"], link["gpu"]} == {0, 1}:
                 link["link_type"], link["link_status"] = "PCIE", "DISABLED"
@@ -194,6 +207,42 @@ def test_amd_smi_missing_is_no_gpu_driver(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(NoGpuDriver):
         amd_smi_cli.run(["list"])
+
+
+def without_amdsmi() -> None:
+    try:
+        import amdsmi  # noqa: F401
+    except ImportError:
+        return
+    pytest.skip("this machine has the amdsmi package")
+
+
+def test_discovery_through_amd_smi_runs_six_processes_and_samples_twice(fake_amd_smi):
+    log = fake_amd_smi()
+    without_amdsmi()
+    amd.discover(window=0)
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(run[0] for run in runs) == ["bad-pages", "list", "metric", "metric", "process", "static"]
+    assert ["metric", "--usage", "--json"] in runs
+
+
+def test_the_health_watch_through_amd_smi_waits_its_longer_interval_between_readings(fake_amd_smi):
+    fake_amd_smi()
+    without_amdsmi()
+    gpus = amd.discover(window=0, samples=1)
+    waits: list[float | None] = []
+
+    class StopAfterOneWait(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(timeout)
+            self.set()
+            return True
+
+    watch = health.HealthWatch(gpus[:1], ["GPU0"], lambda line: None, interval=0.01)
+    watch._stop = StopAfterOneWait()
+    with watch:
+        watch._thread.join(timeout=30)
+    assert watch.polls == 1 and waits == [amd_smi_cli.HEALTH_INTERVAL_S]
 
 
 def test_without_the_amdsmi_package_discovery_reads_the_amd_smi_command(fake_amd_smi):

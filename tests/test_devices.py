@@ -1,126 +1,17 @@
 """GPU selection policies (launcher/gpus/selection.py) and the GPU table (launcher/gpus/table.py),
 on GPUs described directly, with claims replaced by a dictionary. A test that takes the `vendor`
-fixture (tests/conftest.py) runs on NVIDIA GPUs and again on AMD ones."""
+fixture (tests/conftest.py) runs on NVIDIA GPUs and again on AMD ones. The launcher's own visibility
+variables (CUDA_VISIBLE_DEVICES; ROCm's masks): tests/test_gpu_visibility_limits.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.gpus import claims, selection as devices
+from gpu_selection_helpers import GIB, Claims, choose, gpu, ids, made_by, mig_machine  # noqa: F401  made_by: autouse
+from launcher.gpus import selection as devices
 from launcher.gpus.selection import Criteria, DeviceError, GpuRequest, parse_request, select
 from launcher.gpus.table import render
-from launcher.gpus.devices import Gpu, GpuProcess, Health
-
-GIB = 1 << 30
-MADE = {"vendor": "nvidia"}
-"""Whose GPUs gpu() makes: the `vendor` fixture's where a test takes it."""
-NAMES = {"nvidia": "NVIDIA H100 80GB HBM3", "amd": "AMD Instinct MI300X"}
-HEALTHY = Health(
-    ecc_uncorrected=0,
-    retired_pages_pending=False,
-    remapping_pending=False,
-    remapping_failed=False,
-    clock_reasons=frozenset({"gpu_idle"}),
-    pcie_width=16,
-    pcie_max_width=16,
-)
-
-
-def gpu(
-    index: int,
-    util: float | None = 0.0,
-    used_gib: float = 0.0,
-    total_gib: float = 80.0,
-    *,
-    mig_of: int | None = None,
-    mig_enabled: bool = False,
-    processes=(),
-    health: Health = HEALTHY,
-) -> Gpu:
-    """A GPU, a MIG device of GPU mig_of (on AMD: a partition of it), or a GPU in MIG mode (AMD:
-    in a partition mode), made by MADE's vendor."""
-    vendor = MADE["vendor"]
-    gpu_id = f"{mig_of}.{index}" if mig_of is not None else str(index)
-    if mig_of is not None:
-        uuid = f"MIG-{mig_of}{index}aa" if vendor == "nvidia" else f"GPU-{mig_of}{index}aa0000"
-    else:
-        uuid = f"GPU-{index}{index}ff-0000"
-    return Gpu(
-        id=gpu_id,
-        index=mig_of if mig_of is not None else index,
-        uuid=uuid,
-        name=NAMES[vendor],
-        pci_bus_id=f"00000000:{index:02X}:00.0",
-        memory_total=int(total_gib * GIB),
-        memory_used=int(used_gib * GIB),
-        utilization=util,
-        processes=tuple(processes),
-        mig=mig_of is not None,
-        mig_enabled=mig_enabled,
-        health=health,
-        vendor=vendor,  # type: ignore[arg-type]
-    )
-
-
-@pytest.fixture(autouse=True)
-def made_by(request, monkeypatch):
-    """gpu() makes the `vendor` fixture's GPUs in a test that takes it, NVIDIA's in the others."""
-    if "vendor" in request.fixturenames:
-        monkeypatch.setitem(MADE, "vendor", request.getfixturevalue("vendor"))
-
-
-class Claims:
-    """Claims without files: uuid -> holder pid; a claim by this test takes pid 0."""
-
-    def __init__(self, held: dict[str, int] | None = None) -> None:
-        self.held = dict(held or {})
-        self.released: list[str] = []
-
-    def claim(self, uuid: str) -> claims.Claim | claims.Holder:
-        if uuid in self.held:
-            return claims.Holder(pid=self.held[uuid], user="bob", since="09:00")
-        self.held[uuid] = 0
-        test = self
-
-        class Held(claims.Claim):
-            def __init__(self, uuid: str) -> None:  # no socket: the dictionary is the claim
-                self.uuid = uuid
-
-            def release(self) -> None:
-                test.released.append(self.uuid)
-                test.held.pop(self.uuid, None)
-
-        return Held(uuid)
-
-    def holder(self, uuid: str) -> claims.Holder | None:
-        pid = self.held.get(uuid)
-        return None if pid is None else claims.Holder(pid=pid, user="bob", since="09:00")
-
-
-def choose(
-    gpus: list[Gpu],
-    request: str,
-    claimed: Claims | None = None,
-    visible: str | devices.Limits | None = None,
-    strict: bool = False,
-    criteria: Criteria | None = None,
-) -> devices.Selection:
-    """visible: the launcher's own limiting variables, or CUDA_VISIBLE_DEVICES' value."""
-    table = claimed or Claims()
-    return select(
-        gpus,
-        parse_request(request),
-        criteria or Criteria(),
-        strict=strict,
-        limits=visible,
-        claim=table.claim,
-        holder=table.holder,
-    )
-
-
-def ids(selection: devices.Selection) -> list[str]:
-    return [g.id for g in selection.chosen]
-
+from launcher.gpus.devices import Gpu, GpuProcess
 
 # --- parsing --------------------------------------------------------------------------
 
@@ -332,15 +223,6 @@ def test_one_gpu_named_by_id_and_by_uuid_is_refused(vendor):
 # --- MIG ------------------------------------------------------------------------------
 
 
-def mig_machine() -> list[Gpu]:
-    return [
-        gpu(0, mig_enabled=True, util=None),
-        gpu(0, util=None, total_gib=10, mig_of=0),
-        gpu(1, util=None, total_gib=10, mig_of=0),
-        gpu(1),
-    ]
-
-
 def test_on_a_machine_of_mig_devices_all_takes_one_of_them_and_says_why_not_the_others():
     selection = choose(mig_machine()[:3], "all")
     assert ids(selection) == ["0.0"]
@@ -386,88 +268,6 @@ def test_naming_a_gpu_in_mig_mode_points_to_its_mig_devices():
     with pytest.raises(DeviceError, match=r"GPU 0 is in MIG mode, .*choose its MIG devices \(0.0, 0.1\)"):
         choose(mig_machine(), "0")
     assert ids(choose(mig_machine(), "MIG-01")) == ["0.1"]
-
-
-# --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------
-
-
-def test_cuda_visible_devices_limits_the_choice_by_index():
-    gpus = [gpu(i) for i in range(4)]
-    assert ids(choose(gpus, "all", visible="3,1")) == ["1", "3"]
-    assert choose(gpus, "all", visible="3,1").verdicts[0].describe() == "not in CUDA_VISIBLE_DEVICES"
-    with pytest.raises(DeviceError, match="GPU 2 is not in CUDA_VISIBLE_DEVICES; choose among 1, 3"):
-        choose(gpus, "2", visible="3,1")
-
-
-def test_cuda_visible_devices_limits_the_choice_by_uuid_and_mig_uuid():
-    gpus = [gpu(i) for i in range(3)] + [gpu(3, mig_enabled=True), gpu(0, mig_of=3, total_gib=10)]
-    assert ids(choose(gpus, "all", visible=f"{gpus[2].uuid},GPU-00")) == ["0", "2"]
-    assert ids(choose(gpus, "all", visible="MIG-30")) == ["3.0"]
-    assert ids(choose(gpus, "all", visible="3")) == ["3.0"]  # a GPU in MIG mode: its MIG devices
-
-
-def test_cuda_visible_devices_stops_at_minus_one_like_cuda():
-    gpus = [gpu(i) for i in range(3)]
-    assert devices.visible_ids(gpus, "2,-1,0") == {"2"}
-    assert devices.visible_ids(gpus, "") == set() and devices.visible_ids(gpus, "NoDevFiles") == set()
-    assert devices.visible_ids(gpus, None) is None
-
-
-def test_cuda_visible_devices_naming_a_missing_gpu_is_an_error():
-    with pytest.raises(DeviceError, match=r"CUDA_VISIBLE_DEVICES=0,5 names GPU 5, which does not exist"):
-        devices.visible_ids([gpu(0), gpu(1)], "0,5")
-
-
-# --- AMD: ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES, partitions --------------------
-
-
-@pytest.mark.parametrize("vendor", ["amd"])
-def test_rocr_then_hip_visible_devices_limit_the_choice_as_rocm_applies_them(vendor):
-    gpus = [gpu(i) for i in range(6)]
-    environ = {"ROCR_VISIBLE_DEVICES": f"5,{gpus[1].uuid},3", "HIP_VISIBLE_DEVICES": "2,0", "CUDA_VISIBLE_DEVICES": "1"}
-    limits = devices.visibility_limits(gpus, environ)
-    assert [name for name, _ in limits] == ["ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"]
-    # ROCR leaves 5, 1, 3; HIP's 2,0 counts among those: 3, 5; CUDA's 1 among HIP's: 5.
-    assert devices.visible_ids(gpus, limits[:1]) == {"5", "1", "3"}
-    assert devices.visible_ids(gpus, limits[:2]) == {"3", "5"}
-    assert ids(choose(gpus, "all", visible=limits)) == ["5"]
-    hidden = choose(gpus, "all", visible=limits).verdicts[0].describe()
-    assert hidden == "not in ROCR_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES"
-    assert devices.visible_ids(gpus, devices.visibility_limits(gpus, {"HIP_VISIBLE_DEVICES": "4"})) == {"4"}  # alone: AMD SMI's
-    with pytest.raises(DeviceError, match=r"^HIP_VISIBLE_DEVICES=3 names device 3, but only 2 are left to it"):
-        devices.visible_ids(gpus, (("ROCR_VISIBLE_DEVICES", "0,1"), ("HIP_VISIBLE_DEVICES", "3")))
-
-
-def test_on_nvidia_only_cuda_visible_devices_limits_the_choice():
-    gpus = [gpu(i) for i in range(3)]
-    limits = devices.visibility_limits(
-        gpus, {"ROCR_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "2"}
-    )
-    assert limits == (("CUDA_VISIBLE_DEVICES", "2"),)
-
-
-@pytest.mark.parametrize("vendor", ["amd"])
-def test_amd_partitions_are_kept_apart_from_whole_gpus_but_several_run_together(vendor):
-    partitions = [gpu(0, mig_enabled=True, util=None)] + [gpu(slot, total_gib=24, mig_of=0) for slot in range(4)]
-    assert ids(choose(partitions, "all")) == ["0.0", "0.1", "0.2", "0.3"]  # RCCL takes partitions as GPUs
-    assert ids(choose(partitions, "auto:2")) == ["0.0", "0.1"]
-    assert ids(choose(partitions, "0.1,0.3")) == ["0.1", "0.3"]
-    assert choose(partitions, "all").verdicts[0].describe() == "partition mode: use its partitions"
-    beside = partitions + [gpu(1)]
-    assert ids(choose(beside, "all")) == ["1"]  # a 24 GiB slice would pace a whole GPU
-    with pytest.raises(DeviceError, match=r"^GPU 0 is in a compute partition mode, .*choose them \(0.0, 0.1, 0.2, 0.3\)"):
-        choose(beside, "0")
-
-
-def test_a_gpu_is_made_visible_by_its_vendors_variable_and_the_id_its_runtime_takes():
-    nvidia = gpu(0)
-    assert (nvidia.visibility_variable, nvidia.visible_id) == ("CUDA_VISIBLE_DEVICES", nvidia.uuid)
-    amd = Gpu("2", 2, "GPU-8d1457e2c20f59d2", "AMD Instinct MI300X", "0000:45:00.0", GIB, 0, 0.0, (), vendor="amd")
-    assert (amd.visibility_variable, amd.visible_id) == ("ROCR_VISIBLE_DEVICES", "GPU-8d1457e2c20f59d2")
-    partition = Gpu(
-        "2.1", 2, "00ff74a1-0000-1000-8001-000000000000", "AMD Instinct MI300X", "?", GIB, 0, 0.0, (), mig=True, vendor="amd"
-    )
-    assert partition.visible_id == "2.1"  # no ROCr UUID: placement gives its ROCr index (test_placement.py)
 
 
 # --- the table ------------------------------------------------------------------------

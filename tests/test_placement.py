@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from conftest import ROOT, launcher_env, wait_until
 from launcher.gpus import amd, claims, nvml, vendors
 from launcher.gpus.devices import VISIBILITY_VARIABLES, Gpu
 from launcher.gpus.selection import GIB, DeviceError
-from launcher.gpus.placement import GpuOptions, Placement, place
+from launcher.gpus.placement import GpuOptions, Placement, place, runtime_ids
 from launcher.supervise.printer import Printer
 
 PRINT_GPU = (
@@ -481,3 +482,13 @@ def test_an_amd_partition_is_made_visible_by_its_rocr_index_and_a_whole_gpu_by_i
     # ROCr numbers the partitions 0-7, then GPU 1: 8 (it shares no unique id, so its UUID names it)
     assert [placement.visible_devices(rank) for rank in range(2)] == ["3", gpus[-1].visible_id]
     assert gpus[-1].visible_id.startswith("GPU-")
+
+
+@pytest.mark.parametrize("vendor", ["amd"])
+def test_an_amd_partition_is_given_rocrs_own_device_number_where_the_reader_knows_it(scripted_gpus, vendor):
+    scripted_gpus([{"partition": {"compute": "CPX"}}, {}])
+    gpus = machine()
+    # ROCr numbers GPU 1 first here (its KFD node comes first), then GPU 0's partitions 1-8.
+    numbered = [replace(gpu, runtime_index=0 if gpu.id == "1" else 1 + at) for at, gpu in enumerate(gpus)]
+    assert runtime_ids(numbered)["0.3"] == str(1 + [gpu.id for gpu in gpus].index("0.3"))
+    assert "1" not in runtime_ids(numbered)  # a whole GPU goes by its UUID

@@ -59,6 +59,10 @@ def test_a_device_index_beyond_the_visible_gpus_is_one_line_naming_them(gpus, mo
         "LAUNCHER_CUDA_DEVICE_INDEX=2 names no GPU: 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=GPU-a,GPU-b); "
         "unset it, or start this through the launcher"
     )
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")  # ROCm: the launcher's AMD workers see ROCR's mask
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "GPU-8d1457e2c20f59d2,3")
+    with pytest.raises(RuntimeSetupError, match=r"visible \(ROCR_VISIBLE_DEVICES=GPU-8d1457e2c20f59d2,3\); unset it"):
+        choose_device(config())
 
 
 def test_a_worker_makes_its_gpu_current_before_joining_the_nccl_group(gpus, monkeypatch):

@@ -207,14 +207,17 @@ def test_a_gpu_machine_whose_new_torch_cannot_use_the_gpu_is_told_how_to_install
 # --- AMD GPU machines (ROCm) -------------------------------------------------------------
 
 
-def amd_machine(tmp_path: pathlib.Path, rocm_release: str = "7.0.2-56") -> tuple[pathlib.Path, pathlib.Path]:
-    """(a bin directory whose rocminfo succeeds, as on a ROCm machine with an AMD GPU, and a ROCm
-    root for ROCM_PATH with its version file and AMD SMI's bindings directory)."""
+def amd_machine(
+    tmp_path: pathlib.Path, rocm_release: str = "7.0.2-56", agent: str = "AMD Instinct MI300X", gfx: str = "gfx942"
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """(a bin directory whose rocminfo lists one GPU agent, as on a ROCm machine with that AMD GPU,
+    and a ROCm root for ROCM_PATH with its version file and AMD SMI's bindings directory)."""
     if pathlib.Path("/proc/driver/nvidia/version").exists():
         pytest.skip("this machine has an NVIDIA driver, so setup takes the NVIDIA branch")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "rocminfo").write_text("#!/bin/sh\nexit 0\n")
+    agent_lines = f"  Name:                    {gfx}\n  Marketing Name:          {agent}\n  Device Type:             GPU\n"
+    (bin_dir / "rocminfo").write_text(f"#!/bin/sh\ncat <<'EOF'\n{agent_lines}EOF\n")
     (bin_dir / "rocminfo").chmod(0o755)
     rocm = tmp_path / "rocm"
     (rocm / ".info").mkdir(parents=True)
@@ -293,3 +296,49 @@ def test_amd_smi_bindings_that_rocm_ships_but_python_cannot_import_are_named_wit
     [note] = result.stderr.splitlines()
     assert note.startswith(f"setup: note: ROCm's AMD SMI Python bindings are not importable by {sys.executable}")
     assert f"{sys.executable} -m pip install {rocm}/share/amd_smi" in note and "never PyPI's amdsmi" in note
+
+
+@pytest.mark.slow
+def test_an_amd_gpu_that_is_not_an_instinct_gets_one_warning_line_and_the_cpu_build(tmp_path):
+    base = python_without_torch()
+    root = project_copy(tmp_path / "project")
+    bin_dir, rocm = amd_machine(tmp_path, agent="AMD Radeon PRO W7900", gfx="gfx1100")
+    log = tmp_path / "pip.log"
+    site = fake_pip(tmp_path / "site", log)
+    no_kfd = tmp_path / "kfd-nodes"
+    no_kfd.mkdir()
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(site), "ROCM_PATH": str(rocm), "SETUP_KFD_NODES": str(no_kfd)}
+    result = setup_with(root, str(base), **env)
+    assert result.returncode != 0  # the fake pip installs nothing
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("setup: warning:")]
+    assert len(warnings) == 1 and "AMD GPU is not an Instinct GPU" in warnings[0]
+    assert not [line for line in result.stderr.splitlines() if line.startswith("setup: error: no torch here")]
+    assert f"setup: installing {TORCH} (CPU build: no NVIDIA GPU found)" in result.stderr.splitlines()
+    installs = log.read_text().splitlines()
+    assert installs[0].startswith("install ") and "--no-deps" in installs[0].split() and installs[0].endswith(f" {TORCH}")
+
+
+@pytest.mark.parametrize(
+    "versions, instinct",
+    [
+        ([90402], True),  # gfx942: MI300X
+        ([90010], True),  # gfx90a: MI250X
+        ([90500], True),  # gfx950: MI355X
+        ([0, 90402], True),  # a CPU node (no gfx target) first, as KFD lists them
+        ([90012], False),  # gfx90c: an APU
+        ([90008], False),  # gfx908: MI100, older than the launcher trains on
+        ([110000], False),  # gfx1100: a Radeon card
+        ([], False),
+    ],
+)
+def test_an_instinct_gpu_is_told_from_other_amd_gpus_by_kfds_gfx_target_version(tmp_path, versions, instinct):
+    nodes = tmp_path / "nodes"
+    for i, version in enumerate(versions):
+        (nodes / str(i)).mkdir(parents=True)
+        (nodes / str(i) / "properties").write_text(f"cpu_cores_count 0\nsimd_count 4\ngfx_target_version {version}\n")
+    script = f'source "{ROOT}/scripts/setup.sh" && _has_instinct_gpu'
+    env = {"PATH": "/usr/bin:/bin", "SETUP_KFD_NODES": str(nodes)}  # no rocminfo on this PATH
+    if shutil.which("rocminfo", path=env["PATH"]):
+        pytest.skip("this machine's rocminfo would answer too")
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode == 0) == instinct

@@ -247,6 +247,15 @@ def test_an_amd_worker_sees_its_gpu_through_rocr_visible_devices_and_no_hip_or_c
     assert "HIP_VISIBLE_DEVICES" not in env and "CUDA_VISIBLE_DEVICES" not in env  # ROCm would apply them after ROCR's
 
 
+def test_a_cpu_worker_sees_no_gpu_of_either_vendor_whatever_masks_it_inherits():
+    inherited = {"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    env = worker_env(inherited, rank=0, world_size=2, master_port=1, gpu=None, cpu_count=8, compile_cache="/c")
+    # HIP takes an empty CUDA_VISIBLE_DEVICES (or HIP_VISIBLE_DEVICES) as no filter; ROCr takes a set
+    # but empty ROCR_VISIBLE_DEVICES as no device, so the HIP runtime finds none.
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["ROCR_VISIBLE_DEVICES"] == ""
+    assert "HIP_VISIBLE_DEVICES" not in env and "GPU_RANK" not in env
+
+
 LEAVES_ESCAPED_DESCENDANTS = """
     import os, subprocess, sys
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]

@@ -9,10 +9,13 @@ What it relies on, read from ROCm/amdsmi (py-interface/amdsmi_interface.py, amds
 include/amd_smi/amdsmi.h, amdsmi_cli/amdsmi_commands.py; snapshot 0ceca28, Oct 2024) and
 rocm.docs.amd.com/projects/amdsmi:
 - amdsmi_init(AmdSmiInitFlags.INIT_AMD_GPUS); failures raise AmdSmiLibraryException whose
-  get_error_code() is an amdsmi_status_t (STATUS below: AMDSMI_STATUS_NO_PERM = 10 ...).
+  get_error_code() is an amdsmi_status_t (amd_common.STATUS: AMDSMI_STATUS_NO_PERM = 10 ...).
 - amdsmi_get_processor_handles(): one handle per GPU, or per partition of a GPU in a compute
   partition mode other than SPX (CPX on an MI300X: 8 per GPU, 64 on an 8-GPU box);
-  amdsmi_get_gpu_kfd_info(h)["current_partition_id"] says which partition (0: the first).
+  amdsmi_get_gpu_kfd_info(h)["current_partition_id"] says which partition (0: the first), and
+  ["node_id"] its KFD node, whose order is ROCr's device order (Gpu.runtime_index). Every function but
+  the few discovery cannot do without is looked up before it is called: one an older amdsmi lacks
+  (kfd info, the partition modes, violation status came later) reads as unknown.
 - amdsmi_get_gpu_asic_info(h) -> {"market_name", "asic_serial" ("0x%016X" of the unique id)...};
   amdsmi_get_gpu_board_info(h)["product_name"]; amdsmi_get_gpu_device_uuid(h) -> str;
   amdsmi_get_gpu_device_bdf(h) -> "0000:05:00.0".
@@ -37,62 +40,31 @@ mode is listed whole, never chosen (mig_enabled), followed by its partitions "3.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from launcher.gpus import amd_smi_cli
+from launcher.gpus.amd_common import (
+    LOST,
+    NO_DRIVER,
+    PERMISSION_FIX,
+    STATUS,
+    AmdSmiFailure,
+    AmdSmiPermission,
+    partition_memory,
+    runtime_indices,
+)
+from launcher.gpus.amd_readings import code, read_health, reading, say
 from launcher.gpus.devices import Gpu, GpuProcess, Health, NoGpuDriver, PeerLink
 from launcher.gpus.owners import owner
-from pretrain.run.refusal import Refusal
 
 SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
 UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
 UTILIZATION_SAMPLES = 5
-
-STATUS = {
-    "NOT_SUPPORTED": 2,
-    "FAIL_LOAD_MODULE": 4,
-    "DRM_ERROR": 6,
-    "NO_PERM": 10,
-    "IO": 12,
-    "INIT_ERROR": 18,
-    "NOT_FOUND": 31,
-    "DRIVER_NOT_LOADED": 34,
-    "AMDGPU_RESTART_ERR": 54,
-}
-"""amdsmi_status_t values (include/amd_smi/amdsmi.h) the launcher tells apart."""
-NO_DRIVER = {STATUS["FAIL_LOAD_MODULE"], STATUS["DRIVER_NOT_LOADED"]}
-"""amdsmi_init's failures that mean there is no amdgpu driver (as NVML's driver not loaded)."""
-LOST = {STATUS["IO"], STATUS["NOT_FOUND"], STATUS["DRM_ERROR"], STATUS["AMDGPU_RESTART_ERR"]}
-"""Failures that mean the GPU stopped answering (fell off the bus, needs a reset), as NVML's GPU
-is lost: its device files fail with an I/O error or are gone."""
-PARTITION_COUNTS = {"SPX": 1, "DPX": 2, "TPX": 3, "QPX": 4, "CPX": 8}
-"""Compute partitions per GPU in each mode (an MI300X has 8 XCDs: CPX makes each its own GPU)."""
-THROTTLE_REASONS = {
-    "prochot": ("prochot_thrm", "hw_slowdown"),
-    "ppt": ("ppt_pwr", "sw_power_cap"),
-    "socket_thermal": ("socket_thrm", "hw_thermal"),
-    "vr_thermal": ("vr_thrm", "hw_slowdown"),
-    "hbm_thermal": ("hbm_thrm", "hw_thermal"),
-}
-"""AMD SMI's violations (the names amd-smi metric --throttle prints, without _violation_status):
-the suffix of amdsmi_get_violation_status's active_* key, and the clock reason
-(nvml.CLOCK_REASONS name, judged by launcher/gpus/health.py) it means. The package power limit
-(PPT) is NVIDIA's software power cap: a busy GPU at its power limit, never held against it."""
-PERMISSION_FIX = (
-    "add this user to the render and video groups (sudo usermod -aG render,video $USER, then log in "
-    "again) or give it read-write access to /dev/kfd and /dev/dri/renderD*, or use --device cpu"
-)
-
-
-class AmdSmiFailure(Refusal):
-    """AMD SMI is installed but cannot start or list the GPUs (one line)."""
-
-
-class AmdSmiPermission(AmdSmiFailure):
-    """AMD SMI cannot open the GPUs: this user may not use /dev/kfd (one line naming the fix)."""
 
 
 def amdsmi_library() -> Any:
@@ -127,54 +99,43 @@ def available() -> bool:
     return importlib.util.find_spec("amdsmi") is not None or shutil.which("amd-smi") is not None
 
 
-def _code(error: BaseException) -> int | None:
-    return getattr(error, "err_code", None)
-
-
 def _start(amdsmi: Any) -> None:
     """amdsmi_init for the GPUs: NoGpuDriver without an amdgpu driver, AmdSmiPermission when this
     user may not open them, AmdSmiFailure for any other failure."""
     try:
         amdsmi.amdsmi_init(amdsmi.AmdSmiInitFlags.INIT_AMD_GPUS)
     except amdsmi.AmdSmiException as error:
-        code = _code(error)
-        if code in NO_DRIVER:
-            raise NoGpuDriver(f"AMD SMI finds no amdgpu driver ({_say(error)})") from None
-        if code == STATUS["NO_PERM"]:
+        status = code(error)
+        if status in NO_DRIVER:
+            raise NoGpuDriver(f"AMD SMI finds no amdgpu driver ({say(error)})") from None
+        if status == STATUS["NO_PERM"]:
             raise AmdSmiPermission(f"AMD SMI cannot open the GPUs (permission denied); {PERMISSION_FIX}") from None
-        raise AmdSmiFailure(f"AMD SMI cannot start ({_say(error)}); check `amd-smi list`, or use --device cpu") from None
-
-
-def _say(error: BaseException) -> str:
-    """An AMD SMI error in one line (AmdSmiLibraryException's str spans two)."""
-    info = getattr(error, "get_error_info", None)
-    return str(info()) if callable(info) else " ".join(str(error).split())
+        raise AmdSmiFailure(f"AMD SMI cannot start ({say(error)}); check `amd-smi list`, or use --device cpu") from None
 
 
 def discover(window: float | None = None, samples: int | None = None) -> list[Gpu]:
     """Every usable device in AMD SMI's order, a partition right after its GPU; utilization is
     sampled `samples` times over `window` seconds (default UTILIZATION_*). Without the amdsmi
-    package, the amd-smi command's JSON (amd_smi_cli.discover).
+    package, the amd-smi command's JSON (amd_smi_cli.discover, which samples fewer times by default:
+    each sample is a process).
 
     Raises NoGpuDriver when AMD SMI is missing or finds no driver, AmdSmiPermission or
     AmdSmiFailure when it cannot start. A GPU it cannot read is listed with its error."""
     window = UTILIZATION_WINDOW if window is None else window
-    samples = UTILIZATION_SAMPLES if samples is None else samples
     try:
         amdsmi = amdsmi_library()
     except NoGpuDriver:
         if not os.environ.get(SCRIPTED_GPUS_VAR) and shutil.which("amd-smi"):
-            from launcher.gpus import amd_smi_cli
-
             return amd_smi_cli.discover(window, samples)
         raise
+    samples = UTILIZATION_SAMPLES if samples is None else samples
     _start(amdsmi)
     try:
         layout = _layout(amdsmi)
         usable = [d for d in layout if d["handle"] is not None and d["kind"] != "parent"]
         sampled = _sample(amdsmi, [d["handle"] for d in usable], window, samples)
         utilization = dict(zip((d["id"] for d in usable), sampled, strict=True))
-        return [_describe(amdsmi, d, utilization.get(d["id"])) for d in layout]
+        return _share_memory(amdsmi, layout, [_describe(amdsmi, d, utilization.get(d["id"])) for d in layout])
     finally:
         amdsmi.amdsmi_shut_down()
 
@@ -183,15 +144,19 @@ def _layout(amdsmi: Any) -> list[dict[str, Any]]:
     """The devices AMD SMI's handles make, in its order: {"id", "index", "kind" ("gpu", "parent",
     "partition"), "handle" (None for a parent: it has no handle of its own), "parts" (a parent's
     partition handles), "primary" (the handle its GPU-wide readings come from: a partitioned
-    GPU's first partition)}. A handle whose partition id is 0 (or cannot be read) starts a GPU; the
-    handles after it with partition ids 1, 2... are its partitions."""
+    GPU's first partition), "runtime" (ROCr's device number, amd_common.runtime_indices; None for a
+    parent)}. A handle whose partition id is 0 (or cannot be read) starts a GPU; the handles after
+    it with partition ids 1, 2... (or, where ids cannot be read, on the same PCI device) are its
+    partitions."""
     try:
         handles = amdsmi.amdsmi_get_processor_handles()
     except amdsmi.AmdSmiException as error:
-        raise AmdSmiFailure(f"AMD SMI cannot list the GPUs ({_say(error)}); check `amd-smi list`, or use --device cpu") from None
+        raise AmdSmiFailure(f"AMD SMI cannot list the GPUs ({say(error)}); check `amd-smi list`, or use --device cpu") from None
+    kfd = [reading(amdsmi, "amdsmi_get_gpu_kfd_info", h, lost_too=True) for h in handles]
+    runtime = dict(zip(map(id, handles), runtime_indices([_kfd(info, "node_id") for info in kfd]), strict=True))
     groups: list[list[tuple[int, Any]]] = []
-    for handle in handles:
-        slot = _partition_id(amdsmi, handle)
+    for handle, info in zip(handles, kfd, strict=True):
+        slot = _kfd(info, "current_partition_id")
         if slot or (slot is None and groups and _same_device(amdsmi, groups[-1][0][1], handle)):
             if groups:
                 groups[-1].append((slot or len(groups[-1]), handle))
@@ -199,29 +164,56 @@ def _layout(amdsmi: Any) -> list[dict[str, Any]]:
         groups.append([(0, handle)])
     layout: list[dict[str, Any]] = []
     for index, group in enumerate(groups):
-        mode = _reading(amdsmi, amdsmi.amdsmi_get_gpu_compute_partition, group[0][1]) if len(group) > 1 else None
-        if len(group) == 1 and mode is None:
-            layout.append({"id": str(index), "index": index, "kind": "gpu", "handle": group[0][1], "primary": group[0][1]})
-            continue
         first = group[0][1]
+        mode = reading(amdsmi, "amdsmi_get_gpu_compute_partition", first) if len(group) > 1 else None
+        if len(group) == 1 and mode is None:
+            layout.append(
+                {
+                    "id": str(index),
+                    "index": index,
+                    "kind": "gpu",
+                    "handle": first,
+                    "primary": first,
+                    "runtime": runtime[id(first)],
+                }
+            )
+            continue
+        parts = [h for _, h in group]
         layout.append(
-            {"id": str(index), "index": index, "kind": "parent", "handle": None, "parts": [h for _, h in group], "primary": first}
+            {
+                "id": str(index),
+                "index": index,
+                "kind": "parent",
+                "handle": None,
+                "parts": parts,
+                "primary": first,
+                "runtime": None,
+            }
         )
         layout += [
-            {"id": f"{index}.{slot}", "index": index, "kind": "partition", "handle": h, "primary": first} for slot, h in group
+            {
+                "id": f"{index}.{slot}",
+                "index": index,
+                "kind": "partition",
+                "handle": h,
+                "primary": first,
+                "runtime": runtime[id(h)],
+            }
+            for slot, h in group
         ]
     return layout
 
 
-def _partition_id(amdsmi: Any, handle: Any) -> int | None:
-    info = _reading(amdsmi, amdsmi.amdsmi_get_gpu_kfd_info, handle, lost_too=True)
-    slot = None if not isinstance(info, dict) else info.get("current_partition_id")
-    return slot if isinstance(slot, int) else None
+def _kfd(info: Any, key: str) -> int | None:
+    """One of amdsmi_get_gpu_kfd_info's numbers ("node_id", "current_partition_id"); None where
+    it could not be read."""
+    value = info.get(key) if isinstance(info, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _same_device(amdsmi: Any, first: Any, handle: Any) -> bool:
     """Partitions of one GPU share its PCI bus and device; the function number tells them apart."""
-    a, b = (_reading(amdsmi, amdsmi.amdsmi_get_gpu_device_bdf, h, lost_too=True) for h in (first, handle))
+    a, b = (reading(amdsmi, "amdsmi_get_gpu_device_bdf", h, lost_too=True) for h in (first, handle))
     return isinstance(a, str) and isinstance(b, str) and a.split(".")[0] == b.split(".")[0] and a != b
 
 
@@ -264,9 +256,10 @@ def _describe(amdsmi: Any, device: dict[str, Any], utilization: float | None) ->
             utilization=None,
             processes=(),
             mig=device["kind"] == "partition",
-            error=_say(error),
-            health=Health(lost=_code(error) in LOST),
+            error=say(error),
+            health=Health(lost=code(error) in LOST),
             vendor="amd",
+            runtime_index=device["runtime"],
         )
 
 
@@ -286,29 +279,25 @@ def _read(amdsmi: Any, device: dict[str, Any], utilization: float | None) -> Gpu
         mig=partition,
         health=read_health(amdsmi, primary),
         vendor="amd",
+        runtime_index=device["runtime"],
     )
 
 
 def _parent(amdsmi: Any, device: dict[str, Any]) -> Gpu:
-    """A partitioned GPU as a whole: what its partitions hold together; never given to a worker."""
+    """A partitioned GPU as a whole: what its partitions hold together (_share_memory sums their
+    shares into its total); never given to a worker."""
     parts, primary = device["parts"], device["primary"]
-    memory = [
-        (
-            int(amdsmi.amdsmi_get_gpu_memory_total(h, amdsmi.AmdSmiMemoryType.VRAM)),
-            int(amdsmi.amdsmi_get_gpu_memory_usage(h, amdsmi.AmdSmiMemoryType.VRAM)),
-        )
-        for h in parts
-    ]
-    mode = _reading(amdsmi, amdsmi.amdsmi_get_gpu_compute_partition, primary) or "?"
-    nps = _reading(amdsmi, amdsmi.amdsmi_get_gpu_memory_partition, primary)
+    used = sum(int(amdsmi.amdsmi_get_gpu_memory_usage(h, amdsmi.AmdSmiMemoryType.VRAM)) for h in parts)
+    mode = reading(amdsmi, "amdsmi_get_gpu_compute_partition", primary) or "?"
+    nps = reading(amdsmi, "amdsmi_get_gpu_memory_partition", primary)
     return Gpu(
         id=device["id"],
         index=device["index"],
         uuid="",  # no handle of its own; its partitions have UUIDs
         name=f"{_name(amdsmi, primary)} ({mode}{'/' + nps if nps else ''})",
         pci_bus_id=amdsmi.amdsmi_get_gpu_device_bdf(primary),
-        memory_total=sum(total for total, _ in memory),
-        memory_used=sum(used for _, used in memory),
+        memory_total=0,
+        memory_used=used,
         utilization=None,
         processes=(),
         mig_enabled=True,
@@ -317,11 +306,28 @@ def _parent(amdsmi: Any, device: dict[str, Any]) -> Gpu:
     )
 
 
+def _share_memory(amdsmi: Any, layout: list[dict[str, Any]], gpus: list[Gpu]) -> list[Gpu]:
+    """Each partition's share of the memory pool it shares with its GPU's other partitions
+    (amd_common.partition_memory), and each partitioned GPU's total the sum of its partitions'."""
+    shared = list(gpus)
+    for at, device in enumerate(layout):
+        if device["kind"] != "parent":
+            continue
+        slots = [i for i, d in enumerate(layout) if d["kind"] == "partition" and d["index"] == device["index"]]
+        nps = reading(amdsmi, "amdsmi_get_gpu_memory_partition", device["primary"], lost_too=True)
+        shares = partition_memory([gpus[i].memory_total for i in slots], nps)
+        for i, share in zip(slots, shares, strict=True):
+            shared[i] = dataclasses.replace(gpus[i], memory_total=share)
+        if gpus[at].error is None:
+            shared[at] = dataclasses.replace(gpus[at], memory_total=sum(shares))
+    return shared
+
+
 def _name(amdsmi: Any, handle: Any) -> str:
-    name = _reading(amdsmi, amdsmi.amdsmi_get_gpu_asic_info, handle, lost_too=True) or {}
+    name = reading(amdsmi, "amdsmi_get_gpu_asic_info", handle, lost_too=True) or {}
     if name.get("market_name") not in (None, "", "N/A"):
         return str(name["market_name"])
-    board = _reading(amdsmi, amdsmi.amdsmi_get_gpu_board_info, handle) or {}
+    board = reading(amdsmi, "amdsmi_get_gpu_board_info", handle) or {}
     return str(board.get("product_name", "AMD GPU")) if board.get("product_name") not in (None, "", "N/A") else "AMD GPU"
 
 
@@ -329,7 +335,7 @@ def _uuid(amdsmi: Any, handle: Any, whole: bool) -> str:
     """A whole GPU: GPU-<its unique id, 16 hex digits>, the form ROCr's ROCR_VISIBLE_DEVICES takes
     (rocminfo's Uuid), made of asic_serial; else, and for a partition (which shares its GPU's
     unique id), AMD SMI's UUID."""
-    serial = (_reading(amdsmi, amdsmi.amdsmi_get_gpu_asic_info, handle) or {}).get("asic_serial") if whole else None
+    serial = (reading(amdsmi, "amdsmi_get_gpu_asic_info", handle) or {}).get("asic_serial") if whole else None
     try:
         unique = int(str(serial), 16)
     except ValueError:
@@ -338,7 +344,7 @@ def _uuid(amdsmi: Any, handle: Any, whole: bool) -> str:
 
 
 def _processes(amdsmi: Any, handle: Any) -> tuple[GpuProcess, ...]:
-    running = _reading(amdsmi, amdsmi.amdsmi_get_gpu_process_list, handle) or []
+    running = reading(amdsmi, "amdsmi_get_gpu_process_list", handle) or []
     found = []
     for process in running:
         if not isinstance(process, dict):  # a ROCm before 6.1 gave process handles: not read
@@ -347,53 +353,6 @@ def _processes(amdsmi: Any, handle: Any) -> tuple[GpuProcess, ...]:
         memory = int(vram) if isinstance(vram, int) else None
         found.append(GpuProcess(int(process["pid"]), memory, owner(int(process["pid"]))))
     return tuple(found)
-
-
-def read_health(amdsmi: Any, handle: Any) -> Health:
-    """The health readings of the GPU `handle` names. A reading AMD SMI cannot give is None; an
-    error that means the GPU stopped answering goes up (discovery lists it with its error)."""
-    ecc = _reading(amdsmi, amdsmi.amdsmi_get_gpu_total_ecc_count, handle)
-    pages = _reading(amdsmi, amdsmi.amdsmi_get_gpu_bad_page_info, handle)
-    statuses = None if not isinstance(pages, list) else [int(page["status"]) for page in pages]
-    pcie = _reading(amdsmi, amdsmi.amdsmi_get_pcie_info, handle) or {}
-    uncorrectable = None if ecc is None else ecc.get("uncorrectable_count")
-    return Health(
-        ecc_uncorrected=uncorrectable if isinstance(uncorrectable, int) else None,
-        retired_pages_pending=None if statuses is None else int(amdsmi.AmdSmiMemoryPageStatus.PENDING) in statuses,
-        clock_reasons=_clock_reasons(amdsmi, handle),
-        pcie_width=_number((pcie.get("pcie_metric") or {}).get("pcie_width")),
-        pcie_max_width=_number((pcie.get("pcie_static") or {}).get("max_pcie_width")),
-        pages_unretirable=None if statuses is None else statuses.count(int(amdsmi.AmdSmiMemoryPageStatus.UNRESERVABLE)),
-    )
-
-
-def _number(value: Any) -> int | None:
-    """AMD SMI's reading, or None for its "N/A" (and the maximum values it means N/A by)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 0xFFFF else None
-
-
-def _clock_reasons(amdsmi: Any, handle: Any) -> frozenset[str] | None:
-    """The clock reasons the violations active now mean; None where AMD SMI cannot say (before ROCm
-    6.3 it has no amdsmi_get_violation_status; some boards answer N/A)."""
-    read = getattr(amdsmi, "amdsmi_get_violation_status", None)
-    status = None if read is None else _reading(amdsmi, read, handle)
-    if not isinstance(status, dict):
-        return None
-    flags = {name: status.get(f"active_{key}") for name, (key, _) in THROTTLE_REASONS.items()}
-    if not any(isinstance(flag, bool) for flag in flags.values()):
-        return None
-    return frozenset(THROTTLE_REASONS[name][1] for name, flag in flags.items() if flag is True)
-
-
-def _reading(amdsmi: Any, read: Any, *args: Any, lost_too: bool = False) -> Any:
-    """read(*args), or None where AMD SMI cannot tell (not supported, no permission); an error that
-    means the GPU stopped answering goes up, unless lost_too (then None as well)."""
-    try:
-        return read(*args)
-    except amdsmi.AmdSmiException as error:
-        if _code(error) in LOST and not lost_too:
-            raise
-        return None
 
 
 class HealthReader:
@@ -405,14 +364,16 @@ class HealthReader:
         """Start AMD SMI: NoGpuDriver, AmdSmiPermission or AmdSmiFailure where it cannot."""
         self._gpus = list(gpus)
         self._cli: Any = None
+        self.min_interval_s = 0.0
+        """The least time between two readings the health watch should leave (launcher/gpus/health.py):
+        each reading through the amd-smi command is two processes (amd_smi_cli.HEALTH_INTERVAL_S)."""
         try:
             self._amdsmi = amdsmi_library()
         except NoGpuDriver:
             if os.environ.get(SCRIPTED_GPUS_VAR) or not shutil.which("amd-smi"):
                 raise
-            from launcher.gpus import amd_smi_cli
-
             self._cli = amd_smi_cli.HealthReader(gpus)
+            self.min_interval_s = self._cli.min_interval_s
             return
         _start(self._amdsmi)
         layout = _layout(self._amdsmi)
@@ -432,7 +393,7 @@ class HealthReader:
         try:
             return read_health(self._amdsmi, handle)
         except self._amdsmi.AmdSmiException as error:
-            if _code(error) in LOST:
+            if code(error) in LOST:
                 return Health(lost=True)
             raise
 
@@ -453,8 +414,6 @@ def peer_links(gpus: Sequence[Gpu]) -> dict[tuple[str, str], PeerLink]:
         amdsmi = amdsmi_library()
     except NoGpuDriver:
         if not os.environ.get(SCRIPTED_GPUS_VAR) and shutil.which("amd-smi"):
-            from launcher.gpus import amd_smi_cli
-
             return amd_smi_cli.peer_links(gpus)
         return {(a.id, b.id): "unknown" for a, b in pairs}
     try:

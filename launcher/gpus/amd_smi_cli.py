@@ -2,13 +2,17 @@
 but its command is installed (launcher/gpus/amd.py falls back to this). The same records as amd.py.
 
 Each reading is one `amd-smi <command> --json` run (argument lists, never a shell; TIMEOUT each):
-`list` (UUID, BDF, partition id), `static` (name, unique id, maximum PCIe width, partition modes),
+`list` (UUID, BDF, partition id, KFD node id), `static` (name, unique id, maximum PCIe width, partition modes),
 `metric` (memory, gfx_activity, ECC, PCIe width, throttle), `process`, `bad-pages`, and `topology`
 for the links. The JSON's shapes, from ROCm/amdsmi amdsmi_cli/amdsmi_commands.py (snapshot 0ceca28)
 and the amd-smi outputs quoted in public projects: a list of one object per GPU ({"gpu": 0, ...}),
 which amd-smi 25 and later (ROCm 6.4+) wrap in {"gpu_data": [...]}; every leaf is a bare value or
 {"value": v, "unit": u}; "N/A" where a reading is not supported. Memory is in MB (amd-smi divides
-bytes by 1024 * 1024, so MiB), process memory in B. Recorded outputs: tests/data/amd_smi/.
+bytes by 1024 * 1024, so MiB), process memory in B. Test outputs, built from AMD's documented shapes
+(not recorded on hardware): tests/data/amd_smi/.
+
+Discovery runs six processes (list, static, metric, one more `metric --usage`, process, bad-pages);
+the health watch two every HEALTH_INTERVAL_S.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from launcher.gpus.amd import PERMISSION_FIX, THROTTLE_REASONS, AmdSmiFailure, AmdSmiPermission
+from launcher.gpus.amd_common import (
+    PERMISSION_FIX,
+    THROTTLE_REASONS,
+    AmdSmiFailure,
+    AmdSmiPermission,
+    partition_memory,
+    runtime_indices,
+)
 from launcher.gpus.devices import Gpu, GpuProcess, Health, NoGpuDriver, PeerLink
 from launcher.gpus.owners import owner
 
@@ -27,6 +38,14 @@ AMD_SMI = "amd-smi"
 TIMEOUT = 60.0
 """Seconds one amd-smi run may take (it starts Python and AMD SMI each time: about a second, more on
 a box with many partitions)."""
+UTILIZATION_SAMPLES = 2
+"""Utilization readings at discovery over the window: the first from the full `metric` output, one
+more `metric --usage` at its end. Fewer than through the amdsmi package (amd.UTILIZATION_SAMPLES):
+each reading here starts a process that loads Python and AMD SMI."""
+HEALTH_INTERVAL_S = 30.0
+"""Seconds the run-time health watch leaves between two readings on this path (HealthReader's
+min_interval_s; through the amdsmi package it reads every 5 s): each reading is two amd-smi
+processes, about a second of a CPU core each, for as long as the run lasts."""
 UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 Runner = Callable[[list[str]], Any]
 """Runs amd-smi with these arguments and gives its parsed JSON (run; a test's recorded outputs)."""
@@ -119,13 +138,20 @@ def parse(
     """The devices these amd-smi outputs describe (utilization: mean gfx_activity by gpu number)."""
     lists, statics, metrics, procs = by_gpu(listing), by_gpu(static), by_gpu(metric), by_gpu(processes)
     devices = layout(listing)
+    numbers = [n for _, _, n, kind in devices if kind != "parent"]
+    runtime = dict(zip(numbers, runtime_indices([_whole(lists.get(n, {}).get("node_id")) for n in numbers]), strict=True))
+    memory = {n: section(metrics.get(n, {}), "mem_usage") for n in numbers}
+    totals = {n: amount(m.get("total_vram"), "MB") or 0 for n, m in memory.items()}
+    for _, index, number, kind in devices:
+        if kind == "parent":  # partitions sharing a memory pool get a share each (amd_common.partition_memory)
+            parts = [n for _, i, n, k in devices if i == index and k == "partition"]
+            nps = value(section(statics.get(number, {}), "partition").get("memory_partition"))
+            totals |= dict(zip(parts, partition_memory([totals[n] for n in parts], nps), strict=True))
     gpus = []
     for gpu_id, index, number, kind in devices:
         parts = [n for _, i, n, k in devices if i == index and k == "partition"]
         own = parts if kind == "parent" else [number]
-        memory = [section(metrics.get(n, {}), "mem_usage") for n in own]
-        totals = [amount(m.get("total_vram"), "MB") for m in memory]
-        used = [amount(m.get("used_vram"), "MB") for m in memory]
+        used = [amount(memory[n].get("used_vram"), "MB") for n in own]
         primary = parts[0] if kind != "gpu" else number
         info = statics.get(primary, {})
         asic = section(info, "asic")
@@ -139,7 +165,7 @@ def parse(
                 uuid="" if kind == "parent" else _uuid(lists.get(number, {}), asic if kind == "gpu" else {}),
                 name=f"{name} ({mode}{'/' + nps if nps else ''})" if kind == "parent" else name,
                 pci_bus_id=str(lists.get(primary, {}).get("bdf") or section(info, "bus").get("bdf") or "?"),
-                memory_total=sum(t or 0 for t in totals),
+                memory_total=sum(totals[n] for n in own),
                 memory_used=sum(u or 0 for u in used),
                 utilization=None if kind == "parent" else utilization.get(number),
                 processes=() if kind == "parent" else _processes(procs.get(number, {})),
@@ -147,6 +173,7 @@ def parse(
                 mig_enabled=kind == "parent",
                 health=parse_health(metrics.get(primary, {}), info, by_gpu(bad_pages).get(primary, {})),
                 vendor="amd",
+                runtime_index=None if kind == "parent" else runtime[number],
             )
         )
     return gpus
@@ -175,7 +202,7 @@ def _processes(record: dict[str, Any]) -> tuple[GpuProcess, ...]:
 
 
 def parse_health(metric: dict[str, Any], static: dict[str, Any], bad_pages: dict[str, Any]) -> Health:
-    """One GPU's Health from its `metric`, `static` and `bad-pages` records (amd.read_health's)."""
+    """One GPU's Health from its `metric`, `static` and `bad-pages` records (amd_readings.read_health's)."""
     ecc = metric.get("ecc")
     pcie = metric.get("pcie")
     throttle = metric.get("throttle")
@@ -221,7 +248,10 @@ def sample(runner: Runner, numbers: list[int], first: Any, window: float, sample
     return {n: sum(r) / len(r) if r else None for n, r in taken.items()}
 
 
-def discover(window: float, samples: int, runner: Runner = run) -> list[Gpu]:
+def discover(window: float, samples: int | None = None, runner: Runner = run) -> list[Gpu]:
+    """As amd.discover, from amd-smi's outputs; utilization sampled `samples` times (default
+    UTILIZATION_SAMPLES) over `window` seconds."""
+    samples = UTILIZATION_SAMPLES if samples is None else samples
     listing = runner(["list"])
     metric = runner(["metric"])
     numbers = [n for _, _, n, kind in layout(listing) if kind != "parent"]
@@ -231,6 +261,9 @@ def discover(window: float, samples: int, runner: Runner = run) -> list[Gpu]:
 
 class HealthReader:
     """Health readings by device id, each read one `metric`, `bad-pages` run (and `static` once)."""
+
+    min_interval_s = HEALTH_INTERVAL_S
+    """The least time between two readings the health watch leaves (launcher/gpus/health.py)."""
 
     def __init__(self, gpus: Sequence[Gpu], runner: Runner = run) -> None:
         self._gpus = list(gpus)

@@ -100,8 +100,8 @@ class Gpu:
     @property
     def visibility_variable(self) -> str:
         """The variable that makes it visible to a worker: CUDA_VISIBLE_DEVICES on NVIDIA,
-        ROCR_VISIBLE_DEVICES on AMD (ROCr's mask, applied before HIP's and CUDA's, which the
-        worker's environment then drops so that they do not compound: VISIBILITY_VARIABLES)."""
+        ROCR_VISIBLE_DEVICES on AMD (ROCr's mask, applied before HIP's, HIP_VISIBLE_DEVICES or else
+        CUDA_VISIBLE_DEVICES, which the worker's environment then drops: VISIBILITY_VARIABLES)."""
         return "ROCR_VISIBLE_DEVICES" if self.vendor == "amd" else "CUDA_VISIBLE_DEVICES"
 
     @property
@@ -116,5 +116,5 @@ class Gpu:
 
 
 VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-"""Every variable that limits which GPUs a process sees, on either vendor (ROCm applies ROCR's,
-then HIP's, then CUDA's, each to what the one before left)."""
+"""Every variable that limits which GPUs a process sees, on either vendor (ROCm applies ROCR's, then
+HIP's to what ROCR's left: HIP_VISIBLE_DEVICES, or CUDA_VISIBLE_DEVICES where that is unset or empty)."""

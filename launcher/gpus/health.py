@@ -143,10 +143,11 @@ def _carried_over(before: Health, now: Health) -> Health:
 
 
 class HealthWatch:
-    """During a run, read the health of the run's GPUs every `interval` seconds on a daemon
-    thread, off the workers' path, and say one line, labelled as the workers are ("GPU5: ..."),
-    when a GPU gets a new error, or starts or stops a clock slowdown that means trouble. The
-    first reading is the baseline: what a GPU had when the run began is not said again.
+    """During a run, read the health of the run's GPUs every `interval` seconds (or the reader's
+    min_interval_s where longer: amd-smi's) on a daemon thread, off the workers' path, and say one
+    line, labelled as the workers are ("GPU5: ..."), when a GPU gets a new error, or starts or stops
+    a clock slowdown that means trouble. The first reading is the baseline: what a GPU had when the
+    run began is not said again.
 
         with HealthWatch(placement.gpus, labels, console.launcher_line):
             ...  # the supervised run
@@ -197,10 +198,12 @@ class HealthWatch:
         except Exception as error:  # noqa: BLE001  # no driver, a broken script: the run goes on
             self._complain(error)
             return
+        # A reader that is costly to run (amd-smi's: two processes a reading) says how long to leave.
+        interval = max(self._interval, getattr(reader, "min_interval_s", 0.0))
         try:
             while not self._stop.is_set():
                 self._poll(reader)
-                self._stop.wait(self._interval)
+                self._stop.wait(interval)
         finally:
             with contextlib.suppress(Exception):
                 reader.close()

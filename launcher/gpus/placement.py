@@ -5,8 +5,8 @@ Rules, in order:
 2. What is asked for: --gpus; else system.device_id (that one GPU); else --nproc N (the N
    freest GPUs, auto:N); else all (every free GPU).
 3. The vendor (launcher/gpus/vendors.py): detected, or --gpu-vendor where the machine has both.
-   No driver of either, no GPU, or a CUDA_VISIBLE_DEVICES (AMD: ROCR_/HIP_VISIBLE_DEVICES) that
-   hides them all: CPU workers (--nproc of them, default 2) when falling back is allowed (the
+   No driver of either, no GPU, or a CUDA_VISIBLE_DEVICES (AMD: ROCR_VISIBLE_DEVICES, then HIP's or
+   CUDA's) that hides them all: CPU workers (--nproc of them, default 2) when falling back is allowed (the
    debug preset, or a generic `-- COMMAND`), with device auto, and no more asked for than --gpus
    all or --nproc N (not a GPU id, auto:N or system.device_id); otherwise "no NVIDIA or AMD GPU
    found; use --device cpu". A driver that is there but broken is always an error (nvml.NvmlFailure).
@@ -128,9 +128,8 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
         return Placement("cpu", cpu_workers)
     criteria = devices.Criteria.parse(options.min_free_memory, options.max_utilization)
     wanted = gpu_visibility.setting(os.environ)
-    backend = vendors.backend(options.gpu_vendor)
     try:
-        gpus = backend.discover()
+        gpus = vendors.discover_requested(options.gpu_vendor)
     except NoGpuDriver:
         gpus = []
     limits = devices.visibility_limits(gpus, os.environ)
@@ -169,12 +168,12 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
 
 
 def runtime_ids(gpus: list[Gpu]) -> dict[str, str]:
-    """ROCr's index of each AMD partition, by id: its place among every device AMD SMI lists that a
-    process can be given (whole GPUs and partitions, not a GPU in a partition mode itself), the order
-    ROCr numbers its agents in. A partition needs it: it shares its GPU's unique id, so no ROCr UUID
-    names it alone. (A whole GPU goes by its UUID, GPU-<unique id>: Gpu.visible_id.)"""
-    devices = [gpu for gpu in gpus if not gpu.mig_enabled]
-    return {gpu.id: str(at) for at, gpu in enumerate(devices) if gpu.vendor == "amd" and gpu.visible_id == gpu.id}
+    """ROCr's device number of each AMD partition, by id (devices.runtime_numbers: Gpu.runtime_index,
+    else its place among the devices a process can be given). A partition needs it: it shares its
+    GPU's unique id, so no ROCr UUID names it alone. (A whole GPU goes by its UUID, GPU-<unique id>:
+    Gpu.visible_id.)"""
+    numbers = devices.runtime_numbers(gpus)
+    return {gpu.id: str(numbers[gpu.id]) for gpu in gpus if gpu.id in numbers and gpu.visible_id == gpu.id}
 
 
 def _explain(selection: devices.Selection, request: GpuRequest, printer: Printer) -> None:

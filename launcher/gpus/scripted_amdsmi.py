@@ -18,20 +18,24 @@ read again whenever it changes) with "vendor": "amd" at the top and AMD SMI's re
                "lost": false,               # true: every reading fails as for a GPU off the bus
                "ecc_uncorrected": 0,        # amdsmi_get_gpu_total_ecc_count's uncorrectable_count
                "bad_pages": {"pending": 0, "retired": 0, "unreservable": 0},
-               "throttle": [],              # violations active now: names of amd.THROTTLE_REASONS,
+               "throttle": [],              # violations active now: names of amd_common.THROTTLE_REASONS,
                                             # such as "ppt" (power cap), "socket_thermal"
                "pcie_width": 16, "pcie_max_width": 16,
                "processes": [{"pid": 4242, "memory_mib": 1024}],
+               "kfd_nodes": [2],            # KFD node id of each of its handles (its partitions in
+                                            # slot order), ROCr's device order; default: 2, 3... in
+                                            # AMD SMI's order across the machine
                "partition": {"compute": "CPX", "memory": "NPS1"},  # SPX NPS1 unless it says
                "partitions": [{"uuid": "...", "memory_total_mib": 24574, "memory_used_mib": 0,
                                "utilization": [0], "processes": []}]}]}
 
 Every key is optional; the defaults make healthy idle MI300X GPUs joined by XGMI. A GPU in a compute
 partition mode other than SPX is listed as AMD SMI lists it: one processor handle per partition
-(CPX: 8 on an MI300X), "partitions" describing each (those it leaves out are idle, with an equal
-share of the GPU's memory). A health key set to null is a reading AMD SMI does not support on that
-GPU (AMDSMI_STATUS_NOT_SUPPORTED, or "N/A" in its dict). Errors are AmdSmiLibraryException with
-AMD SMI's status codes (amd.STATUS), so amd.py's handling of them is what runs against the library.
+(CPX: 8 on an MI300X), "partitions" describing each (those it leaves out are idle, and report the
+whole memory pool they share as AMD SMI is taken to: the GPU's memory in NPS1, a quarter in NPS4).
+A health key set to null is a reading AMD SMI does not support on that GPU
+(AMDSMI_STATUS_NOT_SUPPORTED, or "N/A" in its dict). Errors are AmdSmiLibraryException with AMD
+SMI's status codes (amd_common.STATUS), so amd.py's handling of them is what runs against the library.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from launcher.gpus.amd import PARTITION_COUNTS, STATUS, THROTTLE_REASONS
+from launcher.gpus.amd_common import MEMORY_POOLS, PARTITION_COUNTS, STATUS, THROTTLE_REASONS
 from launcher.gpus.scripted_common import MIB, ScriptedMachine, check_keys, count, links, mib, process_list, utilization
 
 HEALTH_KEYS = {"ecc_uncorrected", "bad_pages", "throttle", "pcie_width", "pcie_max_width"}
@@ -57,12 +61,12 @@ GPU_KEYS = {
     "processes",
     "partition",
     "partitions",
+    "kfd_nodes",
 } | HEALTH_KEYS
 PARTITION_KEYS = {"uuid", "memory_total_mib", "memory_used_mib", "utilization", "processes"}
 MACHINE_KEYS = {"vendor", "driver", "init_error", "gpus", "p2p", "links"}
 P2P_KINDS = ("xgmi", "pcie", "none", "unsupported")
 INIT_ERRORS = {"no_perm": "NO_PERM", "driver_not_loaded": "DRIVER_NOT_LOADED"}
-MEMORY_PARTITIONS = ("NPS1", "NPS2", "NPS4", "NPS8")
 
 
 class AmdSmiException(Exception):
@@ -147,6 +151,8 @@ class _Gpu:
     throttle: frozenset[str] | None = frozenset()
     pcie_width: int | None = 16
     pcie_max_width: int | None = 16
+    kfd_nodes: list[int] | None = None
+    """The KFD node id of each part; None: 2, 3... in AMD SMI's order across the machine."""
     parts: list[_Part] = field(default_factory=list)
 
 
@@ -207,8 +213,9 @@ class ScriptedAmdSmi(ScriptedMachine):
         return self._alive(handle).gpu
 
     def amdsmi_get_gpu_kfd_info(self, handle: _Handle) -> dict[str, Any]:
-        self._alive(handle)
+        gpu = self._gpu(handle)
         node = 2 + sum(len(g.parts) for g in self.gpus[: handle.index]) + handle.slot
+        node = node if gpu.kfd_nodes is None else gpu.kfd_nodes[handle.slot]
         return {"kfd_id": 1000 + node, "node_id": node, "current_partition_id": handle.slot}
 
     def amdsmi_get_gpu_asic_info(self, handle: _Handle) -> dict[str, Any]:
@@ -321,10 +328,12 @@ def _gpu(index: int, spec: dict) -> _Gpu:
         compute_partition=compute,
         memory_partition=memory,
         lost=spec.get("lost") is True,
+        kfd_nodes=_kfd_nodes(spec, PARTITION_COUNTS[compute], where),
         **_health(spec, where),
     )
     total = mib(spec, "memory_total_mib", 196592, where)
     slots = PARTITION_COUNTS[compute]
+    pool = total / MEMORY_POOLS[memory] if slots >= MEMORY_POOLS[memory] else total / slots
     partitions = spec.get("partitions", [])
     if "partitions" in spec and (compute == "SPX" or not isinstance(partitions, list) or len(partitions) > slots):
         raise ValueError(f"{where}.partitions must be a list of at most {slots} partitions of a GPU not in SPX mode")
@@ -350,7 +359,7 @@ def _gpu(index: int, spec: dict) -> _Gpu:
                 gpu,
                 slot,
                 str(part.get("uuid", f"{index:02x}ff74a1-0000-1000-80{slot:02x}-000000000000")),
-                mib(part, "memory_total_mib", total / MIB / slots, part_where),
+                mib(part, "memory_total_mib", pool / MIB, part_where),
                 mib(part, "memory_used_mib", 0, part_where),
                 _cycle(utilization(part, part_where)),
                 process_list(part, part_where),
@@ -367,11 +376,20 @@ def _partition(spec: dict, where: str) -> tuple[str, str]:
     partition = spec.get("partition", {})
     check_keys(partition, {"compute", "memory"}, f"{where}.partition")
     compute, memory = partition.get("compute", "SPX"), partition.get("memory", "NPS1")
-    if compute not in PARTITION_COUNTS or memory not in MEMORY_PARTITIONS:
+    if compute not in PARTITION_COUNTS or memory not in MEMORY_POOLS:
         raise ValueError(
-            f'{where}.partition must be {{"compute": {"|".join(PARTITION_COUNTS)}, "memory": {"|".join(MEMORY_PARTITIONS)}}}'
+            f'{where}.partition must be {{"compute": {"|".join(PARTITION_COUNTS)}, "memory": {"|".join(MEMORY_POOLS)}}}'
         )
     return compute, memory
+
+
+def _kfd_nodes(spec: dict, handles: int, where: str) -> list[int] | None:
+    nodes = spec.get("kfd_nodes")
+    if nodes is not None and not (
+        isinstance(nodes, list) and len(nodes) == handles and all(type(n) is int and n >= 0 for n in nodes)
+    ):
+        raise ValueError(f"{where}.kfd_nodes must be a list of {handles} KFD node ids, one per partition")
+    return nodes
 
 
 def _health(spec: dict, where: str) -> dict[str, Any]:

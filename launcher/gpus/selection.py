@@ -1,5 +1,5 @@
 """Which GPUs a run gets: the --gpus request, the free criteria, the launcher's own visibility
-variables (CUDA_VISIBLE_DEVICES; on AMD, ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES too), and
+variables (CUDA_VISIBLE_DEVICES; on AMD, ROCR_VISIBLE_DEVICES, then HIP_VISIBLE_DEVICES or CUDA's), and
 the claims that keep two launches off the same GPU.
 
 A device's verdict is one of: free; busy (over --max-utilization, or under --min-free-memory)
@@ -36,13 +36,10 @@ ONE_MIG_DEVICE = (
     "one GPU share its PCI bus id, which NCCL refuses as a duplicate GPU"
 )
 NO_GPUS_VISIBLE = {"", "-1", "none", "nodevfiles", "void"}  # CUDA_VISIBLE_DEVICES values that hide every GPU
-LIMITING_VARIABLES = {
-    "nvidia": ("CUDA_VISIBLE_DEVICES",),
-    "amd": ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
-}
-"""The launcher's own variables that limit which GPUs it may choose, in the order the vendor's runtime
-applies them: ROCm applies ROCR's mask, then HIP's to what ROCR left, then CUDA's (HIP reads it too) to
-what HIP left."""
+HIP_MASKS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+"""HIP's mask on ROCm: the first of these set non-empty, and only that one (ROCm's clr reads
+HIP_VISIBLE_DEVICES, else CUDA_VISIBLE_DEVICES; an empty one is no filter; torch's
+_parse_visible_devices agrees). It applies to the devices ROCR_VISIBLE_DEVICES left."""
 
 Limits = tuple[tuple[str, str], ...]
 """The limiting variables that are set, (name, value), in the order they apply."""
@@ -202,9 +199,24 @@ def reader(gpu: Gpu) -> str:
 
 
 def visibility_limits(gpus: Sequence[Gpu], environ: Mapping[str, str]) -> Limits:
-    """The launcher's own limiting variables that are set, for these GPUs' vendor."""
-    vendor = gpus[0].vendor if gpus else "nvidia"
-    return tuple((name, environ[name]) for name in LIMITING_VARIABLES[vendor] if name in environ)
+    """The launcher's own limiting variables that apply, for these GPUs' vendor, in the order its
+    runtime applies them. NVIDIA: CUDA_VISIBLE_DEVICES. AMD: ROCR_VISIBLE_DEVICES where set (set
+    but empty: no device), then HIP's mask (HIP_MASKS: HIP_VISIBLE_DEVICES, else CUDA_VISIBLE_DEVICES,
+    never both)."""
+    if not gpus or gpus[0].vendor != "amd":
+        return (("CUDA_VISIBLE_DEVICES", environ["CUDA_VISIBLE_DEVICES"]),) if "CUDA_VISIBLE_DEVICES" in environ else ()
+    limits: Limits = (("ROCR_VISIBLE_DEVICES", environ["ROCR_VISIBLE_DEVICES"]),) if "ROCR_VISIBLE_DEVICES" in environ else ()
+    hip = next(((name, environ[name]) for name in HIP_MASKS if environ.get(name, "").strip()), None)
+    return limits + ((hip,) if hip is not None else ())
+
+
+def runtime_numbers(gpus: Sequence[Gpu]) -> dict[str, int]:
+    """ROCr's device number of each AMD device a process can be given (whole GPUs and partitions, not
+    a GPU in a partition mode itself), by id: Gpu.runtime_index, else its place among those devices
+    in AMD SMI's order (taken to be ROCr's). The numbers the launcher's own ROCR_VISIBLE_DEVICES (or
+    HIP's mask without it) count by, and a partition's worker is given."""
+    devices = [gpu for gpu in gpus if gpu.vendor == "amd" and not gpu.mig_enabled]
+    return {gpu.id: gpu.runtime_index if gpu.runtime_index is not None else at for at, gpu in enumerate(devices)}
 
 
 def describe_limits(limits: Limits | str | None) -> str:
@@ -227,10 +239,11 @@ def visible_ids(gpus: list[Gpu], limits: Limits | str | None) -> set[str] | None
     """The ids of the devices the launcher's own limiting variables allow (None: no limit);
     limits as visibility_limits gives them, or CUDA_VISIBLE_DEVICES' value alone.
 
-    The first variable's entries are indices (NVML's or AMD SMI's, the PCI order, as
-    CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them) or UUIDs (GPU-..., MIG-...; a unique prefix is
-    enough, as for CUDA). A later one (HIP_VISIBLE_DEVICES after ROCR_VISIBLE_DEVICES) counts its
-    indices among the devices the one before left, as ROCm does. As for CUDA, -1 ends a list. A
+    The first variable's entries are indices or UUIDs (GPU-..., MIG-...; a unique prefix is enough,
+    as for CUDA; on AMD in any case, as ROCr upper-cases both). NVIDIA's indices are NVML's (the PCI
+    order, as CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them); AMD's are ROCr's device numbers
+    (runtime_numbers: every partition a device), not AMD SMI's GPU ids. A later one (HIP's mask after
+    ROCR_VISIBLE_DEVICES) counts its indices among the devices the one before left, as ROCm does. As for CUDA, -1 ends a list. A
     GPU in MIG mode (or an AMD GPU in a partition mode) named here allows its devices."""
     shown: list[Gpu] | None = None
     for variable, value in _as_limits(limits):
@@ -246,7 +259,9 @@ def _allowed(gpus: list[Gpu], before: list[Gpu] | None, variable: str, value: st
         if entry.lower() in NO_GPUS_VISIBLE or entry.startswith("-"):
             break
         context = f"{variable}={value} names"
-        if before is None:
+        if before is None and entry.isdigit() and gpus and gpus[0].vendor == "amd":
+            device = _rocr_device(gpus, int(entry), context)
+        elif before is None:
             device = find(gpus, entry, context)
         elif entry.isdigit():
             if int(entry) >= len(usable):
@@ -262,9 +277,23 @@ def _allowed(gpus: list[Gpu], before: list[Gpu] | None, variable: str, value: st
     return allowed
 
 
+def _rocr_device(gpus: list[Gpu], number: int, context: str) -> Gpu:
+    """The AMD device ROCr numbers `number` (runtime_numbers)."""
+    numbers = runtime_numbers(gpus)
+    matches = [g for g in gpus if numbers.get(g.id) == number]
+    if not matches:
+        raise DeviceError(
+            f"{context} device {number}, but ROCr numbers {len(numbers)} device(s) here (0-{len(numbers) - 1}, "
+            f"partitions included); unset it, or name a device ROCr has"
+        )
+    return matches[0]
+
+
 def find(gpus: list[Gpu], name: str, context: str) -> Gpu:
-    """The device an id or UUID (or a unique UUID prefix) names."""
-    if name.startswith(("GPU-", "MIG-")):
+    """The device an id or UUID (or a unique UUID prefix) names; an AMD UUID in any case."""
+    if gpus and gpus[0].vendor == "amd" and name.upper().startswith("GPU-"):
+        matches = [g for g in gpus if g.uuid.upper().startswith(name.upper())]
+    elif name.startswith(("GPU-", "MIG-")):
         matches = [g for g in gpus if g.uuid.startswith(name)]
     else:
         matches = [g for g in gpus if g.id == name]

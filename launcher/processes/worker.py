@@ -246,9 +246,11 @@ def worker_env(
     gpu is the value of visibility_variable (CUDA_VISIBLE_DEVICES on NVIDIA, ROCR_VISIBLE_DEVICES
     on AMD: Gpu.visibility_variable): the worker's own GPU (the launcher gives its UUID), or every
     run GPU of the node, comma-separated in local-rank order (launcher/gpus/visibility.py); None
-    for a CPU worker. On AMD, HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES are removed: ROCm
-    applies them after ROCR_VISIBLE_DEVICES, to the list it left, so a value inherited from the
-    launcher's environment would pick from the wrong list, or hide the worker's GPU.
+    for a CPU worker, which sees no GPU of either vendor: CUDA_VISIBLE_DEVICES and
+    ROCR_VISIBLE_DEVICES empty, HIP_VISIBLE_DEVICES removed (HIP takes an empty mask as no filter,
+    ROCr a set but empty one as no device). On AMD, HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES
+    are removed: HIP applies one of them after ROCR_VISIBLE_DEVICES, to the list it left, so a value
+    inherited from the launcher's environment would pick from the wrong list, or hide the worker's GPU.
     cuda_device_index is which of them is the worker's own (cuda:<n>, as LAUNCHER_CUDA_DEVICE_INDEX).
     gpu_id (default: gpu) is its GPU_RANK, the id its log prefix shows. Thread counts the user set explicitly are kept."""
     local_rank = rank if local_rank is None else local_rank
@@ -274,13 +276,17 @@ def worker_env(
         {
             "NODE_RANK": str(node_rank),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident
-            # (ROCm's HIP reads CUDA_VISIBLE_DEVICES too).
+            # A CPU worker sees no GPU at all, so nothing in it can initialise CUDA by accident.
             "CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "",
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if gpu is not None and visibility_variable != "CUDA_VISIBLE_DEVICES":
+    if gpu is None:
+        # ROCm: HIP takes an empty CUDA_VISIBLE_DEVICES as no filter at all; ROCr takes a set but
+        # empty ROCR_VISIBLE_DEVICES as no device, and HIP's own mask could only pick among none.
+        env.pop("HIP_VISIBLE_DEVICES", None)
+        env["ROCR_VISIBLE_DEVICES"] = ""
+    elif visibility_variable != "CUDA_VISIBLE_DEVICES":
         for name in VISIBILITY_VARIABLES:
             env.pop(name, None)
         env[visibility_variable] = gpu

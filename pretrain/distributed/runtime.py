@@ -80,13 +80,20 @@ def choose_device(config: Config) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _visibility() -> str:
+    """The variable that made the GPUs visible, with its value: ROCR_VISIBLE_DEVICES on ROCm (the
+    launcher's AMD workers), CUDA_VISIBLE_DEVICES on CUDA."""
+    name = "ROCR_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
+    return f"{name}={os.environ.get(name, '')}"
+
+
 def _launcher_device(visible: int) -> torch.device:
     """The GPU the launcher says is this worker's own."""
     index = _env_int(CUDA_DEVICE_INDEX_VAR, 0)
     if not 0 <= index < visible:
         raise RuntimeSetupError(
             f"{CUDA_DEVICE_INDEX_VAR}={index} names no GPU: {visible} GPU(s) are visible "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}); unset it, or start this through the launcher"
+            f"({_visibility()}); unset it, or start this through the launcher"
         )
     return torch.device("cuda", index)
 

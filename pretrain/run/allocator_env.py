@@ -2,20 +2,20 @@
 worker gets (standard library only: the launcher sets it for its workers, and the entry point
 before torch loads).
 
-torch reads one variable, the first set of PYTORCH_ALLOC_CONF (its name since 2.9, for every
-accelerator), then PYTORCH_CUDA_ALLOC_CONF, then PYTORCH_HIP_ALLOC_CONF (the ROCm name); the
-others are ignored (c10/core/AllocatorConfig.cpp, torch 2.9 to 2.13; ROCm builds read the same
-three). So the default is written only when none is set: written beside a user's
-PYTORCH_HIP_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF would win and silently drop the user's setting on a
-ROCm machine. It is written as PYTORCH_CUDA_ALLOC_CONF, which both vendors' builds of every torch
-this code runs on read."""
+torch reads its allocator setting from one of PYTORCH_ALLOC_CONF (its name since 2.9, for every
+accelerator), PYTORCH_CUDA_ALLOC_CONF and PYTORCH_HIP_ALLOC_CONF (the ROCm name), and which one wins
+when several are set differs between torch versions. So the default
+is written only when none of them is set, which is right whatever the order: written beside a
+user's PYTORCH_HIP_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF might win and silently drop the user's
+setting on a ROCm machine. It is written as PYTORCH_CUDA_ALLOC_CONF, which both vendors' builds of
+every torch this code runs on read."""
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
 
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-"""Where torch reads the allocator setting, in its order of precedence."""
+"""Where torch reads the allocator setting (which wins when several are set depends on the version)."""
 DEFAULT_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_SETTING = "expandable_segments:True"
 """Segments that grow in place instead of new blocks of fixed sizes: far less fragmentation when
