@@ -300,19 +300,7 @@ def test_a_long_process_list_is_cut_to_three_and_a_count(vendor):
 
 
 def test_a_gpu_nvml_cannot_read_is_never_chosen_and_says_why(vendor):
-    lost = Gpu(
-        id="1",
-        index=1,
-        uuid="",
-        name="?",
-        pci_bus_id="?",
-        memory_total=0,
-        memory_used=0,
-        utilization=None,
-        processes=(),
-        error="GPU is lost",
-        vendor=vendor,
-    )
+    lost = Gpu.unreadable("1", 1, "GPU is lost", vendor=vendor)
     reader, check = {"nvidia": ("NVML", "`nvidia-smi`"), "amd": ("AMD SMI", "`amd-smi list`")}[vendor]
     selection = choose([gpu(0), lost, gpu(2)], "all")
     assert ids(selection) == ["0", "2"]

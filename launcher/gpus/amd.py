@@ -245,19 +245,12 @@ def _describe(amdsmi: Any, device: dict[str, Any], utilization: float | None) ->
             return _parent(amdsmi, device)
         return _read(amdsmi, device, utilization)
     except amdsmi.AmdSmiException as error:
-        return Gpu(
-            id=device["id"],
-            index=device["index"],
-            uuid="",
-            name="?",
-            pci_bus_id="?",
-            memory_total=0,
-            memory_used=0,
-            utilization=None,
-            processes=(),
+        return Gpu.unreadable(
+            device["id"],
+            device["index"],
+            say(error),
+            lost=code(error) in LOST,
             mig=device["kind"] == "partition",
-            error=say(error),
-            health=Health(lost=code(error) in LOST),
             vendor="amd",
             runtime_index=device["runtime"],
         )

@@ -93,6 +93,13 @@ class Gpu:
     """CUDA compute capability (major, minor) of its GPU (a MIG device: its GPU's): (9, 0) for an
     H100; None where NVML cannot tell. What training.float8 true needs (8.9+) is checked on it."""
 
+    @classmethod
+    def unreadable(cls, gpu_id: str, index: int, error: str, *, lost: bool = False, **known: object) -> Gpu:
+        """A device its library lists but cannot describe (lost, no permission): listed with why,
+        never chosen; known: what was read of it before the failure (vendor, mig, runtime_index)."""
+        blank = {"uuid": "", "name": "?", "pci_bus_id": "?", "memory_total": 0, "memory_used": 0, "utilization": None}
+        return cls(id=gpu_id, index=index, processes=(), error=error, health=Health(lost=lost), **blank, **known)  # type: ignore[arg-type]
+
     @property
     def memory_free(self) -> int:
         return max(0, self.memory_total - self.memory_used)

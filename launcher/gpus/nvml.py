@@ -151,20 +151,7 @@ def _describe(nvml: Any, gpu_id: str, handle: Any, kind: Any, utilization: float
             return _read(nvml, gpu_id, index, handle, kind, utilization)
         except nvml.NVMLError as error:
             kind = error
-    return Gpu(
-        id=gpu_id,
-        index=index,
-        uuid="",
-        name="?",
-        pci_bus_id="?",
-        memory_total=0,
-        memory_used=0,
-        utilization=None,
-        processes=(),
-        mig="." in gpu_id,
-        error=str(kind),
-        health=Health(lost=_is_lost(nvml, kind)),
-    )
+    return Gpu.unreadable(gpu_id, index, str(kind), lost=_is_lost(nvml, kind), mig="." in gpu_id)
 
 
 def _is_lost(nvml: Any, error: Any) -> bool:
