@@ -46,7 +46,12 @@ def prepare_training(
 
     from pretrain.evaluation import hellaswag
     from pretrain.observe import wandb_log
-    from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
+    from pretrain.plan.compile_prerequisites import (
+        compile_off_line,
+        compile_requested,
+        dropless_cuda_graph_problem,
+        missing_compile_prerequisite,
+    )
     from pretrain.hf.init_checkpoint import check_fits, for_workers
     from pretrain.hf.init_tokenizer import check_tokenizer
 
@@ -61,6 +66,10 @@ def prepare_training(
     # training.float8: torchao missing or too new for this torch, float8 matmuls on a CPU or on a
     # GPU below compute capability 8.9: one line here, not one per worker (which check again)
     float8.check_launch(config, placement.device, [(gpu.name, gpu.compute_capability) for gpu in placement.gpus])
+    # Dropless experts' grouped matmul syncs with the host on some GPUs: no CUDA graph can capture it.
+    gpus = [(gpu.name, gpu.vendor, gpu.compute_capability) for gpu in placement.gpus]
+    if problem := dropless_cuda_graph_problem(config, placement.device, gpus):
+        raise UsageError(problem)
     if compile_requested(config, placement.device) and (missing := missing_compile_prerequisite(placement.device)):
         # Said once here, not once per worker, and the workers get compile off in their config.
         printer.launcher_line(f"warning: {compile_off_line(missing)}")

@@ -62,6 +62,9 @@ def expert_rows_per_token(model: Any) -> float:
     return model.moe.top_k * (1.0 if factor is None else factor)
 
 
+GROUPED_MM_SYNC_FREE_CUDA_MAJORS = (9, 10)
+"""NVIDIA compute capabilities whose bf16 grouped matmul reads the expert offsets on the device
+(CUTLASS: Hopper, Blackwell); elsewhere (8.x, 12.x, ROCm) torch copies them to the host per call."""
 GROUPED_MM_STRIDE_BYTES = 16
 """What a grouped matmul's operands' leading strides must be a multiple of (torch's _grouped_mm)."""
 

@@ -91,3 +91,60 @@ def test_a_run_alone_plans_without_compile_when_torch_compile_cannot_build_kerne
     planned, mode = parallel_mode(config, Runtime(rank=0, world_size=1, device=torch.device("cpu"), label="CPU 0"))
     assert planned.training.compile is False and mode == "single"
     assert [line.split(":")[0] for line in pretrain_warnings] == ["WARNING training.compile is off"]
+
+
+# --- CUDA graphs and dropless experts' grouped matmul ------------------------------------------
+
+MOE_GRAPHS = ["model.moe.num_experts=4", "model.moe.top_k=2", "training.use_amp=true", "training.compile=true"]
+MOE_GRAPHS += ["debug.trace_nonfinite=false"]  # the debug preset traces non-finite values, which turns compile off
+
+
+def dropless(*sets: str):
+    from pretrain import config as cfg
+
+    return cfg.resolve(preset="debug", sets=[*MOE_GRAPHS, *sets])
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graphs_are_refused_where_dropless_experts_grouped_matmul_syncs_naming_the_gpu_and_the_ways_out(mode):
+    config = dropless(f"training.compile_mode={mode}")
+    problem = compile_prerequisites.dropless_cuda_graph_problem(
+        config, "cuda", [("NVIDIA H100 80GB HBM3", "nvidia", (9, 0)), ("NVIDIA A100-SXM4-80GB", "nvidia", (8, 0))]
+    )
+    assert problem is not None and "\n" not in problem
+    assert "NVIDIA A100-SXM4-80GB (compute capability 8.0)" in problem and mode in problem
+    assert "max-autotune-no-cudagraphs" in problem and "capacity_factor" in problem
+    amd = compile_prerequisites.dropless_cuda_graph_problem(config, "cuda", [("AMD Instinct MI300X", "amd", None)])
+    assert amd is not None and "(ROCm)" in amd
+
+
+@pytest.mark.parametrize(
+    "sets, gpus",
+    [
+        (["training.compile_mode=reduce-overhead"], [("NVIDIA H200", "nvidia", (9, 0)), ("B200", "nvidia", (10, 0))]),
+        (["training.compile_mode=reduce-overhead"], [("MIG", "nvidia", None)]),  # unknown: left to the run
+        (["training.compile_mode=max-autotune-no-cudagraphs"], [("A100", "nvidia", (8, 0))]),
+        (["training.compile_mode=reduce-overhead", "model.moe.capacity_factor=1.25"], [("A100", "nvidia", (8, 0))]),
+        (["training.compile_mode=reduce-overhead", "model.ffn_dim=100"], [("A100", "nvidia", (8, 0))]),  # the buffer
+        (["training.compile_mode=reduce-overhead", "training.compile=false"], [("A100", "nvidia", (8, 0))]),
+    ],
+    ids=["sync-free-gpus", "unknown-capability", "no-graphs", "capacity-routing", "unaligned-widths", "uncompiled"],
+)
+def test_cuda_graphs_with_experts_that_never_sync_are_left_alone(sets, gpus):
+    assert compile_prerequisites.dropless_cuda_graph_problem(dropless(*sets), "cuda", gpus) is None
+
+
+def test_the_launcher_refuses_cuda_graphs_over_syncing_grouped_matmuls_before_the_data(tmp_path):
+    import io
+
+    from launcher.errors import UsageError
+    from launcher.gpus.devices import Gpu
+    from launcher.gpus.placement import Placement
+    from launcher.prepare import prepare_training
+    from launcher.supervise.printer import Printer
+
+    config = dropless("training.compile_mode=reduce-overhead", f"data.cache_dir={tmp_path / 'cache'}")
+    a100 = Gpu("0", 0, "GPU-0", "NVIDIA A100-SXM4-80GB", "0", 80 << 30, 0, 0.0, (), compute_capability=(8, 0))
+    with pytest.raises(UsageError, match="cannot hold the host sync"):
+        prepare_training(config, Placement("cuda", 1, gpus=(a100,)), Printer(io.StringIO(), None))
+    assert not (tmp_path / "cache").exists()

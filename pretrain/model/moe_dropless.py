@@ -79,7 +79,7 @@ def _grouped_mm_op() -> Callable[..., Tensor] | None:
 
 GROUPED_MM = _grouped_mm_op()
 """The grouped matmul this torch has with a CPU kernel and a GPU fallback, or None."""
-SYNC_FREE_CUDA_MAJORS = (9, 10)
+SYNC_FREE_CUDA_MAJORS = registry.GROUPED_MM_SYNC_FREE_CUDA_MAJORS
 """Compute capabilities whose bf16 _grouped_mm is CUTLASS's kernel (torch's fast path: Hopper,
 Blackwell); from 8.0 on the others torch loops over the groups with the offsets copied to the host."""
 GROUPED_CUDA_MIN = (8, 0)

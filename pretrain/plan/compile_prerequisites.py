@@ -17,8 +17,10 @@ import os
 import shutil
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
+from pretrain import registry
 from pretrain.config import Config
 
 
@@ -77,3 +79,34 @@ def compile_off_line(missing: str) -> str:
         f"training.compile is off: torch.compile needs {missing} on first use, and none was found; "
         "install it, or set training.compile=false to silence this"
     )
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""training.compile_mode's choices that replay compiled regions as CUDA graphs."""
+
+
+GpuFacts = tuple[str, str, tuple[int, int] | None]
+"""A GPU as the launcher read it: (name, vendor, compute capability or None)."""
+
+
+def dropless_cuda_graph_problem(config: Config, device_type: str, gpus: Sequence[GpuFacts]) -> str | None:
+    """Why this run cannot capture its compiled blocks as CUDA graphs: dropless experts whose
+    grouped matmul syncs with the host on one of gpus ((name, vendor, compute capability)), which
+    a graph capture cannot hold; None when nothing stands in the way. Unknown capabilities pass."""
+    moe, t = config.model.moe, config.training
+    if moe.num_experts == 0 or moe.capacity_factor is not None or not t.use_amp or t.compile_mode not in CUDA_GRAPH_MODES:
+        return None
+    if not compile_requested(config, device_type) or not registry.grouped_widths_aligned(
+        config.model.dim, config.model.ffn_dim, 2
+    ):
+        return None  # uncompiled, or the every-token buffer (no grouped matmul, no sync)
+    for name, vendor, capability in gpus:
+        syncs = vendor == "amd" or (capability is not None and capability[0] not in registry.GROUPED_MM_SYNC_FREE_CUDA_MAJORS)
+        if syncs:
+            where = "ROCm" if vendor == "amd" else f"compute capability {capability[0]}.{capability[1]}"  # type: ignore[index]
+            return (
+                f"training.compile_mode {t.compile_mode} captures CUDA graphs, which cannot hold the host sync of "
+                f"dropless experts' grouped matmul on {name} ({where}); use training.compile_mode=default or "
+                "max-autotune-no-cudagraphs, or model.moe.capacity_factor=1.25 (capacity routing, no sync)"
+            )
+    return None
