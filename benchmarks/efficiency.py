@@ -84,14 +84,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
     sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package)
-from benchmarks.efficiency_report import machine_slug, report  # noqa: E402
+from benchmarks.efficiency_report import Outcome, Row, machine_slug, report  # noqa: E402
 from launcher.launch import free_port  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
@@ -143,26 +143,6 @@ KEYS = (
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class Row:
-    preset: str
-    features: str
-    ranks: int
-    activation_checkpointing: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.preset} {self.features} x{self.ranks} ckpt={self.activation_checkpointing}"
-
-
-@dataclass
-class Outcome:
-    row: Row
-    values: dict[str, Any] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
-    note: str = ""
 
 
 # --- the jobs ------------------------------------------------------------------------------------

@@ -8,14 +8,32 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from benchmarks.train import cpu_model, load_average, machine_line_for
 
-if TYPE_CHECKING:
-    from benchmarks.efficiency import Outcome
-
 REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    features: str
+    ranks: int
+    activation_checkpointing: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset} {self.features} x{self.ranks} ckpt={self.activation_checkpointing}"
+
+
+@dataclass
+class Outcome:
+    row: Row
+    values: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
 
 
 def bytes_cell(per_kind: dict[str, float] | None) -> str:

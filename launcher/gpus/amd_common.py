@@ -42,7 +42,7 @@ THROTTLE_REASONS = {
 }
 """AMD SMI's violations (the names amd-smi metric --throttle prints, without _violation_status):
 the suffix of amdsmi_get_violation_status's active_* key, and the clock reason
-(nvml.CLOCK_REASONS name, judged by launcher/gpus/health.py) it means. The package power limit
+(devices.CLOCK_REASONS name, judged by launcher/gpus/health.py) it means. The package power limit
 (PPT) is NVIDIA's software power cap: a busy GPU at its power limit, never held against it."""
 PERMISSION_FIX = (
     "add this user to the render and video groups (sudo usermod -aG render,video $USER, then log in "

@@ -17,6 +17,23 @@ PCIe peer-to-peer, no peer-to-peer at all (NCCL/RCCL go through host memory), or
 library cannot say: an old driver, a MIG device)."""
 
 
+CLOCK_REASONS = {
+    "gpu_idle": "GpuIdle",
+    "applications_clocks": "ApplicationsClocksSetting",
+    "sw_power_cap": "SwPowerCap",
+    "hw_slowdown": "HwSlowdown",
+    "sync_boost": "SyncBoost",
+    "sw_thermal": "SwThermalSlowdown",
+    "hw_thermal": "HwThermalSlowdown",
+    "hw_power_brake": "HwPowerBrakeSlowdown",
+    "display_clocks": "DisplayClockSetting",
+}
+"""Why a GPU's clocks are below their maximum, by the names the launcher (and a scripted machine)
+uses for every vendor (AMD SMI's throttle reasons are mapped onto them, launcher/gpus/amd_common.py),
+to the suffix of pynvml's bit constants (nvmlClocksEventReason<suffix>, called
+nvmlClocksThrottleReason<suffix> before nvidia-ml-py 12.535). Bits not named here are ignored."""
+
+
 class NoGpuDriver(Exception):
     """The vendor's library cannot be used: no driver, or the library is missing (NVML; AMD SMI)."""
 

@@ -32,7 +32,7 @@ BAD_CLOCK_REASONS = {
     "sw_thermal": "driver thermal slowdown",
     "hw_power_brake": "power brake",
 }
-"""The clock reasons that mean trouble (nvml.CLOCK_REASONS names), as a line says them."""
+"""The clock reasons that mean trouble (devices.CLOCK_REASONS names), as a line says them."""
 FAILING = "this GPU is failing; a restart (--max-restarts) or the next launch leaves it out"
 STOP_WAIT = 2.0
 """Seconds the end of a run waits for the watch's thread to finish a reading under way."""

@@ -14,29 +14,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from launcher.gpus.devices import Gpu, GpuProcess, Health, NoGpuDriver, PeerLink
+from launcher.gpus.devices import CLOCK_REASONS, Gpu, GpuProcess, Health, NoGpuDriver, PeerLink
 from launcher.gpus.owners import owner as _owner
 from pretrain.run.refusal import Refusal
 
 SCRIPTED_GPUS_VAR = "LAUNCHER_SCRIPTED_GPUS"
 UTILIZATION_WINDOW = 1.0  # seconds over which utilization is sampled
 UTILIZATION_SAMPLES = 5
-
-
-CLOCK_REASONS = {
-    "gpu_idle": "GpuIdle",
-    "applications_clocks": "ApplicationsClocksSetting",
-    "sw_power_cap": "SwPowerCap",
-    "hw_slowdown": "HwSlowdown",
-    "sync_boost": "SyncBoost",
-    "sw_thermal": "SwThermalSlowdown",
-    "hw_thermal": "HwThermalSlowdown",
-    "hw_power_brake": "HwPowerBrakeSlowdown",
-    "display_clocks": "DisplayClockSetting",
-}
-"""Why a GPU's clocks are below their maximum, by the names the launcher (and a scripted machine)
-uses, to the suffix of pynvml's bit constants (nvmlClocksEventReason<suffix>, called
-nvmlClocksThrottleReason<suffix> before nvidia-ml-py 12.535). Bits not named here are ignored."""
 
 
 class NvmlFailure(Refusal):

@@ -17,7 +17,7 @@ changes (replace it atomically, with os.replace, so no reader sees half of it). 
                "ecc_uncorrected": 0,         # volatile uncorrectable ECC errors
                "retired_pages_pending": false,
                "remapped_rows": {"pending": false, "failure": false},
-               "throttle": [],              # clock reasons now: names of nvml.CLOCK_REASONS,
+               "throttle": [],              # clock reasons now: names of devices.CLOCK_REASONS,
                                             # such as "gpu_idle", "sw_power_cap", "hw_thermal"
                "pcie_width": 16, "pcie_max_width": 16,  # PCIe lanes now, and at most
                "compute_capability": [9, 0],  # CUDA compute capability (an A100: [8, 0]; null: unknown)
@@ -36,7 +36,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.gpus.nvml import CLOCK_REASONS
+from launcher.gpus.devices import CLOCK_REASONS
 from launcher.gpus.scripted_common import (
     MIB,
     BadScript,
