@@ -147,11 +147,11 @@ def measure(mode: str, steps: int, data_sets: list[str]) -> dict[str, Any]:
     import dataclasses
     import logging
     import tempfile
-    import time
     from pathlib import Path
 
     import torch
 
+    from benchmarks.gpu_acceptance.timed_steps import timed_steps
     from benchmarks.gpu_acceptance.workers import memory_against_estimate
     from pretrain import config as cfg
     from pretrain.build import build
@@ -159,8 +159,6 @@ def measure(mode: str, steps: int, data_sets: list[str]) -> dict[str, Any]:
     from pretrain.data.prepare import prepare
     from pretrain.distributed import float8
     from pretrain.distributed.runtime import Runtime
-    from pretrain.observe.metrics import flops_per_token, peak_bf16_flops
-    from pretrain.train import train_step
 
     sets = [
         *[s for s in data_sets if s != "model.vocab_size=null"],
@@ -185,30 +183,17 @@ def measure(mode: str, steps: int, data_sets: list[str]) -> dict[str, Any]:
     dataset = prepare(config.data, log=lambda line: print(line, file=sys.stderr))
     config, _ = fit_to_dataset(config, dataset, world_size=1)
     runtime = Runtime(rank=0, world_size=1, device=device, label="GPU 0")
-    losses: list[float] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-float8-") as run_dir:
         trainer = build(config, runtime, dataset, Path(run_dir), logging.getLogger("gpu_check"))
-        started = 0.0
-        for step in range(steps):
-            if step == TIMED_FROM:
-                torch.cuda.synchronize()
-                warmup_peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-                started = time.perf_counter()
-            loss, _, _ = train_step(trainer, step)
-            losses.append(float(loss))  # a sync per step in both runs alike
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - started) / (steps - TIMED_FROM)
-    tokens = trainer.tokens_per_step
-    peak = peak_bf16_flops(torch.cuda.get_device_name(device))
-    per_token = flops_per_token(config.model, config.data.context_length)
+        timed = timed_steps(trainer, steps, TIMED_FROM)
     return {
-        "losses": losses,
-        "tokens_per_s": tokens / step_s,
-        "mfu": tokens / step_s * per_token / peak if peak else None,
-        "peak_gib": max(warmup_peaks[0], torch.cuda.max_memory_allocated()) / 2**30,
+        "losses": timed.losses,
+        "tokens_per_s": timed.tokens_per_s,
+        "mfu": timed.mfu,
+        "peak_gib": max(timed.warmup_peaks[0], torch.cuda.max_memory_allocated()) / 2**30,
         "checkpointing": cfg.activation_checkpointing(trainer.config),
         "float8_linears": sum(1 for module in trainer.model.modules() if float8.is_float8(module)),
-        **memory_against_estimate(trainer, warmup_peaks),
+        **memory_against_estimate(trainer, timed.warmup_peaks),
     }
 
 

@@ -149,7 +149,6 @@ def measure(mode: str, steps: int, data_sets: list[str]) -> dict[str, Any]:
     dropped over every step (summed on the device, read once at the end)."""
     import logging
     import tempfile
-    import time
     from pathlib import Path
 
     import torch
@@ -159,9 +158,8 @@ def measure(mode: str, steps: int, data_sets: list[str]) -> dict[str, Any]:
     from pretrain.data.fitting import fit_to_dataset
     from pretrain.data.prepare import prepare
     from pretrain.distributed.runtime import Runtime
-    from pretrain.observe.metrics import flops_per_token, peak_bf16_flops
     from pretrain.plan.parallelism import plan_parallelism
-    from pretrain.train import train_step
+    from benchmarks.gpu_acceptance.timed_steps import timed_steps
 
     config = cfg.resolve(preset="small", sets=[*data_sets, *run_sets(mode, steps)])
     dataset = prepare(config.data, log=lambda line: print(line, file=sys.stderr))
@@ -171,30 +169,21 @@ def measure(mode: str, steps: int, data_sets: list[str]) -> dict[str, Any]:
     config, _ = plan_parallelism(config, 1, torch.cuda.get_device_properties(0).total_memory, None, 1)
     device = torch.device("cuda", 0)
     runtime = Runtime(rank=0, world_size=1, device=device, label="GPU 0")
-    losses: list[torch.Tensor] = []
     dropped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def count_dropped(trainer: Any) -> None:
+        for count in trainer.counts.values():
+            dropped.add_(count)
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-moe-") as run_dir:
         trainer = build(config, runtime, dataset, Path(run_dir), logging.getLogger("gpu_check"))
-        started = 0.0
-        for step in range(steps):
-            if step == TIMED_FROM:
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-            loss, _, _ = train_step(trainer, step)
-            losses.append(loss.detach())
-            for count in trainer.counts.values():
-                dropped += count
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - started) / (steps - TIMED_FROM)
-    tokens = trainer.tokens_per_step
-    peak = peak_bf16_flops(torch.cuda.get_device_name(device))
-    per_token = flops_per_token(config.model, config.data.context_length)
+        timed = timed_steps(trainer, steps, TIMED_FROM, count_dropped)
     return {
-        "losses": [float(loss) for loss in losses],
-        "tokens_per_s": tokens / step_s,
-        "mfu": tokens / step_s * per_token / peak if peak else None,
+        "losses": timed.losses,
+        "tokens_per_s": timed.tokens_per_s,
+        "mfu": timed.mfu,
         "dropped": int(dropped),
-        "assignments": tokens * steps * TOP_K * config.model.n_layers,
+        "assignments": trainer.tokens_per_step * steps * TOP_K * config.model.n_layers,
     }
 
 
