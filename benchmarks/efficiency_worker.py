@@ -40,6 +40,7 @@ from benchmarks import efficiency_forward as forward_counters  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
 from pretrain.plan import parallelism  # noqa: E402
 from pretrain.distributed import parallel  # noqa: E402
+from pretrain import step as one_step  # noqa: E402
 from pretrain import train as training  # noqa: E402
 from pretrain.build import Trainer, build  # noqa: E402
 from pretrain.data.fitting import fit_to_dataset  # noqa: E402
@@ -129,16 +130,17 @@ def on_meta(use_amp: bool = False) -> Any:
     def amp_matmul_dtype(activations: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
         return torch.bfloat16 if use_amp and activations.device.type == "meta" else matmul_dtype(activations, weight)
 
-    saved = parallel.materialize, training.autocast
+    saved = parallel.materialize, one_step.autocast, training.autocast
     parallel.materialize = shapes_only
-    training.autocast = lambda trainer: contextlib.nullcontext()
+    # train_step's (pretrain/step.py) and evaluate's (pretrain/train.py, which imports it)
+    one_step.autocast = training.autocast = lambda trainer: contextlib.nullcontext()
     torch.is_autocast_enabled = autocast_enabled  # type: ignore[assignment]
     moe.matmul_dtype = amp_matmul_dtype
     try:
         with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
             yield
     finally:
-        parallel.materialize, training.autocast = saved
+        parallel.materialize, one_step.autocast, training.autocast = saved
         torch.is_autocast_enabled = is_autocast_enabled
         moe.matmul_dtype = matmul_dtype
 

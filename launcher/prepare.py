@@ -22,14 +22,21 @@ from pretrain.run import faults
 
 
 def prepare_training(
-    config: cfg.Config, placement: Placement, printer: Printer, node: Node | None = None, first_attempt: bool = True
+    config: cfg.Config,
+    placement: Placement,
+    printer: Printer,
+    node: Node | None = None,
+    first_attempt: bool = True,
+    run_dir: Path | None = None,
 ) -> cfg.Config:
     """Prepare the dataset once (per node), check one global batch fits the data and the model
     fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/plan/parallelism.py), before
     anything is spawned or written; return the config as the workers will run it (training.parallelism
     "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
     In a job of several nodes, the whole job's worker count and smallest GPU decide. The first
-    attempt (first_attempt) also checks the ranks PRETRAIN_FAULTS names against the world size."""
+    attempt (first_attempt) also checks the ranks PRETRAIN_FAULTS names against the world size.
+    run_dir: the run's directory, whose own local checkpoints in /dev/shm (a restart's) count as
+    available host memory."""
     with address_space.loading_numpy():  # its first import: a limit on address space is one line
         from pretrain.data.fitting import fit_to_dataset
     world_size = node.world_size if node is not None else placement.world_size
@@ -43,6 +50,9 @@ def prepare_training(
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
     from pretrain.plan.parallelism import host_memory_bytes, plan_parallelism, planned_gpu_memory, with_gpu_memory
+    from pretrain.checkpoint.tiers import base_of
+    from pretrain.plan.checkpoint_memory import held_in_memory
+    from pretrain.plan.parallelism import plan_checkpoints
 
     from pretrain.evaluation import hellaswag
     from pretrain.observe import wandb_log
@@ -83,11 +93,15 @@ def prepare_training(
     gpu_memory = planned_gpu_memory(config, gpu_memory)
     if gpu_memory is not None:  # the workers plan on this very figure (pretrain/build.py)
         config = with_gpu_memory(config, gpu_memory)
+    # Counted per host: this node's workers (its staged shards, its local tier, its processes).
+    local_ranks = node.nproc if node is not None else placement.world_size
     host_memory = host_memory_bytes()
+    if run_dir is not None:  # a restart: the run's own local checkpoints are the tier's, not another's use
+        host_memory += held_in_memory(base_of(config, run_dir))
     if config.model.vocab_size is not None:
         # The model's size is known before the data: a run that fits neither the GPUs nor this
         # machine's memory is refused now, not after a long download or tokenization.
-        plan_parallelism(config, world_size, gpu_memory, host_memory)
+        plan_parallelism(config, world_size, gpu_memory, host_memory, local_ranks)
     # A Hub dataset's file count is fixed here, for this world size, and written into the config
     # the workers get: every rank then prepares (finds) exactly these files.
     config = choose_hub_files(follow_checkpoint(config), world_size, printer.launcher_line)
@@ -97,11 +111,14 @@ def prepare_training(
     if init is not None:  # again, with the vocabulary the tokenizer has set, and its tokens
         check_tokenizer(init, config, dataset_dir, printer.launcher_line)
         check_fits(init, config)
-    config, line = plan_parallelism(config, world_size, gpu_memory, host_memory)
+    config, line = plan_parallelism(config, world_size, gpu_memory, host_memory, local_ranks)
+    on_gpus = gpu_memory is not None
+    config, checkpoints_line = plan_checkpoints(config, world_size, host_memory, local_ranks, on_gpus)
     # The run's length counts the global batch, which grad_accum_nums "auto" keeps; its split is the plan's.
     split = {"batch_size": config.training.batch_size, "grad_accum": cfg.grad_accum_nums(config)}
     printer.launcher_line(f"run length: {dataclasses.replace(length, **split).describe()}")
     printer.launcher_line(line)
+    printer.launcher_line(checkpoints_line)  # asynchronous or not (training.async_checkpoint)
     return config
 
 

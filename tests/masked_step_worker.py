@@ -20,7 +20,7 @@ import torch
 
 from checkpointing import resolved
 from gloo_rank import report_as_gloo_rank
-from pretrain import train
+from pretrain import step as step_module, train
 from pretrain.build import build
 from pretrain.distributed.runtime import Runtime, setup_logging
 from pretrain.model.loss import Loss
@@ -62,7 +62,7 @@ def same(first: object, second: object) -> bool:
 def run(runtime: Runtime, optimizer: str, parallelism: str) -> dict:
     run_dir = OUT / f"run-{optimizer}-{parallelism}"
     trainer = build(config(optimizer, parallelism), runtime, resolved(OUT / "cache")[1], run_dir, setup_logging("w", "ERROR"))
-    original = train.next_token_loss
+    original = step_module.next_token_loss
     order: list[str] = []
     reading = torch.Tensor.tolist
 
@@ -80,7 +80,7 @@ def run(runtime: Runtime, optimizer: str, parallelism: str) -> dict:
     seen: dict = {"mode": trainer.mode, "changed": [], "skipped": [], "order": []}
     for step in range(4):
         how = BAD.get(step) if runtime.rank == 1 else None
-        train.next_token_loss = (lambda *a, how=how, **k: spoiled(original(*a, **k), how)) if how else original
+        step_module.next_token_loss = (lambda *a, how=how, **k: spoiled(original(*a, **k), how)) if how else original
         before = snapshot(trainer)
         order.clear()
         torch.Tensor.tolist = read  # type: ignore[assignment,method-assign]
@@ -88,7 +88,7 @@ def run(runtime: Runtime, optimizer: str, parallelism: str) -> dict:
             train.train_step(trainer, step)
         finally:
             torch.Tensor.tolist = reading  # type: ignore[method-assign]
-            train.next_token_loss = original
+            step_module.next_token_loss = original
         after = snapshot(trainer)
         seen["changed"].append({"weights": not same(before[0], after[0]), "state": not same(before[1], after[1])})
         seen["skipped"].append(trainer.skipped_steps)

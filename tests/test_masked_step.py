@@ -1,6 +1,6 @@
 """The step's one host synchronization sits after the update is issued: the optimizer steps masked
 by the ranks' all-reduced finite flags (found_inf, as torch's GradScaler gives it), and the host
-reads the flags only then (pretrain/train.py train_step, pretrain/numerics/debug.py
+reads the flags only then (pretrain/step.py train_step, pretrain/numerics/debug.py
 agree_on_step). A non-finite step still changes no weight, moment, step count or momentum buffer,
 and its gradients stay as the backward made them for the report and the dump; an optimizer that
 takes no such flag is stepped only after the read, as before. Two ranks, under DDP and FSDP2:
@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from checkpointing import make_trainer, resolved
 from conftest import run_gloo_ranks
 from pretrain import registry, train
+from pretrain import step as step_module  # train_step's loss, patched
 from pretrain.model.loss import Loss
 from pretrain.numerics import debug
 from pretrain.numerics.debug import NumericalFailure
@@ -62,7 +63,7 @@ def recorded_order(monkeypatch) -> Iterator[list[str]]:
 def spoil(monkeypatch, how: str) -> None:
     """From now on every loss is bad: "loss", the cross-entropy Inf with finite gradients; or
     "gradients", NaN everywhere."""
-    original = train.next_token_loss
+    original = step_module.next_token_loss
 
     def spoiled(*args: Any, **kwargs: Any) -> Loss:
         loss = original(*args, **kwargs)
@@ -70,7 +71,7 @@ def spoil(monkeypatch, how: str) -> None:
             return loss._replace(cross_entropy=loss.cross_entropy + float("inf"))
         return loss._replace(total=loss.total * float("nan"), cross_entropy=loss.cross_entropy * float("nan"))
 
-    monkeypatch.setattr(train, "next_token_loss", spoiled)
+    monkeypatch.setattr(step_module, "next_token_loss", spoiled)
 
 
 def state_of(trainer) -> tuple[dict, dict]:

@@ -152,7 +152,8 @@ def test_cpu_workers_are_estimated_as_not_compiled_unless_compile_is_asked_for()
 
 
 def test_cpu_workers_that_do_not_fit_are_told_what_would():
-    config = with_training(small(), activation_checkpointing="none", loss_chunk_tokens=0)
+    # without the local tier, which this tight host would not keep (tests/test_async_checkpoint.py)
+    config = with_training(small(), activation_checkpointing="none", loss_chunk_tokens=0, local_checkpoint_interval=0)
     needed = host_estimate(config, 2, "ddp", on_gpus=False).total
     fsdp = host_estimate(config, 2, "fsdp", on_gpus=False).total
     assert fsdp < needed
@@ -187,7 +188,8 @@ def test_cpu_workers_recompute_nothing_unless_the_host_memory_needs_it():
     assert planned(int(workers[("none", 0)] / 0.9) + 1) == ("none", 0)
     assert planned(int(workers[("none", 0)] / 0.9) - 1) != ("none", 0)
     assert planned(int(workers[("selective", 0)] / 0.9) + 1) == ("selective", 0)
-    _, line = plan_parallelism(small(), 2, None, int(workers[("selective", 0)] / 0.9) + 1)
+    no_local_tier = with_training(small(), local_checkpoint_interval=0)  # which this tight host would not keep
+    _, line = plan_parallelism(no_local_tier, 2, None, int(workers[("selective", 0)] / 0.9) + 1)
     assert line == "parallelism: DDP over 2 CPU workers; activation checkpointing: selective (+0% FLOPs); loss: one piece"
 
 
@@ -221,7 +223,7 @@ def test_offload_keeps_only_what_is_in_flight_on_the_gpu_and_the_shards_on_the_h
 
 
 def test_production_on_one_80_gib_gpu_offloads_when_the_host_has_the_memory():
-    production = with_training(cfg.production(), compile=False)
+    production = with_training(cfg.production(), compile=False, local_checkpoint_interval=0)  # no room for it here
     # rank 0's shards, and the largest tensor (the embedding), twice: exporting gathers and converts one at a time
     export = export_copy_bytes(production, 1, "fsdp", offload=True)
     assert export == 2 * 4 * 128_256 * 4096

@@ -56,6 +56,7 @@ def run_as_rank0(tmp_path, monkeypatch):
             "logging.log_interval=100",
             f"training.max_steps={STEPS}",
             "debug.trace_nonfinite=false",
+            "training.async_checkpoint=false",  # the simulated peer writes no marker: a background save never completes
             *sets,
         )
         trainer.runtime = RANK0_OF_TWO  # the model stays unwrapped: the peer answers the collectives

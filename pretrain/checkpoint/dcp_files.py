@@ -15,6 +15,7 @@ import io
 import pickle
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
@@ -162,6 +165,41 @@ def dcp_save(content: dict[str, Any], directory: Path) -> None:
         "check that its disk has space and is writable, then resume from the latest checkpoint",
     ):
         dcp.save(content, storage_writer=FileSystemWriter(directory))
+
+
+def dcp_async_save(content: dict[str, Any], directory: Path, group: dist.ProcessGroup | None, stager: AsyncStager) -> Future:
+    """dcp.async_save of content into directory: stager copies this rank's shards to host memory
+    before it returns (the only time the caller blocks), then a thread of DCP's writes them as
+    dcp_save does, its collectives on group (a gloo group of its own, so that they never
+    interleave with training's on the default one). The future's error: save_error."""
+    with warnings.catch_warnings():  # experimental, it says
+        warnings.simplefilter("ignore", FutureWarning)
+        response = dcp.async_save(
+            content,
+            storage_writer=FileSystemWriter(directory),
+            process_group=group,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=stager,
+        )
+    if isinstance(response, AsyncSaveResponse):  # a stager that stages in the background; ours does not
+        return response.upload_completion
+    return response
+
+
+def save_error(error: BaseException, directory: Path) -> BaseException:
+    """A failure of dcp_async_save's future as dcp_save would have raised it: DCP's as one line
+    (CheckpointError), anything else (a lost peer's) as it is."""
+    if not isinstance(error, CheckpointException):
+        return error
+    try:
+        with _one_line_errors(
+            f"cannot write the sharded checkpoint {directory}",
+            "check that its disk has space and is writable, then resume from the latest checkpoint",
+        ):
+            raise error
+    except CheckpointError as converted:
+        return converted
+    raise AssertionError("_one_line_errors converts every CheckpointException")
 
 
 @contextmanager

@@ -154,6 +154,12 @@ def _by_name(optimizer_state: dict[str, Any], order: list[str]) -> dict[str, Any
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """FSDP: every rank writes its shards of the model and of the optimizer's state. A collective."""
+    dcp_save(sharded_content(model, optimizer), directory)
+
+
+def sharded_content(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What an FSDP checkpoint's dcp/ holds: this rank's shards of the model and of the optimizer's
+    per-parameter state (views of the live tensors, not copies)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer.state:
@@ -163,7 +169,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
         content = {"model": get_model_state_dict(model)}
     # The param_groups (hyperparameters) are not saved: they come from the config, and DCP
     # would pickle them. Float8's FSDP2 weight wrappers are saved as the plain tensors inside.
-    dcp_save(float8.plain_tensors(content), directory)
+    return float8.plain_tensors(content)
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, metadata: Metadata) -> list[str] | None:

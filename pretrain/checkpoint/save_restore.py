@@ -19,22 +19,24 @@ converted, in either format, with a one-line note (pretrain/checkpoint/separate_
 
 Every rank writes its files into <name>.tmp/ and fsyncs them; rank 0 then renames the directory
 into place, so a checkpoint directory is either complete or absent (pretrain/checkpoint/files.py).
+fit() saves through trainer.checkpoints (pretrain/checkpoint/async_save.py), which writes the
+same files, staged and in the background where training.async_checkpoint is on.
 Every .pt file loads with torch.load(weights_only=True), and the DCP files are read without
 unpickling anything but DCP's own metadata classes (pretrain/checkpoint/dcp_files.py).
 
 This module orchestrates; the parts live in files (directories on disk), dcp_files
-(the sharded format, read safely), model_state (state dicts by parameter name) and rng.
+(the sharded format, read safely), model_state (state dicts by parameter name), rng and
+compatibility (whether a checkpoint fits the run that resumes it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +45,13 @@ import torch
 import torch.distributed as dist
 
 from pretrain import config as cfg
+from pretrain.checkpoint.compatibility import (
+    check_same_hub_files,
+    check_same_model,
+    check_same_optimizer,
+    check_shapes,
+    check_steps,
+)
 from pretrain.checkpoint.files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -61,16 +70,15 @@ from pretrain.checkpoint.model_state import (
     full_states,
     load_full,
     load_sharded,
-    model_shapes,
     plain_name,
     read_sharded_model,
     save_sharded,
     sharded_model_shapes,
 )
-from pretrain.distributed.parallel import has_fsdp, unwrap
+from pretrain.distributed.parallel import has_fsdp
 from pretrain.distributed.peer_loss import PeerFailed
 from pretrain.checkpoint.rng import rng_states, seed_from, set_rng_states
-from pretrain.checkpoint.separate_layout import note, shapes_as_saved
+from pretrain.checkpoint.separate_layout import note
 from pretrain.model.fused_layout import fuse_separate
 from pretrain.run.files import atomic_write_text
 from pretrain.distributed.runtime import Runtime
@@ -97,68 +105,120 @@ __all__ = [
 NEARLY_FULL = 64 << 20
 """Free bytes below which a failed write names the free space: more than one write's worth."""
 
-ARCHITECTURE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn", "ffn_dim", "vocab_size", "moe")
-"""The model keys that define its parameters. The others (norm_eps, rope_theta, max_seq_len,
-init_std) may change on resume: raising rope_theta with max_seq_len is how a context is extended."""
-ROUTING_KEYS = ("capacity_factor",)
-"""The model.moe keys that may change on resume: how tokens reach the experts, not the experts'
-weights (a run of the capacity routing, 1.25 before dropless was the default, resumes dropless)."""
-
-
 # --- save -----------------------------------------------------------------------------
 
 
 def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = None) -> Path:
     """Write a checkpoint after steps_done optimizer steps to <run_dir>/checkpoints/step_<steps_done>
-    (or name) and return its path; every rank calls this. Rank 0 then deletes the oldest step_<N>
-    checkpoints beyond training.keep_checkpoints. CheckpointError (one line, naming the file)
-    when a file cannot be written."""
+    (or name) and return its path, synchronously (a save in flight finishes first); every rank
+    calls this. Rank 0 then deletes the oldest step_<N> checkpoints beyond
+    training.keep_checkpoints. CheckpointError (one line, naming the file) when a file cannot
+    be written. fit() saves through trainer.checkpoints (pretrain/checkpoint/async_save.py)."""
+    if (writer := getattr(trainer, "checkpoints", None)) is not None:
+        writer.wait()  # this save cleans up unfinished ones: the one in flight must be complete
+    keep = trainer.config.training.keep_checkpoints
+    return save_to(trainer, steps_done, run_dir / "checkpoints", keep, name=name)
+
+
+def save_to(
+    trainer: Trainer, steps_done: int, directory: Path, keep: int, per_node: bool = False, name: str | None = None
+) -> Path:
+    """save() into the checkpoints directory directory, keeping keep step_<N> checkpoints;
+    per_node: each node's first rank writes the directory (a node-local tier), else rank 0."""
     runtime = trainer.runtime
-    final = run_dir / "checkpoints" / (name or f"step_{steps_done}")
-    tmp = final.with_name(final.name + ".tmp")
-    if runtime.is_main:
-        clean_unfinished(final.parent)  # a save that was killed left these
-        tmp.mkdir(parents=True)
-    _barrier(runtime)
+    final, tmp, writer = begin(trainer, steps_done, directory, per_node, name)
     try:
-        _write_files(trainer, steps_done, tmp)
+        small_files(trainer, steps_done, writer)(tmp)
+        if has_fsdp(trainer.model):
+            save_sharded(trainer.model, trainer.optimizer, tmp / DIRECTORY)
+        elif writer:
+            write_full(full_content(trainer), tmp)
     except CheckpointError:
-        if runtime.is_main:  # a full disk gets back the space of the unfinished save at once
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif not tmp.is_dir():  # rank 0 did that: its failure is the cause, this one's a consequence
-            raise PeerFailed(
-                f"cannot write this rank's part of checkpoint {tmp}: rank 0 removed the unfinished checkpoint, "
-                "its own part having failed (a consequence of that rank's failure, which its own lines name)"
-            ) from None
+        abandon(runtime, tmp, writer, per_node)
         raise
     _barrier(runtime)  # every rank's files are in tmp, on disk
-    if runtime.is_main:
-        for directory in (tmp / DIRECTORY, tmp):
-            if directory.is_dir():
-                fsync_dir(directory)
-        replace_dir(tmp, final)
-        prune(final.parent, trainer.config.training.keep_checkpoints, final)
+    if writer:
+        complete(tmp, final, keep)
     _barrier(runtime)  # no rank returns before the checkpoint exists
     return final
 
 
-def _write_files(trainer: Trainer, steps_done: int, tmp: Path) -> None:
-    """This rank's files of the checkpoint into tmp. Each rank fsyncs what it writes (DCP
-    fsyncs its shards), so after the next barrier rank 0 only has the directory entries left
-    to make durable."""
+def begin(trainer: Trainer, steps_done: int, directory: Path, per_node: bool, name: str | None = None) -> tuple[Path, Path, bool]:
+    """The start of a save every rank makes: (the final path, <name>.tmp every rank writes into,
+    whether this rank writes the directory: creates it, and renames and prunes when complete).
+    The writer removes what killed saves left first; a barrier, so no rank writes before it."""
     runtime = trainer.runtime
-    _write_tensors(rng_states(runtime.device), tmp / f"rng_rank{runtime.rank}.pt")
-    if has_fsdp(trainer.model):
-        save_sharded(trainer.model, trainer.optimizer, tmp / DIRECTORY)
-    elif runtime.is_main:
-        model_state, optimizer_state = full_states(trainer.model, trainer.optimizer)
-        _write_tensors(model_state, tmp / "model.pt")
-        _write_tensors(optimizer_state, tmp / "optimizer.pt")
-    if runtime.is_main:
-        with _writing(tmp / "config.json"):
-            cfg.save(trainer.config, tmp / "config.json")
-        with _writing(tmp / "state.json"):
-            atomic_write_text(tmp / "state.json", json.dumps(_state(trainer, steps_done), indent=2) + "\n")
+    final = directory / f"step_{steps_done}" if name is None else directory / name
+    tmp = final.with_name(final.name + ".tmp")
+    writer = writes_directory(runtime, per_node)
+    if writer:
+        clean_unfinished(final.parent)  # a save that was killed left these
+        tmp.mkdir(parents=True)
+    _barrier(runtime)
+    return final, tmp, writer
+
+
+def writes_directory(runtime: Runtime, per_node: bool) -> bool:
+    """Whether this rank creates, completes and prunes a checkpoint directory: rank 0, or for a
+    per-node directory each node's first rank (LOCAL_RANK 0)."""
+    if not per_node:
+        return runtime.is_main
+    return int(os.environ.get("LOCAL_RANK", runtime.rank)) == 0
+
+
+def ranks_of(runtime: Runtime, per_node: bool) -> range:
+    """The ranks whose files go into the directory this rank writes: all, or its node's (ranks
+    are numbered node by node)."""
+    if not per_node:
+        return range(runtime.world_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", runtime.rank))
+    first = runtime.rank - local_rank
+    return range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size)))
+
+
+def abandon(runtime: Runtime, tmp: Path, writer: bool, per_node: bool = False) -> None:
+    """After this rank's write failed: its writer removes the unfinished checkpoint (a full disk
+    gets its space back at once); another rank whose tmp is gone says that the writer's failure
+    (rank 0's, or its node's first rank's for a per_node tier) is the cause (PeerFailed), else
+    the caller re-raises its own error."""
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif not tmp.is_dir():  # the writer did that: its failure is the cause, this one's a consequence
+        raise PeerFailed(
+            f"cannot write this rank's part of checkpoint {tmp}: rank {ranks_of(runtime, per_node)[0]} removed the "
+            "unfinished checkpoint, its own part having failed (a consequence of that rank's failure, which its own "
+            "lines name)"
+        ) from None
+
+
+def complete(tmp: Path, final: Path, keep: int) -> None:
+    """Every rank's files are in tmp, fsynced: make the directory entries durable, rename tmp to
+    final (a complete checkpoint at every moment: replace_dir) and prune the directory to keep."""
+    for directory in (tmp / DIRECTORY, tmp):
+        if directory.is_dir():
+            fsync_dir(directory)
+    replace_dir(tmp, final)
+    prune(final.parent, keep, final)
+
+
+def small_files(trainer: Trainer, steps_done: int, writer: bool) -> Callable[[Path], None]:
+    """What a checkpoint holds besides the model and the optimizer, taken now (this rank's random
+    generators; on the directory's writer the config and state.json's data and schedule
+    positions), and the function that writes it into a checkpoint's tmp directory, later or at
+    once. Each rank fsyncs what it writes (DCP fsyncs its shards), so the writer only has the
+    directory entries left to make durable."""
+    rank, rng, config = trainer.runtime.rank, rng_states(trainer.runtime.device), trainer.config
+    state = json.dumps(_state(trainer, steps_done), indent=2) + "\n" if writer else None
+
+    def write(tmp: Path) -> None:
+        write_tensors(rng, tmp / f"rng_rank{rank}.pt")
+        if state is not None:
+            with _writing(tmp / "config.json"):
+                cfg.save(config, tmp / "config.json")
+            with _writing(tmp / "state.json"):
+                atomic_write_text(tmp / "state.json", state)
+
+    return write
 
 
 def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
@@ -174,7 +234,19 @@ def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
     }
 
 
-def _write_tensors(value: Any, file: Path) -> None:
+def full_content(trainer: Trainer) -> dict[str, Any]:
+    """The single-file format's tensors: {"model": the full model state, "optimizer": the optimizer's}."""
+    model_state, optimizer_state = full_states(trainer.model, trainer.optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def write_full(content: dict[str, Any], tmp: Path) -> None:
+    """full_content (or a staged copy of it) into tmp: model.pt and optimizer.pt, fsynced."""
+    write_tensors(content["model"], tmp / "model.pt")
+    write_tensors(content["optimizer"], tmp / "optimizer.pt")
+
+
+def write_tensors(value: Any, file: Path) -> None:
     """torch.save to file, fsynced before it returns."""
     with _writing(file), open(file, "wb") as handle:
         torch.save(value, handle)
@@ -296,69 +368,6 @@ def restore(trainer: Trainer, path: Path) -> int:
     _warn_if_schedule_changed(trainer, path, state)
     _supersede_later(trainer, path, state["steps_done"])
     return state["steps_done"]
-
-
-def check_steps(path: Path, steps_done: int, max_steps: int) -> None:
-    """A checkpoint past the end of this run would train backwards (equal: nothing left to train)."""
-    if steps_done > max_steps:
-        raise CheckpointError(
-            f"checkpoint {path} has {steps_done} steps done, more than training.max_steps "
-            f"{max_steps}; raise --max-steps or resume an earlier checkpoint"
-        )
-
-
-def check_same_model(path: Path, saved: cfg.ModelConfig, current: cfg.ModelConfig) -> None:
-    for key in ARCHITECTURE_KEYS:
-        there, here = getattr(saved, key), getattr(current, key)
-        if key == "moe":  # the routing may change (ROUTING_KEYS): compared as the current run's
-            there = dataclasses.replace(there, **{name: getattr(here, name) for name in ROUTING_KEYS})
-        if there != here:
-            raise CheckpointError(
-                f"checkpoint {path} is for a different model: model.{key} is {there} there, "
-                f"{here} here; resume with the same model config or start fresh"
-            )
-
-
-def check_same_optimizer(path: Path, saved: cfg.TrainingConfig, current: cfg.TrainingConfig) -> None:
-    """One optimizer's state does not load into another's."""
-    if saved.optimizer != current.optimizer:
-        raise CheckpointError(
-            f"checkpoint {path} was trained with training.optimizer={saved.optimizer}, not "
-            f"{current.optimizer}; resume with --set training.optimizer={saved.optimizer} or start fresh"
-        )
-
-
-def check_same_hub_files(path: Path, saved: cfg.DataConfig, current: cfg.DataConfig) -> None:
-    """A Hub dataset read from other files or another commit is another token stream: the saved
-    data position would name other windows, so training would repeat or skip data silently.
-    (Local files are not compared: their identity includes modification times, which a copy
-    changes without changing a byte.)"""
-    if saved.source != "hub" or current.source != "hub":
-        return
-    for key in ("hub_repo", "hub_files", "hub_revision", "hub_max_files"):
-        there, here = getattr(saved, key), getattr(current, key)
-        if there != here:
-            raise CheckpointError(
-                f"checkpoint {path} was trained on other Hub data: data.{key} is {there!r} there, "
-                f"{here!r} here; resume with --set data.{key}={json.dumps(there)} or start fresh"
-            )
-
-
-def check_shapes(path: Path, saved: dict[str, tuple[int, ...]], model: torch.nn.Module) -> None:
-    """The checkpoint has exactly the model's tensors, each of the same (full) shape: under their
-    separate names and shapes in a checkpoint of the separate layout (before the fused projections)."""
-    current = shapes_as_saved(model_shapes(model), saved, unwrap(model).cfg)
-    for key in sorted(saved.keys() | current.keys()):
-        there, here = saved.get(key), current.get(key)
-        if there != here:
-
-            def show(shape: tuple[int, ...] | None) -> str:
-                return "absent" if shape is None else f"of shape {list(shape)}"
-
-            raise CheckpointError(
-                f"checkpoint {path} is for a different model: {key} is {show(there)} there, "
-                f"{show(here)} here; resume with the same model config or start fresh"
-            )
 
 
 def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, trainer: Trainer) -> dict[str, int]:

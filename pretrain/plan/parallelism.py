@@ -11,7 +11,11 @@ weights, gradients and AdamW state there (16P/W bytes per rank, the pinned shard
 the caching host allocator: PINNED_ROUNDING); on CPU workers the whole per-GPU estimate is host
 memory, less the CUDA allowance plus a process's own. At the end of a run rank 0 also gathers
 its largest tensor there, twice, to export the weights one tensor at a time when they are sharded
-(export_copy_bytes). A run plans
+(export_copy_bytes). The local checkpoint tier in /dev/shm is memory too: one checkpoint kept
+and one being written, per host (pretrain/plan/checkpoint_memory.py), counted once the rest is
+planned: it never costs recomputation or offload, the default one is given up where it does not
+fit. An asynchronous checkpoint stages a copy of the state in host memory, taken only where it
+fits beside all that (plan_checkpoints). A run plans
 on HOST_SHARE of the host memory available when it starts, shared by the ranks on that host.
 An offload the config leaves open (null) is taken only when the run does not fit the GPUs
 without it, fits them with it, training.parallelism is not ddp and the host has the memory.
@@ -32,6 +36,7 @@ from pretrain.config import (
     with_micro_batch,
     without_gpu_memory,
 )
+from pretrain.plan.checkpoint_memory import local_tier_bytes, size, staged_bytes
 from pretrain.plan.compile_prerequisites import compile_requested
 from pretrain.plan.gpu_memory import (
     FP32,
@@ -137,6 +142,69 @@ def _export_part(config: Config, world_size: int, mode: str, offload: bool) -> s
     return f" + {gib(copy)} for the export's largest tensor" if copy else ""
 
 
+def _host_use(config: Config, world_size: int, mode: str, local_ranks: int, on_gpus: bool) -> int:
+    """What a planned run keeps in one host's memory before any checkpoint: its processes (CPU
+    workers' or offload's tensors where they are there, else each process's overhead)."""
+    if on_gpus and not config.training.cpu_offload:
+        return HOST_OVERHEAD_BYTES * local_ranks
+    return _host_need(config, world_size, "fsdp" if config.training.cpu_offload else mode, local_ranks, on_gpus)[1]
+
+
+def _with_local_tier(
+    config: Config, world_size: int, mode: str, host_memory_bytes: int | None, local_ranks: int, on_gpus: bool
+) -> tuple[Config, str]:
+    """The local checkpoint tier counted against host memory once the rest is planned (it never
+    costs recomputation or offload): kept where its two checkpoints fit beside the run; where not,
+    the default directory (/dev/shm) is given up, said on the plan's line, and a directory in
+    /dev/shm the user named is refused in one line."""
+    local = local_tier_bytes(config, world_size, mode, local_ranks)
+    if not local or host_memory_bytes is None:
+        return config, ""
+    room = HOST_SHARE * host_memory_bytes - _host_use(config, world_size, mode, local_ranks, on_gpus)
+    if local <= room:
+        return config, ""
+    short = f"two local checkpoints in /dev/shm need {size(local)} of host memory, {size(max(0.0, room))} is left"
+    if config.training.local_checkpoint_dir:
+        raise ConfigError(
+            f"training.local_checkpoint_dir {config.training.local_checkpoint_dir}: {short} beside the run; name a "
+            "directory on disk with --local-checkpoint-dir, or set training.local_checkpoint_interval=0"
+        )
+    return with_training(config, local_checkpoint_interval=0), f"; no local checkpoints ({short})"
+
+
+def plan_checkpoints(
+    config: Config, world_size: int, host_memory_bytes: int | None, local_ranks: int | None = None, on_gpus: bool = True
+) -> tuple[Config, str]:
+    """config with training.async_checkpoint made concrete from the planned config (parallelism
+    decided), and the line saying how checkpoints are written. "auto" is asynchronous where the
+    staged copy fits HOST_SHARE of host_memory_bytes beside what the run keeps there (its
+    processes, CPU workers' or offload's tensors, the local tier), else synchronous, the line a
+    warning; true where it does not fit: ConfigError, one line. host_memory_bytes None: no
+    figure, "auto" stays for the workers to decide."""
+    t = config.training
+    local_ranks = local_ranks or world_size
+    mode = "fsdp" if t.cpu_offload else t.parallelism  # planned: "ddp" or "fsdp" (a single process plans as ddp)
+    staged = staged_bytes(config, world_size, mode, local_ranks)
+    if t.async_checkpoint is False:
+        return config, "checkpoints: synchronous (training.async_checkpoint=false)"
+    if host_memory_bytes is None:
+        return config, f"checkpoints: asynchronous, staged in {size(staged)} of host memory"
+    used = _host_use(config, world_size, mode, local_ranks, on_gpus) + local_tier_bytes(config, world_size, mode, local_ranks)
+    room = HOST_SHARE * host_memory_bytes - used
+    if staged <= room:
+        line = f"checkpoints: asynchronous, staged in {size(staged)} of host memory"
+        return with_training(config, async_checkpoint=True), line
+    short = (
+        f"the staged copy needs {size(staged)} of host memory but {size(max(0.0, room))} is left of the "
+        f"{gib(host_memory_bytes)} GiB available (a run plans on {HOST_SHARE:.0%} of it, less its own use)"
+    )
+    if t.async_checkpoint is True:
+        raise ConfigError(
+            f"training.async_checkpoint=true: {short}; set training.async_checkpoint=false (or auto), or free host memory"
+        )
+    return with_training(config, async_checkpoint=False), f"warning: checkpoints written synchronously: {short}"
+
+
 def export_copy_bytes(config: Config, world_size: int, mode: str, offload: bool) -> int:
     """At the end of a run rank 0 exports the weights one tensor at a time (pretrain/hf/export.py):
     it gathers a tensor whole in fp32 into host memory and converts it (transformers' row order,
@@ -208,6 +276,7 @@ def plan_parallelism(
         cpu_offload=offload,
         reshard_after_forward=_reshard_after_forward(config, world_size, mode, offload, gpu_memory_bytes),
     )
+    planned, local = _with_local_tier(planned, world_size, mode, host_memory_bytes, local_ranks, on_gpus)
     unit = ("GPU" if on_gpus else "CPU worker") + ("" if world_size == 1 else "s")
     if offload:
         line = f"parallelism: FSDP with CPU offload over {world_size} {unit}"
@@ -219,7 +288,7 @@ def plan_parallelism(
         recomputes = activation_checkpointing(planned) != "none" or loss_chunked(planned)
         if recomputes:  # CPU lines say only what is recomputed, and a micro-batch chosen
             line += f"; {recomputation(planned)}"
-        return planned, line + _micro_batch(original, planned)
+        return planned, line + _micro_batch(original, planned) + local
     detail = f"estimated {gib(estimate(planned, world_size, mode, offload).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
     if offload:
         _, host_needed = _host_need(planned, world_size, mode, local_ranks, on_gpus=True)
@@ -232,7 +301,7 @@ def plan_parallelism(
     elif planned.training.parallelism == "fsdp" and config.training.parallelism == "auto":
         detail += f"; DDP would need ~{gib(estimate(planned, world_size, 'ddp').total)} GiB"
     gathering = _gathering(planned, world_size, gpu_memory_bytes)
-    return planned, f"{line} ({detail}); {recomputation(planned)}{gathering}{_micro_batch(original, planned)}"
+    return planned, f"{line} ({detail}); {recomputation(planned)}{gathering}{_micro_batch(original, planned)}{local}"
 
 
 def batch_choices(config: Config, world_size: int, on_gpus: bool) -> list[Config]:
