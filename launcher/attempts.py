@@ -82,6 +82,10 @@ class Attempts:
     console: Printer
     started: bool = False
     """Whether an attempt's workers were spawned (a later error must not give the run directory up)."""
+    local_choice: Callable[[Path | None, int], Path | None] | None = None
+    """Several nodes: the local checkpoint every node has that a restart on world_size workers takes
+    over the durable one given (launcher/local_tier.py, agreed), None for the durable one; None: this
+    machine's own local tier (pretrain/checkpoint/tiers.py, newest)."""
 
     @property
     def training(self) -> bool:
@@ -281,11 +285,20 @@ class Attempts:
         in one line if it is no longer complete), else none: step 0, with training.init_from's
         weights if it names some. A newer checkpoint of the run passed over as damaged is named, as
         `--resume auto` names it."""
+        from pretrain.checkpoint import tiers
         from pretrain.checkpoint.resume import ResumeError, checkpoint_at, damaged, latest
 
         say = self.console.launcher_line
         first = Path(self.config.training.resume) if self.config.training.resume else None
-        own = latest(self.run_dir / "checkpoints", world_size)
+        durable = latest(self.run_dir / "checkpoints", world_size)
+        if self.local_choice is not None:
+            local = self.local_choice(durable, world_size)
+            own = local if local is not None and (durable is None or tiers.steps_of(local) > tiers.steps_of(durable)) else durable
+        else:
+            local_dir = tiers.local_dir_of(self.config, self.run_dir, tiers.NodePlace())
+            own = tiers.newest(self.run_dir / "checkpoints", local_dir, world_size, say)
+        # Later local ones (damaged, or not on every node) are of the continuation this restart
+        # abandons: each node's launcher removes them as it takes its local tier (launcher/local_tier.py).
         checkpoint = own.resolve() if own is not None else None
         if first is not None and (checkpoint is None or steps_of(checkpoint) <= steps_of(first)):
             try:
@@ -299,7 +312,9 @@ class Attempts:
             say(f"warning: not resuming from the later {skipped}")
         if checkpoint is not None:
             where = " (where the run started: it has no newer complete checkpoint)" if checkpoint == first else ""
-            say(f"resuming from {checkpoint}{where}")
+            in_local = own is not None and checkpoint == own.resolve() and own.parent != self.run_dir / "checkpoints"
+            tier = " (local)" if in_local else ""
+            say(f"resuming from {checkpoint}{tier}{where}")
         elif init_from := self.config.training.init_from:
             say(f"no complete checkpoint yet: starting again at step 0 from training.init_from's weights ({init_from})")
         else:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher import local_tier
 from launcher.attempts import Attempts, check_global_batch_kept, warn_without_checkpoints
 from launcher.exit_codes import by_signal, stop_signal
 from launcher.gpus.selection import DeviceError
@@ -60,8 +61,6 @@ if TYPE_CHECKING:
 Attempt = Callable[[cfg.Config, Node, Path, int, Restarts, Callable[[], None]], tuple[int, AttemptEnd]]
 """One attempt on this node (launch.py run_owned): its config, round, run directory, port, restart
 count, and what to call once its workers are spawned -> its exit code and how it ended."""
-"""One attempt on this node: its config, the round's Node, the run directory, the rank-0 worker's
-port and the restart count -> this node's exit code and how its attempt ended."""
 
 ROUND_KEY = "round"
 """A bare key of node 0's store: the round whose check-in is open (absent: the first round)."""
@@ -282,6 +281,7 @@ class RestartRounds:
         """Node 0 chooses the run directory (the first round), the checkpoint and the worker port,
         and shares them; the others take them. The config, the port and the attempt's number."""
         if not node.spec.is_master:
+            local_tier.report(node, self.config, self.owned.path if self.owned and self.training else None, self.first_world)
             plan = node.receive("run")
             if self.owned is None:
                 if self.args.run_dir and run_dir_path(self.args.run_dir) != Path(plan["run_dir"]):
@@ -303,7 +303,7 @@ class RestartRounds:
             if self.training:
                 warn_without_checkpoints(self.config, self.say)
         else:
-            config = self._attempts_of().restart_config(node.world_size, self.first_world)
+            config = self._attempts_of(node).restart_config(node.world_size, self.first_world)
         port = self.free_port()
         node.share(
             "run",
@@ -317,9 +317,10 @@ class RestartRounds:
         )
         return config, port, number
 
-    def _attempts_of(self) -> Attempts:
-        """The one-machine restart loop's helpers: devices again, the restart's config."""
-        return Attempts(self.args, self.first_config or self.config, self.command, self.owned_path, self.console)
+    def _attempts_of(self, node: Node | None = None) -> Attempts:
+        """The one-machine restart loop's helpers: devices again, the restart's config (node's: a local checkpoint all have)."""
+        choice = local_tier.choice(node, self.config, self.owned_path, self.first_world, self.say) if node else None
+        return Attempts(self.args, self.first_config or self.config, self.command, self.owned_path, self.console, False, choice)
 
     def _begin(self, config: cfg.Config, begun: list[restarts.Attempt | None]) -> None:
         """Once the attempt's workers are spawned, node 0: its line of restarts.jsonl (every node's

@@ -24,7 +24,8 @@ def resume_point(
     from pretrain.checkpoint.resume import resolve_resume, run_results
 
     resume = config.training.resume
-    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, runs_root(), world_size)
+    # With the config, auto weighs the run's local checkpoints too (a launcher killed left them).
+    run_dir, checkpoint = resolve_resume(resume, run_dir_arg, runs_root(), world_size, config, printer.launcher_line)
     run_dir = run_dir_path(run_dir)
     if checkpoint is not None and resume != "auto":
         refuse_live_checkpoint(resume, checkpoint)

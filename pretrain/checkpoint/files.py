@@ -32,7 +32,7 @@ import re
 import shutil
 import stat
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pretrain.run.refusal import Refusal
@@ -157,21 +157,23 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def checkpoint_problem(path: Path, world_size: int | None = None) -> str | None:
+def checkpoint_problem(path: Path, world_size: int | None = None, ranks: Iterable[int] | None = None) -> str | None:
     """What makes checkpoint path unusable for a resume on world_size ranks, as a phrase that
     names the file and ends with what to do ("optimizer.pt is missing (an incomplete
     checkpoint); use another checkpoint of the run"); None when every file such a resume reads
     is there and whole. world_size None: a reader of the model alone (export, generation),
-    which needs neither optimizer.pt nor the random generators."""
+    which needs neither optimizer.pt nor the random generators. ranks: the ranks whose random
+    generators path holds (a node's local checkpoint, pretrain/checkpoint/tiers.py); None: every one."""
     try:
         state = read_state(path)
     except StateError as error:
         return error.problem
-    problem = next(filter(None, (_file_problem(path, name) for name in _required_files(path, state, world_size))), None)
+    required = _required_files(path, state, world_size, ranks)
+    problem = next(filter(None, (_file_problem(path, name) for name in required)), None)
     return None if problem is None else f"{problem}; use another checkpoint of the run"
 
 
-def _required_files(path: Path, state: dict, world_size: int | None) -> Iterator[str]:
+def _required_files(path: Path, state: dict, world_size: int | None, ranks: Iterable[int] | None) -> Iterator[str]:
     """The files (relative to path) a resume reads. A sharded checkpoint's shards are those its
     dcp/.metadata names: listed once that has passed its own check (so it parses)."""
     yield "config.json"
@@ -180,8 +182,8 @@ def _required_files(path: Path, state: dict, world_size: int | None) -> Iterator
         yield "dcp/.metadata"
     else:
         yield from ("model.pt",) if world_size is None else ("model.pt", "optimizer.pt")
-    ranks = 0 if world_size is None else min(world_size, state["world_size"])
-    yield from (f"rng_rank{rank}.pt" for rank in range(ranks))
+    saved = 0 if world_size is None else min(world_size, state["world_size"])
+    yield from (f"rng_rank{rank}.pt" for rank in (range(saved) if ranks is None else ranks) if rank < saved)
     if sharded:
         yield from (f"dcp/{name}" for name in sorted(_dcp_shards((path / "dcp" / ".metadata").read_bytes())))
 

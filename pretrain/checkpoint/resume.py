@@ -5,8 +5,11 @@ directory complete is pretrain/checkpoint/files.py's business.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from pretrain.checkpoint import tiers
 from pretrain.run.refusal import Refusal
 from pretrain.checkpoint.files import (
     OLD,
@@ -17,6 +20,9 @@ from pretrain.checkpoint.files import (
     latest,
     step_checkpoints,
 )
+
+if TYPE_CHECKING:
+    from pretrain.config import Config
 
 __all__ = [
     "UNFINISHED_SUFFIXES",
@@ -39,7 +45,12 @@ class ResumeError(Refusal, ValueError):
 
 
 def resolve_resume(
-    resume: str, run_dir_arg: str | None, runs_root: Path, world_size: int | None = None
+    resume: str,
+    run_dir_arg: str | None,
+    runs_root: Path,
+    world_size: int | None = None,
+    config: Config | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[Path | None, Path | None]:
     """(run directory to use, checkpoint to resume from) for training.resume, on world_size ranks.
 
@@ -50,21 +61,31 @@ def resolve_resume(
     checkpoint directory, refused (ResumeError) unless complete, or a run directory, for its
     latest complete checkpoint; training continues in run_dir_arg when given, else in the run
     directory the checkpoint belongs to. Complete: every file a resume on world_size ranks reads
-    is there and whole (pretrain/checkpoint/files.py, checkpoint_problem)."""
+    is there and whole (pretrain/checkpoint/files.py, checkpoint_problem).
+
+    With config (the run's), its local tier counts too (pretrain/checkpoint/tiers.py): "auto" in a
+    run directory takes the newest complete checkpoint of either tier (on one node: several
+    agree through their launchers), a damaged local one passed over, said through say; a path
+    to another node's local checkpoint means this node's copy of it."""
     run_dir = Path(run_dir_arg) if run_dir_arg else None
     if not resume:
         return run_dir, None
+    place = tiers.this_node()
+    local_dir = tiers.local_dir_of(config, run_dir, place) if config is not None and run_dir is not None else None
     if resume == "auto":
-        return _auto(run_dir, runs_root, world_size)
+        return _auto(run_dir, runs_root, world_size, local_dir if place.nodes == 1 else None, say)
+    path, ranks = Path(resume).expanduser(), None
+    if local_dir is not None and place.nodes > 1 and (mine := tiers.on_this_node(path, local_dir)).parent == local_dir:
+        path, ranks = mine, place.ranks  # a node's local checkpoint: this node's copy, its ranks' generators
     try:
-        path = checkpoint_at(Path(resume).expanduser(), world_size)
+        path = checkpoint_at(path, world_size, ranks)
     except ResumeError as error:
         raise ResumeError(f"--resume {error}") from None
     owner = path.parent.parent if path.parent.name == "checkpoints" else None
     return run_dir or owner, path
 
 
-def checkpoint_at(path: Path, world_size: int | None = None) -> Path:
+def checkpoint_at(path: Path, world_size: int | None = None, ranks: range | None = None) -> Path:
     """The checkpoint path names, made absolute: path itself when it is a complete checkpoint
     directory, else the latest complete checkpoint of the run directory path (complete for a
     resume on world_size ranks; None: for a reader of the model alone). ResumeError otherwise,
@@ -79,7 +100,7 @@ def checkpoint_at(path: Path, world_size: int | None = None) -> Path:
             "use a complete step_<N> directory beside it"
         )
     if (path / "state.json").exists():  # (a run directory has a config.json too)
-        if (problem := checkpoint_problem(path, world_size)) is not None:
+        if (problem := checkpoint_problem(path, world_size, ranks)) is not None:
             raise ResumeError(f"{path}: {problem}")
         return path.resolve()
     if not (path / "checkpoints").is_dir():
@@ -92,9 +113,15 @@ def checkpoint_at(path: Path, world_size: int | None = None) -> Path:
     return found.resolve()
 
 
-def _auto(run_dir: Path | None, runs_root: Path, world_size: int | None) -> tuple[Path | None, Path | None]:
+def _auto(
+    run_dir: Path | None,
+    runs_root: Path,
+    world_size: int | None,
+    local_dir: Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> tuple[Path | None, Path | None]:
     if run_dir is not None:
-        found = latest(run_dir / "checkpoints", world_size)
+        found = tiers.newest(run_dir / "checkpoints", local_dir, world_size, say)
         if found is None and (problems := damaged(run_dir / "checkpoints", world_size=world_size)):
             raise ResumeError(nothing_to_resume(run_dir, problems))
         return run_dir, found.resolve() if found else None

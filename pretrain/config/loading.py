@@ -405,6 +405,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start from a Hugging Face Llama or Mixtral checkpoint: a directory or a Hub model id "
         "(owner/name[@revision]); same as --set training.init_from=...",
     )
+    group.add_argument(
+        "--local-checkpoint-dir",
+        metavar="DIR",
+        help="where the frequent local checkpoints go (training.local_checkpoint_interval; default "
+        "/dev/shm/pretrain-<user>/<run id>-<hash>/); same as --set training.local_checkpoint_dir=...",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Config:
@@ -419,4 +425,8 @@ def from_args(args: argparse.Namespace) -> Config:
         if not args.init_from.strip():
             raise ConfigError("--init-from: expected a checkpoint directory or a Hub model id (owner/name)")
         sets.append(f"training.init_from={json.dumps(args.init_from)}")
+    if getattr(args, "local_checkpoint_dir", None) is not None:
+        if not args.local_checkpoint_dir.strip():
+            raise ConfigError("--local-checkpoint-dir: expected a directory")
+        sets.append(f"training.local_checkpoint_dir={json.dumps(args.local_checkpoint_dir)}")
     return resolve(preset="debug" if args.debug else args.preset, config_file=args.config, max_steps=args.max_steps, sets=sets)

@@ -100,6 +100,12 @@ class TrainingConfig:
     """Save a checkpoint every N steps (and always after the last step); 0 only after the last step."""
     keep_checkpoints: int = 3
     """How many step_<N> checkpoints to keep; older ones are deleted once a newer one is complete."""
+    async_checkpoint: bool | Literal["auto"] = "auto"
+    """Write checkpoints in the background: the step blocks only while the state is copied to host memory (pinned on a GPU), then training goes on while a thread writes it (DCP's asynchronous save under FSDP); at most one save is in flight (a second waits for the first), and a checkpoint is complete (renamed into place, pruned after) only once every rank's files are written. "auto": on where the host has memory for the staged copy (the state's bytes on this host), else off, said in one line; true: the same, refused in one line where the host has no room; false: every save blocks the step for the whole write (docs/training.md, "Checkpoints")."""
+    local_checkpoint_interval: int = 0
+    """Also save a checkpoint every N steps on the node (training.local_checkpoint_dir), of which only the newest is kept: a restart or --resume auto takes the newest complete checkpoint of either tier (a local one only when every node has the same step), so a restart redoes at most N steps instead of checkpoint_interval; must be below checkpoint_interval when both are set (a step due in both is saved durable). The local tier is removed when the run ends; a durable checkpoint is never pruned for a local one. 0: no local tier. On several nodes with the sharded (FSDP) format the local tier is off (docs/failures.md, "Local checkpoints")."""
+    local_checkpoint_dir: str = ""
+    """Where the local checkpoints go (training.local_checkpoint_interval), each node's its own: into <dir>/<run id>-<hash of the run directory's path>/ (node<k>/ inside that on several nodes), removed when the run ends. "": /dev/shm/pretrain-<user>/<run id>-<hash>/ when /dev/shm has room for two checkpoints (weights and optimizer state), else no local tier, said in one warning line. A directory named here that is not writable, too small, or is, holds or is inside the run directory or the runs root is refused before any worker starts. Also --local-checkpoint-dir."""
     resume: str = ""
     """Continue from a checkpoint: "auto" (the latest one of the run directory, or of the run under runs/ whose latest checkpoint is newest), a checkpoint or run directory path, or "" to start fresh. Also --resume."""
     init_from: str = ""
@@ -119,6 +125,7 @@ class TrainingConfig:
         "loss_chunk_tokens": MAX_COUNT,
         "checkpoint_interval": MAX_STEPS,
         "keep_checkpoints": MAX_STEPS,
+        "local_checkpoint_interval": MAX_STEPS,
     }
 
     def __post_init__(self) -> None:
@@ -140,6 +147,7 @@ class TrainingConfig:
             "eval_interval",
             "global_batch_size",
             "checkpoint_interval",
+            "local_checkpoint_interval",
         ):
             _check(getattr(self, name) >= 0, f"training.{name}", f"must not be negative (got {getattr(self, name)})")
         _check_at_most(self, "training")
@@ -157,6 +165,11 @@ class TrainingConfig:
             not_one_of(self.activation_checkpointing, CHECKPOINTING_CHOICES) + " (true and false mean full and none)",
         )
         _check(
+            self.async_checkpoint is True or self.async_checkpoint is False or self.async_checkpoint == "auto",
+            "training.async_checkpoint",
+            f'{describe(self.async_checkpoint)} is not one of true, false, "auto"',
+        )
+        _check(
             self.float8 is True or self.float8 is False or self.float8 == "emulate",
             "training.float8",
             f'{describe(self.float8)} is not one of true, false, "emulate"',
@@ -166,6 +179,18 @@ class TrainingConfig:
             "training.float8",
             f"{describe(self.float8)} needs training.use_amp=true (float8 matmuls take bf16 autocast's inputs); set both, "
             'or training.float8=false (true also needs a CUDA GPU of compute capability 8.9+; "emulate" runs anywhere)',
+        )
+        local, durable = self.local_checkpoint_interval, self.checkpoint_interval
+        _check(
+            not (local and durable) or local < durable,
+            "training.local_checkpoint_interval",
+            f"must be below training.checkpoint_interval (got {local}, checkpoint_interval {durable}): the local tier is "
+            f"the frequent one; lower it, or set it to 0 for durable checkpoints alone",
+        )
+        _check(
+            self.local_checkpoint_dir == self.local_checkpoint_dir.strip(),
+            "training.local_checkpoint_dir",
+            f"{self.local_checkpoint_dir!r} has leading or trailing spaces; give a directory",
         )
         _check(0 <= self.seed < 2**63, "training.seed", f"must be in [0, 2**63) (got {self.seed})")
         _check(self.learning_rate > 0, "training.learning_rate", f"must be positive (got {self.learning_rate})")
