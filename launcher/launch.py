@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher import address_space
+from launcher import address_space, local_tier
 from launcher.attempts import Attempts
 from launcher.compile_cache import kernel_cache_dir
 from launcher.gpus.health import HealthWatch
@@ -33,6 +33,7 @@ from launcher.processes.worker import StartError, Worker, with_package_root, wit
 from launcher.rundir import lock
 from launcher.rundir.choice import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.supervise import outcome
+from launcher.supervise.goodput import JobLedger, LaunchLedger
 from launcher.supervise.restarts import AttemptEnd
 from launcher.supervise.printer import Printer, use_colour
 from launcher.supervise.supervisor import Supervisor, SupervisorOptions
@@ -68,8 +69,18 @@ def launch(args: argparse.Namespace, config: cfg.Config, command: list[str], spe
             from pretrain.data.cache import sigterm_as_exit
 
         if args.max_restarts > 0:  # a restart is a new round of the rendezvous (launcher/nodes/restart_rounds.py)
-            with sigterm_as_exit():
-                return restarting_job(args, config, command, devices, console, spec).run()
+            ledger = JobLedger(console.launcher_line) if not command and spec.is_master else None  # goodput: node 0's
+            rounds = restarting_job(args, config, command, devices, console, spec, ledger)
+            try:
+                with sigterm_as_exit():
+                    code = rounds.run()
+            finally:
+                goodput_line = ledger.finish() if ledger is not None else None  # its record closed, whatever the end
+                if rounds.owned is not None and not command:
+                    local_tier.remove(config, rounds.owned.path)  # the node's local checkpoints, whatever the end
+            if goodput_line is not None:
+                console.launcher_line(goodput_line)
+            return code
         identity = {"command": command} if command else cfg.to_dict(config)
         placement = devices.placement
         with sigterm_as_exit():  # until the supervisor takes the signals: the others are told
@@ -91,14 +102,22 @@ class Devices:
 
 
 def restarting_job(
-    args: argparse.Namespace, config: cfg.Config, command: list[str], devices: Devices, console: Printer, spec: NodeSpec
+    args: argparse.Namespace,
+    config: cfg.Config,
+    command: list[str],
+    devices: Devices,
+    console: Printer,
+    spec: NodeSpec,
+    ledger: JobLedger | None = None,
 ) -> RestartRounds:
-    """This node's part of a job of several nodes that restarts: each attempt as run_owned runs it."""
+    """This node's part of a job of several nodes that restarts: each attempt as run_owned runs it.
+    ledger: node 0's goodput ledger, one launch for every round (the time between them is restart)."""
 
     def attempt(
         config: cfg.Config, node: Node, run_dir: Path, port: int, restarts: Restarts, started: Callable[[], None]
     ) -> tuple[int, AttemptEnd]:
-        return run_owned(args, config, command, devices.placement, console, run_dir, node, port, restarts, started)
+        launch = ledger.of(run_dir) if ledger is not None else None
+        return run_owned(args, config, command, devices.placement, console, run_dir, node, port, restarts, started, launch)
 
     return RestartRounds(args, config, command, devices, console, spec, attempt, free_port)
 
@@ -135,17 +154,28 @@ def run_placed(
         if node is not None:
             node.share("run", {"run_dir": str(owned.path), "resume": config.training.resume, "worker_port": master_port})
     attempts = Attempts(args, config, command, owned.path, console)
+    # The goodput ledger (launcher/supervise/goodput.py): node 0's launcher, training only.
+    keeps = not command and (node is None or node.spec.is_master)
+    ledger = LaunchLedger(owned.path, say=console.launcher_line) if keeps else None
 
     def attempt(config: cfg.Config, restarts: Restarts, started: Callable[[], None]) -> tuple[int, AttemptEnd]:
         port = master_port if restarts.count == 0 else free_port()  # the last one's may linger
-        return run_owned(args, config, command, devices.placement, console, owned.path, node, port, restarts, started)
+        return run_owned(args, config, command, devices.placement, console, owned.path, node, port, restarts, started, ledger)
 
     try:
         code = attempts.run(attempt, devices)
     except BaseException:
         if not attempts.started:
             owned.abandon()  # nothing left behind by a launch that ends in an error before it starts
+        elif ledger is not None:
+            ledger.finish()
         raise
+    finally:
+        if not command:
+            local_tier.remove(config, owned.path)  # the node's local checkpoints, whatever the end
+    if ledger is not None and (line := ledger.finish()) is not None:
+        with attempts.logged():  # to combined.log too
+            attempts.console.launcher_line(line)
     owned.release()
     return code
 
@@ -161,13 +191,16 @@ def run_owned(
     master_port: int | None = None,
     restarts: Restarts = NO_RESTARTS,
     started: Callable[[], None] = lambda: None,
+    ledger: LaunchLedger | None = None,
 ) -> tuple[int, AttemptEnd]:
     """One attempt: prepare (training), spawn and supervise; its exit code and how it ended.
-    started: called once every worker is spawned (launcher/attempts.py: the attempt has begun)."""
+    started: called once every worker is spawned (launcher/attempts.py: the attempt has begun).
+    ledger: the launch's goodput record, told of the attempt's spawn and end."""
     generic = bool(command)
     kernels = None  # the user's own command keeps the user's (or torch's) compile cache
     if not generic:
-        config = prepare_training(config, placement, console, node, first_attempt=restarts.count == 0)
+        config = prepare_training(config, placement, console, node, first_attempt=restarts.count == 0, run_dir=run_dir)
+        config = local_tier.decide(config, run_dir, node, console.launcher_line if restarts.count == 0 else None)
         kernels = kernel_cache_dir(config, placement.device, console.launcher_line)
         if node is not None:
             multinode.agree_on_config(node, cfg.to_dict(config))
@@ -187,6 +220,11 @@ def run_owned(
         workers = make_workers(
             placement, command, not generic, layout, master_port, kernels, run_dir=run_dir, logs_dir=logs_dir, restarts=restarts
         )
+        for worker in workers if not generic else []:  # the local tier decided: every rank takes it as it is
+            worker.env |= local_tier.env(config, run_dir, node)
+        if ledger is not None:  # the launch's number, for the workers' goodput records
+            for worker in workers:
+                worker.env |= ledger.env()
         options = SupervisorOptions(
             kill_grace=args.kill_grace,
             stop_timeout=args.stop_timeout,
@@ -213,11 +251,17 @@ def run_owned(
 
             def on_started() -> None:
                 watching.enter_context(gpu_watch)
+                if ledger is not None:
+                    ledger.spawned(restarts.count)
                 started()
 
             supervisor.on_started = on_started
-            with watching:
-                code = supervisor.run()
+            try:
+                with watching:
+                    code = supervisor.run()
+            finally:
+                if ledger is not None:
+                    ledger.ended(restarts.count, supervisor.failed_at())
             return code, supervisor.attempt_end(code)
         except StartError as error:  # workers.json says which worker, why, and the exit code
             if warning := outcome.write_exit_record(run_dir, outcome.start_failure_record(workers, error), options.exit_record):

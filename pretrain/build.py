@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint.async_save import CheckpointWriter
+from pretrain.checkpoint.tiers import base_of, run_tiers
 from pretrain.plan import gpu_memory as memory, parallelism as memory_plan
+from pretrain.plan.checkpoint_memory import held_in_memory
 from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
 from pretrain.distributed import float8, parallel
 from pretrain.plan import float8 as float8_plan
@@ -26,6 +29,7 @@ from pretrain.data import DataError
 from pretrain.data.loader import TokenIdError, TrainBatches, ValBatch, validation_batches
 from pretrain.numerics.debug import FirstNonFinite
 from pretrain.observe.metrics import MetricsLog
+from pretrain.observe.progress import PROGRESS_VAR
 from pretrain.observe.stragglers import StragglerWatch, watch_for
 from pretrain.observe.wandb_log import WandbRun
 from pretrain.model.transformer import Transformer
@@ -80,6 +84,9 @@ class Trainer:
     faults: Faults | None = None
     """The faults PRETRAIN_FAULTS scripts for this rank and attempt (pretrain/run/faults.py, a
     testing aid); None in an ordinary run."""
+    checkpoints: CheckpointWriter = field(init=False)
+    """What fit() saves checkpoints through, synchronously or in the background
+    (training.async_checkpoint: pretrain/checkpoint/async_save.py); set by build()."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -97,7 +104,7 @@ def gpu_memory(config: Config, device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
+def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None) -> tuple[Config, str]:
     """The config as the launcher's plan makes it concrete (training.parallelism, cpu_offload,
     activation_checkpointing, loss_chunk_tokens, reshard_after_forward: pretrain/plan/parallelism.py),
     and the mode: fsdp with CPU offload (even for one process), else single for one process,
@@ -115,9 +122,29 @@ def parallel_mode(config: Config, runtime: Runtime) -> tuple[Config, str]:
             (gpu,) = smallest_across_ranks(runtime, gpu)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
     config, _ = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
+    config = asynchronous_checkpoints(config, runtime, local_ranks, run_dir)
     if config.training.cpu_offload:
         return config, "fsdp"
     return config, config.training.parallelism if runtime.distributed else "single"
+
+
+def asynchronous_checkpoints(config: Config, runtime: Runtime, local_ranks: int, run_dir: Path | None = None) -> Config:
+    """config with training.async_checkpoint true or false (memory_plan.plan_checkpoints): "auto"
+    on where this host has memory for the staged copy, the same on every rank (the smallest host
+    figure decides); off, one warning line; true without room refused (one line, exit 2). Only a
+    worker run alone decides: under the launcher (which names a progress marker to every worker
+    it starts) it is decided already, and the memory the launched workers hold by now would be
+    counted twice. The run's own local checkpoints in /dev/shm (a restart's) count as available."""
+    launched = bool(os.environ.get(PROGRESS_VAR))
+    if config.training.async_checkpoint is False or (launched and config.training.async_checkpoint is True):
+        return config
+    own = held_in_memory(base_of(config, run_dir)) if run_dir is not None else 0
+    (host,) = smallest_across_ranks(runtime, memory_plan.host_memory_bytes() + own)
+    on_gpus = runtime.device.type == "cuda"
+    config, line = memory_plan.plan_checkpoints(config, runtime.world_size, host, local_ranks, on_gpus)
+    if line.startswith("warning: ") and runtime.is_main:
+        logging.getLogger("pretrain").warning(line.removeprefix("warning: "))
+    return config
 
 
 def without_unbuildable_compile(config: Config, device: torch.device) -> Config:
@@ -142,7 +169,7 @@ def smallest_across_ranks(runtime: Runtime, *values: int) -> tuple[int, ...]:
 
 
 def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, log: logging.Logger) -> Trainer:
-    config, mode = parallel_mode(config, runtime)
+    config, mode = parallel_mode(config, runtime, run_dir)
     t = config.training
     torch.manual_seed(t.seed)
     # Built on the meta device (shapes, no storage): parallelize shards it and only then
@@ -195,7 +222,15 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     wandb = WandbRun(run_dir, config, log) if config.logging.wandb and runtime.is_main else None
     metrics = MetricsLog(run_dir, enabled=runtime.is_main, tensorboard=config.logging.tensorboard, logger=log, wandb=wandb)
     trainer = Trainer(config, runtime, model, mode, optimizer, loader, iter(loader), val, log, run_dir, metrics)
-    trainer.stragglers = watch_for(config, runtime)
+    asynchronous = bool(t.async_checkpoint)
+    # DCP's background save runs its collectives on a gloo group of its own, made here by every
+    # rank alike, so that they never interleave with training's on the default group.
+    group = dist.new_group(backend="gloo") if asynchronous and mode == "fsdp" and runtime.distributed else None
+    say = log.warning if runtime.is_main else None  # the local tier off (no room in /dev/shm): one line
+    # Without the launcher the ranks agree on the local tier (one rank without room turns it off for all).
+    tiers = run_tiers(config, run_dir, mode == "fsdp", say, lambda usable: smallest_across_ranks(runtime, int(usable))[0] == 1)
+    trainer.checkpoints = CheckpointWriter(trainer, asynchronous, group, tiers)
+    trainer.stragglers = watch_for(config, runtime, model)  # under FSDP: hooks that leave the all-gathers out
     if float8_plan.requested(config):
         converted = [name for name, module in parallel.unwrap(model).named_modules() if float8.is_float8(module)]
         log.info(f"Float8: {float8.describe(converted, config)}")

@@ -2,9 +2,10 @@
 
 One process trains on one device. Under the launcher (or torchrun) the processes form a
 DDP group; alone, the same code trains a single process. The build phase (the Trainer, and
-how the ranks share the model) is pretrain/build.py; the step line's measurements are
-pretrain/observe/step_line.py; what a step with NaN or Inf does is pretrain/numerics/nonfinite.py; the optimizer
-and the loss are pretrain/optim/optimizers.py and pretrain/model/loss.py."""
+how the ranks share the model) is pretrain/build.py; one optimizer step (train_step, which fit
+calls through this module's namespace) is pretrain/step.py; the step line's measurements are
+pretrain/observe/step_line.py; checkpoints are written through trainer.checkpoints
+(pretrain/checkpoint/async_save.py)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint import save_restore as checkpoint
-from pretrain.numerics import debug, nonfinite
+from pretrain.checkpoint import save_restore as checkpoint, tiers
 from pretrain.hf import export
-from pretrain.distributed import float8, parallel, peer_loss
+from pretrain.distributed import float8, peer_loss
 from pretrain.evaluation import task_eval
 from pretrain import config as cfg
 from pretrain.build import Trainer, build
@@ -45,135 +45,13 @@ from pretrain.run.files import create_run_dir, new_run_id, os_error_message, run
 from pretrain.distributed.runtime import Runtime, init_runtime, mean_across_ranks, setup_logging, shutdown
 from pretrain.hf.init_from import load_weights
 from pretrain.hf.init_tokenizer import check_tokenizer
-from pretrain.observe import progress
+from pretrain.observe import goodput, progress
 from pretrain.observe.step_line import step_line, throughput
-from pretrain.optim import optimizers
-from pretrain.optim.schedule import lr_at
 from pretrain.run.stopping import Stopped
+from pretrain.step import aux_means, autocast, train_step
 
 
 # --- fit ------------------------------------------------------------------------------
-
-
-def autocast(trainer: Trainer):
-    return torch.autocast(trainer.runtime.device.type, dtype=torch.bfloat16, enabled=trainer.config.training.use_amp)
-
-
-def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over grad_accum_nums micro-batches: (local loss, grad norm, lr).
-    A step whose loss or gradient norm is not finite on any rank updates nothing: it is
-    skipped or stops the run (debug.on_nonfinite; see pretrain/numerics/debug.py)."""
-    t, device = trainer.config.training, trainer.runtime.device
-    lr = lr_at(step, t)
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr
-    position = trainer.loader.state_dict()  # where this step's batches start
-    if trainer.tracer is not None:
-        trainer.tracer.reset()
-    loss_sum = torch.zeros((), device=device)  # the cross-entropy; auxiliary losses only train
-    aux_sums: dict[str, torch.Tensor] = {}
-    count_sums: dict[str, torch.Tensor] = {}  # summed over micro-batches: a mixture of experts' dropped assignments
-    # This rank's compute, for the straggler line: each micro-batch's forward and loss, where DDP
-    # runs no collective (pretrain/observe/stragglers.py); timed outside the compiled blocks.
-    timer = trainer.stragglers.timer if trainer.stragglers is not None else None
-    if timer is not None:
-        timer.new_step()
-    if trainer.faults is not None:  # PRETRAIN_FAULTS (a testing aid); None in an ordinary run
-        slow_down(trainer, step)
-    accum = cfg.grad_accum_nums(trainer.config)  # a number once planned (build's parallel_mode)
-    for micro in range(accum):
-        x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
-        # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
-        # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
-        with parallel.gradient_sync(trainer.model, enabled=micro == accum - 1):
-            if timer is not None:
-                timer.begin()
-            with autocast(trainer):
-                loss = next_token_loss(trainer.model, x, y, cfg.loss_chunk_tokens(trainer.config))
-            if timer is not None:
-                timer.end()
-            (loss.total / accum).backward()
-        loss_sum += loss.cross_entropy.detach() / accum
-        for name, value in loss.aux_losses.items():
-            aux_sums[name] = aux_sums.get(name, 0) + value.detach().float() / accum
-        for name, value in loss.counts.items():
-            count_sums[name] = count_sums.get(name, 0) + value
-    trainer.aux_losses = aux_sums
-    trainer.counts = count_sums
-    grad_norm = parallel.grad_norm(trainer.model)
-    if trainer.config.debug.check_finite:
-        seen = trainer.tracer is not None and trainer.tracer.first is not None
-        # The step's one host synchronization, which also settles whether the ranks stop after
-        # it. Where the optimizer takes a device flag, the update is issued first, masked by the
-        # all-reduced flags (update), so the device works through it while the host waits.
-        masked = optimizers.takes_found_inf(trainer.optimizer, device)
-        states = len(trainer.optimizer.state)
-        update = (lambda found_inf: apply_update(trainer, grad_norm, found_inf)) if masked else None
-        agreement = debug.agree_on_step(step, loss_sum, grad_norm, trainer.runtime, seen, trainer.stop.signum, before_read=update)
-        trainer.stop.settle(agreement.stop_signum)
-        if agreement.nonfinite is not None:
-            if masked:  # nothing was updated; a first step's new state goes too
-                optimizers.forget_state_since(trainer.optimizer, states)
-            nonfinite.skip_or_stop(trainer, agreement.nonfinite, position)
-            return loss_sum, grad_norm, lr
-        if not masked:
-            apply_update(trainer, grad_norm)
-    else:
-        apply_update(trainer, grad_norm)
-    if trainer.float8_scales is not None:  # FSDP2's float8 all-gathers: the next step's weight scales, in one op
-        trainer.float8_scales(trainer.model)
-    trainer.skips_in_a_row = 0
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, lr
-
-
-def apply_update(trainer: Trainer, grad_norm: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
-    """Clip the gradients and step the optimizer. found_inf (a 0-d float32 device tensor, unread):
-    where it is 1.0 the step changes no weight or optimizer state (optimizers.step_unless), and
-    clipping scales the gradients by exactly 1 (a norm of 0 for it), so what a report and a tensor
-    dump of the step read is the backward's gradients, never ones scaled by a NaN or Inf norm."""
-    max_norm = trainer.config.training.max_grad_norm
-    if found_inf is None:
-        parallel.clip_gradients(trainer.model, max_norm, grad_norm)
-        trainer.optimizer.step()
-        return
-    parallel.clip_gradients(trainer.model, max_norm, torch.where(found_inf > 0, 0.0, grad_norm))
-    optimizers.step_unless(trainer.optimizer, found_inf)
-
-
-def slow_down(trainer: Trainer, step: int) -> None:
-    """PRETRAIN_FAULTS' sleep=S from its step on: this rank sleeps S seconds inside the interval
-    its compute is timed by, so it looks like a slow GPU (on one, the GPU first finishes its queue
-    and then idles through the sleep)."""
-    assert trainer.faults is not None
-    seconds = trainer.faults.sleep_seconds(step)
-    if not seconds:
-        return
-    timer = trainer.stragglers.timer if trainer.stragglers is not None else None
-    if trainer.runtime.device.type == "cuda":
-        torch.cuda.synchronize(trainer.runtime.device)
-    if timer is not None:
-        timer.begin()
-    time.sleep(seconds)
-    if timer is not None:
-        timer.end()
-
-
-def aux_means(trainer: Trainer) -> tuple[dict[str, float], dict[str, int]]:
-    """The last step's auxiliary losses (one per MoE layer), each the mean over ranks, and its counts
-    (each MoE layer's dropped assignments), each the sum over ranks and micro-batches: one
-    all-reduce of them stacked (float64, exact for any count), not one per layer, read at the
-    logging step's one read."""
-    names, counted = sorted(trainer.aux_losses), sorted(trainer.counts)
-    if not names and not counted:
-        return {}, {}
-    stacked = torch.stack([trainer.aux_losses[n].double() for n in names] + [trainer.counts[n].double() for n in counted])
-    if trainer.runtime.distributed:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-    values = stacked.tolist()
-    world = trainer.runtime.world_size if trainer.runtime.distributed else 1
-    losses = {name: value / world for name, value in zip(names, values[: len(names)], strict=True)}
-    return losses, {name: round(value) for name, value in zip(counted, values[len(names) :], strict=True)}
 
 
 @torch.no_grad()
@@ -206,8 +84,10 @@ def fit(trainer: Trainer) -> None:
     """Train from start_step to max_steps, or until trainer.stop is agreed: then save and raise
     Stopped. Saves a checkpoint every checkpoint_interval steps and after the last one."""
     t, log = trainer.config.training, trainer.log
+    clock = goodput.clock_for(trainer)  # this attempt's part of <run dir>/goodput.json (rank 0), from now
     if trainer.start_step == 0 < t.max_steps:  # a fresh run: where the curves start (untrained, or init_from's weights)
-        log_evaluations(trainer, 0)
+        with clock.evaluating():
+            log_evaluations(trainer, 0)
     interval = trainer.config.logging.log_interval
     start = time.perf_counter()
     speed = throughput(trainer)
@@ -215,6 +95,7 @@ def fit(trainer: Trainer) -> None:
     steps_per_epoch = max(1, trainer.loader.batches_per_epoch // cfg.grad_accum_nums(trainer.config))
     report_progress = progress.reporter()  # None unless the launcher asks for it
     for step in range(trainer.start_step, t.max_steps):
+        trainer.checkpoints.poll()  # a background write that failed stops the run here (no collective)
         loss, grad_norm, lr = train_step(trainer, step)
         if report_progress is not None:  # the step reached, which step lines show only every log_interval
             report_progress(step)
@@ -223,6 +104,7 @@ def fit(trainer: Trainer) -> None:
         last = step == t.max_steps - 1
         if steps_run == 0 or last or step % interval == 0:
             mean_loss = mean_across_ranks(loss, trainer.runtime)  # the global mean, the same on every rank
+            clock.step_time(step + 1)  # the read waited for the step's device work: step time (its logging is not)
             aux, counts = aux_means(trainer)
             trainer.losses.append(mean_loss)
             now = time.perf_counter()
@@ -249,30 +131,35 @@ def fit(trainer: Trainer) -> None:
             trainer.metrics.log_train(
                 step, mean_loss, lr, float(grad_norm), tokens_per_s, utilization, memory_gib, now - start, aux | counts
             )
+            trainer.metrics.log_goodput(step, clock.record(step + 1))
             if trainer.stragglers is not None:  # after the step line's sync: a window's exchange, when one is full
                 trainer.stragglers.at_logging_step(trainer.runtime, log.warning)
         if trainer.faults is not None:  # PRETRAIN_FAULTS: a kill or exit after this step, its line printed
             trainer.faults.after_step(step, log.warning)
         if not last:  # the last step's are the final ones, below
-            with speed.paused():
+            with speed.paused(), clock.evaluating():
                 log_evaluations(trainer, step + 1)
         if (signum := trainer.stop.agreed(trainer.runtime)) is not None:  # settled by train_step's check, if on
-            path = checkpoint.save(trainer, step + 1, trainer.run_dir)
             if trainer.stop.signum:  # every rank stops at this step: the launcher names this one (summary.py SIGNAL_CAME)
                 log.info(f"{signal.Signals(trainer.stop.signum).name} came to this rank: every rank stops after step {step}")
-            log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")
+            path = trainer.checkpoints.save(step + 1, trainer.checkpoints.tiers["durable"], wait=True, quiet=True)
+            log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to {path}")  # its one line
+            clock.record(step + 1, final=True)
             raise Stopped(signum)
         epoch_end = t.by_epoch and (step + 1) % steps_per_epoch == 0
-        if (epoch_end or t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0) and not last:
-            with speed.paused():
-                path = checkpoint.save(trainer, step + 1, trainer.run_dir)
-            epochs = math.ceil(t.max_steps / steps_per_epoch)
-            done = f"Epoch {(step + 1) // steps_per_epoch} of {epochs} done; c" if epoch_end else "C"
-            log.info(f"{done}heckpoint saved to {path}")
-    val_loss = log_validation(trainer, t.max_steps)
-    task_eval.log_task(trainer, t.max_steps)
-    path = checkpoint.save(trainer, t.max_steps, trainer.run_dir)
+        due = "durable" if epoch_end else tiers.due(step + 1, trainer.config)
+        if due in trainer.checkpoints.tiers and not last:  # its line comes when it is complete
+            epoch = f"Epoch {(step + 1) // steps_per_epoch} of {math.ceil(t.max_steps / steps_per_epoch)} done"
+            with speed.paused():  # asynchronous: blocked only while the state is staged
+                trainer.checkpoints.save(step + 1, trainer.checkpoints.tiers[due], note=epoch if epoch_end else "")
+        clock.step_time(step + 1, done=True)  # the stop agreement's read waits for the device too
+    with clock.evaluating():
+        val_loss = log_validation(trainer, t.max_steps)
+        task_eval.log_task(trainer, t.max_steps)
+    path = trainer.checkpoints.save(t.max_steps, trainer.checkpoints.tiers["durable"], wait=True)
+    trainer.checkpoints.close()  # the staged copy's memory back before the export
     exported = export_final(trainer, path)
+    ledger = clock.record(t.max_steps, final=True)
     log.info(
         f"Training complete: {t.max_steps - trainer.start_step} steps in {time.perf_counter() - start:.1f}s, "
         + (f"final loss {trainer.losses[-1]:.4f}" if trainer.losses else "nothing left to train")
@@ -280,7 +167,10 @@ def fit(trainer: Trainer) -> None:
         + (f", {trainer.skipped_steps} update(s) skipped for NaN/Inf" if trainer.skipped_steps else "")
         + f"; checkpoint {path}"
         + (f"; weights exported to {exported}" if exported else "")
+        + (f"; goodput {100 * ledger['goodput']:.1f}% so far (goodput.json)" if ledger else "")
     )
+    if clock.standalone and (line := clock.summary()) is not None:  # the launcher prints its own, at its end
+        log.info(line)
 
 
 def export_final(trainer: Trainer, final_checkpoint: Path) -> Path | None:
@@ -352,7 +242,9 @@ def train(
     included, is released when it returns: a process group destroyed while DDP still holds
     it is torn down at interpreter exit instead, where gloo's threads abort the process.
     injected: the faults PRETRAIN_FAULTS scripts for this rank (pretrain/run/faults.py)."""
-    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, runs_root(), runtime.world_size)
+    say = log.warning if runtime.is_main else None  # a damaged local checkpoint passed over (pretrain/checkpoint/tiers.py)
+    world_size = runtime.world_size
+    resume_run_dir, resume_from = resolve_resume(config.training.resume, run_dir_arg, runs_root(), world_size, config, say)
     run_dir = create_run_dir(shared_run_dir(resume_run_dir, runtime))
     # Under the launcher the dataset is already prepared and this is a cache hit, and the
     # config already fits it (the same values again).
@@ -389,8 +281,13 @@ def train(
         load_weights(trainer.model, init, log)
     elif config.training.resume == "auto":
         log.info("No checkpoint to resume from; starting at step 0")
-    with trainer.stop.installed(), trainer.metrics:  # SIGTERM, SIGINT or SIGHUP: finish the step, save, stop
-        fit(trainer)
+    try:
+        with trainer.stop.installed(), trainer.metrics:  # SIGTERM, SIGINT or SIGHUP: finish the step, save, stop
+            fit(trainer)
+    finally:  # whatever ended fit: a save in flight dropped, the staging memory released
+        trainer.checkpoints.close()
+    if runtime.rank % tiers.this_node().per_node == 0:  # each node's first rank: the finished run's local tier has served
+        tiers.remove_run_local(trainer.config, run_dir)
 
 
 def starting_weights(config: Config, say: Callable[[str], None]) -> HfCheckpoint | None:

@@ -258,7 +258,8 @@ def test_the_installed_launcher_trains_the_debug_preset_from_another_directory(i
     result = run_installed(installed, "pretrain-launch", "--debug", "--max-steps", "2", "--nproc", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
-    assert last_line(result.stdout) == f"launcher: run directory: {run_dir}"
+    *_, where, goodput = result.stdout.splitlines()  # a training run's last line is its goodput (docs/failures.md#goodput)
+    assert where == f"launcher: run directory: {run_dir}" and goodput.startswith("launcher: goodput ")
     assert (run_dir / "checkpoints" / "step_2").is_dir() and (run_dir / "logs" / "cpu1.log").is_file()
     assert any((tmp_path / "cache" / "datasets").iterdir())
     assert "Training complete: 2 steps" in (run_dir / "logs" / "cpu0.log").read_text()

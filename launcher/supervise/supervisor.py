@@ -517,6 +517,10 @@ class Supervisor:
             return by_signal(self._interrupted_by)
         return 0
 
+    def failed_at(self) -> float | None:
+        """When the first failure came (wall clock; for the goodput ledger), None if none did."""
+        return None if self._failure is None else time.time() - (time.monotonic() - self._failure.at)
+
     def attempt_end(self, code: int) -> restarts.AttemptEnd:
         """What the run that returned code came to, as the restart rules read it (after run())."""
         return outcome.attempt_end(code, self._ending(), self._described, self._remote, self._interrupted_by is not None)

@@ -305,6 +305,26 @@ class MetricsLog:
         self._write({"kind": task, "step": int(step), **scalars})
         self._scalars(task, step, scalars)
 
+    def log_goodput(self, step: int, ledger: dict[str, Any] | None) -> None:
+        """The goodput ledger so far (pretrain/observe/goodput.py): goodput (a fraction), the wall
+        seconds and each part's seconds; None (another rank, or no ledger) writes nothing."""
+        if ledger is None:
+            return
+        scalars = {"goodput": ledger["goodput"], "wall_s": ledger["wall_s"]}
+        scalars |= {f"{part}_s": seconds for part, seconds in ledger["parts_s"].items()}
+        self._write({"kind": "goodput", "step": int(step), **scalars})
+        self._scalars("goodput", step, scalars)
+
+    def log_checkpoint(self, step: int, tier: str, asynchronous: bool, stall_s: float, write_s: float, path: str) -> None:
+        """A completed checkpoint save after step steps, to tier ("durable" or "local"): stall_s the
+        seconds the training thread was blocked for it (staging, waiting for the save before it, or
+        the whole write when synchronous), write_s from its staging to its completion. One record:
+        {"kind": "checkpoint", "step": N, "checkpoint": {"step", "tier", "async", "stall_s", "write_s", "path"}}."""
+        seconds = {"stall_s": round(stall_s, 3), "write_s": round(write_s, 3)}
+        entry = {"step": int(step), "tier": tier, "async": asynchronous, **seconds, "path": path}
+        self._write({"kind": "checkpoint", "step": int(step), "checkpoint": entry})
+        self._scalars("checkpoint", step, seconds)
+
     def _open(self):
         """metrics.jsonl opened for appending; None, said in one warning, when it cannot be."""
         try:
@@ -316,7 +336,7 @@ class MetricsLog:
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        record = {key: value if key in ("kind", "step") else _number(value) for key, value in record.items()}
+        record = {key: value if key in ("kind", "step", "checkpoint") else _number(value) for key, value in record.items()}
         record["time"] = round(time.time(), 3)  # wall clock: tells the runs of a resumed file apart
         try:
             self._file.write(json.dumps(record, allow_nan=False).encode() + b"\n")
