@@ -20,6 +20,7 @@ from benchmarks.gpu_acceptance.context import (
     Row,  # noqa: F401  (re-exported)
     sets_args,
 )
+from benchmarks.gpu_acceptance.checks_checkpoints import CHECKPOINT_CHECKS
 from benchmarks.gpu_acceptance.checks_compile import COMPILE_CHECKS
 from benchmarks.gpu_acceptance.checks_efficiency import EFFICIENCY_CHECKS
 from benchmarks.gpu_acceptance.checks_features import FEATURE_CHECKS
@@ -463,6 +464,7 @@ CHECKS: dict[str, Callable[[Context], list[Row]]] = {
     **FEATURE_CHECKS,
     **FLOAT8_CHECKS,
     **MOE_CHECKS,
+    **CHECKPOINT_CHECKS,
 }
 """Every command a check runs has its own timeout, and a check's timeouts add up to at most
 groups.CHECK_LIMIT_S, so no check hangs and a group fits its device call."""

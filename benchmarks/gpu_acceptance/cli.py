@@ -175,7 +175,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description="Run every GPU path of this project once (NVML, the launch scripts, a NaN run, "
         "throughput and MFU, compile cache, bf16, NCCL and its failures, host synchronizations, "
         "graph breaks and recompiles, torchrun, the allocator, fp32 and flash attention, the memory "
-        "estimate) and write "
+        "estimate, asynchronous checkpoints) and write "
         "one Markdown table of the results. Needs an NVIDIA GPU.",
         epilog=f"checks: {', '.join(CHECKS)}",
     )

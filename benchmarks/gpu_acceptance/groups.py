@@ -57,6 +57,9 @@ ESTIMATED_S: dict[str, int] = {
     "float8": 2 * (START_S + COLD_COMPILE_S + 40),  # the 8B shape at 4 layers, bf16 then float8, each compiled cold, 50 steps
     # the grouped kernel vs a loop; `small` 4x top-2, dropless then capacity 1.25, each compiled cold, 40 steps
     "moe": START_S + 10 + 2 * (START_S + COLD_COMPILE_S + 20),
+    # `small` uncompiled, 40 steps and 4 saves of 1.7 GiB, sync then async (~60 s each beyond the
+    # launch); the two checkpoints compared (20 s); a resumed run's 10 steps and 3 saves (30 s)
+    "checkpoints": 3 * START_S + 2 * 60 + 20 + 30,
 }
 """Seconds each check takes on one H100 (two for the two-GPU checks), cold compile cache, without --quick."""
 
