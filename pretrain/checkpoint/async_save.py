@@ -39,7 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,11 +49,10 @@ from pretrain.checkpoint.files import CheckpointError, first_line
 from pretrain.checkpoint.model_state import sharded_content
 from pretrain.checkpoint.staging import KeptBuffers
 from pretrain.checkpoint.tiers import Tier, TierName
+from pretrain.checkpoint.trainer_state import TrainerState
 from pretrain.distributed.parallel import has_fsdp
 from pretrain.distributed.peer_loss import PeerFailed, peer_gone
 
-if TYPE_CHECKING:
-    from pretrain.build import Trainer
 
 MARKER = ".written_rank{rank}"
 """The file a rank writes into <name>.tmp/ once its files there are on disk."""
@@ -100,7 +99,7 @@ class CheckpointWriter:
     poll alike; tiers maps a tier's name to where it saves ("durable" always; "local" when the
     local tier is on: pretrain/checkpoint/tiers.py)."""
 
-    def __init__(self, trainer: Trainer, asynchronous: bool, group: Any = None, tiers: dict[TierName, Tier] | None = None):
+    def __init__(self, trainer: TrainerState, asynchronous: bool, group: Any = None, tiers: dict[TierName, Tier] | None = None):
         self.trainer = trainer
         self.asynchronous = asynchronous
         self.group = group

@@ -39,7 +39,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,13 +79,12 @@ from pretrain.distributed.parallel import has_fsdp
 from pretrain.distributed.peer_loss import PeerFailed
 from pretrain.checkpoint.rng import rng_states, seed_from, set_rng_states
 from pretrain.checkpoint.separate_layout import note
+from pretrain.checkpoint.trainer_state import TrainerState
 from pretrain.model.fused_layout import fuse_separate
 from pretrain.run.files import atomic_write_text
 from pretrain.distributed.runtime import Runtime
 from pretrain.optim.schedule import lr_at
 
-if TYPE_CHECKING:
-    from pretrain.build import Trainer
 
 __all__ = [
     "FORMAT_VERSION",
@@ -108,7 +107,7 @@ NEARLY_FULL = 64 << 20
 # --- save -----------------------------------------------------------------------------
 
 
-def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = None) -> Path:
+def save(trainer: TrainerState, steps_done: int, run_dir: Path, name: str | None = None) -> Path:
     """Write a checkpoint after steps_done optimizer steps to <run_dir>/checkpoints/step_<steps_done>
     (or name) and return its path, synchronously (a save in flight finishes first); every rank
     calls this. Rank 0 then deletes the oldest step_<N> checkpoints beyond
@@ -121,7 +120,7 @@ def save(trainer: Trainer, steps_done: int, run_dir: Path, name: str | None = No
 
 
 def save_to(
-    trainer: Trainer, steps_done: int, directory: Path, keep: int, per_node: bool = False, name: str | None = None
+    trainer: TrainerState, steps_done: int, directory: Path, keep: int, per_node: bool = False, name: str | None = None
 ) -> Path:
     """save() into the checkpoints directory directory, keeping keep step_<N> checkpoints;
     per_node: each node's first rank writes the directory (a node-local tier), else rank 0."""
@@ -143,7 +142,9 @@ def save_to(
     return final
 
 
-def begin(trainer: Trainer, steps_done: int, directory: Path, per_node: bool, name: str | None = None) -> tuple[Path, Path, bool]:
+def begin(
+    trainer: TrainerState, steps_done: int, directory: Path, per_node: bool, name: str | None = None
+) -> tuple[Path, Path, bool]:
     """The start of a save every rank makes: (the final path, <name>.tmp every rank writes into,
     whether this rank writes the directory: creates it, and renames and prunes when complete).
     The writer removes what killed saves left first; a barrier, so no rank writes before it."""
@@ -201,7 +202,7 @@ def complete(tmp: Path, final: Path, keep: int) -> None:
     prune(final.parent, keep, final)
 
 
-def small_files(trainer: Trainer, steps_done: int, writer: bool) -> Callable[[Path], None]:
+def small_files(trainer: TrainerState, steps_done: int, writer: bool) -> Callable[[Path], None]:
     """What a checkpoint holds besides the model and the optimizer, taken now (this rank's random
     generators; on the directory's writer the config and state.json's data and schedule
     positions), and the function that writes it into a checkpoint's tmp directory, later or at
@@ -221,7 +222,7 @@ def small_files(trainer: Trainer, steps_done: int, writer: bool) -> Callable[[Pa
     return write
 
 
-def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
+def _state(trainer: TrainerState, steps_done: int) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "steps_done": steps_done,
@@ -234,7 +235,7 @@ def _state(trainer: Trainer, steps_done: int) -> dict[str, Any]:
     }
 
 
-def full_content(trainer: Trainer) -> dict[str, Any]:
+def full_content(trainer: TrainerState) -> dict[str, Any]:
     """The single-file format's tensors: {"model": the full model state, "optimizer": the optimizer's}."""
     model_state, optimizer_state = full_states(trainer.model, trainer.optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
@@ -329,7 +330,7 @@ def _is_sharded(path: Path) -> bool:
 # --- restore --------------------------------------------------------------------------
 
 
-def restore(trainer: Trainer, path: Path) -> int:
+def restore(trainer: TrainerState, path: Path) -> int:
     """Load model, optimizer, data position and this rank's random generators from the
     checkpoint at path into trainer; return the steps it had done. Every rank calls this.
     The optimizer's hyperparameters stay those of trainer's config. Resuming an earlier
@@ -370,7 +371,7 @@ def restore(trainer: Trainer, path: Path) -> int:
     return state["steps_done"]
 
 
-def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, trainer: Trainer) -> dict[str, int]:
+def _loader_position(path: Path, state: dict[str, Any], saved_config: Config, trainer: TrainerState) -> dict[str, int]:
     """The data position for this run. With another world size or batch size it is converted:
     in an epoch, ranks read a permutation of the windows round-robin, so the windows consumed
     are a prefix of it (batch_index x batch_size x world_size windows), and the new run starts
@@ -404,7 +405,7 @@ def _read_rng(path: Path, state: dict[str, Any], rank: int) -> dict[str, Any] | 
     return load_tensors(path, f"rng_rank{rank}.pt")
 
 
-def _seed_new_rank(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
+def _seed_new_rank(trainer: TrainerState, path: Path, state: dict[str, Any]) -> None:
     rank, steps_done = trainer.runtime.rank, state["steps_done"]
     seed_from(trainer.config.training.seed, steps_done, rank)
     trainer.log.warning(
@@ -414,7 +415,7 @@ def _seed_new_rank(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
     )
 
 
-def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
+def _warn_if_schedule_changed(trainer: TrainerState, path: Path, state: dict[str, Any]) -> None:
     saved = state.get("lr_schedule", {}).get("lr")
     here = lr_at(state["steps_done"], trainer.config.training)
     if saved is not None and not math.isclose(saved, here, rel_tol=1e-9, abs_tol=1e-15):
@@ -425,7 +426,7 @@ def _warn_if_schedule_changed(trainer: Trainer, path: Path, state: dict[str, Any
         )
 
 
-def _supersede_later(trainer: Trainer, path: Path, steps_done: int) -> None:
+def _supersede_later(trainer: TrainerState, path: Path, steps_done: int) -> None:
     """Resuming an earlier checkpoint into its own run directory abandons the run's later
     step_<N>: rank 0 renames them to step_<N>.superseded before any new save (which would
     otherwise prune the new checkpoints in their favour, and --resume auto continue them),
