@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,13 @@ def as_nobody(function: Callable[[], str]) -> str:
         result = pipe.read().decode()
     os.waitpid(pid, 0)
     return result
+
+
+def losses(run_dir: Path) -> dict[int, list[float]]:
+    """Every training loss a run's metrics.jsonl holds, by step (a step redone after a restart twice)."""
+    found: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "train":
+            found.setdefault(row["step"], []).append(row["loss"])
+    return found

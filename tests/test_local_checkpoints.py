@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import launcher_env
-from helpers import run_launcher as launch
+from helpers import losses, run_launcher as launch
 from multinode_helpers import STEP, start_nodes, train_options
 from pretrain.checkpoint import local_dirs
 
@@ -29,15 +29,6 @@ def train(tmp_path: Path, name: str, *options: str, faults: str = "") -> subproc
 def final_loss(stdout: str) -> str:
     (loss,) = set(re.findall(r"Training complete: \d+ steps in [\d.]+s, final loss ([\d.]+)", stdout))
     return loss
-
-
-def losses(run_dir: Path) -> dict[int, list[float]]:
-    found: dict[int, list[float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["kind"] == "train":
-            found.setdefault(row["step"], []).append(row["loss"])
-    return found
 
 
 def test_a_worker_killed_between_local_checkpoints_resumes_from_the_newest_with_the_uninterrupted_runs_losses(tmp_path):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, launcher_env, wait_until
-from helpers import assert_one_line_error, run_launcher as launch
+from helpers import assert_one_line_error, losses, run_launcher as launch
 from launcher import cli
 from launcher.attempts import Attempts, StoppedBetweenAttempts
 from launcher.errors import UsageError
@@ -232,16 +232,6 @@ def uninterrupted(tmp_path_factory) -> Path:
     plain = train(root / "cache", root / "plain")
     assert plain.returncode == 0, plain.stdout[-2000:]
     return root / "plain"
-
-
-def losses(run_dir: Path) -> dict[int, list[float]]:
-    """Every training loss metrics.jsonl holds, by step (a step redone after a restart twice)."""
-    found: dict[int, list[float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["kind"] == "train":
-            found.setdefault(row["step"], []).append(row["loss"])
-    return found
 
 
 def test_training_killed_twice_resumes_from_its_checkpoints_with_the_losses_of_an_uninterrupted_run(uninterrupted, tmp_path):
