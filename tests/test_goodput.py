@@ -6,6 +6,7 @@ damaged records, a ledger that cannot be written and an unreadable goodput/, non
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -248,34 +249,42 @@ BAD_FIELDS = [
 ]
 
 
-def test_a_workers_record_goes_on_past_damaged_records_and_says_so_once(tmp_path, caplog):
+@pytest.fixture
+def ledger_warnings(caplog, monkeypatch):
+    """caplog with the "pretrain" logger's warnings, which a worker's setup_logging (run by an earlier
+    test in this process) stops from propagating to the root logger caplog listens on."""
+    monkeypatch.setattr(logging.getLogger("pretrain"), "propagate", True)
+    return caplog
+
+
+def test_a_workers_record_goes_on_past_damaged_records_and_says_so_once(tmp_path, ledger_warnings):
     damaged_records(tmp_path)
     clock = goodput.AttemptClock(tmp_path, True, 0, lambda steps: False, lambda: 0.0, environ={})
     assert clock.launch == 5  # past every recorded launch number, damaged or not
     clock.begin()
     clock.step_time(1, done=True)
-    with caplog.at_level("WARNING", logger="pretrain"):
+    with ledger_warnings.at_level("WARNING", logger="pretrain"):
         first = clock.record(1)
         second = clock.record(2, final=True)
     assert first is not None and second is not None
     assert_adds_up(second)
-    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("goodput: skipping ")]
+    skipped = [r.getMessage() for r in ledger_warnings.records if r.getMessage().startswith("goodput: skipping ")]
     assert len(skipped) == len(DAMAGED)  # once each, though read at both records
 
 
-def test_a_ledger_that_cannot_be_written_costs_the_ledger_not_the_run_and_is_said_once(tmp_path, monkeypatch, caplog):
+def test_a_ledger_that_cannot_be_written_costs_the_ledger_not_the_run_and_is_said_once(tmp_path, monkeypatch, ledger_warnings):
     def broken(*args, **kwargs):
         raise KeyError("started")  # whatever combining a record it did not foresee raises
 
     monkeypatch.setattr(goodput, "combine", broken)
     clock = goodput.AttemptClock(tmp_path, True, 0, lambda steps: steps % 2 == 0, lambda: 0.0, environ={})
     clock.begin()
-    with caplog.at_level("WARNING", logger="pretrain"):
+    with ledger_warnings.at_level("WARNING", logger="pretrain"):
         for step in range(4):
             clock.step_time(step + 1, done=True)  # a checkpoint step records too
             assert clock.record(step + 1) is None
         assert clock.record(4, final=True) is None
-    (warning,) = [r.getMessage() for r in caplog.records]
+    (warning,) = [r.getMessage() for r in ledger_warnings.records]
     assert warning == f"goodput: cannot write the ledger in {tmp_path}: 'started'; training goes on without it"
     assert (tmp_path / "goodput" / "launch_1_attempt_0.json").exists()  # its own record was written
 
@@ -292,7 +301,7 @@ def unreadable_goodput_dir(monkeypatch) -> None:
     monkeypatch.setattr(Path, "iterdir", refusing)
 
 
-def test_an_unreadable_goodput_directory_means_no_ledger_said_once_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+def test_an_unreadable_goodput_directory_means_no_ledger_said_once_and_the_run_goes_on(tmp_path, monkeypatch, ledger_warnings):
     (tmp_path / "goodput").mkdir()
     unreadable_goodput_dir(monkeypatch)
     said: list[str] = []
@@ -304,7 +313,7 @@ def test_an_unreadable_goodput_directory_means_no_ledger_said_once_and_the_run_g
         f"goodput: cannot list {tmp_path / 'goodput'}: Permission denied; no goodput ledger this time "
         "(make it readable, or remove it)"
     ]
-    with caplog.at_level("WARNING", logger="pretrain"):
+    with ledger_warnings.at_level("WARNING", logger="pretrain"):
         clock = goodput.AttemptClock(tmp_path, True, 0, lambda steps: True, lambda: 0.0, environ={})
         clock.begin()
         clock.step_time(1, done=True)
