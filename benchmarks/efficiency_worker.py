@@ -91,7 +91,10 @@ def planned(job: dict[str, Any]) -> tuple[cfg.Config, cfg.Config, Path]:
     chunk = decided.get("loss_chunk_tokens")
     if chunk is not None:  # chunked at the true geometry -> chunked in the run (into 2), else whole
         decided["loss_chunk_tokens"] = run_micro // 2 if 0 < chunk < true_micro else 0
+    # No local checkpoint tier: the rows never save, and build() would take a directory in /dev/shm for it.
+    decided["local_checkpoint_interval"] = 0
     run_config = dataclasses.replace(run_config, training=dataclasses.replace(r, **decided))
+    true_config = dataclasses.replace(true_config, training=dataclasses.replace(t, local_checkpoint_interval=0))
     return true_config, run_config, dataset
 
 
