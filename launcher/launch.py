@@ -174,8 +174,11 @@ def run_placed(
         if not command:
             local_tier.remove(config, owned.path)  # the node's local checkpoints, whatever the end
     if ledger is not None and (line := ledger.finish()) is not None:
-        with attempts.logged():  # to combined.log too
-            attempts.console.launcher_line(line)
+        if node is None:
+            with attempts.logged():  # to combined.log too
+                attempts.console.launcher_line(line)
+        else:  # several nodes: node 0's console (attempts.logged() writes logs/combined.log, not logs/node0/)
+            console.launcher_line(line)
     owned.release()
     return code
 
