@@ -11,7 +11,7 @@ the ones before it:
 
     checks.py            ConfigError, the integer bounds, how a wrong choice is said
     training.py          TrainingConfig (its fields, their docstrings, its checks),
-                         CHECKPOINTING_MODES, COMPILE_MODES
+                         CHECKPOINTING_MODES, COMPILE_MODES, SHARDED_MODES
     schema.py            the other section dataclasses (fields, defaults, the docstring
                          under each field, per-section checks), Config, SECTIONS,
                          sources_with_path, SHARD_SOURCES
@@ -65,6 +65,7 @@ from pretrain.config.schema import (
     SECTIONS,
     SHARD_SOURCES,
     CHECKPOINTING_MODES,
+    SHARDED_MODES,
     COMPILE_MODES,
     CheckpointingMode,
     CompileMode,
@@ -99,6 +100,7 @@ __all__ = [
     "sources_with_path",
     "SHARD_SOURCES",
     "CHECKPOINTING_MODES",
+    "SHARDED_MODES",
     "CheckpointingMode",
     "COMPILE_MODES",
     "CompileMode",

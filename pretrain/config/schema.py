@@ -26,6 +26,7 @@ from pretrain.config.checks import (
 from pretrain.config.training import (
     CHECKPOINTING_CHOICES,
     CHECKPOINTING_MODES,
+    SHARDED_MODES,
     COMPILE_MODES,
     CheckpointingMode,
     CompileMode,
@@ -42,6 +43,7 @@ __all__ = [  # the names other modules import from here, the checks' and trainin
     "not_one_of",
     "CHECKPOINTING_CHOICES",
     "CHECKPOINTING_MODES",
+    "SHARDED_MODES",
     "CheckpointingMode",
     "COMPILE_MODES",
     "CompileMode",

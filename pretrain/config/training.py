@@ -23,6 +23,9 @@ from pretrain.config.checks import (
 CheckpointingMode = Literal["none", "selective", "full"]
 """What a block recomputes in the backward pass, least first (training.activation_checkpointing once planned)."""
 CHECKPOINTING_MODES: tuple[CheckpointingMode, ...] = ("none", "selective", "full")
+SHARDED_MODES = ("fsdp", "hsdp")
+"""The modes (training.parallelism, a trainer's mode) in which FSDP2 shards the parameters: over
+every rank, or over the ranks of a node and replicated across nodes."""
 CHECKPOINTING_CHOICES = (*CHECKPOINTING_MODES, "auto")
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 COMPILE_MODES: tuple[CompileMode, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -80,8 +83,8 @@ class TrainingConfig:
     """Global batches in one validation pass: the first eval_batches x the global batch (batch_size x grad_accum_nums x ranks) windows of the val split (all of it when it holds fewer), shared out over the ranks, so validation covers the same windows whatever the number of GPUs; each rank runs eval_batches x grad_accum_nums micro-batches."""
     global_batch_size: int = 0
     """Sequences per optimizer step over all ranks; when above 0, grad_accum_nums is derived from it (it must be a multiple of batch_size x ranks), so the step stays the same whatever the number of GPUs."""
-    parallelism: Literal["auto", "ddp", "fsdp"] = "auto"
-    """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block), or "auto" (DDP when the estimated memory fits one GPU, else FSDP)."""
+    parallelism: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
+    """How ranks share the model: "ddp" (a full copy on each GPU), "fsdp" (FSDP2, parameters sharded per block over every rank), "hsdp" (hybrid: FSDP2 sharded over the ranks of a node and replicated across nodes, so only one gradient all-reduce per step crosses the network; on one node it is FSDP, with a warning), or "auto" (DDP when the estimated memory fits one GPU; else, on several nodes, HSDP when the model fits sharded within one node; else FSDP)."""
     cpu_offload: bool | None = None
     """FSDP2 with CPU offload: sharded weights, gradients and AdamW state in host memory, the GPU holding only what is in flight (slower: every step copies them over PCIe); null uses it only when the model does not fit the GPUs but fits with it, within the host's memory (the launcher says so)."""
     activation_checkpointing: Literal["none", "selective", "full", "auto"] | bool = "auto"
