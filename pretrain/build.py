@@ -1,6 +1,6 @@
 """The build phase: from a config to a Trainer, what a run trains with.
 
-It settles how the ranks share the model (parallel_mode: DDP, FSDP or one process, CPU
+It settles how the ranks share the model (parallel_mode: DDP, FSDP, HSDP or one process, CPU
 offload, and whether the run fits the GPU at all), then builds the model on the meta
 device, shards it, and adds the optimizer, the data and the metrics log."""
 
@@ -45,9 +45,9 @@ class Trainer:
     config: Config
     runtime: Runtime
     model: torch.nn.Module
-    """The model as trained: wrapped in DDP or sharded by FSDP when there is more than one rank."""
+    """The model as trained: wrapped in DDP or sharded by FSDP (or HSDP) when there is more than one rank."""
     mode: str
-    """How the ranks share the model: "single", "ddp" or "fsdp"."""
+    """How the ranks share the model: "single", "ddp", "fsdp" or "hsdp" (pretrain/distributed/parallel.py MODES)."""
     optimizer: torch.optim.Optimizer
     loader: TrainBatches
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -107,8 +107,8 @@ def gpu_memory(config: Config, device: torch.device) -> int | None:
 def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None) -> tuple[Config, str]:
     """The config as the launcher's plan makes it concrete (training.parallelism, cpu_offload,
     activation_checkpointing, loss_chunk_tokens, reshard_after_forward: pretrain/plan/parallelism.py),
-    and the mode: fsdp with CPU offload (even for one process), else single for one process,
-    else the planned mode. A run that cannot fit the GPU fails here, before the model is built.
+    and the mode: fsdp with CPU offload (even for one process; hsdp where planned), else single for
+    one process, else the planned mode. A run that cannot fit the GPU fails here, before the model is built.
     Under the launcher everything is decided already and this only checks it; run without it,
     this process decides as the launcher would, on the smallest GPU of the ranks and (offload
     null) the host memory available now, shared by LOCAL_WORLD_SIZE ranks."""
@@ -120,12 +120,13 @@ def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None)
             gpu, host = smallest_across_ranks(runtime, gpu, memory_plan.host_memory_bytes())
         else:
             (gpu,) = smallest_across_ranks(runtime, gpu)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or runtime.world_size)
+    local_ranks = runtime.ranks_per_node
     config, _ = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
     config = asynchronous_checkpoints(config, runtime, local_ranks, run_dir)
-    if config.training.cpu_offload:
-        return config, "fsdp"
-    return config, config.training.parallelism if runtime.distributed else "single"
+    planned = config.training.parallelism
+    if config.training.cpu_offload:  # FSDP2's offload, over every rank or within each node
+        return config, planned if planned == "hsdp" and runtime.distributed else "fsdp"
+    return config, planned if runtime.distributed else "single"
 
 
 def asynchronous_checkpoints(config: Config, runtime: Runtime, local_ranks: int, run_dir: Path | None = None) -> Config:
@@ -225,12 +226,13 @@ def build(config: Config, runtime: Runtime, dataset_dir: Path, run_dir: Path, lo
     asynchronous = bool(t.async_checkpoint)
     # DCP's background save runs its collectives on a gloo group of its own, made here by every
     # rank alike, so that they never interleave with training's on the default group.
-    group = dist.new_group(backend="gloo") if asynchronous and mode == "fsdp" and runtime.distributed else None
+    sharded = mode in cfg.SHARDED_MODES
+    group = dist.new_group(backend="gloo") if asynchronous and sharded and runtime.distributed else None
     say = log.warning if runtime.is_main else None  # the local tier off (no room in /dev/shm): one line
     # Without the launcher the ranks agree on the local tier (one rank without room turns it off for all).
-    tiers = run_tiers(config, run_dir, mode == "fsdp", say, lambda usable: smallest_across_ranks(runtime, int(usable))[0] == 1)
+    tiers = run_tiers(config, run_dir, sharded, say, lambda usable: smallest_across_ranks(runtime, int(usable))[0] == 1)
     trainer.checkpoints = CheckpointWriter(trainer, asynchronous, group, tiers)
-    trainer.stragglers = watch_for(config, runtime, model)  # under FSDP: hooks that leave the all-gathers out
+    trainer.stragglers = watch_for(config, runtime, model)  # under FSDP and HSDP: hooks that leave the all-gathers out
     if float8_plan.requested(config):
         converted = [name for name, module in parallel.unwrap(model).named_modules() if float8.is_float8(module)]
         log.info(f"Float8: {float8.describe(converted, config)}")

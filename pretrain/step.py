@@ -50,7 +50,8 @@ def train_step(trainer: Trainer, step: int) -> tuple[torch.Tensor, torch.Tensor,
     for micro in range(accum):
         x, y = (tensor.to(device, non_blocking=True) for tensor in next(trainer.batches))
         # Under DDP only the last micro-batch all-reduces gradients; FSDP reduce-scatters on every
-        # micro-batch, so no rank holds a whole model's gradients (see parallel.gradient_sync).
+        # micro-batch, so no rank holds a whole model's gradients, and HSDP too, within each node,
+        # all-reducing the shards across nodes on the last only (see parallel.gradient_sync).
         with parallel.gradient_sync(trainer.model, enabled=micro == accum - 1):
             if timer is not None:
                 timer.begin()

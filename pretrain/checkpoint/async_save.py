@@ -2,7 +2,7 @@
 
 A save blocks the step only while the state is copied to host memory (staged: pinned on a GPU,
 a plain copy on CPU, where training changes the same tensors in place); then a thread writes
-the copy while the next steps run. Under FSDP that is DCP's asynchronous save, its collectives
+the copy while the next steps run. Under FSDP (and HSDP) that is DCP's asynchronous save, its collectives
 on a gloo group of their own (CheckpointWriter.group, made by every rank at build), so they never
 interleave with training's; for the single-file format (one process, DDP) the writer of the directory (rank 0)
 writes model.pt and optimizer.pt from its copy. What a resume needs besides the tensors

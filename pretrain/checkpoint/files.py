@@ -14,7 +14,7 @@ the checkpoint to resume with it before any worker (and torch) starts.
 A checkpoint is complete for a run when every file a resume by that run reads is there and
 whole (checkpoint_problem): state.json, config.json, the model and optimizer (model.pt and
 optimizer.pt for a single process or DDP; dcp/.metadata, written last by DCP, and every shard it
-names for FSDP) and rng_rank<r>.pt of each rank r the resuming run has and the saving run had
+names for FSDP or HSDP) and rng_rank<r>.pt of each rank r the resuming run has and the saving run had
 (a rank the saving run did not have seeds its generators afresh). --resume auto passes over any
 other with a warning; --resume naming it is refused. A reader of the model alone (export,
 generation) needs state.json, config.json and the model. What "whole" means is what can be told
@@ -35,6 +35,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from pretrain.config import SHARDED_MODES
 from pretrain.run.refusal import Refusal
 from pretrain.run.files import fsync
 
@@ -100,7 +101,7 @@ def read_state(path: Path) -> dict:
 # worse, a resume "at step -1" that sets the run's checkpoints aside. Keys beyond these are
 # ignored: a later version may add informational ones (it bumps format_version to change these).
 LOADER_KEYS = ("epoch", "batch_index")
-PARALLELISM = ("single", "ddp", "fsdp")
+PARALLELISM = ("single", "ddp", *SHARDED_MODES)
 
 
 def state_problem(state: object, directory_name: str = "") -> str | None:
@@ -177,7 +178,7 @@ def _required_files(path: Path, state: dict, world_size: int | None, ranks: Iter
     """The files (relative to path) a resume reads. A sharded checkpoint's shards are those its
     dcp/.metadata names: listed once that has passed its own check (so it parses)."""
     yield "config.json"
-    sharded = (path / "dcp").is_dir() or state.get("parallelism") == "fsdp"
+    sharded = (path / "dcp").is_dir() or state.get("parallelism") in SHARDED_MODES
     if sharded:
         yield "dcp/.metadata"
     else:

@@ -2,16 +2,17 @@
 
     model.pt, optimizer.pt   single process or DDP: the full model state dict and the AdamW
                              state keyed by parameter name (rank 0 writes them)
-    dcp/                     FSDP: model and optimizer state as a sharded torch.distributed.checkpoint,
-                             each rank writing its own shards (no rank ever holds the whole model)
+    dcp/                     FSDP, HSDP: model and optimizer state as a sharded torch.distributed.checkpoint,
+                             each rank writing its own shards (no rank ever holds the whole model;
+                             under HSDP a shard that every node holds is written once)
     rng_rank<r>.pt           rank r's random generators: torch CPU (and CUDA), Python, NumPy
     state.json               steps done, world size, parallelism, the data loader's position,
                              the learning-rate schedule's position, the format version
     config.json              the resolved config
 
 Both formats hold the same names (`layers.0.attention.wqkv.weight`, ...), so either restores into
-either: a DDP checkpoint into an FSDP run (every rank reads the full tensors and keeps its
-shard) and an FSDP checkpoint into a DDP or single-process run (DCP reshards on load). The
+either: a DDP checkpoint into an FSDP or HSDP run (every rank reads the full tensors and keeps its
+shard) and an FSDP or HSDP checkpoint into any other mode (DCP reshards on load). The
 world size may change between save and restore: the data position is converted (see
 _loader_position), and ranks the saving run did not have seed their generators afresh. A
 checkpoint written before the fused projections (Meta's separate wq/wk/wv and w1/w3) loads too,

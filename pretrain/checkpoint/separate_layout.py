@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from pretrain.checkpoint.dcp_files import dcp_load
 from pretrain.config import ModelConfig
+from pretrain.distributed import shards
 from pretrain.model.fused_layout import has_separate_layout, part_names, row_splits
 
 __all__ = [
@@ -168,18 +169,13 @@ def load_fused_from_parts(dest: Tensor, part_keys: list[str], rows: list[int], p
 
 
 def _shard_rows(full: Tensor, dest: Tensor) -> Tensor | None:
-    """This rank's part of full as FSDP2 places dest (Shard(dim) on a 1-D mesh, split as
-    torch.chunk does); full itself for a plain tensor or a replicated one."""
-    if not isinstance(dest, DTensor):
+    """This rank's part of full as FSDP2 places dest (Shard(0) over one mesh dimension, Replicate over
+    any other, as HSDP; split as torch.chunk does); full itself for a plain tensor or a replicated one."""
+    if not isinstance(dest, DTensor) or all(isinstance(p, Replicate) for p in dest.placements):
         return full
-    placements = dest.placements
-    if dest.device_mesh.ndim != 1 or len(placements) != 1:
+    if shards.row_mesh_dim(dest) is None:
         return None
-    if not isinstance(placements[0], Shard):
-        return full  # replicated
-    dim, rank = placements[0].dim, dest.device_mesh.get_local_rank()
-    chunks = full.chunk(dest.device_mesh.size(), dim=dim)
-    return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+    return shards.rows_of(full, dest)
 
 
 def has_separate_entries(metadata: Metadata, cfg: ModelConfig) -> bool:

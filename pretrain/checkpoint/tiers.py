@@ -18,8 +18,9 @@ rank's directory cannot hold it).
 Several nodes: each node's directory is its own (memory is), under <local dir>/node<k>/ so that
 nodes sharing a host do not mix. With the single-file format each node's LOCAL_RANK 0 writes the
 whole model and optimizer there (Tier.per_node), each rank its own random generators. The sharded
-(FSDP) format cannot be resumed from per-node directories (DCP's metadata is written by one rank
-for all shards): there the local tier is off, said in one line.
+(FSDP, HSDP) format cannot be resumed from per-node directories (DCP's metadata is written by one
+rank for all shards, and under HSDP a shard every node holds is written by one node only): there
+the local tier is off, said in one line.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def take(directory: Path, run_dir: Path, resume: str, pid: int | None = None) ->
 
 def sharded_off_line(nodes: int) -> str:
     return (
-        f"warning: no local checkpoints: the sharded (FSDP) format on {nodes} nodes cannot be resumed from "
+        f"warning: no local checkpoints: the sharded (FSDP, HSDP) format on {nodes} nodes cannot be resumed from "
         "per-node directories; only the durable ones every training.checkpoint_interval steps"
     )
 

@@ -1,5 +1,6 @@
-"""How the model is spread over the ranks: activation checkpointing, torch.compile, DDP or FSDP2
-(with CPU offload when training.cpu_offload is true), and where its weights are first made.
+"""How the model is spread over the ranks: activation checkpointing, torch.compile, DDP, FSDP2
+over every rank, or hybrid sharding (HSDP: FSDP2 within each node, replicated across nodes), with
+CPU offload when training.cpu_offload is true, and where its weights are first made.
 
 train.py builds a Transformer on the meta device (shapes, no storage) and hands it to
 parallelize(), which shards it and only then allocates and initialises it, shard by shard
@@ -58,22 +59,35 @@ def compile_mode(config: Config) -> str | None:
     return None if chosen == "default" else chosen
 
 
+MODES = ("single", "ddp", *cfg.SHARDED_MODES)
+"""A trainer's modes: one process, DDP, FSDP2 over every rank, HSDP (FSDP2 on a 2-D mesh)."""
+
+
 def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str) -> nn.Module:
     """The model as trained: activation checkpointing and torch.compile per block when the
-    config asks for them, then DDP or FSDP2 (mode "ddp" or "fsdp") when there is more than one
-    rank, or FSDP2 with CPU offload (training.cpu_offload, mode "fsdp"), even for one rank. One
-    process otherwise gets the model itself, whatever the mode ("single" says so explicitly).
+    config asks for them, then DDP, FSDP2 or HSDP (mode "ddp", "fsdp" or "hsdp") when there is
+    more than one rank, or FSDP2 with CPU offload (training.cpu_offload, mode "fsdp"), even for one
+    rank. One process otherwise gets the model itself, whatever the mode ("single" says so
+    explicitly). HSDP needs several nodes (runtime.nodes; the plan runs FSDP on one).
     A model built on the meta device is materialised here, after sharding and before DDP
     (which broadcasts rank 0's weights). Parameter names and state_dict keys never change."""
-    if mode not in ("single", "ddp", "fsdp"):
-        raise ValueError(f"mode must be single, ddp or fsdp (got {mode!r}); the launcher resolves training.parallelism")
+    if mode not in MODES:
+        raise ValueError(
+            f"mode must be single, ddp or fsdp, or hsdp on several nodes (got {mode!r}); "
+            "the launcher resolves training.parallelism"
+        )
     if mode == "single" and runtime.distributed:
         raise ValueError(f"mode single is for one process, but there are {runtime.world_size} ranks")
+    if mode == "hsdp" and runtime.nodes < 2:
+        raise ValueError(
+            f"mode hsdp replicates across nodes, but the {runtime.world_size} rank(s) are on one node "
+            "(LOCAL_WORLD_SIZE); the plan runs fsdp there"
+        )
     t = config.training
     offload = bool(t.cpu_offload)
-    if offload and mode != "fsdp":
-        raise ValueError(f"training.cpu_offload needs mode fsdp (got {mode!r})")
-    sharded = mode == "fsdp" and (runtime.distributed or offload)
+    if offload and mode not in cfg.SHARDED_MODES:
+        raise ValueError(f"training.cpu_offload needs mode fsdp or hsdp (got {mode!r})")
+    sharded = mode in cfg.SHARDED_MODES and (runtime.distributed or offload)
     if float8_plan.requested(config):  # first: checkpointing, compile and FSDP2 then wrap the float8 Linears
         float8.convert(model, config, fsdp=sharded)
     for block in blocks(model):
@@ -90,7 +104,8 @@ def parallelize(model: Transformer, config: Config, runtime: Runtime, mode: str)
         model.compile_loss_head = True  # the output projection and cross-entropy (pretrain/model/loss.py)
         model.compile_mode = how  # which that head's compile takes too
     if sharded:
-        model = shard(model, device_mesh(runtime), t.use_amp, offload, reshard_after_forward=t.reshard_after_forward is not False)
+        mesh = hybrid_mesh(runtime) if mode == "hsdp" else device_mesh(runtime)
+        model = shard(model, mesh, t.use_amp, offload, reshard_after_forward=t.reshard_after_forward is not False)
     materialize(model, runtime.device, t.seed, offload)
     if runtime.distributed and mode == "ddp":
         return replicate(model, runtime.device)
@@ -114,8 +129,16 @@ def _is_meta(param: Tensor) -> bool:
     return (param.to_local() if isinstance(param, DTensor) else param).is_meta
 
 
+def hybrid_mesh(runtime: Runtime) -> DeviceMesh:
+    """HSDP's mesh: (nodes, ranks_per_node), named ("replicate", "shard"). Ranks are node-major, so
+    each row is one node's ranks, over which each parameter is sharded (its all-gathers and
+    reduce-scatters stay within the node), and each column holds the same shard on every node,
+    over which gradients are all-reduced (the only traffic between nodes)."""
+    return init_device_mesh(runtime.device.type, (runtime.nodes, runtime.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+
+
 def device_mesh(runtime: Runtime) -> DeviceMesh:
-    """Every rank in one dimension. FSDP2 needs a process group even for one process (CPU
+    """FSDP's mesh: every rank in one dimension. FSDP2 needs a process group even for one process (CPU
     offload), so a lone process joins one of its own (torch.distributed's in-memory store);
     pretrain/distributed/runtime.py's shutdown leaves it."""
     if not dist.is_initialized():
@@ -207,9 +230,10 @@ def replicate(model: nn.Module, device: torch.device) -> DistributedDataParallel
 def shard(
     model: Transformer, mesh: DeviceMesh, use_amp: bool, offload: bool = False, reshard_after_forward: bool = True
 ) -> Transformer:
-    """FSDP2: parameters sharded over the ranks and gathered only while their group runs. The
-    groups: the embedding, each block, and the root (the final norm and the output projection,
-    gathered through the whole step, as it is needed again as soon as the backward pass starts).
+    """FSDP2: parameters sharded over the ranks and gathered only while their group runs (on a 2-D
+    mesh, HSDP: sharded over its "shard" dimension, replicated over "replicate"). The groups: the
+    embedding, each block, and the root (the final norm and the output projection, gathered
+    through the whole step, as it is needed again as soon as the backward pass starts).
 
     reshard_after_forward (training.reshard_after_forward, which the launcher's plan decides):
     each block's gathered weights are freed after its forward and all-gathered again for its
@@ -250,6 +274,12 @@ def shard(
     return model
 
 
+def is_hybrid(model: nn.Module) -> bool:
+    """Whether model is sharded by HSDP: FSDP2 on a 2-D mesh (replicated across its first dimension)."""
+    first = next((p for p in model.parameters() if isinstance(p, DTensor)), None) if is_fsdp(model) else None
+    return first is not None and first.device_mesh.ndim == 2
+
+
 def is_fsdp(model: nn.Module) -> bool:
     """Whether model itself is FSDP2-sharded (parallelize shards the root whenever it shards)."""
     return isinstance(model, FSDPModule)
@@ -280,9 +310,24 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     the sync, FSDP2 keeps every parameter's full, unsharded gradient (fp32 under use_amp: 4 bytes
     a parameter, ~30 GiB for Llama-3 8B) until the last micro-batch, while with it only the
     shards accumulate and the estimate (pretrain/plan/gpu_memory.py) stays true. The extra reduce-scatters
-    overlap with the backward's compute. One process has no sync to skip."""
-    if enabled or not isinstance(model, DistributedDataParallel):
+    overlap with the backward's compute, and stay within a node under HSDP. There, the all-reduce
+    of the shards across nodes (the traffic between them) runs only when enabled: before the last
+    micro-batch each rank adds its node's reduce-scattered shards up, and the last all-reduces the
+    sum once (set_requires_all_reduce), as DDP's no_sync does for the whole gradient. The flag is
+    back on when the block ends, so an unfinished accumulation never leaves it off.
+    One process has no sync to skip."""
+    if enabled or not isinstance(model, DistributedDataParallel | FSDPModule):
         yield
+        return
+    if isinstance(model, FSDPModule):
+        if not is_hybrid(model):  # FSDP over every rank: nothing is all-reduced
+            yield
+            return
+        model.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            model.set_requires_all_reduce(True)
         return
     with model.no_sync():
         yield
@@ -299,7 +344,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> Tensor:
 def grad_norm(model: nn.Module) -> Tensor:
     """The global norm of every gradient: a plain 0-d tensor on the device, the same on every
     rank. Under FSDP2 each rank holds a shard of every gradient, so the norm of the shards is
-    reduced over the ranks (full_tensor)."""
+    reduced over the ranks (full_tensor: under HSDP over a node's ranks, each node holding the same
+    shards)."""
     device = compute_device(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:  # nothing was trained (every gradient None): the norm is 0

@@ -1,6 +1,6 @@
 """Where this process runs: its rank, its device, its log label, its process group.
 
-Reads the worker contract's environment (RANK, WORLD_SIZE, LOCAL_RANK, GPU_RANK,
+Reads the worker contract's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GPU_RANK,
 LAUNCHER_CUDA_DEVICE_INDEX, MASTER_*), so the same code runs under the launcher, under torchrun,
 or alone."""
 
@@ -35,10 +35,24 @@ class Runtime:
     device: torch.device
     label: str
     """How this process names itself in log lines: "GPU 3" or "CPU 0"."""
+    ranks_per_node: int = 0
+    """The ranks on each node (LOCAL_WORLD_SIZE: torchrun's and the launcher's); 0, the default,
+    is every rank on one node. Ranks are node-major: rank = node_rank * ranks_per_node + local_rank."""
+
+    def __post_init__(self) -> None:
+        if not self.ranks_per_node:
+            object.__setattr__(self, "ranks_per_node", self.world_size)  # frozen: set once, here
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(f"{self.world_size} ranks do not make whole nodes of {self.ranks_per_node}")
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the ranks are on (1 unless LOCAL_WORLD_SIZE says fewer ranks per node than there are)."""
+        return self.world_size // self.ranks_per_node
 
     @property
     def is_main(self) -> bool:
@@ -138,9 +152,22 @@ def setup_logging(label: str, level: str) -> logging.Logger:
     return logger
 
 
+def ranks_per_node(world_size: int) -> int:
+    """LOCAL_WORLD_SIZE (default: world_size, one node), checked to divide world_size into whole
+    nodes: the ranks of a job are spread evenly, node by node (torchrun and the launcher do so)."""
+    local = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if local < 1 or world_size % local:
+        raise RuntimeSetupError(
+            f"LOCAL_WORLD_SIZE={local} does not divide WORLD_SIZE={world_size} into whole nodes; "
+            "set it to the ranks on each node (the same on every node), or unset it for one node"
+        )
+    return local
+
+
 def init_runtime(config: Config) -> Runtime:
     """Pick the device and join the process group when there is more than one rank."""
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_ranks = ranks_per_node(world_size)  # checked before any process group is joined
     device = choose_device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -158,7 +185,7 @@ def init_runtime(config: Config) -> Runtime:
             timeout=timedelta(seconds=config.system.collective_timeout),
             device_id=device if device.type == "cuda" else None,
         )
-    return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank))
+    return Runtime(rank=rank, world_size=world_size, device=device, label=device_label(device, rank), ranks_per_node=local_ranks)
 
 
 def process_group_backend(device: torch.device, host_tensors: bool) -> str:

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from pretrain.config import ModelConfig
 from pretrain.data import first_line
 from pretrain.hf.init_checkpoint import EMBEDDING, TIED, HfCheckpoint, InitFromError, model_type
 from pretrain.hf.transformers_form import from_hf, fused_parts, hf_names
+from pretrain.distributed import shards
 from pretrain.distributed.parallel import unwrap
 
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")
@@ -87,14 +88,11 @@ def load_weights(model: nn.Module, checkpoint: HfCheckpoint, log: logging.Logger
 
 def first_row(param: Tensor) -> int:
     """The first row (dim 0) of param that this rank holds: 0 unless param is an FSDP2 shard, which
-    splits dim 0 as torch.chunk does over a one-dimensional mesh."""
-    if not isinstance(param, DTensor):
-        return 0
-    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
-        raise ValueError(f"cannot load a parameter placed as {param.placements}: FSDP2 shards dim 0 over one mesh dimension")
-    rows = param.shape[0]
-    per_rank = math.ceil(rows / param.device_mesh.size())
-    return min(param.device_mesh.get_local_rank() * per_rank, rows)
+    splits dim 0 as torch.chunk does over one mesh dimension (HSDP: each node holds every row)."""
+    try:
+        return shards.first_row(param)
+    except ValueError as error:
+        raise ValueError(f"cannot load {error}") from None
 
 
 def read_rows(reader: CheckpointReader, name: str, start: int, stop: int, model: ModelConfig) -> Tensor:

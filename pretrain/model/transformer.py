@@ -24,7 +24,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from pretrain import registry
 from pretrain.config import ModelConfig, RopeScalingConfig
@@ -349,18 +349,21 @@ def _draw_parts(
 
 def _assign_rows(param: Tensor, start: int, part: Tensor) -> None:
     """Copy part into param's rows start.., or into those of them this rank holds when param is an
-    FSDP2 shard: Shard(0) over a one-dimensional mesh, rows split as torch.chunk splits them."""
+    FSDP2 shard: Shard(0) over one mesh dimension (HSDP: replicated over the other), rows split as
+    torch.chunk splits them."""
     if not isinstance(param, DTensor):
         param[start : start + part.shape[0]].copy_(part)
         return
     local = param.to_local()
-    if param.device_mesh.ndim != 1 or len(param.placements) != 1 or param.placements[0] != Shard(0):
+    split = _split(param)
+    if split is None or split[0] != 0:
         raise ValueError(
             f"cannot initialise a fused parameter placed as {param.placements} on a "
             f"{param.device_mesh.ndim}-D mesh; FSDP2 shards dim 0"
         )
-    rows_per_rank = -(-param.shape[0] // param.device_mesh.size())  # torch.chunk's
-    held = min(param.device_mesh.get_local_rank() * rows_per_rank, param.shape[0])  # the first row this rank holds
+    _, place, ranks = split
+    rows_per_rank = -(-param.shape[0] // ranks)  # torch.chunk's
+    held = min(place * rows_per_rank, param.shape[0])  # the first row this rank holds
     low, high = max(start, held), min(start + part.shape[0], held + local.shape[0])
     if low < high:
         local[low - held : high - held].copy_(part[low - start : high - start])
@@ -397,10 +400,24 @@ def _assign(param: Tensor, full: Tensor) -> None:
 
 
 def _shard_view(full: Tensor, param: DTensor) -> Tensor | None:
-    """This rank's part of full as a view (no copy), for FSDP2's one placement: Shard(dim) over
-    a one-dimensional mesh, which splits as torch.chunk does. None for any other placement."""
-    if param.device_mesh.ndim != 1 or len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
+    """This rank's part of full as a view (no copy), for FSDP2's placements: Shard(dim) over one
+    mesh dimension (HSDP: replicated over the other), which splits as torch.chunk does. None for
+    any other placement."""
+    split = _split(param)
+    if split is None:
         return None
-    dim, rank = param.placements[0].dim, param.device_mesh.get_local_rank()
-    chunks = full.chunk(param.device_mesh.size(), dim=dim)
-    return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+    dim, place, ranks = split
+    chunks = full.chunk(ranks, dim=dim)
+    return chunks[place] if place < len(chunks) else full.narrow(dim, 0, 0)
+
+
+def _split(param: DTensor) -> tuple[int, int, int] | None:
+    """(the sharded dim, this rank's place among the ranks that split it, how many they are) for
+    FSDP2's placements: Shard on one mesh dimension, Replicate on any other (HSDP's 2-D mesh, whose
+    "replicate" dimension holds the same shard on every node). None for any other placement."""
+    split = [i for i, placement in enumerate(param.placements) if isinstance(placement, Shard)]
+    if len(split) != 1 or not all(isinstance(p, Replicate) for i, p in enumerate(param.placements) if i != split[0]):
+        return None
+    placement = param.placements[split[0]]
+    assert isinstance(placement, Shard)
+    return placement.dim, param.device_mesh.get_local_rank(split[0]), param.device_mesh.size(split[0])

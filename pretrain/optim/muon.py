@@ -14,6 +14,9 @@ Each hidden matrix is orthogonalized on one rank, same-shape matrices stacked in
 (pretrain/optim/muon_sharing.py: which rank, and the collectives): under DDP every rank holds the
 averaged gradients and the updates are all-gathered; under FSDP2 a parameter is a DTensor sharded
 by rows, its momentum stays sharded, and its rows travel to the owner and back by all-to-all.
+Under HSDP the rows are sharded over a node's ranks and every node holds them all, with the same
+gradients: each node shares the work among its own ranks and computes every update itself, so
+nothing crosses nodes.
 A fused parameter (attention.wqkv: Q, K and V's rows; feed_forward.w13: gate and up's;
 pretrain/model/fused_layout.py) is orthogonalized as the separate matrices it stacks, each
 update scaled by its own part's shape, so a step moves the weights as it did before the fusion.
@@ -31,13 +34,14 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.adamw import adamw
 
 from pretrain import registry
 from pretrain.plan.compile_prerequisites import missing_compile_prerequisite
 from pretrain.config import ModelConfig, TrainingConfig
+from pretrain.distributed import shards
 from pretrain.model import fused_layout
 from pretrain.optim.muon_sharing import MatrixSharing, Orthogonalize, part_slices, row_counts
 from pretrain.optim.optimizers import fusable
@@ -134,11 +138,11 @@ class Muon(torch.optim.Optimizer):
     the others AdamW (lr, betas, eps, weight_decay). Hidden matrices only in Muon groups:
     MuonError otherwise. replicated_over: the process group whose ranks hold the same whole
     parameters (DDP), which then share the orthogonalizing; DTensor parameters (FSDP2) share it
-    over their mesh. device: where orthogonalizing runs (default: the parameters' device; the
-    GPU under CPU offload). row_splits: for a parameter (by id) that stacks several matrices by
-    rows (a fused attention.wqkv or feed_forward.w13), their row counts, in order: each is
-    orthogonalized and scaled as a matrix of its own. self.orthogonalize is what is called,
-    with (k, ..., m, n) stacks."""
+    over the mesh dimension that splits their rows (HSDP's "shard": a node's ranks). device: where
+    orthogonalizing runs (default: the parameters' device; the GPU under CPU offload).
+    row_splits: for a parameter (by id) that stacks several matrices by rows (a fused
+    attention.wqkv or feed_forward.w13), their row counts, in order: each is orthogonalized and
+    scaled as a matrix of its own. self.orthogonalize is what is called, with (k, ..., m, n) stacks."""
 
     def __init__(
         self,
@@ -351,8 +355,8 @@ def first_held_row(param: torch.Tensor) -> int:
     (FSDP2's Shard(0), split as torch.chunk splits: row_counts)."""
     if not isinstance(param, DTensor):
         return 0
-    mesh = param.device_mesh
-    return sum(row_counts(param.shape[0], mesh.size())[: mesh.get_local_rank()])
+    place, ranks = shards.row_split(param)
+    return sum(row_counts(param.shape[0], ranks)[:place])
 
 
 def muon_entries(groups: list[dict]) -> list[tuple[dict, int, torch.Tensor]]:
@@ -368,8 +372,9 @@ def matrix_sharing(
     row_splits: dict[int, list[int]] | None = None,
 ) -> MatrixSharing:
     """How the Muon groups' matrices are held (see pretrain/optim/muon_sharing.py): DTensors sharded by
-    rows over one mesh (FSDP2), whole tensors replicated over a group (DDP), or here alone; a
-    parameter in row_splits (by id) is the matrices it stacks by rows, each shared as one."""
+    rows over one mesh dimension (FSDP2: the whole mesh; HSDP: "shard", a node's ranks, every node
+    then sharing its own matrices alike), whole tensors replicated over a group (DDP), or here
+    alone; a parameter in row_splits (by id) is the matrices it stacks by rows, each shared as one."""
     entries = muon_entries([g for g in groups if g["use_muon"]])
     matrices = [p for _, _, p in entries]
     keys = [(tuple(p.shape), group["ns_steps"]) for group, _, p in entries]
@@ -379,10 +384,11 @@ def matrix_sharing(
     if not sharded:
         group = replicated_over if replicated_over is not None and dist.get_world_size(replicated_over) > 1 else None
         return MatrixSharing(keys, "replicated", group, device, parts)
-    mesh = sharded[0].device_mesh
-    if len(sharded) < len(matrices) or any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in sharded):
+    mesh, dims = sharded[0].device_mesh, {shards.row_mesh_dim(p) for p in sharded}
+    if len(sharded) < len(matrices) or any(p.device_mesh != mesh for p in sharded) or len(dims) != 1 or None in dims:
         raise MuonError("Muon shares its matrices over one mesh sharded by rows (FSDP2's Shard(0)); these are held otherwise")
-    return MatrixSharing(keys, "rows", mesh.get_group(), device, parts)
+    (dim,) = dims
+    return MatrixSharing(keys, "rows", mesh.get_group(dim), device, parts)
 
 
 def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:

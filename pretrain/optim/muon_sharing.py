@@ -11,6 +11,8 @@ parameters are held:
   its share and one all-gather of bf16 buffers gives every rank every update.
 - row-sharded (FSDP2: each rank holds rows of every matrix, Shard(0)): one all-to-all sends each
   owner the bf16 rows of its matrices, and one all-to-all sends each rank its rows of the updates.
+  Under HSDP the group is a node's ranks: every node orthogonalizes all the matrices among its
+  own ranks, alike, from the same all-reduced gradients; nothing crosses nodes.
 Collectives and orthogonalization run on the compute device (the GPU under CPU offload). What
 travels (through a collective, or from the host to the GPU) is bf16, as Newton-Schulz computes;
 the updates are applied in the parameters' dtype.
