@@ -37,7 +37,7 @@ def decide(config: cfg.Config, run_dir: Path, node: Node | None, say: Callable[[
     )
     nodes = node.spec.nnodes if node is not None else 1
     usable: Path | None = None
-    if wanted and nodes > 1 and config.training.parallelism == "fsdp":
+    if wanted and nodes > 1 and config.training.parallelism in cfg.SHARDED_MODES:  # HSDP's format is FSDP's
         if say is not None:
             say(tiers.sharded_off_line(nodes))
     elif wanted:

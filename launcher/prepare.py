@@ -1,5 +1,5 @@
 """Preparing a training launch, once per node and before any worker starts: the weights to start
-from, the dataset (prepared and cached), the run length, and the plan (DDP or FSDP, what is
+from, the dataset (prepared and cached), the run length, and the plan (DDP, FSDP or HSDP, what is
 recomputed, offload), each refused in one line while nothing is spawned or written; then the
 resolved config written into the run directory as the workers' command reads it.
 This is where the launcher imports most of its `pretrain` modules (docs/design.md names them)."""
@@ -30,10 +30,11 @@ def prepare_training(
     run_dir: Path | None = None,
 ) -> cfg.Config:
     """Prepare the dataset once (per node), check one global batch fits the data and the model
-    fits the GPUs, and choose DDP or FSDP and what is recomputed (pretrain/plan/parallelism.py), before
+    fits the GPUs, and choose DDP, FSDP or HSDP and what is recomputed (pretrain/plan/parallelism.py), before
     anything is spawned or written; return the config as the workers will run it (training.parallelism
-    "ddp" or "fsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
-    In a job of several nodes, the whole job's worker count and smallest GPU decide. The first
+    "ddp", "fsdp" or "hsdp", activation_checkpointing never "auto", loss_chunk_tokens never null).
+    In a job of several nodes, the whole job's worker count and smallest GPU decide, and a node's
+    workers (node.nproc) are HSDP's shard group. The first
     attempt (first_attempt) also checks the ranks PRETRAIN_FAULTS names against the world size.
     run_dir: the run's directory, whose own local checkpoints in /dev/shm (a restart's) count as
     available host memory."""

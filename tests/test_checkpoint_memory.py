@@ -23,9 +23,9 @@ from pretrain.config import ConfigError
 from pretrain.distributed.runtime import Runtime
 from pretrain.observe.progress import PROGRESS_VAR
 from pretrain.plan import parallelism as memory_plan
-from pretrain.plan.checkpoint_memory import local_tier_bytes, staged_bytes, state_bytes
+from pretrain.plan.checkpoint_memory import local_tier_bytes, size, staged_bytes, state_bytes
 from pretrain.plan.gpu_memory import GIB
-from pretrain.plan.parallelism import host_estimate, plan_checkpoints, plan_parallelism
+from pretrain.plan.parallelism import export_copy_bytes, host_estimate, plan_checkpoints, plan_parallelism
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,24 @@ def test_under_fsdp_each_rank_stages_its_shard_and_false_stages_nothing():
     assert staged_bytes(config, 16, "fsdp", 8) == -(-state_bytes(config) // 16) * 8  # this host's 8 of 16
     off, line = plan_checkpoints(planned("training.async_checkpoint=false"), 2, 1 * GIB, on_gpus=False)
     assert off.training.async_checkpoint is False and line == "checkpoints: synchronous (training.async_checkpoint=false)"
+
+
+def planned_on_nodes(*sets: str) -> cfg.Config:
+    config = cfg.resolve(preset="small", sets=["model.vocab_size=50304", *sets])
+    return plan_parallelism(config, 4, None, None, 2)[0]
+
+
+def test_under_hsdp_each_rank_stages_its_shard_of_its_nodes_copy_and_the_local_tier_is_off_on_several_nodes():
+    config = planned_on_nodes("training.parallelism=hsdp", "training.local_checkpoint_interval=5")
+    assert config.training.parallelism == "hsdp"  # CPU workers keep it on several nodes: 2 x 2 here
+    state = state_bytes(config)
+    assert staged_bytes(config, 16, "hsdp", 8) == -(-state // 8) * 8  # the whole state on every host
+    assert staged_bytes(config, 16, "fsdp", 8) == -(-state // 16) * 8  # FSDP: this host's 8 of 16 shards
+    assert local_tier_bytes(config, 16, "hsdp", 8) == local_tier_bytes(config, 16, "fsdp", 8) == 0  # the sharded format
+    assert local_tier_bytes(config, 8, "hsdp", 8) == 2 * state  # one node: every shard, twice
+    assert export_copy_bytes(config, 16, "hsdp", offload=False) == export_copy_bytes(config, 16, "fsdp", offload=False) > 0
+    _, line = plan_checkpoints(config, 4, 64 * GIB, 2, on_gpus=False)
+    assert line == f"checkpoints: asynchronous, staged in {size(-(-state // 2) * 2)} of host memory"
 
 
 def test_the_local_tier_in_dev_shm_is_counted_last_and_given_up_where_the_host_has_no_room_for_it():

@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from launcher import local_tier as launcher_local_tier
 from pretrain.checkpoint import local_dirs, tiers
 from test_checkpoint_tiers import checkpoint, config
@@ -36,9 +38,10 @@ class FakeNode:
         pass
 
 
-def test_the_launcher_turns_the_local_tier_off_for_the_sharded_format_on_several_nodes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])  # HSDP saves FSDP's sharded format
+def test_the_launcher_turns_the_local_tier_off_for_the_sharded_format_on_several_nodes(tmp_path, monkeypatch, mode):
     monkeypatch.setattr(local_dirs, "SHM", tmp_path / "shm")
-    sharded = config("training.local_checkpoint_interval=5", "training.parallelism=fsdp")
+    sharded = config("training.local_checkpoint_interval=5", f"training.parallelism={mode}")
     said: list[str] = []
     board = {launcher_local_tier.USABLE.format(rank=1): {"usable": False}}
     decided = launcher_local_tier.decide(sharded, tmp_path / "r1", FakeNode(0, board), said.append)

@@ -182,8 +182,9 @@ def memory_against_estimate(trainer: Any, warmup_peaks: tuple[int, int]) -> dict
     from pretrain.plan import gpu_memory as memory
 
     offload = bool(trainer.config.training.cpu_offload)
-    mode = "fsdp" if trainer.mode == "fsdp" else "ddp"  # "single" is the one-rank case of ddp's formula
-    estimate = memory.estimate(trainer.config, trainer.runtime.world_size, mode, offload)
+    mode = trainer.mode if trainer.mode in ("fsdp", "hsdp") else "ddp"  # "single" is the one-rank case of ddp's formula
+    runtime = trainer.runtime
+    estimate = memory.estimate(trainer.config, runtime.world_size, mode, offload, shard_ranks=runtime.ranks_per_node)
     return {
         "estimate_gib": estimate.total / 2**30,
         "estimate_parts": estimate.parts(),

@@ -1,6 +1,6 @@
 """How much GPU memory a run needs per GPU, from its config alone, before anything is built.
 
-The estimate, the choice between DDP and FSDP and the check that refuses a config that cannot
+The estimate, the choice between DDP, FSDP and HSDP and the check that refuses a config that cannot
 fit, with one line that says what would help. The launcher's plan (pretrain/plan/parallelism.py, which
 also counts host memory and decides CPU offload, activation checkpointing, loss chunks and FSDP's
 resharding) uses them before any worker starts: no torch here. The estimate is a model of the
@@ -45,6 +45,10 @@ gradient_sync), so no rank ever holds the full gradient and grad_accum_nums chan
 here. The embedding is gathered in fp32 around its own forward and backward, where the
 activations are few, so it is not part of the peak; when training.reshard_after_forward is false
 it stays gathered from its forward to its backward with the blocks (4 bytes a parameter more).
+
+HSDP (training.parallelism "hsdp": FSDP2 on a 2-D mesh, sharded over the ranks of a node and
+replicated across nodes) keeps on every GPU what FSDP over one node's ranks keeps (W = ranks per
+node, shard_ranks): the cross-node all-reduce runs in place on the reduce-scattered shards.
 
 One process is never wrapped (pretrain/distributed/parallel.py) unless it offloads, so world_size 1 is
 estimated as the plain model whatever the mode, and as FSDP over one rank with offload.
@@ -93,7 +97,7 @@ GPU_SHARE = 0.9
 """A run plans on this share of each GPU: the estimate is a model, and what it leaves out
 (fragmentation beyond the allowance, kernels' workspaces, a longer NCCL buffer) must still fit.
 "auto" picks DDP when DDP's estimate fits it, and a run whose estimate does not is refused."""
-MODES = ("ddp", "fsdp")
+MODES = ("ddp", "fsdp", "hsdp")
 LOSS_CHUNK_TOKENS = 2048
 """The chunk a loss is split into when its logits do not fit in one piece (the launcher's plan,
 for training.loss_chunk_tokens null, and the refusal's suggestion)."""
@@ -171,13 +175,18 @@ def _matrix_parameter_count(model: ModelConfig) -> int:
 # --- the estimate -----------------------------------------------------------------------
 
 
-def estimate(config: Config, world_size: int, mode: str, offload: bool = False) -> MemoryEstimate:
-    """Peak bytes per GPU of training config on world_size GPUs with mode "ddp" or "fsdp"
-    (offload: FSDP with CPU offload, the shards in host memory: see parallelism.host_estimate)."""
+def estimate(config: Config, world_size: int, mode: str, offload: bool = False, shard_ranks: int | None = None) -> MemoryEstimate:
+    """Peak bytes per GPU of training config on world_size GPUs with mode "ddp", "fsdp" or "hsdp"
+    (offload: FSDP with CPU offload, the shards in host memory: see parallelism.host_estimate).
+    shard_ranks: the ranks of one node, over which HSDP shards (needed for "hsdp", which is
+    FSDP's estimate over them; ignored by the other modes)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
     if offload and mode != "fsdp":
         raise ValueError("CPU offload is a mode of FSDP")
+    if mode == "hsdp" and shard_ranks is None:
+        raise ValueError("mode hsdp needs shard_ranks: the ranks of one node, over which it shards")
+    shards = min(shard_ranks or world_size, world_size) if mode == "hsdp" else world_size
     model, amp = config.model, config.training.use_amp
     params = parameter_count(model)
     unsharded = BF16 if amp else FP32  # the dtype FSDP gathers into (MixedPrecisionPolicy under amp)
@@ -189,17 +198,15 @@ def estimate(config: Config, world_size: int, mode: str, offload: bool = False) 
         weights = unsharded * head + gathered_block_bytes(config, unsharded) * 2 + ceil_div(FP32, world_size) * (head + 2 * block)
         gradients = unsharded * head + (unsharded + FP32) * block
         optimizer = 0
-    elif mode == "fsdp" and world_size > 1:
+    elif mode in cfg.SHARDED_MODES and world_size > 1:  # HSDP with one rank a node: wrapped, sharded over 1
         head, block = head_parameter_count(model), block_parameter_count(model)
         weights = (
-            ceil_div(FP32 * params, world_size)
-            + unsharded * head
-            + gathered_blocks(config) * gathered_block_bytes(config, unsharded)
+            ceil_div(FP32 * params, shards) + unsharded * head + gathered_blocks(config) * gathered_block_bytes(config, unsharded)
         )
         if config.training.reshard_after_forward is False:  # the embedding kept gathered too, in fp32
             weights += FP32 * embedding_parameter_count(model)
-        gradients = ceil_div(FP32 * params, world_size) + unsharded * head + (unsharded + FP32) * block
-        optimizer = ceil_div(optimizer_state_bytes(config.training) * params, world_size)
+        gradients = ceil_div(FP32 * params, shards) + unsharded * head + (unsharded + FP32) * block
+        optimizer = ceil_div(optimizer_state_bytes(config.training) * params, shards)
     else:
         # Under autocast each matrix is cast to a bf16 copy that the backward keeps; a float8
         # Linear casts its fp32 weight to float8 instead (its backward keeps the fp32 weight
@@ -250,17 +257,37 @@ def ceil_div(a: int, b: int) -> int:
 # --- choosing and checking --------------------------------------------------------------
 
 
-def choose_parallelism(config: Config, world_size: int, gpu_memory_bytes: int | None) -> Literal["ddp", "fsdp"]:
-    """training.parallelism when it names a mode; for "auto", DDP when there is one rank, no
-    memory limit (CPU: None), or when DDP's estimate fits GPU_SHARE of the GPU (DDP
-    communicates less); FSDP otherwise."""
+def choose_parallelism(
+    config: Config, world_size: int, gpu_memory_bytes: int | None, local_ranks: int | None = None
+) -> Literal["ddp", "fsdp", "hsdp"]:
+    """training.parallelism when it names a mode ("hsdp" on one node: "fsdp", nothing to replicate
+    across); for "auto", DDP when there is one rank, no memory limit (CPU: None), or when DDP's
+    estimate fits GPU_SHARE of the GPU (DDP communicates less); else, on several nodes
+    (local_ranks, the ranks of a node, fewer than world_size), HSDP when it fits sharded within a
+    node (only its gradient all-reduce crosses nodes); FSDP otherwise."""
     chosen = config.training.parallelism
+    nodes = several_nodes(world_size, local_ranks)
+    if chosen == "hsdp":
+        return "hsdp" if nodes else "fsdp"
     if chosen != "auto":
         return chosen
     if world_size == 1 or gpu_memory_bytes is None:
         return "ddp"
-    fits = fits_gpu(estimate(config, world_size, "ddp").total, gpu_memory_bytes)
-    return "ddp" if fits else "fsdp"
+    if fits_gpu(estimate(config, world_size, "ddp").total, gpu_memory_bytes):
+        return "ddp"
+    if nodes and fits_gpu(estimate(config, world_size, "hsdp", shard_ranks=local_ranks).total, gpu_memory_bytes):
+        return "hsdp"
+    return "fsdp"
+
+
+def several_nodes(world_size: int, local_ranks: int | None) -> bool:
+    """Whether world_size ranks, local_ranks on each node (None: all on one), span several nodes."""
+    return local_ranks is not None and world_size > local_ranks
+
+
+def node_gpus(ranks: int) -> str:
+    """How HSDP's shard group is said: "the 8 GPUs of a node"."""
+    return "the one GPU of a node" if ranks == 1 else f"the {ranks} GPUs of a node"
 
 
 def fits_gpu(needed_bytes: int, gpu_memory_bytes: int) -> bool:
@@ -268,15 +295,27 @@ def fits_gpu(needed_bytes: int, gpu_memory_bytes: int) -> bool:
     return needed_bytes <= GPU_SHARE * gpu_memory_bytes
 
 
-def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str, offload: bool = False, note: str = "") -> None:
+def check_fits(
+    config: Config,
+    world_size: int,
+    gpu_memory_bytes: int,
+    mode: str,
+    offload: bool = False,
+    note: str = "",
+    shard_ranks: int | None = None,
+) -> None:
     """ConfigError (one line: the estimate, the GPU's memory, what would help) when the
-    estimate exceeds gpu_memory_bytes. note goes after the GPU's memory (why offload does not help)."""
-    needed = estimate(config, world_size, mode, offload)
+    estimate exceeds gpu_memory_bytes. note goes after the GPU's memory (why offload does not help).
+    shard_ranks: the ranks of a node, which HSDP shards over (mode "hsdp")."""
+    needed = estimate(config, world_size, mode, offload, shard_ranks)
     if fits_gpu(needed.total, gpu_memory_bytes):
         return
-    suggestions = _suggestions(config, world_size, mode, needed.total, gpu_memory_bytes)
+    suggestions = _suggestions(config, world_size, mode, needed.total, gpu_memory_bytes, shard_ranks)
     hint = "try " + join_or(suggestions) if suggestions else "use a smaller model or a shorter data.context_length"
-    where = "with FSDP" if mode == "fsdp" and world_size > 1 else "with DDP" if world_size > 1 else "on one GPU"
+    if mode == "hsdp" and world_size > 1:
+        where = f"with HSDP (sharded over {node_gpus(min(shard_ranks or world_size, world_size))})"
+    else:
+        where = "with FSDP" if mode == "fsdp" and world_size > 1 else "with DDP" if world_size > 1 else "on one GPU"
     if offload:
         where += " and CPU offload"
     raise ConfigError(
@@ -285,26 +324,30 @@ def check_fits(config: Config, world_size: int, gpu_memory_bytes: int, mode: str
     )
 
 
-def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> list[str]:
+def _suggestions(
+    config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int, shard_ranks: int | None = None
+) -> list[str]:
     """The changes not already made that lower the estimate, each as the user would make it."""
     t = config.training
     found = []
 
     def helps(changed: Config, ranks: int = world_size, as_mode: str = mode) -> bool:
-        return estimate(changed, ranks, as_mode).total < total
+        return estimate(changed, ranks, as_mode, shard_ranks=shard_ranks).total < total
 
     if mode == "ddp" and world_size > 1 and helps(config, as_mode="fsdp"):
         found.append("--set training.parallelism=fsdp")
+    elif mode == "hsdp" and helps(config, as_mode="fsdp"):  # sharded over every node's GPUs, not one node's
+        found.append(f"--set training.parallelism=fsdp (sharded over all {world_size} GPUs)")
     untraced = dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))
     if t.activation_checkpointing == "auto":
         untraced = with_training(untraced, activation_checkpointing="full")  # what "auto" may choose without the hooks
     if t.activation_checkpointing != "none" and cfg.activation_checkpointing(config) == "none" and helps(untraced):
         found.append("--set debug.trace_nonfinite=false (its hooks turn activation checkpointing off)")
-    elif less_kept := _more_checkpointing(config, world_size, mode, total, gpu_memory_bytes):
+    elif less_kept := _more_checkpointing(config, world_size, mode, total, gpu_memory_bytes, shard_ranks):
         found.append(f"--set training.activation_checkpointing={less_kept}")
     if not loss_chunked(config) and helps(with_training(config, loss_chunk_tokens=LOSS_CHUNK_TOKENS)):
         found.append(f"--set training.loss_chunk_tokens={LOSS_CHUNK_TOKENS}")
-    kept_gathered = mode == "fsdp" and world_size > 1 and t.reshard_after_forward is False
+    kept_gathered = mode in cfg.SHARDED_MODES and world_size > 1 and t.reshard_after_forward is False
     if kept_gathered and helps(with_training(config, reshard_after_forward=True)):
         found.append("--set training.reshard_after_forward=true")
     if t.batch_size > 1:
@@ -326,14 +369,16 @@ def _suggestions(config: Config, world_size: int, mode: str, total: int, gpu_mem
     return found
 
 
-def _more_checkpointing(config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int) -> str | None:
+def _more_checkpointing(
+    config: Config, world_size: int, mode: str, total: int, gpu_memory_bytes: int, shard_ranks: int | None = None
+) -> str | None:
     """The least activation checkpointing beyond config's that makes it fit the GPU, else the most
     if that lowers the estimate at all; None when the debug hooks turn it off or nothing helps."""
     if config.debug.trace_nonfinite:
         return None
     current = cfg.CHECKPOINTING_MODES.index(cfg.activation_checkpointing(config))
     more = [with_training(config, activation_checkpointing=name) for name in cfg.CHECKPOINTING_MODES[current + 1 :]]
-    estimates = [estimate(changed, world_size, mode).total for changed in more]
+    estimates = [estimate(changed, world_size, mode, shard_ranks=shard_ranks).total for changed in more]
     for changed, needed in zip(more, estimates, strict=True):
         if fits_gpu(needed, gpu_memory_bytes):
             return cfg.activation_checkpointing(changed)
@@ -346,6 +391,34 @@ def _gpus_that_fit(config: Config, world_size: int, gpu_memory_bytes: int, most:
         if fits_gpu(estimate(config, gpus, "fsdp").total, gpu_memory_bytes):
             return gpus
     return None
+
+
+# --- the one GPU memory figure -----------------------------------------------------------
+
+
+def planned_gpu_memory(config: Config, measured_bytes: int | None) -> int | None:
+    """The GPU memory, in bytes, a run plans on: system.gpu_memory_gib when set, else
+    measured_bytes (the launcher's NVML total; None on CPU workers). The launcher writes the
+    figure into the workers' config (with_gpu_memory), and a worker plans on that figure, not on
+    torch's total_memory, which reports ~0.5 GiB less for the same GPU: a run the launcher accepts
+    at the line is never refused by its workers. ConfigError when the setting exceeds what was
+    measured."""
+    given = config.system.gpu_memory_gib
+    if given is None or measured_bytes is None:
+        return measured_bytes
+    planned = int(given * GIB)
+    if planned > measured_bytes:
+        raise ConfigError(
+            f"system.gpu_memory_gib is {given:g} but the GPU has {gib(measured_bytes)} GiB; "
+            "set it to at most that, or to null to plan on the whole GPU"
+        )
+    return planned
+
+
+def with_gpu_memory(config: Config, gpu_memory_bytes: int) -> Config:
+    """config with system.gpu_memory_gib set to gpu_memory_bytes (exact: a byte count over 2^30 is
+    a float that multiplies back to the same count)."""
+    return dataclasses.replace(config, system=dataclasses.replace(config.system, gpu_memory_gib=gpu_memory_bytes / GIB))
 
 
 def with_training(config: Config, **changes: Any) -> Config:

@@ -3,7 +3,8 @@
 plan_parallelism is the one decision, made by the launcher (launcher/prepare.py) before any worker
 starts and, run without it, by each worker (pretrain/build.py): it makes training.parallelism
 and training.cpu_offload concrete from the per-GPU estimate (pretrain/plan/gpu_memory.py) and the host
-memory counted here, or refuses the run in one line that says what would help. Torch-free: the
+memory counted here, or refuses the run in one line that says what would help. On several nodes
+HSDP shards over one node's ranks (local_ranks); CPU offload is FSDP's, over every rank. Torch-free: the
 launcher imports it.
 
 Host memory per process: FSDP with CPU offload (training.cpu_offload) keeps the sharded
@@ -29,6 +30,7 @@ import os
 from pretrain.model import recompute
 from pretrain.config import (
     CHECKPOINTING_MODES,
+    SHARDED_MODES,
     Config,
     ConfigError,
     activation_checkpointing,
@@ -55,8 +57,11 @@ from pretrain.plan.gpu_memory import (
     loss_chunked,
     optimizer_state_bytes,
     parameter_count,
+    several_nodes,
     with_training,
 )
+from pretrain.plan.gpu_memory import planned_gpu_memory as planned_gpu_memory  # the launcher's, from here as before
+from pretrain.plan.gpu_memory import with_gpu_memory as with_gpu_memory
 
 HOST_OVERHEAD_BYTES = GIB
 """Host memory of one training process besides its tensors: Python, torch's libraries, the data loader."""
@@ -72,13 +77,13 @@ HOST_MEMORY_ENV = "LAUNCHER_HOST_MEMORY_GIB"
 # --- host memory ---------------------------------------------------------------------
 
 
-def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool) -> MemoryEstimate:
+def host_estimate(config: Config, world_size: int, mode: str, on_gpus: bool, shard_ranks: int | None = None) -> MemoryEstimate:
     """Host memory per process: on GPUs, FSDP with CPU offload's shards of the weights,
     gradients and AdamW state (mode "fsdp" only); on CPU workers, everything the GPU estimate
-    counts but the CUDA allowance."""
+    counts but the CUDA allowance (shard_ranks: the ranks of a node, HSDP's shard group)."""
     if not on_gpus:  # compiled as a CPU run is (training.compile null: not), not as a GPU's estimate counts it
         on_cpu = with_training(config, compile=compile_requested(config, "cpu"))
-        return dataclasses.replace(estimate(on_cpu, world_size, mode), overhead=HOST_OVERHEAD_BYTES)
+        return dataclasses.replace(estimate(on_cpu, world_size, mode, shard_ranks=shard_ranks), overhead=HOST_OVERHEAD_BYTES)
     if mode != "fsdp":
         raise ValueError("on GPUs only FSDP with CPU offload keeps the model in host memory")
     shard = ceil_div(FP32 * parameter_count(config.model), world_size)
@@ -133,7 +138,7 @@ def check_host_fits(config: Config, world_size: int, mode: str, host_memory_byte
 
 def _host_need(config: Config, world_size: int, mode: str, local_ranks: int, on_gpus: bool) -> tuple[MemoryEstimate, int]:
     """One process's host memory, and the host's: local_ranks processes, plus the export's copy."""
-    per = host_estimate(config, world_size, mode, on_gpus)
+    per = host_estimate(config, world_size, mode, on_gpus, shard_ranks=local_ranks)
     return per, per.total * local_ranks + export_copy_bytes(config, world_size, mode, offload=on_gpus)
 
 
@@ -183,7 +188,7 @@ def plan_checkpoints(
     figure, "auto" stays for the workers to decide."""
     t = config.training
     local_ranks = local_ranks or world_size
-    mode = "fsdp" if t.cpu_offload else t.parallelism  # planned: "ddp" or "fsdp" (a single process plans as ddp)
+    mode = "fsdp" if t.cpu_offload else t.parallelism  # planned: "ddp", "fsdp" or "hsdp" (a single process plans as ddp)
     staged = staged_bytes(config, world_size, mode, local_ranks)
     if t.async_checkpoint is False:
         return config, "checkpoints: synchronous (training.async_checkpoint=false)"
@@ -209,11 +214,11 @@ def export_copy_bytes(config: Config, world_size: int, mode: str, offload: bool)
     """At the end of a run rank 0 exports the weights one tensor at a time (pretrain/hf/export.py):
     it gathers a tensor whole in fp32 into host memory and converts it (transformers' row order,
     the export's dtype, at most fp32 again) before the next, so at most two copies of the largest
-    tensor are there on top of its shards, once per host, when the weights are sharded (FSDP over
-    several ranks, or offloaded). The largest is the embedding or the output projection, or for a
+    tensor are there on top of its shards, once per host, when the weights are sharded (FSDP or
+    HSDP over several ranks, or offloaded). The largest is the embedding or the output projection, or for a
     wide block one of its weights, which a block's whole count bounds. A full replica (DDP, one
     process) converts from the tensors it already holds."""
-    sharded = mode == "fsdp" and (world_size > 1 or offload)
+    sharded = mode in SHARDED_MODES and (world_size > 1 or offload)
     largest = max(embedding_parameter_count(config.model), block_parameter_count(config.model))
     return 2 * FP32 * largest if sharded else 0
 
@@ -246,24 +251,31 @@ def plan_parallelism(
     local_ranks: int | None = None,
 ) -> tuple[Config, str]:
     """config with everything the plan decides made concrete for the workers (training.parallelism
-    "ddp" or "fsdp", cpu_offload, activation_checkpointing and grad_accum_nums never "auto",
+    "ddp", "fsdp" or "hsdp", cpu_offload, activation_checkpointing and grad_accum_nums never "auto",
     loss_chunk_tokens and reshard_after_forward never null), and the launcher's line saying what
     was chosen and what its recomputation costs.
 
     What is recomputed comes first: of the choices config leaves open (recompute_choices), the
     one with the fewest extra FLOPs that fits, each with the parallelism that fits it (DDP where
-    it fits, else FSDP, for "auto"); then, under grad_accum_nums "auto", the largest micro-batch
+    it fits, else FSDP, for "auto"; on several nodes HSDP before FSDP whatever it recomputes:
+    FSDP over every node sends each micro-batch's all-gathers and reduce-scatters across them);
+    then, under grad_accum_nums "auto", the largest micro-batch
     that fits with it (batch_choices: a larger micro-batch never buys more recomputation, whose
     extra FLOPs cost more than the smaller matmuls of a smaller micro-batch); then, under FSDP,
     blocks stay gathered from their forward to their backward where that still fits (less
     traffic). gpu_memory_bytes is the smallest GPU's
-    memory, None on CPU workers (DDP unless the user chose FSDP; the least recomputation the
+    memory, None on CPU workers (DDP unless the user chose FSDP or HSDP; the least recomputation the
     host memory allows). host_memory_bytes is the host memory available (None: no host check,
-    and no automatic offload), shared by local_ranks processes (default world_size).
+    and no automatic offload), shared by local_ranks processes (default world_size), the ranks
+    of one node: HSDP shards over them. "hsdp" on one node is FSDP, said in a warning clause.
     ConfigError, one line, when the run fits neither the GPUs nor, with CPU offload, the GPUs
-    and the host."""
+    and the host, or "hsdp" on several nodes does not fit sharded within one."""
     local_ranks = local_ranks or world_size
     on_gpus = gpu_memory_bytes is not None
+    alone = ""
+    if config.training.parallelism == "hsdp" and not several_nodes(world_size, local_ranks):
+        config = with_training(config, parallelism="fsdp")  # nothing to replicate across: the workers get FSDP
+        alone = "; warning: training.parallelism=hsdp on one node is FSDP (no other node to replicate across)"
     original = config
     choices = [split for choice in recompute_choices(config) for split in batch_choices(choice, world_size, on_gpus)]
     if gpu_memory_bytes is not None:
@@ -274,14 +286,18 @@ def plan_parallelism(
         config,
         parallelism=mode,
         cpu_offload=offload,
-        reshard_after_forward=_reshard_after_forward(config, world_size, mode, offload, gpu_memory_bytes),
+        reshard_after_forward=_reshard_after_forward(config, world_size, mode, offload, gpu_memory_bytes, local_ranks),
     )
     planned, local = _with_local_tier(planned, world_size, mode, host_memory_bytes, local_ranks, on_gpus)
+    local += alone
     unit = ("GPU" if on_gpus else "CPU worker") + ("" if world_size == 1 else "s")
     if offload:
         line = f"parallelism: FSDP with CPU offload over {world_size} {unit}"
     elif world_size == 1:
         line = f"parallelism: none, one {unit}"
+    elif mode == "hsdp":
+        nodes = f"{world_size // local_ranks} nodes x {local_ranks}"
+        line = f"parallelism: HSDP over {world_size} {unit} ({nodes}, sharded within each node, replicated across nodes)"
     else:
         line = f"parallelism: {mode.upper()} over {world_size} {unit}"
     if gpu_memory_bytes is None:
@@ -289,18 +305,25 @@ def plan_parallelism(
         if recomputes:  # CPU lines say only what is recomputed, and a micro-batch chosen
             line += f"; {recomputation(planned)}"
         return planned, line + _micro_batch(original, planned) + local
-    detail = f"estimated {gib(estimate(planned, world_size, mode, offload).total)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
+    needed = estimate(planned, world_size, mode, offload, local_ranks).total
+    detail = f"estimated {gib(needed)} GiB of {gib(gpu_memory_bytes)} GiB per GPU"
     if offload:
         _, host_needed = _host_need(planned, world_size, mode, local_ranks, on_gpus=True)
         detail += f" and {gib(host_needed)} GiB of host memory"
         if host_memory_bytes is not None:
             detail += f" of {gib(host_memory_bytes)} GiB available"
         least = choices[-1]  # what the run would need at least without offload: more recomputed
-        without = estimate(least, world_size, choose_parallelism(least, world_size, gpu_memory_bytes))
+        least_mode = choose_parallelism(least, world_size, gpu_memory_bytes, local_ranks)
+        without = estimate(least, world_size, least_mode, shard_ranks=local_ranks)
         detail += f"; without offload ~{gib(without.total)} GiB per GPU"
-    elif planned.training.parallelism == "fsdp" and config.training.parallelism == "auto":
+    elif mode in SHARDED_MODES and config.training.parallelism == "auto":
         detail += f"; DDP would need ~{gib(estimate(planned, world_size, 'ddp').total)} GiB"
-    gathering = _gathering(planned, world_size, gpu_memory_bytes)
+        if mode == "hsdp":
+            detail += f"; FSDP over all {world_size} would send every all-gather across nodes"
+        elif several_nodes(world_size, local_ranks):
+            hsdp = estimate(planned, world_size, "hsdp", shard_ranks=local_ranks).total
+            detail += f", HSDP (sharded within a node) ~{gib(hsdp)} GiB"
+    gathering = _gathering(planned, world_size, gpu_memory_bytes, local_ranks)
     return planned, f"{line} ({detail}); {recomputation(planned)}{gathering}{_micro_batch(original, planned)}{local}"
 
 
@@ -361,38 +384,40 @@ def recomputation(config: Config) -> str:
     return text + "; loss: one piece"
 
 
-def _gathering(config: Config, world_size: int, gpu_memory_bytes: int | None) -> str:
-    """Under FSDP over several GPUs, whether blocks stay gathered from forward to backward, and
-    what keeping them would take where they do not."""
+def _gathering(config: Config, world_size: int, gpu_memory_bytes: int | None, local_ranks: int) -> str:
+    """Under FSDP or HSDP over several GPUs, whether blocks stay gathered from forward to backward,
+    and what keeping them would take where they do not."""
     t = config.training
-    if t.parallelism != "fsdp" or world_size == 1 or t.cpu_offload:
+    if t.parallelism not in SHARDED_MODES or world_size == 1 or t.cpu_offload:
         return ""
     if not t.reshard_after_forward:
         return "; blocks stay gathered from forward to backward (one all-gather fewer per micro-batch)"
-    kept = estimate(with_training(config, reshard_after_forward=False), world_size, "fsdp").total
+    kept = estimate(with_training(config, reshard_after_forward=False), world_size, t.parallelism, shard_ranks=local_ranks).total
     return f"; blocks gathered again for the backward (keeping them would need ~{gib(kept)} GiB)"
 
 
-def _reshard_after_forward(config: Config, world_size: int, mode: str, offload: bool, gpu_memory_bytes: int | None) -> bool:
+def _reshard_after_forward(
+    config: Config, world_size: int, mode: str, offload: bool, gpu_memory_bytes: int | None, local_ranks: int
+) -> bool:
     """training.reshard_after_forward made concrete: as set, else false (keep the blocks gathered)
-    under FSDP on several GPUs without offload when that fits, else true."""
+    under FSDP or HSDP on several GPUs without offload when that fits, else true."""
     chosen = config.training.reshard_after_forward
     if chosen is not None:
         return chosen
-    if mode != "fsdp" or world_size == 1 or offload or gpu_memory_bytes is None:
+    if mode not in SHARDED_MODES or world_size == 1 or offload or gpu_memory_bytes is None:
         return True
     kept = with_training(config, reshard_after_forward=False)
-    return not fits_gpu(estimate(kept, world_size, "fsdp").total, gpu_memory_bytes)
+    return not fits_gpu(estimate(kept, world_size, mode, shard_ranks=local_ranks).total, gpu_memory_bytes)
 
 
 def _choose_on_cpus(
     choices: list[Config], world_size: int, host_memory_bytes: int | None, local_ranks: int
 ) -> tuple[Config, str, bool]:
-    """(config, mode, offload) on CPU workers: DDP unless FSDP or offload was chosen, and the first
-    of choices whose workers fit the host (any, without a host figure)."""
+    """(config, mode, offload) on CPU workers: DDP unless FSDP, HSDP or offload was chosen, and the
+    first of choices whose workers fit the host (any, without a host figure)."""
     t = choices[0].training
     offload = bool(t.cpu_offload)
-    mode = "fsdp" if offload else choose_parallelism(choices[0], world_size, None)
+    mode = "fsdp" if offload else choose_parallelism(choices[0], world_size, None, local_ranks)
     if host_memory_bytes is None:
         return choices[0], mode, offload
     for config in choices:
@@ -407,26 +432,31 @@ def _choose_on_gpus(
 ) -> tuple[Config, str, bool]:
     """(config, mode, offload): the first of choices that fits the GPUs without offload, unless
     offload is asked for; with it (null) when only it fits, the host's memory permitting. A run
-    that fits in no way is refused with the estimate of the last choice, which keeps the least."""
+    that fits in no way is refused with the estimate of the last choice, which keeps the least.
+    Offload is FSDP's over every rank: "hsdp" on several nodes never offloads."""
     t, least = choices[0].training, choices[-1]
+    hsdp = t.parallelism == "hsdp"  # on several nodes: plan_parallelism made it "fsdp" on one
     if t.cpu_offload:
-        if t.parallelism == "ddp":
+        if t.parallelism in ("ddp", "hsdp"):
+            why = " (offload shards over every rank, not within a node)" if hsdp else ""
             raise ConfigError(
-                "training.cpu_offload=true needs FSDP but training.parallelism is ddp; set training.parallelism=fsdp or auto"
+                f"training.cpu_offload=true needs FSDP but training.parallelism is {t.parallelism}{why}; "
+                "set training.parallelism=fsdp or auto"
             )
         config = _first_fitting_offload(choices, world_size, gpu_memory_bytes) or least
         check_fits(config, world_size, gpu_memory_bytes, "fsdp", offload=True)
         if host_memory_bytes is not None:
             check_host_fits(config, world_size, "fsdp", host_memory_bytes, local_ranks, on_gpus=True)
         return config, "fsdp", True
-    for config in choices:
-        mode = choose_parallelism(config, world_size, gpu_memory_bytes)
-        if fits_gpu(estimate(config, world_size, mode).total, gpu_memory_bytes):
-            return config, mode, False
-    mode = choose_parallelism(least, world_size, gpu_memory_bytes)
+    for modes in _mode_passes(choices[0], world_size, local_ranks):
+        for config in choices:
+            for mode in modes:
+                if fits_gpu(estimate(config, world_size, mode, shard_ranks=local_ranks).total, gpu_memory_bytes):
+                    return config, mode, False
+    mode = choose_parallelism(least, world_size, gpu_memory_bytes, local_ranks)
     offloaded = _first_fitting_offload(choices, world_size, gpu_memory_bytes)
-    if t.cpu_offload is False or t.parallelism == "ddp" or host_memory_bytes is None or offloaded is None:
-        check_fits(least, world_size, gpu_memory_bytes, mode)  # raises: say what does fit
+    if t.cpu_offload is False or t.parallelism == "ddp" or hsdp or host_memory_bytes is None or offloaded is None:
+        check_fits(least, world_size, gpu_memory_bytes, mode, shard_ranks=local_ranks)  # raises: say what does fit
     assert offloaded is not None and host_memory_bytes is not None  # check_fits raised otherwise
     per, needed = _host_need(offloaded, world_size, "fsdp", local_ranks, on_gpus=True)
     if needed <= HOST_SHARE * host_memory_bytes:
@@ -439,8 +469,22 @@ def _choose_on_gpus(
         note=f", and CPU offload would need ~{gib(per.total)} GiB of host memory per GPU ({per.parts()}) "
         f"x {local_ranks}{_export_part(offloaded, world_size, 'fsdp', True)} = {gib(needed)} GiB but this "
         f"machine has {gib(host_memory_bytes)} GiB available",
+        shard_ranks=local_ranks,
     )
     raise AssertionError("check_fits raises when the run does not fit")  # unreachable: nothing fitted
+
+
+def _mode_passes(config: Config, world_size: int, local_ranks: int) -> list[tuple[str, ...]]:
+    """The modes _choose_on_gpus tries for each choice, pass after pass: the one asked for; for
+    "auto", DDP then FSDP, on several nodes DDP then HSDP for every choice before FSDP for any."""
+    chosen = config.training.parallelism
+    if chosen != "auto":
+        return [(chosen,)]
+    if world_size == 1:
+        return [("ddp",)]
+    if several_nodes(world_size, local_ranks):
+        return [("ddp", "hsdp"), ("fsdp",)]
+    return [("ddp", "fsdp")]
 
 
 def _first_fitting_offload(choices: list[Config], world_size: int, gpu_memory_bytes: int) -> Config | None:
@@ -449,31 +493,3 @@ def _first_fitting_offload(choices: list[Config], world_size: int, gpu_memory_by
         if fits_gpu(estimate(config, world_size, "fsdp", offload=True).total, gpu_memory_bytes):
             return config
     return None
-
-
-# --- the one GPU memory figure -----------------------------------------------------------
-
-
-def planned_gpu_memory(config: Config, measured_bytes: int | None) -> int | None:
-    """The GPU memory, in bytes, a run plans on: system.gpu_memory_gib when set, else
-    measured_bytes (the launcher's NVML total; None on CPU workers). The launcher writes the
-    figure into the workers' config (with_gpu_memory), and a worker plans on that figure, not on
-    torch's total_memory, which reports ~0.5 GiB less for the same GPU: a run the launcher accepts
-    at the line is never refused by its workers. ConfigError when the setting exceeds what was
-    measured."""
-    given = config.system.gpu_memory_gib
-    if given is None or measured_bytes is None:
-        return measured_bytes
-    planned = int(given * GIB)
-    if planned > measured_bytes:
-        raise ConfigError(
-            f"system.gpu_memory_gib is {given:g} but the GPU has {gib(measured_bytes)} GiB; "
-            "set it to at most that, or to null to plan on the whole GPU"
-        )
-    return planned
-
-
-def with_gpu_memory(config: Config, gpu_memory_bytes: int) -> Config:
-    """config with system.gpu_memory_gib set to gpu_memory_bytes (exact: a byte count over 2^30 is
-    a float that multiplies back to the same count)."""
-    return dataclasses.replace(config, system=dataclasses.replace(config.system, gpu_memory_gib=gpu_memory_bytes / GIB))
