@@ -144,6 +144,42 @@ def test_a_training_worker_killed_on_node_1_stops_both_nodes_within_3_seconds(tm
     assert wait_until(lambda: not marked_processes(marker), timeout=2.0)
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The debug preset for three steps on two loopback nodes of two CPU ranks each, under HSDP
+    (sharded within a node, replicated across) and under FSDP over all four ranks."""
+    tmp_path = tmp_path_factory.mktemp("hsdp")
+    started: list[subprocess.Popen] = []
+
+    def processes(argv, **options):
+        started.append(subprocess.Popen(argv, start_new_session=True, **options))
+        return started[-1]
+
+    runs = {}
+    for mode in ("hsdp", "fsdp"):
+        options = train_options(tmp_path, tmp_path / mode, "--max-steps", "3", "--set", f"training.parallelism={mode}")
+        options[options.index("--nproc") + 1] = "2"
+        runs[mode] = start_nodes(tmp_path, processes, options)
+        for run in runs[mode]:
+            run.wait()
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return runs
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_under_hsdp_train_to_fsdps_losses(sharded):
+    for mode, nodes in sharded.items():
+        assert [run.proc.returncode for run in nodes] == [0, 0], (mode, nodes[0].text[-3000:], nodes[1].text[-3000:])
+    assert "parallelism: HSDP over 4 CPU workers (2 nodes x 2" in sharded["hsdp"][0].text
+    assert "parallelism: FSDP over 4 CPU workers" in sharded["fsdp"][0].text
+    hsdp, fsdp = ({key: float(loss) for run in sharded[mode] for key, loss in losses(run.text).items()} for mode in sharded)
+    assert set(hsdp) == set(fsdp) == {(f"CPU{rank}", step) for rank in range(4) for step in range(3)}
+    assert hsdp == pytest.approx(fsdp, abs=2e-4), (hsdp, fsdp)  # printed to 4 decimals
+
+
 # Every worker says it is up, then waits until every worker of the job is (files in a shared
 # directory: a handshake, not a sleep); the one on rank FAIL_RANK then exits 7.
 

@@ -15,6 +15,7 @@ from launcher.nodes.node import (
     NodeStop,
     node_spec,
 )
+from launcher.nodes.agreement import joined_line
 from launcher.nodes.rendezvous import differences
 from launcher.nodes.slurm import derived_port
 
@@ -333,3 +334,16 @@ def test_a_key_present_on_one_side_only_is_named():
 def test_configs_that_are_not_dicts_and_differ_are_named_as_the_config():
     assert differences(1, 2) == ["the config"]
     assert differences({"a": 1}, None) == ["the config"]
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "world_size", "nproc", "line"),
+    [
+        (1, 1, 1, "the only node joined: 1 worker"),
+        (1, 2, 2, "the only node joined: 2 workers"),
+        (2, 2, 1, "all 2 nodes joined: 2 workers, 1 on each node"),
+        (3, 12, 4, "all 3 nodes joined: 12 workers, 4 on each node"),
+    ],
+)
+def test_the_joined_line_says_one_node_and_one_worker_in_the_singular(nnodes, world_size, nproc, line):
+    assert joined_line(nnodes, world_size, nproc) == line

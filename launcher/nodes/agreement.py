@@ -32,6 +32,15 @@ class Member:
     """Its restart options by name (RESTART_OPTIONS); None: no restarts."""
 
 
+def joined_line(nnodes: int, world_size: int, nproc: int) -> str:
+    """What every node says once the job has formed; one node (a restart's round that went on
+    alone, --min-nnodes 1) has no "all" and no "each"."""
+    workers = f"{world_size} worker{'s' if world_size != 1 else ''}"
+    if nnodes == 1:
+        return f"the only node joined: {workers}"
+    return f"all {nnodes} nodes joined: {workers}, {nproc} on each node"
+
+
 def restart_options(max_restarts: int, min_nnodes: int | None, restart_backoff: float | None) -> dict[str, Any]:
     """As the nodes compare them: --restart-backoff not given is its default, so it agrees with one given as 1."""
     backoff = DEFAULT_BACKOFF if restart_backoff is None else restart_backoff

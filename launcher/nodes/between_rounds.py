@@ -23,7 +23,8 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
 from typing import Any
@@ -128,6 +129,29 @@ class BetweenRounds:
                     return
         except Exception:
             return  # node 0's store is gone: the main thread's own calls say so
+
+
+@contextmanager
+def held_once_spawned(spawned: list[Any], held: list[int]) -> Iterator[None]:
+    """Around an attempt: a stop signal before its workers are spawned (spawned empty) does what it
+    did (the launcher's handler); from then on the supervisor takes it, and one that comes after
+    the supervisor has given the signals back, before BetweenRounds takes them, goes into held (the
+    attempt's end is still to be said; BetweenRounds then stops every node)."""
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        if not spawned:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            return
+        held.append(signum)
+
+    previous: dict[int, Any] = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def tell(connect: Callable[[], Any], halt: Halt, seconds: float) -> Halt:

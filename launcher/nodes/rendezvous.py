@@ -39,7 +39,7 @@ from dataclasses import asdict
 from typing import Any, NoReturn, TypeVar
 
 from launcher.exit_codes import EXIT_NODE_LOST
-from launcher.nodes.agreement import Member, differences, disagreement
+from launcher.nodes.agreement import Member, differences, disagreement, joined_line
 from launcher.nodes.node import NodeInterrupt, NodeSpec, NodeStop
 from launcher.nodes.own_silence import ENDED_MEANWHILE, OTHERS_STOPPED, OwnSilence
 from launcher.nodes.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
@@ -108,7 +108,7 @@ def join(
         node._withdraw()
         raise
     node._start_watching()
-    say(f"all {spec.nnodes} nodes joined: {node.world_size} workers, {member.nproc} on each node")
+    say(joined_line(spec.nnodes, node.world_size, member.nproc))
     return node
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,7 +42,8 @@ from launcher.nodes.agreement import restart_options
 from launcher.nodes.between_rounds import BetweenRounds, Halt, Halted
 from launcher.nodes.job_end import all_ends, end_record, job_end
 from launcher.nodes.node import NodeSpec
-from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect, in_namespace
+from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect
+from launcher.nodes.round_checkin import ROUND_KEY, check_in, gather_round, open_round
 from launcher.nodes.store import client, first_line, torch_distributed
 from launcher.processes.torchrun_env import Restarts
 from launcher.rundir import lock
@@ -61,9 +60,6 @@ if TYPE_CHECKING:
 Attempt = Callable[[cfg.Config, Node, Path, int, Restarts, Callable[[], None]], tuple[int, AttemptEnd]]
 """One attempt on this node (launch.py run_owned): its config, round, run directory, port, restart
 count, and what to call once its workers are spawned -> its exit code and how it ended."""
-
-ROUND_KEY = "round"
-"""A bare key of node 0's store: the round whose check-in is open (absent: the first round)."""
 
 
 def check_global_batch(args: argparse.Namespace, config: cfg.Config, command: list[str], nproc: int, nnodes: int) -> None:
@@ -140,7 +136,10 @@ class RestartRounds:
     def _attempts(self) -> int:
         number = 0
         previous: AttemptEnd | None = None
-        node = self._rejoin() if not self.spec.is_master else None
+        try:
+            node = self._rejoin() if not self.spec.is_master else None
+        except Halted as halted:  # relaunched, and stopped before it rejoined the job
+            return self._halted(halted, None, None, None)
         if node is None:
             node = self._join(self.spec, "")
         with multinode.telling_others(node):
@@ -150,20 +149,23 @@ class RestartRounds:
                 self.started = True
                 begun: list[restarts.Attempt | None] = []  # its line of the record, once its workers are spawned
                 spawned = functools.partial(self._begin, config, begun)
+                held: list[int] = []  # a stop signal once the supervisor has given the signals back
                 try:
-                    restart = Restarts(number, self.args.max_restarts)
-                    code, end = self.attempt(config, node, self.owned_path, port, restart, spawned)
+                    with between_rounds.held_once_spawned(begun, held):
+                        restart = Restarts(number, self.args.max_restarts)
+                        code, end = self.attempt(config, node, self.owned_path, port, restart, spawned)
+                        if not begun:  # workers that could not all start: the attempt is recorded all the same
+                            spawned()
+                        self._post(node, f"end/{node.rank}", end_record(end))
                 except BaseException as error:
                     if not begun:  # ended while it prepared: a restart decided before it did not happen
                         self._not_begun(error)
                     raise
-                if not begun:  # workers that could not all start: the attempt is recorded all the same
-                    spawned()
                 entry = begun[0]
-                self._post(node, f"end/{node.rank}", end_record(end))
             job: AttemptEnd | None = None
             try:
                 with BetweenRounds(self._client, self.spec.node_rank):  # a stop signal to any node stops every node
+                    self._signalled_in_teardown(node, end, held)
                     wait = self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout
                     code = multinode.settle(node, code, wait, self.say)
                     decision, job = self._decide(node, number, previous, entry, code)
@@ -201,22 +203,35 @@ class RestartRounds:
             self.say(f"no restart: {error}")
             return None
 
+    def _signalled_in_teardown(self, node: Node, end: AttemptEnd, held: list[int]) -> None:
+        """A stop signal to any node while the failed attempt's workers were torn down (the
+        supervisor said it in the round's interrupt key, and cut the teardown short), or to this
+        one just after (held): Halted."""
+        if held:
+            raise Halted(Halt(self.spec.node_rank, held[0]), here=True)
+        if not end.stopped and (asked := node.interrupted()) is not None:
+            launched = self.roster[asked.node] if asked.node < len(self.roster) else asked.node
+            raise Halted(Halt(launched, asked.signum), here=asked.node == node.rank)
+
     def _client(self) -> Any:
         """A connection of its own to node 0's store (node 0's too), for a stop between attempts."""
         return client(torch_distributed(), self.spec, self.args.node_timeout)
 
-    def _halted(self, halted: Halted, node: Node, entry: restarts.Attempt | None, job: AttemptEnd | None) -> int:
+    def _halted(self, halted: Halted, node: Node | None, entry: restarts.Attempt | None, job: AttemptEnd | None) -> int:
         """A stop signal between attempts, here or on another node: every node stops with its code;
         node 0 records that the restart did not happen (launcher/nodes/between_rounds.py)."""
         first = halted.halt
         if halted.here:
             first = between_rounds.tell(self._client, halted.halt, self.args.node_timeout)
+            if node is not None:  # a node still tearing its workers down kills them now (its supervisor)
+                node.report_interrupt(halted.halt.signum)
         self.say(halted.halt.line(halted.here))
         if not self.spec.is_master:
             between_rounds.acknowledge(self._client, self.args.node_timeout)
             return by_signal(halted.halt.signum)
         if self.record is not None and entry is not None:
             if job is None:  # stopped before node 0 had judged the attempt
+                assert node is not None  # node 0 joined before any attempt
                 job = job_end(node, all_ends(node))
             if warning := self.record.end(entry, job, restarts.Verdict(False, first.why())):
                 self.say(warning)
@@ -389,10 +404,11 @@ class RestartRounds:
     def _next_round(self, number: int) -> Node | None:
         """Round `number`: check in, wait for node 0's roster, join. None when the job stops."""
         dist = torch_distributed()
+        args, say = self.args, self.say
         if self.spec.is_master:
-            roster = self._gather_round(dist, number)
+            roster = gather_round(dist, self.hosted, self.spec, self.roster, number, args.join_timeout, args.min_nnodes, say)
         else:
-            roster = self._check_in(dist, number)
+            roster = check_in(dist, self.spec, number, args.join_timeout, args.node_timeout, say)
         if roster is None:
             return None
         self.roster = roster
@@ -400,62 +416,6 @@ class RestartRounds:
         spec = dataclasses.replace(self.spec, nnodes=len(roster), node_rank=rank, launched_as=self.spec.node_rank)
         self.say(f"round {number} of the rendezvous: node(s) {', '.join(map(str, roster))} of {self.spec.nnodes}")
         return self._join(spec, f"round{number}")
-
-    def _gather_round(self, dist: Any, number: int) -> list[int] | None:
-        """Node 0: open the round, wait for the last round's nodes up to --join-timeout, and name
-        the round's nodes (or why the job stops)."""
-        store = in_namespace(dist, self.hosted, f"round{number}")
-        store.set(f"back/{self.spec.node_rank}", socket.gethostname())
-        self.hosted.set(ROUND_KEY, str(number))
-        timeout = self.args.join_timeout
-        deadline, said = time.monotonic() + timeout, False
-        while True:
-            back = [n for n in range(self.spec.nnodes) if store.check([f"back/{n}"])]
-            missing = [n for n in self.roster if n not in back]
-            if not missing or time.monotonic() >= deadline:
-                break
-            if not said:
-                self.say(f"waiting up to {timeout:g} s (--join-timeout) for node(s) {', '.join(map(str, missing))} to come back")
-                said = True
-            time.sleep(POLL_INTERVAL)
-        least = self.args.min_nnodes or self.spec.nnodes
-        if len(back) < least:
-            gone = ", ".join(str(n) for n in range(self.spec.nnodes) if n not in back)
-            why = f"node(s) {gone} did not come back within {timeout:g} s (--join-timeout)"
-            why += f"; fewer than --min-nnodes {least} are left" if self.args.min_nnodes else "; the job stops"
-            store.set("roster", json.dumps({"stop": why}))
-            self.say(f"no restart: {why}")
-            return None
-        store.set("roster", json.dumps({"nodes": back}))
-        if len(back) < self.spec.nnodes:
-            self.say(f"going on with {len(back)} of {self.spec.nnodes} node(s) (--min-nnodes {least})")
-        return back
-
-    def _check_in(self, dist: Any, number: int) -> list[int] | None:
-        """Not node 0: say this node is back for the round, and take node 0's roster."""
-        timeout = self.args.join_timeout
-        patience = 2 * timeout + self.args.node_timeout  # node 0 may wait for its devices first
-        deadline = time.monotonic() + patience
-        try:
-            raw = connect(dist, self.spec, deadline, timeout, self.args.node_timeout)
-            store = in_namespace(dist, raw, f"round{number}")
-            store.set(f"back/{self.spec.node_rank}", socket.gethostname())
-            while not store.check(["roster"]):
-                if time.monotonic() >= deadline:
-                    raise RendezvousError(f"node 0 did not form round {number} of the rendezvous within {patience:g} s")
-                time.sleep(POLL_INTERVAL)
-            roster = json.loads(store.get("roster"))
-        except RendezvousError:
-            raise
-        except Exception as error:
-            raise RendezvousError(f"node 0, which hosts the rendezvous, is gone ({first_line(error)}): the job stops") from None
-        if "stop" in roster:
-            self.say(f"no restart: {roster['stop']}")
-            return None
-        if self.spec.node_rank not in roster["nodes"]:
-            self.say(f"no restart: round {number} went on without this node")
-            return None
-        return roster["nodes"]
 
     def _rejoin(self) -> Node | None:
         """Not node 0, launched while the job runs or restarts (Slurm requeued this node, or it was
@@ -465,10 +425,17 @@ class RestartRounds:
         timeout = self.args.join_timeout
         deadline = time.monotonic() + timeout
         raw = connect(dist, self.spec, deadline, timeout, self.args.node_timeout)
-        said = False
         try:
             if not raw.check([ROUND_KEY]) and not raw.check(["joined"]):
                 return None
+        except Exception as error:
+            raise RendezvousError(f"node 0 has ended the job ({first_line(error)}): nothing to join") from None
+        with BetweenRounds(self._client, self.spec.node_rank):  # the job runs: a stop signal here stops every node
+            return self._wait_for_round(dist, raw, deadline)
+
+    def _wait_for_round(self, dist: Any, raw: Any, deadline: float) -> Node:
+        timeout, said = self.args.join_timeout, False
+        try:
             while (number := open_round(dist, raw)) is None:  # formed without this node: wait for the next
                 if time.monotonic() >= deadline:
                     raise RendezvousError(
@@ -489,11 +456,3 @@ class RestartRounds:
         if node is None:
             raise RendezvousError(f"round {number} of the rendezvous went on without this node")
         return node
-
-
-def open_round(dist: Any, raw: Any) -> int | None:
-    """The round of the rendezvous node 0 has opened and not yet formed (a restart's), else None."""
-    if not raw.check([ROUND_KEY]):
-        return None
-    number = int(raw.get(ROUND_KEY))
-    return None if in_namespace(dist, raw, f"round{number}").check(["roster"]) else number

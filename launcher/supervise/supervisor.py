@@ -228,6 +228,8 @@ class Supervisor:
             case NodeInterrupt(node, signum) if not self._tearing_down:
                 self.printer.launcher_line(f"node {node} was asked to stop ({signal.Signals(signum).name}); so is this node")
                 self._on_interrupt(signum, told=False)
+            case NodeInterrupt() if self._interrupted_by is None:  # another node's, in a failure's teardown: no restart
+                self._kill_running()
 
     def _is_first_failure(self, worker: Worker, returncode: int) -> bool:
         if returncode == 0 or self._failure is not None or self._remote is not None or worker in self._killed:
@@ -308,6 +310,8 @@ class Supervisor:
 
     def _on_interrupt(self, signum: int, told: bool = True) -> None:
         """Rule 3; told: this node's own signal, which the other nodes are told of (rule 5)."""
+        if self._tearing_down and self._interrupted_by is None and told and self.peers is not None:
+            self.peers.report_interrupt(signum)  # in a failure's teardown: no restart (launcher/nodes/restart_rounds.py)
         if self._tearing_down and signum == signal.SIGHUP:
             self.printer.launcher_line("received SIGHUP: already stopping; carrying on")
             return
@@ -486,8 +490,16 @@ class Supervisor:
                 event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if not isinstance(event, Interrupted | NodeStop | NodeInterrupt):  # the workers are gone: nothing to stop
-                self._handle(event)
+            self._after_the_end(event)
+        while not self._events.empty():  # a stop signal after the loop still stops a restart (below)
+            self._after_the_end(self._events.get())
+
+    def _after_the_end(self, event: Incoming) -> None:
+        """The workers are gone: nothing to stop; a stop signal in a failure's teardown is said (_on_interrupt)."""
+        if isinstance(event, Interrupted) and self._tearing_down:
+            self._on_interrupt(event.signum)
+        elif not isinstance(event, Interrupted | NodeStop | NodeInterrupt):
+            self._handle(event)
 
     # --- outcome ------------------------------------------------------------------------
 
