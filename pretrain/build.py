@@ -107,7 +107,7 @@ def gpu_memory(config: Config, device: torch.device) -> int | None:
 def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None) -> tuple[Config, str]:
     """The config as the launcher's plan makes it concrete (training.parallelism, cpu_offload,
     activation_checkpointing, loss_chunk_tokens, reshard_after_forward: pretrain/plan/parallelism.py),
-    and the mode: fsdp with CPU offload (even for one process; hsdp where planned), else single for
+    and the mode: fsdp with CPU offload (even for one process), else single for
     one process, else the planned mode. A run that cannot fit the GPU fails here, before the model is built.
     Under the launcher everything is decided already and this only checks it; run without it,
     this process decides as the launcher would, on the smallest GPU of the ranks and (offload
@@ -121,12 +121,13 @@ def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None)
         else:
             (gpu,) = smallest_across_ranks(runtime, gpu)
     local_ranks = runtime.ranks_per_node
-    config, _ = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
+    config, line = memory_plan.plan_parallelism(config, runtime.world_size, gpu, host, local_ranks)
+    if "warning: " in line and runtime.is_main:  # run alone (under the launcher its line said it, and nothing is left to warn of)
+        logging.getLogger("pretrain").warning(line.split("warning: ", 1)[1])
     config = asynchronous_checkpoints(config, runtime, local_ranks, run_dir)
-    planned = config.training.parallelism
-    if config.training.cpu_offload:  # FSDP2's offload, over every rank or within each node
-        return config, planned if planned == "hsdp" and runtime.distributed else "fsdp"
-    return config, planned if runtime.distributed else "single"
+    if config.training.cpu_offload:  # the plan offloads only with FSDP over every rank (hsdp with offload is refused)
+        return config, "fsdp"
+    return config, config.training.parallelism if runtime.distributed else "single"
 
 
 def asynchronous_checkpoints(config: Config, runtime: Runtime, local_ranks: int, run_dir: Path | None = None) -> Config:

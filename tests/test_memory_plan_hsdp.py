@@ -143,3 +143,27 @@ def test_prepare_training_gives_the_workers_hsdp_and_says_so(tmp_path):
     assert " GiB of 40.0 GiB per GPU)" in line  # the job's smallest GPU
     training_command(prepared, tmp_path, Printer(io.StringIO(), None))
     assert json.loads((tmp_path / "config.json").read_text())["training"]["parallelism"] == "hsdp"
+
+
+def test_a_worker_run_alone_with_hsdp_on_one_node_warns_once_on_rank_0_and_runs_fsdp(caplog):
+    import logging
+
+    import torch
+
+    from pretrain.build import parallel_mode
+    from pretrain.distributed.runtime import Runtime
+
+    debug = cfg.resolve(preset="debug", sets=["model.vocab_size=257"])
+    config = with_training(debug, parallelism="hsdp", async_checkpoint=False)  # deciding that would need the group
+    logger = logging.getLogger("pretrain")
+    propagate, logger.propagate = logger.propagate, True  # an earlier test's setup_logging may have cut it off
+    try:
+        with caplog.at_level(logging.WARNING, logger="pretrain"):
+            # what parallel_mode decides needs no process group: two ranks of one node (ranks_per_node 2)
+            planned, mode = parallel_mode(config, Runtime(0, 2, torch.device("cpu"), "CPU 0", ranks_per_node=2))
+            parallel_mode(config, Runtime(1, 2, torch.device("cpu"), "CPU 1", ranks_per_node=2))
+    finally:
+        logger.propagate = propagate
+    assert (planned.training.parallelism, mode) == ("fsdp", "fsdp")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["training.parallelism=hsdp on one node is FSDP (no other node to replicate across)"]
