@@ -3,7 +3,7 @@
 Run from the repository root:
 
     python benchmarks/efficiency.py [--quick] [--json FILE] [--markdown FILE] [--label NAME]
-        [--presets small,production] [--features dense,moe,muon] [--ranks 1,2]
+        [--presets small,production] [--features dense,moe,muon] [--nodes N] [--ranks 1,2]
         [--checkpointing none,selective,full,auto] [--compile all|none] [--device cpu|cuda]
 
 For the `small` preset and a production-shaped model (production's widths and vocabulary, 2 layers,
@@ -44,7 +44,15 @@ with aot_eager, in under 5 minutes on 2 loaded cores; the full run compiles ever
   parallelism, the same way: DDP, one all-reduce of the fp32 gradients (4 bytes a parameter);
   FSDP, one all-gather of every weight (bf16 under use_amp, the embedding fp32 as this project
   gathers it) and one reduce-scatter of the fp32 gradients per step: a lower bound that holds
-  the weights gathered across micro-batches; both plus the finite check's 32 bytes. 1 rank: 0.
+  the weights gathered across micro-batches; HSDP, FSDP's plus one all-reduce of the fp32
+  gradient shard a rank holds; each plus the finite check's 32 bytes. 1 rank: 0.
+- the same bytes by link (benchmarks/efficiency_links.py): --nodes N runs each row as N "nodes"
+  of --ranks M gloo ranks on loopback (world N x M, node-major, LOCAL_WORLD_SIZE=M), and each
+  collective counts as inter-node when its process group's ranks span nodes, else intra-node:
+  inter_node_bytes_per_token beside its minimum (HSDP: the gradient shard's all-reduce and the
+  finite check; FSDP over every rank and DDP: all of their minimum) and intra_node_bytes_per_token
+  (one node: inter 0, intra everything). With --nodes above 1 each row runs twice, hsdp and
+  fsdp (training.parallelism set), side by side; --quick then runs NODES_QUICK's rows.
 - Muon's orthogonalize share per rank: the Newton-Schulz FLOPs of the matrices a rank passes to
   the optimizer's `orthogonalize` (a (k, m, n) stack counts k matrices) over those of every
   hidden matrix; the largest rank's (1 on one rank; 1/W when the work is split evenly).
@@ -79,8 +87,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -91,10 +97,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if Path(sys.path[0]).resolve() == REPO / "benchmarks":  # run as a script: the repository, not benchmarks/
     sys.path[0] = str(REPO)  # (whose launcher.py would shadow the launcher package)
+from benchmarks.efficiency_groups import count_all, progress, run_group  # noqa: E402
+from benchmarks.efficiency_links import NODES_QUICK, SHARDED_ACROSS_NODES, link_values, minimum_bytes  # noqa: E402
 from benchmarks.efficiency_report import Outcome, Row, machine_slug, report  # noqa: E402
-from launcher.launch import free_port  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "efficiency_worker.py"
 PRESETS = ("small", "production")
 FEATURES = {"dense": [], "moe": ["model.moe.num_experts=4", "model.moe.top_k=2"], "muon": ["training.optimizer=muon"]}
 FEATURES["moe+muon"] = FEATURES["moe"] + FEATURES["muon"]
@@ -104,6 +110,7 @@ ON_OLD_TREES = {"none": "false", "full": "true"}
 """Where training.activation_checkpointing is still a bool, the modes it has."""
 RUN_GEOMETRY = ["data.context_length=64", "training.batch_size=1"]
 PRODUCTION_SHAPE = ["model.n_layers=2", "training.parallelism=fsdp"]
+"""(A row whose parallelism is set, on several nodes, sets that instead of fsdp.)"""
 RUN_WIDTH_DIVISOR = {"cpu": {"small": 8, "production": 16}, "cuda": {"small": 1, "production": 1}}
 """The real runs divide the model's dim, ffn_dim and vocabulary by this (heads kept): every matrix
 1/divisor^2 of its size (on a CPU; a GPU runs the true widths)."""
@@ -125,7 +132,9 @@ recompiles, with MoE's expert stacks too, FSDP's traffic and its compiled blocks
 KEYS = (
     "preset",
     "features",
+    "nodes",
     "ranks",
+    "parallelism",
     "activation_checkpointing",
     "executed_over_model_flops",
     "executed_over_planned_flops",
@@ -134,15 +143,15 @@ KEYS = (
     "host_syncs_per_step",
     "collective_bytes_per_token",
     "collective_minimum_bytes_per_token",
+    "inter_node_bytes_per_token",
+    "inter_node_minimum_bytes_per_token",
+    "intra_node_bytes_per_token",
+    "inter_node_bytes_by_kind",
     "orthogonalize_share_per_rank",
     "activation_bytes_per_token",
     "activation_fp32_bytes_per_token",
     "matmuls_per_block",
 )
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- the jobs ------------------------------------------------------------------------------------
@@ -180,10 +189,14 @@ def job(row: Row, args: argparse.Namespace, setting: str, compiled: bool) -> dic
         *FEATURES[row.features],
     ]
     shape = PRODUCTION_SHAPE if row.preset == "production" else []
+    if row.parallelism:
+        shape = [s for s in shape if not s.startswith("training.parallelism=")] + [f"training.parallelism={row.parallelism}"]
     return {
         "name": row.name,
         "preset": row.preset,
+        "nodes": row.nodes,
         "ranks": row.ranks,
+        "world": row.nodes * row.ranks,
         "true_sets": [*common, *shape],
         "run_sets": [*common, *shape, *run_widths(row.preset, args.device), *RUN_GEOMETRY],
         "plan_gpu_bytes": int(args.plan_gpu_gib * 2**30),
@@ -202,59 +215,7 @@ def run_widths(preset: str, device: str) -> list[str]:
     return [f"model.{name}={getattr(model, name) // divisor}" for name in ("dim", "ffn_dim", "vocab_size")]
 
 
-def run_group(jobs: list[dict[str, Any]], ranks: int, work: Path, timeout: float) -> tuple[list[list[dict[str, Any]]], str]:
-    """Run the rows of jobs in one group of ranks processes (efficiency_worker.py); (each rank's
-    results, in job order; an error that stopped them all, else ""). Rank 0's stderr (progress)
-    comes through; the others' go to files, shown when a rank fails."""
-    jobs_file, results = work / f"jobs-{ranks}.json", work / f"results-{ranks}"
-    jobs_file.write_text(json.dumps(jobs))
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("TORCH_LOGS", None)  # the counts come from dynamo's counters, not its logs
-    processes, logs = [], []
-    for rank in range(ranks):
-        rank_env = env | {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks)}
-        rank_env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        log = open(work / f"rank{ranks}-{rank}.log", "w")  # noqa: SIM115 (closed below)
-        logs.append(log)
-        argv = [sys.executable, str(WORKER), "run", str(jobs_file), str(results)]
-        processes.append(subprocess.Popen(argv, cwd=REPO, env=rank_env, stdout=log, stderr=None if rank == 0 else log))
-    error, deadline = "", time.monotonic() + timeout * len(jobs)
-    for rank, process in enumerate(processes):
-        try:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            error = error or f"timed out after {timeout * len(jobs):.0f} s"
-            for other in processes:
-                other.kill()
-            process.wait()
-        if process.returncode and not error:
-            error = f"rank {rank} exited with status {process.returncode}"
-    for log in logs:
-        log.close()
-    files = [Path(f"{results}.rank{r}") for r in range(ranks)]
-    if error or not all(f.exists() for f in files):
-        tail = (work / f"rank{ranks}-{ranks - 1}.log").read_text().strip().splitlines()[-12:]
-        progress("  the group failed; the last rank's last output:\n" + "\n".join(tail))
-        return [], error or "no results written"
-    return [json.loads(f.read_text()) for f in files], ""
-
-
 # --- from the jobs' results to a row --------------------------------------------------------------
-
-
-def minimum_bytes(count: dict[str, Any], row: Row) -> dict[str, float]:
-    """The fewest bytes per token each kind of collective needs for the row's parallelism."""
-    if row.ranks == 1:
-        return {}
-    tokens, check = count["true_tokens_per_step"], 32  # the finite check: four int64
-    if count["plan"].get("parallelism") == "ddp":
-        return {"all_reduce": (4 * count["parameters"] + check) / tokens}
-    return {
-        "all_gather": count["gather_bytes"] / tokens,
-        "reduce_scatter": 4 * count["parameters"] / tokens,
-        "all_reduce": check / tokens,
-    }
 
 
 def combine(row: Row, count: dict[str, Any], ranks: list[dict[str, Any]]) -> Outcome:
@@ -282,6 +243,7 @@ def combine(row: Row, count: dict[str, Any], ranks: list[dict[str, Any]]) -> Out
         "host_syncs_per_step": max(max(r["syncs_per_step"]) for r in eager) if eager else None,
         "collective_bytes_per_token": measured if eager else None,
         "collective_minimum_bytes_per_token": minimum_bytes(count, row),
+        **link_values(row, count, eager, scale),
         "orthogonalize_share_per_rank": share if "muon" in row.features else None,
         **activations(ranks),
         "matmuls_per_block": count.get("matmuls_per_block"),
@@ -324,8 +286,8 @@ def merged(dicts: Any) -> dict[str, int]:
 
 
 def measure(rows: list[Row], args: argparse.Namespace) -> list[Outcome]:
-    """Every row's FLOP count (one process), then its real run, grouped by the number of ranks
-    (one process group each); in the order given."""
+    """Every row's FLOP count (one process), then its real run, grouped by nodes x ranks (one
+    process group each); in the order given."""
     takes_modes = tree_takes_modes()
     outcomes: dict[Row, Outcome] = {}
     jobs: dict[Row, dict[str, Any]] = {}
@@ -334,16 +296,17 @@ def measure(rows: list[Row], args: argparse.Namespace) -> list[Outcome]:
         if setting is None:
             outcomes[row] = Outcome(row, note="not on this tree (activation_checkpointing is a bool)")
         else:
-            compiled = args.compile == "all" and QUICK.get(astuple(row), True) if args.quick else args.compile == "all"
+            compiled = args.compile == "all" and quick_set(args).get(astuple(row), True) if args.quick else args.compile == "all"
             jobs[row] = job(row, args, setting, compiled)
     with tempfile.TemporaryDirectory(prefix="efficiency-") as tmp:
         progress(f"counting the FLOPs of {len(jobs)} row(s) on the meta device ...")
         counts = dict(zip(jobs, count_all(list(jobs.values()), Path(tmp), args.timeout), strict=True))
-        for ranks in sorted({row.ranks for row in jobs}):
-            group = [row for row in jobs if row.ranks == ranks]
-            progress(f"{len(group)} row(s) on {ranks} rank(s) ...")
+        for nodes, ranks in sorted({(row.nodes, row.ranks) for row in jobs}):
+            group = [row for row in jobs if (row.nodes, row.ranks) == (nodes, ranks)]
+            where = f"{nodes} node(s) x {ranks} rank(s)" if nodes > 1 else f"{ranks} rank(s)"
+            progress(f"{len(group)} row(s) on {where} ...")
             started = time.monotonic()
-            per_rank, error = run_group([jobs[row] for row in group], ranks, Path(tmp), args.timeout)
+            per_rank, error = run_group([jobs[row] for row in group], ranks, Path(tmp), args.timeout, nodes)
             for i, row in enumerate(group):
                 results = [r[i] for r in per_rank]
                 failed = error or counts[row].get("error") or next((r["error"] for r in results if "error" in r), "")
@@ -352,25 +315,13 @@ def measure(rows: list[Row], args: argparse.Namespace) -> list[Outcome]:
     return [outcomes[row] for row in rows]
 
 
-def count_all(jobs: list[dict[str, Any]], work: Path, timeout: float) -> list[dict[str, Any]]:
-    """Every job's FLOP count from one efficiency_worker.py count process ({"error": ...} each when it failed)."""
-    jobs_file, results = work / "count-jobs.json", work / "counts.json"
-    jobs_file.write_text(json.dumps(jobs))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    argv = [sys.executable, str(WORKER), "count", str(jobs_file), str(results)]
-    try:
-        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return [{"error": f"the FLOP count timed out after {timeout:.0f} s"}] * len(jobs)
-    if done.returncode or not results.exists():
-        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-        progress("  the FLOP count failed; its last output:\n" + "\n".join(lines[-12:]))
-        return [{"error": lines[-1][:200]}] * len(jobs)
-    return json.loads(results.read_text())
-
-
 def astuple(row: Row) -> tuple[str, str, int, str]:
     return (row.preset, row.features, row.ranks, row.activation_checkpointing)
+
+
+def quick_set(args: argparse.Namespace) -> dict[tuple[str, str, int, str], bool]:
+    """--quick's rows (ranks per node), and whether each runs compiled: NODES_QUICK on several nodes."""
+    return NODES_QUICK if args.nodes > 1 else QUICK
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -392,7 +343,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="QUICK's rows only, compiled as it says, with aot_eager")
     parser.add_argument("--presets", type=choices(PRESETS), default=list(PRESETS))
     parser.add_argument("--features", type=choices(list(FEATURES)), default=[f for f in FEATURES if f != "moe+muon"])
-    parser.add_argument("--ranks", type=choices(("1", "2")), default=["1", "2"])
+    parser.add_argument("--nodes", type=int, default=1, help="loopback nodes, each of --ranks ranks (default 1)")
+    parser.add_argument(
+        "--ranks", type=choices(("1", "2", "4")), default=None, help="ranks per node (default 1,2; on several nodes 2)"
+    )
     parser.add_argument("--checkpointing", type=choices(CHECKPOINTING), default=list(CHECKPOINTING))
     parser.add_argument("--compile", choices=["all", "none"], default="all", help="whether rows also run compiled (default all)")
     parser.add_argument(
@@ -416,6 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache-dir", type=Path, default=REPO / "cache" / "datasets", help="data.cache_dir for the built-in corpus"
     )
     args = parser.parse_args(argv)
+    if args.nodes < 1:
+        parser.error(f"--nodes must be 1 or more (got {args.nodes})")
+    args.ranks = args.ranks or (["1", "2"] if args.nodes == 1 else ["2"])
     args.argv = sys.argv[1:] if argv is None else argv
     args.compile_backend = args.compile_backend or ("aot_eager" if args.quick else "inductor")
     args.cache_dir = args.cache_dir.resolve()
@@ -423,15 +380,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def rows_of(args: argparse.Namespace) -> list[Row]:
+    """The rows to run; on several nodes each twice, hsdp then fsdp, side by side."""
     if args.quick:
-        return [Row(*key) for key in QUICK]
-    return [
-        Row(preset, features, int(ranks), mode)
-        for preset in args.presets
-        for features in args.features
-        for ranks in args.ranks
-        for mode in args.checkpointing
-    ]
+        keys = list(quick_set(args))
+    else:
+        keys = [
+            (preset, features, int(ranks), mode)
+            for preset in args.presets
+            for features in args.features
+            for ranks in args.ranks
+            for mode in args.checkpointing
+        ]
+    if args.nodes == 1:
+        return [Row(*key) for key in keys]
+    return [Row(*key, nodes=args.nodes, parallelism=mode) for key in keys for mode in SHARDED_ACROSS_NODES]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@
   counters) are excluded by identity.
 - Collectives: the bytes each kind of collective moves, from the same dispatch mode: every
   c10d op (DDP's C++ reducer and FSDP2's hooks included) and every functional collective
-  (DTensor's).
+  (DTensor's); by link too (inter- or intra-node, by the op's process group:
+  benchmarks/efficiency_links.py).
 - CompileEvents: graph breaks (dynamo's counters) and recompiles (dynamo's compile-start
   callback: a frame compiled again in the same phase, train or eval).
 - Orthogonalizations: the Newton-Schulz FLOPs of the matrices one rank orthogonalizes, by
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from benchmarks import efficiency_links as links
 
 aten = torch.ops.aten
 
@@ -106,16 +109,19 @@ def user_site() -> str:
 class DispatchCounter(TorchDispatchMode):
     """Host synchronizations a CUDA device would make, and collective payloads, of the ops run
     inside. on_host(tensor) says whether a tensor would stay in host memory on a GPU (a read
-    of it is no synchronization)."""
+    of it is no synchronization); ranks_per_node (None: one node) which collectives cross nodes."""
 
-    def __init__(self, on_host: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, on_host: Callable[[torch.Tensor], bool], ranks_per_node: int | None = None) -> None:
         super().__init__()
         self.on_host = on_host
+        self.ranks_per_node = ranks_per_node
         self.syncs: Counter[str] = Counter()
         """'op at file:line' -> count."""
         self.collective_bytes: Counter[str] = Counter()
         """kind -> payload bytes."""
         self.collective_calls: Counter[str] = Counter()
+        self.link_bytes: Counter[str] = Counter()
+        """'inter_node/all_reduce' (link/kind) -> payload bytes."""
         self.marks: dict[str, int] = {}
         """label -> the syncs counted when mark(label) was first called (where a sync sits in a step)."""
         self._quiet = 0
@@ -146,8 +152,10 @@ class DispatchCounter(TorchDispatchMode):
             self.note_sync(func.__name__)
         result = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional") and (kind := collective_kind(str(func))):
-            self.collective_bytes[kind] += payload_bytes(args, result)
+            payload = payload_bytes(args, result)
+            self.collective_bytes[kind] += payload
             self.collective_calls[kind] += 1
+            self.link_bytes[f"{links.op_link(func, args, kwargs, self.ranks_per_node)}/{kind}"] += payload
         return result
 
     def syncs_on_cuda(self, func: Any, args: tuple, kwargs: dict) -> bool:

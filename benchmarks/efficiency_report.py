@@ -21,11 +21,18 @@ class Row:
     preset: str
     features: str
     ranks: int
+    """Per node."""
     activation_checkpointing: str
+    nodes: int = 1
+    parallelism: str = ""
+    """training.parallelism as set for the row ("hsdp", "fsdp"); "": the preset's (the plan decides)."""
 
     @property
     def name(self) -> str:
-        return f"{self.preset} {self.features} x{self.ranks} ckpt={self.activation_checkpointing}"
+        if self.nodes == 1:
+            return f"{self.preset} {self.features} x{self.ranks} ckpt={self.activation_checkpointing}"
+        where = f"{self.nodes}x{self.ranks} {self.parallelism or 'auto'}"
+        return f"{self.preset} {self.features} {where} ckpt={self.activation_checkpointing}"
 
 
 @dataclass
@@ -60,7 +67,9 @@ def table(outcomes: list[Outcome]) -> list[str]:
     header = [
         "preset",
         "features",
-        "ranks",
+        "nodes",
+        "ranks / node",
+        "parallelism",
         "checkpointing",
         "executed / model FLOPs",
         "... / planned (with recompute)",
@@ -69,6 +78,9 @@ def table(outcomes: list[Outcome]) -> list[str]:
         "host syncs / step",
         "collective bytes / token (by kind)",
         "minimum bytes / token",
+        "inter-node bytes / token (by kind)",
+        "inter-node minimum",
+        "intra-node bytes / token",
         "orthogonalize share / rank",
         "saved bytes / token",
         "of them fp32",
@@ -77,9 +89,10 @@ def table(outcomes: list[Outcome]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for o in outcomes:
         r, v = o.row, o.values
-        cells = [r.preset, r.features, str(r.ranks), r.activation_checkpointing]
+        cells = [r.preset, r.features, str(r.nodes), str(r.ranks), v.get("parallelism") or r.parallelism]
+        cells.append(r.activation_checkpointing)
         if o.note:
-            cells += [o.note] + [""] * 10
+            cells += [o.note] + [""] * (len(header) - len(cells) - 1)
         else:
             cells += [
                 number(v["executed_over_model_flops"]),
@@ -89,6 +102,9 @@ def table(outcomes: list[Outcome]) -> list[str]:
                 number(v["host_syncs_per_step"]),
                 bytes_cell(v["collective_bytes_per_token"]),
                 bytes_cell(v["collective_minimum_bytes_per_token"]),
+                bytes_cell(v.get("inter_node_bytes_by_kind")),
+                bytes_number(v.get("inter_node_minimum_bytes_per_token")),
+                bytes_number(v.get("intra_node_bytes_per_token")),
                 number(v["orthogonalize_share_per_rank"], 2),
                 bytes_number(v.get("activation_bytes_per_token")),
                 bytes_number(v.get("activation_fp32_bytes_per_token")),

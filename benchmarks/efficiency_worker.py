@@ -6,12 +6,14 @@
 JOBS is a JSON list of rows (benchmarks/efficiency.py's job()). `count` counts each row's FLOPs of
 one optimizer step on the meta device, in one process of its own (what the meta device needs
 patched stays out of the real runs). `run` is one rank of a group that runs every row for real
-(all on the same number of ranks: the group is joined once, the rows run one after the other, so
+(all on the same nodes x ranks: the group is joined once, the rows run one after the other, so
 the imports and the group are paid once). Both build the trainer with the project's own
 pretrain.build.build and step it with pretrain.train.train_step and evaluate, so what is counted
 is what training runs. The config is the row's with the decisions the launcher's memory plan
 makes for a GPU of --plan-gpu-gib (pretrain/plan/parallelism.py plan_parallelism): the counts follow
-the choices a GPU run would get, whatever device measures them. Results are written as JSON lists
+the choices a GPU run would get, whatever device measures them; a job of several "nodes"
+(job["nodes"] x job["ranks"] per node, world job["world"]) is planned for that many, and its
+collectives are counted by link (LOCAL_WORLD_SIZE ranks per node). Results are written as JSON lists
 (`run`: RESULTS.rank<r>), one entry per row, {"error": ...} for a row that failed.
 """
 
@@ -37,6 +39,7 @@ import torch  # noqa: E402
 
 from benchmarks import efficiency_counters as counters  # noqa: E402
 from benchmarks import efficiency_forward as forward_counters  # noqa: E402
+from benchmarks import efficiency_links as links  # noqa: E402
 from pretrain import config as cfg  # noqa: E402
 from pretrain.plan import parallelism  # noqa: E402
 from pretrain.distributed import parallel  # noqa: E402
@@ -79,10 +82,10 @@ def resolved(preset: str, sets: list[str], world_size: int) -> tuple[cfg.Config,
 
 def planned(job: dict[str, Any]) -> tuple[cfg.Config, cfg.Config, Path]:
     """(the true geometry's config, the real run's config, the dataset), both with the plan's
-    decisions for the row's world size on a GPU of job["plan_gpu_bytes"]."""
-    world = job["ranks"]
+    decisions for the row's world size (job["ranks"] per node) on a GPU of job["plan_gpu_bytes"]."""
+    world = job.get("world", job["ranks"])
     true_config, dataset = resolved(job["preset"], job["true_sets"], world)
-    true_config, _ = parallelism.plan_parallelism(true_config, world, job["plan_gpu_bytes"], None, world)
+    true_config, _ = parallelism.plan_parallelism(true_config, world, job["plan_gpu_bytes"], None, job["ranks"])
     run_config, _ = resolved(job["preset"], job["run_sets"], world)
     t, r = true_config.training, run_config.training
     decided = {name: getattr(t, name) for name in PLANNED if hasattr(t, name)}
@@ -206,21 +209,29 @@ def on_host_of(runtime: Runtime, optimizer: torch.optim.Optimizer) -> Any:
     return lambda tensor: id(tensor) in host
 
 
+def ranks_per_node(runtime: Runtime) -> int:
+    """The ranks of one node: the runtime's where it knows them, else torchrun's LOCAL_WORLD_SIZE
+    (default: every rank, one node)."""
+    known = getattr(runtime, "ranks_per_node", None)
+    return int(known) if known else int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size))
+
+
 def eager_counts(trainer: Trainer) -> dict[str, Any]:
     """Steps 0..COUNTED_STEPS (the first uncounted), then one evaluation pass."""
     runtime = trainer.runtime
     ortho = counters.Orthogonalizations(trainer.optimizer) if hasattr(trainer.optimizer, "orthogonalize") else None
-    syncs, sites, collective = [], {}, []  # collective: per step, kind -> bytes
+    syncs, sites, collective, by_link = [], {}, [], []  # collective: per step, kind -> bytes; by_link: link/kind
     training.train_step(trainer, 0)
     syncs_before_step: int | None = None
     for step in range(1, COUNTED_STEPS + 1):
-        counter = counters.DispatchCounter(on_host_of(runtime, trainer.optimizer))
+        counter = counters.DispatchCounter(on_host_of(runtime, trainer.optimizer), ranks_per_node(runtime))
         with counters.counting_syncs(counter), marking_step(trainer.optimizer, counter):
             training.train_step(trainer, step)
         syncs.append(counter.sync_count)
         sites = dict(counter.syncs)  # the last counted step's
         syncs_before_step = counter.marks.get("optimizer.step")
         collective.append({kind: float(n) for kind, n in counter.collective_bytes.items()})
+        by_link.append({key: float(n) for key, n in counter.link_bytes.items()})
     counter = counters.DispatchCounter(on_host_of(runtime, trainer.optimizer))
     with counters.counting_syncs(counter):
         training.evaluate(trainer)
@@ -233,6 +244,9 @@ def eager_counts(trainer: Trainer) -> dict[str, Any]:
         "eval_syncs": counter.sync_count,
         "eval_sync_sites": dict(counter.syncs),
         "collective_bytes_per_step": {k: v / COUNTED_STEPS for k, v in counters.merge_counts(collective).items()},
+        "collective_bytes_by_link_per_step": links.by_link(
+            {k: v / COUNTED_STEPS for k, v in counters.merge_counts(by_link).items()}
+        ),
         # step 0 and the counted steps each orthogonalize once: the share of one step
         "orthogonalize_share": ortho.flops / (COUNTED_STEPS + 1) / hidden if ortho is not None and hidden else None,
         "run_parameters": sum(p.numel() for p in parallel.unwrap(trainer.model).parameters()),
@@ -397,14 +411,14 @@ def measure_rank(job: dict[str, Any], runtime: Runtime) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """argv: "count" or "run", the jobs file (a JSON list; to run, every job with the same number
-    of ranks) and the results file (to run, each rank writes it with its rank appended)."""
+    """argv: "count" or "run", the jobs file (a JSON list; to run, every job with the same nodes
+    and ranks) and the results file (to run, each rank writes it with its rank appended)."""
     what, jobs = argv[0], json.loads(Path(argv[1]).read_text())
     warnings.filterwarnings("ignore")
     if what == "count":
         Path(argv[2]).write_text(json.dumps(count_rows(jobs)))
         return 0
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs[0]["ranks"]))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // jobs[0].get("world", jobs[0]["ranks"])))
     runtime = init_runtime(planned(jobs[0])[1])
     try:
         results = run_rows(jobs, runtime)

@@ -143,6 +143,7 @@ def test_a_debug_step_has_one_host_sync_the_finite_check_and_muon_orthogonalizes
     assert list(counts["sync_sites"]) == [next(iter(counts["sync_sites"]))] and "debug.py" in next(iter(counts["sync_sites"]))
     assert counts["orthogonalize_share"] == pytest.approx(1.0)
     assert counts["collective_bytes_per_step"] == {}
+    assert counts["collective_bytes_by_link_per_step"] == {"inter_node": {}, "intra_node": {}}
     assert counts["syncs_before_optimizer_step"] in (0, 1)  # where it sits against the optimizer's step is known
 
 
