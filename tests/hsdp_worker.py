@@ -40,6 +40,7 @@ from pretrain.model.transformer import Transformer
 from pretrain.optim.muon import Muon, build_muon
 from gloo_rank import report_as_gloo_rank
 import muon_worker
+import parallel_worker
 
 CONTEXT, BATCH, ACCUM, STEPS = 16, 2, 2, 3
 MODES = ("ddp", "fsdp", "hsdp")
@@ -56,19 +57,10 @@ COLLECTIVES = (
 
 
 def tiny_config(**training: Any) -> cfg.Config:
-    base = cfg.debug()
-    model = dataclasses.replace(base.model, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=CONTEXT)
-    return dataclasses.replace(
-        base,
-        model=model,
-        data=dataclasses.replace(base.data, context_length=CONTEXT),
-        debug=dataclasses.replace(base.debug, trace_nonfinite=False),
-        training=dataclasses.replace(
-            base.training,
-            **({"use_amp": False, "compile": False, "grad_accum_nums": ACCUM, "max_steps": 10, "batch_size": BATCH} | training),
-        ),
-        system=dataclasses.replace(base.system, device="cpu"),
-    )
+    """parallel_worker's tiny model (the same context) without the debug preset's NaN hooks, with
+    this worker's batch and a schedule long enough for every step it takes."""
+    config = parallel_worker.tiny_config(**({"max_steps": 10, "batch_size": BATCH} | training))
+    return dataclasses.replace(config, debug=dataclasses.replace(config.debug, trace_nonfinite=False))
 
 
 def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
