@@ -23,13 +23,18 @@ from launcher.nodes.agreement import Member, disagreement, restart_options
 from multinode_helpers import STEP, NodeRun, start_nodes, train_options, worker_command
 
 # Every rank says its attempt and waits for the others; in attempt 0, rank FAIL_RANK does FAIL.
-# A later attempt ends at once with 0.
+# A later attempt ends at once with 0, but attempt FAIL_ON_WORD, which is killed once told to.
 WORKER = """
 import os, pathlib, signal, sys, time
 shared = pathlib.Path(sys.argv[1])
 attempt, rank, world = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 print(f"attempt {attempt}: rank {rank} of {world}", flush=True)
 if attempt > 0:
+    if attempt == int(os.environ.get("FAIL_ON_WORD", "0")):  # runs until the test's word, then is killed
+        (shared / f"attempt{attempt}").write_text("")
+        while not (shared / "fail").exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(0)
 if os.environ.get("HOLD_TERM"):  # a teardown that lasts: SIGTERM only says it came
     signal.signal(signal.SIGTERM, lambda *_: (shared / f"term{rank}").write_text(""))
@@ -81,9 +86,9 @@ def test_bad_input_on_node_1_restarts_neither_node_and_each_exits_as_without_res
     assert [(a["exit_code"], a["worker"], a["restarted"]) for a in attempts(tmp_path)] == [(2, "CPU1", False)]
 
 
-def killed_node_1(tmp_path: Path, processes, *options: str) -> NodeRun:
+def killed_node_1(tmp_path: Path, processes, *options: str, **env: str) -> NodeRun:
     """Node 1's launcher SIGKILLed once both workers run; node 0, left."""
-    node0, node1 = two_nodes(tmp_path, processes, "--join-timeout", "4", *options)
+    node0, node1 = two_nodes(tmp_path, processes, "--join-timeout", "4", *options, **env)
 
     def both_up() -> bool:
         return len(list((tmp_path / "shared").glob("up*"))) == 2 or node0.proc.poll() is not None
@@ -138,6 +143,36 @@ def test_a_relaunched_node_1_joins_the_restart_node_0_waits_for(tmp_path, proces
     assert [node0.wait(timeout=60), again.wait(timeout=60)] == [0, 0], node0.text + again.text
     assert "launcher: the job is restarting: joining round 1 of the rendezvous" in again.text
     assert "CPU1:attempt 1: rank 1 of 2" in again.text
+
+
+def relaunched_node_1(tmp_path: Path, processes, node0: NodeRun, *options: str) -> NodeRun:
+    """Node 1's launcher started again, to node 0's port and command."""
+    port = node0.proc.args[node0.proc.args.index("--master-port") + 1]
+    command = ["--", *node0.proc.args[node0.proc.args.index("--") + 1 :]]
+    (again,) = start_nodes(
+        tmp_path, processes, [*RESTARTS, "--run-dir", str(tmp_path / "run"), *options, *command], ranks=(1,), port=int(port)
+    )
+    return again
+
+
+def test_a_stop_signal_to_a_relaunched_node_while_the_job_runs_stops_it_alone_and_the_next_failure_restarts(tmp_path, processes):
+    # Node 1 is lost in attempt 0; node 0 goes on alone (attempt 1, which runs until told to fail).
+    # The backoff keeps node 0 between attempts long enough for its watcher to read the store.
+    options = ("--max-restarts", "2", "--min-nnodes", "1", "--restart-backoff", "1")
+    node0 = killed_node_1(tmp_path, processes, *options, FAIL_ON_WORD="1")
+    running = tmp_path / "shared" / "attempt1"
+    assert wait_until(lambda: running.exists() or node0.proc.poll() is not None, timeout=120), node0.text
+    again = relaunched_node_1(tmp_path, processes, node0, *options, "--join-timeout", "120")
+    assert wait_until(lambda: "for its next restart" in again.text or again.proc.poll() is not None, timeout=60), again.text
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.wait(timeout=60) == 143, again.text
+    alone = "launcher: this node (node 1) was stopped by SIGTERM before it rejoined the job; the job goes on without it"
+    assert alone in again.text
+    (tmp_path / "shared" / "fail").write_text("")  # the job's next failure: a restart, as without the signal
+    assert node0.wait(timeout=120) == 0, node0.text
+    assert "launcher: restart 2 of 2 in 2 s" in node0.text and "stopped by SIGTERM" not in node0.text, node0.text
+    assert "CPU0:attempt 2: rank 0 of 1" in node0.text
+    assert [(a["exit_code"], a["restarted"]) for a in attempts(tmp_path)] == [(EXIT_NODE_LOST, True), (137, True), (0, False)]
 
 
 @pytest.mark.slow
@@ -332,6 +367,9 @@ def test_a_stop_signal_to_either_node_while_node_0_tears_its_workers_down_stops_
     assert took < PROMPT, (took, nodes[0].text, nodes[1].text)
     for run in nodes:
         assert "attempt 1:" not in run.text and "restart 1 of 1" not in run.text, run.text
+    if stopped == 0:  # its first signal, in a failure's teardown, is no "second signal"
+        assert "launcher: received SIGTERM while stopping: killing every worker now" in nodes[0].text, nodes[0].text
+        assert "second signal" not in nodes[0].text
     assert [(a["exit_code"], a["restarted"], a["why"]) for a in attempts(tmp_path)] == [
         (137, False, f"stopped by SIGTERM on node {stopped} before the restart")
     ]

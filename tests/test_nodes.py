@@ -1,12 +1,21 @@
 """Which node this launcher is (launcher/nodes/node.py): the flags and Slurm variables that make a
 NodeSpec, the numbering and labels of a node's workers, the stop record one node sends the
-others, and the config comparison the rendezvous makes (launcher/nodes/rendezvous.py's differences)."""
+others, the config comparison the rendezvous makes (launcher/nodes/rendezvous.py's differences),
+and a stop signal between attempts (launcher/nodes/between_rounds.py) on a store of one process."""
 
 from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
+from launcher.nodes.between_rounds import BetweenRounds, Halt, Halted, HeldOnceSpawned, halt_key
 from launcher.nodes.node import (
     DEFAULT_MASTER_PORT,
     Layout,
@@ -17,7 +26,9 @@ from launcher.nodes.node import (
 )
 from launcher.nodes.agreement import joined_line
 from launcher.nodes.rendezvous import differences
+from launcher.nodes.restart_rounds import Decision, RestartRounds
 from launcher.nodes.slurm import derived_port
+from launcher.supervise.restarts import AttemptEnd
 
 
 def slurm_env(**overrides: str) -> dict[str, str]:
@@ -347,3 +358,108 @@ def test_configs_that_are_not_dicts_and_differ_are_named_as_the_config():
 )
 def test_the_joined_line_says_one_node_and_one_worker_in_the_singular(nnodes, world_size, nproc, line):
     assert joined_line(nnodes, world_size, nproc) == line
+
+
+# A stop signal between attempts
+
+
+class Store:
+    """Node 0's store as the stop between attempts uses it; every node's connection to it."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.keys for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key].encode()
+
+    def set(self, key: str, value: str) -> None:
+        self.keys[key] = value
+
+    def compare_set(self, key: str, expected: str, value: str) -> bytes:
+        with self.lock:
+            if key not in self.keys and expected == "":
+                self.keys[key] = value
+            return self.keys.get(key, expected).encode()
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            self.keys[key] = str(int(self.keys.get(key, "0")) + amount)
+            return int(self.keys[key])
+
+
+def node_of_job(store: Store, rank: int, roster: list[int], said: list[str]) -> RestartRounds:
+    """Node `rank`'s part of a job of two nodes that restarts, its store connections `store`."""
+    args = argparse.Namespace(node_timeout=60.0, max_restarts=1, stop_timeout=1.0, kill_grace=1.0)
+    console = SimpleNamespace(launcher_line=said.append)
+    spec = NodeSpec(2, rank, "127.0.0.1", 29500, "flags")
+    job = RestartRounds(args, None, ["true"], None, console, spec, None, None, hosted=store if rank == 0 else None, roster=roster)
+    job._client = lambda: store
+    return job
+
+
+def test_a_stop_node_0_reads_from_the_rounds_interrupt_reaches_the_stopped_node_waiting_for_node_0s_decision():
+    # Node 1's supervisor took a SIGTERM during training while node 0 tore a failure down: node 0
+    # read it from the round's interrupt key; node 1 waits for node 0's decision between attempts.
+    store, said0, said1 = Store(), [], []
+    node0, node1 = node_of_job(store, 0, [0, 1], said0), node_of_job(store, 1, [0, 1], said1)
+    node0.between = 1
+    codes: list[int] = []
+    read = Halted(Halt(1, signal.SIGTERM), here=False)
+    teller = threading.Thread(target=lambda: codes.append(node0._halted(read, None, None, None)))
+    with pytest.raises(Halted) as raised:
+        with BetweenRounds(lambda: store, 1, 1):  # node 1's stretch, until node 0's word
+            teller.start()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # short waits, as the launcher's: the relay lands between two
+                time.sleep(0.01)
+    assert (raised.value.halt, raised.value.here, raised.value.number) == (Halt(1, signal.SIGTERM), True, 1)
+    assert node1._halted(raised.value, None, None, None) == 143
+    teller.join(60)
+    assert codes == [143]  # node 0 waited for node 1's word that it had read the halt, then stopped
+    assert said0 == [Halt(1, signal.SIGTERM).line(here=False)]
+    assert said1 == [Halt(1, signal.SIGTERM).line(here=True)]
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_stop_signal_held_just_after_the_workers_ended_stops_every_node_only_when_a_restart_was_decided(restart):
+    store, said = Store(), []
+    job = node_of_job(store, 0, [0], said)
+    node = SimpleNamespace(
+        rank=0,
+        spec=job.spec,
+        post=lambda key, value: None,
+        interrupted=lambda: None,
+        finish=lambda code, wait: None,
+        report_interrupt=lambda signum: None,
+        others_done={},
+        lost={},
+    )
+
+    def attempt(config, node, run_dir, port, restarts, spawned):
+        spawned()
+        signal.raise_signal(signal.SIGTERM)  # once the supervisor has given the signals back
+        return 0, AttemptEnd(0)
+
+    job.owned, job.attempt = SimpleNamespace(path=Path("run")), attempt
+    job._join = lambda spec, namespace: node
+    job._plan = lambda node, number: (None, 0, number)
+    job._decide = lambda node, number, previous, entry, code: (Decision(restart, "why"), None)
+    assert job._attempts() == 143
+    assert [key for key in store.keys if "halted" in key] == ([halt_key(1)] if restart else [])
+    stopped = Halt(0, signal.SIGTERM).line(here=True)
+    assert said == ([stopped] if restart else ["received SIGTERM after this node's workers had ended; exit code 143"])
+
+
+def test_the_stretch_between_attempts_takes_the_stop_signals_straight_from_the_attempts_hold():
+    before = signal.getsignal(signal.SIGTERM)
+    held: list[int] = []
+    with HeldOnceSpawned([None], held) as hold:
+        with pytest.raises(Halted) as raised:
+            with hold.hand_over(BetweenRounds(Store, 0, 1)):
+                signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) == before  # the launcher's own handler again, not the hold's
+    assert raised.value.here and held == [] and signal.getsignal(signal.SIGTERM) == before

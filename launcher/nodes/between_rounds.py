@@ -3,13 +3,19 @@ moment a node's workers are gone until the next round of the rendezvous has form
 runs to pass a stop signal on. There a stop signal (SIGTERM, SIGHUP, Ctrl-C) to any node stops the
 whole job:
 
-- that node raises Halted at once, and says so in node 0's store (the bare key HALT_KEY; the first
-  word counts, so with a signal to every node, as Slurm's scancel sends, the record names one);
+- that node raises Halted at once, and says so in node 0's store (the key round<r>/halted of the
+  round r the stretch comes before, so that no later round meets it; the first word counts, so
+  with a signal to every node, as Slurm's scancel sends, the record names one);
 - every node's watcher (a thread, for as long as the stretch lasts) reads that key every
   POLL_INTERVAL and hands it to its launcher's main thread, wherever it waits (the backoff, the
   devices, the round's check-in and join), as Halted too;
-- node 0 records the attempt as not restarted, waits (briefly) until the others have read the
-  word, and every node exits with the signal's code (launcher/exit_codes.py by_signal).
+- node 0 records the attempt as not restarted, waits (briefly) until the round's other nodes have
+  read the word (round<r>/halted_read/<node>), and every node exits with the signal's code
+  (launcher/exit_codes.py by_signal).
+
+A relaunched node waiting to rejoin (launcher/nodes/restart_rounds.py _rejoin) learns the round
+from node 0's BETWEEN_KEY (`stretch`): while the job runs an attempt there is none, and a stop
+signal to that node stops it alone.
 
 The watcher hands the word over by simulating RELAY in the main thread (_thread.interrupt_main):
 a signal nothing else in the launcher handles, so a hand-over that lands just after the stretch,
@@ -23,8 +29,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
 from typing import Any
@@ -32,10 +37,9 @@ from typing import Any
 from launcher.exit_codes import STOP_SIGNALS
 from launcher.nodes.store import bounded
 
-HALT_KEY = "halted"
-"""A bare key of node 0's store: the stop signal that ended the job between two attempts."""
-HALT_READ = "halted_read"
-"""How many other nodes have read it (node 0 waits for them before its store goes)."""
+BETWEEN_KEY = "between"
+"""A bare key of node 0's store: the round the job is between attempts for, from node 0's end of
+the attempt before it until that round forms (its roster named)."""
 RELAY = signal.SIGUSR2
 POLL_INTERVAL = 0.1
 
@@ -61,37 +65,73 @@ class Halt:
         also = "every node stops" if here else "so is this node"
         return f"{who} by {self.name} before the restart; {also}: no restart; the run's checkpoints are kept"
 
+    def alone(self) -> str:
+        """What a relaunched node says when stopped while the job runs an attempt."""
+        return f"this node (node {self.node}) was stopped by {self.name} before it rejoined the job; the job goes on without it"
+
+
+def halt_key(number: int) -> str:
+    """The key of round `number`'s halt (torch's PrefixStore joins with a slash)."""
+    return f"round{number}/halted"
+
+
+def read_key(number: int, node: int) -> str:
+    return f"round{number}/halted_read/{node}"
+
+
+def stretch(store: Any) -> int | None:
+    """The round the job is between attempts for (BETWEEN_KEY), None while the job runs an attempt."""
+    if not store.check([BETWEEN_KEY]):
+        return None
+    number = int(store.get(BETWEEN_KEY))
+    return None if store.check([f"round{number}/roster"]) else number
+
+
+def stretch_of(connect: Callable[[], Any], seconds: float) -> int | None:
+    """stretch, from a node not in the job (None when node 0's store is gone)."""
+    try:
+        return stretch(bounded(connect, seconds, "halt"))
+    except Exception:
+        return None
+
 
 class Halted(BaseException):
-    """A stop signal between attempts, to this node (here) or passed on from another. A
-    BaseException, as SystemExit is, so that no `except Exception` on its way (a store call, the
-    join's cleanup) takes it for a failure of the rendezvous."""
+    """A stop signal between attempts, to this node (here) or passed on from another; number: the
+    round its key was read from (None: said here, not yet written). A BaseException, as SystemExit
+    is, so that no `except Exception` on its way (a store call, the join's cleanup) takes it for a
+    failure of the rendezvous."""
 
-    def __init__(self, halt: Halt, here: bool) -> None:
+    def __init__(self, halt: Halt, here: bool, number: int | None = None) -> None:
         super().__init__(halt.why())
         self.halt = halt
         self.here = here
+        self.number = number
 
 
 class BetweenRounds:
     """The stretch between two attempts on this node:
 
-        with BetweenRounds(connect, node_rank):
+        with BetweenRounds(connect, node_rank, number):
             ...  # settle, decide, back off, the next round (Halted from any stop signal of the job)
 
-    connect: a new connection to node 0's store (the watcher's own; None when it cannot be had)."""
+    connect: a new connection to node 0's store (the watcher's own; None when it cannot be had);
+    number: the round the stretch comes before (None: a relaunched node's wait, `stretch`)."""
 
-    def __init__(self, connect: Callable[[], Any], node: int) -> None:
+    def __init__(self, connect: Callable[[], Any], node: int, number: int | None) -> None:
         self._connect = connect
         self._node = node
+        self._number = number
         self._lock = threading.Lock()
         self._over = threading.Event()
-        self._seen: Halt | None = None
+        self._seen: tuple[Halt, int] | None = None
         self._late: int | None = None
         self._previous: dict[int, Any] = {}
+        self.gives_back: dict[int, Any] = {}
+        """The stop signals' handlers to give back at its end, when not those it replaced (HeldOnceSpawned.hand_over)."""
 
     def __enter__(self) -> BetweenRounds:
         self._previous = {sig: signal.signal(sig, self._here) for sig in STOP_SIGNALS}
+        self._previous.update(self.gives_back)
         self._previous[RELAY] = signal.signal(RELAY, self._relayed)
         threading.Thread(target=self._watch, daemon=True, name="between-rounds").start()
         return self
@@ -112,71 +152,85 @@ class BetweenRounds:
 
     def _relayed(self, _signum: int, _frame: FrameType | None) -> None:
         if self._seen is not None and not self._over.is_set():
-            raise Halted(self._seen, here=False)
+            halt, number = self._seen
+            # This node's own name: its supervisor took the signal, and node 0 passed it on (the round's interrupt).
+            raise Halted(halt, here=halt.node == self._node, number=number)
 
     def _watch(self) -> None:
         try:
-            store = self._connect()
+            store, number = self._connect(), self._number
             while not self._over.wait(POLL_INTERVAL):
-                if store.check([HALT_KEY]):
-                    halt = Halt(**json.loads(store.get(HALT_KEY)))
-                    if halt.node == self._node:
-                        return  # this node's own word: it has raised already
+                if self._number is None:  # a round once found stays watched: a halt there stops the job
+                    number = stretch(store) or number
+                if number is not None and store.check([halt_key(number)]):
+                    halt = Halt(**json.loads(store.get(halt_key(number))))
                     with self._lock:
                         if not self._over.is_set():
-                            self._seen = halt
+                            self._seen = (halt, number)
                             _thread.interrupt_main(RELAY)
                     return
         except Exception:
             return  # node 0's store is gone: the main thread's own calls say so
 
 
-@contextmanager
-def held_once_spawned(spawned: list[Any], held: list[int]) -> Iterator[None]:
+class HeldOnceSpawned:
     """Around an attempt: a stop signal before its workers are spawned (spawned empty) does what it
     did (the launcher's handler); from then on the supervisor takes it, and one that comes after
-    the supervisor has given the signals back, before BetweenRounds takes them, goes into held (the
-    attempt's end is still to be said; BetweenRounds then stops every node)."""
+    the supervisor has given the signals back goes into held until BetweenRounds takes the signals
+    straight from this (hand_over: no moment in between where nothing would tell the others)."""
 
-    def hold(signum: int, frame: FrameType | None) -> None:
-        if not spawned:
-            handler = previous[signum]
+    def __init__(self, spawned: list[Any], held: list[int]) -> None:
+        self._spawned = spawned
+        self._held = held
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> HeldOnceSpawned:
+        self._previous = {sig: signal.signal(sig, self._hold) for sig in STOP_SIGNALS}
+        return self
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        if not self._spawned:
+            handler = self._previous[signum]
             if callable(handler):
                 handler(signum, frame)
             return
-        held.append(signum)
+        self._held.append(signum)
 
-    previous: dict[int, Any] = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    def hand_over(self, between: BetweenRounds) -> BetweenRounds:
+        """between, to enter next: it replaces this one's handlers and gives back those before it."""
+        between.gives_back, self._previous = self._previous, {}
+        return between
+
+    def __exit__(self, *_: object) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
-def tell(connect: Callable[[], Any], halt: Halt, seconds: float) -> Halt:
-    """This node was stopped: say so to every node; the job's first halt (another node's, when
-    its word came first). Unsaid when node 0's store is gone (nothing is left to tell)."""
+def tell(connect: Callable[[], Any], halt: Halt, number: int, seconds: float) -> Halt:
+    """Say the halt to every node of round `number`'s stretch; the job's first halt (another
+    node's, when its word came first). Unsaid when node 0's store is gone (nothing is left to tell)."""
     try:
         store = bounded(connect, seconds, "halt")
-        first = bounded(lambda: store.compare_set(HALT_KEY, "", json.dumps(asdict(halt))), seconds, "halt")
+        first = bounded(lambda: store.compare_set(halt_key(number), "", json.dumps(asdict(halt))), seconds, "halt")
         return Halt(**json.loads(first))
     except Exception:
         return halt
 
 
-def acknowledge(connect: Callable[[], Any], seconds: float) -> None:
-    """Not node 0: this node has read the halt and stops (node 0 may let its store go)."""
+def acknowledge(connect: Callable[[], Any], number: int, node: int, seconds: float) -> None:
+    """Not node 0: this node (its launch rank) has read the halt and stops (node 0 may let its store go)."""
     try:
         store = bounded(connect, seconds, "halt")
-        bounded(lambda: store.add(HALT_READ, 1), seconds, "halt")
+        bounded(lambda: store.set(read_key(number, node), "1"), seconds, "halt")
     except Exception:
         pass  # node 0 is gone already
 
 
-def wait_for_readers(store: Any, readers: int, seconds: float) -> None:
-    """Node 0: wait (at most seconds) until `readers` other nodes have read the halt, so that none
-    finds the store gone instead (and blames node 0)."""
+def wait_for_readers(store: Any, number: int, readers: list[int], seconds: float) -> None:
+    """Node 0: wait (at most seconds) until the other nodes of the round (readers, launch ranks) have
+    read the halt, so that none finds the store gone instead (and blames node 0). A node not among
+    them (relaunched, not in the round) is not counted."""
+    keys = [read_key(number, n) for n in readers]
     deadline = time.monotonic() + seconds
-    while int(store.add(HALT_READ, 0)) < readers and time.monotonic() < deadline:
+    while keys and not store.check(keys) and time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL / 2)

@@ -19,7 +19,10 @@ which every node follows, and a new round of the rendezvous for each restart.
    launcher started again while the job runs waits for the next round (_rejoin). A renumbered
    node keeps its launch rank for its own files (NodeSpec.own_rank).
 3. A stop signal to any node from 1 until the round has formed stops every node
-   (launcher/nodes/between_rounds.py), and node 0 records that no restart happened.
+   (launcher/nodes/between_rounds.py), and node 0 records that no restart happened; one to a node
+   held just after its workers ended does so only when the decision is a restart (else that node
+   ends with the signal's code, as on one machine), and one to a relaunched node while the job
+   runs an attempt stops that node alone.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from launcher.exit_codes import by_signal, stop_signal
 from launcher.gpus.selection import DeviceError
 from launcher.nodes import between_rounds, multinode
 from launcher.nodes.agreement import restart_options
-from launcher.nodes.between_rounds import BetweenRounds, Halt, Halted
+from launcher.nodes.between_rounds import BETWEEN_KEY, BetweenRounds, Halt, Halted, HeldOnceSpawned
 from launcher.nodes.job_end import all_ends, end_record, job_end
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect
@@ -109,6 +112,8 @@ class RestartRounds:
     pending: tuple[restarts.Attempt, restarts.Verdict] | None = None
     """Node 0: the attempt whose restart was decided, recorded as made once the next attempt begins."""
     started: bool = False
+    between: int | None = None
+    """The round this node's stretch between attempts comes before (None: a relaunched node's wait)."""
 
     @property
     def say(self) -> Callable[[str], None]:
@@ -145,31 +150,36 @@ class RestartRounds:
         with multinode.telling_others(node):
             config, port, number = self._plan(node, number)
         while True:
-            with multinode.telling_others(node):
-                self.started = True
-                begun: list[restarts.Attempt | None] = []  # its line of the record, once its workers are spawned
-                spawned = functools.partial(self._begin, config, begun)
-                held: list[int] = []  # a stop signal once the supervisor has given the signals back
-                try:
-                    with between_rounds.held_once_spawned(begun, held):
-                        restart = Restarts(number, self.args.max_restarts)
-                        code, end = self.attempt(config, node, self.owned_path, port, restart, spawned)
-                        if not begun:  # workers that could not all start: the attempt is recorded all the same
-                            spawned()
-                        self._post(node, f"end/{node.rank}", end_record(end))
-                except BaseException as error:
-                    if not begun:  # ended while it prepared: a restart decided before it did not happen
-                        self._not_begun(error)
-                    raise
-                entry = begun[0]
-            job: AttemptEnd | None = None
+            begun: list[restarts.Attempt | None] = []  # its line of the record, once its workers are spawned
+            held: list[int] = []  # a stop signal once the supervisor has given the signals back
+            hold, entry, job = HeldOnceSpawned(begun, held), None, None
             try:
-                with BetweenRounds(self._client, self.spec.node_rank):  # a stop signal to any node stops every node
-                    self._signalled_in_teardown(node, end, held)
-                    wait = self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout
-                    code = multinode.settle(node, code, wait, self.say)
-                    decision, job = self._decide(node, number, previous, entry, code)
-                    next_node = self._restart(decision, number) if decision.restart else None
+                with hold:
+                    with multinode.telling_others(node):
+                        self.started = True
+                        spawned = functools.partial(self._begin, config, begun)
+                        try:
+                            restart = Restarts(number, self.args.max_restarts)
+                            code, end = self.attempt(config, node, self.owned_path, port, restart, spawned)
+                            if not begun:  # workers that could not all start: the attempt is recorded all the same
+                                spawned()
+                            self._post(node, f"end/{node.rank}", end_record(end))
+                        except BaseException as error:
+                            if not begun:  # ended while it prepared: a restart decided before it did not happen
+                                self._not_begun(error)
+                            raise
+                    entry, self.between = begun[0], number + 1
+                    # A stop signal to any node stops every node (BetweenRounds takes the signals from hold).
+                    with hold.hand_over(BetweenRounds(self._client, self.spec.node_rank, self.between)):
+                        if self.hosted is not None:
+                            self.hosted.set(BETWEEN_KEY, str(self.between))  # a relaunched node's word (_rejoin)
+                        self._signalled_in_teardown(node, end)
+                        wait = self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout
+                        code = multinode.settle(node, code, wait, self.say)
+                        decision, job = self._decide(node, number, previous, entry, code)
+                        if held and decision.restart:  # held just after the workers ended: the restart is stopped
+                            raise Halted(Halt(self.spec.node_rank, held[0]), here=True)
+                        next_node = self._restart(decision, number) if decision.restart else None
             except Halted as halted:
                 return self._halted(halted, node, entry, job)
             if not decision.restart:
@@ -177,7 +187,7 @@ class RestartRounds:
                     self.say(f"not restarted: {decision.why}")
                 if number > 0 and self.record is not None:
                     self.say("\n".join(self.record.summary()))
-                return code
+                return self._held_at_end(held, code)
             if next_node is None:  # the last failure stands
                 self._stopped_between(entry, job)
                 return code
@@ -203,12 +213,18 @@ class RestartRounds:
             self.say(f"no restart: {error}")
             return None
 
-    def _signalled_in_teardown(self, node: Node, end: AttemptEnd, held: list[int]) -> None:
+    def _held_at_end(self, held: list[int], code: int) -> int:
+        """The job ends, no restart due: a stop signal held just after this node's workers ended
+        changes nothing for the others; this node ends with its code, as one machine does."""
+        if not held:
+            return code
+        halt = Halt(self.spec.node_rank, held[0])
+        self.say(f"received {halt.name} after this node's workers had ended; exit code {by_signal(halt.signum)}")
+        return by_signal(halt.signum)
+
+    def _signalled_in_teardown(self, node: Node, end: AttemptEnd) -> None:
         """A stop signal to any node while the failed attempt's workers were torn down (the
-        supervisor said it in the round's interrupt key, and cut the teardown short), or to this
-        one just after (held): Halted."""
-        if held:
-            raise Halted(Halt(self.spec.node_rank, held[0]), here=True)
+        supervisor said it in the round's interrupt key, and cut the teardown short): Halted."""
         if not end.stopped and (asked := node.interrupted()) is not None:
             launched = self.roster[asked.node] if asked.node < len(self.roster) else asked.node
             raise Halted(Halt(launched, asked.signum), here=asked.node == node.rank)
@@ -220,14 +236,18 @@ class RestartRounds:
     def _halted(self, halted: Halted, node: Node | None, entry: restarts.Attempt | None, job: AttemptEnd | None) -> int:
         """A stop signal between attempts, here or on another node: every node stops with its code;
         node 0 records that the restart did not happen (launcher/nodes/between_rounds.py)."""
-        first = halted.halt
-        if halted.here:
-            first = between_rounds.tell(self._client, halted.halt, self.args.node_timeout)
-            if node is not None:  # a node still tearing its workers down kills them now (its supervisor)
-                node.report_interrupt(halted.halt.signum)
+        seconds = self.args.node_timeout
+        number = halted.number or self.between or between_rounds.stretch_of(self._client, seconds)
+        if number is None:  # a relaunched node, while the job runs an attempt: nothing to stop but this node
+            self.say(halted.halt.alone())
+            return by_signal(halted.halt.signum)
+        # Also a halt read from the round's interrupt key: the nodes that wait on node 0's decision hear it.
+        first = between_rounds.tell(self._client, halted.halt, number, seconds)
+        if halted.here and node is not None:  # a node still tearing its workers down kills them now (its supervisor)
+            node.report_interrupt(halted.halt.signum)
         self.say(halted.halt.line(halted.here))
         if not self.spec.is_master:
-            between_rounds.acknowledge(self._client, self.args.node_timeout)
+            between_rounds.acknowledge(self._client, number, self.spec.node_rank, seconds)
             return by_signal(halted.halt.signum)
         if self.record is not None and entry is not None:
             if job is None:  # stopped before node 0 had judged the attempt
@@ -236,8 +256,8 @@ class RestartRounds:
             if warning := self.record.end(entry, job, restarts.Verdict(False, first.why())):
                 self.say(warning)
             self.say("\n".join(self.record.summary()))
-        readers = len([n for n in self.roster if n != self.spec.node_rank])
-        between_rounds.wait_for_readers(self.hosted, readers, self.args.node_timeout)
+        readers = [n for n in self.roster if n != self.spec.node_rank]
+        between_rounds.wait_for_readers(self.hosted, number, readers, seconds)
         return by_signal(halted.halt.signum)
 
     def _not_begun(self, error: BaseException) -> None:
@@ -430,7 +450,7 @@ class RestartRounds:
                 return None
         except Exception as error:
             raise RendezvousError(f"node 0 has ended the job ({first_line(error)}): nothing to join") from None
-        with BetweenRounds(self._client, self.spec.node_rank):  # the job runs: a stop signal here stops every node
+        with BetweenRounds(self._client, self.spec.node_rank, None):  # between attempts, a stop signal here stops every node
             return self._wait_for_round(dist, raw, deadline)
 
     def _wait_for_round(self, dist: Any, raw: Any, deadline: float) -> Node:
@@ -452,6 +472,7 @@ class RestartRounds:
         except Exception as error:
             raise RendezvousError(f"node 0 has ended the job ({first_line(error)}): nothing to join") from None
         self.say(f"the job is restarting: joining round {number} of the rendezvous")
+        self.between = number  # a stop signal from here on stops the round's nodes too
         node = self._next_round(number)
         if node is None:
             raise RendezvousError(f"round {number} of the rendezvous went on without this node")

@@ -286,7 +286,9 @@ class Supervisor:
             self.printer.launcher_line("received SIGHUP: already stopping; carrying on")
             return
         if self._state.tearing_down:
-            self.printer.launcher_line("second signal: killing every worker now")
+            first = self._state.interrupted_by is None  # a failure's teardown, not a stop asked for before
+            said = f"received {signal.Signals(signum).name} while stopping" if first else "second signal"
+            self.printer.launcher_line(f"{said}: killing every worker now")
             self._state.kill_running()
             return
         self._state.interrupted_by, self._state.interrupted_at = signum, time.monotonic()
