@@ -4,7 +4,9 @@ DDP, FSDP2 and HSDP (and HSDP with CPU offload), with every collective that FSDP
 counted by process group and micro-batch; the 2-D mesh and its placements; where each rank's rows
 are; Muon under HSDP beside Muon under DDP given the same gradients; and checkpoints saved under
 each of HSDP, FSDP and DDP restored under each, through the project's save and restore, with what
-was saved and what was restored compared. Writes <out>/rank<r>.json, and on rank 0 each saved
+was saved and what was restored compared; and emulated float8 (training.float8 "emulate") trained
+by the project's train_step under HSDP, FSDP and DDP, with FSDP2's per-step float8 scale precompute
+(the trainer's float8_scales hook) on the 2-D mesh. Writes <out>/rank<r>.json, and on rank 0 each saved
 state as <out>/saved_<mode>.pt for the single-process restores the test makes itself.
 
 Run as: RANK=r WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/hsdp_worker.py OUT
@@ -13,9 +15,11 @@ Run as: RANK=r WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,12 +36,15 @@ from pretrain.checkpoint.async_save import CheckpointWriter
 from pretrain.checkpoint.model_state import named_optimizer_state, whole_tensors
 from pretrain.checkpoint.separate_layout import _shard_rows
 from pretrain.checkpoint.tiers import Tier
-from pretrain.distributed.parallel import clip_grad_norm, gradient_sync, is_hybrid, parallelize, unwrap
+from pretrain.distributed import float8
+from pretrain.distributed.parallel import clip_grad_norm, gradient_sync, has_fsdp, is_hybrid, parallelize, unwrap
 from pretrain.distributed.runtime import Runtime
 from pretrain.hf.init_from import first_row
 from pretrain.model.loss import next_token_loss
 from pretrain.model.transformer import Transformer
 from pretrain.optim.muon import Muon, build_muon
+from pretrain.plan import float8 as float8_plan
+from pretrain.step import train_step
 from gloo_rank import report_as_gloo_rank
 import muon_worker
 import parallel_worker
@@ -347,6 +354,62 @@ def one_more_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, runt
     return float(after) / runtime.world_size
 
 
+def float8_config() -> cfg.Config:
+    """The tiny model with emulated float8 matmuls (every Linear in a block is a multiple of 16:
+    dim 32, ffn_dim 64) under bf16 autocast, as float8 needs, and debug.check_finite off: the step
+    then updates as an ordinary run's does, without the check's extra all-reduce."""
+    config = tiny_config(use_amp=True, float8="emulate")
+    return dataclasses.replace(config, debug=dataclasses.replace(config.debug, check_finite=False))
+
+
+def float8_train(config: cfg.Config, runtime: Runtime, mode: str) -> dict:
+    """STEPS optimizer steps of pretrain/step.py's train_step (autocast, accumulation, clipping,
+    the update, then the trainer's float8_scales hook, set as pretrain/build.py sets it) on this
+    worker's batches: the mean loss of each step over the ranks, and after each step whether every
+    float8 weight holds a precomputed scale and how far it is from the one its whole weight gives."""
+    model = meta_model(config, runtime, mode)
+    data = iter(batches(runtime.rank))
+    trainer = types.SimpleNamespace(
+        config=config,
+        runtime=runtime,
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        loader=Position(),
+        batches=data,
+        tracer=None,
+        stragglers=None,
+        faults=None,
+        skips_in_a_row=0,
+        aux_losses={},
+        counts={},
+        float8_scales=float8.scale_precompute(model, config, has_fsdp(model)),  # build.py's call
+    )
+    linears = [m for m in unwrap(model).modules() if float8.is_float8(m)]
+    e4m3 = torch.finfo(torch.float8_e4m3fn).max
+    record: dict = {"losses": [], "scales_set": [], "scale_error": [], "float8_linears": len(linears)}
+    record["hook"] = trainer.float8_scales is not None
+    for step in range(STEPS):
+        loss, _, _ = train_step(trainer, step)  # type: ignore[arg-type]
+        dist.all_reduce(loss)
+        record["losses"].append(float(loss) / runtime.world_size)
+        scales = [getattr(m.weight._local_tensor, "_precomputed_scale", None) for m in linears if isinstance(m.weight, DTensor)]
+        record["scales_set"].append(len(scales) == len(linears) and all(s is not None for s in scales))
+        if record["scales_set"][-1]:
+            whole = [e4m3 / full(m.weight).abs().max().double() for m in linears]
+            record["scale_error"].append(max(float((s.double() / w - 1).abs()) for s, w in zip(scales, whole, strict=True)))
+    return record
+
+
+def float8_runs(runtime: Runtime) -> dict | None:
+    """float8_train under HSDP and FSDP over all 4 ranks (the pair the test compares), and DDP
+    (no float8 all-gather and no precompute: each rank casts its whole weights); None where
+    torchao is missing or does not run on this torch (test_float8.py skips there too)."""
+    if importlib.util.find_spec("torchao") is None or float8_plan.torchao_version_problem():
+        return None
+    config = float8_config()
+    return {mode: float8_train(config, runtime, mode) for mode in ("hsdp", "fsdp", "ddp")}
+
+
 def measure(runtime: Runtime) -> dict:
     out = Path(sys.argv[1])
     config = tiny_config()
@@ -358,6 +421,7 @@ def measure(runtime: Runtime) -> dict:
     result["flags_after_error"] = flag_reset_after_error(config, runtime)
     result["muon"] = muon(runtime)
     result["checkpoints"] = checkpoints(config, runtime, out, trained)
+    result["float8"] = float8_runs(runtime)  # last: the only part that imports torchao
     return result
 
 
