@@ -69,7 +69,7 @@ DAMAGE = {
         changed(loader={"epoch": 0, "batch_index": -3}),
         "loader.batch_index must be a non-negative integer (got -3)",
     ),
-    "unknown parallelism": (changed(parallelism="tp"), 'parallelism must be one of single, ddp, fsdp (got "tp")'),
+    "unknown parallelism": (changed(parallelism="tp"), 'parallelism must be one of single, ddp, fsdp, hsdp (got "tp")'),
     "schedule not an object": (changed(lr_schedule=3), "lr_schedule must be an object whose lr is a non-negative number (got 3)"),
     "format version a string": (changed(format_version="2"), 'format_version must be an integer from 1 to 2 (got "2")'),
     "steps not those of the name": (
