@@ -130,7 +130,7 @@ class TextFormat:
     dataset's files are read by the first format whose suffix they have."""
     tokens_per_byte: float = 0.25
     """Tokens per byte of file, low on purpose: how many of a Hub dataset's files a run reads is
-    estimated from their sizes (pretrain/data/hub.py). English text is ~4 bytes per token."""
+    estimated from their sizes (pretrain/data/token_budget.py). English text is ~4 bytes per token."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The small and production presets' default data: FineWeb-Edu from the Hugging Face Hub with a
-real tokenizer, only the files a run needs (pretrain/data/hub.py). Offline, from a Hub cache each
+real tokenizer, only the files a run needs (pretrain/data/hub.py, token_budget.py). Offline, from a Hub cache each
 test builds: a few small Parquet files where FineWeb-Edu's sample/10BT files are, and a tiny
 byte-level BPE where GPT-2's tokenizer.json is."""
 
@@ -22,8 +22,9 @@ from pretrain import config as cfg
 from pretrain.data import DataError
 from pretrain.data.builtin import builtin_documents
 from pretrain.data.fitting import fit_to_dataset
-from pretrain.data.hub import choose_hub_files, files_for_tokens
+from pretrain.data.hub import choose_hub_files
 from pretrain.data.prepare import prepare, read_meta
+from pretrain.data.token_budget import files_for_tokens
 from test_data_hub import add_snapshot
 
 DATASET, TOKENIZER = "HuggingFaceFW/fineweb-edu", "openai-community/gpt2"

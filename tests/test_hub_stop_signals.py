@@ -155,7 +155,7 @@ def online_hub(tmp_path, monkeypatch, hub_endpoint):
 
 
 def test_a_hub_file_is_downloaded_once_then_found_in_the_cache_without_a_download(online_hub):
-    from pretrain.data.hub_client import hub_snapshot
+    from pretrain.data.hub_process import hub_snapshot
 
     lines: list[str] = []
     folder = hub_snapshot("owner/name", "main", [FAST_FILE], log=lines.append)
@@ -172,7 +172,7 @@ def test_a_hub_file_is_downloaded_once_then_found_in_the_cache_without_a_downloa
 
 def test_a_download_that_fails_in_the_child_process_is_its_one_line_error_here(online_hub):
     from pretrain.data import DataError
-    from pretrain.data.hub_client import hub_snapshot
+    from pretrain.data.hub_process import hub_snapshot
 
     with pytest.raises(DataError) as excinfo:  # the fake Hub knows no owner/missing: the child's snapshot_download fails
         hub_snapshot("owner/missing", COMMIT, [DATA_FILE], log=lambda line: None)

@@ -16,7 +16,7 @@ from helpers import all_tokens, data_config, prepared
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.checkpoint.save_restore import CheckpointError, check_same_model, check_same_optimizer
-from pretrain.data.hub import estimated_tokens
+from pretrain.data.token_budget import estimated_tokens
 from pretrain.data.prepare import read_meta
 from pretrain.data.sources import Piece
 from pretrain.data.tokenizer import BYTE_EOT, ByteRecipe, ByteTokenizer

@@ -1,9 +1,10 @@
-"""The Hugging Face Hub's client, as the data code uses it: snapshots of a repository's files
-through the Hub cache, and one-line errors for what goes wrong (gated, missing, offline). What is
-cached is found here; a download runs in a child process that a stop signal ends at once
-(hub_process.py).
+"""The Hugging Face Hub's client in this process, as the data code uses it: snapshot_download
+(download_here: what the download's child process runs, and the Hub cache's answer when the Hub
+cannot be reached), and the one-line errors for what goes wrong (gated, missing, offline) with
+the `hf download` commands they quote.
 
-Below both sources.py and hub.py; it knows no config.
+The lowest of the Hub modules: it imports none of them and knows no config. A snapshot that may
+need a download, which a stop signal must end at once, is hub_process.py's (hub_snapshot).
 """
 
 from __future__ import annotations
@@ -11,59 +12,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pretrain.data import DataError, first_line
 
-Log = Callable[[str], None]
-
 
 def is_commit(revision: str) -> bool:
     return re.fullmatch(r"[0-9a-f]{40}", revision) is not None
-
-
-def hub_snapshot(repo: str, revision: str, pattern: str | list[str], repo_type: str = "dataset", log: Log | None = None) -> Path:
-    """The folder of repo's files matching pattern: found in the Hub cache, else downloaded into it
-    in a child process that a stop signal ends at once (hub_process.py), said first in one line
-    (log; stderr when None). Where the Hub can be reached, a branch or tag is the commit it names
-    now; where not, the one the cache last saw."""
-    try:
-        from huggingface_hub import constants, errors, snapshot_download
-    except ImportError:
-        raise DataError("the Hugging Face Hub needs the huggingface_hub package: pip install huggingface_hub") from None
-
-    if constants.HF_HUB_OFFLINE:  # nothing can be downloaded: the cache answers, in this process
-        return download_here(repo, revision, pattern, repo_type)
-    commit = revision if is_commit(revision) else _commit_now(repo, revision, repo_type)
-    if commit is None:  # the Hub cannot be reached now: what the cache holds of the revision, if any
-        return download_here(repo, revision, pattern, repo_type)
-    try:  # a commit never changes: when it is in the cache, no download is needed
-        return Path(snapshot_download(repo, repo_type=repo_type, revision=commit, allow_patterns=pattern, local_files_only=True))
-    except errors.LocalEntryNotFoundError:  # also a snapshot that lacks some of the files
-        pass
-    from pretrain.data.hub_process import download_in_child
-
-    say = log or _to_stderr
-    patterns = [pattern] if isinstance(pattern, str) else pattern
-    what = patterns[0] if len(patterns) == 1 else f"{len(patterns)} files"
-    say(f"dataset: downloading {what} of {repo_type} {repo}@{commit[:12]} into the Hugging Face cache ({constants.HF_HUB_CACHE})")
-    # The revision as given: huggingface_hub records the commit a branch names (refs/), for offline runs.
-    return download_in_child(repo, revision, pattern, repo_type, say)
-
-
-def _commit_now(repo: str, revision: str, repo_type: str) -> str | None:
-    """The commit a branch or tag names on the Hub now; None when the Hub cannot be reached.
-    DataError for a repository or revision that is gated, missing or private."""
-    from huggingface_hub import HfApi
-
-    try:
-        return HfApi().repo_info(repo, repo_type=repo_type, revision=revision).sha
-    except Exception as error:  # offline, no network, the Hub down: the cache may hold it
-        if found := access_error(error, f"{repo_type} {repo}@{revision}"):
-            raise found from None
-        return None
 
 
 def download_here(repo: str, revision: str, pattern: str | list[str], repo_type: str) -> Path:
@@ -78,10 +34,6 @@ def download_here(repo: str, revision: str, pattern: str | list[str], repo_type:
     except (errors.HfHubHTTPError, OSError, ValueError) as error:
         where = f"{repo_type} {repo}@{revision}"
         raise access_error(error, where) or DataError(f"{where}: download failed ({first_line(error)})") from None
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def access_error(error: Exception, where: str) -> DataError | None:

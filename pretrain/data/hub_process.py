@@ -1,4 +1,5 @@
-"""Downloading from the Hugging Face Hub in a child process, so that a stop signal ends it at once.
+"""Snapshots of a Hugging Face Hub repository's files (hub_snapshot): found in the Hub cache, else
+downloaded in a child process, so that a stop signal ends the download at once.
 
 huggingface_hub's snapshot_download fetches the files in a thread pool (Xet storage in Rust), and
 its main thread waits for the pool: Ctrl-C or SIGTERM during a download was acted on only once
@@ -10,9 +11,11 @@ gives each download a name of its own: a partial file is never resumed, only lef
 files it finished stay in the Hub cache. Starting, waiting for and ending the child is
 child_process.py's, shared with the BPE trainer; what is this one's own is here.
 
-Only a download runs here: hub_client.py finds what is cached already, and asks the Hub which
+Only a download runs in the child: what is cached already is found, and the Hub asked which
 commit a branch names, in this process (quick requests), so a run whose files are cached starts
-no child. Standard library only in this process: the launcher must start fast.
+no child. What runs against huggingface_hub itself, in either process, and the one-line errors
+are hub_client.py's, below this module. Standard library only in this process: the launcher
+must start fast.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pretrain.data.child_process import (
     reap,
     start_child,
 )
+from pretrain.data.hub_client import access_error, download_here, is_commit
 
 EXIT_DATA_ERROR = 2
 """The child's exit code for a download that failed as a DataError (its last stdout line, JSON,
@@ -44,6 +48,46 @@ holds the message)."""
 _CHILD = child_code("pretrain.data.hub_process")
 
 Log = Callable[[str], None]
+
+
+def hub_snapshot(repo: str, revision: str, pattern: str | list[str], repo_type: str = "dataset", log: Log | None = None) -> Path:
+    """The folder of repo's files matching pattern: found in the Hub cache, else downloaded into it
+    in a child process that a stop signal ends at once (download_in_child), said first in one line
+    (log; stderr when None). Where the Hub can be reached, a branch or tag is the commit it names
+    now; where not, the one the cache last saw."""
+    try:
+        from huggingface_hub import constants, errors, snapshot_download
+    except ImportError:
+        raise DataError("the Hugging Face Hub needs the huggingface_hub package: pip install huggingface_hub") from None
+
+    if constants.HF_HUB_OFFLINE:  # nothing can be downloaded: the cache answers, in this process
+        return download_here(repo, revision, pattern, repo_type)
+    commit = revision if is_commit(revision) else _commit_now(repo, revision, repo_type)
+    if commit is None:  # the Hub cannot be reached now: what the cache holds of the revision, if any
+        return download_here(repo, revision, pattern, repo_type)
+    try:  # a commit never changes: when it is in the cache, no download is needed
+        return Path(snapshot_download(repo, repo_type=repo_type, revision=commit, allow_patterns=pattern, local_files_only=True))
+    except errors.LocalEntryNotFoundError:  # also a snapshot that lacks some of the files
+        pass
+    say = log or _to_stderr
+    patterns = [pattern] if isinstance(pattern, str) else pattern
+    what = patterns[0] if len(patterns) == 1 else f"{len(patterns)} files"
+    say(f"dataset: downloading {what} of {repo_type} {repo}@{commit[:12]} into the Hugging Face cache ({constants.HF_HUB_CACHE})")
+    # The revision as given: huggingface_hub records the commit a branch names (refs/), for offline runs.
+    return download_in_child(repo, revision, pattern, repo_type, say)
+
+
+def _commit_now(repo: str, revision: str, repo_type: str) -> str | None:
+    """The commit a branch or tag names on the Hub now; None when the Hub cannot be reached.
+    DataError for a repository or revision that is gated, missing or private."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().repo_info(repo, repo_type=repo_type, revision=revision).sha
+    except Exception as error:  # offline, no network, the Hub down: the cache may hold it
+        if found := access_error(error, f"{repo_type} {repo}@{revision}"):
+            raise found from None
+        return None
 
 
 def download_in_child(repo: str, revision: str, pattern: str | list[str], repo_type: str, log: Log) -> Path:
@@ -104,6 +148,10 @@ def _open_partial_files(pid: int) -> list[str]:
     return found
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 # --- the child --------------------------------------------------------------------------------
 
 
@@ -116,8 +164,6 @@ def child_main() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     request = json.loads(child_args()[0])
-    from pretrain.data.hub_client import download_here
-
     try:
         folder = download_here(request["repo"], request["revision"], request["pattern"], request["repo_type"])
     except DataError as error:

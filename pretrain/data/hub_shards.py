@@ -2,19 +2,21 @@
 (hf://datasets/OWNER/NAME@REVISION/PATTERN for a branch, tag or commit other than main), as
 modded-nanogpt's cached_fineweb10B.py fetches kjj0/fineweb10B-gpt2's fineweb_train_*.bin.
 
-Like a Hub text dataset (hub.py), only the files a run reads are fetched, through the Hub cache,
-offline-aware, in a child process that a stop signal ends at once; unlike one, nothing is
-tokenized: the shards are read in place from the cache. choose_hub_shards sizes the download
-before any worker starts: shards hold an exact number of tokens (their size, less llm.c's
-header, over the token's width, read from the first shard), so the run's windows decide how
-many. The count goes into data.hub_max_files, and the commit into the path the workers get
+Like a Hub text dataset (hub.py), only the files a run reads are fetched (hub_files.py), through
+the Hub cache, offline-aware, in a child process that a stop signal ends at once; unlike one,
+nothing is tokenized: the shards are read in place from the cache. choose_hub_shards sizes the
+download before any worker starts: shards hold an exact number of tokens (their size, less
+llm.c's header, over the token's width, read from the first shard), so the run's windows decide
+how many. The count goes into data.hub_max_files, and the commit into the path the workers get
 (pinned_paths), so every rank finds the same files in the cache and asks the Hub nothing.
 
 A PATTERN without wildcards names a file, or a directory as a local data.path does
 (shard_files.py): nanoGPT's layout (train.bin, validated on val.bin beside it) when it holds
 train.bin, else all its .bin files; read from the Hub's listing, or offline the cache's snapshot.
 
-No torch here; huggingface_hub is imported only when such a path is used.
+Below hub.py, which hands an hf:// data.path over to choose_hub_shards and
+follow_checkpoint_shards; it imports nothing of hub.py. No torch here; huggingface_hub is
+imported only when such a path is used.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from pretrain.data import DataError
-from pretrain.data.formats import SHARD_SUFFIXES
 from pretrain.data.cache import sigterm_as_exit
-from pretrain.data.hub import (
+from pretrain.data.formats import SHARD_SUFFIXES
+from pretrain.data.hub_client import download_command, is_commit, offline_error
+from pretrain.data.hub_files import (
     HubFiles,
     Unreachable,
     byte_count,
@@ -37,11 +40,10 @@ from pretrain.data.hub import (
     include_pattern,
     is_directory,
     matching_files,
-    run_tokens,
     selected,
 )
-from pretrain.data.hub_client import download_command, is_commit, offline_error
 from pretrain.data.shards import Shard, token_file
+from pretrain.data.token_budget import run_tokens
 from pretrain.data.windows import token_count
 
 if TYPE_CHECKING:

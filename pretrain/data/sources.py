@@ -225,7 +225,8 @@ def parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
 def hub_source(cfg: DataConfig, log: Callable[[str], None] | None = None) -> TextSource:
     """A Hub dataset's files (the first data.hub_max_files of those data.hub_files matches, see
     hub.py), downloaded into the Hub cache once and read from there."""
-    from pretrain.data.hub import fetch, find_files, selected
+    from pretrain.data.hub import find_files
+    from pretrain.data.hub_files import fetch, selected
 
     found = find_files(cfg)
     files = selected(cfg.hub_repo, cfg.hub_files, cfg.hub_max_files, found)

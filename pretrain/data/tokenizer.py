@@ -185,7 +185,7 @@ def huggingface_file(name: str) -> Path:
             f"data.tokenizer_name: {path} does not exist (expected a tokenizer.json file, "
             "a directory holding one, or a Hub repo id owner/name)"
         )
-    from pretrain.data.hub_client import hub_snapshot
+    from pretrain.data.hub_process import hub_snapshot
 
     folder = hub_snapshot(name, "main", TOKENIZER_FILE, repo_type="model")
     if not (folder / TOKENIZER_FILE).is_file():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.data import DataError
-from pretrain.data.hub_client import hub_snapshot
+from pretrain.data.hub_process import hub_snapshot
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.run.refusal import Refusal
 
