@@ -5,12 +5,14 @@ ways, each with a traceback or a library's own words: a MemoryError while import
 library that cannot be mapped ("failed to map segment from shared object"), a thread or a worker
 that cannot start (ENOMEM), or OpenBLAS giving up as numpy loads, which ends the process with no
 Python error at all. is_out_of_memory tells them apart from other errors, refusal says what to do,
-and start() runs the command line so that all of them, wherever in the launcher's start-up, end in
-that one line and exit code 2. A limit too small for any training worker is refused the same
-way before one starts (too_small_for_workers); a worker that runs out above that floor (a larger
-model, more threads) fails on its own, and the summary's hint names the limit.
+and the entry point (launcher/__main__.py's start) runs the command line so that all of them,
+wherever in the launcher's start-up, end in that one line and exit code 2. A limit too small for
+any training worker is refused the same way before one starts (too_small_for_workers); a worker
+that runs out above that floor (a larger model, more threads) fails on its own, and the summary's
+hint names the limit.
 
-Standard library only, and imported before anything else: it must work where little else can.
+Standard library only, and imported before anything else: it must work where little else can. It
+imports no launcher module, so every one may import it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import os
 import resource
 import sys
 from collections.abc import Iterator
-
-from launcher.exit_codes import EXIT_NO_ADDRESS_SPACE
 
 _NO_MAPPING = ("failed to map segment from shared object", "Cannot allocate memory")
 """What the dynamic loader says (in an ImportError) when a library does not fit the address space."""
@@ -117,18 +117,3 @@ def loading_numpy() -> Iterator[None]:
             del os.environ["OPENBLAS_NUM_THREADS"]
         else:
             os.environ["OPENBLAS_NUM_THREADS"] = before
-
-
-def start() -> None:
-    """`python -m launcher`: the command line (launcher/cli.py), its imports included, with running
-    out of memory anywhere in the launcher's own code said in one line (exit 2)."""
-    try:
-        from launcher import cli
-
-        cli.main()
-    except BaseException as error:  # SystemExit and the rest pass on; only running out of memory is ours
-        if isinstance(error, SystemExit | KeyboardInterrupt) or not is_out_of_memory(error):
-            raise
-        print(f"launcher: error: {refusal()}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(EXIT_NO_ADDRESS_SPACE)

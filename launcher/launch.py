@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from launcher.prepare import prepare_training, training_command
 from launcher.processes import torchrun_env
 from launcher.processes.torchrun_env import NO_RESTARTS, Restarts
 from launcher.processes.worker import StartError, Worker, with_package_root, without_package_root, worker_env
+from launcher.restart_plan import Devices
 from launcher.rundir import lock
 from launcher.rundir.choice import cannot_create, own_run_dir, resume_point, run_dir_path
 from launcher.supervise import outcome
@@ -90,15 +90,6 @@ def launch(args: argparse.Namespace, config: cfg.Config, command: list[str], spe
             return multinode.settle(node, code, args.stop_timeout + args.kill_grace + args.node_timeout, console.launcher_line)
     finally:
         devices.placement.release()
-
-
-@dataclass
-class Devices:
-    """What the workers run on: the options they were chosen by, and the current placement, which
-    a restart replaces (launcher/attempts.py)."""
-
-    options: GpuOptions
-    placement: Placement
 
 
 def restarting_job(

@@ -16,8 +16,8 @@ import pytest
 from conftest import ROOT
 from pretrain.run.command_name import command_name
 
-# The module `python -m` runs for each console command (the launcher's entry point is a wrapper
-# around launcher/__main__.py's).
+# The module `python -m` runs for each console command (the launcher's entry point is
+# launcher/__main__.py's start).
 MODULES = {
     "pretrain-launch": "launcher",
     "pretrain-prepare": "pretrain.data.prepare_cli",

@@ -26,7 +26,7 @@ from launcher.errors import UsageError
 from launcher.exit_codes import by_signal
 from launcher.gpus import vendors
 from launcher.gpus.placement import GpuOptions, Placement
-from launcher.launch import Devices
+from launcher.restart_plan import Devices
 from launcher.supervise.printer import Printer
 from launcher.supervise.restarts import AttemptEnd
 from pretrain import config as cfg

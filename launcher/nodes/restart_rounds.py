@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher import local_tier
-from launcher.attempts import Attempts, check_global_batch_kept, warn_without_checkpoints
 from launcher.exit_codes import by_signal, stop_signal
 from launcher.gpus.selection import DeviceError
 from launcher.nodes import between_rounds, multinode
@@ -49,6 +48,7 @@ from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, conn
 from launcher.nodes.round_checkin import ROUND_KEY, check_in, gather_round, open_round
 from launcher.nodes.store import client, first_line, torch_distributed
 from launcher.processes.torchrun_env import Restarts
+from launcher.restart_plan import Devices, RestartPlan, check_global_batch_kept, warn_without_checkpoints
 from launcher.rundir import lock
 from launcher.rundir.choice import own_run_dir, resume_point, run_dir_path
 from launcher.rundir.lock import RunDirLock
@@ -56,9 +56,6 @@ from launcher.supervise import restarts
 from launcher.supervise.printer import Printer
 from launcher.supervise.restarts import AttemptEnd
 from pretrain import config as cfg
-
-if TYPE_CHECKING:
-    from launcher.launch import Devices
 
 Attempt = Callable[[cfg.Config, Node, Path, int, Restarts, Callable[[], None]], tuple[int, AttemptEnd]]
 """One attempt on this node (launch.py run_owned): its config, round, run directory, port, restart
@@ -207,7 +204,7 @@ class RestartRounds:
             while (left := end - time.monotonic()) > 0:  # in steps: another node's stop is handed over between them
                 time.sleep(min(left, POLL_INTERVAL))
             self.devices.placement.release()
-            self.devices.placement = self._attempts_of().place_again(self.devices, self.first_nproc)
+            self.devices.placement = self._restart_plan().place_again(self.devices, self.first_nproc)
             return self._next_round(number + 1)
         except (DeviceError, RendezvousError) as error:
             self.say(f"no restart: {error}")
@@ -338,7 +335,7 @@ class RestartRounds:
             if self.training:
                 warn_without_checkpoints(self.config, self.say)
         else:
-            config = self._attempts_of(node).restart_config(node.world_size, self.first_world)
+            config = self._restart_plan(node).restart_config(node.world_size, self.first_world)
         port = self.free_port()
         node.share(
             "run",
@@ -352,10 +349,11 @@ class RestartRounds:
         )
         return config, port, number
 
-    def _attempts_of(self, node: Node | None = None) -> Attempts:
-        """The one-machine restart loop's helpers: devices again, the restart's config (node's: a local checkpoint all have)."""
+    def _restart_plan(self, node: Node | None = None) -> RestartPlan:
+        """The restart plan one machine's attempts follow too (launcher/restart_plan.py): devices again,
+        the restart's config (node's: a local checkpoint every node has)."""
         choice = local_tier.choice(node, self.config, self.owned_path, self.first_world, self.say) if node else None
-        return Attempts(self.args, self.first_config or self.config, self.command, self.owned_path, self.console, False, choice)
+        return RestartPlan(self.args, self.first_config or self.config, self.command, self.owned_path, self.console, choice)
 
     def _begin(self, config: cfg.Config, begun: list[restarts.Attempt | None]) -> None:
         """Once the attempt's workers are spawned, node 0: its line of restarts.jsonl (every node's
