@@ -454,6 +454,30 @@ def test_a_stop_signal_held_just_after_the_workers_ended_stops_every_node_only_w
     assert said == ([stopped] if restart else ["received SIGTERM after this node's workers had ended; exit code 143"])
 
 
+def test_a_stop_signal_held_after_a_failed_attempt_stops_every_node_at_once_not_after_node_0s_decision():
+    # Node 0 may still be tearing its workers down (up to --kill-grace): the word must reach it now.
+    store, said, reported = Store(), [], []
+    job = node_of_job(store, 1, [0, 1], said)
+    node = SimpleNamespace(rank=1, spec=job.spec, post=lambda key, value: None, report_interrupt=reported.append)
+
+    def attempt(config, node, run_dir, port, restarts, spawned):
+        spawned()
+        signal.raise_signal(signal.SIGTERM)  # once the supervisor has given the signals back
+        return 137, AttemptEnd(137, "CPU1", 1, "killed by SIGKILL")
+
+    def decide(*_: object) -> None:
+        raise AssertionError("the held signal waited for node 0's decision")
+
+    job.owned, job.attempt = SimpleNamespace(path=Path("run")), attempt
+    job._join = lambda spec, namespace: node
+    job._plan = lambda node, number: (None, 0, number)
+    job._decide = decide
+    job._rejoin = lambda: None  # node 1 of the job's first round
+    assert job._attempts() == 143
+    assert halt_key(1) in store.keys and reported == [signal.SIGTERM]  # the halt, and the round's interrupt
+    assert said == [Halt(1, signal.SIGTERM).line(here=True)]
+
+
 def test_the_stretch_between_attempts_takes_the_stop_signals_straight_from_the_attempts_hold():
     before = signal.getsignal(signal.SIGTERM)
     held: list[int] = []

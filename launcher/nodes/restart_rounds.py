@@ -170,11 +170,13 @@ class RestartRounds:
                     with hold.hand_over(BetweenRounds(self._client, self.spec.node_rank, self.between)):
                         if self.hosted is not None:
                             self.hosted.set(BETWEEN_KEY, str(self.between))  # a relaunched node's word (_rejoin)
+                        if held and code != 0:  # after a failure, at once: node 0 may still tear its workers down
+                            raise Halted(Halt(self.spec.node_rank, held[0]), here=True)
                         self._signalled_in_teardown(node, end)
                         wait = self.args.stop_timeout + self.args.kill_grace + self.args.node_timeout
                         code = multinode.settle(node, code, wait, self.say)
                         decision, job = self._decide(node, number, previous, entry, code)
-                        if held and decision.restart:  # held just after the workers ended: the restart is stopped
+                        if held and decision.restart:  # held after workers that succeeded here: the restart is stopped
                             raise Halted(Halt(self.spec.node_rank, held[0]), here=True)
                         next_node = self._restart(decision, number) if decision.restart else None
             except Halted as halted:
