@@ -173,6 +173,7 @@ def test_a_second_save_waits_for_the_one_in_flight_and_the_wait_counts_as_stall_
     monkeypatch.setattr(writer, "_complete_pending", complete_pending)
     blocked = timed(writer)
     writer.save(1, tier)
+    first_blocked = blocked[0]  # what the first save's stall can be at most
     waiting.clear()
     second = threading.Thread(target=writer.save, args=(2, tier), daemon=True)
     second.start()
@@ -180,6 +181,9 @@ def test_a_second_save_waits_for_the_one_in_flight_and_the_wait_counts_as_stall_
     held_from = time.perf_counter()
     checkpoints = trainer.run_dir / "checkpoints"
     assert (checkpoints / "step_1.tmp").is_dir() and not (checkpoints / "step_2.tmp").exists()  # not begun
+    # The second save is held (the write of step_1 not released) over twice the first's stall, so
+    # that the two stalls are told apart however fast the machine (on a loaded one they came within 1 ms).
+    threading.Event().wait(2 * first_blocked + 0.05)
     release.set()
     second.join(HANDSHAKE_S)
     held = time.perf_counter() - held_from
