@@ -279,14 +279,9 @@ def test_a_stop_signal_to_either_node_during_the_backoff_stops_both_at_once_and_
 
 
 def test_node_1_relaunched_before_node_0_opens_the_next_round_waits_for_it_and_joins(tmp_path, processes):
-    node0, node1 = two_nodes(tmp_path, processes, "--restart-backoff", "15", "--join-timeout", "60")
-    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 2 or node0.proc.poll() is not None, timeout=120)
-    node1.proc.send_signal(signal.SIGKILL)
-    node1.wait(timeout=30)
-    port = node0.proc.args[node0.proc.args.index("--master-port") + 1]
-    command = ["--", *node0.proc.args[node0.proc.args.index("--") + 1 :]]
-    options = [*RESTARTS, "--run-dir", str(tmp_path / "run"), "--restart-backoff", "15", "--join-timeout", "60", *command]
-    (again,) = start_nodes(tmp_path, processes, options, ranks=(1,), port=int(port), env=launcher_env())
+    waits = ("--restart-backoff", "15", "--join-timeout", "60")
+    node0 = killed_node_1(tmp_path, processes, *waits)
+    again = relaunched_node_1(tmp_path, processes, node0, *waits)
     assert [node0.wait(timeout=120), again.wait(timeout=60)] == [0, 0], node0.text + again.text
     assert "launcher: the job runs without this node: waiting up to 60 s (--join-timeout) for its next restart" in again.text
     assert "already joined" not in again.text
@@ -382,14 +377,9 @@ def test_a_stop_signal_to_node_0_or_to_a_relaunched_node_1_waiting_for_the_next_
 ):
     # Without it, node 0 would wait out the backoff (15 s) and --join-timeout (60 s) for node 1,
     # and node 1 would find node 0's store gone (exit 2).
-    node0, node1 = two_nodes(tmp_path, processes, "--restart-backoff", "15", "--join-timeout", "60")
-    assert wait_until(lambda: len(list((tmp_path / "shared").glob("up*"))) == 2 or node0.proc.poll() is not None, timeout=120)
-    node1.proc.send_signal(signal.SIGKILL)
-    node1.wait(timeout=30)
-    port = node0.proc.args[node0.proc.args.index("--master-port") + 1]
-    command = ["--", *node0.proc.args[node0.proc.args.index("--") + 1 :]]
-    options = [*RESTARTS, "--run-dir", str(tmp_path / "run"), "--restart-backoff", "15", "--join-timeout", "60", *command]
-    (again,) = start_nodes(tmp_path, processes, options, ranks=(1,), port=int(port), env=launcher_env())
+    waits = ("--restart-backoff", "15", "--join-timeout", "60")
+    node0 = killed_node_1(tmp_path, processes, *waits)
+    again = relaunched_node_1(tmp_path, processes, node0, *waits)
     assert wait_until(lambda: "for its next restart" in again.text or again.proc.poll() is not None, timeout=60), again.text
     nodes = [node0, again]
     took = stop_and_time(nodes, stopped)
