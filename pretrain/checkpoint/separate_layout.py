@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from pretrain.checkpoint.dcp_files import dcp_load
 from pretrain.config import ModelConfig
-from pretrain.distributed import shards
+from pretrain.model import shards
 from pretrain.model.fused_layout import has_separate_layout, part_names, row_splits
 
 __all__ = [

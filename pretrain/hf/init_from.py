@@ -34,7 +34,7 @@ from pretrain.config import ModelConfig
 from pretrain.data import first_line
 from pretrain.hf.init_checkpoint import EMBEDDING, TIED, HfCheckpoint, InitFromError, model_type
 from pretrain.hf.transformers_form import from_hf, fused_parts, hf_names
-from pretrain.distributed import shards
+from pretrain.model import shards
 from pretrain.distributed.parallel import unwrap
 
 _ROTARY = ("attention.wq.weight", "attention.wk.weight")

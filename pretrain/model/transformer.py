@@ -24,10 +24,11 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from pretrain import registry
 from pretrain.config import ModelConfig, RopeScalingConfig
+from pretrain.model import shards
 
 
 class RMSNorm(nn.Module):
@@ -349,21 +350,12 @@ def _draw_parts(
 
 def _assign_rows(param: Tensor, start: int, part: Tensor) -> None:
     """Copy part into param's rows start.., or into those of them this rank holds when param is an
-    FSDP2 shard: Shard(0) over one mesh dimension (HSDP: replicated over the other), rows split as
-    torch.chunk splits them."""
+    FSDP2 shard (pretrain/model/shards.py: FSDP's or HSDP's rows)."""
     if not isinstance(param, DTensor):
         param[start : start + part.shape[0]].copy_(part)
         return
     local = param.to_local()
-    split = _split(param)
-    if split is None or split[0] != 0:
-        raise ValueError(
-            f"cannot initialise a fused parameter placed as {param.placements} on a "
-            f"{param.device_mesh.ndim}-D mesh; FSDP2 shards dim 0"
-        )
-    _, place, ranks = split
-    rows_per_rank = -(-param.shape[0] // ranks)  # torch.chunk's
-    held = min(place * rows_per_rank, param.shape[0])  # the first row this rank holds
+    held = shards.first_row(param)  # ValueError, one line, for a placement FSDP2 does not make
     low, high = max(start, held), min(start + part.shape[0], held + local.shape[0])
     if low < high:
         local[low - held : high - held].copy_(part[low - start : high - start])
@@ -385,39 +377,12 @@ def _local(param: Tensor) -> Tensor:
 
 
 def _assign(param: Tensor, full: Tensor) -> None:
-    """Copy full into param, or this rank's part of full when param is a DTensor shard."""
+    """Copy full into param, or this rank's rows of full when param is an FSDP2 shard."""
     if not isinstance(param, DTensor):
         param.copy_(full)
         return
     local = param.to_local()
-    mine = _shard_view(full, param)
-    if mine is None or mine.shape != local.shape:  # only FSDP2's placement is expected here
-        raise ValueError(
-            f"cannot initialise a parameter placed as {param.placements} on a "
-            f"{param.device_mesh.ndim}-D mesh (local shape {tuple(local.shape)}); FSDP2 shards dim 0"
-        )
+    mine = shards.rows_of(full, param)  # ValueError, one line, for a placement FSDP2 does not make
+    if mine.shape != local.shape:
+        raise ValueError(f"cannot initialise a parameter of local shape {tuple(local.shape)} from rows {tuple(mine.shape)}")
     local.copy_(mine)
-
-
-def _shard_view(full: Tensor, param: DTensor) -> Tensor | None:
-    """This rank's part of full as a view (no copy), for FSDP2's placements: Shard(dim) over one
-    mesh dimension (HSDP: replicated over the other), which splits as torch.chunk does. None for
-    any other placement."""
-    split = _split(param)
-    if split is None:
-        return None
-    dim, place, ranks = split
-    chunks = full.chunk(ranks, dim=dim)
-    return chunks[place] if place < len(chunks) else full.narrow(dim, 0, 0)
-
-
-def _split(param: DTensor) -> tuple[int, int, int] | None:
-    """(the sharded dim, this rank's place among the ranks that split it, how many they are) for
-    FSDP2's placements: Shard on one mesh dimension, Replicate on any other (HSDP's 2-D mesh, whose
-    "replicate" dimension holds the same shard on every node). None for any other placement."""
-    split = [i for i, placement in enumerate(param.placements) if isinstance(placement, Shard)]
-    if len(split) != 1 or not all(isinstance(p, Replicate) for i, p in enumerate(param.placements) if i != split[0]):
-        return None
-    placement = param.placements[split[0]]
-    assert isinstance(placement, Shard)
-    return placement.dim, param.device_mesh.get_local_rank(split[0]), param.device_mesh.size(split[0])

@@ -41,7 +41,7 @@ from torch.optim.adamw import adamw
 from pretrain import registry
 from pretrain.plan.compile_prerequisites import missing_compile_prerequisite
 from pretrain.config import ModelConfig, TrainingConfig
-from pretrain.distributed import shards
+from pretrain.model import shards
 from pretrain.model import fused_layout
 from pretrain.optim.muon_sharing import MatrixSharing, Orthogonalize, part_slices, row_counts
 from pretrain.optim.optimizers import fusable
