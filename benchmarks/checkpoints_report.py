@@ -2,7 +2,7 @@
 records of metrics.jsonl, a run's goodput.json, the medians, the two Markdown tables and the JSON.
 
 Nothing here starts a process: every function takes a run directory's files or what was read from
-them, so tests/test_benchmarks_checkpoints.py checks it on written files."""
+them, so tests/benchmarks/test_benchmarks_checkpoints.py checks it on written files."""
 
 from __future__ import annotations
 

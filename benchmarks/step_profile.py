@@ -21,7 +21,7 @@ beside compute), each instant is shared equally among the events running then, s
 and idle add up to the window exactly and the shares to 100%; the overlap is reported apart.
 
 split() and kind_of() are pure functions of (name, start, duration, scope) events, tested with
-synthetic kernel names (tests/test_step_profile.py)."""
+synthetic kernel names (tests/benchmarks/test_step_profile.py)."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ FEED_FORWARDS: dict[str, FeedForwardKind] = {
     # (2 E), per expert row (expert_rows_per_token) the row (dim) and SwiGLU's four values (4
     # ffn_dim), and per assignment the expert's output twice, as it is weighted and summed (2 dim),
     # and its routing: three int64 indices and an fp32 weight (16; checked against autograd's
-    # saved tensors: tests/test_activations.py).
+    # saved tensors: tests/pretrain/plan/test_activations.py).
     "moe": FeedForwardKind(
         "pretrain.model.moe:MixtureOfExperts",
         parameters=lambda m: m.dim * m.moe.num_experts + 3 * m.moe.num_experts * m.dim * m.ffn_dim,

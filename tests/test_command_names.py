@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support.processes import ROOT
 from pretrain.run.command_name import command_name
 
 # The module `python -m` runs for each console command (the launcher's entry point is

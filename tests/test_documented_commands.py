@@ -10,7 +10,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import ROOT, launcher_env
+from support.processes import ROOT, launcher_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 OUR_PACKAGES = ("launcher", "pretrain", "benchmarks")

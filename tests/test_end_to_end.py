@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, launcher_env
+from support.processes import ROOT, launcher_env
 
 STEP_LINE = re.compile(
     r"^(?P<prefix>CPU[01]):INFO \| \[CPU (?P<rank>[01])\] Step \[(?P<step>\d+)/(?P<total>\d+)\] \| "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support.processes import ROOT
 from launcher import cli
 from launcher import exit_codes as launcher_codes
 from launcher.gpus.claims import ClaimError

@@ -2,7 +2,7 @@
 others, a module that imports it back (issue 43). A newcomer can then tell which of two modules is the
 higher one, and a change low down never drags a circle.
 
-What counts as importing (tests/import_graph.py reads it with `ast`):
+What counts as importing (tests/support/import_graph.py reads it with `ast`):
 - every import statement: at module level, inside a function, under `if TYPE_CHECKING:`. An import
   hidden in a function still ties the two modules together, so it breaks no cycle;
 - `from package import name` imports package/name.py where that is a submodule, and package/__init__.py
@@ -28,8 +28,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from conftest import ROOT
-from import_graph import IN_FUNCTION, MODULE_LEVEL, TYPE_CHECKING_ONLY, Import, cycles, import_graph, source_file, tangles
+from support.processes import ROOT
+from support.import_graph import IN_FUNCTION, MODULE_LEVEL, TYPE_CHECKING_ONLY, Import, cycles, import_graph, source_file, tangles
 
 PACKAGES = ("launcher", "pretrain", "benchmarks")
 

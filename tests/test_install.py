@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, launcher_env
-from helpers import run_launcher
+from support.processes import ROOT, launcher_env
+from support.runs import run_launcher
 from launcher import cli, launch
 from launcher.compile_cache import kernel_cache_dir
 from launcher.gpus.placement import Placement

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, launcher_env
+from support.processes import ROOT, launcher_env
 
 DESIGN = ROOT / "docs" / "design.md"
 PROJECT_PACKAGES = ("launcher", "pretrain")

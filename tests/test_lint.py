@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from support.processes import ROOT
 
 INSTALL_HINT = "is not installed: bash run_tests.sh installs it (or pip install -r requirements-dev.txt)"
 

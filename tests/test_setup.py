@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from support.processes import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_requirements  # noqa: E402

@@ -53,7 +53,7 @@ def check_nvml_test(ctx: Context) -> list[Row]:
             sys.executable,
             "-m",
             "pytest",
-            "tests/test_nvml.py",
+            "tests/launcher/gpus/test_nvml.py",
             "-q",
             "-rs",
             "-p",
@@ -67,7 +67,7 @@ def check_nvml_test(ctx: Context) -> list[Row]:
     summary = proc.out.strip().splitlines()[-1] if proc.out.strip() else proc.how()
     return [
         Row(
-            "real-driver NVML test (tests/test_nvml.py)",
+            "real-driver NVML test (tests/launcher/gpus/test_nvml.py)",
             summary,
             "1 passed",
             "yes" if passed else "no",
@@ -129,7 +129,7 @@ def check_run_training(ctx: Context) -> list[Row]:
 
 
 def check_nan(ctx: Context) -> list[Row]:
-    """A checkpoint with one NaN weight (made on the CPU, as tests/test_numerical_failure.py
+    """A checkpoint with one NaN weight (made on the CPU, as tests/pretrain/numerics/test_numerical_failure.py
     does), resumed on one GPU through the launcher."""
     run_dir = ctx.run_dir("nan")
     checkpoint = worker("poison", 120, run_dir)["checkpoint"]

@@ -35,7 +35,7 @@ TIMED_FROM = 10
 """Steps before this one are left out of tokens/s and MFU (the compile, the allocator's warm-up)."""
 MAX_STEP_GAP = 0.05
 """The most one step's float8 loss may differ from bf16's, relatively. On CPU (torchao's
-emulation, the debug preset, tests/test_float8.py) the gap was at most 0.07% over 6 steps; on the
+emulation, the debug preset, tests/pretrain/plan/test_float8.py) the gap was at most 0.07% over 6 steps; on the
 GPU the float8 matmuls themselves round (e4m3, 3 mantissa bits; e5m2 gradients), and two runs of
 different numerics drift apart as they train, so one step's loss may move by a few percent."""
 MAX_TAIL_GAP = 0.01

@@ -1,7 +1,7 @@
 """How long each GPU check takes, estimated (none has run on a GPU yet), and the limit a group of
 checks (one `--only` run) must stay within: a device call is limited to 10 minutes, a group is
 planned to 8 on one H100 with a cold compile cache. docs/gpu-acceptance.md lists the groups with
-these estimates (tests/test_gpu_check_decisions.py holds the two together).
+these estimates (tests/benchmarks/gpu_acceptance/test_gpu_check_decisions.py holds the two together).
 
 The estimates are built from what each check runs: a cold torch.compile of `small`'s blocks
 (forward and backward, and the compiled loss head) about COLD_COMPILE_S, the same graphs again from

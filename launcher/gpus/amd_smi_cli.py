@@ -9,7 +9,7 @@ and the amd-smi outputs quoted in public projects: a list of one object per GPU 
 which amd-smi 25 and later (ROCm 6.4+) wrap in {"gpu_data": [...]}; every leaf is a bare value or
 {"value": v, "unit": u}; "N/A" where a reading is not supported. Memory is in MB (amd-smi divides
 bytes by 1024 * 1024, so MiB), process memory in B. Test outputs, built from AMD's documented shapes
-(not recorded on hardware): tests/data/amd_smi/.
+(not recorded on hardware): tests/launcher/gpus/data/amd_smi/.
 
 Discovery runs six processes (list, static, metric, one more `metric --usage`, process, bad-pages);
 the health watch two every HEALTH_INTERVAL_S.

@@ -6,7 +6,7 @@ let the run down (a worker killed by a signal it did not ask for, a hang or a co
 a CUDA error that names the hardware, a lost peer or node). A failure the run itself makes would
 only repeat (bad input, a numerical failure, a bug), and so would one that came before any step
 was trained, or the same failure at the same step twice in a row; a stop the user asked for is
-never undone. The rules run in that order, each tested (tests/test_restarts.py); docs/failures.md
+never undone. The rules run in that order, each tested (tests/launcher/supervise/test_restarts.py); docs/failures.md
 explains them.
 """
 

@@ -1,6 +1,6 @@
 """The lifetime of a group of workers: one loop over typed events.
 
-Teardown rules (each has a test in tests/test_supervisor.py or tests/test_launcher_cli.py):
+Teardown rules (each has a test in tests/launcher/supervise/test_supervisor.py or tests/launcher/test_launcher_cli.py):
 1. The first worker to fail decides the outcome: the supervisor returns its exit code (a
    death by signal n returns by_signal(n), launcher/exit_codes.py). A worker that
    prints nothing for hang_timeout seconds has failed, with exit code 124. Success means every worker exited 0.

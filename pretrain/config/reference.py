@@ -3,7 +3,7 @@
     python -m pretrain.config_reference > docs/config.md    # regenerate after changing a field
     python -m pretrain.config_reference --check             # exit 1 when docs/config.md is stale
 
-The page is never edited by hand: tests/test_config.py fails while it differs from this output, so
+The page is never edited by hand: tests/pretrain/config/test_config.py fails while it differs from this output, so
 a field added to pretrain/config/schema.py or training.py without regenerating names the command above. Here too:
 field_docs (the docstring under each field) and reference_table (what `python -m pretrain.config`
 prints).

@@ -5,7 +5,7 @@ Each count is of the model as pretrain/model/ builds it: the residual stream in 
 (bf16 under autocast; RMSNorm keeps its input and an fp32 reciprocal RMS per token), one fused
 matmul for queries, keys and values (wqkv) and one for SwiGLU's gate and up projections (w13), so
 a norm's output is kept once, as the input of the one matmul that reads it. Eager, autograd keeps
-what each op's backward reads (checked against autograd's saved tensors: tests/test_memory.py).
+what each op's backward reads (checked against autograd's saved tensors: tests/pretrain/plan/test_memory.py).
 
 Compiled (training.compile, the blocks and the loss head under torch.compile: inductor), the
 partitioner that splits each compiled region into its forward and backward graphs keeps the
@@ -20,7 +20,7 @@ output and the gated product (w2's input); silu's output and the rotation are re
 the loss head one copy of the logits in the compute dtype, not three fp32 ones: the fp32 upcast
 and the log-softmax are fused, and the backward is one element-wise kernel that writes the gradient
 in the compute dtype (measured on CPU: the compiled head's forward and backward grow the peak by
-1.01 bf16 copies of the logits; tests/test_loss.py). The H200's figures (benchmarks/results/
+1.01 bf16 copies of the logits; tests/pretrain/model/test_loss.py). The H200's figures (benchmarks/results/
 2026-11-25-h200.md: compiled `small` allocated 8.7 GiB at its peak, 19.3 without compile) are the
 only GPU measurement there is, and they were taken before issue 38 (fp32 residual stream, separate
 projections, torch's cross-entropy): the tests hold the estimate to them; the GPU acceptance's

@@ -8,14 +8,14 @@ peak, not a measurement: parameters, gradients and AdamW state are exact counts;
 follow the per-layer formulas of pretrain/plan/activations.py for each activation checkpointing
 mode, eager or compiled (what autograd keeps, or what torch.compile's partitioner keeps: it
 recomputes element-wise ops instead; checked against autograd, the checkpoints and a compiled
-block's saved outputs, tests/test_memory.py); the backward's temporaries are one block's
+block's saved outputs, tests/pretrain/plan/test_memory.py); the backward's temporaries are one block's
 activation gradients; the loss counts three fp32 copies of one chunk's logits eager, or one in
 the compute dtype compiled (of the whole micro-batch's in one piece; both measured on an H200:
-small's estimate within 1.3x of its allocated peak, tests/test_memory_plan.py); a fixed allowance covers the CUDA context,
-NCCL and the caching allocator's fragmentation; and every decision plans on GPU_SHARE (90%) of the
-GPU, for what the model still leaves out. A config the plan has not made concrete yet counts
-as its first choice: "auto" checkpointing as none, a null loss chunk as one piece, a null
-reshard_after_forward as true.
+small's estimate within 1.3x of its allocated peak, tests/pretrain/plan/test_memory_plan.py); a
+fixed allowance covers the CUDA context, NCCL and the caching allocator's fragmentation; and
+every decision plans on GPU_SHARE (90%) of the GPU, for what the model still leaves out. A
+config the plan has not made concrete yet counts as its first choice: "auto" checkpointing as
+none, a null loss chunk as one piece, a null reshard_after_forward as true.
 
 What each mode keeps on every GPU (P parameters, W ranks, a = 2 bytes under bf16 autocast, else 4,
 s bytes of optimizer state per parameter: AdamW's two fp32 moments, 8; pretrain/registry.py):
