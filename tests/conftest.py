@@ -25,6 +25,11 @@ from support.processes import describe, live_children, stop_process_tree, wait_u
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Claims of a session's own until each test takes its own (below): a run made once for a whole
+# module starts before any test's fixtures, and must not claim under the machine's namespace either.
+os.environ["LAUNCHER_CLAIMS_NAMESPACE"] = f"gpu-launcher-test-{uuid.uuid4().hex[:12]}"
+
+
 @pytest.fixture(autouse=True)
 def private_gpu_claims(monkeypatch):
     """No test claims a GPU of the machine it runs on, or meets another test's claims:
