@@ -65,14 +65,16 @@ def test_the_launcher_records_the_step_a_command_reported_and_prints_its_progres
 
 
 def test_two_failures_a_step_apart_between_the_same_logged_steps_are_not_the_same_failure(tmp_path):
-    """The issue's run, shorter: both attempts last log step 5 (logging.log_interval=5), but one
-    dies after step 7 and the other after step 8, so the second is restarted too."""
+    """The issue's run, shorter: both attempts last log step 3 (logging.log_interval=3), but one
+    dies after step 4 and the other after step 5, so the second is restarted too. Both resume from
+    step_3; short windows and batches, since the six workers' start-up is the cost, not the steps."""
     run_dir = tmp_path / "run"
-    argv = ["--debug", "--device", "cpu", "--nproc", "2", "--max-steps", "12", "--run-dir", str(run_dir)]
-    argv += ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "logging.log_interval=5"]
-    argv += ["--set", "training.checkpoint_interval=5", "--max-restarts", "3", "--restart-backoff", "0"]
-    result = launch(*argv, timeout=300, PRETRAIN_FAULTS="0:1:7:sigkill,1:1:8:sigkill")
+    argv = ["--debug", "--device", "cpu", "--nproc", "2", "--max-steps", "7", "--run-dir", str(run_dir)]
+    argv += ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "logging.log_interval=3"]
+    argv += ["--set", "data.context_length=64", "--set", "training.batch_size=4"]
+    argv += ["--set", "training.checkpoint_interval=3", "--max-restarts", "3", "--restart-backoff", "0"]
+    result = launch(*argv, timeout=300, PRETRAIN_FAULTS="0:1:4:sigkill,1:1:5:sigkill")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert [(a["step"], a["restarted"]) for a in attempts(run_dir)] == [(7, True), (8, True), (11, False)]
-    assert "CPU1: killed by SIGKILL at step 7; restarted" in result.stdout
+    assert [(a["step"], a["restarted"]) for a in attempts(run_dir)] == [(4, True), (5, True), (6, False)]
+    assert "CPU1: killed by SIGKILL at step 4; restarted" in result.stdout
     assert "\x1f" not in (run_dir / "logs" / "cpu1.log").read_text()
