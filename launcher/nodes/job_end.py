@@ -5,6 +5,7 @@ takes the job's."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -28,6 +29,20 @@ def read_end(node: Node, rank: int) -> AttemptEnd | None:
 def all_ends(node: Node) -> dict[int, AttemptEnd]:
     """Node 0: the end every node of the round has posted, by its rank."""
     return {n: end for n in range(node.spec.nnodes) if (end := read_end(node, n)) is not None}
+
+
+def ends_with_the_stoppers(node: Node, seconds: float, poll: float = 0.05) -> dict[int, AttemptEnd]:
+    """Node 0, stopped between attempts before it judged the attempt: all_ends, once the node whose
+    word stopped the job has posted its end too (at most seconds). That node posts it as soon as its
+    workers are gone, which on a loaded machine can come after node 0's own stop signal; without it
+    the job's end would read as that node's launcher failing (EXIT_OTHER_NODE_FAILED)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        ends, first = all_ends(node), node.first_stop()
+        waiting = first is not None and first.kind == "failed" and first.node != node.rank and first.node not in ends
+        if not waiting or time.monotonic() >= deadline:
+            return ends
+        time.sleep(poll)
 
 
 def job_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:

@@ -42,7 +42,7 @@ from launcher.gpus.selection import DeviceError
 from launcher.nodes import between_rounds, multinode
 from launcher.nodes.agreement import restart_options
 from launcher.nodes.between_rounds import BETWEEN_KEY, BetweenRounds, Halt, Halted, HeldOnceSpawned
-from launcher.nodes.job_end import all_ends, end_record, job_end
+from launcher.nodes.job_end import all_ends, end_record, ends_with_the_stoppers, job_end
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect
 from launcher.nodes.round_checkin import ROUND_KEY, check_in, gather_round, open_round
@@ -251,7 +251,7 @@ class RestartRounds:
         if self.record is not None and entry is not None:
             if job is None:  # stopped before node 0 had judged the attempt
                 assert node is not None  # node 0 joined before any attempt
-                job = job_end(node, all_ends(node))
+                job = job_end(node, ends_with_the_stoppers(node, seconds))
             if warning := self.record.end(entry, job, restarts.Verdict(False, first.why())):
                 self.say(warning)
             self.say("\n".join(self.record.summary()))
