@@ -43,7 +43,9 @@ class TwoNodes:
 
 
 def failed(node: int) -> NodeStop:
-    return NodeStop(node=node, host=f"host{node}", kind="failed", detail="killed by SIGKILL", label=f"CPU{node}", rank=node, exit_code=137)
+    return NodeStop(
+        node=node, host=f"host{node}", kind="failed", detail="killed by SIGKILL", label=f"CPU{node}", rank=node, exit_code=137
+    )
 
 
 def test_the_end_of_the_node_that_failed_first_is_waited_for_and_is_the_jobs_end():
