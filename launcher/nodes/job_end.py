@@ -31,11 +31,12 @@ def all_ends(node: Node) -> dict[int, AttemptEnd]:
     return {n: end for n in range(node.spec.nnodes) if (end := read_end(node, n)) is not None}
 
 
-def ends_with_the_stoppers(node: Node, seconds: float, poll: float = 0.05) -> dict[int, AttemptEnd]:
-    """Node 0, stopped between attempts before it judged the attempt: all_ends, once the node whose
-    word stopped the job has posted its end too (at most seconds). That node posts it as soon as its
-    workers are gone, which on a loaded machine can come after node 0's own stop signal; without it
-    the job's end would read as that node's launcher failing (EXIT_OTHER_NODE_FAILED)."""
+def posted_ends(node: Node, seconds: float, poll: float = 0.05) -> dict[int, AttemptEnd]:
+    """Node 0: all_ends, once the node whose failure stopped the job has posted its end too (at
+    most seconds). That node posts it as soon as its workers are gone: after settle() that is
+    always so, but a stop signal can end node 0's wait for the attempt before it (on a loaded
+    machine), and without it the job's end would read as that node's launcher failing
+    (EXIT_OTHER_NODE_FAILED)."""
     deadline = time.monotonic() + seconds
     while True:
         ends, first = all_ends(node), node.first_stop()

@@ -42,7 +42,7 @@ from launcher.gpus.selection import DeviceError
 from launcher.nodes import between_rounds, multinode
 from launcher.nodes.agreement import restart_options
 from launcher.nodes.between_rounds import BETWEEN_KEY, BetweenRounds, Halt, Halted, HeldOnceSpawned
-from launcher.nodes.job_end import all_ends, end_record, ends_with_the_stoppers, job_end
+from launcher.nodes.job_end import end_record, job_end, posted_ends
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect
 from launcher.nodes.round_checkin import ROUND_KEY, check_in, gather_round, open_round
@@ -251,7 +251,7 @@ class RestartRounds:
         if self.record is not None and entry is not None:
             if job is None:  # stopped before node 0 had judged the attempt
                 assert node is not None  # node 0 joined before any attempt
-                job = job_end(node, ends_with_the_stoppers(node, seconds))
+                job = job_end(node, posted_ends(node, seconds))
             if warning := self.record.end(entry, job, restarts.Verdict(False, first.why())):
                 self.say(warning)
             self.say("\n".join(self.record.summary()))
@@ -386,7 +386,7 @@ class RestartRounds:
     ) -> tuple[Decision, AttemptEnd | None]:
         if not node.spec.is_master:
             return self._follow(node), None
-        ends = all_ends(node)
+        ends = posted_ends(node, self.args.node_timeout)
         end = job_end(node, ends)
         verdict = restarts.judge(end, number, self.args.max_restarts, previous, self.training)
         wait = restarts.backoff(number + 1, self.args.restart_backoff) if verdict.restart else 0.0

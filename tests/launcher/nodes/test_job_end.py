@@ -1,6 +1,7 @@
-"""How node 0 reads a job's attempt (launcher/nodes/job_end.py) when a stop signal ends it before
-node 0 judged it: the end of the node whose word stopped the job is waited for (it may be posted
-after node 0's signal on a loaded machine), within a bound, and only where that node will post one."""
+"""How node 0 reads a job's attempt (launcher/nodes/job_end.py), also when a stop signal ends its
+wait for the attempt early: the end of the node whose failure stopped the job is waited for (it may
+be posted after node 0's signal on a loaded machine), within a bound, and only where that node will
+post one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
-from launcher.nodes.job_end import end_record, ends_with_the_stoppers, job_end
+from launcher.nodes.job_end import end_record, posted_ends, job_end
 from launcher.nodes.node import NodeStop
 from launcher.supervise.restarts import AttemptEnd
 
@@ -50,19 +51,19 @@ def failed(node: int) -> NodeStop:
 
 def test_the_end_of_the_node_that_failed_first_is_waited_for_and_is_the_jobs_end():
     node = TwoNodes(first=failed(1), late=3)
-    end = job_end(node, ends_with_the_stoppers(node, seconds=60, poll=0))  # type: ignore[arg-type]
+    end = job_end(node, posted_ends(node, seconds=60, poll=0))  # type: ignore[arg-type]
     assert node.reads == 4 and end.exit_code == 137 and end.worker == "node1:CPU1"
 
 
 def test_without_that_end_within_the_bound_the_job_reads_as_that_nodes_launcher_failing():
     node = TwoNodes(first=failed(1), late=10**9)
-    end = job_end(node, ends_with_the_stoppers(node, seconds=0, poll=0))  # type: ignore[arg-type]
+    end = job_end(node, posted_ends(node, seconds=0, poll=0))  # type: ignore[arg-type]
     assert end.exit_code == EXIT_OTHER_NODE_FAILED
 
 
 def test_nothing_is_waited_for_after_a_lost_node_or_a_word_of_node_0s_own():
     lost = NodeStop(node=1, host="host1", kind="lost", detail="no heartbeat for 5 s")
     node = TwoNodes(first=lost, late=10**9, lost={1: lost})
-    assert job_end(node, ends_with_the_stoppers(node, seconds=60, poll=0)).exit_code == EXIT_NODE_LOST  # type: ignore[arg-type]
+    assert job_end(node, posted_ends(node, seconds=60, poll=0)).exit_code == EXIT_NODE_LOST  # type: ignore[arg-type]
     own = TwoNodes(first=failed(0), late=10**9)
-    assert ends_with_the_stoppers(own, seconds=60, poll=0) == {0: OURS}  # type: ignore[arg-type]
+    assert posted_ends(own, seconds=60, poll=0) == {0: OURS}  # type: ignore[arg-type]
