@@ -25,7 +25,7 @@ from support.processes import ROOT, alive, launcher_env, wait_until
 from pretrain.checkpoint import save_restore
 from pretrain.data import loader
 from support.datasets import Part, write_dataset
-from test_supervised_training import read_until, start_training
+from test_supervised_training import long_run, read_until, start_training
 
 
 def family(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -94,26 +94,8 @@ def test_closing_the_terminal_of_a_run_saves_a_checkpoint_and_exits_129(processe
     master, terminal = pty.openpty()
     run_dir = tmp_path / "run"
     proc = processes(  # setsid(1) forks unless it starts outside a group of its own
-        [
-            "setsid",
-            "--ctty",
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--device",
-            "cpu",
-            "--max-steps",
-            "100000",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "logging.log_interval=1",
-            "--set",
-            "training.num_workers=2",
-        ],
+        ["setsid", "--ctty", sys.executable, "-m", "launcher", *long_run(tmp_path, run_dir), "--device", "cpu"]
+        + ["--set", "training.num_workers=2"],
         cwd=ROOT,
         env=launcher_env(),
         stdin=terminal,
@@ -142,23 +124,8 @@ def test_sighup_to_a_training_process_and_its_dataloader_workers_saves_and_exits
     # Without the launcher, in a session of its own, as a terminal's hang-up reaches a job.
     run_dir = tmp_path / "run"
     proc = processes(
-        [
-            sys.executable,
-            "pretrain_main.py",
-            "--debug",
-            "--max-steps",
-            "100000",
-            "--set",
-            "system.device=cpu",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "logging.log_interval=1",
-            "--set",
-            "training.num_workers=2",
-        ],
+        [sys.executable, "pretrain_main.py", *long_run(tmp_path, run_dir), "--set", "system.device=cpu"]
+        + ["--set", "training.num_workers=2"],
         cwd=ROOT,
         env=launcher_env(),
         stdout=subprocess.PIPE,

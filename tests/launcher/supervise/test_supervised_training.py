@@ -21,27 +21,18 @@ from pretrain.checkpoint import save_restore
 pytestmark = pytest.mark.slow  # each test trains for real: 2 to 10 s apiece
 
 
+def long_run(tmp_path, run_dir) -> list[str]:
+    """The options of a debug run long enough to be stopped by hand, a step line every step, into
+    run_dir, its data cache in tmp_path/cache (the launcher's and pretrain_main.py's alike)."""
+    options = ["--debug", "--max-steps", "100000", "--run-dir", str(run_dir)]
+    return options + ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "logging.log_interval=1"]
+
+
 def start_training(processes, tmp_path, *options: str) -> subprocess.Popen:
-    """A long debug run that prints a step line every step; the processes fixture kills it
-    (and everything it started) when the test ends, however it ends."""
+    """A long debug run on CPU through the launcher; the processes fixture kills it (and everything
+    it started) when the test ends, however it ends."""
     return processes(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "--debug",
-            "--device",
-            "cpu",
-            "--max-steps",
-            "100000",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--set",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "logging.log_interval=1",
-            *options,
-        ],
+        [sys.executable, "-m", "launcher", *long_run(tmp_path, tmp_path / "run"), "--device", "cpu", *options],
         cwd=ROOT,
         env=launcher_env(),
         stdout=subprocess.PIPE,
