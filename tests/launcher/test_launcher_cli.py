@@ -252,7 +252,7 @@ def test_workers_that_do_not_stop_within_the_stop_timeout_are_killed(processes, 
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143
-    assert 0.5 <= time.monotonic() - started < 3
+    assert 0.5 <= time.monotonic() - started < 10  # the sleepers would take 60 s
     assert "CPU0, CPU1 still running after 0.5 s (--stop-timeout); sending SIGKILL" in proc.stdout.read()
     assert not any(alive(pid) for pid in pids)
 
