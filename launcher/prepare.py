@@ -50,10 +50,11 @@ def prepare_training(
     from pretrain.data.cache import sigterm_as_exit
     from pretrain.data.hub import choose_hub_files, follow_checkpoint
     from pretrain.data.prepare import prepare
-    from pretrain.plan.parallelism import host_memory_bytes, plan_parallelism, planned_gpu_memory, with_gpu_memory
+    from pretrain.plan.host_memory import host_memory_bytes
+    from pretrain.plan.parallelism import plan_parallelism, planned_gpu_memory, with_gpu_memory
     from pretrain.checkpoint.tiers import base_of
     from pretrain.plan.checkpoint_memory import held_in_memory
-    from pretrain.plan.parallelism import plan_checkpoints
+    from pretrain.plan.host_memory import plan_checkpoints
 
     from pretrain.evaluation import hellaswag
     from pretrain.observe import wandb_log

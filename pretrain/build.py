@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pretrain.checkpoint.async_save import CheckpointWriter
 from pretrain.checkpoint.tiers import base_of, run_tiers
-from pretrain.plan import gpu_memory as memory, parallelism as memory_plan
+from pretrain.plan import gpu_memory as memory, host_memory, parallelism as memory_plan
 from pretrain.plan.checkpoint_memory import held_in_memory
 from pretrain.plan.compile_prerequisites import compile_off_line, compile_requested, missing_compile_prerequisite
 from pretrain.distributed import float8, parallel
@@ -117,7 +117,7 @@ def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None)
     host = None
     if gpu is not None and memory_plan.undecided(config):  # every rank must decide alike
         if config.training.cpu_offload is None:
-            gpu, host = smallest_across_ranks(runtime, gpu, memory_plan.host_memory_bytes())
+            gpu, host = smallest_across_ranks(runtime, gpu, host_memory.host_memory_bytes())
         else:
             (gpu,) = smallest_across_ranks(runtime, gpu)
     local_ranks = runtime.ranks_per_node
@@ -131,7 +131,7 @@ def parallel_mode(config: Config, runtime: Runtime, run_dir: Path | None = None)
 
 
 def asynchronous_checkpoints(config: Config, runtime: Runtime, local_ranks: int, run_dir: Path | None = None) -> Config:
-    """config with training.async_checkpoint true or false (memory_plan.plan_checkpoints): "auto"
+    """config with training.async_checkpoint true or false (host_memory.plan_checkpoints): "auto"
     on where this host has memory for the staged copy, the same on every rank (the smallest host
     figure decides); off, one warning line; true without room refused (one line, exit 2). Only a
     worker run alone decides: under the launcher (which names a progress marker to every worker
@@ -141,9 +141,9 @@ def asynchronous_checkpoints(config: Config, runtime: Runtime, local_ranks: int,
     if config.training.async_checkpoint is False or (launched and config.training.async_checkpoint is True):
         return config
     own = held_in_memory(base_of(config, run_dir)) if run_dir is not None else 0
-    (host,) = smallest_across_ranks(runtime, memory_plan.host_memory_bytes() + own)
+    (host,) = smallest_across_ranks(runtime, host_memory.host_memory_bytes() + own)
     on_gpus = runtime.device.type == "cuda"
-    config, line = memory_plan.plan_checkpoints(config, runtime.world_size, host, local_ranks, on_gpus)
+    config, line = host_memory.plan_checkpoints(config, runtime.world_size, host, local_ranks, on_gpus)
     if line.startswith("warning: ") and runtime.is_main:
         logging.getLogger("pretrain").warning(line.removeprefix("warning: "))
     return config

@@ -1,6 +1,6 @@
 """Host memory a run's checkpoints take: an asynchronous save's staged copy, and the local tier's
 checkpoints where they are in /dev/shm (memory). Torch-free: the launcher's plan
-(pretrain/plan/parallelism.py) counts them."""
+(pretrain/plan/host_memory.py) counts them."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ s bytes of optimizer state per parameter: AdamW's two fp32 moments, 8; pretrain/
           gradients and the fp32 buffer they are reduce-scattered from); optimizer state sP/W
 
 FSDP with CPU offload (training.cpu_offload) keeps the sharded weights, gradients and AdamW
-state in host memory (counted in pretrain/plan/parallelism.py) and on the GPU only what is in flight:
+state in host memory (counted in pretrain/plan/host_memory.py) and on the GPU only what is in flight:
 the unsharded groups and gradients above, the activations and the logits.
 
 Float8 training (training.float8, pretrain/plan/float8.py names the Linears it converts): under
@@ -177,7 +177,7 @@ def _matrix_parameter_count(model: ModelConfig) -> int:
 
 def estimate(config: Config, world_size: int, mode: str, offload: bool = False, shard_ranks: int | None = None) -> MemoryEstimate:
     """Peak bytes per GPU of training config on world_size GPUs with mode "ddp", "fsdp" or "hsdp"
-    (offload: FSDP with CPU offload, the shards in host memory: see parallelism.host_estimate).
+    (offload: FSDP with CPU offload, the shards in host memory: see host_memory.host_estimate).
     shard_ranks: the ranks of one node, over which HSDP shards (needed for "hsdp", which is
     FSDP's estimate over them; ignored by the other modes)."""
     if mode not in MODES:

@@ -1,4 +1,4 @@
-"""What the memory tests share (test_memory.py, test_memory_plan.py, test_gpu_memory_figure.py):
+"""What the memory tests share (test_memory.py, test_memory_plan.py, test_host_memory.py, test_gpu_memory_figure.py):
 an 80 GiB GPU, a scripted one of any size, and configs changed field by field."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The host memory checkpoints take (pretrain/plan/checkpoint_memory.py, planned in
-pretrain/plan/parallelism.py plan_checkpoints): training.async_checkpoint's staged copy and the
+pretrain/plan/host_memory.py plan_checkpoints): training.async_checkpoint's staged copy and the
 local tier's copies in /dev/shm, decided by the launcher's plan or by a worker alone."""
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from pretrain.checkpoint.tiers import base_of
 from pretrain.config import ConfigError
 from pretrain.distributed.runtime import Runtime
 from pretrain.observe.progress import PROGRESS_VAR
-from pretrain.plan import parallelism as memory_plan
+from pretrain.plan import host_memory
 from pretrain.plan.checkpoint_memory import local_tier_bytes, size, staged_bytes, state_bytes
 from pretrain.plan.gpu_memory import GIB
-from pretrain.plan.parallelism import export_copy_bytes, host_estimate, plan_checkpoints, plan_parallelism
+from pretrain.plan.host_memory import export_copy_bytes, host_estimate, plan_checkpoints
+from pretrain.plan.parallelism import plan_parallelism
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ def test_a_worker_alone_counts_its_runs_own_local_checkpoints_in_dev_shm_as_avai
         host["bytes"] = host_memory
         return config, "checkpoints: asynchronous"
 
-    monkeypatch.setattr(memory_plan, "plan_checkpoints", plan)
+    monkeypatch.setattr(host_memory, "plan_checkpoints", plan)
     monkeypatch.setenv("LAUNCHER_HOST_MEMORY_GIB", "1")
     asynchronous_checkpoints(config, runtime, 1, run_dir)
     assert host["bytes"] == GIB + held
@@ -163,7 +164,7 @@ def test_the_launchers_plan_counts_this_nodes_ranks_and_the_runs_own_local_check
         seen.update(world_size=world_size, host=host_memory, local_ranks=local_ranks)
         return config, "checkpoints: asynchronous"
 
-    monkeypatch.setattr(memory_plan, "plan_checkpoints", plan)
+    monkeypatch.setattr(host_memory, "plan_checkpoints", plan)
     monkeypatch.setenv("LAUNCHER_HOST_MEMORY_GIB", "64")
     node = SimpleNamespace(world_size=4, nproc=2, smallest_gpu_memory=None)  # 2 nodes of 2 CPU workers
     config = cfg.resolve(preset="debug", sets=[f"data.cache_dir={tmp_path / 'cache'}", "training.local_checkpoint_interval=5"])

@@ -1,5 +1,5 @@
 """pretrain/plan/gpu_memory.py: the per-GPU memory estimate, the DDP/FSDP choice and the pre-flight check.
-Host memory, CPU offload and the launcher's plan: test_memory_plan.py."""
+Host memory: test_host_memory.py; CPU offload and the launcher's plan: test_memory_plan.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""pretrain/plan/parallelism.py: host memory, CPU offload, and the launcher's plan: the mode and
-offload it chooses, and the launcher refusing a config that cannot fit before any worker starts."""
+"""pretrain/plan/parallelism.py: the launcher's plan: the mode, recomputation and CPU offload it chooses,
+and the launcher refusing a config that cannot fit before any worker starts. What a run keeps in
+host memory alone: test_host_memory.py."""
 
 from __future__ import annotations
 
@@ -18,17 +19,9 @@ from launcher.supervise.printer import Printer
 from support.memory_configs import GPU_80, scripted_gpu, small, with_model, with_training
 from pretrain import config as cfg
 from pretrain.config import ConfigError
-from pretrain.plan.gpu_memory import GIB, OVERHEAD_BYTES, estimate
-from pretrain.plan.parallelism import (
-    HOST_MEMORY_ENV,
-    HOST_OVERHEAD_BYTES,
-    PINNED_ROUNDING,
-    export_copy_bytes,
-    host_estimate,
-    host_memory_bytes,
-    plan_parallelism,
-    undecided,
-)
+from pretrain.plan.gpu_memory import GIB, estimate
+from pretrain.plan.host_memory import HOST_MEMORY_ENV, PINNED_ROUNDING, export_copy_bytes, host_estimate
+from pretrain.plan.parallelism import plan_parallelism, undecided
 from pretrain.model import recompute
 
 
@@ -135,22 +128,6 @@ def test_production_on_cpu_workers_is_refused_in_seconds_with_the_host_memory_es
     )
 
 
-def test_the_host_memory_of_cpu_workers_is_the_gpu_estimate_without_the_cuda_allowance():
-    eager = with_training(small(), compile=False)
-    gpu, host = estimate(eager, 2, "ddp"), host_estimate(eager, 2, "ddp", on_gpus=False)
-    assert host.total == gpu.total - OVERHEAD_BYTES + HOST_OVERHEAD_BYTES
-    assert (host.weights, host.activations) == (gpu.weights, gpu.activations)
-
-
-def test_cpu_workers_are_estimated_as_not_compiled_unless_compile_is_asked_for():
-    # training.compile null compiles on GPUs only: a GPU's estimate counts it, a CPU worker's not
-    host = host_estimate(small(), 2, "ddp", on_gpus=False)
-    assert host.activations == estimate(with_training(small(), compile=False), 2, "ddp").activations
-    assert host.activations > estimate(small(), 2, "ddp").activations
-    compiled = with_training(small(), compile=True)
-    assert host_estimate(compiled, 2, "ddp", on_gpus=False).activations == estimate(compiled, 2, "ddp").activations
-
-
 def test_cpu_workers_that_do_not_fit_are_told_what_would():
     # without the local tier, which this tight host would not keep (tests/pretrain/checkpoint/test_async_checkpoint.py)
     config = with_training(small(), activation_checkpointing="none", loss_chunk_tokens=0, local_checkpoint_interval=0)
@@ -191,17 +168,6 @@ def test_cpu_workers_recompute_nothing_unless_the_host_memory_needs_it():
     no_local_tier = with_training(small(), local_checkpoint_interval=0)  # which this tight host would not keep
     _, line = plan_parallelism(no_local_tier, 2, None, int(workers[("selective", 0)] / 0.9) + 1)
     assert line == "parallelism: DDP over 2 CPU workers; activation checkpointing: selective (+0% FLOPs); loss: one piece"
-
-
-def test_host_memory_comes_from_the_environment_when_set_and_bad_values_are_one_line(monkeypatch):
-    monkeypatch.setenv(HOST_MEMORY_ENV, "12.5")
-    assert host_memory_bytes() == int(12.5 * GIB)
-    for bad in ("lots", "-1", "nan", "inf"):
-        monkeypatch.setenv(HOST_MEMORY_ENV, bad)
-        with pytest.raises(ConfigError, match=f"{HOST_MEMORY_ENV}=.* is not a positive number of GiB"):
-            host_memory_bytes()
-    monkeypatch.delenv(HOST_MEMORY_ENV)
-    assert 0 < host_memory_bytes()
 
 
 # --- CPU offload ------------------------------------------------------------------------
