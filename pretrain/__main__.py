@@ -36,6 +36,13 @@ if __name__ == "__main__" and (problem := bad_thread_variable(os.environ)):
     print(f"pretrain: error: {problem}", file=sys.stderr)
     sys.exit(BAD_INPUT)
 
+# Before torch too: --help and a usage error answer at once, not after seconds of imports (main
+# reads the same arguments again, in microseconds).
+from pretrain.train_args import parse_args  # noqa: E402
+
+if __name__ == "__main__":
+    parse_args(sys.argv[1:])
+
 from pretrain.distributed.runtime import exit_process  # noqa: E402
 from pretrain.train import main  # noqa: E402
 

@@ -1,10 +1,20 @@
 """python -m pretrain.evaluate: Score a checkpoint or an export on a benchmark task.
 
-The code is pretrain/evaluation/evaluate.py."""
+The code is pretrain/evaluation/evaluate.py. Its command line (pretrain/evaluation/evaluate_args.py) is read first,
+without torch, so that --help and a usage error answer at once; main is also the installed
+pretrain-evaluate command."""
 
 import sys
 
-from pretrain.evaluation.evaluate import main
+from pretrain.evaluation.evaluate_args import parse_args
+
+
+def main() -> int:
+    parse_args(sys.argv[1:])  # exits here on --help or a usage error
+    from pretrain.evaluation.evaluate import main as evaluate
+
+    return evaluate()
+
 
 if __name__ == "__main__":
     sys.exit(main())

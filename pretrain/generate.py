@@ -1,10 +1,20 @@
 """python -m pretrain.generate: Sample text from a checkpoint or an export.
 
-The code is pretrain/evaluation/generate.py."""
+The code is pretrain/evaluation/generate.py. Its command line (pretrain/evaluation/generate_args.py) is read first,
+without torch, so that --help and a usage error answer at once; main is also the installed
+pretrain-generate command."""
 
 import sys
 
-from pretrain.evaluation.generate import main
+from pretrain.evaluation.generate_args import parse_args
+
+
+def main() -> int:
+    parse_args(sys.argv[1:])  # exits here on --help or a usage error
+    from pretrain.evaluation.generate import main as generate
+
+    return generate()
+
 
 if __name__ == "__main__":
     sys.exit(main())

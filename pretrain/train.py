@@ -9,7 +9,6 @@ pretrain/observe/step_line.py; checkpoints are written through trainer.checkpoin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
@@ -49,6 +48,7 @@ from pretrain.observe import goodput, progress
 from pretrain.observe.step_line import step_line, throughput
 from pretrain.run.stopping import Stopped
 from pretrain.step import aux_means, autocast, train_step
+from pretrain.train_args import parse_args
 
 
 # --- fit ------------------------------------------------------------------------------
@@ -210,17 +210,6 @@ def log_validation(trainer: Trainer, steps_done: int) -> float | None:
 
 
 # --- entry point ----------------------------------------------------------------------
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m pretrain",
-        description="Run one training process (no supervisor). Under the launcher, or torchrun, "
-        "RANK/WORLD_SIZE/MASTER_* make the processes one DDP group.",
-    )
-    cfg.add_arguments(parser)
-    parser.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<run-id>/)")
-    return parser.parse_args(argv)
 
 
 def shared_run_dir(run_dir: Path | None, runtime: Runtime) -> Path:

@@ -1,15 +1,14 @@
 """What a checkpoint (or an export) was made of, for the commands that read one (generate,
 evaluate, export): where it is (find_checkpoint), its config and weights, whole or one tensor at a
 time (read_checkpoint, checkpoint_tensors), checked against the model its config describes, and
-the tokenizer it was trained with (find_tokenizer_file, open_tokenizer). The --checkpoint
-argument and the one-line argument parser those commands share live here too."""
+the tokenizer it was trained with (find_tokenizer_file, open_tokenizer). The command-line pieces
+those commands share are pretrain/checkpoint/arguments.py's."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,29 +32,6 @@ from pretrain.model.fused_layout import fuse_separate, part_names
 
 class TokenizerNotFound(CheckpointError):
     """The tokenizer a checkpoint was trained with is not on this machine; the message says how to get it."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line on stderr (exit 2), like every other error here."""
-
-    def __init__(self, *args: Any, error_prefix: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.error_prefix = error_prefix
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.error_prefix}: error: {message} (see --help)\n")
-
-
-def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
-    """--checkpoint PATH, as every command that reads a checkpoint takes it (find_checkpoint)."""
-    parser.add_argument(
-        "--checkpoint",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help="a checkpoint directory (<run dir>/checkpoints/step_<N>), a run directory for its latest checkpoint, "
-        "or an export (<run dir>/export, or a Hugging Face Llama or Mixtral directory)",
-    )
 
 
 # --- reading a checkpoint ---------------------------------------------------------------------

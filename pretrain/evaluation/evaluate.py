@@ -22,49 +22,17 @@ from typing import Any
 from pretrain import config as cfg
 from pretrain.evaluation import hellaswag
 from pretrain.evaluation.choices import score
-from pretrain.run.command_name import command_name
 from pretrain.checkpoint.reading import (
-    OneLineParser,
-    add_checkpoint_argument,
     find_checkpoint,
     find_tokenizer_file,
     open_tokenizer,
     read_checkpoint,
 )
-from pretrain.evaluation.generate import add_device_argument, check_vocabulary, load_model, pick_device
+from pretrain.evaluation.generate import check_vocabulary, load_model, pick_device
+from pretrain.evaluation.evaluate_args import parse_args
 from pretrain.evaluation.hellaswag import Tally
 from pretrain.run.refusal import Refusal
 from pretrain.run.files import atomic_write_text, os_error_message
-
-TASKS = ("hellaswag",)
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=command_name("pretrain.evaluate", "pretrain-evaluate"),
-        error_prefix="evaluate",
-        description="Score a checkpoint's model on a benchmark task (HellaSwag).",
-    )
-    add_checkpoint_argument(parser)
-    parser.add_argument("--task", choices=TASKS, default="hellaswag", help="the task (default hellaswag)")
-    parser.add_argument(
-        "--data",
-        required=True,
-        metavar="FILE",
-        help=f"the task's examples: a .jsonl file, or a Hub dataset's file ({hellaswag.HUB_FORM})",
-    )
-    parser.add_argument("--max-examples", type=int, default=0, metavar="N", help="score the first N examples only (default: all)")
-    parser.add_argument(
-        "--batch-examples", type=int, default=8, metavar="N", help="examples per forward pass (default 8; 4 rows each)"
-    )
-    add_device_argument(parser)
-    parser.add_argument("--output", type=Path, metavar="FILE", help="also write the result to FILE as JSON")
-    args = parser.parse_args(argv)
-    if args.max_examples < 0:
-        parser.error(f"--max-examples must be 0 (all) or positive (got {args.max_examples})")
-    if args.batch_examples < 1:
-        parser.error(f"--batch-examples must be at least 1 (got {args.batch_examples})")
-    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

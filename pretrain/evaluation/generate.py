@@ -13,7 +13,6 @@ The same --seed gives the same text on the same machine; without it every run di
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 
@@ -23,15 +22,13 @@ from torch import Tensor
 from pretrain import config as cfg
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
-from pretrain.run.command_name import command_name
 from pretrain.checkpoint.reading import (
-    OneLineParser,
-    add_checkpoint_argument,
     find_checkpoint,
     find_tokenizer_file,
     open_tokenizer,
     read_checkpoint,
 )
+from pretrain.evaluation.generate_args import parse_args
 from pretrain.model.transformer import Transformer
 from pretrain.run.refusal import Refusal
 from pretrain.run.files import os_error_message
@@ -96,16 +93,6 @@ def generate(
 # --- loading ----------------------------------------------------------------------------------
 
 
-def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    """--device auto|cpu|cuda, which pick_device reads."""
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto: the first CUDA GPU when there is one, else the CPU",
-    )
-
-
 def pick_device(name: str) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -148,35 +135,6 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 # --- command line -----------------------------------------------------------------------------
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=command_name("pretrain.generate", "pretrain-generate"),
-        error_prefix="generate",
-        description="Print a prompt and the text a checkpoint's model continues it with.",
-    )
-    add_checkpoint_argument(parser)
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (may be empty)")
-    parser.add_argument("--max-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
-    parser.add_argument(
-        "--temperature", type=float, default=0.8, metavar="T", help="0 is greedy; higher is more random (default 0.8)"
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=50, metavar="K", help="draw from the K most likely tokens only; 0 from all (default 50)"
-    )
-    parser.add_argument("--seed", type=int, metavar="N", help="make the sample reproducible")
-    add_device_argument(parser)
-    args = parser.parse_args(argv)
-    if args.max_tokens < 1:
-        parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        parser.error(f"--temperature must be 0 (greedy) or positive (got {args.temperature})")
-    if args.top_k < 0:
-        parser.error(f"--top-k must be 0 (no limit) or positive (got {args.top_k})")
-    if args.seed is not None and not 0 <= args.seed < 2**63:
-        parser.error(f"--seed must be in [0, 2**63) (got {args.seed})")
-    return args
 
 
 def run(args: argparse.Namespace) -> str:

@@ -57,18 +57,16 @@ from pretrain.checkpoint import save_restore as checkpoint
 from pretrain import config as cfg
 from pretrain import registry
 from pretrain.checkpoint.save_restore import CheckpointError
-from pretrain.run.command_name import command_name
 from pretrain.config import Config
 from pretrain.data.tokenizer import TOKENIZER_FILE
 from pretrain.checkpoint.reading import (
-    OneLineParser,
     TokenizerNotFound,
-    add_checkpoint_argument,
     checkpoint_tensors,
     find_checkpoint,
     find_tokenizer_file,
     tokenizer_description,
 )
+from pretrain.hf.export_args import DEFAULT_DTYPE, parse_args
 from pretrain.hf.exported import LEGACY_FORMAT, is_export, load_exported
 from pretrain.hf.transformers_form import (
     HfFormatError,
@@ -84,7 +82,7 @@ from pretrain.checkpoint.model_state import model_shapes, whole_tensors
 from pretrain.distributed.parallel import has_fsdp
 from pretrain.run.refusal import Refusal
 from pretrain.run.files import atomic_write_text, os_error_message
-from pretrain.hf.safetensors_shards import DEFAULT_MAX_SHARD_BYTES, DTYPES, TensorSpec, parse_size, write_shards
+from pretrain.hf.safetensors_shards import DEFAULT_MAX_SHARD_BYTES, TensorSpec, write_shards
 
 FORMAT = "huggingface"
 """config.json's pretrain.format for an export in Hugging Face form (LEGACY_FORMAT: our own)."""
@@ -93,7 +91,6 @@ FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)
-DEFAULT_DTYPE = "bfloat16"
 __all__ = ["LEGACY_FORMAT", "load_exported"]  # re-exported: pretrain.hf.export.load_exported is documented
 
 
@@ -343,34 +340,6 @@ def default_output(checkpoint_dir: Path) -> Path:
     if checkpoint_dir.parent.name == "checkpoints":
         return checkpoint_dir.parent.parent / "export"
     return checkpoint_dir / "export"
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=command_name("pretrain.export", "pretrain-export"),
-        error_prefix="export",
-        description="Export a checkpoint's model as safetensors, with a config.json "
-        "and its tokenizer.json, for use outside training.",
-    )
-    add_checkpoint_argument(parser)
-    parser.add_argument(
-        "--output", type=Path, metavar="DIR", help="where to write (default: <run dir>/export, or <checkpoint>/export)"
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE, help=f"the weights' dtype (default {DEFAULT_DTYPE})"
-    )
-    parser.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        metavar="SIZE",
-        help="the largest weights file (such as 5GB, 200MB); a bigger model is split into several (default 5GB)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        args.max_shard_bytes = parse_size(args.max_shard_size)
-    except ValueError as error:
-        parser.error(f"--max-shard-size: {error}")
-    return args
 
 
 def run(args: argparse.Namespace) -> Path:
