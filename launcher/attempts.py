@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from launcher.errors import UsageError
 from launcher.exit_codes import STOP_SIGNALS, by_signal, stop_signal
 from launcher.gpus.placement import Placement
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 from launcher.nodes import multinode
 from launcher.processes.torchrun_env import Restarts
 from launcher.restart_plan import Devices, RestartPlan, check_global_batch_kept, warn_without_checkpoints

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.gpus import nvml, selection, table, vendors
+from launcher.gpus import nvml, request, selection, table, vendors
 from launcher.gpus.devices import NoGpuDriver
 from launcher.nodes import multinode
 from launcher.address_space import is_out_of_memory, refusal
@@ -108,17 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
 def add_criteria_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-free-memory",
-        default=selection.DEFAULT_MIN_FREE_MEMORY,
+        default=request.DEFAULT_MIN_FREE_MEMORY,
         metavar="AMOUNT",
         help="a GPU is free with at least this much memory free: a share of its memory "
-        "(90%%) or an amount (20GiB) (default: " + selection.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")",
+        "(90%%) or an amount (20GiB) (default: " + request.DEFAULT_MIN_FREE_MEMORY.replace("%", "%%") + ")",
     )
     parser.add_argument(
         "--max-utilization",
-        default=f"{selection.DEFAULT_MAX_UTILIZATION:g}",
+        default=f"{request.DEFAULT_MAX_UTILIZATION:g}",
         metavar="PERCENT",
         help="a GPU is free when busy at most this share of the time, averaged over "
-        f"{nvml.UTILIZATION_WINDOW:g} s (default: {selection.DEFAULT_MAX_UTILIZATION:g})",
+        f"{nvml.UTILIZATION_WINDOW:g} s (default: {request.DEFAULT_MAX_UTILIZATION:g})",
     )
 
 
@@ -138,7 +138,7 @@ def show_gpus(argv: Sequence[str]) -> int:
     add_criteria_arguments(parser)
     add_vendor_argument(parser)
     args = parser.parse_args(argv)
-    criteria = selection.Criteria.parse(args.min_free_memory, args.max_utilization)
+    criteria = request.Criteria.parse(args.min_free_memory, args.max_utilization)
     # What applies to a listing (not the training launch's --device cpu): why there is nothing to list.
     backend = vendors.backend(args.gpu_vendor)
     vendor: vendors.Vendor = "amd" if backend is not nvml else "nvidia"
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = by_signal(interrupted.interrupt.signum)
     except Refusal as error:  # bad input, one line: 2; a worker's command: 126 or 127; a lost run directory: 74
         print(f"launcher: error: {error}", file=sys.stderr)
-        if isinstance(error, selection.DeviceError) and error.verdicts:
+        if isinstance(error, request.DeviceError) and error.verdicts:
             print(table.render(error.verdicts), file=sys.stderr)
         code = error.exit_code
     except OSError as error:  # an unwritable cache directory, a full disk, no memory left to fork

@@ -18,7 +18,8 @@ from pathlib import Path
 from launcher.errors import UsageError
 from launcher.gpus import health, vendors
 from launcher.gpus.placement import GpuOptions, Placement, place
-from launcher.gpus.selection import DeviceError, find, parse_request
+from launcher.gpus.request import DeviceError, parse_request
+from launcher.gpus.selection import find
 from launcher.supervise.printer import Printer
 from pretrain import config as cfg
 

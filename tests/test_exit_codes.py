@@ -16,7 +16,7 @@ from support.processes import ROOT
 from launcher import cli
 from launcher import exit_codes as launcher_codes
 from launcher.gpus.claims import ClaimError
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 from launcher.errors import UsageError
 from launcher.nodes.node import NodeSpecError
 from launcher.gpus.nvml import NvmlFailure

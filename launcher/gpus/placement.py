@@ -23,7 +23,14 @@ from typing import Literal
 
 from launcher.gpus import selection as devices, vendors, visibility as gpu_visibility
 from launcher.gpus.devices import Gpu, NoGpuDriver
-from launcher.gpus.selection import DeviceError, GpuRequest
+from launcher.gpus.request import (
+    DEFAULT_MAX_UTILIZATION,
+    DEFAULT_MIN_FREE_MEMORY,
+    Criteria,
+    DeviceError,
+    GpuRequest,
+    parse_request,
+)
 from launcher.gpus.table import render
 from launcher.supervise.printer import Printer
 
@@ -39,8 +46,8 @@ class GpuOptions:
     gpus: str | None = None
     nproc: int | None = None
     device_id: int | None = None
-    min_free_memory: str = devices.DEFAULT_MIN_FREE_MEMORY
-    max_utilization: str = str(devices.DEFAULT_MAX_UTILIZATION)
+    min_free_memory: str = DEFAULT_MIN_FREE_MEMORY
+    max_utilization: str = str(DEFAULT_MAX_UTILIZATION)
     strict: bool = False
     cpu_fallback: bool = False
     """Without GPUs, run CPU workers instead of stopping (the debug preset; generic commands)."""
@@ -94,7 +101,7 @@ def gpu_request(options: GpuOptions) -> GpuRequest:
     if options.nproc is not None and options.nproc < 1:
         raise DeviceError(f"--nproc must be at least 1 (got {options.nproc})")
     if options.gpus is not None:
-        request = devices.parse_request(options.gpus)
+        request = parse_request(options.gpus)
         if options.device == "cpu" and request.kind != "none":
             raise DeviceError(f"--device cpu conflicts with --gpus {options.gpus}; drop one of them")
         if options.nproc is not None and request.kind != "none":
@@ -126,7 +133,7 @@ def place(options: GpuOptions, printer: Printer) -> Placement:
     cpu_workers = options.nproc or DEFAULT_CPU_WORKERS
     if request.kind == "none":
         return Placement("cpu", cpu_workers)
-    criteria = devices.Criteria.parse(options.min_free_memory, options.max_utilization)
+    criteria = Criteria.parse(options.min_free_memory, options.max_utilization)
     wanted = gpu_visibility.setting(os.environ)
     try:
         gpus = vendors.discover_requested(options.gpu_vendor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from launcher.gpus import health
-from launcher.gpus.selection import GIB, Verdict
+from launcher.gpus.request import GIB, Verdict
 from launcher.gpus.devices import Gpu, GpuProcess
 
 HEADER = ("GPU", "NAME", "BUS ID", "MEMORY USED", "UTIL", "PROCESSES", "HEALTH", "VERDICT")

@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.gpus.devices import Gpu, PeerLink
-from launcher.gpus.selection import DeviceError, mig_device
+from launcher.gpus.request import DeviceError
+from launcher.gpus.selection import mig_device
 
 VISIBILITY_VAR = "LAUNCHER_GPU_VISIBILITY"
 SETTINGS = ("auto", "own", "node")

@@ -38,7 +38,7 @@ from typing import Any
 
 from launcher import local_tier
 from launcher.exit_codes import by_signal, stop_signal
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 from launcher.nodes import between_rounds, multinode
 from launcher.nodes.agreement import restart_options
 from launcher.nodes.between_rounds import BETWEEN_KEY, BetweenRounds, Halt, Halted, HeldOnceSpawned

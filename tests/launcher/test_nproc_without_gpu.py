@@ -10,7 +10,7 @@ import pytest
 
 from support.runs import run_launcher
 from launcher.gpus import nvml
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 from launcher.gpus.placement import GpuOptions, place
 from launcher.supervise.printer import Printer
 

@@ -8,7 +8,8 @@ import pytest
 
 from launcher.gpus import claims, selection as devices
 from launcher.gpus.devices import Gpu, Health
-from launcher.gpus.selection import Criteria, select, parse_request
+from launcher.gpus.request import Criteria, parse_request
+from launcher.gpus.selection import select
 
 GIB = 1 << 30
 MADE = {"vendor": "nvidia"}

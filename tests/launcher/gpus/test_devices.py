@@ -1,7 +1,8 @@
-"""GPU selection policies (launcher/gpus/selection.py) and the GPU table (launcher/gpus/table.py),
-on GPUs described directly, with claims replaced by a dictionary. A test that takes the `vendor`
-fixture (tests/conftest.py) runs on NVIDIA GPUs and again on AMD ones. The launcher's own visibility
-variables (CUDA_VISIBLE_DEVICES; ROCm's masks): tests/launcher/gpus/test_gpu_visibility_limits.py."""
+"""GPU selection policies (launcher/gpus/selection.py; the request and criteria it reads:
+launcher/gpus/request.py) and the GPU table (launcher/gpus/table.py), on GPUs described directly,
+with claims replaced by a dictionary. A test that takes the `vendor` fixture (tests/conftest.py)
+runs on NVIDIA GPUs and again on AMD ones. The launcher's own visibility variables
+(CUDA_VISIBLE_DEVICES; ROCm's masks): tests/launcher/gpus/test_gpu_visibility_limits.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from support.gpu_selection import GIB, Claims, choose, gpu, ids, made_by, mig_machine  # noqa: F401  made_by: autouse
 from launcher.gpus import selection as devices
-from launcher.gpus.selection import Criteria, DeviceError, GpuRequest, parse_request, select
+from launcher.gpus.request import Criteria, DeviceError, GpuRequest, parse_max_utilization, parse_min_free_memory, parse_request
+from launcher.gpus.selection import select
 from launcher.gpus.table import render
 from launcher.gpus.devices import Gpu, GpuProcess
 
@@ -63,20 +65,20 @@ def test_bad_gpu_requests_are_one_line_errors(text, message):
     ],
 )
 def test_min_free_memory_is_a_share_or_an_amount(text, value):
-    assert devices.parse_min_free_memory(text) == pytest.approx(value)
+    assert parse_min_free_memory(text) == pytest.approx(value)
 
 
 @pytest.mark.parametrize("text", ["lots", "150%", "20TB", "-1GiB"])
 def test_bad_min_free_memory_is_refused(text):
     with pytest.raises(DeviceError, match="--min-free-memory"):
-        devices.parse_min_free_memory(text)
+        parse_min_free_memory(text)
 
 
 def test_max_utilization_is_a_percentage_from_0_to_100():
-    assert devices.parse_max_utilization("25%") == 25 and devices.parse_max_utilization("0") == 0
+    assert parse_max_utilization("25%") == 25 and parse_max_utilization("0") == 0
     for bad in ("101", "-5", "busy", "nan"):
         with pytest.raises(DeviceError, match="--max-utilization"):
-            devices.parse_max_utilization(bad)
+            parse_max_utilization(bad)
 
 
 # --- verdicts -------------------------------------------------------------------------
@@ -92,7 +94,7 @@ def test_a_gpu_is_busy_over_the_utilization_limit_or_under_the_free_memory_floor
 
 
 def test_an_absolute_free_memory_floor_ignores_the_total(vendor):
-    criteria = Criteria(min_free_memory=devices.parse_min_free_memory("20GiB"))
+    criteria = Criteria(min_free_memory=parse_min_free_memory("20GiB"))
     assert devices.judge(gpu(0, used_gib=59), criteria, None, lambda _: None).state == "free"
     assert devices.judge(gpu(0, used_gib=61), criteria, None, lambda _: None).reasons == ("19.0 GiB free < 20 GiB",)
 

@@ -21,7 +21,7 @@ from launcher.gpus.devices import VISIBILITY_VARIABLES
 from launcher.gpus.health import HealthWatch, assess, changes
 from launcher.gpus.nvml import Health
 from launcher.gpus.placement import GpuOptions, place
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 from launcher.supervise.printer import Printer
 
 HEALTHY = Health(0, False, False, False, frozenset(), 16, 16)
@@ -211,13 +211,11 @@ def test_launcher_gpus_shows_the_health_of_each_gpu_and_marks_the_failing_one_un
 
 
 def test_with_no_free_gpu_the_error_says_free_means_healthy_too():
-    from launcher.gpus import selection
+    from launcher.gpus import request, selection
 
     sick = nvml.Gpu("0", 0, "GPU-0", "H100", "?", 80 << 30, 0, 0.0, (), health=Health(ecc_uncorrected=1))
     with pytest.raises(DeviceError, match=r"none of the 1 GPU\(s\) is free \(free: .*unclaimed, healthy\)"):
-        selection.select(
-            [sick], selection.parse_request("all"), selection.Criteria(), claim=lambda _: None, holder=lambda _: None
-        )
+        selection.select([sick], request.parse_request("all"), request.Criteria(), claim=lambda _: None, holder=lambda _: None)
 
 
 # --- the watch during a run -----------------------------------------------------------

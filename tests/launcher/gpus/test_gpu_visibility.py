@@ -15,7 +15,7 @@ from support.processes import ROOT, launcher_env
 from launcher.gpus import amd, claims, nvml, vendors
 from launcher.gpus.devices import VISIBILITY_VARIABLES
 from launcher.launch import make_workers
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 from launcher.gpus.visibility import VISIBILITY_VAR
 from launcher.gpus.placement import GpuOptions, Placement, place
 from launcher.supervise.printer import Printer

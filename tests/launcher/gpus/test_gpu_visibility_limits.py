@@ -12,7 +12,7 @@ import pytest
 from support.gpu_selection import GIB, choose, gpu, ids, made_by  # noqa: F401  made_by: autouse
 from launcher.gpus import selection as devices
 from launcher.gpus.devices import Gpu
-from launcher.gpus.selection import DeviceError
+from launcher.gpus.request import DeviceError
 
 
 # --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from support.processes import ROOT, launcher_env, wait_until
 from launcher.gpus import amd, claims, nvml, vendors
 from launcher.gpus.devices import VISIBILITY_VARIABLES, Gpu
-from launcher.gpus.selection import GIB, DeviceError
+from launcher.gpus.request import GIB, DeviceError
 from launcher.gpus.placement import GpuOptions, Placement, place, runtime_ids
 from launcher.supervise.printer import Printer
 
