@@ -15,7 +15,7 @@ checkpoint.
   w1, w3) joined into the fused weights the model holds (pretrain/model/fused_layout.py).
 
 Either way every weight file is checked against its header before safetensors opens it
-(pretrain/hf/init_checkpoint.py check_header): a truncated one is a CheckpointError naming its size.
+(pretrain/hf/safetensors_header.py check_header): a truncated one is a CheckpointError naming its size.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pretrain import config as cfg
 from pretrain.checkpoint.files import CheckpointError
 from pretrain.config import Config
 from pretrain.data import first_line
-from pretrain.hf.init_checkpoint import SafetensorsDamage, check_header
+from pretrain.hf.safetensors_header import SafetensorsDamage, check_header
 from pretrain.hf.transformers_form import (
     HF_EMBEDDING,
     HF_OUTPUT,

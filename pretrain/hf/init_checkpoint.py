@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from typing import Any
 from pretrain.config import Config, ConfigError, ModelConfig, RopeScalingConfig, max_seq_len
 from pretrain.data import DataError, first_line
 from pretrain.data.hub_client import access_error, download_command, is_commit, offline_error
+from pretrain.hf.safetensors_header import FIX_DAMAGED, SafetensorsDamage, check_header
 from pretrain.hf.transformers_form import (
     HF_EMBEDDING,
     HF_OUTPUT,
@@ -50,14 +49,6 @@ HUB_FILES = ["config.json", "model.safetensors", "model-*.safetensors", INDEX_FI
 its tokenizer, to be compared with the run's (pretrain/hf/init_tokenizer.py)."""
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-DTYPE_BYTES = {
-    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 1),
-    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
-    **dict.fromkeys(("U32", "I32", "F32"), 4),
-    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
-}
-"""Bytes per value of safetensors' dtypes (those of less than a byte, F4 and F6, are left out: not checked)."""
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 TIED, EMBEDDING = HF_OUTPUT, HF_EMBEDDING
 """A Llama whose config.json says tie_word_embeddings stores no lm_head: the embedding stands for it."""
@@ -246,9 +237,9 @@ def index_weight_map(index: Path) -> dict[str, str]:
         entries = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         files_by_name = {str(name): file for name, file in entries.items()}
     except UnicodeDecodeError:
-        raise SafetensorsDamage(f"{index.name} cannot be read (not UTF-8 text); {_FIX}") from None
+        raise SafetensorsDamage(f"{index.name} cannot be read (not UTF-8 text); {FIX_DAMAGED}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise SafetensorsDamage(f"{index.name} cannot be read ({first_line(error)}); {_FIX}") from None
+        raise SafetensorsDamage(f"{index.name} cannot be read ({first_line(error)}); {FIX_DAMAGED}") from None
     for name, file in files_by_name.items():
         if not (isinstance(file, str) and _beside(file)):
             raise SafetensorsDamage(
@@ -270,75 +261,6 @@ def read_header(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...]]
         return check_header(path)
     except SafetensorsDamage as error:
         raise InitFromError(f"{where}: {error}") from None
-
-
-_FIX = "download or copy it again"
-
-
-class SafetensorsDamage(ValueError):
-    """A safetensors file that safetensors would refuse to open: the one-line reason and what to do."""
-
-
-def check_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor in a safetensors file, read from its header, which is
-    checked as safetensors checks it when the file is opened: each tensor's data_offsets hold
-    exactly its dtype x shape bytes, one after another from 0, and the file ends where the last
-    one does (8 bytes of length + the header + the data). A truncated or damaged file is thus
-    refused here, in one line naming its size and the size its header describes, and not by a
-    SafetensorError from the workers. SafetensorsDamage otherwise."""
-    size, length, raw = _raw_header(path)
-    try:
-        tensors = {
-            name: (info["dtype"], tuple(int(n) for n in info["shape"]), _offsets(info["data_offsets"]))
-            for name, info in json.loads(raw).items()
-            if name != "__metadata__"
-        }
-    except UnicodeDecodeError:  # its message would quote a byte of the file
-        raise SafetensorsDamage(f"{path.name} is not a readable safetensors file (a header not UTF-8); {_FIX}") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise SafetensorsDamage(f"{path.name} is not a readable safetensors file ({first_line(error)}); {_FIX}") from None
-    end = 0
-    for name, (dtype, shape, (begin, stop)) in sorted(tensors.items(), key=lambda item: item[1][2]):
-        if begin != end:
-            raise SafetensorsDamage(f"{path.name}: {name}'s data_offsets start at {begin}, not {end} (damaged); {_FIX}")
-        nbytes = math.prod(shape) * DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else stop - begin
-        if stop - begin != nbytes:
-            raise SafetensorsDamage(
-                f"{path.name}: {name}'s data_offsets hold {stop - begin} bytes but {dtype} {list(shape)} takes {nbytes} "
-                f"(damaged); {_FIX}"
-            )
-        end = stop
-    if size != 8 + length + end:
-        what = "truncated" if size < 8 + length + end else "damaged"
-        raise SafetensorsDamage(f"{path.name} is {size} bytes but its header describes {8 + length + end} ({what}); {_FIX}")
-    return {name: (dtype, shape) for name, (dtype, shape, _) in tensors.items()}
-
-
-def _raw_header(path: Path) -> tuple[int, int, bytes]:
-    """A safetensors file's size, its header's length and the header's bytes; SafetensorsDamage
-    for a file too short to hold them."""
-    try:
-        with path.open("rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            length = int.from_bytes(file.read(8), "little")
-            raw = file.read(length) if 8 + length <= size and length <= MAX_HEADER else b""
-    except OSError as error:
-        raise SafetensorsDamage(f"{path.name} cannot be read ({first_line(error)})") from None
-    if size < 8 or not 2 <= length <= MAX_HEADER:
-        # The length is the file's first 8 bytes: never said (of a text file they are its text).
-        what = f"its header length is not plausible for a file of {size} bytes" if size >= 8 else f"{size} bytes"
-        raise SafetensorsDamage(f"{path.name} is not a readable safetensors file ({what}); {_FIX}")
-    if size < 8 + length:
-        raise SafetensorsDamage(f"{path.name} is {size} bytes but its header describes at least {8 + length} (truncated); {_FIX}")
-    return size, length, raw
-
-
-def _offsets(value: Any) -> tuple[int, int]:
-    """A tensor's data_offsets [begin, end) as safetensors writes them; ValueError for anything else."""
-    begin, end = (int(n) for n in value)
-    if not 0 <= begin <= end:
-        raise ValueError(f"data_offsets {value}")
-    return begin, end
 
 
 # --- fits ------------------------------------------------------------------------------------------

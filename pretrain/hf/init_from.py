@@ -50,7 +50,7 @@ class CheckpointReader:
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         """Rows [start, stop) of the tensor name (of a 1-D tensor: its elements), in its stored dtype.
         InitFromError in one line where its file cannot be read (damaged or replaced since the
-        launcher checked it: pretrain/hf/init_checkpoint.py check_header)."""
+        launcher checked it: pretrain/hf/safetensors_header.py check_header)."""
         file = self.checkpoint.tensors[name].file
         try:
             if file not in self._files:
