@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from support.feed_forwards import Linear2
 from support.processes import ROOT
 from support.runs import all_tokens, data_config, prepared
 from pretrain import config as cfg
@@ -36,21 +37,6 @@ def constant(step: int, training: cfg.TrainingConfig) -> float:
     return training.learning_rate
 
 
-class Linear2(torch.nn.Module):
-    """A feed-forward block of two plain projections (2 x dim x ffn_dim parameters)."""
-
-    def __init__(self, model: cfg.ModelConfig) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(model.dim, model.ffn_dim, bias=False)
-        self.down = torch.nn.Linear(model.ffn_dim, model.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
-
-    def residual_outputs(self) -> list[torch.nn.Module]:
-        return [self.down]
-
-
 @pytest.fixture
 def registered(monkeypatch) -> None:
     """One more optimizer, schedule and feed-forward block, each a single registry entry."""
@@ -60,7 +46,7 @@ def registered(monkeypatch) -> None:
         registry.FEED_FORWARDS,
         "linear2",
         registry.FeedForwardKind(
-            f"{__name__}:Linear2", parameters=lambda m: 2 * m.dim * m.ffn_dim, saved_per_token=lambda m: 2 * m.ffn_dim
+            "support.feed_forwards:Linear2", parameters=lambda m: 2 * m.dim * m.ffn_dim, saved_per_token=lambda m: 2 * m.ffn_dim
         ),
     )
 

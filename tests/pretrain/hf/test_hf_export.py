@@ -313,7 +313,7 @@ def test_an_fsdp_export_on_two_ranks_writes_what_one_process_writes(tmp_path):
 def test_a_model_with_no_hugging_face_form_is_exported_in_our_own_format_with_a_warning(tmp_path, monkeypatch):
     from pretrain import registry
 
-    monkeypatch.setitem(registry.FEED_FORWARDS, "linear2", registry.FeedForwardKind("test_registry:Linear2", len, len))
+    monkeypatch.setitem(registry.FEED_FORWARDS, "linear2", registry.FeedForwardKind("support.feed_forwards:Linear2", len, len))
     model_config = dataclasses.replace(DENSE, ffn="linear2")
     model = Transformer(model_config, max_seq_len=SEQ, seed=0)
     warnings: list[str] = []
