@@ -5,15 +5,17 @@ without torch, so that --help and a usage error answer at once; main is also the
 pretrain-generate command."""
 
 import sys
+from collections.abc import Sequence
 
 from pretrain.evaluation.generate_args import parse_args
 
 
-def main() -> int:
-    parse_args(sys.argv[1:])  # exits here on --help or a usage error
+def main(argv: Sequence[str] | None = None) -> int:
+    """Read argv (default: the command line) without torch, then run the command on it."""
+    parse_args(sys.argv[1:] if argv is None else argv)  # exits here on --help or a usage error
     from pretrain.evaluation.generate import main as generate
 
-    return generate()
+    return generate(argv)
 
 
 if __name__ == "__main__":

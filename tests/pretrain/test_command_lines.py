@@ -73,3 +73,14 @@ def test_the_installed_commands_run_the_same_mains_that_read_their_arguments_fir
         [sys.executable, "-c", code], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120
     )
     assert result.stdout.startswith("usage: pretrain-export") and result.stdout.rstrip().endswith("exit 0 False"), result
+
+
+@pytest.mark.parametrize("module", [m for m in COMMANDS if m != "pretrain"])
+def test_a_main_called_with_arguments_runs_the_command_on_those_not_the_command_line(module, tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    argv = [a if a != "ckpt" else str(missing) for a in COMMANDS[module][1]]
+    code = f"import sys\nfrom {module} import main\nsys.exit(main({argv!r}))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--ignored"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and f"--checkpoint {missing}: no such directory" in result.stderr, result.stderr
