@@ -36,15 +36,14 @@ if __name__ == "__main__" and (problem := bad_thread_variable(os.environ)):
     print(f"pretrain: error: {problem}", file=sys.stderr)
     sys.exit(BAD_INPUT)
 
-# Before torch too: --help and a usage error answer at once, not after seconds of imports (main
-# reads the same arguments again, in microseconds).
+# Before torch too: --help and a usage error answer at once, not after seconds of imports.
 from pretrain.train_args import parse_args  # noqa: E402
 
 if __name__ == "__main__":
-    parse_args(sys.argv[1:])
+    arguments = parse_args(sys.argv[1:])
 
 from pretrain.distributed.runtime import exit_process  # noqa: E402
-from pretrain.train import main  # noqa: E402
+from pretrain.train import run_command  # noqa: E402
 
 if __name__ == "__main__":
-    exit_process(main())  # without interpreter finalization, where gloo's threads can abort a run that succeeded
+    exit_process(run_command(arguments))  # without interpreter finalization, where gloo's threads can abort a run that succeeded

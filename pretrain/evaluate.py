@@ -12,10 +12,10 @@ from pretrain.evaluation.evaluate_args import parse_args
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Read argv (default: the command line) without torch, then run the command on it."""
-    parse_args(sys.argv[1:] if argv is None else argv)  # exits here on --help or a usage error
-    from pretrain.evaluation.evaluate import main as evaluate
+    args = parse_args(sys.argv[1:] if argv is None else argv)  # exits here on --help or a usage error
+    from pretrain.evaluation.evaluate import run_command
 
-    return evaluate(argv)
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ pretrain/observe/step_line.py; checkpoints are written through trainer.checkpoin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import math
@@ -309,7 +310,11 @@ def lost_peer(error: BaseException, words: str, log: logging.Logger) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """One training process on arguments already read (parse_args); its exit code."""
     try:
         config = cfg.from_args(args)
         if not config.training.resume:  # a fresh run: a checkpoint to start from is checked before anything starts,

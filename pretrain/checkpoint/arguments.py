@@ -8,6 +8,8 @@ import argparse
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pretrain.run.command_name import command_name
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit 2), like every other error here."""
@@ -20,8 +22,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.error_prefix}: error: {message} (see --help)\n")
 
 
-def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
-    """--checkpoint PATH, as every command that reads a checkpoint takes it (find_checkpoint)."""
+def checkpoint_command_parser(command: str, description: str) -> OneLineParser:
+    """The parser of `python -m pretrain.<command>` (installed as pretrain-<command>): one-line
+    usage errors prefixed with command, and --checkpoint PATH, as every command that reads a
+    checkpoint takes it (pretrain/checkpoint/reading.py find_checkpoint)."""
+    parser = OneLineParser(
+        prog=command_name(f"pretrain.{command}", f"pretrain-{command}"), error_prefix=command, description=description
+    )
     parser.add_argument(
         "--checkpoint",
         type=Path,
@@ -30,6 +37,7 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
         help="a checkpoint directory (<run dir>/checkpoints/step_<N>), a run directory for its latest checkpoint, "
         "or an export (<run dir>/export, or a Hugging Face Llama or Mixtral directory)",
     )
+    return parser
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:

@@ -81,7 +81,11 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The command on arguments already read (parse_args): its output, or one error line and its exit code."""
     try:
         scored = run(args)
         if args.output is not None:

@@ -7,20 +7,14 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from pretrain.checkpoint.arguments import OneLineParser, add_checkpoint_argument, add_device_argument
+from pretrain.checkpoint.arguments import add_device_argument, checkpoint_command_parser
 from pretrain.evaluation import hellaswag
-from pretrain.run.command_name import command_name
 
 TASKS = ("hellaswag",)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=command_name("pretrain.evaluate", "pretrain-evaluate"),
-        error_prefix="evaluate",
-        description="Score a checkpoint's model on a benchmark task (HellaSwag).",
-    )
-    add_checkpoint_argument(parser)
+    parser = checkpoint_command_parser("evaluate", "Score a checkpoint's model on a benchmark task (HellaSwag).")
     parser.add_argument("--task", choices=TASKS, default="hellaswag", help="the task (default hellaswag)")
     parser.add_argument(
         "--data",

@@ -7,17 +7,11 @@ import argparse
 import math
 from collections.abc import Sequence
 
-from pretrain.checkpoint.arguments import OneLineParser, add_checkpoint_argument, add_device_argument
-from pretrain.run.command_name import command_name
+from pretrain.checkpoint.arguments import add_device_argument, checkpoint_command_parser
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=command_name("pretrain.generate", "pretrain-generate"),
-        error_prefix="generate",
-        description="Print a prompt and the text a checkpoint's model continues it with.",
-    )
-    add_checkpoint_argument(parser)
+    parser = checkpoint_command_parser("generate", "Print a prompt and the text a checkpoint's model continues it with.")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (may be empty)")
     parser.add_argument("--max-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
     parser.add_argument(

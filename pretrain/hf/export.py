@@ -365,7 +365,11 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The command on arguments already read (parse_args): its output, or one error line and its exit code."""
     try:
         run(args)
     except Refusal as error:

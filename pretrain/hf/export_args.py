@@ -7,21 +7,17 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from pretrain.checkpoint.arguments import OneLineParser, add_checkpoint_argument
+from pretrain.checkpoint.arguments import checkpoint_command_parser
 from pretrain.hf.safetensors_shards import DTYPES, parse_size
-from pretrain.run.command_name import command_name
 
 DEFAULT_DTYPE = "bfloat16"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog=command_name("pretrain.export", "pretrain-export"),
-        error_prefix="export",
-        description="Export a checkpoint's model as safetensors, with a config.json "
-        "and its tokenizer.json, for use outside training.",
+    parser = checkpoint_command_parser(
+        "export",
+        "Export a checkpoint's model as safetensors, with a config.json and its tokenizer.json, for use outside training.",
     )
-    add_checkpoint_argument(parser)
     parser.add_argument(
         "--output", type=Path, metavar="DIR", help="where to write (default: <run dir>/export, or <checkpoint>/export)"
     )
