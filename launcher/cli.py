@@ -10,7 +10,6 @@ python -m launcher --nnodes N --node-rank R --master-addr HOST [...]   one node 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -244,12 +243,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = EXIT_NO_ADDRESS_SPACE
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
-    if "torch" in sys.modules:
-        # Several nodes: torch (the TCPStore) makes the interpreter's own exit take ~0.5 s,
-        # which every node would add to its teardown. Nothing of ours runs at exit: the
-        # workers are gone, the logs closed, the locks die with the process.
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
     sys.exit(code)

@@ -71,7 +71,7 @@ class Halt:
 
 
 def halt_key(number: int) -> str:
-    """The key of round `number`'s halt (torch's PrefixStore joins with a slash)."""
+    """The key of round `number`'s halt (a PrefixedStore joins with a slash)."""
     return f"round{number}/halted"
 
 

@@ -48,14 +48,19 @@ def posted_ends(node: Node, seconds: float, poll: float = 0.05) -> dict[int, Att
 
 def job_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:
     """Node 0: the job's attempt as the restart rules read it: a lost node (it outranks what
-    followed), else the end of the node whose word stopped the job, else the first failing node's
-    (a graceful stop: every node's), with the last step any node's workers printed."""
+    followed, but not a stop asked for on any node: that still stops the job), else the end of
+    the node whose word stopped the job, else the first failing node's (a graceful stop: every
+    node's), with the last step any node's workers printed."""
     steps = [end.step for end in ends.values() if end.step is not None]
     step = max(steps) if steps else None
     first = node.first_stop()
     lost = next(iter(node.lost.values()), None) or (first if first is not None and first.kind == "lost" else None)
     if lost is not None:
-        return AttemptEnd(EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", step=step, lost_node=True)
+        # A stop asked for on any node meanwhile (Slurm's SIGTERM, Ctrl-C) still stops the job: it is never undone.
+        asked = any(end.stopped for end in ends.values())
+        return AttemptEnd(
+            EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", step=step, lost_node=True, stopped=asked
+        )
     if first is not None and first.node in ends:
         return dataclasses.replace(ends[first.node], step=step)
     if first is not None:  # its launcher stopped in error: nothing to restart

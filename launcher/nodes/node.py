@@ -1,7 +1,7 @@
 """Multi-node: which node this launcher is, and what one node tells the others when it stops.
 
 Torch-free: the supervisor and the command line use these; launcher/nodes/rendezvous.py moves them
-between machines through node 0's TCPStore.
+between machines through node 0's store.
 
 Exit codes of a launcher that stopped because of another node (the node where it began exits
 with its own worker's code, as on one machine):

@@ -1,5 +1,5 @@
-"""Multi-node: the launchers of one job find each other and form the job through
-torch.distributed's TCPStore, which node 0's launcher hosts on --master-port.
+"""Multi-node: the launchers of one job find each other and form the job through the store
+node 0's launcher hosts on --master-port (launcher/nodes/key_value.py).
 
 1. Join. Every launcher writes who it is (join/<node>: host, pid, process count, device, its
    config). Node 0 waits for every node for at most --join-timeout, checks that they agree
@@ -12,8 +12,7 @@ torch.distributed's TCPStore, which node 0's launcher hosts on --master-port.
    node 0 finds the nodes lost, the first node to stop tells the others, and node 0 ends last.
 4. After an attempt (launcher/nodes/restart_rounds.py): what restarts need to know, under after/.
 
-torch is imported (by launcher/nodes/store.py, the store's connections) only for a launch of several nodes: one machine's launcher
-starts without it.
+The store is the standard library's sockets: no launcher imports torch, on one machine or several.
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ from dataclasses import asdict
 from typing import Any, NoReturn
 
 from launcher.nodes.agreement import Member, differences, disagreement, joined_line
+from launcher.nodes.key_value import PrefixedStore, StoreClient
 from launcher.nodes.node import NodeSpec, NodeStop
-from launcher.nodes.store import RendezvousError, bounded, client, first_line, host_store, torch_distributed, wait_reachable
+from launcher.nodes.store import RendezvousError, bounded, client, first_line, host_store, wait_reachable
 from launcher.nodes.watch import BEAT_INTERVAL, LOSS_AFTER, POLL_INTERVAL, NodeInterrupted, NodeStopped, WatchedNode
 
 __all__ = [
@@ -59,23 +59,22 @@ def join(
     cannot form the job. namespace: a restart's round of the rendezvous ("round1/"), whose keys
     never meet an earlier round's (launcher/nodes/restart_rounds.py); hosted: node 0's store,
     which it keeps hosting from one round to the next."""
-    dist = torch_distributed()
     deadline = time.monotonic() + timeout
     if spec.is_master:
-        store = hosted if hosted is not None else host_store(dist, spec, timeout)
+        store = hosted if hosted is not None else host_store(spec, timeout)
         say(f"node 0 of {spec.nnodes}: rendezvous on {spec.endpoint}; waiting for {spec.nnodes - 1} more node(s)")
     else:
-        store = connect(dist, spec, deadline, timeout, loss_after)
-    node = Node(spec, in_namespace(dist, store, namespace), member, loss_after)
+        store = connect(spec, deadline, timeout, loss_after)
+    node = Node(spec, in_namespace(store, namespace), member, loss_after)
     node.hosted = store if spec.is_master else None
     try:
         node._join(deadline, timeout, say)
-        watch = bounded(lambda: client(dist, spec, loss_after * 2), loss_after * 3, "connect")
-        node._watch_store = in_namespace(dist, watch, namespace)
+        watch = bounded(lambda: client(spec, loss_after * 2), loss_after * 3, "connect")
+        node._watch_store = in_namespace(watch, namespace)
     except RendezvousError:
         node._withdraw()
         raise
-    except Exception as error:  # torch's, or a call that timed out: node 0's store went away or froze
+    except Exception as error:  # StoreError, or a call that timed out: node 0's store went away or froze
         node._withdraw()
         raise RendezvousError(
             f"lost the rendezvous on {spec.endpoint} while joining ({first_line(error)}); see node 0's launcher"
@@ -88,19 +87,19 @@ def join(
     return node
 
 
-def connect(dist: Any, spec: NodeSpec, deadline: float, timeout: float, loss_after: float) -> Any:
+def connect(spec: NodeSpec, deadline: float, timeout: float, loss_after: float) -> StoreClient:
     """Not node 0: a connection to node 0's store, once it listens (until the deadline)."""
     wait_reachable(spec, deadline, timeout)
     left = max(1.0, deadline - time.monotonic())
     try:
-        return bounded(lambda: client(dist, spec, left), left + loss_after, "connect")
+        return bounded(lambda: client(spec, left), left + loss_after, "connect")
     except TimeoutError:
         raise RendezvousError(f"node 0 at {spec.endpoint} accepts connections but does not answer (frozen?)") from None
 
 
-def in_namespace(dist: Any, store: Any, namespace: str) -> Any:
+def in_namespace(store: StoreClient, namespace: str) -> StoreClient | PrefixedStore:
     """The store as one round of the rendezvous sees it: its keys under namespace (the first round's bare)."""
-    return dist.PrefixStore(namespace, store) if namespace else store
+    return PrefixedStore(namespace, store) if namespace else store
 
 
 class Node(WatchedNode):

@@ -7,7 +7,7 @@ which every node follows, and a new round of the rendezvous for each restart.
    names, or a lost node: `lost_node`), judges it by the one-machine rules, writes restarts.jsonl
    (every node's devices) and posts the decision; every node says it and follows it.
 2. The next round. Node 0's launcher keeps hosting its store; each round's keys live under
-   round<r>/ (torch's PrefixStore), so they never meet an earlier round's. Node 0 opens the
+   round<r>/ (a PrefixedStore), so they never meet an earlier round's. Node 0 opens the
    round (the bare key `round`), every node checks in (back/<node>), and node 0 waits up to
    --join-timeout for every node of the last round (Slurm may requeue a lost one; a relaunched
    launcher finds the open round by that key). A node that does not come back stops the job with
@@ -43,10 +43,11 @@ from launcher.nodes import between_rounds, multinode
 from launcher.nodes.agreement import restart_options
 from launcher.nodes.between_rounds import BETWEEN_KEY, BetweenRounds, Halt, Halted, HeldOnceSpawned
 from launcher.nodes.job_end import end_record, job_end, posted_ends
+from launcher.nodes.key_value import StoreClient
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, Node, RendezvousError, connect
 from launcher.nodes.round_checkin import ROUND_KEY, check_in, gather_round, open_round
-from launcher.nodes.store import client, first_line, torch_distributed
+from launcher.nodes.store import client, first_line
 from launcher.processes.torchrun_env import Restarts
 from launcher.restart_plan import Devices, RestartPlan, check_global_batch_kept, warn_without_checkpoints
 from launcher.rundir import lock
@@ -230,7 +231,7 @@ class RestartRounds:
 
     def _client(self) -> Any:
         """A connection of its own to node 0's store (node 0's too), for a stop between attempts."""
-        return client(torch_distributed(), self.spec, self.args.node_timeout)
+        return client(self.spec, self.args.node_timeout)
 
     def _halted(self, halted: Halted, node: Node | None, entry: restarts.Attempt | None, job: AttemptEnd | None) -> int:
         """A stop signal between attempts, here or on another node: every node stops with its code;
@@ -423,12 +424,11 @@ class RestartRounds:
 
     def _next_round(self, number: int) -> Node | None:
         """Round `number`: check in, wait for node 0's roster, join. None when the job stops."""
-        dist = torch_distributed()
         args, say = self.args, self.say
         if self.spec.is_master:
-            roster = gather_round(dist, self.hosted, self.spec, self.roster, number, args.join_timeout, args.min_nnodes, say)
+            roster = gather_round(self.hosted, self.spec, self.roster, number, args.join_timeout, args.min_nnodes, say)
         else:
-            roster = check_in(dist, self.spec, number, args.join_timeout, args.node_timeout, say)
+            roster = check_in(self.spec, number, args.join_timeout, args.node_timeout, say)
         if roster is None:
             return None
         self.roster = roster
@@ -441,22 +441,21 @@ class RestartRounds:
         """Not node 0, launched while the job runs or restarts (Slurm requeued this node, or it was
         started again by hand): wait for a round of the rendezvous that is open (node 0 opens one
         at each restart) and join it; None while the job's first round forms (join it as usual)."""
-        dist = torch_distributed()
         timeout = self.args.join_timeout
         deadline = time.monotonic() + timeout
-        raw = connect(dist, self.spec, deadline, timeout, self.args.node_timeout)
+        raw = connect(self.spec, deadline, timeout, self.args.node_timeout)
         try:
             if not raw.check([ROUND_KEY]) and not raw.check(["joined"]):
                 return None
         except Exception as error:
             raise RendezvousError(f"node 0 has ended the job ({first_line(error)}): nothing to join") from None
         with BetweenRounds(self._client, self.spec.node_rank, None):  # between attempts, a stop signal here stops every node
-            return self._wait_for_round(dist, raw, deadline)
+            return self._wait_for_round(raw, deadline)
 
-    def _wait_for_round(self, dist: Any, raw: Any, deadline: float) -> Node:
+    def _wait_for_round(self, raw: StoreClient, deadline: float) -> Node:
         timeout, said = self.args.join_timeout, False
         try:
-            while (number := open_round(dist, raw)) is None:  # formed without this node: wait for the next
+            while (number := open_round(raw)) is None:  # formed without this node: wait for the next
                 if time.monotonic() >= deadline:
                     raise RendezvousError(
                         f"the job went on without node {self.spec.node_rank}: no restart opened a round of the rendezvous "

@@ -10,8 +10,8 @@ import json
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
+from launcher.nodes.key_value import StoreClient
 from launcher.nodes.node import NodeSpec
 from launcher.nodes.rendezvous import POLL_INTERVAL, RendezvousError, connect, in_namespace
 from launcher.nodes.store import first_line
@@ -21,8 +21,7 @@ ROUND_KEY = "round"
 
 
 def gather_round(
-    dist: Any,
-    hosted: Any,
+    hosted: StoreClient,
     spec: NodeSpec,
     roster: list[int],
     number: int,
@@ -32,7 +31,7 @@ def gather_round(
 ) -> list[int] | None:
     """Node 0: open the round, wait for the last round's nodes (roster) up to --join-timeout, and
     name the round's nodes (or why the job stops: None)."""
-    store = in_namespace(dist, hosted, f"round{number}")
+    store = in_namespace(hosted, f"round{number}")
     store.set(f"back/{spec.node_rank}", socket.gethostname())
     hosted.set(ROUND_KEY, str(number))
     deadline, said = time.monotonic() + join_timeout, False
@@ -60,15 +59,15 @@ def gather_round(
 
 
 def check_in(
-    dist: Any, spec: NodeSpec, number: int, join_timeout: float, node_timeout: float, say: Callable[[str], None]
+    spec: NodeSpec, number: int, join_timeout: float, node_timeout: float, say: Callable[[str], None]
 ) -> list[int] | None:
     """Not node 0: say this node is back for the round, and take node 0's roster (None: the job
     stops, or went on without this node)."""
     patience = 2 * join_timeout + node_timeout  # node 0 may wait for its devices first
     deadline = time.monotonic() + patience
     try:
-        raw = connect(dist, spec, deadline, join_timeout, node_timeout)
-        store = in_namespace(dist, raw, f"round{number}")
+        raw = connect(spec, deadline, join_timeout, node_timeout)
+        store = in_namespace(raw, f"round{number}")
         store.set(f"back/{spec.node_rank}", socket.gethostname())
         while not store.check(["roster"]):
             if time.monotonic() >= deadline:
@@ -88,9 +87,9 @@ def check_in(
     return roster["nodes"]
 
 
-def open_round(dist: Any, raw: Any) -> int | None:
+def open_round(raw: StoreClient) -> int | None:
     """The round of the rendezvous node 0 has opened and not yet formed (a restart's), else None."""
     if not raw.check([ROUND_KEY]):
         return None
     number = int(raw.get(ROUND_KEY))
-    return None if in_namespace(dist, raw, f"round{number}").check(["roster"]) else number
+    return None if in_namespace(raw, f"round{number}").check(["roster"]) else number

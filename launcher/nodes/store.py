@@ -1,17 +1,17 @@
-"""Node 0's TCPStore (torch.distributed's), as the launchers reach it: hosted by node 0, reached
-by the others (waiting for node 0 to listen), and every call bounded in time, since a store whose
-host is frozen never answers. Errors are one line (RendezvousError)."""
+"""Node 0's store (launcher/nodes/key_value.py), as the launchers reach it: hosted by node 0,
+reached by the others (waiting for node 0 to listen), and every call bounded in time, since a store
+whose host is frozen never answers. Errors are one line (RendezvousError)."""
 
 from __future__ import annotations
 
-import os
+import errno
 import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from launcher.nodes.key_value import StoreClient, StoreError, StoreServer
 from launcher.nodes.node import NodeSpec
 from pretrain.run.refusal import Refusal
 
@@ -21,22 +21,6 @@ T = TypeVar("T")
 
 class RendezvousError(Refusal):
     """The nodes could not form one job: one line saying why and what to do."""
-
-
-def torch_distributed() -> Any:
-    """torch.distributed, imported with c10's own log lines silenced: a refused connection
-    would otherwise print C++ stack frames; this module says what went wrong in one line. The
-    setting is taken back at once, so the workers keep torch's warnings."""
-    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        import torch.distributed as dist
-    finally:
-        if had is None:
-            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
-        else:
-            os.environ["TORCH_CPP_LOG_LEVEL"] = had
-    return dist
 
 
 def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
@@ -61,21 +45,26 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     return result[0]
 
 
-def host_store(dist: Any, spec: NodeSpec, timeout: float) -> Any:
+def host_store(spec: NodeSpec, timeout: float) -> StoreClient:
+    """Node 0: listen on --master-port, and its own connection to the store."""
     try:
-        return dist.TCPStore(spec.master_addr, spec.master_port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-    except Exception as error:  # DistNetworkError, RuntimeError: torch's own
-        text = str(error)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
+        server = StoreServer(spec.master_port)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
             raise RendezvousError(
                 f"--master-port {spec.master_port} is in use on this machine (node 0); choose a free port for every node"
             ) from None
-        raise RendezvousError(f"cannot host the rendezvous on port {spec.master_port}: {text.splitlines()[0]}") from None
+        raise RendezvousError(f"cannot host the rendezvous on port {spec.master_port}: {error.strerror or error}") from None
+    try:
+        return StoreClient(spec.master_addr, server.port, timeout)
+    except StoreError as error:
+        server.close()
+        raise RendezvousError(f"cannot host the rendezvous on port {spec.master_port}: {error}") from None
 
 
 def wait_reachable(spec: NodeSpec, deadline: float, timeout: float) -> None:
     """Wait, until the deadline, for node 0 to listen: it may start after this node. One line
-    instead of torch's retries when it never does."""
+    instead of the store's own retries when it never does."""
     reason = "no answer"
     while True:
         left = deadline - time.monotonic()
@@ -96,11 +85,11 @@ def wait_reachable(spec: NodeSpec, deadline: float, timeout: float) -> None:
         time.sleep(CONNECT_RETRY)
 
 
-def client(dist: Any, spec: NodeSpec, timeout: float) -> Any:
+def client(spec: NodeSpec, timeout: float) -> StoreClient:
     try:
-        return dist.TCPStore(spec.master_addr, spec.master_port, None, False, timedelta(seconds=timeout))
-    except Exception as error:
-        raise RendezvousError(f"cannot join the rendezvous on {spec.endpoint}: {str(error).splitlines()[0]}") from None
+        return StoreClient(spec.master_addr, spec.master_port, timeout)
+    except StoreError as error:
+        raise RendezvousError(f"cannot join the rendezvous on {spec.endpoint}: {error}") from None
 
 
 def first_line(error: BaseException) -> str:

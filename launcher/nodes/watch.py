@@ -1,5 +1,5 @@
 """Multi-node: the watch of a job of several nodes once it has formed (launcher/nodes/rendezvous.py
-forms it: the join, the agreement, the plan), through node 0's TCPStore.
+forms it: the join, the agreement, the plan), through node 0's store (launcher/nodes/key_value.py).
 
 1. Watch. From the join to the end each launcher adds to beat/<node> every BEAT_INTERVAL and
    looks at the abort key every POLL_INTERVAL. The first node to stop writes the abort key

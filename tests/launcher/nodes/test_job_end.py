@@ -11,7 +11,7 @@ from typing import Any
 from launcher.exit_codes import EXIT_NODE_LOST, EXIT_OTHER_NODE_FAILED
 from launcher.nodes.job_end import end_record, posted_ends, job_end
 from launcher.nodes.node import NodeStop
-from launcher.supervise.restarts import AttemptEnd
+from launcher.supervise.restarts import AttemptEnd, judge
 
 KILLED = AttemptEnd(137, worker="node1:CPU1", rank=1, how="killed by SIGKILL", step=3)
 OURS = AttemptEnd(EXIT_OTHER_NODE_FAILED, how="stopped: node 1 failed", step=3)
@@ -28,6 +28,7 @@ class TwoNodes:
 
     first: NodeStop | None
     late: int
+    ours: AttemptEnd = OURS
     rank: int = 0
     spec: Spec = field(default_factory=Spec)
     lost: dict[int, NodeStop] = field(default_factory=dict)
@@ -35,7 +36,7 @@ class TwoNodes:
 
     def read(self, key: str) -> dict[str, Any] | None:
         if key == "end/0":
-            return end_record(OURS)
+            return end_record(self.ours)
         self.reads += 1
         return end_record(KILLED) if self.reads > self.late else None
 
@@ -67,3 +68,17 @@ def test_nothing_is_waited_for_after_a_lost_node_or_a_word_of_node_0s_own():
     assert job_end(node, posted_ends(node, seconds=60, poll=0)).exit_code == EXIT_NODE_LOST  # type: ignore[arg-type]
     own = TwoNodes(first=failed(0), late=10**9)
     assert posted_ends(own, seconds=60, poll=0) == {0: OURS}  # type: ignore[arg-type]
+
+
+def test_a_stop_signal_to_node_0_just_before_it_finds_a_node_lost_ends_the_job_instead_of_restarting_it():
+    # SIGTERM to node 0 while node 1's launcher is dead but not yet found lost: the lost node is still
+    # the job's end (exit 76), and the stop asked for still holds, as on one machine.
+    lost = NodeStop(node=1, host="host1", kind="lost", detail="its launcher stopped answering 1.0 s ago")
+    signalled = AttemptEnd(143, how="stopped by SIGTERM", step=3, stopped=True)
+    node = TwoNodes(first=lost, late=10**9, lost={1: lost}, ours=signalled)
+    end = job_end(node, posted_ends(node, seconds=60, poll=0))  # type: ignore[arg-type]
+    assert (end.exit_code, end.lost_node, end.stopped) == (EXIT_NODE_LOST, True, True)
+    assert judge(end, 0, 1, None, training=True).restart is False
+    unsignalled = TwoNodes(first=lost, late=10**9, lost={1: lost})
+    lost_only = job_end(unsignalled, posted_ends(unsignalled, seconds=60, poll=0))  # type: ignore[arg-type]
+    assert not lost_only.stopped and judge(lost_only, 0, 1, None, training=True).restart is True

@@ -379,6 +379,9 @@ def test_a_stop_signal_to_node_0_or_to_a_relaunched_node_1_waiting_for_the_next_
     # and node 1 would find node 0's store gone (exit 2).
     waits = ("--restart-backoff", "15", "--join-timeout", "60")
     node0 = killed_node_1(tmp_path, processes, *waits)
+    # Node 0 in its backoff: a launcher relaunched at once could otherwise be signalled before node 0
+    # has found node 1 lost, while the attempt still runs (a stop then ends the job: test_job_end.py).
+    assert wait_until(lambda: "restart 1 of 1 in 15 s" in node0.text or node0.proc.poll() is not None, timeout=60), node0.text
     again = relaunched_node_1(tmp_path, processes, node0, *waits)
     assert wait_until(lambda: "for its next restart" in again.text or again.proc.poll() is not None, timeout=60), again.text
     nodes = [node0, again]

@@ -1,5 +1,5 @@
 """Rule 5 of launcher/supervise/supervisor.py: a job of several nodes, with the other nodes played by a
-fake (the real ones, through a TCPStore, are in tests/launcher/nodes/test_multinode.py)."""
+fake (the real ones, through node 0's store, are in tests/launcher/nodes/test_multinode.py)."""
 
 from __future__ import annotations
 
