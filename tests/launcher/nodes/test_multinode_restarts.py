@@ -371,6 +371,17 @@ def test_a_stop_signal_to_either_node_while_node_0_tears_its_workers_down_stops_
 
 
 @pytest.mark.slow
+def test_a_stop_signal_to_node_0_just_after_node_1_died_ends_the_job_without_a_restart(tmp_path, processes):
+    # The signal comes before node 0 can find node 1 lost (--node-timeout 1 s) or, on a loaded
+    # machine, after it: either way the stop asked for is never undone (launcher/nodes/job_end.py).
+    node0 = killed_node_1(tmp_path, processes, "--restart-backoff", "15", "--join-timeout", "60")
+    node0.proc.send_signal(signal.SIGTERM)
+    assert node0.wait(timeout=120) in (EXIT_NODE_LOST, 143), node0.text
+    assert "launcher: restart 1 of" not in node0.text
+    assert [a["restarted"] for a in attempts(tmp_path)] == [False]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stopped", [0, 1])
 def test_a_stop_signal_to_node_0_or_to_a_relaunched_node_1_waiting_for_the_next_round_stops_both_at_once(
     tmp_path, processes, stopped
