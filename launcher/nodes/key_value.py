@@ -167,7 +167,7 @@ class StoreClient:
         except StoreError:
             self.close()
             raise StoreError(f"{host}:{port} is not a launcher's store") from None
-        if not isinstance(answer, list) or answer[:1] != [HELLO]:
+        if not isinstance(answer, list) or len(answer) != 2 or answer[0] != HELLO:
             self.close()
             raise StoreError(f"{host}:{port} is not a launcher's store")
         if answer[1] != PROTOCOL:

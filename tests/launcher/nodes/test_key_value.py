@@ -114,6 +114,7 @@ def listening(answer: Callable[[socket.socket], None]) -> tuple[int, threading.T
         pytest.param(lambda c: c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n"), id="another protocol"),
         pytest.param(lambda c: None, id="closed at once"),
         pytest.param(lambda c: c.sendall(b'{"ok": ["something else", 1]}\n'), id="another JSON service"),
+        pytest.param(lambda c: c.sendall(b'{"ok": ["pretrain-launcher-store"]}\n'), id="a hello without its protocol"),
     ],
 )
 def test_a_port_that_is_not_a_launchers_store_is_refused_in_one_line(answer):
