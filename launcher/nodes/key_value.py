@@ -32,6 +32,9 @@ MAX_LINE = 16 * 1024 * 1024
 ANSWER_MARGIN = 5.0
 """Seconds a client waits for an answer beyond the call's own wait (the server times the wait)."""
 CONNECT_RETRY = 0.2
+HELLO_WAIT = 10.0
+"""Seconds the first answer may take: a launcher's store answers at once; torch's own store (a
+launcher of an older version, or another program) never does, and would hold the join until its timeout."""
 
 
 class StoreError(RuntimeError):
@@ -92,6 +95,8 @@ class StoreServer:
 
     def _answer_each(self, connection: socket.socket) -> None:
         with connection.makefile("rwb") as stream:
+            if stream.peek(1)[:1] != b"{":
+                return  # not a launcher of ours (torch's binary store client, an HTTP probe): closed at once
             while line := stream.readline(MAX_LINE + 1):
                 if not line.endswith(b"\n"):
                     return  # too long, or cut off: the client is gone or is not ours
@@ -160,16 +165,18 @@ class StoreClient:
         self._lock = threading.Lock()
         self._broken = ""
         self._socket = _connect(host, port, timeout)
-        self._socket.settimeout(timeout + ANSWER_MARGIN)
+        self._socket.settimeout(min(timeout, HELLO_WAIT))
         self._stream = self._socket.makefile("rwb")
+        not_ours = f"{host}:{port} is not a launcher's store ({{}}); check --master-port, and run the same version on every node"
         try:
             answer = self._call({"op": "hello", "protocol": PROTOCOL})
-        except StoreError:
+        except StoreError as error:
             self.close()
-            raise StoreError(f"{host}:{port} is not a launcher's store") from None
+            raise StoreError(not_ours.format(error)) from None
         if not isinstance(answer, list) or len(answer) != 2 or answer[0] != HELLO:
             self.close()
-            raise StoreError(f"{host}:{port} is not a launcher's store")
+            raise StoreError(not_ours.format("it answered something else"))
+        self._socket.settimeout(timeout + ANSWER_MARGIN)
         if answer[1] != PROTOCOL:
             self.close()
             raise StoreError(

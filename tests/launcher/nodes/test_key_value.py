@@ -5,6 +5,7 @@ launcher's store and a launcher of another protocol each give one line."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from launcher.nodes import key_value
 from launcher.nodes.key_value import PROTOCOL, PrefixedStore, StoreClient, StoreError, StoreServer
 
 
@@ -119,8 +121,12 @@ def listening(answer: Callable[[socket.socket], None]) -> tuple[int, threading.T
 )
 def test_a_port_that_is_not_a_launchers_store_is_refused_in_one_line(answer):
     port, thread = listening(answer)
-    with pytest.raises(StoreError, match=rf"^127\.0\.0\.1:{port} is not a launcher's store$"):
+    with pytest.raises(StoreError) as refused:
         StoreClient("127.0.0.1", port, 10.0)
+    assert re.fullmatch(
+        rf"127\.0\.0\.1:{port} is not a launcher's store \(.+\); check --master-port, and run the same version on every node",
+        str(refused.value),
+    )
     thread.join(timeout=10)
 
 
@@ -143,9 +149,25 @@ def test_a_port_nobody_listens_on_is_retried_until_the_timeout_then_named():
 
 def test_a_request_that_is_not_json_is_answered_with_an_error_and_the_connection_goes_on(server):
     with socket.create_connection(("127.0.0.1", server.port)) as raw, raw.makefile("rwb") as stream:
-        stream.write(b"not json\n")
+        stream.write(b"{not json\n")
         stream.flush()
         assert "error" in json.loads(stream.readline())
         stream.write(b'{"op": "check", "keys": []}\n')
         stream.flush()
         assert json.loads(stream.readline()) == {"ok": True}
+
+
+def test_a_client_that_does_not_speak_json_is_disconnected_at_once_instead_of_left_waiting(server):
+    # A launcher of a version that used torch's TCPStore sends binary; it should fail now, not at its timeout.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
+        raw.sendall(b"\x00\x01\x02\x03 binary store query")
+        assert raw.recv(1024) == b""
+
+
+def test_torchs_own_store_on_the_port_is_refused_within_the_hello_wait_not_the_join_timeout(monkeypatch):
+    # Node 0 running a launcher of a version that hosted torch's TCPStore: it never answers the hello.
+    dist = pytest.importorskip("torch.distributed")
+    theirs = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setattr(key_value, "HELLO_WAIT", 0.5)
+    with pytest.raises(StoreError, match=r"is not a launcher's store \(no answer within 0\.5 s\)"):
+        StoreClient("127.0.0.1", theirs.port, 300.0)
