@@ -47,23 +47,24 @@ def posted_ends(node: Node, seconds: float, poll: float = 0.05) -> dict[int, Att
 
 
 def job_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:
-    """Node 0: the job's attempt as the restart rules read it: a lost node (it outranks what
-    followed, but not a stop asked for on any node: that still stops the job), else the end of
-    the node whose word stopped the job, else the first failing node's (a graceful stop: every
-    node's), with the last step any node's workers printed."""
+    """Node 0: the job's attempt as the restart rules read it, with the last step any node's
+    workers printed, and a stop asked for on any node (Slurm's SIGTERM, Ctrl-C), which is never
+    undone, whichever node's end the job's is."""
     steps = [end.step for end in ends.values() if end.step is not None]
-    step = max(steps) if steps else None
+    asked = any(end.stopped for end in ends.values())
+    return dataclasses.replace(deciding_end(node, ends), step=max(steps) if steps else None, stopped=asked)
+
+
+def deciding_end(node: Node, ends: dict[int, AttemptEnd]) -> AttemptEnd:
+    """A lost node (it outranks what followed), else the end of the node whose word stopped the
+    job, else the first failing node's (a graceful stop: every node's)."""
     first = node.first_stop()
     lost = next(iter(node.lost.values()), None) or (first if first is not None and first.kind == "lost" else None)
     if lost is not None:
-        # A stop asked for on any node meanwhile (Slurm's SIGTERM, Ctrl-C) still stops the job: it is never undone.
-        asked = any(end.stopped for end in ends.values())
-        return AttemptEnd(
-            EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", step=step, lost_node=True, stopped=asked
-        )
+        return AttemptEnd(EXIT_NODE_LOST, worker=f"node {lost.node}", how=f"lost: {lost.detail}", lost_node=True)
     if first is not None and first.node in ends:
-        return dataclasses.replace(ends[first.node], step=step)
+        return ends[first.node]
     if first is not None:  # its launcher stopped in error: nothing to restart
-        return AttemptEnd(EXIT_OTHER_NODE_FAILED, how=first.describe(), step=step)
+        return AttemptEnd(EXIT_OTHER_NODE_FAILED, how=first.describe())
     failed = [end for _, end in sorted(ends.items()) if end.exit_code != 0]
-    return dataclasses.replace((failed or [ends.get(0, AttemptEnd(0))])[0], step=step)
+    return (failed or [ends.get(0, AttemptEnd(0))])[0]

@@ -82,3 +82,12 @@ def test_a_stop_signal_to_node_0_just_before_it_finds_a_node_lost_ends_the_job_i
     unsignalled = TwoNodes(first=lost, late=10**9, lost={1: lost})
     lost_only = job_end(unsignalled, posted_ends(unsignalled, seconds=60, poll=0))  # type: ignore[arg-type]
     assert not lost_only.stopped and judge(lost_only, 0, 1, None, training=True).restart is True
+
+
+def test_a_stop_asked_for_on_node_0_holds_when_another_nodes_failure_is_the_jobs_end_too():
+    # Node 1's worker killed, node 0 told to stop meanwhile: the job's end is node 1's, and not restarted.
+    signalled = AttemptEnd(143, how="stopped by SIGTERM", step=3, stopped=True)
+    node = TwoNodes(first=failed(1), late=0, ours=signalled)
+    end = job_end(node, posted_ends(node, seconds=60, poll=0))  # type: ignore[arg-type]
+    assert (end.exit_code, end.worker, end.stopped) == (137, "node1:CPU1", True)
+    assert judge(end, 0, 1, None, training=True).restart is False
