@@ -179,8 +179,10 @@ def test_a_consequence_whose_peers_exit_cleanly_is_reported_without_waiting(scri
     assert exits(tmp_path) == [("CPU0", 0, False, False), ("CPU1", 4, True, True)]
 
 
-# A worker that leaves early: it exits (touching its file), and the other goes on only once the
-# first is gone (a zombie: the launcher has seen its exit), as a rank whose peer left does.
+# A worker that leaves early: it exits (its file names its pid), and the other goes on only once
+# the first is gone (a zombie: the launcher has seen its exit, and keeps it until teardown), as a
+# rank whose peer left does. The file is renamed into place: read between its creation and its
+# write, it was empty, and the waiting script died on int("") (exit 1) on a loaded machine.
 GONE = """
     import psutil
     def wait_gone(name):
@@ -189,7 +191,9 @@ GONE = """
         while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
             time.sleep(0.01)
     def leave(name, code):
-        Path(__file__).with_name(name).write_text(str(os.getpid()))
+        partial = Path(__file__).with_name(name + ".partial")
+        partial.write_text(str(os.getpid()))
+        partial.rename(Path(__file__).with_name(name))
         sys.exit(code)
 """
 EARLY_EXIT = (
