@@ -6,7 +6,7 @@ twice from the same seed on the same batches, compiled, one process each (this m
 `python -m benchmarks.gpu_acceptance.checks_float8 bf16|float8 ...`): once in bf16 autocast, once
 with training.float8=true (torchao's float8 Linears in the blocks). Rows: tokens/s, MFU (against
 the bf16 peak in both) and peak memory of each, the speed-up, and the loss parity over the same
-STEPS steps.
+STEPS steps (also with --quick: the parity is judged after the warm-up's loss spikes).
 
 The speed-up is a measurement to compare with torchtitan's 1.2-1.3x on H100s for the whole
 Llama-3-8B (32 layers, 8 GPUs): with few layers the output head, which stays bf16, is a larger
@@ -22,26 +22,34 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks.gpu_acceptance.context import Context, Row
 from benchmarks.gpu_acceptance.procs import child_env, emit, results, run
 
 LAYERS = 4
 STEPS = 50
-"""Optimizer steps of each run: the loss-parity window (the first TIMED_FROM are warm-up: compile)."""
-QUICK_STEPS = 20
+"""Optimizer steps of each run, with --quick too: the loss-parity window (the first TIMED_FROM are
+warm-up: compile). On one H200 (2026-11-29) the 8B shape's loss spiked and fell through step ~30
+(12.6 -> 19.2 -> 3.3) in both runs, and a 20-step window, the earlier --quick's, ended inside the
+spikes: float8 and bf16 were 19% apart on its last 10 steps there, 0.19% on steps 41-50. The 30
+more steps cost about 16 s of the check's 70."""
 TIMED_FROM = 10
 """Steps before this one are left out of tokens/s and MFU (the compile, the allocator's warm-up)."""
 MAX_STEP_GAP = 0.05
-"""The most one step's float8 loss may differ from bf16's, relatively. On CPU (torchao's
-emulation, the debug preset, tests/pretrain/plan/test_float8.py) the gap was at most 0.07% over 6 steps; on the
-GPU the float8 matmuls themselves round (e4m3, 3 mantissa bits; e5m2 gradients), and two runs of
-different numerics drift apart as they train, so one step's loss may move by a few percent."""
+"""The most one of the last TAIL steps' float8 loss may differ from bf16's, relatively. On CPU
+(torchao's emulation, the debug preset, tests/pretrain/plan/test_float8.py) the gap was at most
+0.07% over 6 steps; on the GPU the float8 matmuls themselves round (e4m3, 3 mantissa bits; e5m2
+gradients), and two runs of different numerics drift apart as they train, so one step's loss may
+move by a few percent. The steps before the tail are measured, not judged: through the warm-up's
+loss spikes the same runs were up to 31% apart at one step (H200, step 12), and a bf16 run from
+another seed 36% from the first; on steps 41-50 float8 was at most 0.93% from bf16, that other
+seed's run 15%."""
 MAX_TAIL_GAP = 0.01
 """The most the mean loss of the last TAIL steps may differ, relatively: torchtitan and torchao
 report float8 tensorwise loss curves that overlay bf16's; a 1% lasting gap would be visible on
-such a plot, and so a sign of a broken cast or scale rather than of float8's rounding."""
+such a plot, and so a sign of a broken cast or scale rather than of float8's rounding. Measured on
+one H200 over STEPS steps: float8 0.19% from bf16, a bf16 run from another seed 2.1%."""
 TAIL = 10
 RUN_TIMEOUT_S = 200
 """One run: the launch, a cold compile of 4 blocks of the 8B shape and the head (about 90 s on an
@@ -53,28 +61,47 @@ def run_argv(mode: str, steps: int, data_sets: list[str]) -> list[str]:
     return [sys.executable, "-m", "benchmarks.gpu_acceptance.checks_float8", mode, str(steps), json.dumps(data_sets)]
 
 
-def relative_gaps(bf16: list[float], float8: list[float]) -> tuple[float, float]:
-    """(the largest relative gap of one step's loss, that of the mean of the last TAIL steps)."""
+class LossGaps(NamedTuple):
+    """How far float8's losses are from bf16's, relatively."""
+
+    largest: float
+    """The largest gap of one step's loss over the whole run: measured, not judged."""
+    largest_step: int
+    """That step, from 1."""
+    tail_step: float
+    """The largest gap of one of the last TAIL steps."""
+    tail_mean: float
+    """The gap of the last TAIL steps' mean."""
+
+
+def loss_gaps(bf16: list[float], float8: list[float]) -> LossGaps:
     if len(bf16) != len(float8) or not bf16:
         raise ValueError(f"the runs logged {len(bf16)} and {len(float8)} losses")
-    step_gap = max(abs(b - f) / abs(b) for b, f in zip(bf16, float8, strict=True))
+    gaps = [abs(b - f) / abs(b) for b, f in zip(bf16, float8, strict=True)]
+    largest = max(gaps)
     tail_b, tail_f = (sum(losses[-TAIL:]) / len(losses[-TAIL:]) for losses in (bf16, float8))
-    return step_gap, abs(tail_b - tail_f) / abs(tail_b)
+    return LossGaps(largest, gaps.index(largest) + 1, max(gaps[-TAIL:]), abs(tail_b - tail_f) / abs(tail_b))
 
 
 def parity_row(bf16: dict[str, Any], float8: dict[str, Any]) -> Row:
-    """Loss parity: every step within MAX_STEP_GAP, the last TAIL steps' mean within MAX_TAIL_GAP."""
+    """Loss parity once the warm-up's spikes are over: each of the last TAIL steps within
+    MAX_STEP_GAP, and their mean within MAX_TAIL_GAP; the largest gap before them is shown."""
     name = f"float8 vs bf16 loss, 8B shape, {LAYERS} layers, same batches, {len(bf16['losses'])} steps"
-    target = f"every step within {MAX_STEP_GAP:.0%}, the last {TAIL} steps' mean within {MAX_TAIL_GAP:.0%}; finite"
+    target = (
+        f"each of the last {TAIL} steps within {MAX_STEP_GAP:.0%}, their mean within {MAX_TAIL_GAP:.0%}; "
+        "every loss finite (the steps before: measured)"
+    )
     losses = bf16["losses"] + float8["losses"]
     if not all(math.isfinite(loss) for loss in losses):
         return Row(name, "FAILED: a loss is not finite", target, "no")
-    step_gap, tail_gap = relative_gaps(bf16["losses"], float8["losses"])
+    gaps = loss_gaps(bf16["losses"], float8["losses"])
     result = (
-        f"largest step gap {step_gap:.2%}, last {TAIL} steps' mean {tail_gap:.2%} "
-        f"(final {float8['losses'][-1]:.4f} vs {bf16['losses'][-1]:.4f})"
+        f"last {TAIL} steps: largest gap {gaps.tail_step:.2%}, mean {gaps.tail_mean:.2%}; "
+        f"largest gap of any step {gaps.largest:.2%} (step {gaps.largest_step}); "
+        f"final {float8['losses'][-1]:.4f} vs {bf16['losses'][-1]:.4f}"
     )
-    return Row(name, result, target, "yes" if step_gap <= MAX_STEP_GAP and tail_gap <= MAX_TAIL_GAP else "no")
+    met = gaps.tail_step <= MAX_STEP_GAP and gaps.tail_mean <= MAX_TAIL_GAP
+    return Row(name, result, target, "yes" if met else "no")
 
 
 def refused_rows(reason: str) -> list[Row]:
@@ -117,7 +144,7 @@ def speed_rows(bf16: dict[str, Any], float8: dict[str, Any]) -> list[Row]:
 
 def check_float8(ctx: Context) -> list[Row]:
     gpu = str(ctx.gpus[0])
-    steps = QUICK_STEPS if ctx.quick else STEPS
+    steps = STEPS  # --quick too: see STEPS
     env = child_env(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=gpu)
     measured: dict[str, dict[str, Any]] = {}
     for mode in ("bf16", "float8"):
