@@ -126,6 +126,9 @@ def _gloo_rank(script: str, out: str, env: dict[str, str], log: str) -> None:
     log, then the worker script run as `python script out` would run it."""
     import runpy
 
+    import torch
+
+    torch.set_num_threads(1)  # one thread each, whatever the fork server's OMP_NUM_THREADS was when it loaded torch
     descriptor = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
@@ -148,7 +151,15 @@ def run_gloo_ranks(worker: str, out: Path, timeout: float, world_size: int = 2) 
     script = str(TESTS / "support" / "workers" / worker)
     ranks = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),  # for any process the rank starts
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
         log = str(out / f"rank{rank}.log")
         ranks.append((context.Process(target=_gloo_rank, args=(script, str(out), env, log)), log))
         ranks[-1][0].start()
