@@ -29,7 +29,8 @@ print("up", rank, os.environ["LOCAL_RANK"], os.environ["NODE_RANK"], world, os.e
 while len(list(shared.glob("up*"))) < world:
     time.sleep(0.01)
 if rank == int(os.environ.get("FAIL_RANK", "-1")):
-    (shared / "failed_at").write_text(repr(time.monotonic()))
+    (shared / "failed_at.partial").write_text(repr(time.monotonic()))
+    (shared / "failed_at.partial").rename(shared / "failed_at")  # whole when the test sees it
     sys.exit(7)
 time.sleep(600)
 """

@@ -28,7 +28,8 @@ import os, pathlib, signal, sys, time
 shared = pathlib.Path(sys.argv[1])
 if os.environ["NODE_RANK"] == os.environ.get("HOLD_NODE"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-(shared / f"up{os.environ['RANK']}").write_text(str(os.getpid()))
+(shared / f"partial-up{os.environ['RANK']}").write_text(str(os.getpid()))
+(shared / f"partial-up{os.environ['RANK']}").rename(shared / f"up{os.environ['RANK']}")  # whole when the test reads it
 deadline = time.monotonic() + 120
 release = [shared / "release", shared / f"release{os.environ['NODE_RANK']}"]  # every node's workers, or one node's
 while not any(path.exists() for path in release) and time.monotonic() < deadline:
