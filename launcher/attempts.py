@@ -31,6 +31,7 @@ from launcher.supervise import restarts
 from launcher.supervise.printer import Printer, use_colour
 from pretrain import config as cfg
 from pretrain.run.files import os_error_message
+from pretrain.run.raising_signals import signals_raise
 
 Attempt = Callable[[cfg.Config, Restarts, Callable[[], None]], tuple[int, restarts.AttemptEnd]]
 """One attempt: the config it runs, its restart count, and what to call once its workers are spawned
@@ -274,14 +275,7 @@ def labels(placement: Placement) -> list[str]:
 
 @contextmanager
 def stop_signals_raise() -> Iterator[None]:
-    """While no worker runs, SIGTERM, SIGHUP and SIGINT stop the launcher with their exit code."""
-
-    def stop(signum: int, _frame: object) -> None:
-        raise StoppedBetweenAttempts(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    try:
+    """While no worker runs, SIGTERM, SIGHUP and SIGINT stop the launcher with their exit code
+    (also one that lands in a finalizer: pretrain/run/raising_signals.py)."""
+    with signals_raise(STOP_SIGNALS, StoppedBetweenAttempts):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

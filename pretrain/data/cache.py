@@ -27,6 +27,7 @@ from pretrain.data.tokenizer import file_sha256
 from pretrain.data.windows import DTYPES, REBUILD_HINT
 from pretrain.run.exit_codes import by_signal
 from pretrain.run.files import fsync, is_file_at, naming
+from pretrain.run.raising_signals import signals_raise
 from pretrain.run.shared_cache import mode_in
 
 FORMAT_VERSION = 2
@@ -41,17 +42,10 @@ def sigterm_as_exit() -> Iterator[None]:
     """Within: SIGTERM or SIGHUP (a closed terminal) raises SystemExit(by_signal(signal): 143, 129),
     so a build that is stopped removes its temporary directory (possibly gigabytes) instead of
     leaving it in the cache. For entry points, in the main thread; the previous handlers come
-    back afterwards. (SIGINT already raises KeyboardInterrupt.)"""
-
-    def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(by_signal(signum))
-
-    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    back afterwards. (SIGINT already raises KeyboardInterrupt.) A signal that lands in a finalizer,
+    where Python drops what it raises, is sent again (pretrain/run/raising_signals.py)."""
+    with signals_raise((signal.SIGTERM, signal.SIGHUP), lambda signum: SystemExit(by_signal(signum))):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def verify(dataset_dir: str | Path) -> None:
