@@ -36,6 +36,7 @@ from typing import Any
 
 from launcher.exit_codes import STOP_SIGNALS
 from launcher.nodes.store import bounded
+from pretrain.run.raising_signals import DroppedStops
 
 BETWEEN_KEY = "between"
 """A bare key of node 0's store: the round the job is between attempts for, from node 0's end of
@@ -126,13 +127,16 @@ class BetweenRounds:
         self._seen: tuple[Halt, int] | None = None
         self._late: int | None = None
         self._previous: dict[int, Any] = {}
+        self._dropped = DroppedStops()
+        """A halt raised where a finalizer drops it is sent again (pretrain/run/raising_signals.py)."""
         self.gives_back: dict[int, Any] = {}
         """The stop signals' handlers to give back at its end, when not those it replaced (HeldOnceSpawned.hand_over)."""
 
     def __enter__(self) -> BetweenRounds:
-        self._previous = {sig: signal.signal(sig, self._here) for sig in STOP_SIGNALS}
+        self._dropped.__enter__()
+        self._previous = {sig: signal.signal(sig, self._dropped.raising(self._here)) for sig in STOP_SIGNALS}
         self._previous.update(self.gives_back)
-        self._previous[RELAY] = signal.signal(RELAY, self._relayed)
+        self._previous[RELAY] = signal.signal(RELAY, self._dropped.raising(self._relayed))
         threading.Thread(target=self._watch, daemon=True, name="between-rounds").start()
         return self
 
@@ -141,6 +145,7 @@ class BetweenRounds:
             self._over.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._dropped.__exit__()
         if self._late is not None and kind is None:  # came while the stretch was ending: it still stops the job
             raise Halted(Halt(self._node, self._late), here=True)
 

@@ -5,60 +5,91 @@ is inside a finalizer (a `__del__` method, or a weakref callback, as the import 
 locks use), Python cannot let an exception out of it: it prints "Exception ignored in ..." and
 goes on. A stop that a handler raised there was lost, and the process ran on as if no signal had
 come (a dataset build under a load of other processes: SIGTERM, then the whole build, then a
-timeout). So while the signals raise, sys.unraisablehook watches for the exceptions they raised,
-and sends the same signal again once the finalizer is over; it then raises where it can propagate.
+timeout). So while DroppedStops is entered, sys.unraisablehook watches for the exceptions its
+handlers raised, and sends the same signal again once the finalizer is over; the handler then
+raises where the exception can propagate.
 
-Standard library only: the launcher uses it between attempts (launcher/attempts.py), the dataset
-build around its temporary directory (pretrain/data/cache.py).
+Standard library only: the launcher uses it between attempts (launcher/attempts.py) and between
+the rounds of several nodes (launcher/nodes/between_rounds.py), the dataset build around its
+temporary directory (pretrain/data/cache.py).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from types import FrameType
+from typing import Any
 
 AGAIN_AFTER_S = 0.05
 """How long after a stop was dropped the signal is sent again: long enough for the finalizer
 that dropped it to end, short beside any stop's own time."""
 
+Handler = Callable[[int, FrameType | None], Any]
 
-@contextmanager
-def signals_raise(signals: Iterable[int], stop: Callable[[int], BaseException]) -> Iterator[None]:
-    """Within (in the main thread): each of signals raises stop(signum), every time it comes. One
-    that Python drops in a finalizer is sent again AGAIN_AFTER_S later, and raises then; it is not
-    printed. The previous handlers and unraisable hook come back afterwards."""
-    raised: list[tuple[BaseException, int]] = []
-    """Each exception a handler raised, and its signal."""
-    again: list[threading.Timer] = []
 
-    def handler(signum: int, _frame: object) -> None:
-        exception = stop(signum)
-        raised.append((exception, signum))
-        raise exception
+class DroppedStops:
+    """While entered: what a handler from raising() raised and Python dropped in a finalizer is
+    not printed, and its signal is sent again AGAIN_AFTER_S later. The previous unraisable hook
+    comes back on exit, and a signal not yet sent again is not sent."""
 
-    previous_hook = sys.unraisablehook
+    def __init__(self) -> None:
+        self._raised: list[tuple[BaseException, int]] = []
+        self._again: list[threading.Timer] = []
+        self._previous_hook = sys.unraisablehook
 
-    def dropped(report: sys.UnraisableHookArgs) -> None:
-        signum = next((sig for exception, sig in raised if exception is report.exc_value), None)
+    def raising(self, handler: Handler) -> Handler:
+        """handler, noting each exception it raises and the signal it came for."""
+
+        @functools.wraps(handler)
+        def noted(signum: int, frame: FrameType | None) -> Any:
+            try:
+                return handler(signum, frame)
+            except BaseException as stop:
+                self._raised.append((stop, signum))
+                raise
+
+        return noted
+
+    def __enter__(self) -> DroppedStops:
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._dropped
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for timer in self._again:
+            timer.cancel()
+        sys.unraisablehook = self._previous_hook
+
+    def _dropped(self, report: Any) -> None:
+        signum = next((sig for stop, sig in self._raised if stop is report.exc_value), None)
         if signum is None:
-            previous_hook(report)
+            self._previous_hook(report)
             return
         timer = threading.Timer(AGAIN_AFTER_S, os.kill, (os.getpid(), signum))
         timer.daemon = True
         timer.start()
-        again.append(timer)
+        self._again.append(timer)
 
-    previous = {sig: signal.signal(sig, handler) for sig in signals}
-    sys.unraisablehook = dropped
-    try:
-        yield
-    finally:
-        for timer in again:
-            timer.cancel()
-        sys.unraisablehook = previous_hook
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+
+@contextmanager
+def signals_raise(signals: Iterable[int], stop: Callable[[int], BaseException]) -> Iterator[None]:
+    """Within (in the main thread): each of signals raises stop(signum), every time it comes, also
+    after a finalizer dropped it (DroppedStops). The previous handlers come back afterwards."""
+
+    def raise_stop(signum: int, _frame: FrameType | None) -> None:
+        raise stop(signum)
+
+    with DroppedStops() as dropped:
+        handler = dropped.raising(raise_stop)
+        previous = {sig: signal.signal(sig, handler) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
