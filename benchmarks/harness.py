@@ -21,6 +21,8 @@ from collections.abc import Callable, Collection
 
 import psutil
 
+from pretrain.run.raising_signals import DroppedStops
+
 MARKER_VAR = "LAUNCHER_BENCH_MARKER"
 SURVIVOR_POLL_S = 1.0
 """How long a marked process may take to go after its tool has exited before it counts as a survivor."""
@@ -64,9 +66,11 @@ def kill_marked(prefix: str) -> None:
 
 
 def unwind_on_signals() -> None:
-    """Ctrl-C or SIGTERM unwinds through a run's cleanup instead of leaving processes behind."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    """Ctrl-C or SIGTERM unwinds through a run's cleanup instead of leaving processes behind, also
+    one that lands in a finalizer, where Python drops what it raises (pretrain/run/raising_signals.py)."""
+    dropped = DroppedStops().__enter__()  # for the rest of the benchmark's process
+    signal.signal(signal.SIGINT, dropped.raising(signal.default_int_handler))
+    signal.signal(signal.SIGTERM, dropped.raising(lambda signum, _frame: sys.exit(128 + signum)))
 
 
 def ratio(ours: list[float], theirs: list[float], timeout: float | None = None) -> str:

@@ -11,7 +11,8 @@ raises where the exception can propagate.
 
 Standard library only: the launcher uses it between attempts (launcher/attempts.py) and between
 the rounds of several nodes (launcher/nodes/between_rounds.py), the dataset build around its
-temporary directory (pretrain/data/cache.py).
+temporary directory (pretrain/data/cache.py), the launcher benchmarks for their whole process
+(benchmarks/harness.py).
 """
 
 from __future__ import annotations

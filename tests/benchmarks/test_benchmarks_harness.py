@@ -47,3 +47,21 @@ def test_each_launcher_benchmark_run_as_a_script_answers_help(script):
     )
     assert result.returncode == 0, result.stderr
     assert "--repeat" in result.stdout and "--quick" in result.stdout
+
+
+def test_a_benchmark_unwinds_on_sigterm_also_when_the_signal_lands_in_a_finalizer():
+    code = (
+        "import signal, sys, time\n"
+        "from benchmarks.harness import unwind_on_signals\n"
+        "unwind_on_signals()\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        signal.raise_signal(signal.SIGTERM)  # Python drops what the handler raises here\n"
+        "try:\n"
+        "    Finalized()\n"
+        "    time.sleep(30)\n"
+        "finally:\n"
+        "    print('cleaned up', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (143, "cleaned up\n"), result.stderr
