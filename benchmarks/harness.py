@@ -68,7 +68,7 @@ def kill_marked(prefix: str) -> None:
 def unwind_on_signals() -> None:
     """Ctrl-C or SIGTERM unwinds through a run's cleanup instead of leaving processes behind, also
     one that lands in a finalizer, where Python drops what it raises (pretrain/run/raising_signals.py)."""
-    dropped = DroppedStops().__enter__()  # for the rest of the benchmark's process
+    dropped = DroppedStops().install()  # for the rest of the benchmark's process
     signal.signal(signal.SIGINT, dropped.raising(signal.default_int_handler))
     signal.signal(signal.SIGTERM, dropped.raising(lambda signum, _frame: sys.exit(128 + signum)))
 

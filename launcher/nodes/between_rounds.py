@@ -133,7 +133,7 @@ class BetweenRounds:
         """The stop signals' handlers to give back at its end, when not those it replaced (HeldOnceSpawned.hand_over)."""
 
     def __enter__(self) -> BetweenRounds:
-        self._dropped.__enter__()
+        self._dropped.install()
         self._previous = {sig: signal.signal(sig, self._dropped.raising(self._here)) for sig in STOP_SIGNALS}
         self._previous.update(self.gives_back)
         self._previous[RELAY] = signal.signal(RELAY, self._dropped.raising(self._relayed))
@@ -145,7 +145,7 @@ class BetweenRounds:
             self._over.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        self._dropped.__exit__()
+        self._dropped.uninstall()
         if self._late is not None and kind is None:  # came while the stretch was ending: it still stops the job
             raise Halted(Halt(self._node, self._late), here=True)
 

@@ -35,9 +35,9 @@ Handler = Callable[[int, FrameType | None], Any]
 
 
 class DroppedStops:
-    """While entered: what a handler from raising() raised and Python dropped in a finalizer is
-    not printed, and its signal is sent again AGAIN_AFTER_S later. The previous unraisable hook
-    comes back on exit, and a signal not yet sent again is not sent."""
+    """While installed (or entered): what a handler from raising() raised and Python dropped in a
+    finalizer is not printed, and its signal is sent again AGAIN_AFTER_S later. uninstall() (or
+    the exit) gives the previous unraisable hook back, and a signal not yet sent again is not sent."""
 
     def __init__(self) -> None:
         self._raised: list[tuple[BaseException, int]] = []
@@ -57,15 +57,21 @@ class DroppedStops:
 
         return noted
 
-    def __enter__(self) -> DroppedStops:
+    def install(self) -> DroppedStops:
         self._previous_hook = sys.unraisablehook
         sys.unraisablehook = self._dropped
         return self
 
-    def __exit__(self, *_: object) -> None:
+    def uninstall(self) -> None:
         for timer in self._again:
             timer.cancel()
         sys.unraisablehook = self._previous_hook
+
+    def __enter__(self) -> DroppedStops:
+        return self.install()
+
+    def __exit__(self, *_: object) -> None:
+        self.uninstall()
 
     def _dropped(self, report: Any) -> None:
         signum = next((sig for stop, sig in self._raised if stop is report.exc_value), None)
