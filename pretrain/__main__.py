@@ -42,8 +42,13 @@ from pretrain.train_args import parse_args  # noqa: E402
 if __name__ == "__main__":
     arguments = parse_args(sys.argv[1:])
 
-from pretrain.distributed.runtime import exit_process  # noqa: E402
-from pretrain.train import run_command  # noqa: E402
+from pretrain.run.startup_gc import imports_frozen  # noqa: E402
+
+# torch's ~300,000 objects load without the cyclic collector and are then frozen out of its walks:
+# 0.45 s less CPU before the first step, and collections during training that skip them.
+with imports_frozen():
+    from pretrain.distributed.runtime import exit_process
+    from pretrain.train import run_command
 
 if __name__ == "__main__":
     exit_process(run_command(arguments))  # without interpreter finalization, where gloo's threads can abort a run that succeeded

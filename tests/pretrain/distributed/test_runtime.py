@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -132,17 +133,24 @@ class Watch(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Watch())
 import pretrain_main
+import gc
+print("collector after the imports:", "on" if gc.isenabled() else "off", gc.get_freeze_count(), "frozen", flush=True)
 """
 
 
 def seen_by_torch(**env: str) -> list[str]:
+    return list(_entry_point_lines(tuple(sorted(env.items()))))
+
+
+@functools.cache  # one process per environment, shared by the tests that read its lines
+def _entry_point_lines(env: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
     unset = ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    environment = {k: v for k, v in os.environ.items() if k not in unset} | env
+    environment = {k: v for k, v in os.environ.items() if k not in unset} | dict(env)
     result = subprocess.run(
         [sys.executable, "-c", ORDER_WHEN_TORCH_LOADS], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()
+    return tuple(result.stdout.strip().splitlines())
 
 
 def order_seen_by_torch(**env: str) -> str:
@@ -172,6 +180,14 @@ def test_the_entry_point_leaves_a_rocm_allocator_setting_alone():
     # ROCm's torch reads PYTORCH_CUDA_ALLOC_CONF first: a default there would override this one.
     seen = seen_by_torch(PYTORCH_HIP_ALLOC_CONF="max_split_size_mb:512")
     assert seen[1:3] == ["allocator when torch loads: None", "hip allocator when torch loads: max_split_size_mb:512"]
+
+
+@pytest.mark.slow
+def test_the_entry_point_freezes_what_its_imports_made_so_that_collections_in_training_skip_it():
+    # pretrain/run/startup_gc.py: torch alone is ~175,000 objects; the collector is back on for the run.
+    words = seen_by_torch()[-1].split()
+    assert words[:4] == ["collector", "after", "the", "imports:"] and words[4] == "on" and words[-1] == "frozen"
+    assert int(words[5]) > 150_000
 
 
 def _ended_together(monkeypatch, barrier_error: RuntimeError) -> list[str]:
