@@ -18,6 +18,8 @@ import pytest
 
 from support.processes import describe, live_children, stop_process_tree, wait_until
 
+pytest_plugins = ["support.cpu_cost"]  # --cpu-cost=N: the tests that cost the most CPU
+
 # One OpenMP thread in this process and every process a test starts (a launcher keeps it for
 # its workers), unless the caller chose a count; set before torch is imported, since OpenMP reads
 # it once. The tests' models are tiny, and two threads per process on two cores that something
