@@ -34,6 +34,7 @@ SPENDING_TESTS = textwrap.dedent(
 def run_pytest(tmp_path: Path, *options: str) -> list[str]:
     (tmp_path / "test_spending.py").write_text(SPENDING_TESTS)
     env = dict(os.environ, PYTHONPATH=str(TESTS))
+    env.pop("PYTEST_ADDOPTS", None)  # this run's own options (PYTEST_ADDOPTS=--cpu-cost=30 bash .ci/run) are not the inner run's
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "support.cpu_cost", *options, "test_spending.py"],
         cwd=tmp_path,
