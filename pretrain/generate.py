@@ -8,12 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from pretrain.evaluation.generate_args import parse_args
+from pretrain.run.startup_gc import imports_frozen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Read argv (default: the command line) without torch, then run the command on it."""
     args = parse_args(sys.argv[1:] if argv is None else argv)  # exits here on --help or a usage error
-    from pretrain.evaluation.generate import run_command
+    with imports_frozen():  # torch, without the collector's repeated walks over it (pretrain/run/startup_gc.py)
+        from pretrain.evaluation.generate import run_command
 
     return run_command(args)
 
