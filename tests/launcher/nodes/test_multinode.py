@@ -24,8 +24,11 @@ WORKER = """
 import os, pathlib, sys, time
 shared = pathlib.Path(sys.argv[1])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# The line first, in one write (under PYTHONUNBUFFERED each piece of a print is a write of its own),
+# then the file: a peer that sees every up file and fails knows every line is out (a rank stopped
+# in the middle of its print showed "up" alone, in a CI run).
+print(f"up {rank} {os.environ['LOCAL_RANK']} {os.environ['NODE_RANK']} {world} {os.environ['LOCAL_WORLD_SIZE']}", flush=True)
 (shared / f"up{rank}").write_text(str(os.getpid()))
-print("up", rank, os.environ["LOCAL_RANK"], os.environ["NODE_RANK"], world, os.environ["LOCAL_WORLD_SIZE"], flush=True)
 while len(list(shared.glob("up*"))) < world:
     time.sleep(0.01)
 if rank == int(os.environ.get("FAIL_RANK", "-1")):
