@@ -6,8 +6,9 @@ processes and tools that the tests start (docs/testing.md, Time).
 A test's cost is its setup, call and teardown: this process's CPU (every thread) and that of the
 child processes it waited for, with theirs (a launcher waits for its workers). A fixture made once
 for a module counts in the setup of the module's first test. Not counted: processes still running
-when the test ends, such as the gloo ranks' fork server's (whose ranks count when it exits, in no
-test). Under pytest-xdist each worker measures its own tests and the report carries the numbers.
+when the test ends, which count when they exit, in no test: the gloo ranks' fork server (and its
+ranks), torch inductor's pool of compile workers. Under pytest-xdist each worker measures its own
+tests and the report carries the numbers.
 """
 
 from __future__ import annotations
