@@ -3,7 +3,6 @@ test), processes a test owns, scripted GPUs and child scripts. Plain helpers liv
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pretrain.run.startup_gc import imports_frozen
 from support.processes import describe, live_children, stop_process_tree, wait_until
 
 pytest_plugins = ["support.cpu_cost"]  # --cpu-cost=N: the tests that cost the most CPU
@@ -27,21 +27,18 @@ pytest_plugins = ["support.cpu_cost"]  # --cpu-cost=N: the tests that cost the m
 # training 4 debug steps in this process took 7 s instead of 0.9 s.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
 # Collection imports every test module, and with them torch: ~300,000 objects that live as long as
-# this process. As pretrain/run/startup_gc.py does for a training process, the cyclic garbage
-# collector is off while they load and they are frozen afterwards, so that the collections during
-# the tests (thousands of in-process model runs) walk only the tests' own objects: a fifth less CPU
-# for the in-process tests of pretrain/model, config and optim (26.8 s to 21 s).
-# (Around pytest_collection, which xdist's controller answers without collecting: its collector
-# comes back on too.)
-gc.disable()
-
-
+# this process. They load as a training process loads them (pretrain/run/startup_gc.py): the
+# cyclic garbage collector off, then frozen out of its walks, so that the collections during the
+# tests (thousands of in-process model runs) walk only the tests' own objects: a fifth less CPU for
+# the in-process tests of pretrain/model, config and optim (26.8 s to 21 s). Around
+# pytest_collection, which xdist's controller answers without collecting, so its collector comes
+# back on too.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_collection(session: pytest.Session) -> Iterator[None]:
-    yield
-    gc.freeze()
-    gc.enable()
+    with imports_frozen():
+        yield
 
 
 # Claims of a session's own until each test takes its own (below): a run made once for a whole
