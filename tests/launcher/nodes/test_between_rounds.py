@@ -8,21 +8,17 @@ import subprocess
 import sys
 import textwrap
 
-from support.processes import ROOT, launcher_env
+from support.finalizer_signal import finalizer_env
+from support.processes import ROOT
 
 STRETCH_TAKES_A_SIGNAL_IN_A_FINALIZER = """
-import signal, sys, time
+import sys
 from launcher.nodes.between_rounds import BetweenRounds, Halted
-class Finalized:
-    def __del__(self):
-        signal.raise_signal(signal.SIGTERM)
+from support.finalizer_signal import sigterm_inside_a_finalizer, wait_for_the_stop
 try:
     with BetweenRounds(lambda: None, 1, 3):  # no store to watch: the signal alone halts it
-        Finalized()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
-        print("not halted", flush=True)
+        sigterm_inside_a_finalizer()
+        wait_for_the_stop()
 except Halted as halted:
     print("halted", halted.halt.node, halted.halt.name, halted.here, sys.unraisablehook is sys.__unraisablehook__)
 """
@@ -32,7 +28,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_between_rounds_still_halts_the_
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(STRETCH_TAKES_A_SIGNAL_IN_A_FINALIZER)],
         cwd=ROOT,
-        env=launcher_env(),
+        env=finalizer_env(),
         capture_output=True,
         text=True,
         timeout=60,

@@ -8,23 +8,17 @@ import subprocess
 import sys
 import textwrap
 
-from support.processes import ROOT, launcher_env
+from support.finalizer_signal import finalizer_env
+from support.processes import ROOT
 
-# A finalizer takes the signal: signal.raise_signal runs the Python handler at once, inside __del__,
-# as a SIGTERM from outside does when it arrives while a weakref callback of the import system runs.
 FINALIZER_TAKES_THE_SIGNAL = """
-import signal, sys, time
+import signal, sys
 from pretrain.data.cache import sigterm_as_exit
-class Finalized:
-    def __del__(self):
-        signal.raise_signal(signal.SIGTERM)
+from support.finalizer_signal import sigterm_inside_a_finalizer, wait_for_the_stop
 try:
     with sigterm_as_exit():
-        Finalized()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
-        print("not stopped", flush=True)
+        sigterm_inside_a_finalizer()
+        wait_for_the_stop()
 except SystemExit as stopped:
     restored = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, sys.unraisablehook is sys.__unraisablehook__
     print("stopped", stopped.code, *restored)
@@ -33,7 +27,7 @@ except SystemExit as stopped:
 
 def run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=finalizer_env(), capture_output=True, text=True, timeout=60
     )
 
 
