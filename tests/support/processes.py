@@ -22,10 +22,49 @@ TESTS = ROOT / "tests"
 SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
 
 
+def _child_pids(pid: int) -> list[int] | None:
+    """The children of pid as its threads' /proc children files list them, or None where the kernel
+    has no such file (built without CONFIG_PROC_CHILDREN)."""
+    children: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None if pid == os.getpid() else []
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children") as listed:
+                children += [int(child) for child in listed.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{thread}"):
+                continue  # the thread ended meanwhile
+            return None
+        except OSError:
+            continue
+    return children
+
+
+def _descendants() -> list[psutil.Process]:
+    """This process's descendants: read down from this process's /proc children files, which costs
+    what the few descendants cost (0.02 ms), where psutil's recursive children() reads every
+    process of the machine (2-3 ms with the suite's ~200; this runs twice per test, 2,700 tests)."""
+    pending, found = [os.getpid()], []
+    while pending:
+        children = _child_pids(pending.pop())
+        if children is None:
+            return psutil.Process().children(recursive=True)
+        for pid in children:
+            try:
+                found.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+            pending.append(pid)
+    return found
+
+
 def live_children() -> dict[int, psutil.Process]:
     """This process's descendants that are running (a zombie is dead, only not yet reaped)."""
     found = {}
-    for child in psutil.Process().children(recursive=True):
+    for child in _descendants():
         try:
             if child.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(child.cmdline()) for h in SHARED_HELPERS):
                 found[child.pid] = child
