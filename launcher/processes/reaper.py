@@ -8,7 +8,10 @@ A process belongs to the run when any of these holds:
   (then orphans are re-parented to the launcher instead of to init, even after clearing
   their environment).
 
-Reads /proc directly: one pass over every process costs about a millisecond.
+Reads /proc directly: one pass reads every process's stat file, and the environment of each
+that may carry the token (4.3 ms with 270 processes; 6.3 ms through file objects). The launcher's
+pass every half second reads only the environments of processes younger than itself (2.8 ms):
+none older can carry a token it made.
 """
 
 from __future__ import annotations
@@ -52,11 +55,23 @@ class ProcessInfo:
     """Its environment carries the run's token."""
 
 
+def _read(path: str) -> bytes:
+    """A /proc file whole, with two system calls where it fits a read (no file object: a pass
+    reads hundreds of them)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        parts = [os.read(descriptor, 65536)]
+        while parts[-1]:
+            parts.append(os.read(descriptor, 65536))
+        return b"".join(parts)
+    finally:
+        os.close(descriptor)
+
+
 def _read_stat(pid: int) -> tuple[int, int, int, int, bool] | None:
     """(ppid, pgid, sid, start time, zombie) from /proc/<pid>/stat, or None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
+        stat = _read(f"/proc/{pid}/stat")
     except OSError:
         return None
     # The command name is in parentheses and may itself contain spaces and parentheses;
@@ -74,14 +89,15 @@ def start_time(pid: int) -> int | None:
 
 def _has_token(pid: int, marker: bytes) -> bool:
     try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            return marker in b"\0" + handle.read()
+        return marker in b"\0" + _read(f"/proc/{pid}/environ")
     except OSError:  # another user's process, or gone
         return False
 
 
-def scan(token: str | None) -> list[ProcessInfo]:
-    """Every process visible in /proc, with whether it carries the token (None: don't look)."""
+def scan(token: str | None, since: int = 0) -> list[ProcessInfo]:
+    """Every process visible in /proc, with whether it carries the token (None: don't look).
+    since: a start time before which no process can carry the token (the start of the process
+    that made it): older processes are not read for it."""
     marker = f"\0{TOKEN_VAR}={token}\0".encode()
     found = []
     for name in os.listdir("/proc"):
@@ -91,7 +107,8 @@ def scan(token: str | None) -> list[ProcessInfo]:
         stat = _read_stat(pid)
         if stat is not None:
             # The environ file ends with a NUL, so the marker's trailing NUL always has one to match.
-            found.append(ProcessInfo(pid, *stat, tagged=token is not None and _has_token(pid, marker)))
+            tagged = token is not None and stat[3] >= since and _has_token(pid, marker)
+            found.append(ProcessInfo(pid, *stat, tagged=tagged))
     return found
 
 

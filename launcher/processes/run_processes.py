@@ -18,6 +18,9 @@ class RunProcesses:
         self.workers = workers
         self.adopt_orphans = adopt_orphans
         self.token = reaper.new_token()
+        # Every process that can carry the token starts after this one: the half-second pass
+        # reads no older process's environment (most of a busy machine's).
+        self._token_since = reaper.start_time(os.getpid()) or 0
         self.guardian: Guardian | None = None
         self._reported: dict[int, int] = {}
 
@@ -46,7 +49,7 @@ class RunProcesses:
         if self.guardian is None:
             return
         groups, roots, exclude = self.scope()
-        processes = reaper.scan(self.token)
+        processes = reaper.scan(self.token, since=self._token_since)
         pids = reaper.members(processes, groups=groups, roots=roots, exclude=exclude)
         new = {p.pid: p.started for p in processes if p.pid in pids and self._reported.get(p.pid) != p.started}
         self._reported.update(new)

@@ -12,6 +12,7 @@ import pytest
 from support.processes import alive, wait_until
 from launcher.processes import guardian, reaper
 from launcher.processes.reaper import ProcessInfo
+from launcher.processes.run_processes import RunProcesses
 
 
 def info(
@@ -64,6 +65,38 @@ def test_scan_sees_a_real_child_and_whether_it_carries_the_token(sleeper):
     assert found[tagged.pid].tagged and not found[plain.pid].tagged
     assert found[tagged.pid].ppid == os.getpid()
     assert reaper.start_time(tagged.pid) == found[tagged.pid].started
+
+
+def test_scan_reads_the_token_only_of_processes_started_since_the_time_it_is_given(sleeper):
+    token = reaper.new_token()
+    tagged = sleeper(token)
+    started = reaper.start_time(tagged.pid)
+    assert started is not None
+    assert {p.pid: p for p in reaper.scan(token, since=started)}[tagged.pid].tagged
+    older = {p.pid: p for p in reaper.scan(token, since=started + 1)}[tagged.pid]  # as if it predated the token
+    assert not older.tagged and older.started == started
+
+
+class ReportedToGuardian:
+    """Stands in for the guardian process: what the launcher's half-second pass tells it."""
+
+    pid = -1
+
+    def __init__(self) -> None:
+        self.processes: dict[int, int] = {}
+
+    def add_processes(self, processes: dict[int, int]) -> None:
+        self.processes.update(processes)
+
+
+def test_the_half_second_pass_reports_a_tagged_process_that_escaped_every_group_once_it_started_after_the_launcher(sleeper):
+    processes = RunProcesses([], adopt_orphans=False)
+    token = processes.token
+    processes.guardian = ReportedToGuardian()  # type: ignore[assignment]
+    escaped = sleeper(token)  # no worker group, no root above it: found by its token alone
+    processes.report_to_guardian()
+    assert escaped.pid in processes.guardian.processes
+    assert processes.guardian.processes[escaped.pid] == reaper.start_time(escaped.pid)
 
 
 def test_the_guardian_kills_the_run_when_its_pipe_closes_without_done(sleeper):
