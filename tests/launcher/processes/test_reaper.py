@@ -58,9 +58,16 @@ def sleeper():
         proc.wait()
 
 
+def carries(pid: int, token: str) -> bool:
+    """Whether a scan finds pid tagged: just after Popen returns, the kernel may not yet have set up
+    the new program's environment (the exec closed Popen's pipe first), and the file reads empty."""
+    return any(p.pid == pid and p.tagged for p in reaper.scan(token))
+
+
 def test_scan_sees_a_real_child_and_whether_it_carries_the_token(sleeper):
     token = reaper.new_token()
     tagged, plain = sleeper(token), sleeper()
+    assert wait_until(lambda: carries(tagged.pid, token))
     found = {p.pid: p for p in reaper.scan(token)}
     assert found[tagged.pid].tagged and not found[plain.pid].tagged
     assert found[tagged.pid].ppid == os.getpid()
@@ -70,6 +77,7 @@ def test_scan_sees_a_real_child_and_whether_it_carries_the_token(sleeper):
 def test_scan_reads_the_token_only_of_processes_started_since_the_time_it_is_given(sleeper):
     token = reaper.new_token()
     tagged = sleeper(token)
+    assert wait_until(lambda: carries(tagged.pid, token))
     started = reaper.start_time(tagged.pid)
     assert started is not None
     assert {p.pid: p for p in reaper.scan(token, since=started)}[tagged.pid].tagged
@@ -94,8 +102,12 @@ def test_the_half_second_pass_reports_a_tagged_process_that_escaped_every_group_
     token = processes.token
     processes.guardian = ReportedToGuardian()  # type: ignore[assignment]
     escaped = sleeper(token)  # no worker group, no root above it: found by its token alone
-    processes.report_to_guardian()
-    assert escaped.pid in processes.guardian.processes
+
+    def reported() -> bool:  # passes repeat: one just after the exec may find its environment not yet set up
+        processes.report_to_guardian()
+        return escaped.pid in processes.guardian.processes
+
+    assert wait_until(reported, timeout=10)
     assert processes.guardian.processes[escaped.pid] == reaper.start_time(escaped.pid)
 
 
